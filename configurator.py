@@ -1,0 +1,63 @@
+"""
+Overrides for train.py's globals, from config files and --key=value arguments, in the order given:
+
+    python train.py config/train_small.py --batch_size=32 --compile=False
+
+A config file is Python whose top-level assignments replace the defaults (names that start with
+an underscore, modules and functions are its own helpers and are left alone). A --key=value is
+read with ast.literal_eval, falling back to a plain string. Every key must already exist, and every
+value must have its default's type (an int where a float is expected is fine): anything else stops
+with one line that names the closest key or the expected type.
+"""
+
+import ast
+import difflib
+import sys
+import traceback
+import types
+
+
+def _check(config, key, value, source):
+    if key not in config:
+        close = difflib.get_close_matches(key, config, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "see the globals at the top of train.py"
+        sys.exit(f"{source}: unknown config key '{key}' ({hint})")
+    default = config[key]
+    if default is None or type(value) is type(default):
+        return value
+    if type(default) is float and type(value) is int:
+        return float(value)
+    sys.exit(f"{source}: {key} must be {type(default).__name__} like its default {default!r}, got {value!r}")
+
+
+def configure(config, args):
+    """Apply the config files and --key=value overrides in args to the dict config, in place."""
+    for arg in args:
+        if not arg.startswith("--"):
+            try:
+                with open(arg) as f:
+                    code = f.read()
+            except OSError as e:
+                sys.exit(f"config file {arg}: {e.strerror} (give a path like config/train_small.py)")
+            scope = dict(config)
+            try:
+                exec(compile(code, arg, "exec"), scope)
+            except Exception as e:  # a mistake in the user's file: name it, no traceback
+                frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
+                line = e.lineno if isinstance(e, SyntaxError) else frames[-1]
+                sys.exit(f"config file {arg}, line {line}: {type(e).__name__}: {e}")
+            for key, value in scope.items():
+                own = key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type))
+                if not own and (key not in config or value is not config[key]):
+                    config[key] = _check(config, key, value, arg)
+        else:
+            key, eq, text = arg[2:].partition("=")
+            if not eq:
+                sys.exit(f"argument {arg}: write overrides as --key=value")
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = {"true": True, "false": False}.get(text.lower(), text)  # a bare string
+            if isinstance(config.get(key), str) and not isinstance(value, str):
+                value = text  # --out_dir=123 means the string '123'
+            config[key] = _check(config, key, value, arg)

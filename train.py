@@ -1,0 +1,439 @@
+"""
+Train a GPT on token files made by prepare.py. One process on a CPU, a GPU or an Apple chip:
+
+    python train.py config/train_small.py
+    python train.py config/train_small.py --batch_size=32 --compile=False
+
+DDP over 8 GPUs on one node, or over several nodes (run the same line on each, with its rank):
+
+    torchrun --standalone --nproc_per_node=8 train.py config/train_small.py
+    torchrun --nnodes=4 --node_rank=0 --nproc_per_node=8 --rdzv_backend=c10d \\
+        --rdzv_endpoint=HOST:29500 train.py config/train_small.py
+
+Continue a run from out_dir/ckpt.pt exactly where it stopped: add --init_from=resume.
+"""
+
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import configure
+from model import GPT, GPTConfig, load_checkpoint, peak_flops
+
+# -----------------------------------------------------------------------------
+# defaults: every setting is a global here; config files and --key=value override them
+# I/O
+out_dir = "out"  # checkpoints and metrics.jsonl go here
+eval_interval = 250  # estimate train/val loss (and maybe checkpoint) every this many steps
+log_interval = 10  # print and record training metrics every this many steps
+eval_iters = 50  # batches per loss estimate, per process
+always_save_checkpoint = True  # save at every evaluation, not only when val loss improves
+init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
+early_stop_patience = 0  # stop after this many evaluations without a better val loss (0: never)
+max_skipped_steps = 10  # stop after this many updates in a row skipped for a non-finite loss or gradient
+# logging
+wandb_log = False  # also send metrics to Weights & Biases
+wandb_project = "gpt"
+wandb_run_name = "run"
+# data
+data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
+gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
+batch_size = 12  # sequences per micro-step per process
+block_size = 256  # tokens per sequence
+# model
+n_layer = 6
+n_head = 6
+n_kv_head = 0  # key/value heads for grouped-query attention (0: as many as n_head)
+n_embd = 384
+dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
+tie_embeddings = True  # the LM head shares the token embedding's weight
+vocab_size = 0  # 0: the dataset's vocabulary, padded up to a multiple of 64
+use_kernels = None  # Triton fused ops: True, False, or None for auto (on CUDA with Triton)
+# optimizer: AdamW
+learning_rate = 6e-4  # peak learning rate
+max_iters = 5000  # total optimizer steps
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip gradients at this norm (0: off)
+# learning rate schedule: linear warmup, then cosine decay to min_lr
+decay_lr = True
+warmup_iters = 100
+lr_decay_iters = 5000  # should be ~max_iters
+min_lr = 6e-5  # ~learning_rate/10
+# system
+backend = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
+device = "auto"  # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
+dtype = "auto"  # 'float32', 'bfloat16', 'float16' (with a gradient scaler); auto: bf16 where supported on CUDA
+compile = False  # torch.compile the model (slow first step, faster after)
+seed = 1337  # sets the initial weights, the data order and dropout
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
+config = {k: globals()[k] for k in config_keys}
+configure(config, sys.argv[1:])
+globals().update(config)
+
+
+def fail(msg):
+    sys.exit(f"train.py: {msg}")
+
+
+# -----------------------------------------------------------------------------
+# devices and processes
+
+ddp = "RANK" in os.environ  # started by torchrun
+rank = int(os.environ.get("RANK", 0))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+master = rank == 0  # the process that logs and writes checkpoints
+if device == "auto":
+    device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+if device == "cuda" and ddp:
+    device = f"cuda:{local_rank}"
+device_type = device.split(":")[0]
+if device_type == "cuda" and not torch.cuda.is_available():
+    fail(f"device={device} but no CUDA GPU is visible (use --device=cpu)")
+if device_type == "cuda":
+    torch.cuda.set_device(device)
+if ddp:
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend)
+if gradient_accumulation_steps % world_size:
+    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
+         f"{world_size} processes (it counts micro-steps over all of them)")
+micro_steps = gradient_accumulation_steps // world_size  # this process's share
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+if dtype == "auto":
+    dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+if dtype not in ("float32", "bfloat16", "float16"):
+    fail(f"dtype={dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
+ptdtype = getattr(torch, dtype)
+autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
+if device_type == "cuda":
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the float32 matmuls that remain
+    torch.backends.cudnn.allow_tf32 = True
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"{world_size} process(es) on {device_type}, {dtype}; tokens per update: {tokens_per_iter:,} "
+          f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
+
+# -----------------------------------------------------------------------------
+# data: token files are memory-mapped, never read whole; every batch is a pure function of
+# (seed, step, micro-batch index), so a resumed run sees exactly the batches it would have seen
+
+meta_path = os.path.join(data_dir, "meta.json")
+if os.path.exists(meta_path):
+    with open(meta_path) as f:
+        meta = json.load(f)
+else:  # a nanoGPT dataset: GPT-2 tokens in uint16
+    meta = {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256}
+data_dtype = np.dtype(meta["dtype"])
+if vocab_size == 0:
+    vocab_size = 64 * math.ceil(meta["vocab_size"] / 64)
+if meta["vocab_size"] > vocab_size:
+    fail(f"{meta_path} says the data has {meta['vocab_size']} token ids but the model's vocab_size is "
+         f"{vocab_size} (set vocab_size=0 to follow the data)")
+for split in ("train", "val"):
+    path = os.path.join(data_dir, f"{split}.bin")
+    if not os.path.exists(path):
+        fail(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
+    size = os.path.getsize(path)
+    if size % data_dtype.itemsize:
+        fail(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
+             f"or meta.json's dtype is wrong (re-run prepare.py)")
+    if size // data_dtype.itemsize <= block_size:
+        fail(f"{path} has {size // data_dtype.itemsize} tokens, too few for block_size={block_size} "
+             f"(lower block_size or prepare more data)")
+
+
+def get_batch(split, step, index):
+    # the index-th micro-batch of a step (eval batches use step -1); (B, T) inputs and targets
+    path = os.path.join(data_dir, f"{split}.bin")
+    data = np.memmap(path, dtype=data_dtype, mode="r")  # re-opened each time: np.memmap leaks otherwise
+    rng = np.random.default_rng([seed, split == "val", step + 1, index])
+    starts = rng.integers(0, len(data) - block_size, size=batch_size)
+    xy = np.stack([data[i:i + block_size + 1] for i in starts]).astype(np.int64)  # (B, T+1)
+    if xy.max() >= vocab_size:  # a bad id would index past the embedding: name it instead
+        b, t = np.argwhere(xy >= vocab_size)[0]
+        fail(f"token id {xy[b, t]} at position {starts[b] + t} of {path} is not below the model's "
+             f"vocab_size {vocab_size}: the file does not match meta.json (re-run prepare.py)")
+    xy = torch.from_numpy(xy)
+    if device_type == "cuda":
+        xy = xy.pin_memory().to(device, non_blocking=True)
+    else:
+        xy = xy.to(device)
+    return xy[:, :-1], xy[:, 1:]
+
+
+# -----------------------------------------------------------------------------
+# model, optimizer and state, fresh or from the checkpoint
+
+model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, block_size=block_size,
+                  vocab_size=vocab_size, dropout=dropout, tie_embeddings=tie_embeddings,
+                  use_kernels=use_kernels)
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+iter_num, best_val_loss, evals_without_gain, skipped_in_a_row = 0, float("inf"), 0, 0
+checkpoint = None
+if init_from == "resume":
+    if not os.path.exists(ckpt_path):
+        fail(f"no checkpoint at {ckpt_path} to resume from (train first, or set init_from='scratch')")
+    try:
+        checkpoint = load_checkpoint(ckpt_path)
+    except ValueError as e:
+        fail(str(e))
+    shape = ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "tie_embeddings")
+    model_args.update({k: checkpoint["model_args"][k] for k in shape})  # the weights decide the shape
+    if meta["vocab_size"] > model_args["vocab_size"]:
+        fail(f"the checkpoint's vocab_size {model_args['vocab_size']} is smaller than the data's "
+             f"{meta['vocab_size']}: resume with the data it was trained on")
+    vocab_size = model_args["vocab_size"]
+    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+    evals_without_gain, skipped_in_a_row = checkpoint["evals_without_gain"], checkpoint["skipped_in_a_row"]
+    if (checkpoint["config"]["seed"], checkpoint["world_size"]) != (seed, world_size) and master:
+        print(f"warning: seed or process count changed since the checkpoint: training continues, "
+              f"but not on the batches the first run would have seen")
+elif init_from != "scratch":
+    fail(f"init_from={init_from!r} is not 'scratch' or 'resume'")
+
+torch.manual_seed(seed)  # the same initial weights in every process
+model = GPT(GPTConfig(**model_args))
+if checkpoint is not None:
+    model.load_state_dict(checkpoint["model"])
+model.to(device)
+optimizer = model.configure_optimizer(weight_decay, learning_rate, (beta1, beta2), device_type)
+scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
+if checkpoint is not None:
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scaler.load_state_dict(checkpoint["scaler"])
+torch.manual_seed(seed + rank)  # dropout differs between processes
+if checkpoint is not None and len(checkpoint["rng"]) == world_size:
+    torch.set_rng_state(checkpoint["rng"][rank]["cpu"])
+    if device_type == "cuda" and checkpoint["rng"][rank]["cuda"] is not None:
+        torch.cuda.set_rng_state(checkpoint["rng"][rank]["cuda"])
+checkpoint = None  # free it
+raw_model = model
+if compile:
+    model = torch.compile(model)
+if ddp:
+    model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+flops_per_token = raw_model.flops_per_token()
+peak = peak_flops(device, ptdtype)
+if master:
+    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_args}")
+
+
+def get_lr(it):
+    # linear warmup, then cosine decay from learning_rate down to min_lr at lr_decay_iters
+    if not decay_lr:
+        return learning_rate
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+@torch.no_grad()
+def estimate_loss():
+    # mean loss over the same eval_iters batches of each split every time, averaged over processes
+    model.eval()
+    out = {}
+    for split in ("train", "val"):
+        losses = torch.zeros(eval_iters, device=device)
+        for k in range(eval_iters):
+            x, y = get_batch(split, -1, k * world_size + rank)
+            with autocast:
+                _, loss = model(x, y)
+            losses[k] = loss.float()
+        mean = losses.mean()
+        if ddp:
+            dist.all_reduce(mean)
+            mean /= world_size
+        out[split] = mean.item()
+    model.train()
+    return out
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: written to a temporary file, flushed and renamed, so a crash never leaves half of one
+
+
+def replace_atomically(src, dst):
+    # dst becomes src's content in one rename; src is kept (a hard link where the disk allows it)
+    tmp = dst + ".tmp"
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        import shutil
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def save_checkpoint(improved):
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
+    rngs = [None] * world_size
+    if ddp:
+        dist.all_gather_object(rngs, rng)  # every process's dropout stream, for an exact resume
+    else:
+        rngs = [rng]
+    if not master:
+        return
+    state = {
+        "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+        "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
+        "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
+        "config": config, "world_size": world_size, "rng": rngs,
+    }
+    tmp = ckpt_path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt_path)
+    if improved:
+        replace_atomically(ckpt_path, os.path.join(out_dir, "ckpt_best.pt"))
+    if keep_last_n > 0:
+        replace_atomically(ckpt_path, os.path.join(out_dir, f"ckpt_{iter_num:07d}.pt"))
+        steps = sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt_0") and f.endswith(".pt"))
+        for old in steps[:-keep_last_n]:
+            os.remove(os.path.join(out_dir, old))
+    print(f"saved {ckpt_path} at step {iter_num}")
+
+
+# -----------------------------------------------------------------------------
+# logging: stdout, out_dir/metrics.jsonl, and wandb
+
+
+def log(record):
+    if not master:
+        return
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if wandb_log:
+        wandb.log(record, step=record["iter"])
+
+
+def memory_mb():
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS (KiB on Linux)
+
+
+if wandb_log and master:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+
+# preemption: SIGTERM or SIGINT finishes the current step, saves, and exits 0
+stop_requested = False
+
+
+def request_stop(signum, frame):
+    global stop_requested
+    if stop_requested and signum == signal.SIGINT:
+        raise KeyboardInterrupt  # a second Ctrl-C: stop now
+    stop_requested = True
+
+
+signal.signal(signal.SIGTERM, request_stop)
+signal.signal(signal.SIGINT, request_stop)
+
+# -----------------------------------------------------------------------------
+# the training loop
+
+resumed_at = iter_num if init_from == "resume" else None
+t_log, iters_since_log = time.time(), 0
+while True:
+    # evaluate (and checkpoint) every eval_interval steps and at the end
+    if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
+        losses = estimate_loss()
+        improved = losses["val"] < best_val_loss
+        best_val_loss = min(best_val_loss, losses["val"])
+        evals_without_gain = 0 if improved else evals_without_gain + 1
+        if master:
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
+                  f"val perplexity {math.exp(min(losses['val'], 50)):.2f}")
+        log({"iter": iter_num, "loss": losses["train"], "val_loss": losses["val"],
+             "val_ppl": math.exp(min(losses["val"], 50)), "lr": get_lr(iter_num)})
+        early_stop = early_stop_patience > 0 and evals_without_gain >= early_stop_patience
+        if iter_num > 0 and (improved or always_save_checkpoint or iter_num == max_iters or early_stop):
+            save_checkpoint(improved)
+        if early_stop:
+            if master:
+                print(f"early stop: no better val loss in {early_stop_patience} evaluations")
+            break
+        t_log, iters_since_log = time.time(), 0  # evaluation time is not training time
+    if iter_num >= max_iters:
+        break
+
+    # one update: micro-steps with gradient sync only on the last, then clip and step
+    lr = get_lr(iter_num)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(micro_steps):
+        x, y = get_batch("train", iter_num, rank * micro_steps + micro)
+        sync = not ddp or micro == micro_steps - 1
+        with (nullcontext() if sync else model.no_sync()), autocast:
+            _, loss = model(x, y)
+            loss = loss / micro_steps
+        scaler.scale(loss).backward()
+        loss_sum += loss.detach().float()
+    stop = torch.tensor([float(stop_requested)], device=device)
+    if ddp:  # every process agrees on the mean loss and on whether to stop
+        both = torch.cat([loss_sum.view(1), stop])
+        dist.all_reduce(both)
+        loss_sum, stop = both[0] / world_size, both[1:]
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
+    if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
+        scaler.step(optimizer)
+        skipped_in_a_row = 0
+    else:  # a non-finite loss or gradient: apply nothing, not even to the optimizer's moments
+        skipped_in_a_row += 1
+        if master:
+            print(f"step {iter_num}: skipped, loss {loss_value}, grad norm {grad_norm_value} "
+                  f"({skipped_in_a_row} in a row)")
+        log({"iter": iter_num + 1, "loss": loss_value, "grad_norm": grad_norm_value, "skipped": True})
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if skipped_in_a_row >= max_skipped_steps:
+        fail(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped, and "
+             f"{ckpt_path} is the last good state (lower learning_rate, or check the data)")
+    iter_num += 1
+    iters_since_log += 1
+
+    if iter_num % log_interval == 0 and master and skipped_in_a_row == 0:
+        dt = (time.time() - t_log) / iters_since_log
+        tokens_per_s = tokens_per_iter / dt
+        mfu = flops_per_token * tokens_per_s / world_size / peak if peak else float("nan")
+        print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
+              f"{dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU {mfu * 100:.1f}%, "
+              f"mem {memory_mb():,.0f} MB")
+        log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
+             "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb()})
+        t_log, iters_since_log = time.time(), 0
+    if stop.item() > 0:
+        if master:
+            print(f"stop requested: saving at step {iter_num} and exiting")
+        save_checkpoint(False)
+        break
+
+if ddp:
+    dist.destroy_process_group()
