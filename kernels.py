@@ -6,10 +6,29 @@ Fused ops for the transformer's memory-bound work, each beside its plain PyTorch
 
 Every public op `name` has a reference `name_ref` with the same signature. This file imports
 cleanly on a machine with neither a GPU nor Triton.
+
+The public ops run Triton kernels on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1
+was set before Triton was imported (that is how the CPU tests run them); otherwise they call
+the reference. Each is a torch.library custom op with a fake (meta) implementation and a
+registered backward, so torch.compile traces it as one opaque node, without graph breaks.
+Inside, every kernel loads its inputs (fp32, fp16 or bf16) and computes in fp32; fp64 inputs
+compute in fp64, so that gradcheck can test the kernels themselves.
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+# Triton reads this when it is imported; after that, setting it changes nothing
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # -----------------------------------------------------------------------------
 # references (plain PyTorch)
@@ -43,9 +62,333 @@ def linear_cross_entropy_ref(x, weight, targets, ignore_index=-1):
 
 
 # -----------------------------------------------------------------------------
-# public ops: the Triton versions take over these names when Triton can run them
+# public ops: the Triton versions when Triton can run them, else the references
 
 rms_norm = rms_norm_ref
 swiglu = swiglu_ref
 apply_rotary = apply_rotary_ref
 linear_cross_entropy = linear_cross_entropy_ref
+
+# logits per chunk of linear_cross_entropy, in elements: 2**28 is 0.5 GB in bf16. Big enough
+# that each chunk's matmuls dwarf re-reading grad_weight, small enough to bound the memory.
+LCE_CHUNK_ELEMENTS = 2**28
+
+
+def triton_can_run(t):
+    return HAS_TRITON and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
+if HAS_TRITON:
+    from torch import Tensor
+
+    def _acc(*ts):  # the dtype kernels compute in
+        return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+    def _tl(dtype):
+        return tl.float64 if dtype == torch.float64 else tl.float32
+
+    def _warps(block):
+        return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+    def _programs(t, n):  # enough programs to fill the GPU, but few for the slow interpreter
+        if t.is_cuda:
+            return min(n, 4 * torch.cuda.get_device_properties(t.device).multi_processor_count)
+        return min(n, 4)
+
+    def _rows(t):  # (..., n) -> (M, n) with unit column stride, copying only when it must
+        t = t.reshape(-1, t.shape[-1])
+        return t if t.stride(1) == 1 else t.contiguous()
+
+    # --- RMSNorm ------------------------------------------------------------------------
+
+    @triton.jit
+    def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, C, eps,
+                             ROWS: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rows, cols = r[:, None], tl.arange(0, BLOCK_C)[None, :]  # (ROWS, 1), (1, BLOCK_C)
+        mask = (rows < M) & (cols < C)
+        offs = rows.to(tl.int64) * C + cols
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(ACC)
+        w = tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(ACC)
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / C + eps)  # (ROWS,)
+        tl.store(y_ptr + offs, (x * rstd[:, None] * w).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + r, rstd, mask=r < M)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, M, C,
+                             ROWS: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+        # each program strides over row blocks and keeps its own partial sum of dw: no atomics
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_C)[None, :]
+        w = tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(ACC)
+        dw = tl.zeros((1, BLOCK_C), ACC)
+        for start in range(pid * ROWS, M, tl.num_programs(0) * ROWS):
+            rows = start + tl.arange(0, ROWS)[:, None]
+            mask = (rows < M) & (cols < C)
+            offs = rows.to(tl.int64) * C + cols
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(ACC)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(ACC)
+            rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)  # (ROWS, 1)
+            xhat, wdy = x * rstd, w * dy
+            dx = rstd * (wdy - xhat * (tl.sum(xhat * wdy, 1)[:, None] / C))
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * xhat, 0)[None, :]
+        tl.store(dw_ptr + pid * C + cols, dw, mask=cols < C)
+
+    def _rms_norm_config(C):
+        block = triton.next_power_of_2(C)
+        rows = max(1, 2048 // block)
+        return dict(ROWS=rows, BLOCK_C=block, num_warps=_warps(rows * block))
+
+    @torch.library.custom_op("kernels::rms_norm", mutates_args=())
+    def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        C = x.shape[-1]
+        x2 = x.reshape(-1, C).contiguous()
+        M = x2.shape[0]
+        y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        rstd = torch.empty(M, dtype=_acc(x, weight), device=x.device)
+        cfg = _rms_norm_config(C)
+        _rms_norm_fwd_kernel[(triton.cdiv(M, cfg["ROWS"]),)](
+            x2, weight.contiguous(), y, rstd, M, C, eps, ACC=_tl(rstd.dtype), **cfg)
+        return y.view(x.shape), rstd
+
+    @_rms_norm_op.register_fake
+    def _(x, weight, eps):
+        y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+        return y, x.new_empty(x.shape[:-1].numel(), dtype=_acc(x, weight))
+
+    @torch.library.custom_op("kernels::rms_norm_backward", mutates_args=())
+    def _rms_norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+        C = x.shape[-1]
+        x2, dy2 = x.reshape(-1, C).contiguous(), dy.reshape(-1, C).contiguous()
+        M = x2.shape[0]
+        dx = torch.empty_like(x2)
+        cfg = _rms_norm_config(C)
+        P = _programs(x, triton.cdiv(M, cfg["ROWS"]))
+        dw_partial = torch.empty(P, C, dtype=rstd.dtype, device=x.device)
+        _rms_norm_bwd_kernel[(P,)](dy2, x2, weight.contiguous(), rstd, dx, dw_partial, M, C,
+                                   ACC=_tl(rstd.dtype), **cfg)
+        return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
+
+    @_rms_norm_bwd_op.register_fake
+    def _(dy, x, weight, rstd):
+        return torch.empty_like(x), torch.empty_like(weight)
+
+    def _rms_norm_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1], output[1])  # x, weight, rstd
+
+    def _rms_norm_backward(ctx, dy, _):
+        x, weight, rstd = ctx.saved_tensors
+        return *_rms_norm_bwd_op(dy, x, weight, rstd), None
+
+    _rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+    def rms_norm(x, weight, eps=1e-5):
+        if not triton_can_run(x):
+            return rms_norm_ref(x, weight, eps)
+        return _rms_norm_op(x, weight, eps)[0]
+
+    # --- SwiGLU -------------------------------------------------------------------------
+
+    # gate and up are usually the two halves of one matmul's output (strided views), so the
+    # kernels take a row stride for each rather than copying them to contiguous tensors
+    @triton.jit
+    def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, H, sg, su,
+                           BLOCK: tl.constexpr, ACC: tl.constexpr):
+        row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < H
+        g = tl.load(g_ptr + row * sg + cols, mask=mask, other=0.0).to(ACC)
+        u = tl.load(u_ptr + row * su + cols, mask=mask, other=0.0).to(ACC)
+        tl.store(y_ptr + row * H + cols, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, H, sdy, sg, su,
+                           BLOCK: tl.constexpr, ACC: tl.constexpr):
+        # recompute sigmoid(g) rather than save silu(g): one read of g is cheaper than a write
+        row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < H
+        dy = tl.load(dy_ptr + row * sdy + cols, mask=mask, other=0.0).to(ACC)
+        g = tl.load(g_ptr + row * sg + cols, mask=mask, other=0.0).to(ACC)
+        u = tl.load(u_ptr + row * su + cols, mask=mask, other=0.0).to(ACC)
+        s = tl.sigmoid(g)
+        dg = dy * u * s * (1 + g * (1 - s))
+        tl.store(dg_ptr + row * H + cols, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + row * H + cols, (dy * g * s).to(du_ptr.dtype.element_ty), mask=mask)
+
+    def _swiglu_grid(M, H):
+        block = min(triton.next_power_of_2(H), 1024)
+        return (M, triton.cdiv(H, block)), dict(BLOCK=block, num_warps=_warps(block))
+
+    @torch.library.custom_op("kernels::swiglu", mutates_args=())
+    def _swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
+        g, u = _rows(gate), _rows(up)
+        (M, H), acc = g.shape, _tl(_acc(gate, up))
+        y = torch.empty(M, H, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+        grid, cfg = _swiglu_grid(M, H)
+        _swiglu_fwd_kernel[grid](g, u, y, H, g.stride(0), u.stride(0), ACC=acc, **cfg)
+        return y.view(gate.shape)
+
+    @_swiglu_op.register_fake
+    def _(gate, up):
+        return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+
+    @torch.library.custom_op("kernels::swiglu_backward", mutates_args=())
+    def _swiglu_bwd_op(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+        d, g, u = _rows(dy), _rows(gate), _rows(up)
+        (M, H), acc = g.shape, _tl(_acc(gate, up))
+        dg = torch.empty(M, H, dtype=gate.dtype, device=gate.device)
+        du = torch.empty(M, H, dtype=up.dtype, device=up.device)
+        grid, cfg = _swiglu_grid(M, H)
+        _swiglu_bwd_kernel[grid](d, g, u, dg, du, H, d.stride(0), g.stride(0), u.stride(0), ACC=acc, **cfg)
+        return dg.view(gate.shape), du.view(up.shape)
+
+    @_swiglu_bwd_op.register_fake
+    def _(dy, gate, up):
+        return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+    def _swiglu_setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def _swiglu_backward(ctx, dy):
+        return _swiglu_bwd_op(dy, *ctx.saved_tensors)
+
+    _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+    def swiglu(gate, up):
+        if not triton_can_run(gate):
+            return swiglu_ref(gate, up)
+        return _swiglu_op(gate, up)
+
+    # --- rotary embeddings ----------------------------------------------------------------
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, D2, sb, st, sh, sd,
+                       SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                       ACC: tl.constexpr):
+        # one program per token (b, t): all its heads share one row of cos and sin.
+        # x may be any strided view (a slice of a fused qkv); y is contiguous (B, T, H, D).
+        pid = tl.program_id(0)
+        b, t = pid // T, pid % T
+        h, d = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < H) & (d < D2)
+        c = tl.load(cos_ptr + t * D2 + d, mask=d < D2, other=0.0).to(ACC)
+        s = tl.load(sin_ptr + t * D2 + d, mask=d < D2, other=0.0).to(ACC) * SIGN
+        xp = x_ptr + b.to(tl.int64) * sb + t * st + h * sh + d * sd
+        x1 = tl.load(xp, mask=mask, other=0.0).to(ACC)
+        x2 = tl.load(xp + D2 * sd, mask=mask, other=0.0).to(ACC)
+        yp = y_ptr + pid.to(tl.int64) * H * 2 * D2 + h * 2 * D2 + d
+        tl.store(yp, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(yp + D2, (x1 * s + x2 * c).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @torch.library.custom_op("kernels::rotary", mutates_args=())
+    def _rotary_op(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+        B, T, H, D = x.shape
+        torch._check(cos.shape == (T, D // 2) and sin.shape == (T, D // 2) and D % 2 == 0)
+        y = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
+        BLOCK_H, BLOCK_D = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
+        _rotary_kernel[(B * T,)](x, cos.contiguous(), sin.contiguous(), y, T, H, D // 2, *x.stride(),
+                                 SIGN=-1.0 if inverse else 1.0, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                                 ACC=_tl(_acc(x)), num_warps=_warps(BLOCK_H * BLOCK_D))
+        return y
+
+    @_rotary_op.register_fake
+    def _(x, cos, sin, inverse):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    def _rotary_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1], inputs[2])
+        ctx.inverse = inputs[3]
+
+    def _rotary_backward(ctx, dy):
+        # a rotation's gradient is the opposite rotation
+        cos, sin = ctx.saved_tensors
+        return _rotary_op(dy, cos, sin, not ctx.inverse), None, None, None
+
+    _rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup)
+
+    def apply_rotary(x, cos, sin):
+        if not triton_can_run(x):
+            return apply_rotary_ref(x, cos, sin)
+        return _rotary_op(x, cos, sin, False)
+
+    # --- linear + cross-entropy -----------------------------------------------------------
+
+    @triton.jit
+    def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, scale_ptr, V, stride,
+                              ignore_index, BLOCK: tl.constexpr, ACC: tl.constexpr):
+        # one program per row: loss = logsumexp(z) - z[target], and z is overwritten in place
+        # with the loss's gradient (softmax(z) - onehot(target)) * scale
+        row = tl.program_id(0)
+        ptr = logits_ptr + row.to(tl.int64) * stride
+        target = tl.load(targets_ptr + row)
+        valid = target != ignore_index
+        z_target = tl.load(ptr + tl.where(valid, target, 0)).to(ACC)
+        cols = tl.arange(0, BLOCK)
+        m = tl.full((), float("-inf"), ACC)  # online softmax: running max and sum of exp
+        d = tl.zeros((), ACC)
+        for start in range(0, V, BLOCK):
+            z = tl.load(ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(ACC)
+            m_new = tl.maximum(m, tl.max(z, 0))
+            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+            m = m_new
+        lse = m + tl.log(d)
+        scale = tl.where(valid, tl.load(scale_ptr), 0.0)
+        for start in range(0, V, BLOCK):
+            z = tl.load(ptr + start + cols, mask=start + cols < V, other=0.0).to(ACC)
+            g = (tl.exp(z - lse) - tl.where(start + cols == target, 1.0, 0.0)) * scale
+            tl.store(ptr + start + cols, g.to(logits_ptr.dtype.element_ty), mask=start + cols < V)
+        tl.store(loss_ptr + row, tl.where(valid, lse - z_target, 0.0))
+
+    @torch.library.custom_op("kernels::linear_cross_entropy", mutates_args=())
+    def _lce_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
+                with_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+        # The gradients are computed here, in forward, chunk by chunk while each chunk's logits
+        # exist; backward only scales them. Returns (loss, grad_x, grad_weight).
+        (N, C), V, acc = x.shape, weight.shape[0], _acc(x, weight)
+        targets = targets.contiguous()
+        n_valid = (targets != ignore_index).sum().clamp(min=1)  # stays on device: no sync
+        scale = 1.0 / n_valid.to(acc)
+        loss_rows = torch.empty(N, dtype=acc, device=x.device)
+        grad_x = torch.empty_like(x) if with_grad else x.new_empty(0)
+        grad_w = None
+        n_chunks = triton.cdiv(N * V, LCE_CHUNK_ELEMENTS)
+        rows = triton.cdiv(N, n_chunks)
+        BLOCK = min(triton.next_power_of_2(V), 4096)
+        for s in range(0, N, rows):
+            xc = x[s:s + rows]
+            logits = xc @ weight.t()  # (rows, V), in x's dtype: the Triton kernel reads it in fp32
+            _cross_entropy_kernel[(xc.shape[0],)](logits, targets[s:], loss_rows[s:], scale, V,
+                                                  logits.stride(0), ignore_index, BLOCK=BLOCK,
+                                                  ACC=_tl(acc), num_warps=_warps(BLOCK))
+            if with_grad:  # logits now hold d(loss)/d(logits)
+                torch.mm(logits, weight, out=grad_x[s:s + rows])
+                # grad_weight accumulates in weight's dtype: an fp32 copy would cost twice the
+                # weight (2 GB at V=128K, C=4096), more than the chunking saves. cuBLAS sums
+                # each chunk in fp32 and rounds once per chunk, and chunks are few.
+                grad_w = logits.t() @ xc if grad_w is None else grad_w.addmm_(logits.t(), xc)
+        return loss_rows.sum() * scale, grad_x, grad_w if with_grad else x.new_empty(0)
+
+    @_lce_op.register_fake
+    def _(x, weight, targets, ignore_index, with_grad):
+        loss = x.new_empty((), dtype=_acc(x, weight))
+        if not with_grad:
+            return loss, x.new_empty(0), x.new_empty(0)
+        return loss, torch.empty_like(x), torch.empty_like(weight)
+
+    def _lce_setup(ctx, inputs, output):
+        ctx.save_for_backward(output[1], output[2])
+
+    def _lce_backward(ctx, dloss, _dgx, _dgw):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * dloss.to(grad_x.dtype), grad_w * dloss.to(grad_w.dtype), None, None, None
+
+    _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+    def linear_cross_entropy(x, weight, targets, ignore_index=-1):
+        if not triton_can_run(x):
+            return linear_cross_entropy_ref(x, weight, targets, ignore_index)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):  # autocast would cast the reference's matmul, not our op
+            x, weight = x.to(torch.get_autocast_dtype(dev)), weight.to(torch.get_autocast_dtype(dev))
+        with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        return _lce_op(x, weight, targets, ignore_index, with_grad)[0]
