@@ -1,0 +1,323 @@
+"""
+kernels.py: every Triton op against its plain PyTorch reference, forward and backward.
+
+    python -m pytest -q tests/test_kernels.py
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter (tests/conftest.py
+switches it on). It costs milliseconds per program instance, so the shapes here are small;
+they are still odd on purpose: widths that are not powers of two, rows that do not fill the
+last block.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels as K
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    not K.triton_can_run(torch.empty(0, device=DEVICE)),
+    reason="Triton cannot run here: not installed, or no GPU and TRITON_INTERPRET unset",
+)
+# fp32: relative error; fp16/bf16: two ulps (the interpreter truncates fp32->bf16 stores)
+TOL = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-6}
+DTYPES = list(TOL)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rel_err(a, b):
+    # max error relative to the largest reference value: elementwise relative error is
+    # meaningless where a gradient cancels to nearly zero
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def fwd_bwd(fn, inputs, seed=0):
+    # run fn and its backward on fresh leaf copies of inputs (those that require grad get
+    # gradients); also check that neither pass changed an input
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    before = [t.detach().clone() for t in leaves]
+    out = fn(*leaves)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
+    out.backward(dy)
+    for t, t0 in zip(leaves, before):
+        assert torch.equal(t.detach(), t0), "an op changed its input"
+    return out, [t.grad for t in leaves if t.requires_grad]
+
+
+def check(op, ref, inputs, dtype):
+    # op in `dtype` against the reference in fp32 on the same (upcast) values
+    cast = [t.to(dtype) if t.is_floating_point() and t.requires_grad else t for t in inputs]
+    up = [t.float() if t.is_floating_point() and t.requires_grad else t for t in cast]
+    out, grads = fwd_bwd(op, cast)
+    out_ref, grads_ref = fwd_bwd(ref, up)
+    assert out.dtype == ref(*cast).dtype
+    assert rel_err(out, out_ref) <= TOL[dtype]
+    for t, g, g_ref in zip([t for t in cast if t.requires_grad], grads, grads_ref):
+        assert g.dtype == t.dtype and g.shape == t.shape
+        assert rel_err(g, g_ref) <= TOL[dtype]
+
+
+def randn(*shape, grad=True):
+    return torch.randn(*shape, device=DEVICE).requires_grad_(grad)
+
+
+# -----------------------------------------------------------------------------
+# each op against its reference
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 19, 100), (3, 260)])
+def test_rms_norm(dtype, shape):
+    torch.manual_seed(0)
+    weight = (1 + 0.1 * torch.randn(shape[-1], device=DEVICE)).requires_grad_()
+    check(lambda x, w: K.rms_norm(x, w, 1e-5), lambda x, w: K.rms_norm_ref(x, w, 1e-5),
+          [randn(*shape), weight], dtype)
+
+
+@needs_triton
+def test_rms_norm_mixed_dtypes():
+    # bf16 activations with an fp32 weight: the output promotes to fp32, as the reference's does
+    torch.manual_seed(0)
+    x, w = randn(2, 5, 48).to(torch.bfloat16), (1 + 0.1 * randn(48, grad=False)).requires_grad_()
+    out, (gx, gw) = fwd_bwd(lambda x, w: K.rms_norm(x, w, 1e-5), [x.detach().requires_grad_(), w])
+    assert out.dtype == K.rms_norm_ref(x, w, 1e-5).dtype == torch.float32
+    assert gx.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    out_ref, (gx_ref, gw_ref) = fwd_bwd(lambda x, w: K.rms_norm_ref(x, w, 1e-5), [x.detach().float().requires_grad_(), w])
+    assert rel_err(out, out_ref) <= 2**-6 and rel_err(gx, gx_ref) <= 2**-6 and rel_err(gw, gw_ref) <= 2**-6
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("views", [True, False])
+def test_swiglu(dtype, views):
+    torch.manual_seed(0)
+    if views:  # the model's layout: gate and up are the two halves of one matmul's output
+        check(lambda gu: K.swiglu(*gu.chunk(2, -1)), lambda gu: K.swiglu_ref(*gu.chunk(2, -1)),
+              [randn(2, 19, 200)], dtype)
+    else:  # contiguous, and wider than one block (1024) with a ragged tail
+        check(K.swiglu, K.swiglu_ref, [randn(3, 1500), randn(3, 1500)], dtype)
+
+
+def _rotary_qk(apply, H, Hkv, D):
+    # q and k as the model makes them: strided views into one fused qkv projection
+    def fn(qkv, cos, sin):
+        B, T, _ = qkv.shape
+        q, k, _ = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k = apply(q.view(B, T, H, D), cos, sin), apply(k.view(B, T, Hkv, D), cos, sin)
+        return torch.cat([q.flatten(2), k.flatten(2)], -1)
+    return fn
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H,Hkv,D", [(3, 1, 10), (4, 2, 16)])
+def test_apply_rotary(dtype, H, Hkv, D):
+    torch.manual_seed(0)
+    T = 7
+    angles = torch.outer(torch.arange(T, device=DEVICE).float(), torch.rand(D // 2, device=DEVICE))
+    inputs = [randn(2, T, (H + 2 * Hkv) * D), angles.cos(), angles.sin()]
+    check(_rotary_qk(K.apply_rotary, H, Hkv, D), _rotary_qk(K.apply_rotary_ref, H, Hkv, D), inputs, dtype)
+
+
+def _targets(N, V, ignore):
+    t = torch.randint(0, V, (N,), device=DEVICE)
+    if ignore == "some":
+        t[::3] = -1
+    if ignore == "all":
+        t[:] = -1
+    return t
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ignore", ["none", "some"])
+@pytest.mark.parametrize("chunks", [1, 6])
+def test_linear_cross_entropy(dtype, ignore, chunks, monkeypatch):
+    torch.manual_seed(0)
+    N, C, V = 41, 24, 300
+    if chunks > 1:
+        monkeypatch.setattr(K, "LCE_CHUNK_ELEMENTS", N * V // chunks + 1)
+    check(K.linear_cross_entropy, K.linear_cross_entropy_ref,
+          [randn(N, C), 0.3 * randn(V, C, grad=False).requires_grad_(), _targets(N, V, ignore)], dtype)
+
+
+@needs_triton
+def test_linear_cross_entropy_wide_vocab():
+    # a vocabulary wider than the kernel's block (4096), with a ragged last block
+    torch.manual_seed(0)
+    N, C, V = 5, 8, 4500
+    check(K.linear_cross_entropy, K.linear_cross_entropy_ref,
+          [randn(N, C), randn(V, C), _targets(N, V, "some")], torch.float32)
+
+
+@needs_triton
+def test_linear_cross_entropy_all_ignored():
+    x, w = randn(7, 8), randn(30, 8)
+    loss = K.linear_cross_entropy(x, w, _targets(7, 30, "all"))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@needs_triton
+def test_linear_cross_entropy_no_grad():
+    # without autograd the op skips the gradient matmuls; the loss must not change
+    x, w, t = randn(9, 8), randn(30, 8), _targets(9, 30, "some")
+    with torch.no_grad():
+        loss = K.linear_cross_entropy(x, w, t)
+    assert loss.grad_fn is None
+    assert rel_err(loss, K.linear_cross_entropy_ref(x, w, t)) <= 1e-5
+
+
+# -----------------------------------------------------------------------------
+# gradients in fp64, and the custom ops' registrations
+
+
+GRADCHECKS = {  # tiny odd shapes; the kernels compute in fp64 for fp64 inputs
+    "rms_norm": (lambda x, w: K.rms_norm(x, w, 1e-5), lambda: [randn(2, 3, 5), randn(5)]),
+    "swiglu": (lambda gu: K.swiglu(*gu.chunk(2, -1)), lambda: [randn(3, 10)]),
+    "apply_rotary": (_rotary_qk(K.apply_rotary, 2, 1, 6),
+                     lambda: [randn(1, 3, 24), randn(3, 3, grad=False), randn(3, 3, grad=False)]),
+    "linear_cross_entropy": (K.linear_cross_entropy,
+                             lambda: [randn(5, 3), randn(7, 3), torch.tensor([0, -1, 6, 2, 2], device=DEVICE)]),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(GRADCHECKS))
+def test_gradcheck(name):
+    torch.manual_seed(0)
+    fn, make = GRADCHECKS[name]
+    inputs = [t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() and t.requires_grad
+              else t for t in make()]
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+@needs_triton
+def test_opcheck():
+    # schema, fake (meta) implementation, autograd registration, AOT dispatch: what
+    # torch.compile relies on to trace the ops without graph breaks
+    x, w = randn(3, 5, 7), randn(7)
+    cases = [
+        (K._rms_norm_op, (x, w, 1e-5)),
+        (K._rms_norm_bwd_op, (randn(3, 5, 7, grad=False), x.detach(), w.detach(), torch.rand(15, device=DEVICE))),
+        (K._swiglu_op, (x[..., :3], x[..., 4:])),
+        (K._swiglu_bwd_op, (randn(3, 5, 3, grad=False), x.detach()[..., :3], x.detach()[..., 4:])),
+        (K._rotary_op, (randn(2, 3, 2, 6), randn(3, 3, grad=False), randn(3, 3, grad=False), False)),
+        (K._lce_op, (randn(9, 4), randn(11, 4), _targets(9, 11, "some"), -1, True)),
+        (K._lce_op, (randn(9, 4, grad=False), randn(11, 4, grad=False), _targets(9, 11, "none"), -1, False)),
+    ]
+    for op, args in cases:
+        results = torch.library.opcheck(op, args)
+        assert all(r == "SUCCESS" for r in results.values()), (op, results)
+
+
+@needs_triton
+def test_compile_fullgraph():
+    # all four ops inside one torch.compile(fullgraph=True) region: a graph break would raise
+    torch.manual_seed(0)
+    B, T, H, D, V = 2, 5, 2, 6, 50
+    C = H * D
+
+    def step(ops, x, w_norm, w_qk, w_gu, w_out, w_head, cos, sin, targets):
+        h = ops.rms_norm(x, w_norm, 1e-5)
+        q, k = (h @ w_qk.t()).split([C, C], -1)
+        q, k = ops.apply_rotary(q.view(B, T, H, D), cos, sin), ops.apply_rotary(k.view(B, T, H, D), cos, sin)
+        h = h + (q * k).view(B, T, C)
+        h = h + ops.swiglu(*(h @ w_gu.t()).chunk(2, -1)) @ w_out.t()
+        return ops.linear_cross_entropy(h.view(-1, C), w_head, targets.view(-1), ignore_index=-1)
+
+    class Ops:  # the public ops, and the references, as the model picks them
+        rms_norm, swiglu, apply_rotary, linear_cross_entropy = (
+            K.rms_norm, K.swiglu, K.apply_rotary, K.linear_cross_entropy)
+
+    class Refs:
+        rms_norm, swiglu, apply_rotary, linear_cross_entropy = (
+            K.rms_norm_ref, K.swiglu_ref, K.apply_rotary_ref, K.linear_cross_entropy_ref)
+
+    params = [randn(B, T, C), 1 + 0.1 * randn(C), 0.3 * randn(2 * C, C), 0.3 * randn(4 * C, C),
+              0.3 * randn(C, 2 * C), randn(V, C)]
+    params = [p.detach().requires_grad_() for p in params]
+    angles = torch.outer(torch.arange(T, device=DEVICE).float(), torch.rand(D // 2, device=DEVICE))
+    targets = torch.randint(0, V, (B, T), device=DEVICE)
+    targets[0, :2] = -1
+    rest = (angles.cos(), angles.sin(), targets)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    loss = compiled(Ops, *params, *rest)
+    grads = torch.autograd.grad(loss, params)
+    loss_ref = step(Refs, *params, *rest)
+    grads_ref = torch.autograd.grad(loss_ref, params)
+    assert rel_err(loss, loss_ref) <= 1e-5
+    for g, g_ref in zip(grads, grads_ref):
+        assert rel_err(g, g_ref) <= 1e-5
+
+
+@needs_triton
+def test_model_training_matches_reference():
+    # a few AdamW steps of a small GPT with the fused ops and with the references
+    from model import GPT, GPTConfig
+
+    def train(use_kernels):
+        torch.manual_seed(0)
+        config = GPTConfig(block_size=16, vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                           dropout=0.0, use_kernels=use_kernels)
+        model = GPT(config).to(DEVICE)
+        assert (model.ops.rms_norm is K.rms_norm) == use_kernels
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(4):
+            data = torch.randint(0, 96, (2, 17), generator=gen).to(DEVICE)
+            x, y = data[:, :-1], data[:, 1:].clone()
+            y[0, :3] = -1  # ignored positions, as padding would be
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        model.eval()
+        with torch.no_grad():
+            losses.append(model(x, y)[1].item())
+        return torch.tensor(losses)
+
+    fused, ref = train(True), train(False)
+    assert fused[-1] < fused[0]  # it learns
+    assert rel_err(fused, ref) <= 1e-4, (fused, ref)
+
+
+# -----------------------------------------------------------------------------
+# falling back to the references
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter switch only matters for CPU tensors")
+def test_cpu_without_interpreter_uses_references(monkeypatch):
+    monkeypatch.setattr(K, "INTERPRET", False)
+    for name in ["rms_norm", "swiglu", "apply_rotary", "linear_cross_entropy"]:
+        monkeypatch.setattr(K, name + "_ref", lambda *args, **kwargs: "ref")
+    x = torch.randn(2, 3, 2, 4)
+    assert K.rms_norm(x, torch.ones(4), 1e-5) == "ref"
+    assert K.swiglu(x, x) == "ref"
+    assert K.apply_rotary(x, torch.ones(3, 2), torch.zeros(3, 2)) == "ref"
+    assert K.linear_cross_entropy(x.view(-1, 4), torch.randn(5, 4), torch.zeros(12, dtype=torch.long)) == "ref"
+
+
+def test_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import torch, kernels\n"
+        "assert not kernels.HAS_TRITON\n"
+        "for n in ['rms_norm', 'swiglu', 'apply_rotary', 'linear_cross_entropy']:\n"
+        "    assert getattr(kernels, n) is getattr(kernels, n + '_ref'), n\n"
+        "x = torch.randn(2, 3, 8, requires_grad=True)\n"
+        "kernels.rms_norm(x, torch.ones(8), 1e-5).sum().backward()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
