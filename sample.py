@@ -1,0 +1,71 @@
+"""
+Sample from a trained model: its checkpoint, and the tokenizer of the data it was trained on.
+
+    python sample.py --out_dir=out-small --start="def " --num_samples=2 --max_new_tokens=200
+    python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0.8
+"""
+
+import argparse
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from model import GPT, GPTConfig, load_checkpoint
+from prepare import load_tokenizer
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--out_dir", default="out", help="folder holding the checkpoint")
+parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint file in out_dir (ckpt_best.pt: best val loss)")
+parser.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
+parser.add_argument("--num_samples", type=int, default=3)
+parser.add_argument("--max_new_tokens", type=int, default=500)
+parser.add_argument("--temperature", type=float, default=0.8, help="<1 is surer, >1 more varied, 0 greedy")
+parser.add_argument("--top_k", type=int, default=200, help="sample only among the k likeliest tokens")
+parser.add_argument("--top_p", type=float, default=None, help="sample only among tokens whose mass reaches p")
+parser.add_argument("--seed", type=int, default=1337)
+parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'mps'")
+parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: bf16 on CUDA")
+args = parser.parse_args()
+
+# -----------------------------------------------------------------------------
+# the checkpoint, the model and the tokenizer
+
+device = args.device
+if device == "auto":
+    device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+dtype = args.dtype
+if dtype == "auto":
+    dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+path = os.path.join(args.out_dir, args.ckpt)
+if not os.path.exists(path):
+    sys.exit(f"sample.py: no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
+try:
+    checkpoint = load_checkpoint(path, device)
+except ValueError as e:
+    sys.exit(f"sample.py: {e}")
+model = GPT(GPTConfig(**checkpoint["model_args"]))
+model.load_state_dict(checkpoint["model"])
+model.eval().to(device)
+tokenizer = load_tokenizer(checkpoint["config"]["data_dir"])
+
+start = args.start
+if start.startswith("FILE:"):
+    with open(start[5:], encoding="utf-8") as f:
+        start = f.read()
+ids = tokenizer.encode(start)
+if not ids:
+    sys.exit("sample.py: the prompt encodes to no tokens (give a non-empty --start)")
+
+# -----------------------------------------------------------------------------
+# generate
+
+torch.manual_seed(args.seed)
+x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]  # (1, T)
+autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
+with autocast:
+    for _ in range(args.num_samples):
+        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        print(tokenizer.decode(y[0].tolist()))
+        print("---------------")
