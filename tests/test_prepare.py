@@ -1,0 +1,506 @@
+"""prepare.py: every tokenizer kind and input format round-trips, bad input is skipped and
+listed, outputs are identical for any worker count, memory stays flat, a killed run leaves
+nothing that looks finished. Run: python -m pytest -q tests/test_prepare.py"""
+
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+CACHE = SHARED / "tiktoken_cache"
+if CACHE.is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(CACHE))  # tiktoken offline; never download
+
+import prepare  # noqa: E402  (after TIKTOKEN_CACHE_DIR)
+
+needs_tiktoken = pytest.mark.skipif(not CACHE.is_dir(), reason=f"no tiktoken cache at {CACHE} (tests never download)")
+
+# -----------------------------------------------------------------------------
+# helpers
+
+DOCS = [
+    "Hello, world!\nSecond line.\n",
+    "# A heading\r\n\r\nWindows line endings stay.\r\n",
+    "def f(x):\n    return x * 2  # ünïcödé, 日本語, emoji 🙂\n",
+    "a literal <|endoftext|> inside a document is text, not the separator\n",
+    "   leading spaces and a trailing tab\t",
+    "short",
+]
+
+
+def write(path, data, raw=False):
+    """Write str (as UTF-8) or bytes to path, gzipped when it ends with .gz (unless raw)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    with (gzip.open if path.name.endswith(".gz") and not raw else open)(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def text_tree(root, docs=DOCS):
+    """docs as .txt/.md/.py files in nested folders."""
+    exts = [".txt", ".md", ".py", ".rst"]
+    for i, d in enumerate(docs):
+        write(Path(root) / f"d{i % 3}" / f"sub{i % 2}" / f"doc{i}{exts[i % len(exts)]}", d)
+    return root
+
+
+def run(*argv):
+    """prepare.py in this process; returns meta.json's content."""
+    return prepare.main([str(a) for a in argv])
+
+
+def cli(*argv, cwd=REPO, timeout=120):
+    return subprocess.run([sys.executable, str(REPO / "prepare.py"), *map(str, argv)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(r, *words):
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prepare.py: "), r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def read_split(out, split):
+    """Decode a split back into its documents (split on end-of-text)."""
+    meta = json.loads((Path(out) / "meta.json").read_text())
+    tok = prepare.load_tokenizer(out)
+    ids = np.fromfile(Path(out) / f"{split}.bin", dtype=meta["dtype"])
+    assert ids.size == meta[split]["tokens"]
+    assert ids.size == 0 or (ids.max() < meta["vocab_size"] and ids[-1] == meta["eot_id"])
+    docs, start = [], 0
+    for end in np.flatnonzero(ids == meta["eot_id"]):
+        docs.append(tok.decode(ids[start:end].tolist()))
+        start = end + 1
+    assert len(docs) == meta[split]["documents"]
+    return docs
+
+
+def read_all(out):
+    return read_split(out, "train") + read_split(out, "val")
+
+
+def hf_tokenizer_json(folder, special=("<|endoftext|>",)):
+    """A tiny byte-level BPE made with the tokenizers library, saved as folder/tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(special),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS * 3, trainer)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    tok.save(str(Path(folder) / "tokenizer.json"))
+    return Path(folder)
+
+
+def words_corpus(folder, mbytes, nfiles=4, seed=0):
+    """mbytes MB of generated .jsonl documents (~2-8 KB each)."""
+    rng = random.Random(seed)
+    vocab = [("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9)))) for _ in range(2000)]
+    per_file = int(mbytes * 1e6 / nfiles)
+    for i in range(nfiles):
+        lines, size = [], 0
+        while size < per_file:
+            doc = " ".join(rng.choices(vocab, k=rng.randint(400, 1500))) + "\n"
+            lines.append(json.dumps({"text": doc}) + "\n")
+            size += len(lines[-1])
+        write(Path(folder) / f"part{i}.jsonl", "".join(lines))
+    return folder
+
+# -----------------------------------------------------------------------------
+# tokenizers round-trip: decoding both splits gives back every document exactly
+
+@pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=needs_tiktoken), "char", "bpe:300", "hf"])
+def test_roundtrip_every_tokenizer(tmp_path, kind):
+    src, out = text_tree(tmp_path / "src"), tmp_path / "out"
+    tokenizer = str(hf_tokenizer_json(tmp_path / "hf")) if kind == "hf" else kind
+    meta = run(src, "--out_dir", out, "--tokenizer", tokenizer, "--val_fraction", 0.3)
+    assert sorted(read_all(out)) == sorted(DOCS)
+    assert meta["train"]["documents"] >= 1 and meta["val"]["documents"] >= 1
+    assert meta["format_version"] == 1 and meta["dtype"] == "uint16"
+    assert meta["files_read"] == len(DOCS) and meta["skipped_files"] == []
+    tok = prepare.load_tokenizer(out)
+    assert (tok.vocab_size, tok.eot_id) == (meta["vocab_size"], meta["eot_id"])
+    if kind == "gpt2":
+        assert (meta["vocab_size"], meta["eot_id"], meta["tokenizer"]) == (50257, 50256, {"kind": "tiktoken", "name": "gpt2"})
+        assert tok.encode(DOCS[3]) == tok.enc.encode_ordinary(DOCS[3])  # the literal is text
+    if kind == "char":
+        chars = sorted(set("".join(DOCS)))
+        assert meta["vocab_size"] == len(chars) + 1 and meta["eot_id"] == len(chars)
+        assert tok.encode("ab") == [chars.index("a"), chars.index("b")]
+    if kind == "bpe:300":
+        assert (meta["vocab_size"], meta["eot_id"]) == (301, 300) and (out / "vocab.json").exists()
+    if kind == "hf":  # copied: the dataset works without the original tokenizer.json
+        assert (out / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
+        (tmp_path / "hf" / "tokenizer.json").unlink()
+        assert prepare.load_tokenizer(out).decode(prepare.load_tokenizer(out).encode(DOCS[2])) == DOCS[2]
+        assert meta["eot_id"] == tok.hf.token_to_id("<|endoftext|>")
+    # each split keeps corpus order
+    train = read_split(out, "train")
+    assert train == [d for d in text_order(src) if d in train]
+
+
+def text_order(src):
+    """Documents of a text tree in the order prepare.py reads them (sorted paths)."""
+    return [p.read_bytes().decode() for p in sorted(Path(src).rglob("*"), key=lambda p: p.relative_to(src).parts) if p.is_file()]
+
+
+@needs_tiktoken
+def test_uint32_for_big_vocab(tmp_path):
+    out = tmp_path / "out"
+    meta = run(text_tree(tmp_path / "src"), "--out_dir", out, "--tokenizer", "o200k_base")
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] > 65536 and meta["eot_id"] == 199999
+    assert (out / "train.bin").stat().st_size == 4 * meta["train"]["tokens"]
+    assert sorted(read_all(out)) == sorted(DOCS)
+
+
+@needs_tiktoken
+def test_load_tokenizer_without_meta_is_gpt2(tmp_path):
+    tok = prepare.load_tokenizer(tmp_path)  # nanoGPT's convention
+    assert (tok.name, tok.vocab_size, tok.eot_id) == ("gpt2", 50257, 50256)
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+
+
+def test_reuse_a_datasets_tokenizer(tmp_path):
+    run(text_tree(tmp_path / "a"), "--out_dir", tmp_path / "A", "--tokenizer", "char")
+    write(tmp_path / "b" / "x.txt", "Hello again")
+    meta = run(tmp_path / "b", "--out_dir", tmp_path / "B", "--tokenizer", tmp_path / "A")
+    assert meta["vocab_size"] == json.loads((tmp_path / "A" / "meta.json").read_text())["vocab_size"]
+    assert "".join(read_all(tmp_path / "B")) == "Hello again"  # one document: train is its head, val its tail
+    write(tmp_path / "c" / "x.txt", "Zebra")  # 'Z' is not in A's characters
+    r = cli(tmp_path / "c", "--out_dir", tmp_path / "C", "--tokenizer", tmp_path / "A")
+    one_line_error(r, "'Z'", "not in the vocabulary")
+    assert not (tmp_path / "C" / "meta.json").exists()
+
+
+def test_hf_tokenizer_without_eot_is_refused(tmp_path):
+    folder = hf_tokenizer_json(tmp_path / "hf", special=("<pad>",))
+    write(tmp_path / "src" / "a.txt", "hello")
+    one_line_error(cli(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", folder), "end-of-text")
+
+# -----------------------------------------------------------------------------
+# input formats
+
+def test_input_formats(tmp_path):
+    src = tmp_path / "src"
+    write(src / "a.jsonl", "".join(json.dumps(o) + "\n" for o in [{"text": "from text"}, {"content": "from content", "x": 1}, {"body": "from body"}]))
+    write(src / "b.json", json.dumps({"text": "one object"}))
+    write(src / "c.json", json.dumps([{"text": "array one"}, {"content": "array two"}]))
+    write(src / "d.txt.gz", "gzipped text\n")
+    write(src / "e.jsonl.gz", json.dumps({"text": "gzipped jsonl"}) + "\n")
+    write(src / "f.json.gz", json.dumps([{"text": "gzipped json"}]))
+    write(src / "g.md", "# markdown\n")
+    write(src / "deep" / "er" / "h.py", "print('nested')\n")
+    write(src / "i.ndjson", json.dumps({"text": "ndjson too"}) + "\n")
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"id": [1, 2, 3], "text": ["parquet one", "parquet two", "parquet three"]}),
+                   src / "j.parquet", row_group_size=2)
+    out = tmp_path / "out"
+    meta = run(src, "--out_dir", out, "--tokenizer", "char")
+    expect = ["from text", "from content", "from body", "one object", "array one", "array two", "gzipped text\n",
+              "gzipped jsonl", "gzipped json", "# markdown\n", "print('nested')\n", "ndjson too",
+              "parquet one", "parquet two", "parquet three"]
+    assert sorted(read_all(out)) == sorted(expect)
+    assert meta["files_read"] == 10 and meta["skipped_files"] == [] and meta["bad_records"]["count"] == 0
+    assert meta["extensions"][".jsonl"] == {"files": 1, "documents": 3, "bytes": 30, "tokens": 33}
+    assert meta["extensions"][".parquet"]["documents"] == 3 and meta["extensions"][".txt.gz"]["files"] == 1
+
+
+def test_field_option(tmp_path):
+    write(tmp_path / "a.jsonl", json.dumps({"text": "not this", "article": "this one"}) + "\n")
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"article": ["parquet article"]}), tmp_path / "b.parquet")
+    meta = run(tmp_path / "a.jsonl", tmp_path / "b.parquet", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--field", "article")
+    assert sorted(read_all(tmp_path / "out")) == ["parquet article", "this one"]
+    # a parquet file without the column is skipped with its reason
+    pq.write_table(pa.table({"other": ["x"]}), tmp_path / "c.parquet")
+    meta = run(tmp_path / "a.jsonl", tmp_path / "c.parquet", "--out_dir", tmp_path / "out2", "--tokenizer", "char")
+    assert [s["reason"][:14] for s in meta["skipped_files"]] == ["no text column"]
+
+
+def test_tinyshakespeare_single_document_gets_its_tail_as_val(tmp_path):
+    path = SHARED / "tinyshakespeare" / "input.txt"
+    if not path.exists():
+        pytest.skip(f"no {path}")
+    out = tmp_path / "out"
+    meta = run(path, "--out_dir", out, "--tokenizer", "char")
+    text = path.read_text()
+    (train,), (val,) = read_split(out, "train"), read_split(out, "val")
+    assert train + val == text and train.endswith("\n")  # cut at a line start
+    assert 0.09 < len(val) / len(text) < 0.11
+    assert meta["vocab_size"] == 66 and meta["eot_id"] == 65  # nanoGPT's 65 characters + end-of-text
+    assert meta["train"]["tokens"] == len(train) + 1 and meta["val"]["tokens"] == len(val) + 1
+
+
+def test_at_least_one_val_document(tmp_path):
+    write(tmp_path / "src" / "a.txt", "first")
+    write(tmp_path / "src" / "b.txt", "second")
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction", 0.001)
+    assert meta["train"]["documents"] == 1 and meta["val"]["documents"] == 1
+    assert sorted(read_all(tmp_path / "out")) == ["first", "second"]
+
+# -----------------------------------------------------------------------------
+# bad input: skipped, counted and listed with the reason; the good documents still arrive
+
+def make_good(src):
+    write(src / "good.txt", "good document")
+
+
+def unreadable(src, monkeypatch):
+    path = write(src / "secret.txt", "no access")
+    if os.geteuid() != 0:
+        path.chmod(0)
+    else:  # root reads anything: simulate the permission error where prepare.py opens files
+        real_open = open
+        monkeypatch.setattr(prepare, "open", lambda p, *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+                            if Path(p).name == "secret.txt" else real_open(p, *a, **k), raising=False)
+    return path
+
+
+BAD_FILES = {
+    "binary": (lambda src, mp: write(src / "image.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"), "binary"),
+    "nul": (lambda src, mp: write(src / "nul.txt", "text with a \x00 NUL in it"), "NUL"),
+    "not_utf8": (lambda src, mp: write(src / "latin1.txt", "caf\xe9".encode("latin-1")), "not UTF-8"),
+    "unreadable": (unreadable, "Permission denied"),
+    "broken_symlink": (lambda src, mp: os.symlink(src / "nowhere.txt", src / "broken.txt") or src / "broken.txt", "broken symlink"),
+    "looping_symlink": (lambda src, mp: os.symlink(src / "loop.txt", src / "loop.txt") or src / "loop.txt", "symlink loop"),
+    "corrupt_gzip": (lambda src, mp: write(src / "bad.txt.gz", gzip.compress(b"cut short " * 99)[:30], raw=True), "unreadable"),
+    "malformed_json_file": (lambda src, mp: write(src / "bad.json", '{"text": "unclosed'), "malformed JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_file_is_skipped_and_listed(tmp_path, monkeypatch, case):
+    src = tmp_path / "src"
+    make_good(src)
+    make, reason = BAD_FILES[case]
+    path = make(src, monkeypatch)
+    meta = run(src, "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert "".join(read_all(tmp_path / "out")) == "good document"
+    assert [s["path"] for s in meta["skipped_files"]] == [str(path)]
+    assert reason in meta["skipped_files"][0]["reason"]
+    assert meta["files_read"] == 1
+
+
+def test_symlinked_folder_is_listed_not_followed(tmp_path):
+    src = tmp_path / "src"
+    make_good(src)
+    os.symlink(src, src / "again")  # would read everything twice, or loop
+    meta = run(src, "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert "".join(read_all(tmp_path / "out")) == "good document"
+    assert meta["skipped_files"][0]["path"] == str(src / "again") and "not followed" in meta["skipped_files"][0]["reason"]
+
+
+def test_hidden_files_and_folders_are_left_out_and_counted(tmp_path):
+    src = tmp_path / "src"
+    make_good(src)
+    write(src / ".hidden.txt", "hidden file")
+    write(src / ".git" / "config", "hidden folder")
+    write(src / "sub" / ".env", "hidden in a subfolder")
+    meta = run(src, "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert "".join(read_all(tmp_path / "out")) == "good document"
+    assert meta["hidden_skipped"] == 3 and meta["skipped_files"] == []
+
+
+BAD_RECORDS = [
+    ('{"text": "unclosed', "malformed JSON"),
+    ('{"title": "no text field"}', "no text field (text/content/body)"),
+    ('{"text": 42}', "field 'text' is not a string (int)"),
+    ('["not", "an", "object"]', "not a JSON object (list)"),
+    ('{"text": "\\ud800 lone surrogate"}', "lone surrogate"),
+]
+
+
+@pytest.mark.parametrize("line,reason", BAD_RECORDS)
+def test_bad_record_is_skipped_with_file_and_line(tmp_path, line, reason):
+    path = write(tmp_path / "a.jsonl", '{"text": "first"}\n\n' + line + '\n{"text": "last"}\n')
+    meta = run(path, "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert sorted(read_all(tmp_path / "out")) == ["first", "last"]
+    assert meta["bad_records"]["count"] == 1
+    assert meta["bad_records"]["examples"][0].startswith(f"{path}:3: ") and reason in meta["bad_records"]["examples"][0]
+    # --strict stops there instead, with the position, and writes nothing
+    r = cli(path, "--out_dir", tmp_path / "strict", "--tokenizer", "char", "--strict")
+    one_line_error(r, f"{path}:3", reason, "--strict")
+    assert not (tmp_path / "strict").exists()
+
+
+def test_strict_stops_at_a_bad_file(tmp_path):
+    src = tmp_path / "src"
+    make_good(src)
+    write(src / "latin1.txt", "caf\xe9".encode("latin-1"))
+    one_line_error(cli(src, "--out_dir", tmp_path / "out", "--strict", "--tokenizer", "char"), "latin1.txt", "not UTF-8")
+
+
+def test_empty_documents_are_dropped_and_counted(tmp_path):
+    src = tmp_path / "src"
+    make_good(src)
+    write(src / "empty.txt", "")
+    write(src / "blank.txt", " \n\t\r\n")
+    write(src / "bom_only.txt", "\ufeff")
+    write(src / "e.jsonl", '{"text": ""}\n{"text": "  "}\n{"text": "kept"}\n')
+    meta = run(src, "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert sorted(read_all(tmp_path / "out")) == ["good document", "kept"]
+    assert meta["empty_documents"] == 5 and meta["files_read"] == 5
+
+
+def test_bom_removed_and_line_endings_kept(tmp_path):
+    src = tmp_path / "src"
+    write(src / "a.txt", "\ufeffwith BOM\r\nCRLF\r\nand a lone CR\rhere\n")
+    write(src / "b.jsonl", "\ufeff" + json.dumps({"text": "jsonl with BOM\r\n"}) + "\r\n")
+    write(src / "c.json", "\ufeff" + json.dumps({"text": "json with BOM"}))
+    run(src, "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert sorted(read_all(tmp_path / "out")) == sorted(["with BOM\r\nCRLF\r\nand a lone CR\rhere\n", "jsonl with BOM\r\n", "json with BOM"])
+
+
+def test_missing_input_writes_nothing(tmp_path):
+    r = cli(tmp_path / "nope", "--out_dir", tmp_path / "out")
+    one_line_error(r, "no such input", str(tmp_path / "nope"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_documents_writes_nothing(tmp_path):
+    src = tmp_path / "src"
+    write(src / "empty.txt", "")
+    write(src / "bin.dat", b"\x00\x01")
+    for tokenizer in ("char", "gpt2"):
+        r = cli(src, "--out_dir", tmp_path / "out", "--tokenizer", tokenizer)
+        one_line_error(r, "no documents found")
+        assert "bin.dat: binary" in r.stdout  # the reasons are still shown
+        assert not (tmp_path / "out").exists()
+
+
+def test_user_errors_are_one_line(tmp_path):
+    write(tmp_path / "a.txt", "hello")
+    one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "nonsense"), "unknown tokenizer")
+    one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "bpe:12"), "bpe:N")
+    one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--val_fraction", "1.5"), "--val_fraction")
+    one_line_error(cli(tmp_path / "a.txt"), "--out_dir")
+    one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--bogus"), "--bogus")
+    assert not (tmp_path / "o").exists()
+
+# -----------------------------------------------------------------------------
+# options
+
+def test_identical_output_for_any_worker_count(tmp_path):
+    words_corpus(tmp_path / "src", 1.0, nfiles=3)  # ~15 batches
+    text_tree(tmp_path / "src" / "txt")
+    outs = []
+    for i, workers in enumerate([1, 3, 2, 1]):
+        out = tmp_path / f"out{i}"
+        run(tmp_path / "src", "--out_dir", out, "--tokenizer", "bpe:300", "--num_workers", workers)
+        outs.append([(out / f).read_bytes() for f in ("train.bin", "val.bin", "meta.json", "vocab.json")])
+    assert all(o == outs[0] for o in outs)
+    meta = json.loads(outs[0][2])
+    assert meta["train"]["documents"] > 5 * meta["val"]["documents"] > 0
+
+
+def test_dedup(tmp_path):
+    src = tmp_path / "src"
+    write(src / "a.txt", "same")
+    write(src / "b.txt", "same")
+    write(src / "c.jsonl", '{"text": "same"}\n{"text": "other"}\n{"text": "other"}\n')
+    meta = run(src, "--out_dir", tmp_path / "out", "--tokenizer", "char", "--dedup")
+    assert sorted(read_all(tmp_path / "out")) == ["other", "same"] and meta["duplicates_dropped"] == 3
+    meta = run(src, "--out_dir", tmp_path / "out2", "--tokenizer", "char")
+    assert len(read_all(tmp_path / "out2")) == 5 and meta["duplicates_dropped"] == 0
+
+
+def test_val_input(tmp_path):
+    text_tree(tmp_path / "train")
+    write(tmp_path / "val" / "v1.txt", "validation one")
+    write(tmp_path / "val" / "v2.jsonl", '{"text": "validation two"}\n')
+    meta = run(tmp_path / "train", "--val_input", tmp_path / "val", "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert read_split(tmp_path / "out", "val") == ["validation one", "validation two"]
+    assert sorted(read_split(tmp_path / "out", "train")) == sorted(DOCS)
+    assert meta["split"]["method"] == "val_input" and meta["val_inputs"] == [str(tmp_path / "val")]
+
+
+def test_analyze_writes_nothing(tmp_path, capsys):
+    src = text_tree(tmp_path / "src")
+    write(src / "bin.dat", b"\x00\x01")
+    out = tmp_path / "out"
+    report = run(src, "--analyze", "--out_dir", out, "--tokenizer", "char")
+    assert not out.exists()
+    assert report["files_read"] == len(DOCS) and report["skipped_files"][0]["reason"].startswith("binary")
+    assert report["extensions"][".txt"]["files"] == 2 and sum(report["document_tokens_histogram"].values()) == len(DOCS)
+    assert report["document_tokens_histogram"]["4-7"] == 1  # "short": 5 characters
+    printed = capsys.readouterr().out
+    assert "nothing written" in printed and "bin.dat: binary" in printed and "4-7" in printed
+
+
+def test_existing_dataset_needs_overwrite(tmp_path):
+    write(tmp_path / "a.txt", "first version")
+    out = tmp_path / "out"
+    assert cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", "char").returncode == 0
+    before = {f: (out / f).read_bytes() for f in ("train.bin", "val.bin", "meta.json")}
+    write(tmp_path / "a.txt", "second version")
+    one_line_error(cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", "char"), "already holds a dataset", "--overwrite")
+    assert {f: (out / f).read_bytes() for f in before} == before
+    assert cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", "char", "--overwrite").returncode == 0
+    assert "".join(read_all(out)) == "second version"
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
+
+# -----------------------------------------------------------------------------
+# at scale: bounded memory, and a killed run leaves nothing that looks finished
+
+def peak_rss_mb(src, out):
+    code = ("import resource, sys; sys.path.insert(0, sys.argv[1]); import prepare; "
+            "prepare.main(sys.argv[2:]); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    r = subprocess.run([sys.executable, "-c", code, str(REPO), str(src), "--out_dir", str(out), "--tokenizer", "char"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout.strip().splitlines()[-1]) / 1024  # KB on Linux
+
+
+def test_memory_does_not_grow_with_corpus_size(tmp_path):
+    small = peak_rss_mb(words_corpus(tmp_path / "small", 2, nfiles=2), tmp_path / "o1")
+    big = peak_rss_mb(words_corpus(tmp_path / "big", 20, nfiles=4), tmp_path / "o2")
+    meta = json.loads((tmp_path / "o2" / "meta.json").read_text())
+    assert meta["train"]["tokens"] + meta["val"]["tokens"] > 19e6  # it did read all of it
+    assert big - small < 30, f"peak RSS {small:.0f} MB for 2 MB of text, {big:.0f} MB for 20 MB"
+
+
+def test_killed_run_leaves_nothing_finished(tmp_path):
+    src = words_corpus(tmp_path / "src", 20, nfiles=4)
+    out = tmp_path / "out"
+
+    def start_and_kill(*extra):
+        p = subprocess.Popen([sys.executable, str(REPO / "prepare.py"), str(src), "--out_dir", str(out),
+                              "--tokenizer", "char", "--num_workers", "1", *extra],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not (out / "train.bin.tmp").exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)  # well inside the encoding pass
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert p.returncode == -signal.SIGKILL, "finished before it could be killed: make the corpus bigger"
+
+    start_and_kill()
+    assert (out / "train.bin.tmp").exists()
+    assert not any((out / f).exists() for f in ("train.bin", "val.bin", "meta.json", "vocab.json"))
+    r = cli(src, "--out_dir", out, "--tokenizer", "char")  # no --overwrite needed: nothing was finished
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
+    before = {f: (out / f).read_bytes() for f in ("train.bin", "val.bin", "meta.json", "vocab.json")}
+    # killed while replacing a finished dataset: the old one is untouched
+    write(src / "extra.txt", "one more document")
+    start_and_kill("--overwrite")
+    assert {f: (out / f).read_bytes() for f in before} == before
