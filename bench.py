@@ -5,6 +5,7 @@ steps after warmup, and peak memory:
 
     python bench.py config/train_small.py
     python bench.py config/train_gpt2.py --synthetic --compare=use_kernels --steps=30
+    python bench.py --mode=kernels   # each fused op of kernels.py against its references (GPU)
 
 --synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py.
 """
@@ -24,9 +25,106 @@ parser.add_argument("--compare", default="compile", help="a True/False setting o
 parser.add_argument("--steps", type=int, default=50, help="training steps per run")
 parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
 parser.add_argument("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
+parser.add_argument("--mode", choices=["train", "kernels"], default="train", help="kernels: time kernels.py's ops instead")
 args, train_args = parser.parse_known_args()
 if args.warmup >= args.steps:
     sys.exit(f"bench.py: --warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
+
+# -----------------------------------------------------------------------------
+# --mode=kernels: each fused op of kernels.py against its reference, eager and compiled
+
+
+def bench_kernels():
+    # bf16 at Llama-like sizes; forward, and forward+backward; median time and peak memory
+    import math
+
+    import torch
+
+    import kernels
+
+    if not torch.cuda.is_available():
+        sys.exit("bench.py: --mode=kernels measures Triton kernels on a CUDA GPU, and none is visible here")
+    if not kernels.HAS_TRITON:
+        sys.exit("bench.py: --mode=kernels needs Triton: pip install triton")
+    import triton
+    from triton.testing import do_bench
+
+    torch._dynamo.config.recompile_limit = 64  # the compiled references recompile for every size
+
+    def rand(*shape, std=1.0, grad=True):
+        return (std * torch.randn(*shape, device="cuda", dtype=torch.bfloat16)).requires_grad_(grad)
+
+    def rotary_inputs(N, C, D=128, T=2048):  # q as the model makes it: a view into a fused qkv
+        angles = torch.outer(torch.arange(T, device="cuda").float(), torch.rand(D // 2, device="cuda"))
+        return [rand(N // T, T, 3 * C), angles.cos(), angles.sin()]
+
+    def rotary_call(f, qkv, cos, sin, D=128):
+        B, T, C3 = qkv.shape
+        return f(qkv[..., :C3 // 3].view(B, T, C3 // 3 // D, D), cos, sin)
+
+    cases = []  # (op, size, inputs(), call(op, *inputs))
+    for N in (8192, 32768):
+        for C in (2048, 4096):
+            H = 64 * math.ceil(8 * C / 3 / 64)  # the model's SwiGLU width
+            cases += [
+                ("rms_norm", f"{N}x{C}", lambda N=N, C=C: [rand(N, C), rand(C)], lambda f, x, w: f(x, w, 1e-5)),
+                ("swiglu", f"{N}x{H}", lambda N=N, H=H: [rand(N, 2 * H)], lambda f, gu: f(*gu.chunk(2, -1))),
+                ("apply_rotary", f"{N}x{C}", lambda N=N, C=C: rotary_inputs(N, C), rotary_call),
+            ]
+    for V in (50304, 128256):
+        for N in (8192, 32768):
+            for C in (2048, 4096):
+                inputs = lambda N=N, C=C, V=V: [rand(N, C), rand(V, C, std=0.02),
+                                                torch.randint(0, V, (N,), device="cuda")]
+                cases.append(("linear_cross_entropy", f"{N}x{C} V={V}", inputs, lambda f, *a: f(*a)))
+
+    def measure(fn, leaves):
+        # (median ms, peak MB above what was allocated before), or None when out of memory
+        try:
+            fn()  # warm up: compile, autotune, cache
+            for t in leaves:
+                t.grad = None
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            return do_bench(fn, warmup=50, rep=500, grad_to_none=leaves, return_mode="median"), peak
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            for t in leaves:
+                t.grad = None
+            torch.cuda.empty_cache()
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16")
+    print("linear_cross_entropy computes its gradients in forward: compare it on fwd+bwd")
+    print("| op | size | pass | eager ms | compiled ms | triton ms | speedup vs eager | vs compiled "
+          "| eager MB | compiled MB | triton MB |\n" + "| --- " * 11 + "|")
+    for name, size, make_inputs, call in cases:
+        ref = getattr(kernels, name + "_ref")
+        impls = [ref, torch.compile(ref, dynamic=False), getattr(kernels, name)]
+        inputs = make_inputs()
+        leaves = [t for t in inputs if t.requires_grad]
+        with torch.no_grad():  # the output's shape, from the op that needs the least memory
+            dy = torch.randn_like(call(impls[2], *inputs))
+        for pass_ in ("fwd", "fwd+bwd"):
+            if pass_ == "fwd":
+                results = [measure(lambda f=f: call(f, *inputs), leaves) for f in impls]
+            else:
+                results = [measure(lambda f=f: call(f, *inputs).backward(dy), leaves) for f in impls]
+            ms = [f"{r[0]:.3f}" if r else "OOM" for r in results]
+            mb = [f"{r[1]:,.0f}" if r else "OOM" for r in results]
+            ratio = [f"{r[0] / results[2][0]:.2f}" if r and results[2] else "-" for r in results[:2]]
+            print(f"| {name} | {size} | {pass_} | {' | '.join(ms)} | {' | '.join(ratio)} | {' | '.join(mb)} |")
+        del inputs, leaves, dy
+        torch.cuda.empty_cache()
+
+
+if args.mode == "kernels":
+    bench_kernels()
+    sys.exit(0)
 
 # -----------------------------------------------------------------------------
 # train.py's throughput, both ways
