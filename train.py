@@ -131,8 +131,9 @@ if master:
           f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
 
 # -----------------------------------------------------------------------------
-# data: token files are memory-mapped, never read whole; every batch is a pure function of
-# (seed, step, micro-batch index), so a resumed run sees exactly the batches it would have seen
+# data: token files are memory-mapped, never read whole. The sequences of a step are a pure function
+# of (seed, step): a resumed run sees exactly the batches it would have seen, and the same tokens
+# per update give the same sequences however they are split into processes and micro-steps
 
 meta_path = os.path.join(data_dir, "meta.json")
 if os.path.exists(meta_path):
@@ -160,15 +161,15 @@ for split in ("train", "val"):
 
 
 def get_batch(split, step, index):
-    # the index-th micro-batch of a step (eval batches use step -1); (B, T) inputs and targets
+    # the index-th micro-batch of a step (eval batches use step -1): (B, T) inputs and targets
     path = os.path.join(data_dir, f"{split}.bin")
     data = np.memmap(path, dtype=data_dtype, mode="r")  # re-opened each time: np.memmap leaks otherwise
-    rng = np.random.default_rng([seed, split == "val", step + 1, index])
-    starts = rng.integers(0, len(data) - block_size, size=batch_size)
+    draws = np.random.PCG64([seed, split == "val", step + 1]).random_raw((index + 1) * batch_size)
+    starts = draws[-batch_size:] % np.uint64(len(data) - block_size)  # this micro-batch's sequences
     xy = np.stack([data[i:i + block_size + 1] for i in starts]).astype(np.int64)  # (B, T+1)
     if xy.max() >= vocab_size:  # a bad id would index past the embedding: name it instead
         b, t = np.argwhere(xy >= vocab_size)[0]
-        fail(f"token id {xy[b, t]} at position {starts[b] + t} of {path} is not below the model's "
+        fail(f"token id {xy[b, t]} at position {int(starts[b]) + t} of {path} is not below the model's "
              f"vocab_size {vocab_size}: the file does not match meta.json (re-run prepare.py)")
     xy = torch.from_numpy(xy)
     if device_type == "cuda":

@@ -1,0 +1,121 @@
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, filter_logits
+
+
+def tiny(**kw):
+    args = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**args, **kw})).eval()
+
+
+def test_causal_and_logits_shape():
+    model = tiny()
+    idx = torch.randint(0, 97, (2, 20))
+    logits, loss = model(idx)
+    assert logits.shape == (2, 20, 97) and loss is None
+    t = 11
+    changed = idx.clone()
+    changed[:, t] = (changed[:, t] + 1) % 97
+    logits2, _ = model(changed)
+    assert torch.equal(logits[:, :t], logits2[:, :t])  # nothing before t sees token t
+    assert not torch.allclose(logits[:, t], logits2[:, t])  # but t itself does
+
+
+def test_loss_matches_logits_and_ignores_minus_one():
+    model = tiny()
+    idx = torch.randint(0, 97, (2, 16))
+    targets = torch.randint(0, 97, (2, 16))
+    targets[0, :5] = -1
+    logits, _ = model(idx)
+    _, loss = model(idx, targets)
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, 97), targets.view(-1), ignore_index=-1)
+    torch.testing.assert_close(loss, expected)
+
+
+def naive_generate(model, idx, n, temperature, top_k):
+    # full forward passes over the last block_size tokens, no cache
+    for _ in range(n):
+        logits, _ = model(idx[:, -model.config.block_size:])
+        logits = logits[:, -1, :]
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            probs = torch.softmax(filter_logits(logits / temperature, top_k), dim=-1)
+            nxt = torch.multinomial(probs, 1)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0, None), (1.0, 10)])
+def test_kv_cache_generation_equals_full_forward(temperature, top_k):
+    model = tiny()
+    prompt = torch.randint(0, 97, (2, 5))
+    n = 40  # runs past block_size=32, where the window slides
+    torch.manual_seed(1)
+    cached = model.generate(prompt, n, temperature=temperature, top_k=top_k)
+    torch.manual_seed(1)
+    full = naive_generate(model, prompt, n, temperature, top_k)
+    assert cached.shape == (2, 45)
+    assert torch.equal(cached, full)
+
+
+def test_grouped_query_attention_shapes_and_params():
+    gqa, mha = tiny(n_kv_head=1), tiny(n_kv_head=4)
+    assert gqa.blocks[0].attn.qkv.weight.shape == (32 + 2 * 8, 32)  # 4 query heads, 1 kv head of 8
+    assert mha.num_params() - gqa.num_params() == 2 * 2 * 3 * 8 * 32  # 2 layers, k and v, 3 heads fewer
+    with pytest.raises(ValueError, match="divisible by n_kv_head"):
+        GPTConfig(n_head=4, n_kv_head=3, n_embd=32)
+
+
+def test_tied_and_untied_embeddings():
+    tied, untied = tiny(), tiny(tie_embeddings=False)
+    assert tied.lm_head.weight is tied.wte.weight
+    assert untied.num_params() - tied.num_params() == 97 * 32
+
+
+def test_optimizer_groups_no_decay_on_vectors():
+    model = tiny()
+    opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(no_decay["params"]) == 2 * 2 + 1  # two norms per block and the final norm
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
+
+
+def test_flops_per_token():
+    model = tiny()
+    c = model.config
+    n = model.num_params()
+    assert model.flops_per_token() == 6 * n + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+
+
+def test_filter_logits_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = filter_logits(logits, top_p=0.7).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7 needs the 0.3 as well
+    kept = filter_logits(logits, top_k=1).isfinite()
+    assert kept.tolist() == [[True, False, False, False]]
+
+
+def test_sequence_longer_than_block_is_refused():
+    with pytest.raises(ValueError, match="block_size"):
+        tiny()(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_training_reduces_loss():
+    model = tiny().train()
+    opt = model.configure_optimizer(0.0, 3e-3, (0.9, 0.95), "cpu")
+    idx = torch.randint(0, 97, (4, 32))
+    first = None
+    for _ in range(30):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = first or loss.item()
+    assert first > math.log(97) - 0.5 and loss.item() < first / 2  # it memorises a fixed batch

@@ -1,0 +1,191 @@
+"""train.py end to end, in subprocesses, on a tiny character-level dataset the tests write themselves."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20", "--learning_rate=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    # characters of tinyshakespeare when it is there, else generated text; 90/10 split
+    text = SHAKESPEARE.read_text()[:200_000] if SHAKESPEARE.exists() else "the quick brown fox. " * 10_000
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+    d = tmp_path_factory.mktemp("data")
+    n = int(0.9 * len(ids))
+    ids[:n].tofile(d / "train.bin")
+    ids[n:].tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": len(chars), "eot_id": 0}))
+    return d
+
+
+def run(*args, torchrun=(), check=True, env=None):
+    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun] if torchrun else [sys.executable]
+    done = subprocess.run([*launcher, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if check and done.returncode != 0:
+        raise AssertionError(f"train.py failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def losses(out_dir):
+    # the last loss recorded for each step (a resumed run records the steps it repeats again)
+    records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["iter"]: r["loss"] for r in records if "val_loss" not in r}
+
+
+def weights(out_dir, name="ckpt.pt"):
+    return torch.load(Path(out_dir) / name, weights_only=True)["model"]
+
+
+def assert_weights_close(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -----------------------------------------------------------------------------
+
+
+def test_trains_and_records_metrics(data_dir, tmp_path):
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=20", "--eval_interval=10")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["iter"] for r in evals] == [0, 10, 20]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5  # it learns
+    assert evals[-1]["val_ppl"] == pytest.approx(np.exp(evals[-1]["val_loss"]))
+    steps = [r for r in records if "tokens_per_s" in r]
+    assert [r["iter"] for r in steps] == list(range(1, 21))
+    assert all(r["grad_norm"] > 0 and r["mem_mb"] > 0 and 0 < r["mfu"] < 1 for r in steps)
+    assert "tokens per update: 128 " in out.stdout
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 20 and ckpt["config"]["max_iters"] == 20
+    assert ckpt["model_args"]["vocab_size"] == 64  # the data's vocabulary, padded to 64
+
+
+def test_gradient_accumulation_matches_one_big_batch(data_dir, tmp_path):
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=100"]
+    run(*common, f"--out_dir={tmp_path / 'big'}", "--batch_size=8")
+    run(*common, f"--out_dir={tmp_path / 'acc'}", "--batch_size=2", "--gradient_accumulation_steps=4")
+    big, acc = losses(tmp_path / "big"), losses(tmp_path / "acc")
+    assert big.keys() == acc.keys() == set(range(1, 7))
+    assert all(abs(big[i] - acc[i]) < 1e-5 for i in big)
+    assert_weights_close(weights(tmp_path / "big"), weights(tmp_path / "acc"))
+
+
+def test_ddp_two_processes_match_one_process(data_dir, tmp_path):
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=100", "--batch_size=2",
+              "--gradient_accumulation_steps=4"]
+    run(*common, f"--out_dir={tmp_path / 'one'}")
+    out = run(*common, f"--out_dir={tmp_path / 'ddp'}", torchrun=["--standalone", "--nproc_per_node=2"])
+    assert "2 process(es) on cpu" in out.stdout
+    one, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    assert one.keys() == ddp.keys() and all(abs(one[i] - ddp[i]) < 1e-5 for i in one)
+    assert_weights_close(weights(tmp_path / "one"), weights(tmp_path / "ddp"))
+
+
+def test_accumulation_steps_must_divide_among_processes(data_dir, tmp_path):
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--gradient_accumulation_steps=3",
+              torchrun=["--standalone", "--nproc_per_node=2"], check=False)
+    assert out.returncode != 0
+    assert "gradient_accumulation_steps=3 must be a multiple of the 2 processes" in out.stderr
+
+
+def test_two_nodes_on_one_machine(data_dir, tmp_path):
+    port = free_port()
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=10", "--eval_interval=10",
+            "--gradient_accumulation_steps=2"]
+    procs = []
+    for node in (0, 1):
+        torchrun = ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                    f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    stdout = "".join(o[0] for o in outs)
+    assert "2 process(es) on cpu" in stdout
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert [r["iter"] for r in evals] == [0, 10] and evals[1]["val_loss"] < evals[0]["val_loss"]
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["world_size"] == 2
+
+
+def test_resume_continues_from_saved_step(data_dir, tmp_path):
+    common = [*TINY, f"--data_dir={data_dir}", "--eval_interval=5", "--dropout=0.1"]
+    run(*common, f"--out_dir={tmp_path / 'whole'}", "--max_iters=12")
+    run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=7")
+    assert torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)["iter_num"] == 7
+    out = run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=12", "--init_from=resume")
+    assert "iter 8:" in out.stdout and "iter 7:" not in out.stdout  # continues after step 7
+    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")  # bit for bit, dropout included
+    assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
+
+
+# -----------------------------------------------------------------------------
+# a user's mistakes end with one line naming the problem and the fix
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lerning_rate=0.1"], "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)"),
+    (["--max_iters=1.5"], "max_iters must be int like its default 5000, got 1.5"),
+    (["--compile=yes"], "compile must be bool like its default False, got 'yes'"),
+    (["--batch_size"], "write overrides as --key=value"),
+    (["config/no_such_file.py"], "config file config/no_such_file.py: No such file or directory"),
+    (["--init_from=gpt2"], "init_from='gpt2' is not 'scratch' or 'resume'"),
+    (["--dtype=float8"], "dtype='float8' is not one of"),
+])
+def test_config_errors(data_dir, tmp_path, args, message):
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args, check=False)
+    assert out.returncode != 0
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_config_file_is_python_and_checked(data_dir, tmp_path):
+    good = tmp_path / "good.py"
+    good.write_text("import math as _m\nmax_iters = 2\nlearning_rate = 1e-3 * _m.sqrt(4)\neval_interval = 1\n")
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", str(good), "--max_iters=3")
+    assert "iter 3:" in out.stdout  # later overrides win
+    assert torch.load(tmp_path / "o" / "ckpt.pt", weights_only=True)["config"]["learning_rate"] == 2e-3
+    bad = tmp_path / "bad.py"
+    bad.write_text("n_layers = 4\n")
+    out = run(str(bad), check=False)
+    assert out.returncode != 0 and "unknown config key 'n_layers' (did you mean 'n_layer'?)" in out.stderr
+
+
+def test_data_errors(data_dir, tmp_path):
+    out = run(*TINY, f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path}", check=False)
+    assert out.returncode != 0 and "prepare the data first" in out.stderr
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--vocab_size=32", check=False)
+    assert out.returncode != 0 and "model's vocab_size is 32" in out.stderr
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for name in ("meta.json", "val.bin"):
+        (corrupt / name).write_bytes((data_dir / name).read_bytes())
+    (corrupt / "train.bin").write_bytes((data_dir / "train.bin").read_bytes()[:-1])  # half a token
+    out = run(*TINY, f"--data_dir={corrupt}", f"--out_dir={tmp_path}", check=False)
+    assert out.returncode != 0 and "not a whole number of uint16 tokens" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_resume_without_checkpoint(data_dir, tmp_path):
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume", check=False)
+    assert out.returncode != 0 and f"no checkpoint at {tmp_path}/ckpt.pt" in out.stderr
