@@ -174,6 +174,19 @@ def test_linear_cross_entropy_no_grad():
     assert rel_err(loss, K.linear_cross_entropy_ref(x, w, t)) <= 1e-5
 
 
+@needs_triton
+def test_linear_cross_entropy_autocast():
+    # under autocast the reference's matmul runs in bf16; the op must do the same, and hand
+    # fp32 weights fp32 gradients
+    x, w, t = randn(9, 16), randn(40, 16), _targets(9, 40, "some")
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        loss, (gx, gw) = fwd_bwd(K.linear_cross_entropy, [x, w, t])
+        loss_ref, (gx_ref, gw_ref) = fwd_bwd(K.linear_cross_entropy_ref, [x, w, t])
+    assert loss.dtype == loss_ref.dtype == torch.float32 and gx.dtype == gw.dtype == torch.float32
+    assert rel_err(loss, loss_ref) <= 2**-7
+    assert rel_err(gx, gx_ref) <= 2**-6 and rel_err(gw, gw_ref) <= 2**-6
+
+
 # -----------------------------------------------------------------------------
 # gradients in fp64, and the custom ops' registrations
 
