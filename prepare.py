@@ -13,6 +13,8 @@ Inputs: folders are read recursively in sorted order, hidden files and folders l
 .jsonl/.ndjson: one document per line, from the field text, content or body (or --field);
 .json: one such object or an array of them; .parquet: the same column, in record batches;
 anything else is one plain UTF-8 document per file; any of these may be gzipped (.gz).
+Documents stream through; only one document (or one .json file: use .jsonl for big ones) is
+held in memory at a time.
 Files that are not UTF-8 text and bad records are skipped and listed, never lost silently.
 
 Tokenizers: a tiktoken name (gpt2, cl100k_base, o200k_base, ...), char (the corpus's
@@ -38,10 +40,11 @@ import time
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from itertools import chain
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 # tiktoken downloads its encodings on first use; use the project's shared copy when there is one
 _cache = Path(__file__).resolve().parent.parent / "shared" / "data" / "tiktoken_cache"
@@ -158,6 +161,8 @@ def load_tokenizer(data_dir):
     spec = json.loads((data_dir / "meta.json").read_text())["tokenizer"]
     if spec["kind"] == "tiktoken":
         return tiktoken_tokenizer(spec["name"])
+    if not (data_dir / spec["file"]).exists():
+        die(f"{data_dir / spec['file']} is missing, and meta.json needs it (re-run prepare.py)")
     data = (data_dir / spec["file"]).read_text(encoding="utf-8")
     if spec["kind"] == "huggingface":
         return Tokenizer("huggingface", spec["name"], hf_json=data)
@@ -458,9 +463,10 @@ def move_last_doc(src, dst, nbytes):
 
 
 def human(n, unit=""):
+    """15300000 -> '15.3M'; with unit 'B': '15.3 MB'."""
     for suffix in ("", "K", "M", "G", "T"):
         if abs(n) < 1000 or suffix == "T":
-            return f"{n:.0f}{suffix}{unit}" if not suffix else f"{n:.1f}{suffix}{unit}"
+            return (f"{n:.0f}" if not suffix else f"{n:.1f}") + (" " if unit else "") + suffix + unit
         n /= 1000
 
 
@@ -500,10 +506,21 @@ def prepare(args, quiet=False):
 
     stats = new_stats()
     docs = documents(stats)
-    first = next(docs, None)
-    if first is None:
+    head = list(islice(docs, 2))  # peek: no documents, no output folder; one, split it by text
+    if not head:
         report_skips(stats, say)
         die(f"no documents found in {', '.join(inputs)} (every file was skipped or empty; see above)")
+    how = "val_input" if args.val_input else "hash of document name"
+    single = len(head) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze
+    if single:  # one big document (tinyshakespeare): its tail is the validation text, as nanoGPT does
+        (_, (ext, _), text), cut = head[0], tail_cut(head[0][2], args.val_fraction)
+        single = 0 < cut < len(text)
+        if single:
+            how = "tail of the single document, cut at a line start"
+            head = [(v, (ext, len(t.encode("utf-8"))), t) for v, t in ((False, text[:cut]), (True, text[cut:]))]
+        del text
+    docs = chain(head, docs)
+    del head
     created = not out.exists()
     files = {}
     if not args.analyze:
@@ -513,13 +530,12 @@ def prepare(args, quiet=False):
         split = {s: {"documents": 0, "tokens": 0, "bytes": 0} for s in ("train", "val")}
         last = {}  # split -> (tokens, bytes) of its last document, to move one if a split comes out empty
         hist = {}  # log2(document length in tokens) -> documents
-        first_text, ndocs = first[2], 0
-        from tqdm import tqdm
+        ndocs = -1 if single else 0  # its two parts are one document read
         bar = tqdm(unit="B", unit_scale=True, disable=None if not quiet else True, desc="prepare", file=sys.stderr)
         t_enc = time.time()
-        for infos, flags, (train_ids, val_ids, lens) in encoded(chain([first], docs), tok, dtype, num_workers):
+        for infos, flags, (train_ids, val_ids, lens) in encoded(docs, tok, dtype, num_workers):
             if files:
-                train_ids.tofile(files["train"]); val_ids.tofile(files["val"])
+                files["train"].write(train_ids); files["val"].write(val_ids)
             for (ext, nbytes), is_val, n in zip(infos, flags, lens):
                 s = split["val" if is_val else "train"]
                 s["documents"] += 1; s["tokens"] += n; s["bytes"] += nbytes
@@ -529,24 +545,13 @@ def prepare(args, quiet=False):
                 k = (n - 1).bit_length() - 1  # power-of-two bucket of the length without end-of-text
                 hist[k] = hist.get(k, 0) + 1
             ndocs += len(lens)
-            if ndocs > 1:
-                first_text = None  # held only while the corpus might be a single document
             bar.update(sum(i[1] for i in infos))
             bar.set_postfix(files=stats["files_read"], tokens=human(split["train"]["tokens"] + split["val"]["tokens"]), refresh=False)
         bar.close()
         t_enc = max(time.time() - t_enc, 1e-6)
 
-        how = "val_input" if args.val_input else "hash of document name"
-        if files and ndocs == 1 and args.val_input is None and args.val_fraction > 0:
-            # one big document (tinyshakespeare): its tail is the validation text, as nanoGPT does
-            cut = tail_cut(first_text, args.val_fraction)
-            if 0 < cut < len(first_text):
-                how = "tail of the single document, cut at a line start"
-                for s, text, ids in zip(("train", "val"), (first_text[:cut], first_text[cut:]),
-                                        tok.encode_docs([first_text[:cut], first_text[cut:]])):
-                    files[s].seek(0); files[s].truncate()
-                    ids.astype(dtype).tofile(files[s])
-                    split[s] = {"documents": 1, "tokens": len(ids), "bytes": len(text.encode("utf-8"))}
+        if single:
+            stats["by_ext"][ext or "(none)"]["documents"] -= 1
         elif files and ndocs >= 2 and args.val_input is None and args.val_fraction > 0:
             for empty, full in (("val", "train"), ("train", "val")):
                 if split[empty]["documents"] == 0:  # each split gets at least one document
@@ -557,7 +562,7 @@ def prepare(args, quiet=False):
         if args.val_input and split["val"]["documents"] == 0:
             die(f"no documents found in --val_input {', '.join(args.val_input)} (check it)")
         if split["train"]["documents"] == 0 and not args.analyze:
-            die("every document went to validation (lower --val_fraction)")
+            die(f"no training documents in {', '.join(inputs)} (check it)")
 
         meta = {
             "format_version": FORMAT_VERSION,

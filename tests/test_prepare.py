@@ -507,3 +507,10 @@ def test_killed_run_leaves_nothing_finished(tmp_path):
     write(src / "extra.txt", "one more document")
     start_and_kill("--overwrite")
     assert {f: (out / f).read_bytes() for f in before} == before
+
+
+def test_out_dir_inside_the_input_is_not_read(tmp_path):
+    src = text_tree(tmp_path / "src")
+    for _ in range(2):  # the second run would otherwise read the first one's meta.json and vocab.json
+        meta = run(src, "--out_dir", src / "data", "--tokenizer", "char", "--overwrite")
+        assert meta["files_read"] == len(DOCS) and meta["skipped_files"] == [] and meta["bad_records"]["count"] == 0
