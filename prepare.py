@@ -66,16 +66,22 @@ def die(msg):
 # tokenizers: one object for every kind, with encode, decode, vocab_size and eot_id
 
 class Tokenizer:
-    def __init__(self, kind, name, enc=None, chars=None, hf_json=None):
+    """encode(str) -> list[int], decode(list[int]) -> str, vocab_size, eot_id, whatever the kind."""
+
+    def __init__(self, kind, name, enc=None, chars=None, hf_json=None, ranks=None, pattern=None):
         self.kind, self.name = kind, name  # kind: tiktoken | char | bpe | huggingface
         self.enc, self.chars, self.hf_json = enc, chars, hf_json
+        self.ranks, self.pattern = ranks, pattern  # bpe: what tiktoken.Encoding was made from
         if enc is not None:  # tiktoken, named or our own bpe ranks
             self.vocab_size, self.eot_id = enc.n_vocab, enc.eot_token
         elif chars is not None:
             self.eot_id, self.vocab_size = len(chars), len(chars) + 1
             self.codes = np.array([ord(c) for c in chars], dtype=np.uint32)  # sorted: chars are
         else:
-            from tokenizers import Tokenizer as HFTokenizer
+            try:
+                from tokenizers import Tokenizer as HFTokenizer
+            except ImportError:
+                die("a tokenizer.json needs the tokenizers library (pip install tokenizers)")
             self.hf = HFTokenizer.from_str(hf_json)
             self.hf.encode_special_tokens = True  # a literal "</s>" in a document is text, not a token
             vocab = self.hf.get_vocab(with_added_tokens=True)
@@ -131,8 +137,8 @@ class Tokenizer:
             if self.kind == "char":
                 data = json.dumps({"kind": "char", "chars": self.chars})
             else:  # ranks in order: byte-level, so each token is a base64 byte string
-                ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
-                data = json.dumps({"kind": "bpe", "pattern": self.enc._pat_str,
+                ranks = sorted(self.ranks.items(), key=lambda kv: kv[1])
+                data = json.dumps({"kind": "bpe", "pattern": self.pattern,
                                    "ranks": [base64.b64encode(b).decode() for b, _ in ranks]})
         (Path(out_dir) / (name + ".tmp")).write_text(data, encoding="utf-8")
         return {"kind": self.kind, "name": self.name, "file": name}, name
@@ -140,8 +146,8 @@ class Tokenizer:
 
 def bpe_from_ranks(name, ranks, pattern):
     import tiktoken
-    return Tokenizer("bpe", name, enc=tiktoken.Encoding(
-        name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)}))
+    enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)})
+    return Tokenizer("bpe", name, enc=enc, ranks=ranks, pattern=pattern)
 
 
 def tiktoken_tokenizer(name):
