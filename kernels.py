@@ -379,6 +379,7 @@ if HAS_TRITON:
         ctx.save_for_backward(output[1], output[2])
 
     def _lce_backward(ctx, dloss, _dgx, _dgw):
+        # out of place: scaling the saved gradients in place would break a second backward
         grad_x, grad_w = ctx.saved_tensors
         return grad_x * dloss.to(grad_x.dtype), grad_w * dloss.to(grad_w.dtype), None, None, None
 
