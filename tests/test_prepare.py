@@ -514,3 +514,11 @@ def test_out_dir_inside_the_input_is_not_read(tmp_path):
     for _ in range(2):  # the second run would otherwise read the first one's meta.json and vocab.json
         meta = run(src, "--out_dir", src / "data", "--tokenizer", "char", "--overwrite")
         assert meta["files_read"] == len(DOCS) and meta["skipped_files"] == [] and meta["bad_records"]["count"] == 0
+
+
+@needs_tiktoken
+def test_bench_reports_a_ratio(tmp_path, capsys):
+    words_corpus(tmp_path / "src", 0.3, nfiles=2)
+    result = run(tmp_path / "src", "--bench", "--num_workers", 2)
+    assert 0.1 < result["ratio"] < 10 and result["prepare_mb_s"] > 0 and result["ceiling_mb_s"] > 0
+    assert "of tiktoken's throughput" in capsys.readouterr().out
