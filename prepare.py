@@ -31,7 +31,6 @@ import gzip
 import hashlib
 import json
 import os
-import shutil
 import stat
 import sys
 import sysconfig
@@ -498,7 +497,7 @@ def prepare(args, quiet=False):
     exclude = out.resolve() if not args.analyze else None
     num_workers = max(1, args.num_workers or len(os.sched_getaffinity(0)))
 
-    def documents(stats):  # -> (is_val, (ext, nbytes, key), text)
+    def documents(stats):  # -> (is_val, (ext, nbytes), text)
         for key, ext, text, n in corpus(inputs, args, stats, only_py=default, exclude=exclude):
             yield (args.val_input is None and split_is_val(key, args.val_fraction)), (ext, n), text
         for key, ext, text, n in corpus(args.val_input or [], args, stats, exclude=exclude):
@@ -519,11 +518,11 @@ def prepare(args, quiet=False):
     how = "val_input" if args.val_input else "hash of document name"
     single = len(head) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze
     if single:  # one big document (tinyshakespeare): its tail is the validation text, as nanoGPT does
-        (_, (ext, _), text), cut = head[0], tail_cut(head[0][2], args.val_fraction)
+        (_, (single_ext, _), text), cut = head[0], tail_cut(head[0][2], args.val_fraction)
         single = 0 < cut < len(text)
         if single:
             how = "tail of the single document, cut at a line start"
-            head = [(v, (ext, len(t.encode("utf-8"))), t) for v, t in ((False, text[:cut]), (True, text[cut:]))]
+            head = [(v, (single_ext, len(t.encode("utf-8"))), t) for v, t in ((False, text[:cut]), (True, text[cut:]))]
         del text
     docs = chain(head, docs)
     del head
@@ -557,7 +556,7 @@ def prepare(args, quiet=False):
         t_enc = max(time.time() - t_enc, 1e-6)
 
         if single:
-            stats["by_ext"][ext or "(none)"]["documents"] -= 1
+            stats["by_ext"][single_ext or "(none)"]["documents"] -= 1
         elif files and ndocs >= 2 and args.val_input is None and args.val_fraction > 0:
             for empty, full in (("val", "train"), ("train", "val")):
                 if split[empty]["documents"] == 0:  # each split gets at least one document
