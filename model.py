@@ -242,8 +242,11 @@ def load_checkpoint(path, device="cpu"):
     # weights_only: a checkpoint is tensors and plain values; anything else is refused, and no code
     # in it runs. A damaged or foreign file is a ValueError with one line to show the user.
     import pickle
+    import warnings
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        with warnings.catch_warnings():  # torch warns about what it refused; our error says it in one line
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError:
         raise ValueError(f"{path} holds objects other than tensors and plain values; refusing to load it "
                          f"(only load checkpoints you trust, with code you have read)") from None

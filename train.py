@@ -430,11 +430,11 @@ while True:
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
              "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb()})
         t_log, iters_since_log = time.time(), 0
-    if stop.item() > 0:
-        if master:
-            print(f"stop requested: saving at step {iter_num} and exiting")
+    if stop.item() > 0:  # every process sees the same flag, so all stop after the same step
+        print(f"process {rank}: stop requested, saving at step {iter_num} and exiting", flush=True)
         save_checkpoint(False)
         break
 
 if ddp:
+    dist.barrier()  # let the master finish writing before any process tears the group down
     dist.destroy_process_group()

@@ -1,0 +1,238 @@
+"""Killed, preempted, NaN-struck or fed bad files, training loses nothing and changes nothing."""
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from test_train import ROOT, TINY, data_dir, losses, run, weights  # noqa: F401 (data_dir is a fixture)
+
+COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def start(*args, launcher=(sys.executable,)):
+    return subprocess.Popen([*launcher, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            start_new_session=True)
+
+
+def wait_for(proc, text, timeout=120):
+    # read the process's output until a line contains text
+    seen = []
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+        assert time.time() < deadline, "".join(seen)
+    raise AssertionError(f"{text!r} never printed:\n{''.join(seen)}")
+
+
+@pytest.mark.parametrize("stop_at", [1, 5, 9])
+def test_bitwise_resume_one_process(data_dir, tmp_path, stop_at):
+    args = [*COMMON, f"--data_dir={data_dir}"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=10")
+    run(*args, f"--out_dir={tmp_path / 'parts'}", f"--max_iters={stop_at}")
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=10", "--init_from=resume")
+    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
+    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "parts"))
+    whole = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)["optimizer"]["state"]
+    parts = torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)["optimizer"]["state"]
+    assert all(torch.equal(whole[i]["exp_avg_sq"], parts[i]["exp_avg_sq"]) for i in whole)
+
+
+def test_bitwise_resume_ddp(data_dir, tmp_path):
+    args = [*COMMON, f"--data_dir={data_dir}", "--gradient_accumulation_steps=2"]
+    ddp = ["--standalone", "--nproc_per_node=2"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=8", torchrun=ddp)
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=4", torchrun=ddp)
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=8", "--init_from=resume", torchrun=ddp)
+    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
+    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "parts"))
+
+
+def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_weights(data_dir, tmp_path):
+    args = [*COMMON, f"--data_dir={data_dir}", "--max_iters=300", "--eval_interval=5", "--log_interval=10"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}")
+    out = tmp_path / "killed"
+    rng = random.Random(0)
+    kills = 0
+    for attempt in range(8):
+        resume = "--init_from=resume" if (out / "ckpt.pt").exists() else "--init_from=scratch"
+        proc = start(*args, f"--out_dir={out}", resume)
+        if attempt < 3:  # three kills at random moments, then let it finish
+            wait_for(proc, "iter ")  # training has begun (the start-up itself is not interesting)
+            time.sleep(rng.uniform(0.0, 0.5))
+            os.killpg(proc.pid, signal.SIGKILL)
+            kills += proc.wait() == -signal.SIGKILL
+            continue
+        proc.communicate(timeout=300)
+        assert proc.returncode == 0
+        break
+    assert kills == 3
+    assert_same_weights(weights(tmp_path / "whole"), weights(out))
+    assert losses(tmp_path / "whole") == losses(out)
+
+
+def test_sigkill_during_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path):
+    # a config that makes the save at step 6 write half its bytes, then hang there
+    slow = tmp_path / "slow_save.py"
+    slow.write_text(
+        "import io as _io, time as _time, torch as _torch\n"
+        "_save = _torch.save\n"
+        "def _half_then_hang(obj, f, *a, **k):\n"
+        "    if obj['iter_num'] < 6:\n"
+        "        return _save(obj, f, *a, **k)\n"
+        "    buf = _io.BytesIO()\n"
+        "    _save(obj, buf)\n"
+        "    f.write(buf.getvalue()[: len(buf.getvalue()) // 2])\n"
+        "    f.flush()\n"
+        "    print('HALF WRITTEN', flush=True)\n"
+        "    _time.sleep(600)\n"
+        "_torch.save = _half_then_hang\n"
+    )
+    out = tmp_path / "out"
+    proc = start(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=9", str(slow))
+    wait_for(proc, "HALF WRITTEN")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "ckpt.pt.tmp").exists()  # the half-written file never took the name
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 3
+    run(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=9", "--init_from=resume")
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 9
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_step_saves_and_exits_zero(data_dir, tmp_path, sig):
+    proc = start(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000",
+                 "--eval_interval=100000")
+    wait_for(proc, "iter 3:")
+    proc.send_signal(sig)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output
+    step = int(output.split("saving at step ")[1].split()[0])
+    assert step >= 3 and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == step
+    assert max(losses(tmp_path)) == step  # the step was finished and logged
+
+
+def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_path):
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+    proc = start(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000",
+                 "--eval_interval=100000", "--gradient_accumulation_steps=2", launcher=launcher)
+    wait_for(proc, "iter 3:")
+    os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: the launcher and its workers
+    output = proc.communicate(timeout=120)[0]
+    stops = sorted(line for line in output.splitlines() if "stop requested" in line)
+    assert len(stops) == 2, output
+    steps = {int(line.split("saving at step ")[1].split()[0]) for line in stops}
+    assert len(steps) == 1, stops  # every rank agrees
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == steps.pop()
+    # the workers exit cleanly; the only traceback is torchrun's own report of the signal it got
+    assert output.count("Traceback") == output.count("SignalException: Process") == 1, output
+
+
+def nan_config(tmp_path, from_call):
+    # a config file that turns the training loss to NaN from the from_call-th loss computed on
+    path = tmp_path / f"nan_from_{from_call}.py"
+    path.write_text(
+        "import kernels as _k\n"
+        "_ref, _calls = _k.linear_cross_entropy_ref, [0]\n"
+        "def _nan(x, w, t, ignore_index=-1):\n"
+        "    _calls[0] += 1\n"
+        f"    return _ref(x, w, t, ignore_index) * (float('nan') if _calls[0] in {from_call} else 1.0)\n"
+        "_k.linear_cross_entropy_ref = _nan\n"
+    )
+    return str(path)
+
+
+def test_non_finite_loss_skips_the_update(data_dir, tmp_path):
+    # eval at step 0 computes 2 losses (eval_iters=1 per split); the 3rd is step 1's training loss
+    config = nan_config(tmp_path, "(3,)")
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_iters=1", "--max_iters=5",
+              "--eval_interval=5", config)
+    assert "step 0: skipped, loss nan" in out.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in records if r.get("skipped")] == [1]
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert state["iter_num"] == 5
+    steps = {s["step"].item() for s in state["optimizer"]["state"].values()}
+    assert steps == {4.0}  # 5 steps, one of them applied to nothing, the optimizer's moments included
+    assert all(torch.isfinite(p).all() for p in state["model"].values())
+
+
+def test_too_many_non_finite_steps_stop_and_keep_the_last_good_checkpoint(data_dir, tmp_path):
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=4")
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    config = nan_config(tmp_path, "range(1, 10**9)")  # NaN on every step after resuming (no eval there)
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=20", "--eval_interval=4",
+              "--eval_iters=1", "--max_skipped_steps=3", "--init_from=resume", config, check=False)
+    assert out.returncode != 0
+    assert "3 updates in a row had a non-finite loss or gradient" in out.stderr
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+def test_keep_last_n_and_best_checkpoint(data_dir, tmp_path):
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=10", "--eval_interval=2",
+        "--keep_last_n=2")
+    names = sorted(p.name for p in tmp_path.glob("ckpt*.pt"))
+    assert names == ["ckpt.pt", "ckpt_0000008.pt", "ckpt_0000010.pt", "ckpt_best.pt"]
+    newest = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    best = torch.load(tmp_path / "ckpt_best.pt", weights_only=True)
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    best_eval = min(evals, key=lambda r: r["val_loss"])
+    assert newest["iter_num"] == 10 and best["iter_num"] == best_eval["iter"]
+    assert best["best_val_loss"] == best_eval["val_loss"]
+
+
+def test_early_stopping(data_dir, tmp_path):
+    # learning_rate=0: the val loss never improves after the first evaluation
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100", "--eval_interval=2",
+              "--learning_rate=0", "--min_lr=0", "--early_stop_patience=2")
+    assert "early stop" in out.stdout
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 4
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, (f"touch {Boom.marker}",))
+
+
+def test_malicious_checkpoint_is_refused_and_runs_nothing(data_dir, tmp_path):
+    Boom.marker = tmp_path / "pwned"
+    (tmp_path / "ckpt.pt").write_bytes(pickle.dumps({"model": Boom()}))
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume", check=False)
+    assert out.returncode != 0
+    assert "holds objects other than tensors and plain values; refusing to load it" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not Boom.marker.exists()
+    out = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "refusing to load it" in out.stderr and not Boom.marker.exists()
+
+
+def test_out_of_range_token_names_file_and_position(data_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in ("meta.json", "val.bin"):
+        (bad / name).write_bytes((data_dir / name).read_bytes())
+    ids = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
+    ids[1000:] = 200  # beyond the model's vocabulary: the data's ids padded to a multiple of 64, < 200
+    ids.tofile(bad / "train.bin")
+    out = run(*TINY, f"--data_dir={bad}", f"--out_dir={tmp_path / 'o'}", check=False)
+    assert out.returncode != 0
+    line = out.stderr.strip()
+    assert f"token id 200 at position" in line and f"of {bad}/train.bin is not below" in line
+    position = int(line.split("at position ")[1].split()[0])
+    assert position >= 1000 and len(line.splitlines()) == 1
