@@ -151,11 +151,12 @@ with tempfile.TemporaryDirectory() as tmp:
     rows = []
     for value in (False, True):
         records = run_train([f"--{args.compare}={value}"], os.path.join(tmp, f"out_{value}"))
-        med = {k: statistics.median(r[k] for r in records) for k in ("tokens_per_s", "ms_per_iter", "mfu")}
+        med = {k: statistics.median(r[k] or 0 for r in records) for k in ("tokens_per_s", "ms_per_iter", "mfu")}
         rows.append((f"{args.compare}={value}", med, max(r["mem_mb"] for r in records)))
 
 print(f"\n{' '.join(train_args)}, {args.steps} steps, medians after {args.warmup}")
 print("| run | tokens/s | ms/iter | MFU | peak memory MB |\n| --- | --- | --- | --- | --- |")
 for name, med, mem in rows:
-    print(f"| {name} | {med['tokens_per_s']:,.0f} | {med['ms_per_iter']:.1f} | {med['mfu'] * 100:.1f}% | {mem:,.0f} |")
+    mfu = f"{med['mfu']:.1%}" if med["mfu"] else "n/a"
+    print(f"| {name} | {med['tokens_per_s']:,.0f} | {med['ms_per_iter']:.1f} | {mfu} | {mem:,.0f} |")
 print(f"speedup of {rows[1][0]}: {rows[1][1]['tokens_per_s'] / rows[0][1]['tokens_per_s']:.2f}x")

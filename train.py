@@ -17,6 +17,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import sys
 import time
@@ -136,11 +137,14 @@ if master:
 # per update give the same sequences however they are split into processes and micro-steps
 
 meta_path = os.path.join(data_dir, "meta.json")
+meta = {"dtype": "uint16", "vocab_size": 50257}  # a nanoGPT dataset, without meta.json: GPT-2 tokens
 if os.path.exists(meta_path):
-    with open(meta_path) as f:
-        meta = json.load(f)
-else:  # a nanoGPT dataset: GPT-2 tokens in uint16
-    meta = {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256}
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        data_dtype, _ = np.dtype(meta["dtype"]), int(meta["vocab_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        fail(f"{meta_path} is damaged ({type(e).__name__}: {e}); re-run prepare.py to write it again")
 data_dtype = np.dtype(meta["dtype"])
 if vocab_size == 0:
     vocab_size = 64 * math.ceil(meta["vocab_size"] / 64)
@@ -281,7 +285,6 @@ def replace_atomically(src, dst):
     try:
         os.link(src, tmp)
     except OSError:
-        import shutil
         shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
 
@@ -409,7 +412,7 @@ while True:
     else:  # a non-finite loss or gradient: apply nothing, not even to the optimizer's moments
         skipped_in_a_row += 1
         if master:
-            print(f"step {iter_num}: skipped, loss {loss_value}, grad norm {grad_norm_value} "
+            print(f"iter {iter_num + 1}: skipped, loss {loss_value}, grad norm {grad_norm_value} "
                   f"({skipped_in_a_row} in a row)")
         log({"iter": iter_num + 1, "loss": loss_value, "grad_norm": grad_norm_value, "skipped": True})
     scaler.update()
@@ -423,9 +426,9 @@ while True:
     if iter_num % log_interval == 0 and master and skipped_in_a_row == 0:
         dt = (time.time() - t_log) / iters_since_log
         tokens_per_s = tokens_per_iter / dt
-        mfu = flops_per_token * tokens_per_s / world_size / peak if peak else float("nan")
+        mfu = flops_per_token * tokens_per_s / world_size / peak if peak else None  # None: peak unknown
         print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
-              f"{dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU {mfu * 100:.1f}%, "
+              f"{dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU {f'{mfu:.1%}' if mfu else 'n/a'}, "
               f"mem {memory_mb():,.0f} MB")
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
              "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb()})

@@ -162,7 +162,7 @@ def test_non_finite_loss_skips_the_update(data_dir, tmp_path):
     config = nan_config(tmp_path, "(3,)")
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_iters=1", "--max_iters=5",
               "--eval_interval=5", config)
-    assert "step 0: skipped, loss nan" in out.stdout
+    assert "iter 1: skipped, loss nan" in out.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in records if r.get("skipped")] == [1]
     state = torch.load(tmp_path / "ckpt.pt", weights_only=True)

@@ -210,3 +210,13 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
     text = samples[0].rstrip("\n")
     assert text.startswith("hello") and len(text.replace("<|endoftext|>", "#")) == len("hello") + 40
     assert set(text.replace("<|endoftext|>", "")) <= set("hello world number 0123456789.\n")
+
+
+def test_bench_runs_train_both_ways_and_reports_a_table():
+    done = subprocess.run([sys.executable, "bench.py", "--synthetic", "--compare=tie_embeddings", "--steps=4",
+                           "--warmup=1", *TINY], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| tie_embeddings=")]
+    assert [r[0].strip() for r in rows] == ["tie_embeddings=False", "tie_embeddings=True"]
+    assert all(float(r[1].replace(",", "")) > 0 and r[3].strip().endswith("%") for r in rows)
+    assert "speedup of tie_embeddings=True:" in done.stdout
