@@ -341,7 +341,7 @@ def memory_mb():
 
 if wandb_log and master:
     import wandb
-    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
 
 # preemption: SIGTERM or SIGINT finishes the current step, saves, and exits 0
 stop_requested = False

@@ -220,3 +220,12 @@ def test_bench_runs_train_both_ways_and_reports_a_table():
     assert [r[0].strip() for r in rows] == ["tie_embeddings=False", "tie_embeddings=True"]
     assert all(float(r[1].replace(",", "")) > 0 and r[3].strip().endswith("%") for r in rows)
     assert "speedup of tie_embeddings=True:" in done.stdout
+
+
+def test_wandb_logging_offline(data_dir, tmp_path):
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=3",
+        "--wandb_log=True", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1  # the run's records, kept for `wandb sync`
+    records = runs[0].read_bytes()
+    assert all(key in records for key in (b"val_loss", b"tokens_per_s", b"grad_norm"))
