@@ -391,5 +391,9 @@ if HAS_TRITON:
         dev = x.device.type
         if torch.is_autocast_enabled(dev):  # autocast would cast the reference's matmul, not our op
             x, weight = x.to(torch.get_autocast_dtype(dev)), weight.to(torch.get_autocast_dtype(dev))
+        if x.dtype == torch.float16 or weight.dtype == torch.float16:
+            # the gradients are made in forward, before the loss scale is known: in fp16 the
+            # small ones (softmax / tokens) would underflow, so fp16 inputs are worked in fp32
+            x, weight = x.float(), weight.float()
         with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         return _lce_op(x, weight, targets, ignore_index, with_grad)[0]

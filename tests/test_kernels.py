@@ -147,6 +147,25 @@ def test_linear_cross_entropy(dtype, ignore, chunks, monkeypatch):
 
 
 @needs_triton
+def test_linear_cross_entropy_fp16_with_loss_scale():
+    # fp16 training multiplies the loss by a scale (65536) so that small gradients survive;
+    # they must survive here too, although the op makes its gradients before it sees the scale
+    torch.manual_seed(0)
+    N, C, V = 512, 32, 2048
+    x, w, t = randn(N, C).half(), (0.3 * randn(V, C, grad=False)).half(), _targets(N, V, "some")
+    grads = {}
+    for name, op, args in [("op", K.linear_cross_entropy, (x, w)), ("ref", K.linear_cross_entropy_ref, (x, w)),
+                           ("fp32", K.linear_cross_entropy_ref, (x.float(), w.float()))]:
+        leaves = [a.detach().clone().requires_grad_() for a in args]
+        (op(*leaves, t) * 65536.0).backward()
+        grads[name] = [leaf.grad for leaf in leaves]
+    for g, g_ref, g32 in zip(grads["op"], grads["ref"], grads["fp32"]):
+        assert g.dtype == torch.float16 and torch.isfinite(g).all()
+        assert rel_err(g, g32) <= max(2 * rel_err(g_ref, g32), 2**-10)  # as good as eager fp16
+        assert (g == 0).float().mean() <= (g_ref == 0).float().mean() + 0.01  # nothing underflows
+
+
+@needs_triton
 def test_linear_cross_entropy_wide_vocab():
     # a vocabulary wider than the kernel's block (4096), with a ragged last block
     torch.manual_seed(0)
