@@ -13,8 +13,11 @@ Inputs: folders are read recursively in sorted order, hidden files and folders l
 .jsonl/.ndjson: one document per line, from the field text, content or body (or --field);
 .json: one such object or an array of them; .parquet: the same column, in record batches;
 anything else is one plain UTF-8 document per file; any of these may be gzipped (.gz).
-Documents stream through; only one document (or one .json file: use .jsonl for big ones) is
-held in memory at a time.
+Nothing is held whole: documents stream through, and a big plain-text file is read and encoded
+in ~1 MB pieces, cut only where the tokens cannot change (SAFE_CUT), so memory stays flat for a
+10 GB .txt too. Held whole: one .json file (use .jsonl for big ones), one JSON line or parquet
+row, a stretch of text with no SAFE_CUT in it, and a plain-text file when the tokenizer is a
+tokenizer.json (its pre-tokenizer could be anything, so it gets the whole document).
 Files that are not UTF-8 text and bad records are skipped and listed, never lost silently.
 
 Tokenizers: a tiktoken name (gpt2, cl100k_base, o200k_base, ...), char (the corpus's
@@ -31,13 +34,14 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import stat
 import sys
 import sysconfig
 import tempfile
 import time
 import zlib
-from collections import deque
+from collections import deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain, islice
 from pathlib import Path
@@ -55,6 +59,13 @@ TEXT_FIELDS = ("text", "content", "body")
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # HF tokenizers, in order of preference
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
 MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)
+PIECE = 1 << 20  # plain-text files are read, checked and encoded ~1 MB at a time
+# Where a text can be cut and its pieces encoded apart with the same tokens as the whole, for the
+# regex pre-tokenizers of GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before
+# a space or newline between two letters or digits, or after a newline between a non-space and a
+# letter or digit. (After any newline is not enough: "Z\n\n|X" and " \n|X" change GPT-2's tokens.)
+SAFE_CUT = re.compile(r"(?<=[^\W_])(?=[ \n][^\W_])|(?<=\S\n)(?=[^\W_])")
+MARKER = "prepare.incomplete"  # in DIR only while a run renames its outputs into place
 
 
 def die(msg):
@@ -94,7 +105,7 @@ class Tokenizer:
         if self.enc is not None:
             return self.enc.encode_ordinary(text)
         if self.chars is not None:
-            return self.encode_docs([text])[0][:-1].tolist()
+            return self.encode_docs([text], [False])[0].tolist()
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids):
@@ -106,9 +117,10 @@ class Tokenizer:
             return "".join(self.chars[i] if i < len(self.chars) else "<|endoftext|>" for i in ids)
         return self.hf.decode(ids, skip_special_tokens=False)
 
-    def encode_docs(self, texts):
-        """list[str] -> list of uint32 arrays, each document's ids then end-of-text. Thread-safe;
-        the tiktoken and HF encoders release the GIL, so threads encode in parallel."""
+    def encode_docs(self, texts, ends):
+        """list[str] -> list of uint32 arrays, each text's ids, then end-of-text where ends[i] (a
+        document's last piece). Thread-safe; the tiktoken and HF encoders release the GIL, so
+        threads encode in parallel."""
         eot = np.array([self.eot_id], dtype=np.uint32)
         if self.enc is not None:  # encode_to_numpy with nothing special = encode_ordinary, minus the list
             out = [self.enc.encode_to_numpy(t, disallowed_special=()) for t in texts]
@@ -123,7 +135,7 @@ class Tokenizer:
                 out.append(ids)
         else:
             out = [np.array(e.ids, dtype=np.uint32) for e in self.hf.encode_batch(texts, add_special_tokens=False)]
-        return [np.concatenate([ids, eot]) for ids in out]
+        return [np.concatenate([ids, eot]) if end else ids for ids, end in zip(out, ends)]
 
     def save(self, out_dir):
         """Write what load_tokenizer needs into out_dir (under a .tmp name); return meta's entry."""
@@ -222,6 +234,9 @@ class SkipFile(Exception):
     """A file that cannot be read as documents; its message is the reason."""
 
 
+BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
+
+
 def input_files(root, stats, only_py=False, exclude=None):
     """Yield (path, path relative to root) for every file under root, in sorted order."""
     root = Path(root)
@@ -274,12 +289,18 @@ def record_text(obj, field):
     for name in names:
         if name in obj:
             v = obj[name]
-            return (v, None) if isinstance(v, str) else (None, f"field '{name}' is not a string ({type(v).__name__})")
+            if not isinstance(v, str):
+                return None, f"field '{name}' is not a string ({type(v).__name__})"
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:  # from a JSON \ud800 escape
+                return None, "invalid unicode (lone surrogate)"
+            return v, None
     return None, f"no text field ({'/'.join(names)})"
 
 
-def read_documents(path, field):
-    """Yield (position, text, None) per document, or (position, None, why) per bad record.
+def read_documents(path, field, dedup):
+    """Yield (position, text or BigText, None) per document, or (position, None, why) per bad record.
     Raises SkipFile for a file that cannot be read at all."""
     ext = file_ext(path)
     if not path.is_file():
@@ -322,31 +343,106 @@ def read_documents(path, field):
             for text in batch.column(0).to_pylist():
                 row += 1
                 yield f"row {row}", text, None if text is not None else f"'{col}' is null"
-    else:
-        with opener(path, "rb") as f:
-            head = f.read(8192)  # look before reading a big binary file whole
-            if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-                raise SkipFile("UTF-16 text (convert it to UTF-8)")
-            if b"\0" in head:
-                raise SkipFile("binary (contains NUL bytes)")
-            data = head + f.read()
-        if b"\0" in data:
-            raise SkipFile("binary (contains NUL bytes)")
+    elif ext == ".json":
+        text = "".join(t for _, t in decoded(path))
         try:
-            text = data.decode("utf-8").removeprefix("\ufeff")  # from bytes: line endings stay as they are
-        except UnicodeDecodeError as e:
-            raise SkipFile(f"not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})")
-        del data
-        if ext == ".json":
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
+        items = enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]
+        for i, item in items:
+            yield (f"item {i}" if i else ""), *record_text(item, field)
+    else:
+        yield "", read_text(path, dedup), None
+
+
+def decoded(path):
+    """Yield (bytes, text) of a UTF-8 file ~1 MB at a time (gunzipped, its byte-order mark removed);
+    raise SkipFile at a NUL byte (binary) or at bytes that are not UTF-8."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0  # a character may span two reads
+    with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
+        while True:
+            data = f.read(PIECE)
+            if offset == 0 and data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                raise SkipFile("UTF-16 text (convert it to UTF-8)")
+            if offset == 0 and data.startswith(codecs.BOM_UTF8):
+                data, offset = data[3:], 3
+            if b"\0" in data:
+                raise SkipFile("binary (contains NUL bytes)")
+            held = len(decoder.getstate()[0])  # bytes of a character the last read cut
             try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
-            items = enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]
-            for i, item in items:
-                yield (f"item {i}" if i else ""), *record_text(item, field)
-        else:
-            yield "", text, None
+                text = decoder.decode(data, final=not data)  # from bytes: line endings stay as they are
+            except UnicodeDecodeError as e:
+                raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {offset - held + e.start})")
+            if not data:
+                return
+            yield data, text
+            offset += len(data)
+
+
+def read_text(path, dedup):
+    """A plain-text file: its text when it fits in one read, else a BigText that this pass has checked
+    whole, so that a bad byte late in a big file skips all of it before any of it is used."""
+    first, n, nchars, blank = "", 0, 0, True
+    digest = hashlib.blake2b(digest_size=16) if dedup else None
+    for n, (data, text) in enumerate(decoded(path), 1):
+        first = text  # the whole text if there is one read
+        nchars += len(text)
+        blank = blank and (not text or text.isspace())
+        if digest:
+            digest.update(data)
+    return first if n <= 1 else BigText(path, nchars, blank, digest and digest.digest())
+
+
+def pieces(doc, start=0, stop=None, whole=False):
+    """Yield (text, is_last) for characters start:stop of a document: a str in one piece, a BigText
+    in ~1 MB pieces cut at SAFE_CUT (with none in sight, held until one comes), or whole."""
+    if isinstance(doc, str):
+        yield doc[start:stop], True
+        return
+    held, at = [], 0  # text read but not yet given out; characters read
+    try:
+        for _, text in decoded(doc.path):
+            lo, at = at, at + len(text)
+            text = text[max(start - lo, 0):None if stop is None else max(stop - lo, 0)]
+            cut = 0 if whole else last_cut(text)
+            if cut:  # < len(text): SAFE_CUT looks one character ahead
+                yield "".join(held) + text[:cut], False
+                held = [text[cut:]]
+            else:
+                held.append(text)
+            if stop is not None and at >= stop:
+                break
+    except (SkipFile, OSError, EOFError, zlib.error) as e:  # it was whole when checked
+        die(f"{doc.path} changed while it was read ({e}); run again")
+    yield "".join(held), True
+
+
+def last_cut(text):
+    """The last SAFE_CUT in text, looked for near its end first; 0 if none."""
+    for begin in (max(len(text) - 4096, 0), 0):
+        cut = 0
+        for m in SAFE_CUT.finditer(text, begin):
+            cut = m.start()
+        if cut:
+            return cut
+    return 0
+
+
+def tail_cut(doc, val_fraction):
+    """Where the last val_fraction of a single document starts: the next line start (or the one before,
+    with none after), as nanoGPT splits; read as a stream. None if that leaves a part empty."""
+    nchars = doc.nchars if isinstance(doc, BigText) else len(doc)
+    pos, before, at = int(nchars * (1 - val_fraction)), -1, 0
+    for text, _ in pieces(doc):
+        nl = text.find("\n", max(pos - at, 0))
+        if nl != -1 and at + nl + 1 < nchars:
+            return at + nl + 1
+        nl = text.rfind("\n", 0, max(pos - at, 0))
+        before = at + nl if nl != -1 else before
+        at += len(text)
+    cut = before + 1 if before != -1 else pos
+    return cut if 0 < cut < nchars else None
 
 
 def new_stats():
@@ -355,7 +451,7 @@ def new_stats():
 
 
 def corpus(inputs, args, stats, only_py=False, exclude=None):
-    """Yield (key, ext, text, nbytes) for every accepted document of inputs, in a fixed order.
+    """Yield (key, ext, text or BigText) for every accepted document of inputs, in a fixed order.
     key names the document (path within its INPUT, position) for the train/val split."""
     seen = set()  # 16-byte digests of the documents kept, for --dedup
 
@@ -375,27 +471,22 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
             ext = file_ext(path)
             kept = 0
             try:
-                for pos, text, why in read_documents(path, args.field):
-                    where = f"{path}:{pos}" if pos else str(path)
-                    if why is None:
-                        try:
-                            nbytes = len(text.encode("utf-8"))
-                        except UnicodeEncodeError:  # a lone surrogate, from a JSON \ud800 escape
-                            why = "invalid unicode (lone surrogate)"
+                for pos, doc, why in read_documents(path, args.field, args.dedup):
                     if why is not None:
-                        reject(where, why, file_level=False)
+                        reject(f"{path}:{pos}" if pos else str(path), why, file_level=False)
                         continue
-                    if not text.strip():
+                    big = isinstance(doc, BigText)
+                    if doc.blank if big else not doc.strip():
                         stats["empty"] += 1  # empty or whitespace only: nothing to learn from
                         continue
                     if args.dedup:
-                        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+                        digest = doc.digest if big else hashlib.blake2b(doc.encode("utf-8"), digest_size=16).digest()
                         if digest in seen:
                             stats["duplicates"] += 1
                             continue
                         seen.add(digest)
                     kept += 1
-                    yield f"{rel}:{pos}", ext, text, nbytes
+                    yield f"{rel}:{pos}", ext, doc
             except SkipFile as e:
                 reject(str(path), str(e), file_level=True)
                 continue
@@ -405,40 +496,47 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
                 reject(str(path), why + (f" after {kept} documents (those are kept)" if kept else ""), file_level=True)
                 continue
             stats["files_read"] += 1
-            s = stats["by_ext"].setdefault(ext or "(none)", {"files": 0, "documents": 0, "bytes": 0, "tokens": 0})
-            s["files"] += 1
+            ext_stats(stats, ext)["files"] += 1
+
+
+def ext_stats(stats, ext):
+    return stats["by_ext"].setdefault(ext or "(none)", {"files": 0, "documents": 0, "bytes": 0, "tokens": 0})
 
 # -----------------------------------------------------------------------------
-# encoding: ~64 KB batches of whole documents, encoded by a pool of threads, results in order
+# encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
-def encode_batch(tok, texts, is_val, dtype):
-    """-> (train ids, val ids, tokens per document); each document's ids end with end-of-text."""
-    ids = tok.encode_docs(texts)
+def encode_batch(tok, texts, ends, is_val, dtype):
+    """-> (train ids, val ids, tokens per text, bytes per text); a document's last piece ends with end-of-text."""
+    ids = tok.encode_docs(texts, ends)
     parts = ([a for a, v in zip(ids, is_val) if not v], [a for a, v in zip(ids, is_val) if v])
     cat = [np.concatenate(p).astype(dtype) if p else np.empty(0, dtype) for p in parts]
-    return cat[0], cat[1], [len(a) for a in ids]
+    return cat[0], cat[1], [len(a) for a in ids], [len(t.encode("utf-8")) for t in texts]
 
 
-def encoded(docs, tok, dtype, num_workers):
-    """docs: (is_val, info, text) -> yields (infos, is_vals, (train ids, val ids, lengths)) per batch.
-    Batches don't depend on num_workers, so neither do the outputs."""
+def encoded(docs, tok, dtype, num_workers, whole=False):
+    """docs: (is_val, ext, doc, start, stop) -> yields ([(is_val, is_last, ext)], (train ids, val ids,
+    tokens, bytes)) per batch, one entry per piece. Batches don't depend on num_workers, so neither do
+    the outputs."""
+    items = ((text, end, is_val, ext) for is_val, ext, doc, start, stop in docs
+             for text, end in pieces(doc, start, stop, whole))
     with ThreadPoolExecutor(num_workers) as pool:
         pending = deque()  # at most 2 batches per worker in flight: memory stays bounded
-        texts, flags, infos, size = [], [], [], 0
-        for is_val, info, text in chain(docs, [(None, None, None)]):
-            if text is not None:
-                texts.append(text); flags.append(is_val); infos.append(info)
-                size += len(text)
-            if texts and (size >= BATCH_CHARS or text is None):
-                pending.append((infos, flags, pool.submit(encode_batch, tok, texts, flags, dtype)))
-                texts, flags, infos, size = [], [], [], 0
-            while pending and (len(pending) > 2 * num_workers or text is None):
-                infos_, flags_, fut = pending.popleft()
+        batch, size = [], 0
+        for item in chain(items, [None]):
+            if item is not None:
+                batch.append(item)
+                size += len(item[0])
+            if batch and (size >= BATCH_CHARS or item is None):
+                texts, ends, flags, exts = zip(*batch)
+                pending.append((list(zip(flags, ends, exts)), pool.submit(encode_batch, tok, texts, ends, flags, dtype)))
+                batch, size = [], 0
+            while pending and (len(pending) > 2 * num_workers or item is None):
+                infos, fut = pending.popleft()
                 try:
                     result = fut.result()
                 except ValueError as e:  # a reused char vocabulary that lacks a character
                     die(f"{e} (use a tokenizer that covers this corpus)")
-                yield infos_, flags_, result
+                yield infos, result
 
 # -----------------------------------------------------------------------------
 # the run: read -> (learn a vocabulary) -> encode -> write under .tmp names -> rename, meta.json last
@@ -449,22 +547,19 @@ def split_is_val(key, val_fraction):
     return h < val_fraction * 2**64
 
 
-def tail_cut(text, val_fraction):
-    """Where the last val_fraction of a single document starts: the next line start, as nanoGPT splits."""
-    pos = int(len(text) * (1 - val_fraction))
-    nl = text.find("\n", pos)
-    if nl == -1 or nl + 1 >= len(text):
-        nl = text.rfind("\n", 0, pos)
-    return nl + 1 if nl != -1 else pos
-
-
 def move_last_doc(src, dst, nbytes):
     """Move the last nbytes of file src (one document's ids) to the end of file dst."""
     end = src.seek(0, 2)
     src.seek(end - nbytes)
-    dst.write(src.read(nbytes))
+    while chunk := src.read(1 << 24):  # a document may be big
+        dst.write(chunk)
     src.truncate(end - nbytes)
     src.seek(0, 2)
+
+
+def cpu_count():
+    """The cores this process may use; all of them where the OS can't say (macOS)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def human(n, unit=""):
@@ -492,20 +587,22 @@ def prepare(args, quiet=False):
             die("where should the dataset go? (pass --out_dir DIR)")
         if out.exists() and not out.is_dir():
             die(f"--out_dir {out} is a file (pass a folder)")
-        if ((out / "meta.json").exists() or (out / "train.bin").exists()) and not args.overwrite:
+    incomplete = not args.analyze and (out / MARKER).exists()  # a run killed while renaming left it
+    if not args.analyze and not args.overwrite and not incomplete:
+        if (out / "meta.json").exists() or (out / "train.bin").exists():
             die(f"{out} already holds a dataset (pass --overwrite to replace it)")
     exclude = out.resolve() if not args.analyze else None
-    num_workers = max(1, args.num_workers or len(os.sched_getaffinity(0)))
+    num_workers = max(1, args.num_workers or cpu_count())
 
-    def documents(stats):  # -> (is_val, (ext, nbytes), text)
-        for key, ext, text, n in corpus(inputs, args, stats, only_py=default, exclude=exclude):
-            yield (args.val_input is None and split_is_val(key, args.val_fraction)), (ext, n), text
-        for key, ext, text, n in corpus(args.val_input or [], args, stats, exclude=exclude):
-            yield True, (ext, n), text
+    def documents(stats):  # -> (is_val, ext, doc, start, stop): characters start:stop of doc
+        for key, ext, doc in corpus(inputs, args, stats, only_py=default, exclude=exclude):
+            yield (args.val_input is None and split_is_val(key, args.val_fraction)), ext, doc, 0, None
+        for key, ext, doc in corpus(args.val_input or [], args, stats, exclude=exclude):
+            yield True, ext, doc, 0, None
 
-    # the vocabulary, if the tokenizer learns one, from a first pass over the corpus
+    # the vocabulary, if the tokenizer learns one, from a first pass over the corpus, in pieces
     t_vocab = time.time()
-    tok = make_tokenizer(args.tokenizer, lambda: (text for _, _, text in documents(new_stats())))
+    tok = make_tokenizer(args.tokenizer, lambda: (t for d in documents(new_stats()) for t, _ in pieces(d[2])))
     t_vocab = time.time() - t_vocab
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
 
@@ -517,15 +614,14 @@ def prepare(args, quiet=False):
         die(f"no documents found in {', '.join(inputs)} (every file was skipped or empty; see above)")
     how = "val_input" if args.val_input else "hash of document name"
     single = len(head) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze
-    if single:  # one big document (tinyshakespeare): its tail is the validation text, as nanoGPT does
-        (_, (single_ext, _), text), cut = head[0], tail_cut(head[0][2], args.val_fraction)
-        single = 0 < cut < len(text)
+    if single:  # one document (tinyshakespeare): its tail is the validation text, as nanoGPT does
+        _, single_ext, doc, _, _ = head[0]
+        cut = tail_cut(doc, args.val_fraction)
+        single = cut is not None
         if single:
             how = "tail of the single document, cut at a line start"
-            head = [(v, (single_ext, len(t.encode("utf-8"))), t) for v, t in ((False, text[:cut]), (True, text[cut:]))]
-        del text
+            head = [(False, single_ext, doc, 0, cut), (True, single_ext, doc, cut, None)]
     docs = chain(head, docs)
-    del head
     created = not out.exists()
     files = {}
     if not args.analyze:
@@ -536,27 +632,32 @@ def prepare(args, quiet=False):
         last = {}  # split -> (tokens, bytes) of its last document, to move one if a split comes out empty
         hist = {}  # log2(document length in tokens) -> documents
         ndocs = -1 if single else 0  # its two parts are one document read
+        n_doc = b_doc = 0  # tokens and bytes of the document so far (a big one comes in pieces)
         bar = tqdm(unit="B", unit_scale=True, disable=None if not quiet else True, desc="prepare", file=sys.stderr)
         t_enc = time.time()
-        for infos, flags, (train_ids, val_ids, lens) in encoded(docs, tok, dtype, num_workers):
+        whole = tok.kind == "huggingface"  # its pre-tokenizer may not be cut at SAFE_CUT: whole documents
+        for infos, (train_ids, val_ids, lens, sizes) in encoded(docs, tok, dtype, num_workers, whole):
             if files:
                 files["train"].write(train_ids); files["val"].write(val_ids)
-            for (ext, nbytes), is_val, n in zip(infos, flags, lens):
-                s = split["val" if is_val else "train"]
-                s["documents"] += 1; s["tokens"] += n; s["bytes"] += nbytes
-                last["val" if is_val else "train"] = (n, nbytes)
-                e = stats["by_ext"].setdefault(ext or "(none)", {"files": 0, "documents": 0, "bytes": 0, "tokens": 0})
-                e["documents"] += 1; e["bytes"] += nbytes; e["tokens"] += n
-                k = (n - 1).bit_length() - 1  # power-of-two bucket of the length without end-of-text
+            for (is_val, end, ext), n, nbytes in zip(infos, lens, sizes):
+                n_doc += n; b_doc += nbytes
+                if not end:
+                    continue
+                s, e = split["val" if is_val else "train"], ext_stats(stats, ext)
+                s["documents"] += 1; s["tokens"] += n_doc; s["bytes"] += b_doc
+                e["documents"] += 1; e["tokens"] += n_doc; e["bytes"] += b_doc
+                last["val" if is_val else "train"] = (n_doc, b_doc)
+                k = (n_doc - 1).bit_length() - 1  # power-of-two bucket of the length without end-of-text
                 hist[k] = hist.get(k, 0) + 1
-            ndocs += len(lens)
-            bar.update(sum(i[1] for i in infos))
+                ndocs += 1
+                n_doc = b_doc = 0
+            bar.update(sum(sizes))
             bar.set_postfix(files=stats["files_read"], tokens=human(split["train"]["tokens"] + split["val"]["tokens"]), refresh=False)
         bar.close()
         t_enc = max(time.time() - t_enc, 1e-6)
 
         if single:
-            stats["by_ext"][single_ext or "(none)"]["documents"] -= 1
+            ext_stats(stats, single_ext)["documents"] -= 1
         elif files and ndocs >= 2 and args.val_input is None and args.val_fraction > 0:
             for empty, full in (("val", "train"), ("train", "val")):
                 if split[empty]["documents"] == 0:  # each split gets at least one document
@@ -595,12 +696,17 @@ def prepare(args, quiet=False):
         meta["tokenizer"], tok_file = tok.save(out)
         for f in files.values():
             f.flush(); os.fsync(f.fileno()); f.close()
-        # the old dataset stays whole until here; without meta.json nothing looks finished
+        # the old dataset stays whole until here; from the marker's creation to its removal, killed
+        # or not, the folder says it is incomplete (train.py refuses it, a rerun replaces it)
+        with open(out / MARKER, "w") as f:
+            f.write("prepare.py stopped while writing this dataset: it is incomplete; run prepare.py again\n")
+            f.flush(); os.fsync(f.fileno())
         (out / "meta.json").unlink(missing_ok=True)
         for name in ("train.bin", "val.bin") + ((tok_file,) if tok_file else ()):
             os.replace(out / (name + ".tmp"), out / name)
         (out / "meta.json.tmp").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(out / "meta.json.tmp", out / "meta.json")
+        (out / MARKER).unlink()
     finally:
         for f in files.values():
             f.close()
@@ -612,7 +718,8 @@ def prepare(args, quiet=False):
     # the summary
     nbytes = split["train"]["bytes"] + split["val"]["bytes"]
     ntok = split["train"]["tokens"] + split["val"]["tokens"]
-    say(f"read {stats['files_read']} files, {ndocs} documents, {human(nbytes, 'B')} -> {out}/")
+    say(f"read {stats['files_read']} files, {ndocs} documents, {human(nbytes, 'B')} -> {out}/"
+        + (" (replacing the incomplete dataset a killed run had left there)" if incomplete else ""))
     say(f"tokenizer: {tok.name} (vocab {tok.vocab_size}, end-of-text {tok.eot_id}, {meta['dtype']})"
         + (f", learned in {t_vocab:.1f} s" if t_vocab > 0.5 else ""))
     for s in ("train", "val"):
@@ -663,9 +770,9 @@ def bench(args):
     if tok.kind != "tiktoken":
         die("--bench compares against tiktoken: pass a tiktoken encoding, e.g. --tokenizer=gpt2")
     inputs = args.input or [sysconfig.get_paths()["stdlib"]]
-    texts = [t for _, _, t, _ in corpus(inputs, args, new_stats(), only_py=not args.input)]
+    texts = ["".join(t for t, _ in pieces(doc)) for _, _, doc in corpus(inputs, args, new_stats(), only_py=not args.input)]
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    threads = max(1, args.num_workers or len(os.sched_getaffinity(0)))
+    threads = max(1, args.num_workers or cpu_count())
 
     def timed(fn):  # (wall, CPU of all threads) seconds
         w, c = time.time(), time.process_time()
