@@ -10,12 +10,14 @@ DDP over 8 GPUs on one node, or over several nodes (run the same line on each, w
     torchrun --nnodes=4 --node_rank=0 --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29500 train.py config/train_small.py
 
-Continue a run from out_dir/ckpt.pt exactly where it stopped: add --init_from=resume.
+Continue a run from out_dir/ckpt.pt exactly where it stopped: add --init_from=resume (or use
+--init_from=auto, which resumes when there is a checkpoint: the same command after every preemption).
 """
 
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import signal
@@ -40,7 +42,7 @@ eval_interval = 250  # estimate train/val loss (and maybe checkpoint) every this
 log_interval = 10  # print and record training metrics every this many steps
 eval_iters = 50  # batches per loss estimate, per process
 always_save_checkpoint = True  # save at every evaluation, not only when val loss improves
-init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+init_from = "scratch"  # 'scratch', 'resume' (from out_dir/ckpt.pt), or 'auto' (resume if there is one)
 keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
 early_stop_patience = 0  # stop after this many evaluations without a better val loss (0: never)
 max_skipped_steps = 10  # stop after this many updates in a row skipped for a non-finite loss or gradient
@@ -91,6 +93,14 @@ def fail(msg):
     sys.exit(f"train.py: {msg}")
 
 
+for k in ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size", "gradient_accumulation_steps",
+          "max_skipped_steps"):
+    if globals()[k] < 1:
+        fail(f"{k}={globals()[k]} must be at least 1")
+if use_kernels not in (None, True, False):
+    fail(f"use_kernels={use_kernels!r} must be True, False or None (auto)")
+
+
 # -----------------------------------------------------------------------------
 # devices and processes
 
@@ -138,11 +148,13 @@ if master:
 
 meta_path = os.path.join(data_dir, "meta.json")
 meta = {"dtype": "uint16", "vocab_size": 50257}  # a nanoGPT dataset, without meta.json: GPT-2 tokens
+if os.path.exists(os.path.join(data_dir, "prepare.incomplete")):
+    fail(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
 if os.path.exists(meta_path):
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        data_dtype, _ = np.dtype(meta["dtype"]), int(meta["vocab_size"])
+        meta["dtype"], meta["vocab_size"] = np.dtype(meta["dtype"]).name, int(meta["vocab_size"])
     except (ValueError, KeyError, TypeError) as e:
         fail(f"{meta_path} is damaged ({type(e).__name__}: {e}); re-run prepare.py to write it again")
 data_dtype = np.dtype(meta["dtype"])
@@ -191,7 +203,14 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_
                   use_kernels=use_kernels)
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 iter_num, best_val_loss, evals_without_gain, skipped_in_a_row = 0, float("inf"), 0, 0
+evaluated_at = None  # the step whose evaluation is done (a checkpoint saved on a signal may lack it)
 checkpoint = None
+if init_from == "auto":
+    init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
+if init_from == "scratch" and os.path.exists(ckpt_path):
+    fail(f"{ckpt_path} holds a run already: continue it with --init_from=resume, or train into another out_dir")
+if init_from == "scratch" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+    os.remove(os.path.join(out_dir, "metrics.jsonl"))  # left by a run that died before its first checkpoint
 if init_from == "resume":
     if not os.path.exists(ckpt_path):
         fail(f"no checkpoint at {ckpt_path} to resume from (train first, or set init_from='scratch')")
@@ -207,14 +226,18 @@ if init_from == "resume":
     vocab_size = model_args["vocab_size"]
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evals_without_gain, skipped_in_a_row = checkpoint["evals_without_gain"], checkpoint["skipped_in_a_row"]
+    evaluated_at = iter_num if checkpoint["evaluated"] else None
     if (checkpoint["config"]["seed"], checkpoint["world_size"]) != (seed, world_size) and master:
         print(f"warning: seed or process count changed since the checkpoint: training continues, "
               f"but not on the batches the first run would have seen")
 elif init_from != "scratch":
-    fail(f"init_from={init_from!r} is not 'scratch' or 'resume'")
+    fail(f"init_from={init_from!r} is not 'scratch', 'resume' or 'auto'")
 
 torch.manual_seed(seed)  # the same initial weights in every process
-model = GPT(GPTConfig(**model_args))
+try:
+    model = GPT(GPTConfig(**model_args))
+except ValueError as e:  # a shape that cannot be built, e.g. n_embd not divisible by n_head
+    fail(str(e))
 if checkpoint is not None:
     model.load_state_dict(checkpoint["model"])
 model.to(device)
@@ -302,7 +325,7 @@ def save_checkpoint(improved):
         "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
         "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
         "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
-        "config": config, "world_size": world_size, "rng": rngs,
+        "evaluated": evaluated_at == iter_num, "config": config, "world_size": world_size, "rng": rngs,
     }
     tmp = ckpt_path + ".tmp"
     with open(tmp, "wb") as f:
@@ -314,9 +337,9 @@ def save_checkpoint(improved):
         replace_atomically(ckpt_path, os.path.join(out_dir, "ckpt_best.pt"))
     if keep_last_n > 0:
         replace_atomically(ckpt_path, os.path.join(out_dir, f"ckpt_{iter_num:07d}.pt"))
-        steps = sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt_0") and f.endswith(".pt"))
+        steps = sorted(int(m[1]) for f in os.listdir(out_dir) if (m := re.fullmatch(r"ckpt_(\d+)\.pt", f)))
         for old in steps[:-keep_last_n]:
-            os.remove(os.path.join(out_dir, old))
+            os.remove(os.path.join(out_dir, f"ckpt_{old:07d}.pt"))
     print(f"saved {ckpt_path} at step {iter_num}")
 
 
@@ -360,12 +383,13 @@ signal.signal(signal.SIGINT, request_stop)
 # -----------------------------------------------------------------------------
 # the training loop
 
-resumed_at = iter_num if init_from == "resume" else None
+config.update(device=device, dtype=dtype, backend=backend, vocab_size=vocab_size, init_from=init_from)  # resolved
 t_log, iters_since_log = time.time(), 0
 while True:
     # evaluate (and checkpoint) every eval_interval steps and at the end
-    if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != resumed_at:
+    if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != evaluated_at:
         losses = estimate_loss()
+        evaluated_at = iter_num
         improved = losses["val"] < best_val_loss
         best_val_loss = min(best_val_loss, losses["val"])
         evals_without_gain = 0 if improved else evals_without_gain + 1

@@ -53,11 +53,12 @@ def test_bitwise_resume_one_process(data_dir, tmp_path, stop_at):
     assert all(torch.equal(whole[i]["exp_avg_sq"], parts[i]["exp_avg_sq"]) for i in whole)
 
 
-def test_bitwise_resume_ddp(data_dir, tmp_path):
+@pytest.mark.parametrize("stop_at", [2, 5])
+def test_bitwise_resume_ddp(data_dir, tmp_path, stop_at):
     args = [*COMMON, f"--data_dir={data_dir}", "--gradient_accumulation_steps=2"]
     ddp = ["--standalone", "--nproc_per_node=2"]
     run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=8", torchrun=ddp)
-    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=4", torchrun=ddp)
+    run(*args, f"--out_dir={tmp_path / 'parts'}", f"--max_iters={stop_at}", torchrun=ddp)
     run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=8", "--init_from=resume", torchrun=ddp)
     assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
     assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "parts"))
@@ -125,6 +126,24 @@ def test_signal_finishes_the_step_saves_and_exits_zero(data_dir, tmp_path, sig):
     step = int(output.split("saving at step ")[1].split()[0])
     assert step >= 3 and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == step
     assert max(losses(tmp_path)) == step  # the step was finished and logged
+
+
+def test_a_stop_at_an_evaluation_step_evaluates_on_resume(data_dir, tmp_path):
+    # eval_interval=1: every stop lands on a step whose evaluation has not run yet
+    args = [*TINY, f"--data_dir={data_dir}", "--eval_interval=1", "--eval_iters=1", "--max_iters=60"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}")
+    proc = start(*args, f"--out_dir={tmp_path / 'parts'}")
+    wait_for(proc, "iter 3:")
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    step = int(output.split("saving at step ")[1].split()[0])
+    assert step < 60
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--init_from=resume")
+
+    def evals(out_dir):
+        lines = (tmp_path / out_dir / "metrics.jsonl").read_text().splitlines()
+        return {r["iter"]: r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r}
+    assert evals("whole") == evals("parts") and len(evals("parts")) == 61
 
 
 def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_path):

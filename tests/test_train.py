@@ -74,7 +74,7 @@ def test_trains_and_records_metrics(data_dir, tmp_path):
     assert evals[-1]["val_ppl"] == pytest.approx(np.exp(evals[-1]["val_loss"]))
     steps = [r for r in records if "tokens_per_s" in r]
     assert [r["iter"] for r in steps] == list(range(1, 21))
-    assert all(r["grad_norm"] > 0 and r["mem_mb"] > 0 and 0 < r["mfu"] < 1 for r in steps)
+    assert all(r["grad_norm"] > 0 and r["mem_mb"] > 0 and (r["mfu"] is None or 0 < r["mfu"] < 1) for r in steps)
     assert "tokens per update: 128 " in out.stdout
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["iter_num"] == 20 and ckpt["config"]["max_iters"] == 20
@@ -150,8 +150,11 @@ def test_resume_continues_from_saved_step(data_dir, tmp_path):
     (["--compile=yes"], "compile must be bool like its default False, got 'yes'"),
     (["--batch_size"], "write overrides as --key=value"),
     (["config/no_such_file.py"], "config file config/no_such_file.py: No such file or directory"),
-    (["--init_from=gpt2"], "init_from='gpt2' is not 'scratch' or 'resume'"),
+    (["--init_from=gpt2"], "init_from='gpt2' is not 'scratch', 'resume' or 'auto'"),
     (["--dtype=float8"], "dtype='float8' is not one of"),
+    (["--n_head=5"], "n_embd=32 must be divisible by n_head=5"),
+    (["--eval_interval=0"], "eval_interval=0 must be at least 1"),
+    (["--use_kernels=Flase"], "use_kernels='Flase' must be True, False or None (auto)"),
 ])
 def test_config_errors(data_dir, tmp_path, args, message):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args, check=False)
@@ -186,6 +189,17 @@ def test_data_errors(data_dir, tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_a_finished_run_is_never_overwritten_and_auto_resumes(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=4"]
+    run(*args, "--max_iters=4")
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    out = run(*args, "--max_iters=8", check=False)  # the same command again, without resume
+    assert out.returncode != 0 and "holds a run already: continue it with --init_from=resume" in out.stderr
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    out = run(*args, "--max_iters=8", "--init_from=auto")
+    assert "iter 5:" in out.stdout and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 8
+
+
 def test_resume_without_checkpoint(data_dir, tmp_path):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume", check=False)
     assert out.returncode != 0 and f"no checkpoint at {tmp_path}/ckpt.pt" in out.stderr
@@ -218,7 +232,7 @@ def test_bench_runs_train_both_ways_and_reports_a_table():
     assert done.returncode == 0, done.stderr
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| tie_embeddings=")]
     assert [r[0].strip() for r in rows] == ["tie_embeddings=False", "tie_embeddings=True"]
-    assert all(float(r[1].replace(",", "")) > 0 and r[3].strip().endswith("%") for r in rows)
+    assert all(float(r[1].replace(",", "")) > 0 and r[3].strip()[-1] in "%a" for r in rows)  # n/a: peak unknown
     assert "speedup of tie_embeddings=True:" in done.stdout
 
 
