@@ -14,7 +14,7 @@ Inputs: folders are read recursively in sorted order, hidden files and folders l
 .json: one such object or an array of them; .parquet: the same column, in record batches;
 anything else is one plain UTF-8 document per file; any of these may be gzipped (.gz).
 Nothing is held whole: documents stream through, and a big plain-text file is read and encoded
-in ~1 MB pieces, cut only where the tokens cannot change (SAFE_CUT), so memory stays flat for a
+in ~64 KB pieces, cut only where the tokens cannot change (SAFE_CUT), so memory stays flat for a
 10 GB .txt too. Held whole: one .json file (use .jsonl for big ones), one JSON line or parquet
 row, a stretch of text with no SAFE_CUT in it, and a plain-text file when the tokenizer is a
 tokenizer.json (its pre-tokenizer could be anything, so it gets the whole document).
@@ -59,12 +59,13 @@ TEXT_FIELDS = ("text", "content", "body")
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # HF tokenizers, in order of preference
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
 MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)
-PIECE = 1 << 20  # plain-text files are read, checked and encoded ~1 MB at a time
+PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a time
 # Where a text can be cut and its pieces encoded apart with the same tokens as the whole, for the
 # regex pre-tokenizers of GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before
 # a space or newline between two letters or digits, or after a newline between a non-space and a
 # letter or digit. (After any newline is not enough: "Z\n\n|X" and " \n|X" change GPT-2's tokens.)
 SAFE_CUT = re.compile(r"(?<=[^\W_])(?=[ \n][^\W_])|(?<=\S\n)(?=[^\W_])")
+LAST_CUT = re.compile(r"(?s:.*)(?:" + SAFE_CUT.pattern + ")")  # .* backtracks from the end: the last one
 MARKER = "prepare.incomplete"  # in DIR only while a run renames its outputs into place
 
 
@@ -396,7 +397,7 @@ def read_text(path, dedup):
 
 def pieces(doc, start=0, stop=None, whole=False):
     """Yield (text, is_last) for characters start:stop of a document: a str in one piece, a BigText
-    in ~1 MB pieces cut at SAFE_CUT (with none in sight, held until one comes), or whole."""
+    in pieces of about one read, cut at its last SAFE_CUT (none in it: held until one comes), or whole."""
     if isinstance(doc, str):
         yield doc[start:stop], True
         return
@@ -405,10 +406,10 @@ def pieces(doc, start=0, stop=None, whole=False):
         for _, text in decoded(doc.path):
             lo, at = at, at + len(text)
             text = text[max(start - lo, 0):None if stop is None else max(stop - lo, 0)]
-            cut = 0 if whole else last_cut(text)
-            if cut:  # < len(text): SAFE_CUT looks one character ahead
-                yield "".join(held) + text[:cut], False
-                held = [text[cut:]]
+            m = None if whole else LAST_CUT.match(text)
+            if m:  # 0 < m.end() < len(text): SAFE_CUT looks one character back and ahead
+                yield "".join(held) + text[:m.end()], False
+                held = [text[m.end():]]
             else:
                 held.append(text)
             if stop is not None and at >= stop:
@@ -416,17 +417,6 @@ def pieces(doc, start=0, stop=None, whole=False):
     except (SkipFile, OSError, EOFError, zlib.error) as e:  # it was whole when checked
         die(f"{doc.path} changed while it was read ({e}); run again")
     yield "".join(held), True
-
-
-def last_cut(text):
-    """The last SAFE_CUT in text, looked for near its end first; 0 if none."""
-    for begin in (max(len(text) - 4096, 0), 0):
-        cut = 0
-        for m in SAFE_CUT.finditer(text, begin):
-            cut = m.start()
-        if cut:
-            return cut
-    return 0
 
 
 def tail_cut(doc, val_fraction):

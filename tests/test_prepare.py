@@ -110,19 +110,35 @@ def hf_tokenizer_json(folder, special=("<|endoftext|>",)):
     return Path(folder)
 
 
+def generated(path, mbytes, units, rng):
+    """Write mbytes MB of units drawn at random, ~50 KB at a time (100 MB in a few seconds)."""
+    with open(write(path, ""), "w", encoding="utf-8") as f:
+        size = 0
+        while size < mbytes * 1e6:
+            chunk = "".join(rng.choices(units, k=max(1, 50_000 // len(units[0]))))
+            f.write(chunk)
+            size += len(chunk)
+    return path
+
+
+def random_lines(rng, n=1000):
+    vocab = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(1, 9))) for _ in range(2000)]
+    return [" ".join(rng.choices(vocab, k=rng.randint(5, 15))) + "\n" for _ in range(n)]
+
+
 def words_corpus(folder, mbytes, nfiles=4, seed=0):
-    """mbytes MB of generated .jsonl documents (~2-8 KB each)."""
+    """mbytes MB of generated .jsonl documents (~2-8 KB each), in nfiles files."""
     rng = random.Random(seed)
-    vocab = [("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9)))) for _ in range(2000)]
-    per_file = int(mbytes * 1e6 / nfiles)
+    lines = random_lines(rng)
+    docs = [json.dumps({"text": "".join(rng.choices(lines, k=rng.randint(30, 100)))}) + "\n" for _ in range(300)]
     for i in range(nfiles):
-        lines, size = [], 0
-        while size < per_file:
-            doc = " ".join(rng.choices(vocab, k=rng.randint(400, 1500))) + "\n"
-            lines.append(json.dumps({"text": doc}) + "\n")
-            size += len(lines[-1])
-        write(Path(folder) / f"part{i}.jsonl", "".join(lines))
+        generated(Path(folder) / f"part{i}.jsonl", mbytes / nfiles, docs, rng)
     return folder
+
+
+def text_file(path, mbytes, seed=0):
+    """One plain-text document of mbytes MB, of random lines."""
+    return generated(path, mbytes, random_lines(random.Random(seed)), random.Random(seed))
 
 # -----------------------------------------------------------------------------
 # tokenizers round-trip: decoding both splits gives back every document exactly
@@ -472,12 +488,17 @@ def peak_rss_mb(src, out):
     return int(r.stdout.strip().splitlines()[-1]) / 1024  # KB on Linux
 
 
-def test_memory_does_not_grow_with_corpus_size(tmp_path):
-    small = peak_rss_mb(words_corpus(tmp_path / "small", 2, nfiles=2), tmp_path / "o1")
-    big = peak_rss_mb(words_corpus(tmp_path / "big", 20, nfiles=4), tmp_path / "o2")
+@pytest.mark.parametrize("shape", ["many documents", "one big file"])
+def test_memory_does_not_grow_with_corpus_size(tmp_path, shape):
+    if shape == "many documents":  # 2 MB against 80 MB of .jsonl
+        small, big = (words_corpus(tmp_path / name, mb, nfiles=4) for name, mb in (("small", 2), ("big", 80)))
+    else:  # one .txt of 2 MB against one of 60 MB: read and encoded in pieces, its tail split off as val
+        small, big = (text_file(tmp_path / name, mb) for name, mb in (("small.txt", 2), ("big.txt", 60)))
+    small_mb, big_mb = peak_rss_mb(small, tmp_path / "o1"), peak_rss_mb(big, tmp_path / "o2")
     meta = json.loads((tmp_path / "o2" / "meta.json").read_text())
-    assert meta["train"]["tokens"] + meta["val"]["tokens"] > 19e6  # it did read all of it
-    assert big - small < 20, f"peak RSS {small:.0f} MB for 2 MB of text, {big:.0f} MB for 20 MB"
+    assert meta["train"]["bytes"] + meta["val"]["bytes"] > (55e6 if shape == "one big file" else 75e6)  # it read all of it
+    print(f"{shape}: peak RSS {small_mb:.0f} MB for the small corpus, {big_mb:.0f} MB for the big one")
+    assert big_mb - small_mb < 25, f"peak RSS {small_mb:.0f} MB for the small corpus, {big_mb:.0f} MB for the big one"
 
 
 def test_killed_run_leaves_nothing_finished(tmp_path):
