@@ -175,6 +175,8 @@ class GPT(nn.Module):
         # the full logits; without, (logits (B, T, V), None). cache: list of n_layer lists, see generate.
         B, T = idx.shape
         start = cache[0][0].shape[1] if cache and cache[0] else 0  # positions already in the cache
+        if start and T > 1:  # the causal mask below assumes queries and keys start together
+            raise ValueError("with a filled cache, feed one token at a time")
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]

@@ -32,31 +32,48 @@ args = parser.parse_args()
 # -----------------------------------------------------------------------------
 # the checkpoint, the model and the tokenizer
 
+def fail(msg):
+    sys.exit(f"sample.py: {msg}")
+
+
 device = args.device
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+if device.startswith("cuda") and not torch.cuda.is_available():
+    fail(f"--device={device} but no CUDA GPU is visible (use --device=cpu)")
+if args.top_k is not None and args.top_k < 1:
+    fail(f"--top_k={args.top_k} must be at least 1 (or leave it out)")
 dtype = args.dtype
 if dtype == "auto":
     dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
 path = os.path.join(args.out_dir, args.ckpt)
 if not os.path.exists(path):
-    sys.exit(f"sample.py: no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
+    fail(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
 try:
     checkpoint = load_checkpoint(path, device)
 except ValueError as e:
-    sys.exit(f"sample.py: {e}")
+    fail(str(e))
 model = GPT(GPTConfig(**checkpoint["model_args"]))
 model.load_state_dict(checkpoint["model"])
 model.eval().to(device)
-tokenizer = load_tokenizer(checkpoint["config"]["data_dir"])
+data_dir = checkpoint["data_dir"]  # the tokenizer lives with the data the model was trained on
+if not os.path.isdir(data_dir):
+    fail(f"the model was trained on {data_dir}, which is gone: its tokenizer is needed (restore that folder)")
+tokenizer = load_tokenizer(data_dir)
 
 start = args.start
 if start.startswith("FILE:"):
-    with open(start[5:], encoding="utf-8") as f:
-        start = f.read()
-ids = tokenizer.encode(start)
+    try:
+        with open(start[5:], encoding="utf-8") as f:
+            start = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"cannot read the prompt file {start[5:]} ({e})")
+try:
+    ids = tokenizer.encode(start)
+except ValueError as e:  # e.g. a character the char vocabulary lacks
+    fail(f"the prompt cannot be encoded: {e}")
 if not ids:
-    sys.exit("sample.py: the prompt encodes to no tokens (give a non-empty --start)")
+    fail("the prompt encodes to no tokens (give a non-empty --start)")
 
 # -----------------------------------------------------------------------------
 # generate

@@ -326,6 +326,7 @@ def save_checkpoint(improved):
         "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
         "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
         "evaluated": evaluated_at == iter_num, "config": config, "world_size": world_size, "rng": rngs,
+        "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
     }
     tmp = ckpt_path + ".tmp"
     with open(tmp, "wb") as f:

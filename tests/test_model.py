@@ -119,3 +119,12 @@ def test_training_reduces_loss():
         opt.step()
         first = first or loss.item()
     assert first > math.log(97) - 0.5 and loss.item() < first / 2  # it memorises a fixed batch
+
+
+def test_filled_cache_takes_one_token_at_a_time():
+    model = tiny()
+    cache = [[] for _ in model.blocks]
+    model(torch.randint(0, 97, (1, 4)), cache=cache)
+    assert cache[0][0].shape == (1, 4, 2, 8)  # (B, T, n_kv_head, head size)
+    with pytest.raises(ValueError, match="one token at a time"):
+        model(torch.randint(0, 97, (1, 2)), cache=cache)

@@ -225,6 +225,18 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
     assert text.startswith("hello") and len(text.replace("<|endoftext|>", "#")) == len("hello") + 40
     assert set(text.replace("<|endoftext|>", "")) <= set("hello world number 0123456789.\n")
 
+    # from another folder too: the checkpoint knows where its data and tokenizer are
+    elsewhere = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={out}", "--start=hello",
+                                "--num_samples=1", "--max_new_tokens=40", "--temperature=0"], cwd=tmp_path,
+                               capture_output=True, text=True)
+    assert elsewhere.returncode == 0 and elsewhere.stdout == samples[0] + "---------------\n"
+    for bad, message in [("--start=FILE:/no/such/prompt.txt", "cannot read the prompt file"),
+                         ("--start=héllo", "the prompt cannot be encoded: character 'é'"),
+                         ("--top_k=0", "--top_k=0 must be at least 1")]:
+        done = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", bad], cwd=ROOT, capture_output=True,
+                              text=True)
+        assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+
 
 def test_bench_runs_train_both_ways_and_reports_a_table():
     done = subprocess.run([sys.executable, "bench.py", "--synthetic", "--compare=tie_embeddings", "--steps=4",
