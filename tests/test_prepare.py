@@ -3,6 +3,7 @@ listed, outputs are identical for any worker count, memory stays flat, a killed 
 nothing that looks finished. Run: python -m pytest -q tests/test_prepare.py"""
 
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -263,6 +264,79 @@ def test_tinyshakespeare_single_document_gets_its_tail_as_val(tmp_path):
     assert 0.09 < len(val) / len(text) < 0.11
     assert meta["vocab_size"] == 66 and meta["eot_id"] == 65  # nanoGPT's 65 characters + end-of-text
     assert meta["train"]["tokens"] == len(train) + 1 and meta["val"]["tokens"] == len(val) + 1
+
+
+# -----------------------------------------------------------------------------
+# big plain-text files: read and encoded in pieces, with the tokens of the whole
+
+TRICKY = ["a", "Z", "word", "7", "123", " ", "  ", "\n", "\r\n", "\t", ".", "/", "'s", "中文", "é", "e\u0301",
+          "\n\n", " \n", "_", "ǅ", "\u00a0", "²", "\r", "😀", ",", "(", "x1", "\u3000"]
+
+
+def old_tail_cut(text, val_fraction):
+    """The single-document split as it was on a whole str: the reference for the streamed one."""
+    pos = int(len(text) * (1 - val_fraction))
+    nl = text.find("\n", pos)
+    if nl == -1 or nl + 1 >= len(text):
+        nl = text.rfind("\n", 0, pos)
+    return nl + 1 if nl != -1 else pos
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=needs_tiktoken) for k in ("gpt2", "cl100k_base", "o200k_base")]
+                         + ["bpe:300", "char", "hf"])
+def test_big_file_in_pieces_encodes_like_the_whole(tmp_path, monkeypatch, kind):
+    text = "".join(random.Random(0).choices(TRICKY, k=20000))  # ~50 KB of what regex pre-tokenizers trip on
+    path = write(tmp_path / "big.txt.gz", "\ufeff" + text)  # gzipped, with a byte-order mark
+    monkeypatch.setattr(prepare, "PIECE", 512)  # ~100 reads, characters split between them
+    doc = prepare.read_text(path, dedup=True)
+    assert isinstance(doc, prepare.BigText) and doc.nchars == len(text) and not doc.blank
+    assert doc.digest == hashlib.blake2b(text.encode(), digest_size=16).digest()
+    parts = list(prepare.pieces(doc))
+    assert "".join(p for p, _ in parts) == text and len(parts) > 50
+    assert [end for _, end in parts] == [False] * (len(parts) - 1) + [True]
+    tok = prepare.make_tokenizer(str(hf_tokenizer_json(tmp_path / "hf")) if kind == "hf" else kind, lambda: [text])
+    if kind != "hf":  # a tokenizer.json gets whole documents: its pre-tokenizer could be anything
+        assert sum((tok.encode(p) for p, _ in parts), []) == tok.encode(text)
+    if kind == "gpt2":  # why SAFE_CUT is narrower than "after a newline before a non-space"
+        assert tok.encode("Z\n\nX") != tok.encode("Z\n\n") + tok.encode("X")
+    # through prepare.py: one document, so its tail is val, cut at a line start; each half as if whole
+    out = tmp_path / "out"
+    meta = run(path, "--out_dir", out, "--tokenizer", tok.name if kind != "hf" else tmp_path / "hf")
+    (train,), (val,) = read_split(out, "train"), read_split(out, "val")
+    assert train + val == text and len(train) == old_tail_cut(text, 0.1)
+    for split, part in (("train", train), ("val", val)):
+        assert np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])[:-1].tolist() == tok.encode(part)
+    if kind == "bpe:300":  # learned from the pieces, the same as from the whole text
+        assert prepare.load_tokenizer(out).ranks == tok.ranks
+
+
+def test_bad_byte_late_in_a_big_file_skips_all_of_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "PIECE", 256)
+    src = tmp_path / "src"
+    make_good(src)
+    body = "Ωmega line of text\n" * 200  # Ω: in no accepted document
+    write(src / "late.txt", body.encode() + b"\xff tail\n")
+    write(src / "late_nul.txt.gz", body.encode() + b"\x00 tail\n")
+    write(src / "split_char.txt", b"x" * 255 + "é".encode() + b"\xe6\x97")  # é across two reads, then cut short
+    meta = run(src, "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert "".join(read_all(tmp_path / "out")) == "good document"
+    assert meta["vocab_size"] == len(set("good document")) + 1  # nothing of them reached the vocabulary
+    reasons = {Path(s["path"]).name: s["reason"] for s in meta["skipped_files"]}
+    n = len(body.encode())
+    assert reasons == {"late.txt": f"not UTF-8 (byte 0xff at offset {n})", "late_nul.txt.gz": "binary (contains NUL bytes)",
+                       "split_char.txt": "not UTF-8 (byte 0xe6 at offset 257)"}
+
+
+def test_big_files_dedup_and_blank(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "PIECE", 256)
+    text = "the same long document\n" * 100
+    write(tmp_path / "src" / "a.txt", text)
+    write(tmp_path / "src" / "b.txt.gz", "\ufeff" + text)
+    write(tmp_path / "src" / "c.jsonl", json.dumps({"text": text}) + "\n" + json.dumps({"text": "other"}) + "\n")
+    write(tmp_path / "src" / "d.txt", " \n\t" * 500)
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--dedup")
+    assert sorted(read_all(tmp_path / "out")) == ["other", text]
+    assert meta["duplicates_dropped"] == 2 and meta["empty_documents"] == 1
 
 
 def test_at_least_one_val_document(tmp_path):
@@ -528,6 +602,45 @@ def test_killed_run_leaves_nothing_finished(tmp_path):
     write(src / "extra.txt", "one more document")
     start_and_kill("--overwrite")
     assert {f: (out / f).read_bytes() for f in before} == before
+
+
+KILL_ON_SECOND_RENAME = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import prepare
+real, calls = os.replace, []
+def replace(*a):
+    calls.append(a)
+    if len(calls) == 2:  # train.bin is in place, val.bin and meta.json are not
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(*a)
+os.replace = replace
+prepare.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("before", ["nothing", "a finished dataset"])
+def test_killed_while_renaming_leaves_a_marker_and_a_rerun_replaces_it(tmp_path, before):
+    out = tmp_path / "out"
+    if before != "nothing":
+        write(tmp_path / "old.txt", "an older dataset")
+        assert cli(tmp_path / "old.txt", "--out_dir", out, "--tokenizer", "char").returncode == 0
+    write(tmp_path / "a.txt", "the new dataset")
+    r = subprocess.run([sys.executable, "-c", KILL_ON_SECOND_RENAME, str(REPO), str(tmp_path / "a.txt"), "--out_dir", str(out),
+                        "--tokenizer", "char", "--overwrite"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert (out / "prepare.incomplete").exists() and "incomplete" in (out / "prepare.incomplete").read_text()
+    assert (out / "train.bin").exists() and not (out / "meta.json").exists()
+    r = cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", "char")  # no --overwrite needed
+    assert r.returncode == 0, r.stderr
+    assert "incomplete dataset" in r.stdout
+    assert "".join(read_all(out)) == "the new dataset"
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
+
+
+def test_cpu_count_without_sched_getaffinity(monkeypatch):
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS has none
+    assert prepare.cpu_count() == (os.cpu_count() or 1)
 
 
 def test_out_dir_inside_the_input_is_not_read(tmp_path):
