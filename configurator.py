@@ -47,7 +47,8 @@ def configure(config, args):
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1]
                 sys.exit(f"config file {arg}, line {line}: {type(e).__name__}: {e}")
             for key, value in scope.items():
-                own = key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type))
+                helper = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)
+                own = key.startswith("_") or isinstance(value, helper)
                 if not own and (key not in config or value is not config[key]):
                     config[key] = _check(config, key, value, arg)
         else:

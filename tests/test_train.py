@@ -164,7 +164,7 @@ def test_config_errors(data_dir, tmp_path, args, message):
 
 def test_config_file_is_python_and_checked(data_dir, tmp_path):
     good = tmp_path / "good.py"
-    good.write_text("import math as _m\nmax_iters = 2\nlearning_rate = 1e-3 * _m.sqrt(4)\neval_interval = 1\n")
+    good.write_text("from math import sqrt\nmax_iters = 2\nlearning_rate = 1e-3 * sqrt(4)\neval_interval = 1\n")
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", str(good), "--max_iters=3")
     assert "iter 3:" in out.stdout  # later overrides win
     assert torch.load(tmp_path / "o" / "ckpt.pt", weights_only=True)["config"]["learning_rate"] == 2e-3
