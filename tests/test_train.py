@@ -255,3 +255,19 @@ def test_wandb_logging_offline(data_dir, tmp_path):
     assert len(runs) == 1  # the run's records, kept for `wandb sync`
     records = runs[0].read_bytes()
     assert all(key in records for key in (b"val_loss", b"tokens_per_s", b"grad_norm"))
+
+
+def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
+    # the fused ops (under Triton's interpreter on CPU: slow, so a tiny batch) inside DDP
+    args = [*TINY, f"--data_dir={data_dir}", "--block_size=16", "--batch_size=1", "--max_iters=2",
+            "--eval_interval=2", "--eval_iters=1", "--gradient_accumulation_steps=2"]
+    ddp = ["--standalone", "--nproc_per_node=2"]
+    run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", torchrun=ddp, env={"TRITON_INTERPRET": "1"})
+    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False", torchrun=ddp)
+    fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
+    assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
+    a, b = weights(tmp_path / "fused"), weights(tmp_path / "plain")
+    assert_weights_close(a, b)
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # other arithmetic ran: not the plain ops again
+    ckpt = torch.load(tmp_path / "fused" / "ckpt.pt", weights_only=True)
+    assert ckpt["model_args"]["use_kernels"] is True
