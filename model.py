@@ -142,7 +142,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         if config.use_kernels is None:
-            config.use_kernels = torch.cuda.is_available() and getattr(kernels, "HAS_TRITON", False)
+            config.use_kernels = torch.cuda.is_available() and kernels.HAS_TRITON
         self.ops = pick_ops(config.use_kernels)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
