@@ -358,7 +358,7 @@ def read_documents(path, field, dedup):
 
 
 def decoded(path):
-    """Yield (bytes, text) of a UTF-8 file ~1 MB at a time (gunzipped, its byte-order mark removed);
+    """Yield (bytes, text) of a UTF-8 file PIECE bytes at a time (gunzipped, byte-order mark removed);
     raise SkipFile at a NUL byte (binary) or at bytes that are not UTF-8."""
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0  # a character may span two reads
     with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
@@ -405,6 +405,8 @@ def pieces(doc, start=0, stop=None, whole=False):
     try:
         for _, text in decoded(doc.path):
             lo, at = at, at + len(text)
+            if at <= start:
+                continue
             text = text[max(start - lo, 0):None if stop is None else max(stop - lo, 0)]
             m = None if whole else LAST_CUT.match(text)
             if m:  # 0 < m.end() < len(text): SAFE_CUT looks one character back and ahead
@@ -490,6 +492,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
 
 
 def ext_stats(stats, ext):
+    """The report's counts for one file extension."""
     return stats["by_ext"].setdefault(ext or "(none)", {"files": 0, "documents": 0, "bytes": 0, "tokens": 0})
 
 # -----------------------------------------------------------------------------
@@ -577,9 +580,9 @@ def prepare(args, quiet=False):
             die("where should the dataset go? (pass --out_dir DIR)")
         if out.exists() and not out.is_dir():
             die(f"--out_dir {out} is a file (pass a folder)")
-    incomplete = not args.analyze and (out / MARKER).exists()  # a run killed while renaming left it
-    if not args.analyze and not args.overwrite and not incomplete:
-        if (out / "meta.json").exists() or (out / "train.bin").exists():
+    incomplete = not args.analyze and (out / MARKER).exists()  # a run killed while renaming: replace it
+    if not args.analyze and ((out / "meta.json").exists() or (out / "train.bin").exists()):
+        if not (args.overwrite or incomplete):
             die(f"{out} already holds a dataset (pass --overwrite to replace it)")
     exclude = out.resolve() if not args.analyze else None
     num_workers = max(1, args.num_workers or cpu_count())

@@ -1,6 +1,6 @@
-"""prepare.py: every tokenizer kind and input format round-trips, bad input is skipped and
-listed, outputs are identical for any worker count, memory stays flat, a killed run leaves
-nothing that looks finished. Run: python -m pytest -q tests/test_prepare.py"""
+"""prepare.py: every tokenizer kind and input format round-trips, big files read in pieces encode
+like the whole, bad input is skipped and listed, outputs are identical for any worker count, memory
+stays flat, a killed run leaves nothing that looks finished. Run: python -m pytest -q tests/test_prepare.py"""
 
 import gzip
 import hashlib
@@ -488,9 +488,11 @@ def test_user_errors_are_one_line(tmp_path):
 # -----------------------------------------------------------------------------
 # options
 
-def test_identical_output_for_any_worker_count(tmp_path):
+def test_identical_output_for_any_worker_count(tmp_path, monkeypatch):
     words_corpus(tmp_path / "src", 1.0, nfiles=3)  # ~15 batches
     text_tree(tmp_path / "src" / "txt")
+    monkeypatch.setattr(prepare, "PIECE", 4096)
+    text_file(tmp_path / "src" / "big.txt", 0.2)  # ~50 pieces
     outs = []
     for i, workers in enumerate([1, 3, 2, 1]):
         out = tmp_path / f"out{i}"
