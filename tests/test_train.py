@@ -187,6 +187,13 @@ def test_data_errors(data_dir, tmp_path):
     out = run(*TINY, f"--data_dir={corrupt}", f"--out_dir={tmp_path}", check=False)
     assert out.returncode != 0 and "not a whole number of uint16 tokens" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+    (corrupt / "prepare.incomplete").write_text("prepare.py was killed here\n")
+    out = run(*TINY, f"--data_dir={corrupt}", f"--out_dir={tmp_path}", check=False)
+    assert out.returncode != 0 and "is a dataset prepare.py did not finish (re-run prepare.py)" in out.stderr
+    (corrupt / "meta.json").write_text("{not json")
+    (corrupt / "prepare.incomplete").unlink()
+    out = run(*TINY, f"--data_dir={corrupt}", f"--out_dir={tmp_path}", check=False)
+    assert out.returncode != 0 and "meta.json is damaged" in out.stderr and len(out.stderr.splitlines()) == 1
 
 
 def test_a_finished_run_is_never_overwritten_and_auto_resumes(data_dir, tmp_path):
