@@ -2,7 +2,7 @@
 # a 4,096-token BPE. About 5 minutes on a 2-core CPU; seconds on a GPU.
 #   python prepare.py --tokenizer=bpe:4096      # -> data/stdlib
 #   python train.py config/train_small.py
-#   python sample.py --out_dir=out-small --start="def "
+#   python sample.py --out_dir=out-small --start="import "
 out_dir = "out-small"
 data_dir = "data/stdlib"
 eval_interval = 250
