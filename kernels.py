@@ -396,4 +396,5 @@ if HAS_TRITON:
             # small ones (softmax / tokens) would underflow, so fp16 inputs are worked in fp32
             x, weight = x.float(), weight.float()
         with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        return _lce_op(x, weight, targets, ignore_index, with_grad)[0]
+        with torch.autocast(dev, enabled=False):  # inputs are cast already: the op's matmuls keep them
+            return _lce_op(x, weight, targets, ignore_index, with_grad)[0]

@@ -66,6 +66,7 @@ PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a ti
 # letter or digit. (After any newline is not enough: "Z\n\n|X" and " \n|X" change GPT-2's tokens.)
 SAFE_CUT = re.compile(r"(?<=[^\W_])(?=[ \n][^\W_])|(?<=\S\n)(?=[^\W_])")
 LAST_CUT = re.compile(r"(?s:.*)(?:" + SAFE_CUT.pattern + ")")  # .* backtracks from the end: the last one
+SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")  # and bpe:N
 MARKER = "prepare.incomplete"  # in DIR only while a run renames its outputs into place
 
 
@@ -628,7 +629,8 @@ def prepare(args, quiet=False):
         n_doc = b_doc = 0  # tokens and bytes of the document so far (a big one comes in pieces)
         bar = tqdm(unit="B", unit_scale=True, disable=None if not quiet else True, desc="prepare", file=sys.stderr)
         t_enc = time.time()
-        whole = tok.kind == "huggingface"  # its pre-tokenizer may not be cut at SAFE_CUT: whole documents
+        # SAFE_CUT is checked for these splitting patterns only; any other tokenizer gets whole documents
+        whole = tok.kind == "huggingface" or (tok.kind == "tiktoken" and tok.name not in SAFE_ENCODINGS)
         for infos, (train_ids, val_ids, lens, sizes) in encoded(docs, tok, dtype, num_workers, whole):
             if files:
                 files["train"].write(train_ids); files["val"].write(val_ids)

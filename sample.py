@@ -1,7 +1,7 @@
 """
 Sample from a trained model: its checkpoint, and the tokenizer of the data it was trained on.
 
-    python sample.py --out_dir=out-small --start="def " --num_samples=2 --max_new_tokens=200
+    python sample.py --out_dir=out-small --start="import " --num_samples=2 --max_new_tokens=200
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0.8
 """
 
@@ -25,6 +25,7 @@ parser.add_argument("--temperature", type=float, default=0.8, help="<1 is surer,
 parser.add_argument("--top_k", type=int, default=200, help="sample only among the k likeliest tokens")
 parser.add_argument("--top_p", type=float, default=None, help="sample only among tokens whose mass reaches p")
 parser.add_argument("--seed", type=int, default=1337)
+parser.add_argument("--data_dir", default=None, help="the dataset whose tokenizer to use (default: the model's own)")
 parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'mps'")
 parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: bf16 on CUDA")
 args = parser.parse_args()
@@ -53,13 +54,26 @@ try:
     checkpoint = load_checkpoint(path, device)
 except ValueError as e:
     fail(str(e))
+if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
+    fail(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
 model = GPT(GPTConfig(**checkpoint["model_args"]))
 model.load_state_dict(checkpoint["model"])
 model.eval().to(device)
-data_dir = checkpoint["data_dir"]  # the tokenizer lives with the data the model was trained on
-if not os.path.isdir(data_dir):
-    fail(f"the model was trained on {data_dir}, which is gone: its tokenizer is needed (restore that folder)")
-tokenizer = load_tokenizer(data_dir)
+# the tokenizer lives with the data the model was trained on: where it was then, or here
+candidates = [args.data_dir] if args.data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
+data_dir = next((d for d in candidates if d and os.path.isdir(d)), None)
+if data_dir is None:
+    fail(f"the model was trained on {candidates[-1]}, which is not here: sample.py needs its tokenizer "
+         f"(restore it, or pass --data_dir)")
+if os.path.exists(os.path.join(data_dir, "prepare.incomplete")):
+    fail(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
+try:
+    tokenizer = load_tokenizer(data_dir)
+except (ValueError, KeyError, TypeError) as e:
+    fail(f"cannot read the tokenizer in {data_dir} ({type(e).__name__}: {e}); re-run prepare.py")
+if tokenizer.vocab_size > model.config.vocab_size:
+    fail(f"{data_dir}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's {model.config.vocab_size}: "
+         f"it is not the data this model was trained on")
 
 start = args.start
 if start.startswith("FILE:"):

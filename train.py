@@ -14,6 +14,7 @@ Continue a run from out_dir/ckpt.pt exactly where it stopped: add --init_from=re
 --init_from=auto, which resumes when there is a checkpoint: the same command after every preemption).
 """
 
+import gc
 import json
 import math
 import os
@@ -205,10 +206,19 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 iter_num, best_val_loss, evals_without_gain, skipped_in_a_row = 0, float("inf"), 0, 0
 evaluated_at = None  # the step whose evaluation is done (a checkpoint saved on a signal may lack it)
 checkpoint = None
+have_ckpt = os.path.exists(ckpt_path)
+if ddp:  # every process must see the same checkpoint, or they would start from different states
+    seen = torch.tensor([float(have_ckpt)], device=device)
+    dist.all_reduce(seen)
+    if 0 < seen.item() < world_size:
+        fail(f"{ckpt_path} is visible to {seen.item():.0f} of {world_size} processes: out_dir must be on storage "
+             f"every node shares")
 if init_from == "auto":
-    init_from = "resume" if os.path.exists(ckpt_path) else "scratch"
-if init_from == "scratch" and os.path.exists(ckpt_path):
-    fail(f"{ckpt_path} holds a run already: continue it with --init_from=resume, or train into another out_dir")
+    init_from = "resume" if have_ckpt else "scratch"
+old_ckpts = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt.*\.pt", f)] if os.path.isdir(out_dir) else []
+if init_from == "scratch" and old_ckpts:
+    fail(f"{out_dir} holds a run already ({', '.join(sorted(old_ckpts))}): continue it with --init_from=resume, "
+         f"or train into another out_dir")
 if init_from == "scratch" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
     os.remove(os.path.join(out_dir, "metrics.jsonl"))  # left by a run that died before its first checkpoint
 if init_from == "resume":
@@ -218,6 +228,10 @@ if init_from == "resume":
         checkpoint = load_checkpoint(ckpt_path)
     except ValueError as e:
         fail(str(e))
+    needed = {"model", "optimizer", "scaler", "model_args", "iter_num", "best_val_loss", "evals_without_gain",
+              "skipped_in_a_row", "evaluated", "config", "world_size", "rng"}
+    if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
+        fail(f"{ckpt_path} is not a checkpoint of this train.py (it lacks {', '.join(sorted(needed - set(checkpoint)))})")
     shape = ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "tie_embeddings")
     model_args.update({k: checkpoint["model_args"][k] for k in shape})  # the weights decide the shape
     if meta["vocab_size"] > model_args["vocab_size"]:
@@ -227,6 +241,11 @@ if init_from == "resume":
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evals_without_gain, skipped_in_a_row = checkpoint["evals_without_gain"], checkpoint["skipped_in_a_row"]
     evaluated_at = iter_num if checkpoint["evaluated"] else None
+    if 0 < early_stop_patience <= evals_without_gain:
+        if master:
+            print(f"this run stopped early at step {iter_num} (no better val loss in {evals_without_gain} "
+                  f"evaluations): nothing to do; raise early_stop_patience to train on")
+        sys.exit(0)
     if (checkpoint["config"]["seed"], checkpoint["world_size"]) != (seed, world_size) and master:
         print(f"warning: seed or process count changed since the checkpoint: training continues, "
               f"but not on the batches the first run would have seen")
@@ -338,9 +357,9 @@ def save_checkpoint(improved):
         replace_atomically(ckpt_path, os.path.join(out_dir, "ckpt_best.pt"))
     if keep_last_n > 0:
         replace_atomically(ckpt_path, os.path.join(out_dir, f"ckpt_{iter_num:07d}.pt"))
-        steps = sorted(int(m[1]) for f in os.listdir(out_dir) if (m := re.fullmatch(r"ckpt_(\d+)\.pt", f)))
-        for old in steps[:-keep_last_n]:
-            os.remove(os.path.join(out_dir, f"ckpt_{old:07d}.pt"))
+        steps = sorted((int(m[1]), f) for f in os.listdir(out_dir) if (m := re.fullmatch(r"ckpt_([0-9]+)\.pt", f)))
+        for _, old in steps[:-keep_last_n]:
+            os.remove(os.path.join(out_dir, old))
     print(f"saved {ckpt_path} at step {iter_num}")
 
 
@@ -363,6 +382,7 @@ def memory_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS (KiB on Linux)
 
 
+config.update(device=device, dtype=dtype, backend=backend, vocab_size=vocab_size, init_from=init_from)  # resolved
 if wandb_log and master:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
@@ -384,7 +404,6 @@ signal.signal(signal.SIGINT, request_stop)
 # -----------------------------------------------------------------------------
 # the training loop
 
-config.update(device=device, dtype=dtype, backend=backend, vocab_size=vocab_size, init_from=init_from)  # resolved
 t_log, iters_since_log = time.time(), 0
 while True:
     # evaluate (and checkpoint) every eval_interval steps and at the end
@@ -464,5 +483,9 @@ while True:
         break
 
 if ddp:
+    # free DDP's reducer (it holds gloo's pending work) now: freed at interpreter exit instead, it
+    # sometimes aborted a process ("terminate called without an active exception"), 1 run in ~12 here
+    del model
+    gc.collect()
     dist.barrier()  # let the master finish writing before any process tears the group down
     dist.destroy_process_group()

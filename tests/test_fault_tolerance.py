@@ -221,11 +221,22 @@ def test_early_stopping(data_dir, tmp_path):
               "--learning_rate=0", "--min_lr=0", "--early_stop_patience=2")
     assert "early stop" in out.stdout
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 4
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100", "--eval_interval=2",
+              "--learning_rate=0", "--min_lr=0", "--early_stop_patience=2", "--init_from=auto")  # a restart
+    assert "stopped early at step 4" in out.stdout and (tmp_path / "ckpt.pt").read_bytes() == before
 
 
 class Boom:
     def __reduce__(self):
         return (os.system, (f"touch {Boom.marker}",))
+
+
+def test_a_foreign_checkpoint_is_refused_in_one_line(data_dir, tmp_path):
+    torch.save({"model": {}, "iter_num": 3}, tmp_path / "ckpt.pt")  # tensors and plain values, but not ours
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume", check=False)
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1
+    assert "is not a checkpoint of this train.py (it lacks best_val_loss, config," in out.stderr
 
 
 def test_malicious_checkpoint_is_refused_and_runs_nothing(data_dir, tmp_path):

@@ -147,6 +147,17 @@ def test_linear_cross_entropy(dtype, ignore, chunks, monkeypatch):
 
 
 @needs_triton
+def test_linear_cross_entropy_fp16_autocast():
+    # fp16 mixed precision: fp32 weights, autocast to fp16, a loss scale; as the reference does
+    x, w, t = randn(33, 16), randn(70, 16), _targets(33, 70, "some")
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        loss, (gx, gw) = fwd_bwd(lambda *a: K.linear_cross_entropy(*a) * 1024.0, [x, w, t])
+        loss_ref, (gx_ref, gw_ref) = fwd_bwd(lambda *a: K.linear_cross_entropy_ref(*a) * 1024.0, [x, w, t])
+    assert gx.dtype == gw.dtype == torch.float32
+    assert rel_err(loss, loss_ref) <= 2**-9 and rel_err(gx, gx_ref) <= 2**-9 and rel_err(gw, gw_ref) <= 2**-9
+
+
+@needs_triton
 def test_linear_cross_entropy_fp16_with_loss_scale():
     # fp16 training multiplies the loss by a scale (65536) so that small gradients survive;
     # they must survive here too, although the op makes its gradients before it sees the scale

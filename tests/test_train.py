@@ -201,7 +201,7 @@ def test_a_finished_run_is_never_overwritten_and_auto_resumes(data_dir, tmp_path
     run(*args, "--max_iters=4")
     before = (tmp_path / "ckpt.pt").read_bytes()
     out = run(*args, "--max_iters=8", check=False)  # the same command again, without resume
-    assert out.returncode != 0 and "holds a run already: continue it with --init_from=resume" in out.stderr
+    assert out.returncode != 0 and "holds a run already (ckpt.pt, ckpt_best.pt): continue it with --init_from=resume" in out.stderr
     assert (tmp_path / "ckpt.pt").read_bytes() == before
     out = run(*args, "--max_iters=8", "--init_from=auto")
     assert "iter 5:" in out.stdout and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 8
@@ -278,3 +278,29 @@ def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
     assert any(not torch.equal(a[k], b[k]) for k in a)  # other arithmetic ran: not the plain ops again
     ckpt = torch.load(tmp_path / "fused" / "ckpt.pt", weights_only=True)
     assert ckpt["model_args"]["use_kernels"] is True
+
+
+def test_float16_with_the_triton_kernels_trains(data_dir, tmp_path):
+    # fp16 autocast and the gradient scaler around the fused ops (interpreter on CPU)
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--block_size=16", "--batch_size=1",
+              "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--dtype=float16", "--use_kernels=True",
+              env={"TRITON_INTERPRET": "1"})
+    assert "float16" in out.stdout and "skipped" not in out.stdout
+    assert all(np.isfinite(v) for v in losses(tmp_path).values()) and len(losses(tmp_path)) == 3
+
+
+def test_sample_finds_the_tokenizer_or_says_why_not(data_dir, tmp_path):
+    # data_dir is a char dataset without a vocabulary file (meta.json only): copy what sample.py needs
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2")
+    moved = tmp_path / "moved"
+    out = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0 and f"trained on {moved}, which is not here" in out.stderr
+    moved.mkdir()
+    (moved / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "tiktoken", "name": "gpt2"}}))
+    out = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}"],
+                         cwd=ROOT, capture_output=True, text=True)
+    if "cannot load tiktoken encoding" in out.stderr:
+        pytest.skip("the gpt2 encoding is not cached here")
+    assert out.returncode != 0 and "tokenizer has 50257 tokens, more than the model's 64" in out.stderr
+    assert len(out.stderr.splitlines()) == 1
