@@ -344,7 +344,7 @@ if HAS_TRITON:
                 with_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         # The gradients are computed here, in forward, chunk by chunk while each chunk's logits
         # exist; backward only scales them. Returns (loss, grad_x, grad_weight).
-        (N, C), V, acc = x.shape, weight.shape[0], _acc(x, weight)
+        N, V, acc = x.shape[0], weight.shape[0], _acc(x, weight)
         targets = targets.contiguous()
         n_valid = (targets != ignore_index).sum().clamp(min=1)  # stays on device: no sync
         scale = 1.0 / n_valid.to(acc)

@@ -25,7 +25,6 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -247,8 +246,8 @@ if init_from == "resume":
                   f"evaluations): nothing to do; raise early_stop_patience to train on")
         sys.exit(0)
     if (checkpoint["config"]["seed"], checkpoint["world_size"]) != (seed, world_size) and master:
-        print(f"warning: seed or process count changed since the checkpoint: training continues, "
-              f"but not on the batches the first run would have seen")
+        print("warning: seed or process count changed since the checkpoint: training continues, "
+              "but not on the batches the first run would have seen")
 elif init_from != "scratch":
     fail(f"init_from={init_from!r} is not 'scratch', 'resume' or 'auto'")
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_train import ROOT, TINY, data_dir, losses, run, weights  # noqa: F401 (data_dir is a fixture)
+from test_train import ROOT, TINY, losses, run, weights
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -263,6 +263,6 @@ def test_out_of_range_token_names_file_and_position(data_dir, tmp_path):
     out = run(*TINY, f"--data_dir={bad}", f"--out_dir={tmp_path / 'o'}", check=False)
     assert out.returncode != 0
     line = out.stderr.strip()
-    assert f"token id 200 at position" in line and f"of {bad}/train.bin is not below" in line
+    assert "token id 200 at position" in line and f"of {bad}/train.bin is not below" in line
     position = int(line.split("at position ")[1].split()[0])
     assert position >= 1000 and len(line.splitlines()) == 1

@@ -12,23 +12,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20", "--learning_rate=1e-2"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    # characters of tinyshakespeare when it is there, else generated text; 90/10 split
-    text = SHAKESPEARE.read_text()[:200_000] if SHAKESPEARE.exists() else "the quick brown fox. " * 10_000
-    chars = sorted(set(text))
-    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
-    d = tmp_path_factory.mktemp("data")
-    n = int(0.9 * len(ids))
-    ids[:n].tofile(d / "train.bin")
-    ids[n:].tofile(d / "val.bin")
-    (d / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": len(chars), "eot_id": 0}))
-    return d
 
 
 def run(*args, torchrun=(), check=True, env=None):
