@@ -3,7 +3,7 @@ Prepare a text corpus for training: files and folders in, DIR/train.bin, DIR/val
 DIR/meta.json out (flat token ids, nanoGPT's format, each document followed by end-of-text).
 
     python prepare.py --tokenizer=bpe:4096          # default corpus: this Python's stdlib -> data/stdlib
-    python prepare.py ../shared/data/tinyshakespeare/input.txt --tokenizer=char --out_dir=data/shakespeare_char
+    python prepare.py input.txt --tokenizer=char --out_dir=data/shakespeare_char
     python prepare.py notes/ docs.jsonl.gz --out_dir=data/mine          # GPT-2 tokens, 10% of documents to val
     python prepare.py train.parquet --val_input=val.parquet --tokenizer=path/to/tokenizer.json --out_dir=data/ft
     python prepare.py notes/ --analyze              # what would be read, skipped, and how long documents are
@@ -48,11 +48,6 @@ from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
-
-# tiktoken downloads its encodings on first use; use the project's shared copy when there is one
-_cache = Path(__file__).resolve().parent.parent / "shared" / "data" / "tiktoken_cache"
-if _cache.is_dir():
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_cache))
 
 FORMAT_VERSION = 1
 TEXT_FIELDS = ("text", "content", "body")

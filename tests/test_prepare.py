@@ -469,7 +469,7 @@ def test_no_documents_writes_nothing(tmp_path):
     src = tmp_path / "src"
     write(src / "empty.txt", "")
     write(src / "bin.dat", b"\x00\x01")
-    for tokenizer in ("char", "gpt2"):
+    for tokenizer in ("char", "gpt2") if CACHE.is_dir() else ("char",):  # gpt2 only where it loads offline
         r = cli(src, "--out_dir", tmp_path / "out", "--tokenizer", tokenizer)
         one_line_error(r, "no documents found")
         assert "bin.dat: binary" in r.stdout  # the reasons are still shown

@@ -162,8 +162,9 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
 def test_data_errors(data_dir, tmp_path):
     out = run(*TINY, f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path}", check=False)
     assert out.returncode != 0 and "prepare the data first" in out.stderr
-    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--vocab_size=32", check=False)
-    assert out.returncode != 0 and "model's vocab_size is 32" in out.stderr
+    too_small = json.loads((data_dir / "meta.json").read_text())["vocab_size"] - 1
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", f"--vocab_size={too_small}", check=False)
+    assert out.returncode != 0 and f"model's vocab_size is {too_small}" in out.stderr
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     for name in ("meta.json", "val.bin"):
