@@ -103,3 +103,17 @@ def test_refusals_are_one_line(pretrained, tmp_path, data_dir):
     for extra, message in cases:
         out = run(*FINETUNE, f"--init_from={folder}", *extra, f"--out_dir={tmp_path / 'out'}", check=False)
         assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_sample_a_folder_greedily_as_transformers_does(pretrained):
+    folder, _ = pretrained
+    done = subprocess.run([sys.executable, "sample.py", f"--model={folder}", "--start=def ", "--temperature=0",
+                           "--max_new_tokens=12", "--num_samples=1", "--device=cpu"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([tok.encode("def ", add_special_tokens=False).ids])
+    greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    assert done.stdout.split("\n---------------\n")[0] == tok.decode(greedy[0].tolist(), skip_special_tokens=False)
