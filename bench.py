@@ -6,6 +6,7 @@ steps after warmup, and peak memory:
     python bench.py config/train_small.py
     python bench.py config/train_gpt2.py --synthetic --compare=use_kernels --steps=30
     python bench.py --mode=kernels   # each fused op of kernels.py against its references (GPU)
+    python bench.py --mode=load      # peak memory of GPT.from_pretrained on a generated ~1 GB folder
 
 --synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py.
 """
@@ -17,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -25,7 +27,8 @@ parser.add_argument("--compare", default="compile", help="a True/False setting o
 parser.add_argument("--steps", type=int, default=50, help="training steps per run")
 parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
 parser.add_argument("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
-parser.add_argument("--mode", choices=["train", "kernels"], default="train", help="kernels: time kernels.py's ops instead")
+parser.add_argument("--mode", choices=["train", "kernels", "load"], default="train",
+                    help="kernels: time kernels.py's ops; load: memory of loading a Hugging Face folder")
 args, train_args = parser.parse_known_args()
 if args.warmup >= args.steps:
     sys.exit(f"bench.py: --warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
@@ -124,6 +127,59 @@ def bench_kernels():
 
 if args.mode == "kernels":
     bench_kernels()
+    sys.exit(0)
+
+# -----------------------------------------------------------------------------
+# --mode=load: peak memory of from_pretrained against reading the file into memory and then building
+# a model, each in a fresh process, on a generated Llama-shaped folder of ~1 GB. safetensors reads through
+# mmap, whose pages count in RSS but are the kernel's cache, dropped under pressure: the process's
+# own (anonymous) memory is what a load costs, so both are sampled from /proc every 2 ms.
+
+LOADERS = {
+    "baseline (import torch and model.py)": "pass",
+    "GPT.from_pretrained (streamed)": "m = GPT.from_pretrained(folder)",
+    "file read whole, then a model": "from safetensors.torch import load\n"
+                                     "w = load(open(folder + '/model.safetensors', 'rb').read()); "
+                                     "m = GPT(GPTConfig(**shape))",
+}
+
+
+def peak_memory(script):
+    # (peak anonymous MB, peak RSS MB) of a python -c script, polled while it runs
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    anon = rss = 0
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                status = {line.split(":")[0]: line.split()[1] for line in f if line.startswith(("RssAnon", "VmRSS"))}
+            anon, rss = max(anon, int(status["RssAnon"])), max(rss, int(status["VmRSS"]))
+        except (OSError, KeyError):
+            pass
+        time.sleep(0.002)
+    assert proc.returncode == 0, script
+    return anon / 1024, rss / 1024
+
+
+def bench_load():
+    import torch
+    from model import GPT, GPTConfig
+    with tempfile.TemporaryDirectory() as folder:
+        shape = dict(vocab_size=32000, block_size=2048, n_layer=16, n_head=16, n_embd=1024, mlp_hidden=2816)
+        GPT(GPTConfig(**shape)).save_pretrained(folder)
+        size = os.path.getsize(os.path.join(folder, "model.safetensors")) / 2**20
+        print(f"folder: {size:,.0f} MB of fp32 weights, torch {torch.__version__}")
+        print("| load | peak anonymous MB | above baseline | peak RSS MB (with mmap'd file pages) |\n"
+              "| --- | --- | --- | --- |")
+        baseline = None
+        for name, code in LOADERS.items():
+            script = f"from model import GPT, GPTConfig\nfolder, shape = {folder!r}, {shape!r}\n{code}\nimport time; time.sleep(0.1)"
+            anon, rss = peak_memory(script)
+            baseline = baseline or anon
+            print(f"| {name} | {anon:,.0f} | {anon - baseline:,.0f} | {rss:,.0f} |")
+
+
+if args.mode == "load":
+    bench_load()
     sys.exit(0)
 
 # -----------------------------------------------------------------------------
