@@ -10,8 +10,10 @@ attention, SwiGLU MLP, no biases).
 """
 
 import inspect
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -39,15 +41,24 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     use_kernels: bool | None = None  # Triton fused ops; None: on for CUDA with Triton, off elsewhere
+    # What released models need beyond that (from_pretrained sets them; the defaults are ours):
+    head_size: int = 0  # width of one head; 0 means n_embd // n_head (Qwen3's is its own)
+    mlp_hidden: int = 0  # SwiGLU width; 0 means 8/3 n_embd rounded up to a multiple of 64
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
+    qk_norm: bool = False  # RMSNorm on every head's q and k before rotary (Qwen3)
+    rope_scaling: dict | None = None  # Llama 3.1's long-context frequencies (see rotary_tables)
+    family: str = "llama"  # the Hugging Face model_type the weights came from and are saved as
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
-        if self.n_embd % self.n_head:
+        if not self.head_size and self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        self.head_size = self.head_size or self.n_embd // self.n_head
+        self.mlp_hidden = self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
-        if (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"head size n_embd/n_head={self.n_embd // self.n_head} must be even for rotary embeddings")
+        if self.head_size % 2:
+            raise ValueError(f"head size {self.head_size} must be even for rotary embeddings")
 
 
 def pick_ops(fused):
@@ -66,9 +77,15 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
-def rotary_tables(head_size, length, theta):
+def rotary_tables(head_size, length, theta, scaling=None):
     # cos/sin for every position and frequency: (length, head_size/2), fp32
     inv_freq = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    if scaling:  # Llama 3.1: slow frequencies divided by factor, fast ones kept, a smooth ramp between
+        wavelen = 2 * math.pi / inv_freq
+        context = scaling["original_max_position_embeddings"]
+        ramp = (context / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        ramp = ramp.clamp(0, 1)  # 0 for wavelengths past context/low_freq_factor, 1 below context/high_freq_factor
+        inv_freq = (1 - ramp) * inv_freq / scaling["factor"] + ramp * inv_freq
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -76,22 +93,28 @@ def rotary_tables(head_size, length, theta):
 class Attention(nn.Module):
     def __init__(self, config, ops):
         super().__init__()
-        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
-        self.head_size = config.n_embd // config.n_head
-        kv_size = self.n_kv_head * self.head_size
-        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * kv_size, bias=False)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
+        q_size, kv_size = self.n_head * self.head_size, self.n_kv_head * self.head_size
+        self.qkv = nn.Linear(config.n_embd, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.proj = nn.Linear(q_size, config.n_embd, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_size, config.norm_eps, ops)
+        self.qk_norm = config.qk_norm
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.ops = ops
 
     def forward(self, x, cos, sin, cache=None):
         B, T, C = x.shape
-        kv_size = self.n_kv_head * self.head_size
-        q, k, v = self.qkv(x).split([C, kv_size, kv_size], dim=2)
-        q = self.ops.apply_rotary(q.view(B, T, self.n_head, self.head_size), cos, sin)  # (B, T, H, D)
-        k = self.ops.apply_rotary(k.view(B, T, self.n_kv_head, self.head_size), cos, sin)  # (B, T, Hkv, D)
+        q_size, kv_size = self.n_head * self.head_size, self.n_kv_head * self.head_size
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=2)
+        q = q.view(B, T, self.n_head, self.head_size)  # (B, T, H, D)
+        k = k.view(B, T, self.n_kv_head, self.head_size)  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv_head, self.head_size)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.ops.apply_rotary(q, cos, sin), self.ops.apply_rotary(k, cos, sin)
         if cache is not None:  # generation: prepend the keys and values of earlier positions
             if cache:
                 k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
@@ -106,16 +129,15 @@ class Attention(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 dropout_p=dropout, is_causal=causal, enable_gqa=self.n_kv_head != self.n_head,
             ).transpose(1, 2)  # (B, T, H, D)
-        return self.resid_dropout(self.proj(y.reshape(B, T, C)))
+        return self.resid_dropout(self.proj(y.reshape(B, T, q_size)))
 
 
 class MLP(nn.Module):
     def __init__(self, config, ops):
         super().__init__()
-        # 2/3 of the classic 4x width keeps parameters equal to a GELU MLP; rounded up to 64
-        hidden = 64 * math.ceil(8 * config.n_embd / 3 / 64)
-        self.gate_up = nn.Linear(config.n_embd, 2 * hidden, bias=False)
-        self.down = nn.Linear(hidden, config.n_embd, bias=False)
+        # by default 2/3 of the classic 4x width, which keeps parameters equal to a GELU MLP
+        self.gate_up = nn.Linear(config.n_embd, 2 * config.mlp_hidden, bias=False)
+        self.down = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
         self.ops = ops
 
@@ -151,7 +173,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        cos, sin = rotary_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
+        cos, sin = rotary_tables(config.head_size, config.block_size, config.rope_theta, config.rope_scaling)
         self.register_buffer("cos", cos, persistent=False)  # derived from the config: not saved
         self.register_buffer("sin", sin, persistent=False)
         self.apply(self._init_weights)
@@ -163,6 +185,8 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding=False):
         n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once
@@ -210,11 +234,12 @@ class GPT(nn.Module):
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
 
-    def flops_per_token(self):
-        # training FLOPs per token: 6N for the weights' matmuls plus attention's 12·L·H·Q·T (PaLM, B)
+    def flops_per_token(self, seq_len=None):
+        # training FLOPs per token: 6N for the weights' matmuls plus attention's 12·L·H·Q·T (PaLM, B),
+        # T being the length trained on (by default the longest the model takes)
         c = self.config
         n = self.num_params(non_embedding=not c.tie_embeddings)  # the embedding lookup is no matmul
-        return 6 * n + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+        return 6 * n + 12 * c.n_layer * c.n_head * c.head_size * (seq_len or c.block_size)
 
     def configure_optimizer(self, weight_decay, learning_rate, betas, device_type):
         # decay matrices only: norms' weights (and any other 1-D parameter) are left alone
@@ -225,6 +250,80 @@ class GPT(nn.Module):
         ]
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
+
+
+    # -------------------------------------------------------------------------
+    # Hugging Face folders in and out: transformers' names and shapes, our fused tensors split
+    # and joined here and nowhere else
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, block_size=None):
+        """A Llama, Mistral, Qwen2 or Qwen3 folder (config.json + safetensors) -> GPT. dtype: None keeps
+        the weights'; block_size: the longest sequence to be used (default: the model's own limit).
+        Tensors are copied in one at a time into a model allocated once, so loading takes about one
+        copy of the weights. Anything this file does not implement is a one-line ValueError."""
+        from safetensors import safe_open
+        path = Path(path)
+        config = config_from_hf(read_json(path / "config.json"), block_size)
+        files = safetensors_files(path)
+        with safe_open(files[0], "pt") as f:  # the dtype of the first tensor is the folder's
+            stored = f.get_slice(next(iter(f.keys()))).get_dtype()
+        dtype = dtype or SAFETENSORS_DTYPES.get(stored, torch.float32)
+        with torch.device("meta"):  # no memory yet, and no time spent on a random init
+            model = cls(config)
+        model = model.to(dtype).to_empty(device="cpu")
+        if config.tie_embeddings:  # to_empty made two tensors of the shared one
+            model.lm_head.weight = model.wte.weight
+        model.cos, model.sin = rotary_tables(config.head_size, config.block_size, config.rope_theta,
+                                             config.rope_scaling)
+        params, layout = dict(model.named_parameters()), {hf: (ours, rows) for hf, ours, rows in hf_layout(config)}
+        missing = set(layout)
+        for file in files:
+            with safe_open(file, "pt") as f, torch.no_grad():
+                for name in f.keys():
+                    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_embeddings):
+                        continue  # derived from the config, or the tied embedding stored twice
+                    if name not in layout:
+                        raise ValueError(f"{file} holds {name}, which this model.py does not implement")
+                    ours, rows = layout[name]
+                    target = params[ours] if rows is None else params[ours][rows[0]:rows[1]]
+                    tensor = f.get_tensor(name)
+                    if tensor.shape != target.shape:
+                        raise ValueError(f"{name} in {file} has shape {tuple(tensor.shape)}, but config.json "
+                                         f"implies {tuple(target.shape)}")
+                    target.copy_(tensor)
+                    missing.discard(name)
+        if missing:
+            raise ValueError(f"{path} lacks {len(missing)} tensor(s) the config needs, e.g. {sorted(missing)[0]}")
+        return model
+
+    def save_pretrained(self, path, eos_token_id=None, max_shard_bytes=5 * 2**30):
+        """Write config.json and model.safetensors (or shards with an index past max_shard_bytes, as the
+        Hub does) in the model's dtype, for transformers, vLLM and llama.cpp's converter."""
+        from safetensors.torch import save_file
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / "config.json", "w") as f:
+            json.dump(hf_config(self.config, self.wte.weight.dtype, eos_token_id), f, indent=2)
+        params = dict(self.named_parameters())
+        shards, size = [[]], 0
+        for hf, ours, rows in hf_layout(self.config):
+            tensor = params[ours] if rows is None else params[ours][rows[0]:rows[1]]
+            if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((hf, tensor))
+            size += tensor.nbytes
+        names = ["model.safetensors"] if len(shards) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        for name, shard in zip(names, shards):  # one shard in memory at a time, copied off our fused tensors
+            save_file({hf: t.detach().to("cpu", copy=True).contiguous() for hf, t in shard}, path / name,
+                      metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(p.nbytes for p in self.parameters())},
+                     "weight_map": {hf: name for name, shard in zip(names, shards) for hf, _ in shard}}
+            with open(path / "model.safetensors.index.json", "w") as f:
+                json.dump(index, f, indent=2)
 
 
 def filter_logits(logits, top_k=None, top_p=None):
@@ -283,3 +382,118 @@ def peak_flops(device, dtype):
         per_cycle = 64 if " avx512f" in info else 32 if " fma" in info else 8
         return torch.get_num_threads() * mhz * 1e6 * per_cycle
     return None
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face's config.json and tensor names for the families from_pretrained reads
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path} ({e.strerror}): a Hugging Face model folder needs it") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
+def safetensors_files(path):
+    # the weights: one model.safetensors, or the shards its index names, in order
+    if (path / "model.safetensors.index.json").exists():
+        shards = sorted(set(read_json(path / "model.safetensors.index.json")["weight_map"].values()))
+        absent = [s for s in shards if not (path / s).exists()]
+        if absent:
+            raise ValueError(f"{path} lacks {absent[0]}, a shard its model.safetensors.index.json names")
+        return [path / s for s in shards]
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    raise ValueError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors "
+                     f"weights are read: convert .bin weights first)")
+
+
+def config_from_hf(hf, block_size=None):
+    """config.json as a dict -> GPTConfig, refusing in one line what GPT does not implement."""
+    family = hf.get("model_type")
+    if family not in HF_ARCHITECTURES:
+        raise ValueError(f"model_type {family!r} is not supported (only {', '.join(HF_ARCHITECTURES)})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    if hf.get("mlp_bias") or (family != "qwen2" and hf.get("attention_bias")):
+        raise ValueError("biases on the attention output or the MLP (attention_bias/mlp_bias) are not supported")
+    # The Hub's released models hold rope_theta and rope_scaling at the top level; transformers 5
+    # writes both into rope_parameters. Either way, only the llama3 scaling (or none) is implemented.
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope scaling {rope_type!r} is not supported (only llama3, or none)")
+    scaling = None
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        scaling = {k: rope[k] for k in keys}
+    max_len = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window") if family == "mistral" or hf.get("use_sliding_window") else None
+    if block_size is not None and block_size > max_len:
+        raise ValueError(f"block_size={block_size} is past the model's max_position_embeddings={max_len}")
+    if block_size is not None and window and window < block_size:
+        raise ValueError(f"the model attends within a sliding_window of {window} tokens, which is not "
+                         f"implemented: use block_size <= {window}")
+    n_head = hf["num_attention_heads"]
+    return GPTConfig(
+        block_size=block_size or min(max_len, window or max_len), vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"], n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
+        n_embd=hf["hidden_size"], head_size=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        mlp_hidden=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_scaling=scaling,
+        norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+        family=family)
+
+
+def hf_config(config, dtype, eos_token_id=None):
+    # GPTConfig -> config.json in the Hub's style (rope_theta and rope_scaling at the top level),
+    # which both transformers 4 and 5 and vLLM read
+    c = config
+    scaling = {**c.rope_scaling, "rope_type": "llama3"} if c.rope_scaling else None
+    out = {"architectures": [HF_ARCHITECTURES[c.family]], "model_type": c.family, "vocab_size": c.vocab_size,
+           "hidden_size": c.n_embd, "intermediate_size": c.mlp_hidden, "num_hidden_layers": c.n_layer,
+           "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_size,
+           "hidden_act": "silu", "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps,
+           "rope_theta": c.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": c.tie_embeddings,
+           "attention_dropout": 0.0, "torch_dtype": str(dtype).removeprefix("torch."),
+           "eos_token_id": eos_token_id}
+    if c.family in ("llama", "qwen3"):
+        out.update(attention_bias=False)
+    if c.family in ("mistral", "qwen2", "qwen3"):
+        out.update(sliding_window=None, use_sliding_window=False)
+    return out
+
+
+def hf_layout(config):
+    """(transformers' name, our parameter, rows of ours or None) for every tensor. q, k and v are
+    stacked in that order in our attn.qkv, gate and up in mlp.gate_up."""
+    c = config
+    q, kv, hidden = c.n_head * c.head_size, c.n_kv_head * c.head_size, c.mlp_hidden
+    out = [("model.embed_tokens.weight", "wte.weight", None), ("model.norm.weight", "norm_f.weight", None)]
+    if not c.tie_embeddings:
+        out.append(("lm_head.weight", "lm_head.weight", None))
+    for i in range(c.n_layer):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        out += [(hf + "input_layernorm.weight", ours + "norm1.weight", None),
+                (hf + "post_attention_layernorm.weight", ours + "norm2.weight", None),
+                (hf + "self_attn.o_proj.weight", ours + "attn.proj.weight", None),
+                (hf + "mlp.gate_proj.weight", ours + "mlp.gate_up.weight", (0, hidden)),
+                (hf + "mlp.up_proj.weight", ours + "mlp.gate_up.weight", (hidden, 2 * hidden)),
+                (hf + "mlp.down_proj.weight", ours + "mlp.down.weight", None)]
+        kinds = ("weight", "bias") if c.qkv_bias else ("weight",)
+        for kind in kinds:
+            out += [(hf + f"self_attn.q_proj.{kind}", ours + f"attn.qkv.{kind}", (0, q)),
+                    (hf + f"self_attn.k_proj.{kind}", ours + f"attn.qkv.{kind}", (q, q + kv)),
+                    (hf + f"self_attn.v_proj.{kind}", ours + f"attn.qkv.{kind}", (q + kv, q + 2 * kv))]
+        if c.qk_norm:
+            out += [(hf + "self_attn.q_norm.weight", ours + "attn.q_norm.weight", None),
+                    (hf + "self_attn.k_norm.weight", ours + "attn.k_norm.weight", None)]
+    return out
