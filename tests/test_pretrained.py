@@ -50,7 +50,8 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(head_dim=32, rms_norm_eps=1e-6,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
-MODEL_TYPES = {"LlamaConfig": "llama", "MistralConfig": "mistral", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3"}
+MODEL_TYPES = {"LlamaConfig": "llama", "MistralConfig": "mistral", "Qwen2Config": "qwen2",
+               "Qwen3Config": "qwen3"}
 
 
 def randomize(model, seed=0):
@@ -138,7 +139,8 @@ def test_logits_both_ways(family, hf_folder, tmp_path):
     assert_same_logits(our_logits(ours, ids), expected)
 
     ours.save_pretrained(tmp_path)
-    assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "model.safetensors.index.json").exists()
+    assert (tmp_path / "model.safetensors").exists()
+    assert not (tmp_path / "model.safetensors.index.json").exists()
     config = read_config(tmp_path)
     assert config["model_type"] == hf.config.model_type == MODEL_TYPES[FAMILIES[family][0]]
     assert config["architectures"] == hf.config.architectures
@@ -224,6 +226,15 @@ def test_saves_sharded_folder(hf_folder, tmp_path):
     assert_same_logits(hf_logits(hf_load(tmp_path), ids), hf_logits(hf, ids))
 
 
+def test_max_shard_bytes_is_the_second_parameter(hf_folder, tmp_path):
+    # save_pretrained(path, max_shard_bytes=...): a size given in second place shards, and is not taken
+    # for some other field of config.json
+    folder, _ = hf_folder("qwen3")
+    GPT.from_pretrained(folder).save_pretrained(tmp_path, 50_000)
+    assert len(shard_files(tmp_path)) > 1
+    assert 50_000 not in read_config(tmp_path).values()
+
+
 # --- 4. config.json as the Hub's released models hold it ----------------------------------------------------
 
 def test_transformers_writes_rope_parameters(hf_folder):
@@ -232,7 +243,8 @@ def test_transformers_writes_rope_parameters(hf_folder):
     config = read_config(hf_folder("llama3")[0])
     assert config["rope_parameters"] == LLAMA3_ROPE
     assert "rope_theta" not in config and "rope_scaling" not in config and config["dtype"] == "float32"
-    assert read_config(hf_folder("llama")[0])["rope_parameters"] == {"rope_type": "default", "rope_theta": 500000.0}
+    plain = read_config(hf_folder("llama")[0])["rope_parameters"]
+    assert plain == {"rope_type": "default", "rope_theta": 500000.0}
 
 
 def hub_style(config):
@@ -342,6 +354,30 @@ def test_refuses_folder_without_config(llama_copy):
 def test_refuses_folder_without_safetensors(llama_copy):
     (llama_copy / "model.safetensors").unlink()
     assert_refused(llama_copy, ["safetensors"])
+
+
+# Damaged files are a user's mistake too (DESIGN.md: a corrupt file ends in one line naming the problem),
+# not a KeyError or a safetensors traceback.
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads"])
+def test_refuses_config_without_a_needed_field(field, llama_copy):
+    config = read_config(llama_copy)
+    del config[field]
+    write_config(llama_copy, config)
+    assert_refused(llama_copy, [field])
+
+
+def test_refuses_llama3_scaling_without_its_factors(llama_copy):
+    config = read_config(llama_copy)
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    write_config(llama_copy, config)
+    assert_refused(llama_copy, ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"])
+
+
+def test_refuses_truncated_safetensors(llama_copy):
+    weights = llama_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    assert_refused(llama_copy, ["model.safetensors"])
 
 
 # --- 6. dtype ---------------------------------------------------------------------------------------------
