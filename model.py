@@ -12,7 +12,7 @@ attention, SwiGLU MLP, no biases).
 import inspect
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +30,7 @@ except ImportError:
 
 @dataclass
 class GPTConfig:
-    block_size: int = 1024  # longest sequence the model is trained on
+    block_size: int = 1024  # longest sequence the model takes (trained from scratch: the one it is trained on)
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for fast matmuls
     n_layer: int = 12
     n_head: int = 12  # query heads
@@ -257,14 +257,15 @@ class GPT(nn.Module):
     # and joined here and nowhere else
 
     @classmethod
-    def from_pretrained(cls, path, dtype=None, block_size=None):
+    def from_pretrained(cls, path, dtype=None, block_size=None, **overrides):
         """A Llama, Mistral, Qwen2 or Qwen3 folder (config.json + safetensors) -> GPT. dtype: None keeps
-        the weights'; block_size: the longest sequence to be used (default: the model's own limit).
-        Tensors are copied in one at a time into a model allocated once, so loading takes about one
-        copy of the weights. Anything this file does not implement is a one-line ValueError."""
+        the weights'; block_size: the longest sequence it will be given, checked against the model's
+        limit (which stays its config.block_size); overrides: GPTConfig fields that leave the weights
+        alone (dropout, use_kernels). Tensors are copied one at a time into a model allocated once,
+        so loading takes about one copy of the weights. What GPT lacks is a one-line ValueError."""
         from safetensors import safe_open
         path = Path(path)
-        config = config_from_hf(read_json(path / "config.json"), block_size)
+        config = replace(config_from_hf(read_json(path / "config.json"), block_size), **overrides)
         files = safetensors_files(path)
         with safe_open(files[0], "pt") as f:  # the dtype of the first tensor is the folder's
             stored = f.get_slice(next(iter(f.keys()))).get_dtype()
@@ -356,6 +357,20 @@ def load_checkpoint(path, device="cpu"):
                          f"use another one, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt") from None
 
 
+def pick_device(device="auto", dtype="auto"):
+    """Resolve the 'auto' settings: cuda, then mps, then cpu; bf16 where the GPU has it, else float32.
+    Returns (device, dtype name); a CUDA device without a GPU or an unknown dtype is a one-line ValueError."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device} but no CUDA GPU is visible (use --device=cpu)")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
+    return device, dtype
+
+
 def peak_flops(device, dtype):
     # dense matmul peak of one device in FLOP/s, for MFU; None where unknown
     device = torch.device(device)
@@ -444,7 +459,7 @@ def config_from_hf(hf, block_size=None):
                          f"implemented: use block_size <= {window}")
     n_head = hf["num_attention_heads"]
     return GPTConfig(
-        block_size=block_size or min(max_len, window or max_len), vocab_size=hf["vocab_size"],
+        block_size=min(max_len, window or max_len), vocab_size=hf["vocab_size"],
         n_layer=hf["num_hidden_layers"], n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
         n_embd=hf["hidden_size"], head_size=hf.get("head_dim") or hf["hidden_size"] // n_head,
         mlp_hidden=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -1,8 +1,10 @@
 """
-Sample from a trained model: its checkpoint, and the tokenizer of the data it was trained on.
+Sample from a trained model: its checkpoint, and the tokenizer of the data it was trained on; or from
+a Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) with the folder's own tokenizer.json.
 
     python sample.py --out_dir=out-small --start="import " --num_samples=2 --max_new_tokens=200
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0.8
+    python sample.py --model=models/Qwen3-0.6B --start="The capital of France is" --temperature=0
 """
 
 import argparse
@@ -12,12 +14,13 @@ from contextlib import nullcontext
 
 import torch
 
-from model import GPT, GPTConfig, load_checkpoint
-from prepare import load_tokenizer
+from model import GPT, GPTConfig, load_checkpoint, pick_device
+from prepare import load_tokenizer, make_tokenizer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out_dir", default="out", help="folder holding the checkpoint")
 parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint file in out_dir (ckpt_best.pt: best val loss)")
+parser.add_argument("--model", default=None, help="a Hugging Face model folder to sample instead of a checkpoint")
 parser.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
 parser.add_argument("--num_samples", type=int, default=3)
 parser.add_argument("--max_new_tokens", type=int, default=500)
@@ -37,43 +40,55 @@ def fail(msg):
     sys.exit(f"sample.py: {msg}")
 
 
-device = args.device
-if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-if device.startswith("cuda") and not torch.cuda.is_available():
-    fail(f"--device={device} but no CUDA GPU is visible (use --device=cpu)")
-if args.top_k is not None and args.top_k < 1:
-    fail(f"--top_k={args.top_k} must be at least 1 (or leave it out)")
-dtype = args.dtype
-if dtype == "auto":
-    dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
-path = os.path.join(args.out_dir, args.ckpt)
-if not os.path.exists(path):
-    fail(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
 try:
-    checkpoint = load_checkpoint(path, device)
+    device, dtype = pick_device(args.device, args.dtype)
 except ValueError as e:
     fail(str(e))
-if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
-    fail(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
-model = GPT(GPTConfig(**checkpoint["model_args"]))
-model.load_state_dict(checkpoint["model"])
+if args.top_k is not None and args.top_k < 1:
+    fail(f"--top_k={args.top_k} must be at least 1 (or leave it out)")
+
+
+def from_checkpoint(path):
+    # a run's checkpoint, and the tokenizer of the data it was trained on: where it was then, or here
+    if not os.path.exists(path):
+        fail(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
+    try:
+        checkpoint = load_checkpoint(path, device)
+    except ValueError as e:
+        fail(str(e))
+    if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
+        fail(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
+    model = GPT(GPTConfig(**checkpoint["model_args"]))
+    model.load_state_dict(checkpoint["model"])
+    candidates = [args.data_dir] if args.data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
+    data_dir = next((d for d in candidates if d and os.path.isdir(d)), None)
+    if data_dir is None:
+        fail(f"the model was trained on {candidates[-1]}, which is not here: sample.py needs its tokenizer "
+             f"(restore it, or pass --data_dir)")
+    try:
+        tokenizer = load_tokenizer(data_dir)
+    except (ValueError, KeyError, TypeError) as e:
+        fail(f"cannot read the tokenizer in {data_dir} ({type(e).__name__}: {e}); re-run prepare.py")
+    return model, tokenizer, data_dir
+
+
+def from_folder(folder):
+    # a Hugging Face folder: its weights in the dtype we sample in, and its tokenizer.json
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        fail(f"{folder} has no tokenizer.json to encode the prompt with")
+    try:
+        model = GPT.from_pretrained(folder, dtype=getattr(torch, dtype))
+    except ValueError as e:
+        fail(str(e))
+    return model, make_tokenizer(folder, None), folder
+
+
+model, tokenizer, source = from_folder(args.model) if args.model else from_checkpoint(
+    os.path.join(args.out_dir, args.ckpt))
 model.eval().to(device)
-# the tokenizer lives with the data the model was trained on: where it was then, or here
-candidates = [args.data_dir] if args.data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
-data_dir = next((d for d in candidates if d and os.path.isdir(d)), None)
-if data_dir is None:
-    fail(f"the model was trained on {candidates[-1]}, which is not here: sample.py needs its tokenizer "
-         f"(restore it, or pass --data_dir)")
-if os.path.exists(os.path.join(data_dir, "prepare.incomplete")):
-    fail(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
-try:
-    tokenizer = load_tokenizer(data_dir)
-except (ValueError, KeyError, TypeError) as e:
-    fail(f"cannot read the tokenizer in {data_dir} ({type(e).__name__}: {e}); re-run prepare.py")
 if tokenizer.vocab_size > model.config.vocab_size:
-    fail(f"{data_dir}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's {model.config.vocab_size}: "
-         f"it is not the data this model was trained on")
+    fail(f"{source}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's {model.config.vocab_size}: "
+         f"it is not the tokenizer this model was trained with")
 
 start = args.start
 if start.startswith("FILE:"):

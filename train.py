@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
-from model import GPT, GPTConfig, load_checkpoint, peak_flops
+from model import GPT, GPTConfig, load_checkpoint, peak_flops, pick_device
 
 # -----------------------------------------------------------------------------
 # defaults: every setting is a global here; config files and --key=value override them
@@ -42,7 +43,7 @@ eval_interval = 250  # estimate train/val loss (and maybe checkpoint) every this
 log_interval = 10  # print and record training metrics every this many steps
 eval_iters = 50  # batches per loss estimate, per process
 always_save_checkpoint = True  # save at every evaluation, not only when val loss improves
-init_from = "scratch"  # 'scratch', 'resume' (from out_dir/ckpt.pt), or 'auto' (resume if there is one)
+init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one), or a HF model folder
 keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
 early_stop_patience = 0  # stop after this many evaluations without a better val loss (0: never)
 max_skipped_steps = 10  # stop after this many updates in a row skipped for a non-finite loss or gradient
@@ -54,8 +55,8 @@ wandb_run_name = "run"
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
 gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
 batch_size = 12  # sequences per micro-step per process
-block_size = 256  # tokens per sequence
-# model
+block_size = 256  # tokens per sequence (from a pretrained folder: at most its max_position_embeddings)
+# model (from a pretrained folder, its config.json sets the shape and these are ignored)
 n_layer = 6
 n_head = 6
 n_kv_head = 0  # key/value heads for grouped-query attention (0: as many as n_head)
@@ -109,13 +110,13 @@ rank = int(os.environ.get("RANK", 0))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 world_size = int(os.environ.get("WORLD_SIZE", 1))
 master = rank == 0  # the process that logs and writes checkpoints
-if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+try:
+    device, dtype = pick_device(device, dtype)
+except ValueError as e:
+    fail(str(e))
 if device == "cuda" and ddp:
     device = f"cuda:{local_rank}"
 device_type = device.split(":")[0]
-if device_type == "cuda" and not torch.cuda.is_available():
-    fail(f"device={device} but no CUDA GPU is visible (use --device=cpu)")
 if device_type == "cuda":
     torch.cuda.set_device(device)
 if ddp:
@@ -127,10 +128,6 @@ if gradient_accumulation_steps % world_size:
          f"{world_size} processes (it counts micro-steps over all of them)")
 micro_steps = gradient_accumulation_steps // world_size  # this process's share
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
-if dtype == "auto":
-    dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-if dtype not in ("float32", "bfloat16", "float16"):
-    fail(f"dtype={dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
 ptdtype = getattr(torch, dtype)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
 if device_type == "cuda":
@@ -196,7 +193,30 @@ def get_batch(split, step, index):
 
 
 # -----------------------------------------------------------------------------
-# model, optimizer and state, fresh or from the checkpoint
+# model, optimizer and state: fresh, from a Hugging Face folder, or from the checkpoint
+
+
+def check_tokenizer(folder):
+    # data for a pretrained model must be made with its own tokenizer: other ids would mean other words
+    how = f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            model_vocab = int(json.load(f)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"cannot read the vocab_size in {folder}/config.json ({type(e).__name__}: {e})")
+    if meta["vocab_size"] > model_vocab:
+        fail(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: {how}")
+    theirs = os.path.join(folder, "tokenizer.json")
+    ours = os.path.join(data_dir, "tokenizer.json")
+    if os.path.exists(theirs) and not (meta.get("tokenizer", {}).get("kind") == "huggingface"
+                                       and os.path.exists(ours) and same_bytes(ours, theirs)):
+        fail(f"{data_dir} was not prepared with {theirs}: {how}")
+
+
+def same_bytes(a, b):
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
 
 model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, block_size=block_size,
                   vocab_size=vocab_size, dropout=dropout, tie_embeddings=tie_embeddings,
@@ -214,11 +234,16 @@ if ddp:  # every process must see the same checkpoint, or they would start from 
              f"every node shares")
 if init_from == "auto":
     init_from = "resume" if have_ckpt else "scratch"
+from_folder = init_from not in ("scratch", "resume")  # a Hugging Face model folder to fine-tune
+if from_folder and not os.path.isfile(os.path.join(init_from, "config.json")):
+    fail(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model folder "
+         f"(it has no config.json)")
+pretrained = os.path.abspath(init_from) if from_folder else None  # where the weights began, kept on resume
 old_ckpts = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt.*\.pt", f)] if os.path.isdir(out_dir) else []
-if init_from == "scratch" and old_ckpts:
+if init_from != "resume" and old_ckpts:
     fail(f"{out_dir} holds a run already ({', '.join(sorted(old_ckpts))}): continue it with --init_from=resume, "
          f"or train into another out_dir")
-if init_from == "scratch" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+if init_from != "resume" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
     os.remove(os.path.join(out_dir, "metrics.jsonl"))  # left by a run that died before its first checkpoint
 if init_from == "resume":
     if not os.path.exists(ckpt_path):
@@ -231,12 +256,14 @@ if init_from == "resume":
               "skipped_in_a_row", "evaluated", "config", "world_size", "rng"}
     if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
         fail(f"{ckpt_path} is not a checkpoint of this train.py (it lacks {', '.join(sorted(needed - set(checkpoint)))})")
-    shape = ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "tie_embeddings")
-    model_args.update({k: checkpoint["model_args"][k] for k in shape})  # the weights decide the shape
+    pretrained = checkpoint.get("pretrained")
+    # the weights decide the shape; dropout, the kernels and (from scratch) block_size are this run's
+    model_args = {**checkpoint["model_args"], "dropout": dropout, "use_kernels": use_kernels}
+    if not pretrained:  # a pretrained model's block_size is its own limit, not the length trained on
+        model_args["block_size"] = block_size
     if meta["vocab_size"] > model_args["vocab_size"]:
         fail(f"the checkpoint's vocab_size {model_args['vocab_size']} is smaller than the data's "
              f"{meta['vocab_size']}: resume with the data it was trained on")
-    vocab_size = model_args["vocab_size"]
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evals_without_gain, skipped_in_a_row = checkpoint["evals_without_gain"], checkpoint["skipped_in_a_row"]
     evaluated_at = iter_num if checkpoint["evaluated"] else None
@@ -248,16 +275,24 @@ if init_from == "resume":
     if (checkpoint["config"]["seed"], checkpoint["world_size"]) != (seed, world_size) and master:
         print("warning: seed or process count changed since the checkpoint: training continues, "
               "but not on the batches the first run would have seen")
-elif init_from != "scratch":
-    fail(f"init_from={init_from!r} is not 'scratch', 'resume' or 'auto'")
+    if block_size > model_args["block_size"]:
+        fail(f"block_size={block_size} is past the {model_args['block_size']} positions of the model {pretrained}")
 
 torch.manual_seed(seed)  # the same initial weights in every process
+if from_folder:
+    check_tokenizer(init_from)
 try:
-    model = GPT(GPTConfig(**model_args))
-except ValueError as e:  # a shape that cannot be built, e.g. n_embd not divisible by n_head
+    if from_folder:  # fp32 master weights, whatever the folder holds: autocast computes in dtype
+        model = GPT.from_pretrained(init_from, dtype=torch.float32, block_size=block_size, dropout=dropout,
+                                    use_kernels=use_kernels)
+        model_args = asdict(model.config)
+    else:
+        model = GPT(GPTConfig(**model_args))
+except ValueError as e:  # a shape that cannot be built, or a folder with what GPT does not implement
     fail(str(e))
 if checkpoint is not None:
     model.load_state_dict(checkpoint["model"])
+vocab_size = model_args["vocab_size"]
 model.to(device)
 optimizer = model.configure_optimizer(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
@@ -275,7 +310,7 @@ if compile:
     model = torch.compile(model)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
-flops_per_token = raw_model.flops_per_token()
+flops_per_token = raw_model.flops_per_token(block_size)
 peak = peak_flops(device, ptdtype)
 if master:
     print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_args}")
@@ -345,6 +380,7 @@ def save_checkpoint(improved):
         "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
         "evaluated": evaluated_at == iter_num, "config": config, "world_size": world_size, "rng": rngs,
         "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
+        "pretrained": pretrained,  # the Hugging Face folder the run began from, if any
     }
     tmp = ckpt_path + ".tmp"
     with open(tmp, "wb") as f:

@@ -135,7 +135,7 @@ def test_resume_continues_from_saved_step(data_dir, tmp_path):
     (["--compile=yes"], "compile must be bool like its default False, got 'yes'"),
     (["--batch_size"], "write overrides as --key=value"),
     (["config/no_such_file.py"], "config file config/no_such_file.py: No such file or directory"),
-    (["--init_from=gpt2"], "init_from='gpt2' is not 'scratch', 'resume' or 'auto'"),
+    (["--init_from=gpt2"], "init_from='gpt2' is not 'scratch', 'resume', 'auto' or a Hugging Face model folder"),
     (["--dtype=float8"], "dtype='float8' is not one of"),
     (["--n_head=5"], "n_embd=32 must be divisible by n_head=5"),
     (["--eval_interval=0"], "eval_interval=0 must be at least 1"),

@@ -1,0 +1,119 @@
+"""Fine-tuning a Hugging Face folder end to end: prepare.py with its tokenizer, train.py --init_from=PATH,
+resume, sample.py on the folder, export.py back to a folder that transformers loads with equal logits."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_train import ROOT, losses, run, weights
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from model import GPT, GPTConfig  # noqa: E402
+
+FINETUNE = ["--block_size=32", "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2",
+            "--lr_decay_iters=20", "--learning_rate=3e-3", "--eval_interval=5", "--dropout=0.1"]
+
+
+def corpus_text():
+    # a few hundred KB of real text: this Python's own library source
+    import sysconfig
+    from pathlib import Path
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-k]*.py"))
+    return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)[:300_000]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    # a tiny Qwen3 (q/k norm, head_dim of its own) with its own byte-level BPE tokenizer, as on the Hub
+    root = tmp_path_factory.mktemp("pretrained")
+    text = corpus_text()
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text[i:i + 10_000] for i in range(0, len(text), 10_000)], trainer)
+    folder = root / "qwen"
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=416, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=64, tie_word_embeddings=True)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (root / "corpus").mkdir()
+    (root / "corpus" / "text.txt").write_text(text)
+    data = root / "data"
+    done = subprocess.run([sys.executable, "prepare.py", str(root / "corpus"), f"--tokenizer={folder}",
+                           f"--out_dir={data}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return folder, data
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(ids)[0] if isinstance(model, GPT) else model(ids).logits
+
+
+def test_finetune_lowers_val_loss_and_resumes_bit_for_bit(pretrained, tmp_path):
+    folder, data = pretrained
+    args = [*FINETUNE, f"--data_dir={data}", f"--init_from={folder}"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=20")
+    evals = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in evals if "val_loss" in r]
+    assert val[-1] < val[0] - 0.5  # it learns the corpus
+    ckpt = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)
+    assert ckpt["pretrained"] == str(folder) and ckpt["model_args"]["block_size"] == 64  # the model's own limit
+    assert ckpt["model_args"]["qk_norm"] and ckpt["model_args"]["family"] == "qwen3"
+    # stopped at step 7 and resumed: the same losses and weights as the run that never stopped
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=7")
+    out = run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=20", check=False)  # never overwritten
+    assert out.returncode != 0 and "continue it with --init_from=resume" in out.stderr
+    run(*FINETUNE, f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}", "--max_iters=20", "--init_from=auto")
+    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
+    whole, parts = weights(tmp_path / "whole"), weights(tmp_path / "parts")
+    assert all(torch.equal(whole[k], parts[k]) for k in whole)
+
+
+def test_step_zero_is_the_folders_model(pretrained, tmp_path):
+    # with no update, the checkpoint holds the folder's weights: the same logits as transformers
+    folder, data = pretrained
+    run(*FINETUNE, f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path}", "--max_iters=1",
+        "--learning_rate=0", "--min_lr=0", "--warmup_iters=0")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ours = GPT(GPTConfig(**{**ckpt["model_args"], "use_kernels": False})).eval()
+    ours.load_state_dict(ckpt["model"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.randint(0, 400, (2, 24))
+    theirs = logits_of(hf, ids)
+    assert (logits_of(ours, ids) - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+
+
+def test_refusals_are_one_line(pretrained, tmp_path, data_dir):
+    folder, data = pretrained
+    cases = [
+        ([f"--data_dir={data}", "--block_size=65"], "block_size=65 is past the model's max_position_embeddings=64"),
+        ([f"--data_dir={data_dir}"], f"was not prepared with {folder}/tokenizer.json"),  # char data, other ids
+        ([f"--data_dir={data}", f"--init_from={tmp_path}"], "is not 'scratch', 'resume', 'auto' or a Hugging Face"),
+    ]
+    for extra, message in cases:
+        out = run(*FINETUNE, f"--init_from={folder}", *extra, f"--out_dir={tmp_path / 'out'}", check=False)
+        assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_sample_a_folder_greedily_as_transformers_does(pretrained):
+    folder, _ = pretrained
+    done = subprocess.run([sys.executable, "sample.py", f"--model={folder}", "--start=def ", "--temperature=0",
+                           "--max_new_tokens=12", "--num_samples=1", "--device=cpu"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([tok.encode("def ", add_special_tokens=False).ids])
+    greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    assert done.stdout.split("\n---------------\n")[0] == tok.decode(greedy[0].tolist(), skip_special_tokens=False)
