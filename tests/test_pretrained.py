@@ -167,8 +167,9 @@ def test_default_and_asked_block_size(hf_folder):
     # a Mistral sliding window shorter than max_position_embeddings bounds the default
     window_folder, window_hf = hf_folder("mistral_window")
     assert GPT.from_pretrained(window_folder).config.block_size == 64
+    # a shorter block_size asked is only checked against that limit (main's 57449bb keeps config.block_size
+    # at the model's own limit, so that a saved folder keeps its max_position_embeddings)
     ours = GPT.from_pretrained(window_folder, block_size=32)
-    assert ours.config.block_size == 32
     ids = random_ids()
     assert_same_logits(our_logits(ours, ids), hf_logits(window_hf, ids))
 
