@@ -263,11 +263,14 @@ class GPT(nn.Module):
         limit (which stays its config.block_size); overrides: GPTConfig fields that leave the weights
         alone (dropout, use_kernels). Tensors are copied one at a time into a model allocated once,
         so loading takes about one copy of the weights. What GPT lacks is a one-line ValueError."""
-        from safetensors import safe_open
         path = Path(path)
-        config = replace(config_from_hf(read_json(path / "config.json"), block_size), **overrides)
+        hf = read_json(path / "config.json")
+        try:
+            config = replace(config_from_hf(hf, block_size), **overrides)
+        except KeyError as e:
+            raise ValueError(f"{path / 'config.json'} lacks {e}, which a {hf.get('model_type')} model needs") from None
         files = safetensors_files(path)
-        with safe_open(files[0], "pt") as f:  # the dtype of the first tensor is the folder's
+        with open_safetensors(files[0]) as f:  # the dtype of the first tensor is the folder's
             stored = f.get_slice(next(iter(f.keys()))).get_dtype()
         dtype = dtype or SAFETENSORS_DTYPES.get(stored, torch.float32)
         with torch.device("meta"):  # no memory yet, and no time spent on a random init
@@ -277,10 +280,11 @@ class GPT(nn.Module):
             model.lm_head.weight = model.wte.weight
         model.cos, model.sin = rotary_tables(config.head_size, config.block_size, config.rope_theta,
                                              config.rope_scaling)
-        params, layout = dict(model.named_parameters()), {hf: (ours, rows) for hf, ours, rows in hf_layout(config)}
+        params = dict(model.named_parameters())
+        layout = {name: (ours, rows) for name, ours, rows in hf_layout(config)}
         missing = set(layout)
         for file in files:
-            with safe_open(file, "pt") as f, torch.no_grad():
+            with open_safetensors(file) as f, torch.no_grad():
                 for name in f.keys():
                     if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_embeddings):
                         continue  # derived from the config, or the tied embedding stored twice
@@ -298,7 +302,7 @@ class GPT(nn.Module):
             raise ValueError(f"{path} lacks {len(missing)} tensor(s) the config needs, e.g. {sorted(missing)[0]}")
         return model
 
-    def save_pretrained(self, path, eos_token_id=None, max_shard_bytes=5 * 2**30):
+    def save_pretrained(self, path, max_shard_bytes=5 * 2**30, eos_token_id=None):
         """Write config.json and model.safetensors (or shards with an index past max_shard_bytes, as the
         Hub does) in the model's dtype, for transformers, vLLM and llama.cpp's converter."""
         from safetensors.torch import save_file
@@ -415,6 +419,14 @@ def read_json(path):
         raise ValueError(f"cannot read {path} ({e.strerror}): a Hugging Face model folder needs it") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
+def open_safetensors(file):
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(file, "pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); download it again") from None
 
 
 def safetensors_files(path):
