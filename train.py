@@ -556,7 +556,8 @@ while True:
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
+    # one copy to the host per step: on a GPU each .item() waits for all the work queued before it
+    loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm.view(1).float(), stop]).tolist()
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
         for opt in optimizers:
             scaler.step(opt)
@@ -586,7 +587,7 @@ while True:
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
              "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb(), "epoch": epoch()})
         t_log, iters_since_log = time.time(), 0
-    if stop.item() > 0:  # every process sees the same flag, so all stop after the same step
+    if stop_value > 0:  # every process sees the same flag, so all stop after the same step
         print(f"process {rank}: stop requested, saving at step {iter_num} and exiting", flush=True)
         save_checkpoint(False)
         break
