@@ -4,6 +4,7 @@ own tokenizer, for tiktoken encodings, bpe:N, and a dataset made with a tokenize
 Run: python -m pytest -q tests/test_export_tokenizer.py"""
 
 import json
+import random
 import subprocess
 import sys
 import sysconfig
@@ -131,6 +132,17 @@ def test_unicode_everywhere(exported):
     for context in ("a{c}1 {c}'s", "\n{c}{c} "):
         text = "".join(context.format(c=c) for c in chars)
         assert auto.encode(text, add_special_tokens=False) == ours.encode(text), context
+
+
+def test_vocabulary_soup(exported):
+    # The merges, hardest pressed: random tokens of the vocabulary itself (every script it has
+    # words of), run together or apart, so that tiktoken merges across and inside them.
+    ours, _, auto, raw = exported
+    rng = random.Random(0)
+    ids = sorted(set(raw.get_vocab().values()) - set(raw.get_added_tokens_decoder()))
+    words = [w for w in (ours.decode([i]) for i in rng.choices(ids, k=20_000)) if "\ufffd" not in w]
+    text = "".join(w + rng.choice(["", "", " ", "\n", "'s", "7"]) for w in words)
+    assert auto.encode(text, add_special_tokens=False) == ours.encode(text)
 
 
 def test_every_token_decodes_the_same(exported):
