@@ -146,6 +146,8 @@ def test_vocabulary_soup(exported):
 
 
 def test_every_token_decodes_the_same(exported):
+    # Each id alone, the special ones and the pieces of a UTF-8 character (replaced) included, shows
+    # that every token is spelled and numbered as ours.
     ours, _, _, raw = exported
     vocab = raw.get_vocab(with_added_tokens=True)
     ids = sorted(vocab.values())
