@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
-from model import GPT, GPTConfig, load_checkpoint, peak_flops, pick_device
+from model import GPT, GPTConfig, fingerprint, load_checkpoint, peak_flops, pick_device
 
 # -----------------------------------------------------------------------------
 # defaults: every setting is a global here; config files and --key=value override them
@@ -65,6 +65,12 @@ dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
 tie_embeddings = True  # the LM head shares the token embedding's weight
 vocab_size = 0  # 0: the dataset's vocabulary, padded up to a multiple of 64
 use_kernels = None  # Triton fused ops: True, False, or None for auto (on CUDA with Triton)
+# LoRA: train low-rank adapters on a frozen pretrained model (init_from a Hugging Face folder)
+lora_rank = 0  # the adapters' rank; 0: off, every weight trains
+lora_alpha = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+lora_dropout = 0.0  # dropout on the adapters' input
+lora_targets = "q,k,v,o,gate,up,down"  # projections to adapt; the default is all of them, attention's and the MLP's
+lora_base_dtype = "auto"  # the frozen base: 'auto' (the run's dtype), 'float32', 'bfloat16', or 'nf4' (QLoRA, torchao)
 # optimizer: AdamW
 learning_rate = 6e-4  # peak learning rate
 max_iters = 5000  # total optimizer steps
@@ -278,22 +284,49 @@ if init_from == "resume":
     if block_size > model_args["block_size"]:
         fail(f"block_size={block_size} is past the {model_args['block_size']} positions of the model {pretrained}")
 
+lora = lora_rank if from_folder else model_args.get("lora_rank", 0) if checkpoint is not None else 0
+if lora_rank and not lora:
+    fail("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of yours to one "
+         "with export.py)")
+if lora_base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4"):
+    fail(f"lora_base_dtype={lora_base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16' or 'nf4'")
+base_dtype = dtype if lora_base_dtype in ("auto", "nf4") else lora_base_dtype  # nf4 is quantized from dtype
+try:
+    base_fingerprint = fingerprint(pretrained) if from_folder or lora else None
+except (ValueError, OSError) as e:
+    fail(f"cannot read the base model at {pretrained} ({e})")
+if checkpoint is not None and lora and checkpoint.get("base_fingerprint") != base_fingerprint:
+    fail(f"the base model at {pretrained} is not the one this LoRA run began from (its weights differ): "
+         f"put that model back there")
+
 torch.manual_seed(seed)  # the same initial weights in every process
 if from_folder:
     check_tokenizer(init_from)
 try:
-    if from_folder:  # fp32 master weights, whatever the folder holds: autocast computes in dtype
-        model = GPT.from_pretrained(init_from, dtype=torch.float32, block_size=block_size, dropout=dropout,
-                                    use_kernels=use_kernels)
+    if from_folder or lora:  # the folder's weights, and for LoRA adapters on them, frozen in base_dtype
+        model = GPT.from_pretrained(pretrained, dtype=getattr(torch, base_dtype) if lora else torch.float32,
+                                    block_size=block_size, dropout=dropout, use_kernels=use_kernels)
+        if lora:
+            adapters = model_args if checkpoint else dict(lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                                          lora_dropout=lora_dropout, lora_targets=lora_targets)
+            model.add_lora(adapters["lora_rank"], adapters["lora_alpha"], adapters["lora_dropout"],
+                           adapters["lora_targets"])
         model_args = asdict(model.config)
     else:
         model = GPT(GPTConfig(**model_args))
 except ValueError as e:  # a shape that cannot be built, or a folder with what GPT does not implement
     fail(str(e))
-if checkpoint is not None:
-    model.load_state_dict(checkpoint["model"])
+if checkpoint is not None:  # a LoRA checkpoint holds the adapters only: the base came from its folder
+    missing, unexpected = model.load_state_dict(checkpoint["model"], strict=not lora)
+    if unexpected or any(p.requires_grad for n, p in model.named_parameters() if n in missing):
+        fail(f"{ckpt_path} does not hold this model's adapters (lora_rank or lora_targets changed?)")
 vocab_size = model_args["vocab_size"]
 model.to(device)
+if lora and lora_base_dtype == "nf4":
+    try:
+        model.quantize_base()
+    except ValueError as e:
+        fail(str(e))
 optimizer = model.configure_optimizer(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 if checkpoint is not None:
@@ -313,7 +346,8 @@ if ddp:
 flops_per_token = raw_model.flops_per_token(block_size)
 peak = peak_flops(device, ptdtype)
 if master:
-    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_args}")
+    trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
+    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {model_args}")
 
 
 def get_lr(it):
@@ -374,13 +408,18 @@ def save_checkpoint(improved):
         rngs = [rng]
     if not master:
         return
+    weights = raw_model.state_dict()
+    if lora:  # the adapters alone: the frozen base is the folder's, known again by its fingerprint
+        trained = {n for n, p in raw_model.named_parameters() if p.requires_grad}
+        weights = {n: t for n, t in weights.items() if n in trained}
     state = {
-        "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+        "model": weights, "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
         "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
         "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
         "evaluated": evaluated_at == iter_num, "config": config, "world_size": world_size, "rng": rngs,
         "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
         "pretrained": pretrained,  # the Hugging Face folder the run began from, if any
+        "base_fingerprint": base_fingerprint,
     }
     tmp = ckpt_path + ".tmp"
     with open(tmp, "wb") as f:

@@ -117,3 +117,58 @@ def test_sample_a_folder_greedily_as_transformers_does(pretrained):
     greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     assert done.stdout.split("\n---------------\n")[0] == tok.decode(greedy[0].tolist(), skip_special_tokens=False)
+
+
+# -----------------------------------------------------------------------------
+# LoRA and QLoRA
+
+LORA = [*FINETUNE, "--lora_rank=4", "--lora_alpha=8", "--learning_rate=1e-2"]
+
+
+def test_lora_trains_adapters_only_and_resumes_bit_for_bit(pretrained, tmp_path):
+    folder, data = pretrained
+    args = [*LORA, f"--data_dir={data}", f"--init_from={folder}"]
+    out = run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=12")
+    ckpt = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)
+    assert ckpt["model"] and all(".lora." in name for name in ckpt["model"])  # adapters only, no base
+    assert ckpt["model_args"]["lora_rank"] == 4 and len(ckpt["base_fingerprint"]) == 16
+    base = sum(p.numel() for p in GPT.from_pretrained(folder).parameters())
+    assert sum(t.numel() for t in ckpt["model"].values()) < base / 5
+    assert "0.02M of them trained" in out.stdout or "M of them trained" in out.stdout
+    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines())
+           if "val_loss" in r]
+    assert val[-1] < val[0] - 0.05  # the adapters alone learn, slowly on a random base (fixed eval batches)
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=6")
+    run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}", "--max_iters=12", "--init_from=resume")
+    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
+    whole, parts = weights(tmp_path / "whole"), weights(tmp_path / "parts")
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+
+
+def test_lora_refuses_another_base(pretrained, tmp_path):
+    folder, data = pretrained
+    base = tmp_path / "base"
+    base.mkdir()
+    for f in folder.iterdir():
+        (base / f.name).write_bytes(f.read_bytes())
+    run(*LORA, f"--data_dir={data}", f"--init_from={base}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2")
+    model = GPT.from_pretrained(base)
+    with torch.no_grad():
+        model.blocks[0].mlp.down.weight.mul_(1.01)  # another model of the same shape
+    model.save_pretrained(base)
+    out = run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--init_from=resume",
+              check=False)
+    assert out.returncode != 0 and "is not the one this LoRA run began from" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    out = run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'x'}", check=False)  # no folder to adapt
+    assert out.returncode != 0 and "LoRA adapts a pretrained model" in out.stderr
+
+
+def test_qlora_trains(pretrained, tmp_path):
+    pytest.importorskip("torchao", reason="QLoRA's 4-bit base needs torchao (pip install torchao)")
+    folder, data = pretrained
+    run(*LORA, "--lora_base_dtype=nf4", f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path}",
+        "--max_iters=10")
+    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+           if "val_loss" in r]
+    assert val[-1] < val[0] - 0.05
