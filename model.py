@@ -405,6 +405,27 @@ class GPT(nn.Module):
             raise ValueError(f"{path} lacks {len(missing)} tensor(s) the config needs, e.g. {sorted(missing)[0]}")
         return model
 
+    @classmethod
+    def from_checkpoint(cls, checkpoint, base_dtype=None, **overrides):
+        """A train.py checkpoint (as load_checkpoint returns it) -> GPT with its weights; overrides as in
+        from_pretrained. A LoRA run's checkpoint holds only the adapters: they go onto its base folder
+        again, read in base_dtype, which must be the very model the run began from."""
+        args = {**checkpoint["model_args"], **overrides}
+        if not args.get("lora_rank"):
+            model = cls(GPTConfig(**args))
+            model.load_state_dict(checkpoint["model"])
+            return model
+        base = checkpoint["pretrained"]
+        if fingerprint(base) != checkpoint["base_fingerprint"]:
+            raise ValueError(f"the base model at {base} is not the one this LoRA run began from (its weights "
+                             f"differ): put that model back there")
+        model = cls.from_pretrained(base, base_dtype, dropout=args["dropout"], use_kernels=args["use_kernels"])
+        model.add_lora(args["lora_rank"], args["lora_alpha"], args["lora_dropout"], args["lora_targets"])
+        missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
+        if unexpected or any(p.requires_grad for name, p in model.named_parameters() if name in missing):
+            raise ValueError("the checkpoint does not hold this model's adapters")
+        return model
+
     def save_pretrained(self, path, max_shard_bytes=5 * 2**30, eos_token_id=None):
         """Write config.json and model.safetensors (or shards with an index past max_shard_bytes, as the
         Hub does) in the model's dtype, for transformers, vLLM and llama.cpp's converter."""

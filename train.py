@@ -290,36 +290,30 @@ if lora_rank and not lora:
          "with export.py)")
 if lora_base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4"):
     fail(f"lora_base_dtype={lora_base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16' or 'nf4'")
-base_dtype = dtype if lora_base_dtype in ("auto", "nf4") else lora_base_dtype  # nf4 is quantized from dtype
-try:
-    base_fingerprint = fingerprint(pretrained) if from_folder or lora else None
-except (ValueError, OSError) as e:
-    fail(f"cannot read the base model at {pretrained} ({e})")
-if checkpoint is not None and lora and checkpoint.get("base_fingerprint") != base_fingerprint:
-    fail(f"the base model at {pretrained} is not the one this LoRA run began from (its weights differ): "
-         f"put that model back there")
+# Full fine-tuning keeps fp32 master weights whatever the folder holds (autocast computes in dtype); a
+# frozen LoRA base needs only the dtype it computes in, and nf4 is quantized from that.
+base_dtype = dtype if lora_base_dtype in ("auto", "nf4") else lora_base_dtype
+base_dtype = getattr(torch, base_dtype) if lora else torch.float32
 
 torch.manual_seed(seed)  # the same initial weights in every process
 if from_folder:
     check_tokenizer(init_from)
 try:
-    if from_folder or lora:  # the folder's weights, and for LoRA adapters on them, frozen in base_dtype
-        model = GPT.from_pretrained(pretrained, dtype=getattr(torch, base_dtype) if lora else torch.float32,
-                                    block_size=block_size, dropout=dropout, use_kernels=use_kernels)
+    if checkpoint is not None:  # (a LoRA run's base comes from its folder again, checked by fingerprint)
+        base_fingerprint = checkpoint.get("base_fingerprint")
+        run_settings = {k: model_args[k] for k in ("dropout", "use_kernels", "block_size")}
+        model = GPT.from_checkpoint(checkpoint, base_dtype, **run_settings)
+    elif from_folder:
+        base_fingerprint = fingerprint(init_from)
+        model = GPT.from_pretrained(init_from, base_dtype, block_size, dropout=dropout, use_kernels=use_kernels)
         if lora:
-            adapters = model_args if checkpoint else dict(lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                                          lora_dropout=lora_dropout, lora_targets=lora_targets)
-            model.add_lora(adapters["lora_rank"], adapters["lora_alpha"], adapters["lora_dropout"],
-                           adapters["lora_targets"])
+            model.add_lora(lora_rank, lora_alpha, lora_dropout, lora_targets)
         model_args = asdict(model.config)
     else:
+        base_fingerprint = None
         model = GPT(GPTConfig(**model_args))
-except ValueError as e:  # a shape that cannot be built, or a folder with what GPT does not implement
+except (ValueError, OSError) as e:  # a shape that cannot be built, a folder with what GPT lacks, another base
     fail(str(e))
-if checkpoint is not None:  # a LoRA checkpoint holds the adapters only: the base came from its folder
-    missing, unexpected = model.load_state_dict(checkpoint["model"], strict=not lora)
-    if unexpected or any(p.requires_grad for n, p in model.named_parameters() if n in missing):
-        fail(f"{ckpt_path} does not hold this model's adapters (lora_rank or lora_targets changed?)")
 vocab_size = model_args["vocab_size"]
 model.to(device)
 if lora and lora_base_dtype == "nf4":
