@@ -5,7 +5,7 @@ out (flat token ids, nanoGPT's format, each document followed by end-of-text).
     python prepare.py --tokenizer=bpe:4096          # default corpus: this Python's stdlib -> data/stdlib
     python prepare.py input.txt --tokenizer=char --out_dir=data/shakespeare_char
     python prepare.py notes/ docs.jsonl.gz --out_dir=data/mine      # GPT-2 tokens, 10% of documents to val
-    python prepare.py train.parquet --val_input=val.parquet --tokenizer=path/to/tokenizer.json --out_dir=data/ft
+    python prepare.py train.parquet --val_input=val.parquet --tokenizer=hf/tokenizer.json --out_dir=data/ft
     python prepare.py notes/ --analyze              # what would be read, skipped, and how long documents are
     python prepare.py --bench                       # our throughput against tiktoken's own batch encoder
 
@@ -26,7 +26,7 @@ tokenizer.json (or a folder holding one), or a prepared dataset folder (reuse it
 Read a dataset back, ours or nanoGPT's (its meta.pkl, or GPT-2 tokens when it has no meta at all):
 
     from prepare import read_meta, load_tokenizer
-    meta = read_meta("data/stdlib")         # {"dtype": "uint16", "vocab_size": 4097, "eot_id": 4096, ...}
+    meta = read_meta("data/stdlib")  # {"dtype": "uint16", "vocab_size": 4097, "eot_id": 4096, ...}
     tokenizer = load_tokenizer("data/stdlib")
     print(tokenizer.decode(tokenizer.encode("import os")))
 """
@@ -36,7 +36,6 @@ import base64
 import codecs
 import errno
 import gzip
-import hashlib
 import json
 import os
 import pickle
@@ -49,6 +48,7 @@ import time
 import zlib
 from collections import deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
+from hashlib import blake2b
 from itertools import chain, islice
 from pathlib import Path
 
@@ -97,11 +97,7 @@ class Tokenizer:
 
     def encode(self, text):
         """str -> list[int], without end-of-text."""
-        if self.enc is not None:
-            return self.enc.encode_ordinary(text)
-        if self.chars is not None:
-            return self.encode_docs([text], [False])[0].tolist()
-        return self.hf.encode(text, add_special_tokens=False).ids
+        return self.encode_docs([text], [False])[0].tolist()
 
     def decode(self, ids):
         """list[int] -> str; end-of-text decodes to <|endoftext|> (or the tokenizer's own)."""
@@ -122,7 +118,8 @@ class Tokenizer:
         elif self.chars is not None:
             out = [self.encode_chars(text) for text in texts]
         else:
-            out = [np.array(e.ids, dtype=np.uint32) for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+            encodings = self.hf.encode_batch(texts, add_special_tokens=False)
+            out = [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
         if not any(ends):
             return out
         if self.eot_id is None:
@@ -146,9 +143,12 @@ class Tokenizer:
             name, data = "tokenizer.json", self.hf_json
         elif self.kind == "char":
             name, data = "vocab.json", json.dumps({"kind": "char", "chars": self.chars})
-        else:  # bpe: the ranks in order; byte-level, so each token is a base64 byte string
-            ranks = [base64.b64encode(b).decode() for b, _ in sorted(self.ranks.items(), key=lambda kv: kv[1])]
+        elif self.kind == "bpe":  # the ranks in order; byte-level, so each token is a base64 byte string
+            tokens = sorted(self.ranks, key=self.ranks.get)
+            ranks = [base64.b64encode(token).decode() for token in tokens]
             name, data = "vocab.json", json.dumps({"kind": "bpe", "pattern": self.pattern, "ranks": ranks})
+        else:  # nanoGPT's characters have no end-of-text, so no dataset of ours is made with them
+            raise ValueError(f"a {self.kind} tokenizer is not saved with a dataset")
         (Path(out_dir) / (name + ".tmp")).write_text(data, encoding="utf-8")
         return {"kind": self.kind, "name": self.name, "file": name}, name
 
@@ -166,7 +166,8 @@ def tiktoken_tokenizer(name):
 def bpe_tokenizer(name, ranks, pattern):
     """Our byte-level BPE (rustbpe's ranks), run by tiktoken, with <|endoftext|> after the ranks."""
     import tiktoken
-    enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)})
+    enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": len(ranks)})
     return Tokenizer("bpe", name, enc.n_vocab, enc.eot_token, enc=enc, ranks=ranks, pattern=pattern)
 
 
@@ -238,9 +239,10 @@ def refuse_unfinished(data_dir):
 
 
 def read_meta(data_dir):
-    """What a data folder says about itself: a dict with at least dtype (numpy's name), vocab_size, eot_id
-    (None: there is none) and tokenizer. From its meta.json; else from nanoGPT's meta.pkl (a character
-    vocabulary); else nanoGPT's default, GPT-2 tokens. Every problem is a ValueError of one line."""
+    """What a data folder says about itself: its meta.json, with dtype as numpy's name and vocab_size an
+    int (ours also hold eot_id, the tokenizer and counts); else, from nanoGPT's meta.pkl (a character
+    vocabulary), {dtype, vocab_size, eot_id: None, tokenizer}; else nanoGPT's default, GPT-2 tokens.
+    Every problem is a ValueError of one line."""
     refuse_unfinished(data_dir)
     path = Path(data_dir) / "meta.json"
     if path.exists():
@@ -248,18 +250,22 @@ def read_meta(data_dir):
             meta = json.loads(path.read_text(encoding="utf-8"))
             meta["dtype"] = np.dtype(meta["dtype"]).name
             vocab_size, eot_id = meta["vocab_size"], meta.get("eot_id")
-            if np.dtype(meta["dtype"]).kind not in "iu" or type(vocab_size) is not int or vocab_size < 1:
-                raise ValueError(f"dtype {meta['dtype']} and vocab_size {vocab_size!r} are not of token ids")
+            if np.dtype(meta["dtype"]).kind not in "iu":
+                raise ValueError(f"dtype {meta['dtype']} does not hold token ids")
+            if type(vocab_size) is not int or vocab_size < 1:
+                raise ValueError(f"vocab_size {vocab_size!r} is not a whole number above 0")
             if eot_id is not None and type(eot_id) is not int:
                 raise ValueError(f"eot_id {eot_id!r} is not a token id")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); re-run prepare.py to write it again") from None
+            why = f"{type(e).__name__}: {e}"
+            raise ValueError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
         return meta
     if (Path(data_dir) / "meta.pkl").exists():
         chars = nanogpt_chars(Path(data_dir) / "meta.pkl")
         return {"dtype": "uint16", "vocab_size": len(chars), "eot_id": None,
                 "tokenizer": {"kind": "nanogpt_char", "file": "meta.pkl"}}
-    return {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256, "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}
+    return {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
+            "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}
 
 
 def load_tokenizer(data_dir):
@@ -282,7 +288,8 @@ def load_tokenizer(data_dir):
     data = json.loads(data)
     if spec["kind"] == "char":
         return char_tokenizer(data["chars"])
-    return bpe_tokenizer(spec["name"], {base64.b64decode(b): i for i, b in enumerate(data["ranks"])}, data["pattern"])
+    ranks = {base64.b64decode(token): rank for rank, token in enumerate(data["ranks"])}
+    return bpe_tokenizer(spec["name"], ranks, data["pattern"])
 
 
 class NotPlain(pickle.UnpicklingError):
@@ -300,19 +307,22 @@ class PlainUnpickler(pickle.Unpickler):
 def read_plain_pickle(path):
     """The value pickled in path if it holds only dicts, lists, tuples, strings, numbers, booleans and None;
     else a ValueError of one line. Nothing in the file is ever run."""
-    refused = f"{path} holds objects other than plain values (dicts, lists, strings, numbers) and is not loaded"
+    def refused(what):
+        return ValueError(f"{path} holds objects other than plain values ({what}) and is not loaded; "
+                          f"nanoGPT's meta.pkl holds only dicts, strings and integers")
+
     try:
         with open(path, "rb") as f:
             value = PlainUnpickler(f).load()
     except NotPlain as e:
-        raise ValueError(f"{refused} (it names {e})") from None
+        raise refused(e) from None
     except Exception as e:  # a damaged pickle fails in many ways
         raise ValueError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
     seen, todo = set(), [value]
     while todo:  # a loop, not recursion: the nesting may be deep, and a list may hold itself
         item = todo.pop()
         if type(item) not in (dict, list, tuple, str, int, float, bool, type(None)):
-            raise ValueError(f"{refused} (it holds a {type(item).__name__})")
+            raise refused(f"a {type(item).__name__}")
         if isinstance(item, (dict, list, tuple)) and id(item) not in seen:
             seen.add(id(item))
             todo.extend(chain(item.keys(), item.values()) if isinstance(item, dict) else item)
@@ -320,15 +330,16 @@ def read_plain_pickle(path):
 
 
 def nanogpt_chars(path):
-    """The characters of nanoGPT's meta.pkl in id order: {'vocab_size': n, 'itos': {id: char}, 'stoi': {char: id}}
-    for ids 0..n-1, as its shakespeare_char/prepare.py writes it."""
+    """The characters of nanoGPT's meta.pkl, in id order: {'vocab_size': n, 'itos': {id: char},
+    'stoi': {char: id}} for the ids 0..n-1, as its data/shakespeare_char/prepare.py writes it."""
     meta = read_plain_pickle(path)
     itos = meta.get("itos") if isinstance(meta, dict) else None
     chars = [itos.get(i) for i in range(len(itos))] if isinstance(itos, dict) else []
-    if not (chars and all(isinstance(c, str) and len(c) == 1 for c in chars) and len(set(chars)) == len(chars)
-            and meta.get("stoi") == {c: i for i, c in enumerate(chars)} and meta.get("vocab_size") == len(chars)):
-        raise ValueError(f"{path} is not nanoGPT's meta.pkl of a character dataset (it needs vocab_size, and itos "
-                         f"and stoi between the ids 0..vocab_size-1 and single characters)")
+    single = chars and all(isinstance(c, str) and len(c) == 1 for c in chars)
+    stoi = {c: i for i, c in enumerate(chars)} if single else None  # also what makes the characters distinct
+    if not (single and meta.get("stoi") == stoi and len(stoi) == meta.get("vocab_size") == len(chars)):
+        raise ValueError(f"{path} is not nanoGPT's meta.pkl of a character dataset (it needs vocab_size, "
+                         f"and itos and stoi between the ids 0..vocab_size-1 and single characters)")
     return chars
 
 # -----------------------------------------------------------------------------
@@ -359,21 +370,26 @@ def input_files(root, stats, only_py=False, exclude=None):
             if entry.name.startswith("."):
                 stats["hidden"] += 1  # .git, .venv, .DS_Store: counted, not listed
                 continue
-            if entry.is_symlink():
-                try:
-                    if stat.S_ISDIR(os.stat(path).st_mode):
-                        stats["skipped"].append((str(path), "symlink to a folder, not followed (pass it as an INPUT)"))
-                        continue
-                except OSError as e:
-                    stats["skipped"].append((str(path), "symlink loop" if e.errno == errno.ELOOP else "broken symlink"))
-                    continue
+            why = symlink_problem(path) if entry.is_symlink() else None
+            if why:
+                stats["skipped"].append((str(path), why))
+                continue
             if entry.is_dir(follow_symlinks=False):
                 # Installed packages are not the stdlib, and a dataset we write must not be read back in.
-                if not ((only_py and entry.name == "site-packages") or (exclude and path.resolve() == exclude)):
+                if not (only_py and entry.name == "site-packages") and path.resolve() != exclude:
                     yield from walk(path, rel + "/")
             elif not only_py or entry.name.endswith(".py"):
                 yield path, rel
     yield from walk(root, "")
+
+
+def symlink_problem(path):
+    """Why a symlink is left out, or None for one to a file (it is read)."""
+    try:
+        to_folder = stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError as e:
+        return "symlink loop" if e.errno == errno.ELOOP else "broken symlink"
+    return "symlink to a folder, not followed (pass it as an INPUT)" if to_folder else None
 
 
 def file_ext(path):
@@ -388,16 +404,17 @@ def record_text(obj, field):
     if not isinstance(obj, dict):
         return None, f"not a JSON object ({type(obj).__name__})"
     names = [field] if field else TEXT_FIELDS
-    name = next((name for name in names if name in obj), None)
+    name = next((key for key in names if key in obj), None)
+    text = obj.get(name)
     if name is None:
         return None, f"no text field ({'/'.join(names)})"
-    if not isinstance(obj[name], str):
-        return None, f"field '{name}' is not a string ({type(obj[name]).__name__})"
+    if not isinstance(text, str):
+        return None, f"field '{name}' is not a string ({type(text).__name__})"
     try:
-        obj[name].encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:  # from a JSON \ud800 escape
         return None, "invalid unicode (lone surrogate)"
-    return obj[name], None
+    return text, None
 
 
 def read_documents(path, field, dedup):
@@ -427,7 +444,8 @@ def read_documents(path, field, dedup):
             obj = json.loads("".join(text for _, text in decoded(path)))
         except json.JSONDecodeError as e:
             raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
-        for i, item in enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]:
+        items = enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]
+        for i, item in items:
             yield (f"item {i}" if i else ""), *record_text(item, field)
     else:
         yield "", read_text(path, dedup), None
@@ -474,7 +492,8 @@ def decoded(path):
             try:
                 text = decoder.decode(data, final=not data)  # from bytes: line endings stay as they are
             except UnicodeDecodeError as e:
-                raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {offset - held + e.start})")
+                at = offset - held + e.start
+                raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {at})")
             if not data:
                 return
             yield data, text
@@ -485,7 +504,7 @@ def read_text(path, dedup):
     """A plain-text file: its text when it fits in one read, else a BigText that this pass has checked
     whole, so that a bad byte late in a big file skips all of it before any of it is used."""
     first, n, nchars, blank = "", 0, 0, True
-    digest = hashlib.blake2b(digest_size=16) if dedup else None
+    digest = blake2b(digest_size=16) if dedup else None
     for n, (data, text) in enumerate(decoded(path), 1):
         first = text  # the whole text if there is one read
         nchars += len(text)
@@ -576,7 +595,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
                         stats["empty"] += 1  # empty or whitespace only: nothing to learn from
                         continue
                     if args.dedup:
-                        digest = doc.digest if big else hashlib.blake2b(doc.encode("utf-8"), digest_size=16).digest()
+                        digest = doc.digest if big else blake2b(doc.encode("utf-8"), digest_size=16).digest()
                         if digest in seen:
                             stats["duplicates"] += 1
                             continue
@@ -589,7 +608,8 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
             except (OSError, EOFError, zlib.error) as e:  # permissions, broken links, corrupt gzip, ...
                 why = {errno.ELOOP: "symlink loop", errno.ENOENT: "broken symlink"}.get(
                     getattr(e, "errno", None), f"unreadable ({getattr(e, 'strerror', None) or e})")
-                reject(str(path), why + (f" after {kept} documents (those are kept)" if kept else ""), whole_file=True)
+                why += f" after {kept} documents (those are kept)" if kept else ""
+                reject(str(path), why, whole_file=True)
                 continue
             stats["files_read"] += 1
             ext_stats(stats, ext)["files"] += 1
@@ -598,7 +618,8 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
 def encode_batch(tokenizer, texts, ends, is_val, dtype):
-    """-> (train ids, val ids, tokens per text, bytes per text); a document's last piece ends with end-of-text."""
+    """-> (train ids, val ids, tokens per text, bytes per text); a document's last piece ends with
+    end-of-text."""
     ids = tokenizer.encode_docs(texts, ends)
     parts = ([a for a, v in zip(ids, is_val) if not v], [a for a, v in zip(ids, is_val) if v])
     train, val = [np.concatenate(p).astype(dtype) if p else np.empty(0, dtype) for p in parts]
@@ -649,13 +670,14 @@ def prepare(args, quiet=False):
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
 
     stats = new_stats()
-    docs, split_method, single_ext = plan_split(args, inputs, labelled_documents(args, inputs, exclude, stats),
-                                                stats, log)
+    docs = labelled_documents(args, inputs, exclude, stats)
+    docs, split_method, single_ext = plan_split(args, inputs, docs, stats, log)
     created = not out.exists()
     files = {} if args.analyze else open_outputs(out)
     try:
         encoding = time.time()
-        splits, last, histogram, ndocs = encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet)
+        splits, last, histogram, ndocs = encode_and_write(docs, tokenizer, dtype, files, stats,
+                                                          threads, quiet)
         encode_seconds = max(time.time() - encoding, 1e-6)
         if single_ext is not None:  # the head and tail of one document were counted as two
             ext_stats(stats, single_ext)["documents"] -= 1
@@ -719,8 +741,8 @@ def corpus_texts(args, inputs, exclude):
 
 def split_is_val(key, val_fraction):
     """A document's split, from a hash of its name: the same on every run and for any worker count."""
-    h = int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
-    return h < val_fraction * 2**64
+    digest = blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
 
 
 def plan_split(args, inputs, docs, stats, log):
@@ -741,20 +763,23 @@ def plan_split(args, inputs, docs, stats, log):
 
 
 def open_outputs(out):
+    """train.bin.tmp and val.bin.tmp, opened empty: what a killed run left there is truncated."""
     out.mkdir(parents=True, exist_ok=True)
-    return {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val")}  # truncates a killed run's
+    return {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val")}
 
 
 def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
     """Encode docs into files (none for --analyze), counting documents, tokens and bytes per split and per
-    extension -> (splits' counts, each split's last document's (tokens, bytes), length histogram, documents)."""
+    extension -> (the splits' counts, each split's last (tokens, bytes), length histogram, documents)."""
     splits = {split: {"documents": 0, "tokens": 0, "bytes": 0} for split in ("train", "val")}
     last = {}  # split -> (tokens, bytes) of its last document, to move it if the other split is empty
     histogram = {}  # log2(document length in tokens) -> documents
-    ndocs = doc_tokens = doc_bytes = 0  # the tokens and bytes of the document so far: a big one comes in pieces
+    ndocs = 0
+    doc_tokens = doc_bytes = 0  # of the document so far: a big one comes in pieces
     bar = tqdm(unit="B", unit_scale=True, disable=True if quiet else None, desc="prepare", file=sys.stderr)
     # SAFE_CUT is checked for these pre-tokenizers only; any other tokenizer gets whole documents.
-    whole = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken" and tokenizer.name not in SAFE_ENCODINGS)
+    whole = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
+                                                and tokenizer.name not in SAFE_ENCODINGS)
     for infos, (train_ids, val_ids, lens, sizes) in encoded(docs, tokenizer, dtype, threads, whole):
         if files:
             files["train"].write(train_ids)
@@ -787,9 +812,9 @@ def balance_splits(splits, last, files, itemsize):
         if splits[empty]["documents"] == 0:
             ntokens, nbytes = last[full]
             move_last_doc(files[full], files[empty], ntokens * itemsize)
-            splits[full] = {"documents": splits[full]["documents"] - 1, "tokens": splits[full]["tokens"] - ntokens,
-                            "bytes": splits[full]["bytes"] - nbytes}
-            splits[empty] = {"documents": 1, "tokens": ntokens, "bytes": nbytes}
+            moved = {"documents": 1, "tokens": ntokens, "bytes": nbytes}
+            splits[full] = {key: splits[full][key] - moved[key] for key in moved}
+            splits[empty] = moved
 
 
 def move_last_doc(src, dst, nbytes):
@@ -841,7 +866,8 @@ def move_into_place(out, files, tokenizer, meta):
     (out / "meta.json").unlink(missing_ok=True)
     for name in ("train.bin", "val.bin") + ((tokenizer_file,) if tokenizer_file else ()):
         os.replace(out / (name + ".tmp"), out / name)
-    (out / "meta.json.tmp").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    meta_text = json.dumps(meta, indent=2, ensure_ascii=False) + "\n"
+    (out / "meta.json.tmp").write_text(meta_text, encoding="utf-8")
     os.replace(out / "meta.json.tmp", out / "meta.json")
     (out / MARKER).unlink()
 
@@ -895,7 +921,8 @@ def report_skips(stats, log):
         for path, why in stats["skipped"]:
             log(f"  {path}: {why}")
     if stats["bad_records"]:
-        log(f"skipped {stats['bad_records']} bad records" + (", the first:" if stats["bad_records"] > 20 else ":"))
+        first = ", the first:" if stats["bad_records"] > 20 else ":"
+        log(f"skipped {stats['bad_records']} bad records{first}")
         for example in stats["bad_examples"][:20]:
             log(f"  {example}")
     log(f"dropped {stats['empty']} empty documents, {stats['duplicates']} duplicates; "
@@ -954,20 +981,26 @@ def bench(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Files and folders -> train.bin, val.bin, meta.json. "
                                             "Examples: see the top of prepare.py.")
-    p.add_argument("input", nargs="*", help="files or folders (default: this Python's standard library, .py files)")
+    p.add_argument("input", nargs="*",
+                   help="files or folders (default: this Python's standard library, .py files)")
     p.add_argument("--out_dir", help="where the dataset goes (default for the stdlib corpus: data/stdlib)")
     p.add_argument("--tokenizer", default="gpt2", help="gpt2 | cl100k_base | o200k_base | ... | char | bpe:N "
                                                        "| path to tokenizer.json | a prepared dataset folder")
     p.add_argument("--val_fraction", type=float, default=0.1,
                    help="share of documents for validation (one document: its tail)")
-    p.add_argument("--val_input", nargs="+", help="take validation documents from these files or folders instead")
-    p.add_argument("--field", help="the JSON field or parquet column holding the text (default: text, content or body)")
+    p.add_argument("--val_input", nargs="+",
+                   help="take validation documents from these files or folders instead")
+    p.add_argument("--field",
+                   help="the JSON field or parquet column holding the text (default: text, content or body)")
     p.add_argument("--num_workers", type=int, default=0, help="encoder threads (default: all cores)")
     p.add_argument("--dedup", action="store_true", help="drop exact duplicate documents")
-    p.add_argument("--strict", action="store_true", help="stop at the first bad file or record instead of skipping it")
+    p.add_argument("--strict", action="store_true",
+                   help="stop at the first bad file or record instead of skipping it")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out_dir")
-    p.add_argument("--analyze", action="store_true", help="report files, documents, tokens and lengths; write nothing")
-    p.add_argument("--bench", action="store_true", help="measure throughput against tiktoken's own batch encoder")
+    p.add_argument("--analyze", action="store_true",
+                   help="report files, documents, tokens and lengths; write nothing")
+    p.add_argument("--bench", action="store_true",
+                   help="measure throughput against tiktoken's own batch encoder")
     p.error = lambda msg: die(f"{msg} (see python prepare.py --help)")  # one line, not usage + error
     return p.parse_args(argv)
 
