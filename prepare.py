@@ -335,9 +335,9 @@ def nanogpt_chars(path):
     meta = read_plain_pickle(path)
     itos = meta.get("itos") if isinstance(meta, dict) else None
     chars = [itos.get(i) for i in range(len(itos))] if isinstance(itos, dict) else []
-    single = chars and all(isinstance(c, str) and len(c) == 1 for c in chars)
-    stoi = {c: i for i, c in enumerate(chars)} if single else None  # also what makes the characters distinct
-    if not (single and meta.get("stoi") == stoi and len(stoi) == meta.get("vocab_size") == len(chars)):
+    characters = chars and all(isinstance(c, str) and len(c) == 1 for c in chars)
+    stoi = {c: i for i, c in enumerate(chars)} if characters else None  # also what makes them distinct
+    if not (characters and meta.get("stoi") == stoi and len(stoi) == meta.get("vocab_size") == len(chars)):
         raise ValueError(f"{path} is not nanoGPT's meta.pkl of a character dataset (it needs vocab_size, "
                          f"and itos and stoi between the ids 0..vocab_size-1 and single characters)")
     return chars
@@ -514,9 +514,9 @@ def read_text(path, dedup):
     return first if n <= 1 else BigText(path, nchars, blank, digest and digest.digest())
 
 
-def pieces(doc, start=0, stop=None, whole=False):
-    """Yield (text, is_last) for characters start:stop of a document: a str in one piece, a BigText
-    in pieces of about one read, cut at its last SAFE_CUT (none in it: held until one comes), or whole."""
+def pieces(doc, start=0, stop=None, in_one_piece=False):
+    """Yield (text, is_last) for characters start:stop of a document: a str in one piece, a BigText in
+    pieces of about one read, cut at its last SAFE_CUT (none in it: held until one comes), or in one."""
     if isinstance(doc, str):
         yield doc[start:stop], True
         return
@@ -527,7 +527,7 @@ def pieces(doc, start=0, stop=None, whole=False):
             if at <= start:
                 continue
             text = text[max(start - read_from, 0):None if stop is None else max(stop - read_from, 0)]
-            cut = None if whole else LAST_CUT.match(text)
+            cut = None if in_one_piece else LAST_CUT.match(text)
             if cut:  # 0 < cut.end() < len(text): SAFE_CUT looks one character back and one ahead
                 yield "".join(held) + text[:cut.end()], False
                 held = [text[cut.end():]]
@@ -626,12 +626,12 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype):
     return train, val, [len(a) for a in ids], [len(t.encode("utf-8")) for t in texts]
 
 
-def encoded(docs, tokenizer, dtype, num_workers, whole=False):
+def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False):
     """docs: (is_val, ext, doc, start, stop) -> yields ([(is_val, is_last, ext)], (train ids, val ids,
     tokens, bytes)) per batch, one entry per piece. Batches don't depend on num_workers, so neither do
     the outputs."""
     items = ((text, end, is_val, ext) for is_val, ext, doc, start, stop in docs
-             for text, end in pieces(doc, start, stop, whole))
+             for text, end in pieces(doc, start, stop, in_one_piece))
     with ThreadPoolExecutor(num_workers) as pool:
         pending = deque()  # at most 2 batches per worker in flight, so that memory stays bounded
         batch, size = [], 0
@@ -778,9 +778,9 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
     doc_tokens = doc_bytes = 0  # of the document so far: a big one comes in pieces
     bar = tqdm(unit="B", unit_scale=True, disable=True if quiet else None, desc="prepare", file=sys.stderr)
     # SAFE_CUT is checked for these pre-tokenizers only; any other tokenizer gets whole documents.
-    whole = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
-                                                and tokenizer.name not in SAFE_ENCODINGS)
-    for infos, (train_ids, val_ids, lens, sizes) in encoded(docs, tokenizer, dtype, threads, whole):
+    in_one_piece = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
+                                                       and tokenizer.name not in SAFE_ENCODINGS)
+    for infos, (train_ids, val_ids, lens, sizes) in encoded(docs, tokenizer, dtype, threads, in_one_piece):
         if files:
             files["train"].write(train_ids)
             files["val"].write(val_ids)
