@@ -23,22 +23,16 @@ Files that are not UTF-8 text and bad records are skipped and listed, never lost
 Tokenizers: a tiktoken name (gpt2, cl100k_base, o200k_base, ...), char (the corpus's
 characters), bpe:N (a byte-level BPE of N tokens trained here with rustbpe), a Hugging Face
 tokenizer.json (or a folder holding one), or a prepared dataset folder (reuse its tokenizer).
-Read a dataset back, ours or nanoGPT's (its meta.pkl, or GPT-2 tokens when it has no meta at all):
-
-    from prepare import read_meta, load_tokenizer
-    meta = read_meta("data/stdlib")  # {"dtype": "uint16", "vocab_size": 4097, "eot_id": 4096, ...}
-    tokenizer = load_tokenizer("data/stdlib")
-    print(tokenizer.decode(tokenizer.encode("import os")))
+The tokenizers themselves live in tokenizer.py, with read_meta and load_tokenizer, which read a
+dataset back, ours or nanoGPT's (its meta.pkl, or GPT-2 tokens when it has no meta at all).
 """
 
 import argparse
-import base64
 import codecs
 import errno
 import gzip
 import json
 import os
-import pickle
 import re
 import stat
 import sys
@@ -55,10 +49,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+# The tokenizers live in tokenizer.py; read_meta and load_tokenizer are here too, as they always were.
+from tokenizer import MARKER, die, load_tokenizer, make_tokenizer, read_meta  # noqa: F401
+
 FORMAT_VERSION = 1
 TEXT_FIELDS = ("text", "content", "body")
-# The end-of-text tokens of Hugging Face tokenizers, in order of preference.
-EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
 MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)
 PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a time
@@ -70,277 +65,6 @@ SAFE_CUT = re.compile(r"(?<=[^\W_])(?=[ \n][^\W_])|(?<=\S\n)(?=[^\W_])")
 # The last SAFE_CUT in a text: the greedy .* backtracks from the end, so the first match is the last cut.
 LAST_CUT = re.compile(r"(?s:.*)(?:" + SAFE_CUT.pattern + ")")
 SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")  # and bpe:N
-MARKER = "prepare.incomplete"  # in DIR only while a run renames its outputs into place
-
-
-def die(msg):
-    """A user's mistake: one line naming the problem and the fix, non-zero exit."""
-    raise SystemExit(f"prepare.py: {msg}")
-
-# -----------------------------------------------------------------------------
-# tokenizers: one object for every kind, made by the small constructors below it
-
-class Tokenizer:
-    """encode(str) -> list[int], decode(list[int]) -> str, vocab_size and eot_id, whatever the kind.
-    Exactly one of enc (tiktoken's, for tiktoken and bpe), chars and hf does the encoding."""
-
-    def __init__(self, kind, name, vocab_size, eot_id, enc=None, chars=None, hf=None,
-                 hf_json=None, ranks=None, pattern=None):
-        self.kind, self.name = kind, name  # kind: tiktoken | bpe | char | nanogpt_char | huggingface
-        self.vocab_size, self.eot_id = vocab_size, eot_id  # eot_id None: nanoGPT's characters have none
-        self.enc, self.chars, self.hf = enc, chars, hf
-        self.hf_json, self.ranks, self.pattern = hf_json, ranks, pattern  # what save() writes
-        if chars is not None:  # np.searchsorted needs the code points sorted; ids keep the given order
-            codes = np.array([ord(c) for c in chars], dtype=np.uint32)
-            self.code_ids = np.argsort(codes, kind="stable").astype(np.uint32)
-            self.codes = codes[self.code_ids]
-
-    def encode(self, text):
-        """str -> list[int], without end-of-text."""
-        return self.encode_docs([text], [False])[0].tolist()
-
-    def decode(self, ids):
-        """list[int] -> str; end-of-text decodes to <|endoftext|> (or the tokenizer's own)."""
-        ids = [int(i) for i in ids]
-        if self.enc is not None:
-            return self.enc.decode(ids)
-        if self.chars is not None:  # an id past the characters is our end-of-text; nanoGPT's have none
-            beyond = "<|endoftext|>" if self.eot_id is not None else "\ufffd"
-            return "".join(self.chars[i] if i < len(self.chars) else beyond for i in ids)
-        return self.hf.decode(ids, skip_special_tokens=False)
-
-    def encode_docs(self, texts, ends):
-        """list[str] -> list of uint32 arrays, each text's ids, then end-of-text where ends[i] (a
-        document's last piece). Thread-safe; the tiktoken and HF encoders release the GIL, so
-        threads encode in parallel."""
-        if self.enc is not None:  # encode_to_numpy with nothing special is encode_ordinary, minus the list
-            out = [self.enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
-        elif self.chars is not None:
-            out = [self.encode_chars(text) for text in texts]
-        else:
-            encodings = self.hf.encode_batch(texts, add_special_tokens=False)
-            out = [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
-        if not any(ends):
-            return out
-        if self.eot_id is None:
-            raise ValueError(f"tokenizer {self.name} has no end-of-text token to end documents with")
-        eot = np.array([self.eot_id], dtype=np.uint32)
-        return [np.concatenate([ids, eot]) if end else ids for ids, end in zip(out, ends)]
-
-    def encode_chars(self, text):
-        code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        at = np.searchsorted(self.codes, code_points)
-        unknown = self.codes[np.minimum(at, len(self.codes) - 1)] != code_points
-        if unknown.any():
-            raise ValueError(f"character {chr(code_points[unknown.argmax()])!r} is not in the vocabulary")
-        return self.code_ids[at]
-
-    def save(self, out_dir):
-        """Write what load_tokenizer needs into out_dir (under a .tmp name) -> (meta's entry, file name)."""
-        if self.kind == "tiktoken":
-            return {"kind": "tiktoken", "name": self.name}, None
-        if self.kind == "huggingface":
-            name, data = "tokenizer.json", self.hf_json
-        elif self.kind == "char":
-            name, data = "vocab.json", json.dumps({"kind": "char", "chars": self.chars})
-        elif self.kind == "bpe":  # the ranks in order; byte-level, so each token is a base64 byte string
-            tokens = sorted(self.ranks, key=self.ranks.get)
-            ranks = [base64.b64encode(token).decode() for token in tokens]
-            name, data = "vocab.json", json.dumps({"kind": "bpe", "pattern": self.pattern, "ranks": ranks})
-        else:  # nanoGPT's characters have no end-of-text, so no dataset of ours is made with them
-            raise ValueError(f"a {self.kind} tokenizer is not saved with a dataset")
-        (Path(out_dir) / (name + ".tmp")).write_text(data, encoding="utf-8")
-        return {"kind": self.kind, "name": self.name, "file": name}, name
-
-
-def tiktoken_tokenizer(name):
-    import tiktoken
-    try:
-        enc = tiktoken.get_encoding(name)
-    except Exception as e:  # it downloads on first use
-        die(f"cannot load tiktoken encoding '{name}' ({type(e).__name__}); it downloads on first use: "
-            f"go online once or set TIKTOKEN_CACHE_DIR to a folder holding it")
-    return Tokenizer("tiktoken", name, enc.n_vocab, enc.eot_token, enc=enc)
-
-
-def bpe_tokenizer(name, ranks, pattern):
-    """Our byte-level BPE (rustbpe's ranks), run by tiktoken, with <|endoftext|> after the ranks."""
-    import tiktoken
-    enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": len(ranks)})
-    return Tokenizer("bpe", name, enc.n_vocab, enc.eot_token, enc=enc, ranks=ranks, pattern=pattern)
-
-
-def char_tokenizer(chars, kind="char"):
-    """chars in id order. Ours (char) ends documents with one more id; nanoGPT's (nanogpt_char) has none."""
-    eot_id = len(chars) if kind == "char" else None
-    return Tokenizer(kind, kind, len(chars) + (eot_id is not None), eot_id, chars=chars)
-
-
-def hf_tokenizer(name, hf_json):
-    try:
-        from tokenizers import Tokenizer as HFTokenizer
-    except ImportError:
-        die("a tokenizer.json needs the tokenizers library (pip install tokenizers)")
-    hf = HFTokenizer.from_str(hf_json)
-    hf.encode_special_tokens = True  # a literal "</s>" in a document is text, not a token
-    vocab = hf.get_vocab(with_added_tokens=True)
-    eot_id = next((vocab[t] for t in EOT_NAMES if t in vocab), None)
-    if eot_id is None:
-        die(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} (add one to it)")
-    return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json)
-
-
-def make_tokenizer(spec, texts):
-    """--tokenizer -> Tokenizer; texts() streams the corpus for the kinds that learn a vocabulary."""
-    if spec == "char":
-        chars = set()
-        for text in texts():
-            chars.update(text)
-        return char_tokenizer("".join(sorted(chars)))
-    if spec.startswith("bpe:"):
-        size = spec[4:]
-        if not size.isdigit() or int(size) < 256:
-            die(f"bad tokenizer '{spec}' (bpe:N needs a whole number N >= 256, e.g. bpe:4096)")
-        import rustbpe
-        trainer = rustbpe.Tokenizer()
-        trainer.train_from_iterator(texts(), int(size))
-        ranks = {bytes(b): rank for b, rank in trainer.get_mergeable_ranks()}
-        return bpe_tokenizer(spec, ranks, trainer.get_pattern())
-    import tiktoken
-    if spec in tiktoken.list_encoding_names():
-        return tiktoken_tokenizer(spec)
-    path = Path(spec)
-    if path.is_dir() and (path / "meta.json").exists():  # a prepared dataset: reuse its tokenizer
-        try:
-            return load_tokenizer(path)
-        except ValueError as e:
-            die(str(e))
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if path.is_file():
-        try:
-            return hf_tokenizer(str(path), path.read_text(encoding="utf-8"))
-        except SystemExit:
-            raise
-        except Exception as e:
-            die(f"cannot load {path} as a Hugging Face tokenizer.json ({type(e).__name__}: {str(e)[:80]})")
-    if path.exists() or "/" in spec or spec.endswith(".json"):
-        die(f"no tokenizer.json at {spec} (check the path)")
-    die(f"unknown tokenizer '{spec}' (use char, bpe:N, a path to a tokenizer.json, "
-        f"or one of {', '.join(tiktoken.list_encoding_names())})")
-
-# -----------------------------------------------------------------------------
-# reading a dataset back: what its folder says about itself (read_meta), and its tokenizer
-
-def refuse_unfinished(data_dir):
-    if (Path(data_dir) / MARKER).exists():
-        raise ValueError(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
-
-
-def read_meta(data_dir):
-    """What a data folder says about itself: its meta.json, with dtype as numpy's name and vocab_size an
-    int (ours also hold eot_id, the tokenizer and counts); else, from nanoGPT's meta.pkl (a character
-    vocabulary), {dtype, vocab_size, eot_id: None, tokenizer}; else nanoGPT's default, GPT-2 tokens.
-    Every problem is a ValueError of one line."""
-    refuse_unfinished(data_dir)
-    path = Path(data_dir) / "meta.json"
-    if path.exists():
-        try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-            meta["dtype"] = np.dtype(meta["dtype"]).name
-            vocab_size, eot_id = meta["vocab_size"], meta.get("eot_id")
-            if np.dtype(meta["dtype"]).kind not in "iu":
-                raise ValueError(f"dtype {meta['dtype']} does not hold token ids")
-            if type(vocab_size) is not int or vocab_size < 1:
-                raise ValueError(f"vocab_size {vocab_size!r} is not a whole number above 0")
-            if eot_id is not None and type(eot_id) is not int:
-                raise ValueError(f"eot_id {eot_id!r} is not a token id")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            why = f"{type(e).__name__}: {e}"
-            raise ValueError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
-        return meta
-    if (Path(data_dir) / "meta.pkl").exists():
-        chars = nanogpt_chars(Path(data_dir) / "meta.pkl")
-        return {"dtype": "uint16", "vocab_size": len(chars), "eot_id": None,
-                "tokenizer": {"kind": "nanogpt_char", "file": "meta.pkl"}}
-    return {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
-            "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}
-
-
-def load_tokenizer(data_dir):
-    """The tokenizer a dataset was made with: meta.json's, nanoGPT's meta.pkl's characters, or GPT-2 with
-    neither (nanoGPT's convention). An unfinished dataset is a ValueError, as in read_meta."""
-    refuse_unfinished(data_dir)
-    data_dir = Path(data_dir)
-    if not (data_dir / "meta.json").exists():
-        if (data_dir / "meta.pkl").exists():
-            return char_tokenizer("".join(nanogpt_chars(data_dir / "meta.pkl")), kind="nanogpt_char")
-        return tiktoken_tokenizer("gpt2")
-    spec = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))["tokenizer"]
-    if spec["kind"] == "tiktoken":
-        return tiktoken_tokenizer(spec["name"])
-    if not (data_dir / spec["file"]).exists():
-        die(f"{data_dir / spec['file']} is missing, and meta.json needs it (re-run prepare.py)")
-    data = (data_dir / spec["file"]).read_text(encoding="utf-8")
-    if spec["kind"] == "huggingface":
-        return hf_tokenizer(spec["name"], data)
-    data = json.loads(data)
-    if spec["kind"] == "char":
-        return char_tokenizer(data["chars"])
-    ranks = {base64.b64decode(token): rank for rank, token in enumerate(data["ranks"])}
-    return bpe_tokenizer(spec["name"], ranks, data["pattern"])
-
-
-class NotPlain(pickle.UnpicklingError):
-    """A pickle names a class or a function: what it would call to build its objects."""
-
-
-class PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain values only. A pickle runs code only by calling the classes and functions it names,
-    and every name goes through find_class, which refuses them all."""
-
-    def find_class(self, module, name):
-        raise NotPlain(f"{module}.{name}")
-
-
-def read_plain_pickle(path):
-    """The value pickled in path if it holds only dicts, lists, tuples, strings, numbers, booleans and None;
-    else a ValueError of one line. Nothing in the file is ever run."""
-    def refused(what):
-        return ValueError(f"{path} holds objects other than plain values ({what}) and is not loaded; "
-                          f"nanoGPT's meta.pkl holds only dicts, strings and integers")
-
-    try:
-        with open(path, "rb") as f:
-            value = PlainUnpickler(f).load()
-    except NotPlain as e:
-        raise refused(e) from None
-    except Exception as e:  # a damaged pickle fails in many ways
-        raise ValueError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
-    seen, todo = set(), [value]
-    while todo:  # a loop, not recursion: the nesting may be deep, and a list may hold itself
-        item = todo.pop()
-        if type(item) not in (dict, list, tuple, str, int, float, bool, type(None)):
-            raise refused(f"a {type(item).__name__}")
-        if isinstance(item, (dict, list, tuple)) and id(item) not in seen:
-            seen.add(id(item))
-            todo.extend(chain(item.keys(), item.values()) if isinstance(item, dict) else item)
-    return value
-
-
-def nanogpt_chars(path):
-    """The characters of nanoGPT's meta.pkl, in id order: {'vocab_size': n, 'itos': {id: char},
-    'stoi': {char: id}} for the ids 0..n-1, as its data/shakespeare_char/prepare.py writes it."""
-    meta = read_plain_pickle(path)
-    itos = meta.get("itos") if isinstance(meta, dict) else None
-    chars = [itos.get(i) for i in range(len(itos))] if isinstance(itos, dict) else []
-    characters = chars and all(isinstance(c, str) and len(c) == 1 for c in chars)
-    stoi = {c: i for i, c in enumerate(chars)} if characters else None  # also what makes them distinct
-    if not (characters and meta.get("stoi") == stoi and len(stoi) == meta.get("vocab_size") == len(chars)):
-        raise ValueError(f"{path} is not nanoGPT's meta.pkl of a character dataset (it needs vocab_size, "
-                         f"and itos and stoi between the ids 0..vocab_size-1 and single characters)")
-    return chars
 
 # -----------------------------------------------------------------------------
 # reading: files and folders -> documents, with everything skipped counted and listed

@@ -16,7 +16,7 @@ import torch
 
 from export import load_run
 from model import GPT, pick_device
-from prepare import make_tokenizer
+from tokenizer import make_tokenizer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out_dir", default="out", help="folder holding the checkpoint")

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
 from model import GPT, GPTConfig, fingerprint, load_checkpoint, peak_flops, pick_device
+from tokenizer import load_tokenizer, make_tokenizer, read_meta
 
 # -----------------------------------------------------------------------------
 # defaults: every setting is a global here; config files and --key=value override them
@@ -149,17 +150,11 @@ if master:
 # of (seed, step): a resumed run sees exactly the batches it would have seen, and the same tokens
 # per update give the same sequences however they are split into processes and micro-steps
 
-meta_path = os.path.join(data_dir, "meta.json")
-meta = {"dtype": "uint16", "vocab_size": 50257}  # a nanoGPT dataset, without meta.json: GPT-2 tokens
-if os.path.exists(os.path.join(data_dir, "prepare.incomplete")):
-    fail(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
-if os.path.exists(meta_path):
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        meta["dtype"], meta["vocab_size"] = np.dtype(meta["dtype"]).name, int(meta["vocab_size"])
-    except (ValueError, KeyError, TypeError) as e:
-        fail(f"{meta_path} is damaged ({type(e).__name__}: {e}); re-run prepare.py to write it again")
+meta_path = os.path.join(data_dir, "meta.json")  # or nanoGPT's meta.pkl, or GPT-2 tokens with neither
+try:
+    meta = read_meta(data_dir)
+except ValueError as e:
+    fail(str(e))
 data_dtype = np.dtype(meta["dtype"])
 if vocab_size == 0:
     vocab_size = 64 * math.ceil(meta["vocab_size"] / 64)
@@ -203,7 +198,8 @@ def get_batch(split, step, index):
 
 
 def check_tokenizer(folder):
-    # data for a pretrained model must be made with its own tokenizer: other ids would mean other words
+    # Data for a pretrained model must be made with its own tokenizer, or its ids mean other words. The
+    # same tokenizer gives a document's ids back from its text: decode the first few, encode them again.
     how = f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -212,16 +208,22 @@ def check_tokenizer(folder):
         fail(f"cannot read the vocab_size in {folder}/config.json ({type(e).__name__}: {e})")
     if meta["vocab_size"] > model_vocab:
         fail(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: {how}")
-    theirs = os.path.join(folder, "tokenizer.json")
-    ours = os.path.join(data_dir, "tokenizer.json")
-    if os.path.exists(theirs) and not (meta.get("tokenizer", {}).get("kind") == "huggingface"
-                                       and os.path.exists(ours) and same_bytes(ours, theirs)):
-        fail(f"{data_dir} was not prepared with {theirs}: {how}")
-
-
-def same_bytes(a, b):
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        return fa.read() == fb.read()
+    if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return  # nothing to compare with
+    ids = np.array(np.memmap(os.path.join(data_dir, "val.bin"), dtype=data_dtype, mode="r")[:4096], dtype=np.int64)
+    ends = np.flatnonzero(ids == meta["eot_id"]) if meta.get("eot_id") is not None else np.array([], dtype=int)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(int)
+    documents = [ids[a:b].tolist() for a, b in zip(starts, ends)][:8]  # whole ones, without end-of-text
+    try:
+        ours, theirs = load_tokenizer(data_dir), make_tokenizer(folder, None)
+    except (ValueError, KeyError, TypeError, SystemExit) as e:
+        fail(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s ({type(e).__name__}: {e}): "
+             f"{how}")
+    for doc in documents or [ids[:512].tolist()]:
+        again = theirs.encode(ours.decode(doc))
+        whole = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
+        if again[:whole] != doc[:whole]:
+            fail(f"{data_dir} was not prepared with the tokenizer of {folder}: {how}")
 
 
 model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, block_size=block_size,

@@ -97,7 +97,7 @@ def test_refusals_are_one_line(pretrained, tmp_path, data_dir):
     folder, data = pretrained
     cases = [
         ([f"--data_dir={data}", "--block_size=65"], "block_size=65 is past the model's max_position_embeddings=64"),
-        ([f"--data_dir={data_dir}"], f"was not prepared with {folder}/tokenizer.json"),  # char data, other ids
+        ([f"--data_dir={data_dir}"], "prepare it with the model's tokenizer"),  # char data without a tokenizer
         ([f"--data_dir={data}", f"--init_from={tmp_path}"], "is not 'scratch', 'resume', 'auto' or a Hugging Face"),
     ]
     for extra, message in cases:

@@ -1,7 +1,7 @@
-"""export.py's tokenizer: the tokenizer.json written beside an exported model gives, through
+"""tokenizer.py's tokenizer.json, written beside an exported model, gives, through
 transformers' AutoTokenizer and through the tokenizers library, exactly the ids of the dataset's
 own tokenizer, for tiktoken encodings, bpe:N, and a dataset made with a tokenizer.json.
-Run: python -m pytest -q tests/test_export_tokenizer.py"""
+Run: python -m pytest -q tests/test_tokenizer_json.py"""
 
 import json
 import random
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import export
-import prepare
+import tokenizer
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402  (after the skip)
@@ -62,7 +61,7 @@ def tiktoken_case(name):
     except Exception as e:  # it would download: tests never do
         pytest.skip(f"tiktoken encoding {name} does not load offline ({type(e).__name__}); "
                     f"set TIKTOKEN_CACHE_DIR to a folder holding it")
-    return prepare.tiktoken_tokenizer(name)
+    return tokenizer.tiktoken_tokenizer(name)
 
 
 def bpe_case(tmp, corpus):
@@ -71,7 +70,7 @@ def bpe_case(tmp, corpus):
     run = subprocess.run([sys.executable, str(REPO / "prepare.py"), str(tmp / "corpus.txt"),
                           "--tokenizer=bpe:512", f"--out_dir={tmp / 'data'}"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    return prepare.load_tokenizer(tmp / "data")
+    return tokenizer.load_tokenizer(tmp / "data")
 
 
 def huggingface_case(tmp, corpus):
@@ -86,7 +85,7 @@ def huggingface_case(tmp, corpus):
     hf.train_from_iterator([corpus[:100_000]], trainer)
     hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     hf.save(str(tmp / "tokenizer.json"))
-    return prepare.make_tokenizer(str(tmp / "tokenizer.json"), lambda: iter(()))
+    return tokenizer.make_tokenizer(str(tmp / "tokenizer.json"), lambda: iter(()))
 
 
 @pytest.fixture(scope="module", params=[*TIKTOKEN_NAMES, "bpe", "huggingface"])
@@ -99,7 +98,7 @@ def exported(request, tmp_path_factory, corpus):
         ours = huggingface_case(tmp, corpus)
     else:
         ours = tiktoken_case(request.param)
-    files, note = export.hf_tokenizer_files(ours)
+    files, note = tokenizer.hf_tokenizer_files(ours)
     assert note is None and sorted(files) == ["tokenizer.json", "tokenizer_config.json"]
     folder = tmp / "export"
     folder.mkdir()
@@ -191,8 +190,8 @@ def test_tokenizer_config(exported):
 
 
 def test_char_has_no_tokenizer_json():
-    tok = prepare.make_tokenizer("char", lambda: iter(["hello world"]))
-    files, note = export.hf_tokenizer_files(tok)
+    tok = tokenizer.make_tokenizer("char", lambda: iter(["hello world"]))
+    files, note = tokenizer.hf_tokenizer_files(tok)
     assert files == {} and "character vocabulary" in note and "\n" not in note
 
 
@@ -206,12 +205,12 @@ def test_pattern_rewrite_for_oniguruma():
         return [piece for piece, _ in splitter.pre_tokenize_str(text)]
 
     pattern = r"\p{N}{1,3}+|\s+$|\s+|."
-    assert export.onig_pattern(pattern) == r"(?>\p{N}{1,3})|\s+\z|\s+|."
+    assert tokenizer.onig_pattern(pattern) == r"(?>\p{N}{1,3})|\s+\z|\s+|."
     assert split(pattern, "1234567 a  \nb") == ["1234567", " ", "a", "  ", "\n", "b"]
-    assert split(export.onig_pattern(pattern), "1234567 a  \nb") == ["123", "456", "7", " ", "a", "  \n", "b"]
-    assert export.onig_pattern(r"[$]|\$|\p{L}++|x{2}") == r"[$]|\$|\p{L}++|x{2}"
+    assert split(tokenizer.onig_pattern(pattern), "1234567 a  \nb") == ["123", "456", "7", " ", "a", "  \n", "b"]
+    assert tokenizer.onig_pattern(r"[$]|\$|\p{L}++|x{2}") == r"[$]|\$|\p{L}++|x{2}"
 
 
 def test_byte_chars_are_gpt2s():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-    assert export.byte_chars() == bytes_to_unicode()
+    assert tokenizer.byte_chars() == bytes_to_unicode()
