@@ -172,3 +172,79 @@ def test_qlora_trains(pretrained, tmp_path):
     val = [r["val_loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05
+
+
+# -----------------------------------------------------------------------------
+# export.py: a run -> a Hugging Face folder (or a peft adapter) that transformers reads as we do
+
+
+def export(*args, check=True):
+    done = subprocess.run([sys.executable, "export.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    assert not check or done.returncode == 0, done.stderr
+    return done
+
+
+def run_model(out_dir):
+    # the model of a run's checkpoint, as sample.py and export.py rebuild it
+    from model import load_checkpoint
+    return GPT.from_checkpoint(load_checkpoint(out_dir / "ckpt.pt"), use_kernels=False).eval()
+
+
+def test_export_a_finetune_loads_in_transformers_with_equal_logits(pretrained, tmp_path):
+    folder, data = pretrained
+    run(*FINETUNE, f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path / 'run'}", "--max_iters=5")
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["max_position_embeddings"] == 64
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 400, (2, 24))
+    ours = logits_of(run_model(tmp_path / "run"), ids)
+    assert (logits_of(hf, ids) - ours).abs().max() <= 1e-4 * ours.abs().max()
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = corpus_text()[:5000]
+    from tokenizer import load_tokenizer
+    assert auto(text, add_special_tokens=False)["input_ids"] == load_tokenizer(data).encode(text)
+    out = export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf", check=False)  # never over a folder
+    assert out.returncode != 0 and "pass --overwrite" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf", "--overwrite", "--dtype", "bfloat16")
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").dtype == torch.bfloat16
+
+
+def test_lora_exports_merged_and_as_a_peft_adapter_with_the_same_logits(pretrained, tmp_path):
+    peft = pytest.importorskip("peft")
+    folder, data = pretrained
+    run(*LORA, "--lora_targets=q,v,o,down", "--lora_dropout=0.1", f"--data_dir={data}", f"--init_from={folder}",
+        f"--out_dir={tmp_path / 'run'}", "--max_iters=6")
+    ids = torch.randint(0, 400, (2, 24))
+    ours = logits_of(run_model(tmp_path / "run"), ids)  # adapters on the base, not merged
+    base_logits = logits_of(GPT.from_pretrained(folder).eval(), ids)
+    assert (ours - base_logits).abs().max() > 1e-3  # the adapters learned something
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "merged")
+    merged = logits_of(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval(), ids)
+    assert (merged - ours).abs().max() <= 1e-4 * ours.abs().max()
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "adapter", "--adapter")
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["target_modules"] == ["down_proj", "o_proj", "q_proj", "v_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert (logits_of(with_adapter, ids) - merged).abs().max() <= 1e-4 * merged.abs().max()
+
+
+def test_lora_on_a_model_trained_here(pretrained, tmp_path):
+    # train from scratch on a bpe dataset, export it, fine-tune the export with LoRA on the same data
+    folder, _ = pretrained
+    data = tmp_path / "data"
+    done = subprocess.run([sys.executable, "prepare.py", str(folder.parent / "corpus"), "--tokenizer=bpe:300",
+                           f"--out_dir={data}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    shape = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64"]
+    run(*FINETUNE, *shape, f"--data_dir={data}", f"--out_dir={tmp_path / 'scratch'}", "--max_iters=10")
+    export("--out_dir", tmp_path / "scratch", "--to", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    run(*LORA, f"--data_dir={data}", f"--init_from={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'lora'}",
+        "--max_iters=10")
+    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines())
+           if "val_loss" in r]
+    # Early in training most of the gain is in the embeddings, which LoRA leaves frozen: a small fall
+    # (the evaluation batches are the same each time, so any fall is the adapters' doing).
+    assert val[-1] < val[0]
