@@ -248,3 +248,29 @@ def test_lora_on_a_model_trained_here(pretrained, tmp_path):
     # Early in training most of the gain is in the embeddings, which LoRA leaves frozen: a small fall
     # (the evaluation batches are the same each time, so any fall is the adapters' doing).
     assert val[-1] < val[0]
+
+
+def test_lora_under_ddp_matches_one_process(pretrained, tmp_path):
+    # 2 processes x 1 micro-step see the sequences of 1 process x 2 micro-steps: the same adapters
+    folder, data = pretrained
+    args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=4", "--gradient_accumulation_steps=2",
+            "--dropout=0.0"]
+    run(*args, f"--out_dir={tmp_path / 'one'}")
+    run(*args, f"--out_dir={tmp_path / 'ddp'}", torchrun=["--standalone", "--nproc_per_node=2"])
+    one, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    assert one.keys() == ddp.keys() and all(abs(one[i] - ddp[i]) < 1e-5 for i in one)
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "ddp")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_lora_compiled_with_the_triton_kernels_matches_eager(pretrained, tmp_path):
+    # torch.compile and the fused ops (Triton's interpreter on CPU: a tiny batch) around the adapters
+    folder, data = pretrained
+    args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=2", "--block_size=16",
+            "--batch_size=1", "--eval_interval=2", "--eval_iters=1", "--dropout=0.0"]
+    run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", "--compile=True",
+        env={"TRITON_INTERPRET": "1"})
+    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False")
+    fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
+    assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
+    assert torch.load(tmp_path / "fused" / "ckpt.pt", weights_only=True)["model_args"]["use_kernels"] is True
