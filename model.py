@@ -12,6 +12,7 @@ attention, SwiGLU MLP, no biases).
 import inspect
 import json
 import math
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,6 +50,11 @@ class GPTConfig:
     qk_norm: bool = False  # RMSNorm on every head's q and k before rotary (Qwen3)
     rope_scaling: dict | None = None  # Llama 3.1's long-context frequencies (see rotary_tables)
     family: str = "llama"  # the Hugging Face model_type the weights came from and are saved as
+    # LoRA: low-rank adapters on a frozen model (see LoRA and GPT.add_lora); rank 0 is off
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = "q,k,v,o,gate,up,down"
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -91,6 +97,42 @@ def rotary_tables(head_size, length, theta, scaling=None):
     return angles.cos(), angles.sin()
 
 
+class LoRA(nn.Module):
+    """Low-rank adapters for a frozen projection: each adapted part s of its output gains
+    (alpha/rank)·B_s A_s x, with A_s (rank, in) and B_s (size, rank). B starts at zero, so an adapted
+    model starts exactly as its base. A fused projection (q, k and v in one) has a part for each."""
+
+    def __init__(self, in_features, parts, rank, alpha, dropout):
+        # parts: [(name, size, adapted)] in the order of the projection's output
+        super().__init__()
+        self.parts = [(name, size) for name, size, _ in parts]
+        self.A = nn.ParameterDict({n: nn.Parameter(torch.empty(rank, in_features)) for n, _, on in parts if on})
+        self.B = nn.ParameterDict({n: nn.Parameter(torch.zeros(size, rank)) for n, size, on in parts if on})
+        for a in self.A.values():
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # nn.Linear's own init, as peft does
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = self.dropout(x)
+        out = [(x @ self.A[n].t()) @ self.B[n].t() * self.scale if n in self.A else x.new_zeros(*x.shape[:-1], size)
+               for n, size in self.parts]
+        return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+
+    def delta(self):
+        # the change to the frozen weight, (out, in) in fp32, for merging
+        rows = [self.scale * self.B[n].float() @ self.A[n].float() if n in self.A else
+                torch.zeros(size, next(iter(self.A.values())).shape[1], device=self.B[next(iter(self.B))].device)
+                for n, size in self.parts]
+        return torch.cat(rows, dim=0)
+
+
+def adapted(linear, x):
+    # a projection's output, plus its adapter's where LoRA gave it one
+    y = linear(x)
+    return y if getattr(linear, "lora", None) is None else y + linear.lora(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config, ops):
         super().__init__()
@@ -109,7 +151,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache=None, mask=None):
         B, T, C = x.shape
         q_size, kv_size = self.n_head * self.head_size, self.n_kv_head * self.head_size
-        qk, v = self.qkv(x).split([q_size + kv_size, kv_size], dim=2)
+        qk, v = adapted(self.qkv, x).split([q_size + kv_size, kv_size], dim=2)
         qk = qk.view(B, T, self.n_head + self.n_kv_head, self.head_size)  # (B, T, H + Hkv, D)
         v = v.view(B, T, self.n_kv_head, self.head_size)  # (B, T, Hkv, D)
         if self.qk_norm:  # each with its own weight, then rotated together
@@ -139,7 +181,7 @@ class Attention(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 dropout_p=dropout, is_causal=causal, enable_gqa=gqa,
             ).transpose(1, 2)  # (B, T, H, D)
-        return self.resid_dropout(self.proj(y.reshape(B, T, q_size)))
+        return self.resid_dropout(adapted(self.proj, y.reshape(B, T, q_size)))
 
 
 class MLP(nn.Module):
@@ -152,8 +194,8 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.dropout(self.down(self.ops.swiglu(gate, up)))
+        gate, up = adapted(self.gate_up, x).chunk(2, dim=-1)
+        return self.dropout(adapted(self.down, self.ops.swiglu(gate, up)))
 
 
 class Block(nn.Module):
@@ -191,6 +233,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("attn.proj.weight", "mlp.down.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.lora_rank:
+            self.add_lora(config.lora_rank, config.lora_alpha, config.lora_dropout, config.lora_targets)
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -306,6 +350,66 @@ class GPT(nn.Module):
         return optimizers
 
     # -------------------------------------------------------------------------
+    # LoRA: a frozen base, trainable low-rank adapters, merged back for deployment
+
+    def lora_projections(self):
+        # (block index, projection, [(part, output size)]) for every projection LoRA can adapt
+        c = self.config
+        q, kv, hidden = c.n_head * c.head_size, c.n_kv_head * c.head_size, c.mlp_hidden
+        for i, block in enumerate(self.blocks):
+            yield i, block.attn.qkv, [("q", q), ("k", kv), ("v", kv)]
+            yield i, block.attn.proj, [("o", c.n_embd)]
+            yield i, block.mlp.gate_up, [("gate", hidden), ("up", hidden)]
+            yield i, block.mlp.down, [("down", c.n_embd)]
+
+    def add_lora(self, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down"):
+        """Freeze every weight and give the projections named in targets (comma-separated, of q, k, v,
+        o, gate, up, down) fp32 low-rank adapters: afterwards only the adapters get gradients."""
+        chosen = set(targets.split(","))
+        if chosen - set(LORA_TARGETS) or rank < 1:
+            raise ValueError(f"lora_targets={targets!r} and lora_rank={rank} must name some of "
+                             f"{','.join(LORA_TARGETS)} and be at least 1")
+        self.config.lora_rank, self.config.lora_alpha, self.config.lora_dropout = rank, alpha, dropout
+        self.config.lora_targets = targets
+        self.requires_grad_(False)
+        for _, linear, parts in self.lora_projections():
+            if chosen & {name for name, _ in parts}:
+                lora = LoRA(linear.in_features, [(n, size, n in chosen) for n, size in parts], rank, alpha, dropout)
+                linear.lora = lora.to(linear.weight.device)
+        return self
+
+    def merge_lora(self):
+        """Fold every adapter into its weight, W + (alpha/rank)·B·A computed in fp32 and cast back to
+        W's dtype, and drop the adapters: a plain model again, with the same outputs."""
+        for _, linear, _ in self.lora_projections():
+            if getattr(linear, "lora", None) is not None:
+                weight = linear.weight.detach()
+                if hasattr(weight, "get_original_weight"):  # 4-bit: back to the dtype it was quantized from
+                    weight = weight.get_original_weight()
+                merged = weight.float() + linear.lora.delta().to(weight.device)
+                linear.weight = nn.Parameter(merged.to(weight.dtype), requires_grad=False)
+                del linear.lora
+        self.config.lora_rank = 0
+        return self
+
+    def quantize_base(self):
+        """Hold the frozen projections' weights in 4-bit NF4 (QLoRA), through torchao; each keeps the
+        dtype it had for computing. Embeddings, norms and the adapters stay as they are."""
+        try:
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        except ImportError:
+            raise ValueError("4-bit base weights need torchao: pip install torchao") from None
+        for _, linear, _ in self.lora_projections():
+            n = linear.weight.numel()
+            if n % 64:
+                raise ValueError(f"a {tuple(linear.weight.shape)} weight cannot be held in nf4 (blocks of 64 values)")
+            # QLoRA's blocks: 64 values per scale, 256 scales per second-level scale (fewer in tiny models)
+            quantized = to_nf4(linear.weight.detach(), 64, math.gcd(256, n // 64))
+            linear.weight = nn.Parameter(quantized, requires_grad=False)
+        return self
+
+
+    # -------------------------------------------------------------------------
     # Hugging Face folders in and out: transformers' names and shapes, our fused tensors split
     # and joined here and nowhere else
 
@@ -353,6 +457,27 @@ class GPT(nn.Module):
                     missing.discard(name)
         if missing:
             raise ValueError(f"{path} lacks {len(missing)} tensor(s) the config needs, e.g. {sorted(missing)[0]}")
+        return model
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, base_dtype=None, **overrides):
+        """A train.py checkpoint (as load_checkpoint returns it) -> GPT with its weights; overrides as in
+        from_pretrained. A LoRA run's checkpoint holds only the adapters: they go onto its base folder
+        again, read in base_dtype, which must be the very model the run began from."""
+        args = {**checkpoint["model_args"], **overrides}
+        if not args.get("lora_rank"):
+            model = cls(GPTConfig(**args))
+            model.load_state_dict(checkpoint["model"])
+            return model
+        base = checkpoint["pretrained"]
+        if fingerprint(base) != checkpoint["base_fingerprint"]:
+            raise ValueError(f"the base model at {base} is not the one this LoRA run began from (its weights "
+                             f"differ): put that model back there")
+        model = cls.from_pretrained(base, base_dtype, dropout=args["dropout"], use_kernels=args["use_kernels"])
+        model.add_lora(args["lora_rank"], args["lora_alpha"], args["lora_dropout"], args["lora_targets"])
+        missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
+        if unexpected or any(p.requires_grad for name, p in model.named_parameters() if name in missing):
+            raise ValueError("the checkpoint does not hold this model's adapters")
         return model
 
     def save_pretrained(self, path, max_shard_bytes=5 * 2**30, eos_token_id=None):
@@ -476,6 +601,8 @@ def peak_flops(device, dtype):
 # -----------------------------------------------------------------------------
 # Hugging Face's config.json and tensor names for the families from_pretrained reads
 
+LORA_TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}  # ours -> transformers'
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM"}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -511,6 +638,24 @@ def safetensors_files(path):
         return [path / "model.safetensors"]
     raise ValueError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors "
                      f"weights are read: convert .bin weights first)")
+
+
+def fingerprint(folder):
+    """A short hash of a Hugging Face folder's weights, to know a LoRA run's base again without reading
+    all of it: each safetensors file's size and header (names, shapes, offsets) and 64 KB from each of
+    32 places spread over it. Fine-tuning changes nearly every weight, so two bases differ here too."""
+    import hashlib
+    digest = hashlib.sha256()
+    for file in safetensors_files(Path(folder)):
+        size = os.path.getsize(file)
+        digest.update(str(size).encode())
+        with open(file, "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header, size)))
+            for i in range(32):
+                f.seek(i * size // 32)
+                digest.update(f.read(1 << 16))
+    return digest.hexdigest()[:16]
 
 
 def config_from_hf(hf, block_size=None):

@@ -14,8 +14,9 @@ from contextlib import nullcontext
 
 import torch
 
-from model import GPT, GPTConfig, load_checkpoint, pick_device
-from prepare import load_tokenizer, make_tokenizer
+from export import load_run
+from model import GPT, pick_device
+from tokenizer import make_tokenizer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out_dir", default="out", help="folder holding the checkpoint")
@@ -48,47 +49,20 @@ if args.top_k is not None and args.top_k < 1:
     fail(f"--top_k={args.top_k} must be at least 1 (or leave it out)")
 
 
-def from_checkpoint(path):
-    # a run's checkpoint, and the tokenizer of the data it was trained on: where it was then, or here
-    if not os.path.exists(path):
-        fail(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
+if args.model:  # a Hugging Face folder: its weights in the dtype we sample in, and its tokenizer.json
+    if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        fail(f"{args.model} has no tokenizer.json to encode the prompt with")
     try:
-        checkpoint = load_checkpoint(path, device)
+        model = GPT.from_pretrained(args.model, dtype=getattr(torch, dtype))
     except ValueError as e:
         fail(str(e))
-    if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
-        fail(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
-    model = GPT(GPTConfig(**checkpoint["model_args"]))
-    model.load_state_dict(checkpoint["model"])
-    candidates = [args.data_dir] if args.data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
-    data_dir = next((d for d in candidates if d and os.path.isdir(d)), None)
-    if data_dir is None:
-        fail(f"the model was trained on {candidates[-1]}, which is not here: sample.py needs its tokenizer "
-             f"(restore it, or pass --data_dir)")
+    tokenizer = make_tokenizer(args.model, None)
+else:  # a run's checkpoint, and the tokenizer of the data it was trained on
     try:
-        tokenizer = load_tokenizer(data_dir)
-    except (ValueError, KeyError, TypeError) as e:
-        fail(f"cannot read the tokenizer in {data_dir} ({type(e).__name__}: {e}); re-run prepare.py")
-    return model, tokenizer, data_dir
-
-
-def from_folder(folder):
-    # a Hugging Face folder: its weights in the dtype we sample in, and its tokenizer.json
-    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        fail(f"{folder} has no tokenizer.json to encode the prompt with")
-    try:
-        model = GPT.from_pretrained(folder, dtype=getattr(torch, dtype))
+        model, tokenizer, _ = load_run(os.path.join(args.out_dir, args.ckpt), data_dir=args.data_dir)
     except ValueError as e:
         fail(str(e))
-    return model, make_tokenizer(folder, None), folder
-
-
-model, tokenizer, source = from_folder(args.model) if args.model else from_checkpoint(
-    os.path.join(args.out_dir, args.ckpt))
 model.eval().to(device)
-if tokenizer.vocab_size > model.config.vocab_size:
-    fail(f"{source}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's {model.config.vocab_size}: "
-         f"it is not the tokenizer this model was trained with")
 
 start = args.start
 if start.startswith("FILE:"):

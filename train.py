@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
-from model import GPT, GPTConfig, load_checkpoint, peak_flops, pick_device
+from model import GPT, GPTConfig, fingerprint, load_checkpoint, peak_flops, pick_device
+from tokenizer import load_tokenizer, make_tokenizer, read_meta
 
 # -----------------------------------------------------------------------------
 # defaults: every setting is a global here; config files and --key=value override them
@@ -68,6 +69,12 @@ tie_embeddings = True  # the LM head shares the token embedding's weight
 vocab_size = 0  # 0: the dataset's vocabulary, padded up to a multiple of 64
 use_kernels = None  # Triton fused ops: True, False, or None for auto (on CUDA with Triton)
 doc_mask = False  # attend only within a document: end-of-text (meta.json's eot_id) begins a new one
+# LoRA: train low-rank adapters on a frozen pretrained model (init_from a Hugging Face folder)
+lora_rank = 0  # the adapters' rank; 0: off, every weight trains
+lora_alpha = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+lora_dropout = 0.0  # dropout on the adapters' input
+lora_targets = "q,k,v,o,gate,up,down"  # projections to adapt; the default is all of them, attention's and the MLP's
+lora_base_dtype = "auto"  # the frozen base: 'auto' (the run's dtype), 'float32', 'bfloat16', or 'nf4' (QLoRA, torchao)
 # optimizer
 optimizer = "adamw"  # 'adamw', 'muon' (Muon for the blocks' matrices, AdamW for the rest), 'adam', 'sgd'
 learning_rate = 6e-4  # peak learning rate (under muon: of the AdamW part)
@@ -164,17 +171,11 @@ if master:
 # of (seed, step): a resumed run sees exactly the batches it would have seen, and the same tokens
 # per update give the same sequences however they are split into processes and micro-steps
 
-meta_path = os.path.join(data_dir, "meta.json")
-meta = {"dtype": "uint16", "vocab_size": 50257}  # a nanoGPT dataset, without meta.json: GPT-2 tokens
-if os.path.exists(os.path.join(data_dir, "prepare.incomplete")):
-    fail(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
-if os.path.exists(meta_path):
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        meta["dtype"], meta["vocab_size"] = np.dtype(meta["dtype"]).name, int(meta["vocab_size"])
-    except (ValueError, KeyError, TypeError) as e:
-        fail(f"{meta_path} is damaged ({type(e).__name__}: {e}); re-run prepare.py to write it again")
+meta_path = os.path.join(data_dir, "meta.json")  # or nanoGPT's meta.pkl, or GPT-2 tokens with neither
+try:
+    meta = read_meta(data_dir)
+except ValueError as e:
+    fail(str(e))
 data_dtype = np.dtype(meta["dtype"])
 eot_id = meta.get("eot_id")  # end-of-text: where one document ends and the next begins
 if doc_mask and eot_id is None:
@@ -231,7 +232,8 @@ def document_ids(x):
 
 
 def check_tokenizer(folder):
-    # data for a pretrained model must be made with its own tokenizer: other ids would mean other words
+    # Data for a pretrained model must be made with its own tokenizer, or its ids mean other words. The
+    # same tokenizer gives a document's ids back from its text: decode the first few, encode them again.
     how = f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -240,16 +242,22 @@ def check_tokenizer(folder):
         fail(f"cannot read the vocab_size in {folder}/config.json ({type(e).__name__}: {e})")
     if meta["vocab_size"] > model_vocab:
         fail(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: {how}")
-    theirs = os.path.join(folder, "tokenizer.json")
-    ours = os.path.join(data_dir, "tokenizer.json")
-    if os.path.exists(theirs) and not (meta.get("tokenizer", {}).get("kind") == "huggingface"
-                                       and os.path.exists(ours) and same_bytes(ours, theirs)):
-        fail(f"{data_dir} was not prepared with {theirs}: {how}")
-
-
-def same_bytes(a, b):
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        return fa.read() == fb.read()
+    if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return  # nothing to compare with
+    ids = np.array(np.memmap(os.path.join(data_dir, "val.bin"), dtype=data_dtype, mode="r")[:4096], dtype=np.int64)
+    ends = np.flatnonzero(ids == meta["eot_id"]) if meta.get("eot_id") is not None else np.array([], dtype=int)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(int)
+    documents = [ids[a:b].tolist() for a, b in zip(starts, ends)][:8]  # whole ones, without end-of-text
+    try:
+        ours, theirs = load_tokenizer(data_dir), make_tokenizer(folder, None)
+    except (ValueError, KeyError, TypeError, SystemExit) as e:
+        fail(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s ({type(e).__name__}: {e}): "
+             f"{how}")
+    for doc in documents or [ids[:512].tolist()]:
+        again = theirs.encode(ours.decode(doc))
+        whole = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
+        if again[:whole] != doc[:whole]:
+            fail(f"{data_dir} was not prepared with the tokenizer of {folder}: {how}")
 
 
 model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, block_size=block_size,
@@ -312,22 +320,43 @@ if init_from == "resume":
     if block_size > model_args["block_size"]:
         fail(f"block_size={block_size} is past the {model_args['block_size']} positions of the model {pretrained}")
 
+lora = lora_rank if from_folder else model_args.get("lora_rank", 0) if checkpoint is not None else 0
+if lora_rank and not lora:
+    fail("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of yours to one "
+         "with export.py)")
+if lora_base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4"):
+    fail(f"lora_base_dtype={lora_base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16' or 'nf4'")
+# Full fine-tuning keeps fp32 master weights whatever the folder holds (autocast computes in dtype); a
+# frozen LoRA base needs only the dtype it computes in, and nf4 is quantized from that.
+base_dtype = dtype if lora_base_dtype in ("auto", "nf4") else lora_base_dtype
+base_dtype = getattr(torch, base_dtype) if lora else torch.float32
+
 torch.manual_seed(seed)  # the same initial weights in every process
 if from_folder:
     check_tokenizer(init_from)
 try:
-    if from_folder:  # fp32 master weights, whatever the folder holds: autocast computes in dtype
-        model = GPT.from_pretrained(init_from, dtype=torch.float32, block_size=block_size, dropout=dropout,
-                                    use_kernels=use_kernels)
+    if checkpoint is not None:  # (a LoRA run's base comes from its folder again, checked by fingerprint)
+        base_fingerprint = checkpoint.get("base_fingerprint")
+        run_settings = {k: model_args[k] for k in ("dropout", "use_kernels", "block_size")}
+        model = GPT.from_checkpoint(checkpoint, base_dtype, **run_settings)
+    elif from_folder:
+        base_fingerprint = fingerprint(init_from)
+        model = GPT.from_pretrained(init_from, base_dtype, block_size, dropout=dropout, use_kernels=use_kernels)
+        if lora:
+            model.add_lora(lora_rank, lora_alpha, lora_dropout, lora_targets)
         model_args = asdict(model.config)
     else:
+        base_fingerprint = None
         model = GPT(GPTConfig(**model_args))
-except ValueError as e:  # a shape that cannot be built, or a folder with what GPT does not implement
+except (ValueError, OSError) as e:  # a shape that cannot be built, a folder with what GPT lacks, another base
     fail(str(e))
-if checkpoint is not None:
-    model.load_state_dict(checkpoint["model"])
 vocab_size = model_args["vocab_size"]
 model.to(device)
+if lora and lora_base_dtype == "nf4":
+    try:
+        model.quantize_base()
+    except ValueError as e:
+        fail(str(e))
 try:
     optimizers = model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2),
                                             device_type, momentum, muon_lr, muon_momentum)
@@ -358,7 +387,8 @@ if ddp:
 flops_per_token = raw_model.flops_per_token(block_size)
 peak = peak_flops(device, ptdtype)
 if master:
-    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_args}")
+    trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
+    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {model_args}")
 
 
 def lr_factor(it):
@@ -428,14 +458,19 @@ def save_checkpoint(improved):
         rngs = [rng]
     if not master:
         return
+    weights = raw_model.state_dict()
+    if lora:  # the adapters alone: the frozen base is the folder's, known again by its fingerprint
+        trained = {n for n, p in raw_model.named_parameters() if p.requires_grad}
+        weights = {n: t for n, t in weights.items() if n in trained}
     state = {
-        "model": raw_model.state_dict(), "optimizer": optimizers[0].state_dict(), "scaler": scaler.state_dict(),
+        "model": weights, "optimizer": optimizers[0].state_dict(), "scaler": scaler.state_dict(),
         "muon": optimizers[1].state_dict() if len(optimizers) > 1 else None,
         "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
         "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
         "evaluated": evaluated_at == iter_num, "config": config, "world_size": world_size, "rng": rngs,
         "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
         "pretrained": pretrained,  # the Hugging Face folder the run began from, if any
+        "base_fingerprint": base_fingerprint,
     }
     tmp = ckpt_path + ".tmp"
     with open(tmp, "wb") as f:

@@ -97,7 +97,7 @@ def test_refusals_are_one_line(pretrained, tmp_path, data_dir):
     folder, data = pretrained
     cases = [
         ([f"--data_dir={data}", "--block_size=65"], "block_size=65 is past the model's max_position_embeddings=64"),
-        ([f"--data_dir={data_dir}"], f"was not prepared with {folder}/tokenizer.json"),  # char data, other ids
+        ([f"--data_dir={data_dir}"], "prepare it with the model's tokenizer"),  # char data without a tokenizer
         ([f"--data_dir={data}", f"--init_from={tmp_path}"], "is not 'scratch', 'resume', 'auto' or a Hugging Face"),
     ]
     for extra, message in cases:
@@ -117,3 +117,160 @@ def test_sample_a_folder_greedily_as_transformers_does(pretrained):
     greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     assert done.stdout.split("\n---------------\n")[0] == tok.decode(greedy[0].tolist(), skip_special_tokens=False)
+
+
+# -----------------------------------------------------------------------------
+# LoRA and QLoRA
+
+LORA = [*FINETUNE, "--lora_rank=4", "--lora_alpha=8", "--learning_rate=1e-2"]
+
+
+def test_lora_trains_adapters_only_and_resumes_bit_for_bit(pretrained, tmp_path):
+    folder, data = pretrained
+    args = [*LORA, f"--data_dir={data}", f"--init_from={folder}"]
+    out = run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=12")
+    ckpt = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)
+    assert ckpt["model"] and all(".lora." in name for name in ckpt["model"])  # adapters only, no base
+    assert ckpt["model_args"]["lora_rank"] == 4 and len(ckpt["base_fingerprint"]) == 16
+    base = sum(p.numel() for p in GPT.from_pretrained(folder).parameters())
+    assert sum(t.numel() for t in ckpt["model"].values()) < base / 5
+    assert "0.02M of them trained" in out.stdout or "M of them trained" in out.stdout
+    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines())
+           if "val_loss" in r]
+    assert val[-1] < val[0] - 0.05  # the adapters alone learn, slowly on a random base (fixed eval batches)
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=6")
+    run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}", "--max_iters=12", "--init_from=resume")
+    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
+    whole, parts = weights(tmp_path / "whole"), weights(tmp_path / "parts")
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+
+
+def test_lora_refuses_another_base(pretrained, tmp_path):
+    folder, data = pretrained
+    base = tmp_path / "base"
+    base.mkdir()
+    for f in folder.iterdir():
+        (base / f.name).write_bytes(f.read_bytes())
+    run(*LORA, f"--data_dir={data}", f"--init_from={base}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2")
+    model = GPT.from_pretrained(base)
+    with torch.no_grad():
+        model.blocks[0].mlp.down.weight.mul_(1.01)  # another model of the same shape
+    model.save_pretrained(base)
+    out = run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--init_from=resume",
+              check=False)
+    assert out.returncode != 0 and "is not the one this LoRA run began from" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    out = run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'x'}", check=False)  # no folder to adapt
+    assert out.returncode != 0 and "LoRA adapts a pretrained model" in out.stderr
+
+
+def test_qlora_trains(pretrained, tmp_path):
+    pytest.importorskip("torchao", reason="QLoRA's 4-bit base needs torchao (pip install torchao)")
+    folder, data = pretrained
+    run(*LORA, "--lora_base_dtype=nf4", f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path}",
+        "--max_iters=10")
+    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+           if "val_loss" in r]
+    assert val[-1] < val[0] - 0.05
+
+
+# -----------------------------------------------------------------------------
+# export.py: a run -> a Hugging Face folder (or a peft adapter) that transformers reads as we do
+
+
+def export(*args, check=True):
+    done = subprocess.run([sys.executable, "export.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    assert not check or done.returncode == 0, done.stderr
+    return done
+
+
+def run_model(out_dir):
+    # the model of a run's checkpoint, as sample.py and export.py rebuild it
+    from model import load_checkpoint
+    return GPT.from_checkpoint(load_checkpoint(out_dir / "ckpt.pt"), use_kernels=False).eval()
+
+
+def test_export_a_finetune_loads_in_transformers_with_equal_logits(pretrained, tmp_path):
+    folder, data = pretrained
+    run(*FINETUNE, f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path / 'run'}", "--max_iters=5")
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["max_position_embeddings"] == 64
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 400, (2, 24))
+    ours = logits_of(run_model(tmp_path / "run"), ids)
+    assert (logits_of(hf, ids) - ours).abs().max() <= 1e-4 * ours.abs().max()
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = corpus_text()[:5000]
+    from tokenizer import load_tokenizer
+    assert auto(text, add_special_tokens=False)["input_ids"] == load_tokenizer(data).encode(text)
+    out = export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf", check=False)  # never over a folder
+    assert out.returncode != 0 and "pass --overwrite" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf", "--overwrite", "--dtype", "bfloat16")
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").dtype == torch.bfloat16
+
+
+def test_lora_exports_merged_and_as_a_peft_adapter_with_the_same_logits(pretrained, tmp_path):
+    peft = pytest.importorskip("peft")
+    folder, data = pretrained
+    run(*LORA, "--lora_targets=q,v,o,down", "--lora_dropout=0.1", f"--data_dir={data}", f"--init_from={folder}",
+        f"--out_dir={tmp_path / 'run'}", "--max_iters=6")
+    ids = torch.randint(0, 400, (2, 24))
+    ours = logits_of(run_model(tmp_path / "run"), ids)  # adapters on the base, not merged
+    base_logits = logits_of(GPT.from_pretrained(folder).eval(), ids)
+    assert (ours - base_logits).abs().max() > 1e-3  # the adapters learned something
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "merged")
+    merged = logits_of(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval(), ids)
+    assert (merged - ours).abs().max() <= 1e-4 * ours.abs().max()
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "adapter", "--adapter")
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["target_modules"] == ["down_proj", "o_proj", "q_proj", "v_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert (logits_of(with_adapter, ids) - merged).abs().max() <= 1e-4 * merged.abs().max()
+
+
+def test_lora_on_a_model_trained_here(pretrained, tmp_path):
+    # train from scratch on a bpe dataset, export it, fine-tune the export with LoRA on the same data
+    folder, _ = pretrained
+    data = tmp_path / "data"
+    done = subprocess.run([sys.executable, "prepare.py", str(folder.parent / "corpus"), "--tokenizer=bpe:300",
+                           f"--out_dir={data}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    shape = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64"]
+    run(*FINETUNE, *shape, f"--data_dir={data}", f"--out_dir={tmp_path / 'scratch'}", "--max_iters=10")
+    export("--out_dir", tmp_path / "scratch", "--to", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    run(*LORA, f"--data_dir={data}", f"--init_from={tmp_path / 'hf'}", f"--out_dir={tmp_path / 'lora'}",
+        "--max_iters=10")
+    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines())
+           if "val_loss" in r]
+    # Early in training most of the gain is in the embeddings, which LoRA leaves frozen: a small fall
+    # (the evaluation batches are the same each time, so any fall is the adapters' doing).
+    assert val[-1] < val[0]
+
+
+def test_lora_under_ddp_matches_one_process(pretrained, tmp_path):
+    # 2 processes x 1 micro-step see the sequences of 1 process x 2 micro-steps: the same adapters
+    folder, data = pretrained
+    args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=4", "--gradient_accumulation_steps=2",
+            "--dropout=0.0"]
+    run(*args, f"--out_dir={tmp_path / 'one'}")
+    run(*args, f"--out_dir={tmp_path / 'ddp'}", torchrun=["--standalone", "--nproc_per_node=2"])
+    one, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    assert one.keys() == ddp.keys() and all(abs(one[i] - ddp[i]) < 1e-5 for i in one)
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "ddp")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_lora_compiled_with_the_triton_kernels_matches_eager(pretrained, tmp_path):
+    # torch.compile and the fused ops (Triton's interpreter on CPU: a tiny batch) around the adapters
+    folder, data = pretrained
+    args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=2", "--block_size=16",
+            "--batch_size=1", "--eval_interval=2", "--eval_iters=1", "--dropout=0.0"]
+    run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", "--compile=True",
+        env={"TRITON_INTERPRET": "1"})
+    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False")
+    fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
+    assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
+    assert torch.load(tmp_path / "fused" / "ckpt.pt", weights_only=True)["model_args"]["use_kernels"] is True
