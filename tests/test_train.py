@@ -364,3 +364,14 @@ def test_tensorboard_missing_is_one_line(data_dir, tmp_path):
               check=False)
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1
     assert "tensorboard_log=True needs TensorBoard: pip install tensorboard" in out.stderr
+
+
+def test_bench_races_optimizers_on_equal_time(data_dir):
+    done = subprocess.run([sys.executable, "bench.py", "--mode=race", "--seconds=0.5", "--steps=4", "--warmup=1",
+                           "--run=--optimizer=adamw", "--run=--optimizer=sgd --learning_rate=0.1", *TINY,
+                           f"--data_dir={data_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| optimizer=")]
+    assert [r[0].strip() for r in rows] == ["optimizer=adamw", "optimizer=sgd learning_rate=0.1"]
+    for name, ms, steps, seconds, loss, accuracy in rows:
+        assert int(steps) >= 1 and float(seconds) > 0 and 0 < float(loss) < 10 and accuracy.strip().endswith("%")
