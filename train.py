@@ -449,7 +449,11 @@ def log(record):
 def memory_mb():
     if device_type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS (KiB on Linux)
+    try:  # this process's peak RSS; ru_maxrss would start from the parent's when a big process launched us
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
 
 
 config.update(device=device, dtype=dtype, backend=backend, vocab_size=vocab_size, init_from=init_from)  # resolved

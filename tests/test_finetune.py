@@ -274,3 +274,13 @@ def test_lora_compiled_with_the_triton_kernels_matches_eager(pretrained, tmp_pat
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
     assert torch.load(tmp_path / "fused" / "ckpt.pt", weights_only=True)["model_args"]["use_kernels"] is True
+
+
+@pytest.mark.parametrize("config", ["config/finetune_qwen3.py", "config/lora_qwen3.py"])
+def test_the_shipped_fine_tune_configs_run(pretrained, tmp_path, config):
+    # the configs as a user runs them, on the tiny folder and for a few steps
+    folder, data = pretrained
+    run(config, f"--init_from={folder}", f"--data_dir={data}", f"--out_dir={tmp_path}", "--block_size=32",
+        "--batch_size=2", "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", "--eval_iters=1")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 2 and ckpt["model_args"]["lora_rank"] == (16 if "lora" in config else 0)
