@@ -1,6 +1,6 @@
 """
 Prepare a text corpus for training: files and folders in, DIR/train.bin, DIR/val.bin and DIR/meta.json
-out (flat token ids, nanoGPT's format, each document followed by end-of-text).
+out. What they hold, what is read, held in memory or skipped, and the tokenizers: README.md, "Your own data".
 
     python prepare.py --tokenizer=bpe:4096          # default corpus: this Python's stdlib -> data/stdlib
     python prepare.py input.txt --tokenizer=char --out_dir=data/shakespeare_char
@@ -8,22 +8,6 @@ out (flat token ids, nanoGPT's format, each document followed by end-of-text).
     python prepare.py train.parquet --val_input=val.parquet --tokenizer=hf/tokenizer.json --out_dir=data/ft
     python prepare.py notes/ --analyze              # what would be read, skipped, and how long documents are
     python prepare.py --bench                       # our throughput against tiktoken's own batch encoder
-
-Inputs: folders are read recursively in sorted order, hidden files and folders left out.
-.jsonl/.ndjson: one document per line, from the field text, content or body (or --field);
-.json: one such object or an array of them; .parquet: the same column, in record batches;
-anything else is one plain UTF-8 document per file; any of these may be gzipped (.gz).
-Nothing is held whole: documents stream through, and a big plain-text file is read and encoded
-in ~64 KB pieces, cut only where the tokens cannot change (SAFE_CUT), so memory stays flat for a
-10 GB .txt too. Held whole: one .json file (use .jsonl for big ones), one JSON line or parquet
-row, a stretch of text with no SAFE_CUT in it, and a plain-text file when the tokenizer is a
-tokenizer.json (its pre-tokenizer could be anything, so it gets the whole document).
-Files that are not UTF-8 text and bad records are skipped and listed, never lost silently.
-
-Tokenizers (in tokenizer.py, with read_meta and load_tokenizer, which read a dataset back, ours or nanoGPT's):
-a tiktoken name (gpt2, cl100k_base, o200k_base, ...), char (the corpus's characters), bpe:N (a byte-level
-BPE of N tokens trained here with rustbpe), a Hugging Face tokenizer.json (or a folder holding one), or a
-prepared dataset folder (reuse its tokenizer).
 """
 
 import argparse
@@ -40,7 +24,7 @@ import time
 import zlib
 from collections import deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from hashlib import blake2b
 from itertools import chain, islice
 from pathlib import Path
@@ -56,6 +40,7 @@ TEXT_FIELDS = ("text", "content", "body")
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
 MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)
 PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a time
+BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
 # Where a text can be cut and its pieces encoded apart with the same tokens as the whole, for the
 # regex pre-tokenizers of GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before
 # a space or newline between two letters or digits, or after a newline between a non-space and a
@@ -72,9 +57,6 @@ class SkipFile(Exception):
     """A file that cannot be read as documents; its message is the reason."""
 
 
-BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
-
-
 def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
     """Yield (path, path relative to the INPUT) for every file under folder (or folder, a file), sorted."""
     folder = Path(folder)
@@ -88,9 +70,14 @@ def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
         return
     for entry in entries:
         path, rel = Path(entry.path), f"{rel_folder}{entry.name}"
+        try:  # a symlink to a file is read; one to a folder, broken or looping, is listed as skipped
+            to_folder = entry.is_symlink() and stat.S_ISDIR(os.stat(path).st_mode)
+            why = "symlink to a folder, not followed (pass it as an INPUT)" if to_folder else None
+        except OSError as e:
+            why = "symlink loop" if e.errno == errno.ELOOP else "broken symlink"
         if entry.name.startswith("."):
             stats["hidden_skipped"] += 1  # .git, .venv, .DS_Store: counted, not listed
-        elif entry.is_symlink() and (why := symlink_problem(path)):
+        elif why:
             stats["skipped_files"].append({"path": str(path), "reason": why})
         elif entry.is_dir(follow_symlinks=False):
             # Installed packages are not the stdlib, and a dataset we write must not be read back in.
@@ -100,20 +87,10 @@ def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
             yield path, rel
 
 
-def symlink_problem(path):
-    """Why a symlink is left out, or None for one to a file (it is read)."""
-    try:
-        to_folder = stat.S_ISDIR(os.stat(path).st_mode)
-    except OSError as e:
-        return "symlink loop" if e.errno == errno.ELOOP else "broken symlink"
-    return "symlink to a folder, not followed (pass it as an INPUT)" if to_folder else None
-
-
 def file_ext(path):
     """'.jsonl.gz' -> '.jsonl.gz', 'README' -> '' (for the per-extension report)."""
     name = path.name.lower()
-    gz = name.endswith(".gz")
-    return Path(name[:-3] if gz else name).suffix + (".gz" if gz else "")
+    return Path(name.removesuffix(".gz")).suffix + (".gz" if name.endswith(".gz") else "")
 
 
 def record_text(obj, field):
@@ -160,8 +137,7 @@ def read_documents(path, field, dedup):
             obj = json.loads("".join(text for _, text in decoded(path)))
         except json.JSONDecodeError as e:
             raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
-        items = enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]
-        for i, item in items:
+        for i, item in enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]:
             yield (f"item {i}" if i else ""), *record_text(item, field)
     else:
         yield "", read_text(path, dedup), None
@@ -202,12 +178,11 @@ def decoded(path):
                 data, offset = data[3:], 3
             if b"\0" in data:
                 raise SkipFile("binary (contains NUL bytes)")
-            held = len(decoder.getstate()[0])  # bytes of a character the last read cut
+            first_byte = offset - len(decoder.getstate()[0])  # the decoder holds a cut character's bytes
             try:
                 text = decoder.decode(data, final=not data)  # from bytes: line endings stay as they are
             except UnicodeDecodeError as e:
-                at = offset - held + e.start
-                raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {at})")
+                raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {first_byte + e.start})")
             if not data:
                 return
             yield data, text
@@ -254,24 +229,8 @@ def pieces(doc, start=0, stop=None, in_one_piece=False):
     yield "".join(held), True
 
 
-def tail_cut(doc, val_fraction):
-    """Where the last val_fraction of a single document starts: the next line start (or the one before,
-    with none after), as nanoGPT splits; read as a stream. None if that leaves a part empty."""
-    nchars = doc.nchars if isinstance(doc, BigText) else len(doc)
-    pos, before, at = int(nchars * (1 - val_fraction)), -1, 0
-    for text, _ in pieces(doc):
-        newline = text.find("\n", max(pos - at, 0))
-        if newline != -1 and at + newline + 1 < nchars:
-            return at + newline + 1
-        newline = text.rfind("\n", 0, max(pos - at, 0))
-        before = at + newline if newline != -1 else before
-        at += len(text)
-    cut = before + 1 if before != -1 else pos
-    return cut if 0 < cut < nchars else None
-
-
 def new_stats():
-    """What was read and skipped, in meta.json's own words and order (make_meta takes it whole)."""
+    """What was read and skipped, in meta.json's own words and order (meta.json takes it whole)."""
     return {"files_read": 0, "extensions": {}, "skipped_files": [], "hidden_skipped": 0,
             "bad_records": {"count": 0, "examples": []}, "empty_documents": 0, "duplicates_dropped": 0}
 
@@ -377,36 +336,42 @@ def prepare(args, quiet=False):
     threads = max(1, args.num_workers or cpu_count())
 
     learning = time.time()  # char and bpe:N learn their vocabulary in a first pass over the corpus
-    tokenizer = make_tokenizer(args.tokenizer, lambda: corpus_texts(args, inputs, exclude))
-    learn_seconds = time.time() - learning
+    texts = lambda: (text for _, _, doc, _, _ in labelled_documents(args, inputs, exclude, new_stats())
+                     for text, _ in pieces(doc))  # a pass of its own, with stats of its own
+    tokenizer = make_tokenizer(args.tokenizer, texts)
+    seconds = {"learn": time.time() - learning}
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
 
     stats = new_stats()
     docs = labelled_documents(args, inputs, exclude, stats)
     docs, split_method, single_ext = plan_split(args, inputs, docs, stats, log)
-    with temporary_outputs(out, args.analyze) as files:
+    with nullcontext({}) if args.analyze else temporary_outputs(out) as files:  # --analyze writes nothing
         encoding = time.time()
         splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet)
-        encode_seconds = max(time.time() - encoding, 1e-6)
-        ndocs = splits["train"]["documents"] + splits["val"]["documents"]
+        seconds["encode"] = max(time.time() - encoding, 1e-6)
         if single_ext is not None:  # the head and tail of one document were counted as two
             ext_stats(stats, single_ext)["documents"] -= 1
-            ndocs -= 1
-        elif files and ndocs >= 2 and args.val_input is None and args.val_fraction > 0:
+        elif files and args.val_input is None and args.val_fraction > 0:
             balance_splits(splits, last, files, np.dtype(dtype).itemsize)
         if args.val_input and splits["val"]["documents"] == 0:
             die(f"no documents found in --val_input {', '.join(args.val_input)} (check it)")
         if splits["train"]["documents"] == 0 and not args.analyze:
             die(f"no training documents in {', '.join(inputs)} (check it)")
-
-        meta = make_meta(args, inputs, tokenizer, dtype, splits, split_method, stats, histogram)
+        meta = {
+            "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
+            "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+            "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name}, **splits,  # train, val
+            "split": {"method": split_method, "val_fraction": None if args.val_input else args.val_fraction},
+            "inputs": [str(p) for p in inputs], "val_inputs": [str(p) for p in args.val_input or []],
+            **stats,  # files_read ... duplicates_dropped: what was read and skipped
+            "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)},
+        }
         if args.analyze:
             report_analyze(meta, log)
             return meta
         move_into_place(out, files, tokenizer, meta)
 
-    seconds = {"learn": learn_seconds, "encode": encode_seconds, "all": time.time() - started}
-    report_run(meta, out, ndocs, replacing, seconds, threads, log)
+    report_run(meta, out, replacing, seconds, started, threads, log)
     return meta
 
 
@@ -442,13 +407,6 @@ def labelled_documents(args, inputs, exclude, stats):
         yield True, ext, doc, 0, None
 
 
-def corpus_texts(args, inputs, exclude):
-    """The corpus's text, in pieces, for learning a vocabulary: a pass of its own, with its own stats."""
-    for _, _, doc, _, _ in labelled_documents(args, inputs, exclude, new_stats()):
-        for text, _ in pieces(doc):
-            yield text
-
-
 def plan_split(args, inputs, docs, stats, log):
     """Peek at the first two documents -> (docs, how they are split, the extension of the single document
     whose tail is val, or None). With no documents at all, stop before any folder is made."""
@@ -457,22 +415,30 @@ def plan_split(args, inputs, docs, stats, log):
         report_skips(stats, log)
         die(f"no documents found in {', '.join(inputs)} (every file was skipped or empty; see above)")
     if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze:
-        # One document (tinyshakespeare): its tail is the validation text, as nanoGPT does.
+        # One document (tinyshakespeare): its last val_fraction is the validation text, as nanoGPT does, cut
+        # at the next line start (or, with none after, the last one before), found reading it as a stream.
         _, ext, doc, _, _ = first[0]
-        cut = tail_cut(doc, args.val_fraction)
-        if cut is not None:
+        nchars = doc.nchars if isinstance(doc, BigText) else len(doc)
+        pos = cut = int(nchars * (1 - args.val_fraction))
+        at = 0  # characters read
+        for text, _ in pieces(doc):
+            newline = text.find("\n", max(pos - at, 0))
+            if newline != -1 and at + newline + 1 < nchars:
+                cut = at + newline + 1
+                break
+            newline = text.rfind("\n", 0, max(pos - at, 0))
+            cut = at + newline + 1 if newline != -1 else cut
+            at += len(text)
+        if 0 < cut < nchars:  # else no split: a part would be empty
             halves = [(False, ext, doc, 0, cut), (True, ext, doc, cut, None)]
             return chain(halves, docs), "tail of the single document, cut at a line start", ext
     return chain(first, docs), "val_input" if args.val_input else "hash of document name", None
 
 
 @contextmanager
-def temporary_outputs(out, analyze):
-    """train.bin.tmp and val.bin.tmp, opened empty (what a killed run left there is truncated), or none for
-    --analyze. After the run, finished or stopped, no .tmp file stays, nor a folder it made and left empty."""
-    if analyze:
-        yield {}
-        return
+def temporary_outputs(out):
+    """train.bin.tmp and val.bin.tmp, opened empty (what a killed run left there is truncated). After the
+    run, finished or stopped, no .tmp file stays, nor a folder it made and left empty."""
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     files = {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val")}
@@ -526,7 +492,7 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
 def balance_splits(splits, last, files, itemsize):
     """Each split gets at least one document: an empty one takes the other's last, moved from file to file."""
     for empty, full in (("val", "train"), ("train", "val")):
-        if splits[empty]["documents"] == 0:
+        if splits[empty]["documents"] == 0 and splits[full]["documents"] >= 2:
             ntokens, nbytes = last[full]
             start = files[full].seek(-ntokens * itemsize, os.SEEK_END)  # where the last document's ids begin
             while chunk := files[full].read(1 << 24):  # a document may be big
@@ -537,33 +503,18 @@ def balance_splits(splits, last, files, itemsize):
             splits[empty] = moved
 
 
-def make_meta(args, inputs, tokenizer, dtype, splits, split_method, stats, histogram):
-    return {
-        "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
-        "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
-        "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name},
-        "train": splits["train"], "val": splits["val"],
-        "split": {"method": split_method, "val_fraction": None if args.val_input else args.val_fraction},
-        "inputs": [str(p) for p in inputs], "val_inputs": [str(p) for p in args.val_input or []],
-        **stats,  # files_read ... duplicates_dropped: what was read and skipped
-        "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)},
-    }
-
-
 def move_into_place(out, files, tokenizer, meta):
     """Rename the .tmp outputs into place, meta.json last. The old dataset stays whole until the marker is
     made; from then until it is removed, killed or not, the folder says it is incomplete (train.py refuses
     it, and a rerun replaces it)."""
     meta["tokenizer"], tokenizer_file = tokenizer.save(out)
     (out / "meta.json.tmp").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", "utf-8")
-    for f in files.values():
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
     with open(out / MARKER, "w") as f:
         f.write("prepare.py stopped while writing this dataset: it is incomplete; run prepare.py again\n")
-        f.flush()
-        os.fsync(f.fileno())
+        for written in (*files.values(), f):  # token files and marker reach the disk before any rename
+            written.flush()
+            os.fsync(written.fileno())
+            written.close()
     (out / "meta.json").unlink(missing_ok=True)
     for name in filter(None, ("train.bin", "val.bin", tokenizer_file, "meta.json")):  # tiktoken has no file
         os.replace(out / (name + ".tmp"), out / name)
@@ -585,9 +536,9 @@ def human(n, unit=""):
 # -----------------------------------------------------------------------------
 # reports
 
-def report_run(meta, out, ndocs, replacing, seconds, threads, log):
-    nbytes = meta["train"]["bytes"] + meta["val"]["bytes"]
-    ntokens = meta["train"]["tokens"] + meta["val"]["tokens"]
+def report_run(meta, out, replacing, seconds, started, threads, log):
+    ndocs = sum(counts["documents"] for counts in meta["extensions"].values())  # a document cut in two is one
+    nbytes, ntokens = (meta["train"][key] + meta["val"][key] for key in ("bytes", "tokens"))
     log(f"read {meta['files_read']} files, {ndocs} documents, {human(nbytes, 'B')} -> {out}/"
         + (" (replacing the incomplete dataset a killed run had left there)" if replacing else ""))
     log(f"tokenizer: {meta['tokenizer']['name']} (vocab {meta['vocab_size']}, end-of-text {meta['eot_id']}, "
@@ -598,7 +549,7 @@ def report_run(meta, out, ndocs, replacing, seconds, threads, log):
     report_skips(meta, log)
     log(f"tokenized {human(nbytes, 'B')} in {seconds['encode']:.2f} s with {threads} threads: "
         f"{nbytes / 1e6 / seconds['encode']:.1f} MB/s, {human(ntokens / seconds['encode'])} tokens/s; "
-        f"{seconds['all']:.1f} s in all")
+        f"{time.time() - started:.1f} s in all")
 
 
 def report_skips(report, log):
@@ -618,8 +569,7 @@ def report_skips(report, log):
 
 def report_analyze(meta, log):
     ndocs = meta["train"]["documents"] + meta["val"]["documents"]
-    nbytes = meta["train"]["bytes"] + meta["val"]["bytes"]
-    ntokens = meta["train"]["tokens"] + meta["val"]["tokens"]
+    nbytes, ntokens = (meta["train"][key] + meta["val"][key] for key in ("bytes", "tokens"))
     log(f"analyze (nothing written): {meta['files_read']} files, {ndocs:,} documents, {human(nbytes, 'B')}, "
         f"{ntokens:,} tokens with {meta['tokenizer']['name']} (counting one end-of-text per document)")
     log(f"{'extension':>12} {'files':>8} {'documents':>10} {'bytes':>9} {'tokens':>12}")
@@ -666,26 +616,21 @@ def bench(args):
 def main(argv=None):
     p = argparse.ArgumentParser(description="Files and folders -> train.bin, val.bin, meta.json. "
                                             "Examples: see the top of prepare.py.")
-    p.add_argument("input", nargs="*",
-                   help="files or folders (default: this Python's standard library, .py files)")
-    p.add_argument("--out_dir", help="where the dataset goes (default for the stdlib corpus: data/stdlib)")
-    p.add_argument("--tokenizer", default="gpt2", help="gpt2 | cl100k_base | o200k_base | ... | char | bpe:N "
-                                                       "| path to tokenizer.json | a prepared dataset folder")
-    p.add_argument("--val_fraction", type=float, default=0.1,
-                   help="share of documents for validation (one document: its tail)")
-    p.add_argument("--val_input", nargs="+",
-                   help="take validation documents from these files or folders instead")
-    p.add_argument("--field",
-                   help="the JSON field or parquet column holding the text (default: text, content or body)")
-    p.add_argument("--num_workers", type=int, default=0, help="encoder threads (default: all cores)")
-    p.add_argument("--dedup", action="store_true", help="drop exact duplicate documents")
-    p.add_argument("--strict", action="store_true",
-                   help="stop at the first bad file or record instead of skipping it")
-    p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out_dir")
-    p.add_argument("--analyze", action="store_true",
-                   help="report files, documents, tokens and lengths; write nothing")
-    p.add_argument("--bench", action="store_true",
-                   help="measure throughput against tiktoken's own batch encoder")
+    arg = p.add_argument
+    arg("input", nargs="*", help="files or folders (default: this Python's standard library, .py files)")
+    arg("--out_dir", help="where the dataset goes (default for the stdlib corpus: data/stdlib)")
+    arg("--tokenizer", default="gpt2", help="gpt2 | cl100k_base | o200k_base | ... | char | bpe:N "
+                                            "| path to tokenizer.json | a prepared dataset folder")
+    arg("--val_fraction", type=float, default=0.1,
+        help="share of documents for validation (one document: its tail)")
+    arg("--val_input", nargs="+", help="take validation documents from these files or folders instead")
+    arg("--field", help="the JSON field or parquet column holding the text (default: text, content or body)")
+    arg("--num_workers", type=int, default=0, help="encoder threads (default: all cores)")
+    arg("--dedup", action="store_true", help="drop exact duplicate documents")
+    arg("--strict", action="store_true", help="stop at the first bad file or record instead of skipping it")
+    arg("--overwrite", action="store_true", help="replace a dataset already in --out_dir")
+    arg("--analyze", action="store_true", help="report files, documents, tokens and lengths; write nothing")
+    arg("--bench", action="store_true", help="measure throughput against tiktoken's own batch encoder")
     p.error = lambda msg: die(f"{msg} (see python prepare.py --help)")  # one line, not usage + error
     args = p.parse_args(argv)
     return bench(args) if args.bench else prepare(args)
