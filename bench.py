@@ -18,6 +18,7 @@ own learning rate):
         --run="--optimizer=adamw" --run="--optimizer=muon" --run="--optimizer=sgd --learning_rate=0.3"
     python bench.py --mode=kernels   # each fused op of kernels.py against its references (GPU)
     python bench.py --mode=load      # peak memory of GPT.from_pretrained on a generated ~1 GB folder
+    python bench.py --mode=lora      # memory of full fine-tuning, LoRA and QLoRA of a Qwen3-0.6B shape
 
 --synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py.
 """
@@ -42,9 +43,9 @@ parser.add_argument("--seconds", type=float, default=60, help="--mode=race: trai
 parser.add_argument("--steps", type=int, default=50, help="training steps per run")
 parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
 parser.add_argument("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
-parser.add_argument("--mode", choices=["train", "race", "kernels", "load"], default="train",
+parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora"], default="train",
                     help="race: equal wall time per run; kernels: time kernels.py's ops; load: memory of "
-                         "loading a Hugging Face folder")
+                         "loading a Hugging Face folder; lora: memory of full, LoRA and QLoRA fine-tuning")
 args, train_args = parser.parse_known_args()
 if args.warmup >= args.steps:
     sys.exit(f"bench.py: --warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
@@ -196,6 +197,63 @@ def bench_load():
 
 if args.mode == "load":
     bench_load()
+    sys.exit(0)
+
+# -----------------------------------------------------------------------------
+# --mode=lora: a few steps of full fine-tuning, LoRA and QLoRA of the same random Qwen3-0.6B-shaped
+# folder, side by side, each a real train.py run: its optimizer state (from its checkpoint), the
+# frozen base's weights and the peak memory it logged. Any other --key=value goes to train.py.
+
+FINETUNES = {"full": [], "LoRA": ["--lora_rank=16"], "QLoRA": ["--lora_rank=16", "--lora_base_dtype=nf4"]}
+
+
+def tensor_bytes(t):
+    # a tensor's own bytes; a tensor subclass (torchao's NF4) is the sum of the tensors it is made of
+    import torch
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.nn.Parameter:
+        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
+def bench_lora():
+    import torch
+    from model import GPT, GPTConfig
+    shape = dict(vocab_size=151936, block_size=4096, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_size=128,
+                 mlp_hidden=3072, qk_norm=True, family="qwen3")
+    with tempfile.TemporaryDirectory() as tmp:
+        GPT(GPTConfig(**shape)).to(torch.bfloat16).save_pretrained(f"{tmp}/model")  # as the Hub holds it: bf16
+        rng = np.random.default_rng(0)
+        for split in ("train", "val"):
+            rng.integers(0, 151643, size=200_000, dtype=np.uint32).tofile(f"{tmp}/{split}.bin")
+        with open(f"{tmp}/meta.json", "w") as f:
+            json.dump({"dtype": "uint32", "vocab_size": 151643, "eot_id": 151643}, f)
+        print(f"Qwen3-0.6B shape, torch {torch.__version__}, {' '.join(train_args) or 'train.py defaults'}")
+        print("| fine-tune | trained parameters | optimizer state MB | frozen base MB | peak memory MB |\n"
+              "| --- | --- | --- | --- | --- |")
+        for name, extra in FINETUNES.items():
+            out = f"{tmp}/out_{name}"
+            cmd = [sys.executable, "train.py", f"--init_from={tmp}/model", f"--data_dir={tmp}", f"--out_dir={out}",
+                   "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--log_interval=1", *train_args, *extra]
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode:
+                sys.exit(f"bench.py: train.py failed:\n{done.stdout[-3000:]}")
+            ckpt = torch.load(f"{out}/ckpt.pt", weights_only=True, mmap=True)
+            state = sum(tensor_bytes(t) for s in ckpt["optimizer"]["state"].values() for t in s.values()
+                        if torch.is_tensor(t) and t.dim() > 0)
+            ckpt["optimizer"] = None
+            model = GPT.from_checkpoint(ckpt, torch.bfloat16)  # a LoRA run's frozen base, in bf16 as it ran
+            if "--lora_base_dtype=nf4" in extra:
+                model.quantize_base()
+            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
+            with open(f"{out}/metrics.jsonl") as f:
+                peak = max(json.loads(line).get("mem_mb", 0) for line in f)
+            print(f"| {name} | {trained / 1e6:,.1f}M | {state / 2**20:,.0f} | {frozen / 2**20:,.0f} | {peak:,.0f} |")
+            del ckpt, model  # before the next run: the full fine-tune's weights alone are 2.4 GB
+
+
+if args.mode == "lora":
+    bench_lora()
     sys.exit(0)
 
 # -----------------------------------------------------------------------------

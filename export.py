@@ -24,18 +24,19 @@ from tokenizer import hf_tokenizer_files
 # a run's checkpoint -> the model and the tokenizer of its data (sample.py reads runs this way too)
 
 
-def load_run(path, device="cpu", data_dir=None):
-    """out_dir/ckpt.pt -> (model, tokenizer, checkpoint). The tokenizer lives with the data the model was
-    trained on: data_dir, else where that data was then, else where the run's config says. ValueError
-    with one line for what is missing or damaged."""
+def load_run(path, base_dtype=None, data_dir=None):
+    """out_dir/ckpt.pt -> (model, tokenizer, checkpoint), on the CPU. A LoRA run's frozen base is read in
+    base_dtype (None: its folder's). The tokenizer lives with the data the model was trained on:
+    data_dir, else where that data was then, else where the run's config says. ValueError with one
+    line for what is missing or damaged."""
     from model import GPT, load_checkpoint
     from tokenizer import load_tokenizer
     if not os.path.exists(path):
         raise ValueError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
-    checkpoint = load_checkpoint(path, device)
+    checkpoint = load_checkpoint(path, mmap=True)  # the weights are read, the optimizer's moments never
     if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
         raise ValueError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
-    model = GPT.from_checkpoint(checkpoint)
+    model = GPT.from_checkpoint(checkpoint, base_dtype)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
     if found is None:
@@ -66,7 +67,24 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     for name, text in files.items():
         with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
             f.write(text)
+    # A base's own settings go along where they still hold: its generation defaults, and, when the data
+    # was made with its very tokenizer, its tokenizer_config.json (chat template, special tokens).
+    base = checkpoint.get("pretrained") or ""
+    names = ["generation_config.json"]
+    if tokenizer.kind == "huggingface" and read_text(os.path.join(base, "tokenizer.json")) == tokenizer.hf_json:
+        names += ["tokenizer_config.json", "special_tokens_map.json"]
+    for name in names:
+        if os.path.isfile(os.path.join(base, name)):
+            shutil.copyfile(os.path.join(base, name), os.path.join(folder, name))
     return note
+
+
+def read_text(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def folder_dtype(pretrained):
@@ -116,25 +134,37 @@ def main(argv=None):
     parser.add_argument("--data_dir", default=None, help="the dataset whose tokenizer to write (default: the run's)")
     parser.add_argument("--overwrite", action="store_true", help="replace --to if it holds anything")
     args = parser.parse_args(argv)
+    import torch
+    if os.path.exists(args.to) and not os.path.isdir(args.to):
+        sys.exit(f"export.py: {args.to} is a file, not a folder; choose another --to")
     if os.path.isdir(args.to) and os.listdir(args.to) and not args.overwrite:
         sys.exit(f"export.py: {args.to} is not empty; pass --overwrite to replace it, or choose another --to")
+    if os.path.abspath(args.out_dir).startswith(os.path.abspath(args.to).rstrip("/") + "/") or \
+            os.path.abspath(args.out_dir) == os.path.abspath(args.to):
+        sys.exit(f"export.py: --to={args.to} would replace the run it exports; choose another --to")
     # Everything is written beside the destination first and renamed into place at the end, so that a
     # failure leaves no half-written folder and an --overwrite loses nothing until the new one is whole.
     staging = args.to.rstrip("/") + ".export-tmp"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), data_dir=args.data_dir)
+        # a LoRA run's base in fp32, so that the adapters merge into it in fp32 before the cast
+        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
         if args.adapter:
             write_adapter(model, checkpoint, staging)
             note = None
         else:
             note = write_model(model, tokenizer, checkpoint, staging, args.dtype)
+        base = checkpoint.get("pretrained")
+        if base and os.path.abspath(base) == os.path.abspath(args.to):
+            raise ValueError(f"--to={args.to} is the base model this run began from; choose another --to")
     except ValueError as e:
         shutil.rmtree(staging, ignore_errors=True)
         sys.exit(f"export.py: {e}")
+    old = args.to.rstrip("/") + ".export-old"  # the folder replaced, kept until the new one is in place
     if os.path.exists(args.to):
-        shutil.rmtree(args.to)
+        os.replace(args.to, old)
     os.replace(staging, args.to)
+    shutil.rmtree(old, ignore_errors=True)
     what = "a peft adapter" if args.adapter else "a Hugging Face model"
     print(f"wrote {what} to {args.to}" + (f" (tokenizer: {note})" if note else ""))
 

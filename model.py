@@ -1,6 +1,7 @@
 """
 The whole transformer in one file: a Llama-style GPT (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU MLP, no biases).
+attention, SwiGLU MLP, no biases unless a Qwen2 brings them); Hugging Face folders in and out
+(GPT.from_pretrained, save_pretrained); LoRA adapters on a frozen base (add_lora, merge_lora).
 
     import torch
     from model import GPT, GPTConfig
@@ -114,7 +115,9 @@ class LoRA(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        x = self.dropout(x)
+        # in the adapters' own dtype (fp32) whatever the frozen base's: a bf16 base on a CPU without
+        # autocast would otherwise multiply bf16 by fp32; under autocast the matmuls are bf16 anyway
+        x = self.dropout(x).to(self.B[next(iter(self.B))].dtype)
         out = [(x @ self.A[n].t()) @ self.B[n].t() * self.scale if n in self.A else x.new_zeros(*x.shape[:-1], size)
                for n, size in self.parts]
         return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
@@ -130,7 +133,7 @@ class LoRA(nn.Module):
 def adapted(linear, x):
     # a projection's output, plus its adapter's where LoRA gave it one
     y = linear(x)
-    return y if getattr(linear, "lora", None) is None else y + linear.lora(x)
+    return y if getattr(linear, "lora", None) is None else y + linear.lora(x).to(y.dtype)
 
 
 class Attention(nn.Module):
@@ -421,6 +424,8 @@ class GPT(nn.Module):
         alone (dropout, use_kernels). Tensors are copied one at a time into a model allocated once,
         so loading takes about one copy of the weights. What GPT lacks is a one-line ValueError."""
         path = Path(path)
+        if set(overrides) - {"dropout", "use_kernels"}:
+            raise ValueError(f"from_pretrained takes dropout and use_kernels, not {sorted(overrides)} (LoRA: add_lora)")
         hf = read_json(path / "config.json")
         try:
             config = replace(config_from_hf(hf, block_size), **overrides)
@@ -432,11 +437,7 @@ class GPT(nn.Module):
         dtype = dtype or SAFETENSORS_DTYPES.get(stored, torch.float32)
         with torch.device("meta"):  # no memory yet, and no time spent on a random init
             model = cls(config)
-        model = model.to(dtype).to_empty(device="cpu")
-        if config.tie_embeddings:  # to_empty made two tensors of the shared one
-            model.lm_head.weight = model.wte.weight
-        model.cos, model.sin = rotary_tables(config.head_size, config.block_size, config.rope_theta,
-                                             config.rope_scaling)
+        model = model.to(dtype).to_empty(device="cpu").materialize()
         params = dict(model.named_parameters())
         layout = {name: (ours, rows) for name, ours, rows in hf_layout(config)}
         missing = set(layout)
@@ -459,6 +460,15 @@ class GPT(nn.Module):
             raise ValueError(f"{path} lacks {len(missing)} tensor(s) the config needs, e.g. {sorted(missing)[0]}")
         return model
 
+    def materialize(self):
+        # after a build on the meta device: the rotary tables are derived, not loaded, so they are
+        # made now; and the tied head is one tensor with the embedding again (filling made two)
+        c = self.config
+        self.cos, self.sin = rotary_tables(c.head_size, c.block_size, c.rope_theta, c.rope_scaling)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        return self
+
     @classmethod
     def from_checkpoint(cls, checkpoint, base_dtype=None, **overrides):
         """A train.py checkpoint (as load_checkpoint returns it) -> GPT with its weights; overrides as in
@@ -466,10 +476,13 @@ class GPT(nn.Module):
         again, read in base_dtype, which must be the very model the run began from."""
         args = {**checkpoint["model_args"], **overrides}
         if not args.get("lora_rank"):
-            model = cls(GPTConfig(**args))
-            model.load_state_dict(checkpoint["model"])
-            return model
+            with torch.device("meta"):  # the checkpoint's tensors become the weights: no second copy
+                model = cls(GPTConfig(**args))
+            model.load_state_dict(checkpoint["model"], assign=True)
+            return model.materialize()
         base = checkpoint["pretrained"]
+        if not os.path.isdir(base):
+            raise ValueError(f"the base model this LoRA run began from is not at {base}: put it back there")
         if fingerprint(base) != checkpoint["base_fingerprint"]:
             raise ValueError(f"the base model at {base} is not the one this LoRA run began from (its weights "
                              f"differ): put that model back there")
@@ -484,6 +497,9 @@ class GPT(nn.Module):
         """Write config.json and model.safetensors (or shards with an index past max_shard_bytes, as the
         Hub does) in the model's dtype, for transformers, vLLM and llama.cpp's converter."""
         from safetensors.torch import save_file
+        if self.config.lora_rank or any(hasattr(p, "get_original_weight") for p in self.parameters()):
+            raise ValueError("save_pretrained writes plain weights: merge_lora() first, and load a 4-bit base "
+                             "again unquantized (export.py does both)")
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         with open(path / "config.json", "w") as f:
@@ -539,15 +555,16 @@ def filter_logits(logits, top_k=None, top_p=None):
     return logits
 
 
-def load_checkpoint(path, device="cpu"):
+def load_checkpoint(path, device="cpu", mmap=False):
     # weights_only: a checkpoint is tensors and plain values; anything else is refused, and no code
-    # in it runs. A damaged or foreign file is a ValueError with one line to show the user.
+    # in it runs. mmap: tensors are read from the file as they are used (a reader that needs only
+    # the weights never reads the optimizer's moments). A damaged or foreign file is a ValueError.
     import pickle
     import warnings
     try:
         with warnings.catch_warnings():  # torch warns about what it refused; our error says it in one line
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location=device, weights_only=True)
+            return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
         raise ValueError(f"{path} holds objects other than tensors and plain values; refusing to load it "
                          f"(only load checkpoints you trust, with code you have read)") from None
@@ -629,7 +646,10 @@ def open_safetensors(file):
 def safetensors_files(path):
     # the weights: one model.safetensors, or the shards its index names, in order
     if (path / "model.safetensors.index.json").exists():
-        shards = sorted(set(read_json(path / "model.safetensors.index.json")["weight_map"].values()))
+        index = read_json(path / "model.safetensors.index.json")
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"{path}/model.safetensors.index.json has no weight_map: download it again")
+        shards = sorted(set(index["weight_map"].values()))
         absent = [s for s in shards if not (path / s).exists()]
         if absent:
             raise ValueError(f"{path} lacks {absent[0]}, a shard its model.safetensors.index.json names")
@@ -641,11 +661,12 @@ def safetensors_files(path):
 
 
 def fingerprint(folder):
-    """A short hash of a Hugging Face folder's weights, to know a LoRA run's base again without reading
-    all of it: each safetensors file's size and header (names, shapes, offsets) and 64 KB from each of
-    32 places spread over it. Fine-tuning changes nearly every weight, so two bases differ here too."""
+    """A short hash of a Hugging Face folder, to know a LoRA run's base again without reading all of it:
+    its config.json, each safetensors file's size and header (names, shapes, offsets) and 64 KB from
+    each of 32 places spread over it. Fine-tuning changes nearly every weight, so two bases differ here
+    too; a change to a few tensors alone could pass unseen."""
     import hashlib
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(json.dumps(read_json(Path(folder) / "config.json"), sort_keys=True).encode())
     for file in safetensors_files(Path(folder)):
         size = os.path.getsize(file)
         digest.update(str(size).encode())

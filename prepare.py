@@ -1,6 +1,6 @@
 """
 Prepare a text corpus for training: files and folders in, DIR/train.bin, DIR/val.bin and DIR/meta.json
-out (flat token ids, nanoGPT's format, each document followed by end-of-text).
+out. What they hold, what is read, held in memory or skipped, and the tokenizers: README.md, "Your own data".
 
     python prepare.py --tokenizer=bpe:4096          # default corpus: this Python's stdlib -> data/stdlib
     python prepare.py input.txt --tokenizer=char --out_dir=data/shakespeare_char
@@ -8,23 +8,6 @@ out (flat token ids, nanoGPT's format, each document followed by end-of-text).
     python prepare.py train.parquet --val_input=val.parquet --tokenizer=hf/tokenizer.json --out_dir=data/ft
     python prepare.py notes/ --analyze              # what would be read, skipped, and how long documents are
     python prepare.py --bench                       # our throughput against tiktoken's own batch encoder
-
-Inputs: folders are read recursively in sorted order, hidden files and folders left out.
-.jsonl/.ndjson: one document per line, from the field text, content or body (or --field);
-.json: one such object or an array of them; .parquet: the same column, in record batches;
-anything else is one plain UTF-8 document per file; any of these may be gzipped (.gz).
-Nothing is held whole: documents stream through, and a big plain-text file is read and encoded
-in ~64 KB pieces, cut only where the tokens cannot change (SAFE_CUT), so memory stays flat for a
-10 GB .txt too. Held whole: one .json file (use .jsonl for big ones), one JSON line or parquet
-row, a stretch of text with no SAFE_CUT in it, and a plain-text file when the tokenizer is a
-tokenizer.json (its pre-tokenizer could be anything, so it gets the whole document).
-Files that are not UTF-8 text and bad records are skipped and listed, never lost silently.
-
-Tokenizers: a tiktoken name (gpt2, cl100k_base, o200k_base, ...), char (the corpus's
-characters), bpe:N (a byte-level BPE of N tokens trained here with rustbpe), a Hugging Face
-tokenizer.json (or a folder holding one), or a prepared dataset folder (reuse its tokenizer).
-The tokenizers themselves live in tokenizer.py, with read_meta and load_tokenizer, which read a
-dataset back, ours or nanoGPT's (its meta.pkl, or GPT-2 tokens when it has no meta at all).
 """
 
 import argparse
@@ -35,13 +18,13 @@ import json
 import os
 import re
 import stat
-import sys
 import sysconfig
 import tempfile
 import time
 import zlib
 from collections import deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from hashlib import blake2b
 from itertools import chain, islice
 from pathlib import Path
@@ -57,6 +40,7 @@ TEXT_FIELDS = ("text", "content", "body")
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
 MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)
 PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a time
+BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
 # Where a text can be cut and its pieces encoded apart with the same tokens as the whole, for the
 # regex pre-tokenizers of GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before
 # a space or newline between two letters or digits, or after a newline between a non-space and a
@@ -73,54 +57,40 @@ class SkipFile(Exception):
     """A file that cannot be read as documents; its message is the reason."""
 
 
-BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
-
-
-def input_files(root, stats, only_py=False, exclude=None):
-    """Yield (path, path relative to root) for every file under root, in sorted order."""
-    root = Path(root)
-    if not root.is_dir():
-        yield root, root.name
+def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
+    """Yield (path, path relative to the INPUT) for every file under folder (or folder, a file), sorted."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        yield folder, folder.name
         return
-
-    def walk(folder, rel_folder):
-        try:
-            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
-        except OSError as e:
-            stats["skipped"].append((str(folder), f"unreadable folder: {e.strerror}"))
-            return
-        for entry in entries:
-            path, rel = Path(entry.path), f"{rel_folder}{entry.name}"
-            if entry.name.startswith("."):
-                stats["hidden"] += 1  # .git, .venv, .DS_Store: counted, not listed
-                continue
-            why = symlink_problem(path) if entry.is_symlink() else None
-            if why:
-                stats["skipped"].append((str(path), why))
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                # Installed packages are not the stdlib, and a dataset we write must not be read back in.
-                if not (only_py and entry.name == "site-packages") and path.resolve() != exclude:
-                    yield from walk(path, rel + "/")
-            elif not only_py or entry.name.endswith(".py"):
-                yield path, rel
-    yield from walk(root, "")
-
-
-def symlink_problem(path):
-    """Why a symlink is left out, or None for one to a file (it is read)."""
     try:
-        to_folder = stat.S_ISDIR(os.stat(path).st_mode)
+        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
     except OSError as e:
-        return "symlink loop" if e.errno == errno.ELOOP else "broken symlink"
-    return "symlink to a folder, not followed (pass it as an INPUT)" if to_folder else None
+        stats["skipped_files"].append({"path": str(folder), "reason": f"unreadable folder: {e.strerror}"})
+        return
+    for entry in entries:
+        path, rel = Path(entry.path), f"{rel_folder}{entry.name}"
+        try:  # a symlink to a file is read; one to a folder, broken or looping, is listed as skipped
+            to_folder = entry.is_symlink() and stat.S_ISDIR(os.stat(path).st_mode)
+            why = "symlink to a folder, not followed (pass it as an INPUT)" if to_folder else None
+        except OSError as e:
+            why = "symlink loop" if e.errno == errno.ELOOP else "broken symlink"
+        if entry.name.startswith("."):
+            stats["hidden_skipped"] += 1  # .git, .venv, .DS_Store: counted, not listed
+        elif why:
+            stats["skipped_files"].append({"path": str(path), "reason": why})
+        elif entry.is_dir(follow_symlinks=False):
+            # Installed packages are not the stdlib, and a dataset we write must not be read back in.
+            if not (only_py and entry.name == "site-packages") and path.resolve() != exclude:
+                yield from input_files(path, stats, only_py, exclude, rel + "/")
+        elif not only_py or entry.name.endswith(".py"):
+            yield path, rel
 
 
 def file_ext(path):
     """'.jsonl.gz' -> '.jsonl.gz', 'README' -> '' (for the per-extension report)."""
     name = path.name.lower()
-    gz = name.endswith(".gz")
-    return Path(name[:-3] if gz else name).suffix + (".gz" if gz else "")
+    return Path(name.removesuffix(".gz")).suffix + (".gz" if name.endswith(".gz") else "")
 
 
 def record_text(obj, field):
@@ -150,8 +120,7 @@ def read_documents(path, field, dedup):
     if ext in (".jsonl", ".ndjson"):
         with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
             for n, line in enumerate(f, 1):  # bytes: split on \n only, as JSON Lines says
-                if n == 1:
-                    line = line.removeprefix(codecs.BOM_UTF8)
+                line = line.removeprefix(codecs.BOM_UTF8) if n == 1 else line
                 if not line.strip():
                     continue
                 try:
@@ -168,8 +137,7 @@ def read_documents(path, field, dedup):
             obj = json.loads("".join(text for _, text in decoded(path)))
         except json.JSONDecodeError as e:
             raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
-        items = enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]
-        for i, item in items:
+        for i, item in enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]:
             yield (f"item {i}" if i else ""), *record_text(item, field)
     else:
         yield "", read_text(path, dedup), None
@@ -192,11 +160,9 @@ def read_parquet(path, field):
     kind = parquet.schema_arrow.field(column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise SkipFile(f"column '{column}' holds {kind}, not text")
-    row = 0
-    for batch in parquet.iter_batches(columns=[column], batch_size=1024):  # streams, one batch at a time
-        for text in batch.column(0).to_pylist():
-            row += 1
-            yield f"row {row}", text, None if text is not None else f"'{column}' is null"
+    batches = parquet.iter_batches(columns=[column], batch_size=1024)  # streams, one batch at a time
+    for row, text in enumerate(chain.from_iterable(batch.column(0).to_pylist() for batch in batches), 1):
+        yield f"row {row}", text, None if text is not None else f"'{column}' is null"
 
 
 def decoded(path):
@@ -212,12 +178,11 @@ def decoded(path):
                 data, offset = data[3:], 3
             if b"\0" in data:
                 raise SkipFile("binary (contains NUL bytes)")
-            held = len(decoder.getstate()[0])  # bytes of a character the last read cut
+            first_byte = offset - len(decoder.getstate()[0])  # the decoder holds a cut character's bytes
             try:
                 text = decoder.decode(data, final=not data)  # from bytes: line endings stay as they are
             except UnicodeDecodeError as e:
-                at = offset - held + e.start
-                raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {at})")
+                raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {first_byte + e.start})")
             if not data:
                 return
             yield data, text
@@ -264,30 +229,15 @@ def pieces(doc, start=0, stop=None, in_one_piece=False):
     yield "".join(held), True
 
 
-def tail_cut(doc, val_fraction):
-    """Where the last val_fraction of a single document starts: the next line start (or the one before,
-    with none after), as nanoGPT splits; read as a stream. None if that leaves a part empty."""
-    nchars = doc.nchars if isinstance(doc, BigText) else len(doc)
-    pos, before, at = int(nchars * (1 - val_fraction)), -1, 0
-    for text, _ in pieces(doc):
-        newline = text.find("\n", max(pos - at, 0))
-        if newline != -1 and at + newline + 1 < nchars:
-            return at + newline + 1
-        newline = text.rfind("\n", 0, max(pos - at, 0))
-        before = at + newline if newline != -1 else before
-        at += len(text)
-    cut = before + 1 if before != -1 else pos
-    return cut if 0 < cut < nchars else None
-
-
 def new_stats():
-    return {"files_read": 0, "skipped": [], "hidden": 0, "bad_records": 0, "bad_examples": [],
-            "empty": 0, "duplicates": 0, "by_ext": {}}
+    """What was read and skipped, in meta.json's own words and order (meta.json takes it whole)."""
+    return {"files_read": 0, "extensions": {}, "skipped_files": [], "hidden_skipped": 0,
+            "bad_records": {"count": 0, "examples": []}, "empty_documents": 0, "duplicates_dropped": 0}
 
 
 def ext_stats(stats, ext):
-    """The report's counts for one file extension."""
-    return stats["by_ext"].setdefault(ext or "(none)", {"files": 0, "documents": 0, "bytes": 0, "tokens": 0})
+    counts = {"files": 0, "documents": 0, "bytes": 0, "tokens": 0}
+    return stats["extensions"].setdefault(ext or "(none)", counts)
 
 
 def corpus(inputs, args, stats, only_py=False, exclude=None):
@@ -296,54 +246,52 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
     seen = set()  # 16-byte digests of the documents kept, for --dedup
 
     def reject(where, why, whole_file):
-        where = where.encode("utf-8", "backslashreplace").decode()  # a file name that isn't UTF-8
         if args.strict:
             die(f"{where}: {why} (fix or remove it, or run without --strict to skip it)")
         if whole_file:
-            stats["skipped"].append((where, why))
+            stats["skipped_files"].append({"path": where, "reason": why})
             return
-        stats["bad_records"] += 1
-        if len(stats["bad_examples"]) < MAX_EXAMPLES:
-            stats["bad_examples"].append(f"{where}: {why}")
+        stats["bad_records"]["count"] += 1
+        if len(stats["bad_records"]["examples"]) < MAX_EXAMPLES:
+            stats["bad_records"]["examples"].append(f"{where}: {why}")
 
     for root in inputs:
         for path, rel in input_files(root, stats, only_py, exclude):
             ext, kept = file_ext(path), 0
+            where = str(path).encode("utf-8", "backslashreplace").decode()  # a file name that isn't UTF-8
             try:
                 for pos, doc, why in read_documents(path, args.field, args.dedup):
                     if why is not None:
-                        reject(f"{path}:{pos}" if pos else str(path), why, whole_file=False)
+                        reject(f"{where}:{pos}" if pos else where, why, whole_file=False)
                         continue
                     big = isinstance(doc, BigText)
                     if doc.blank if big else not doc.strip():
-                        stats["empty"] += 1  # empty or whitespace only: nothing to learn from
+                        stats["empty_documents"] += 1  # empty or whitespace only: nothing to learn from
                         continue
                     if args.dedup:
                         digest = doc.digest if big else blake2b(doc.encode("utf-8"), digest_size=16).digest()
                         if digest in seen:
-                            stats["duplicates"] += 1
+                            stats["duplicates_dropped"] += 1
                             continue
                         seen.add(digest)
                     kept += 1
                     yield f"{rel}:{pos}", ext, doc
             except SkipFile as e:
-                reject(str(path), str(e), whole_file=True)
-                continue
+                reject(where, str(e), whole_file=True)
             except (OSError, EOFError, zlib.error) as e:  # permissions, broken links, corrupt gzip, ...
                 why = {errno.ELOOP: "symlink loop", errno.ENOENT: "broken symlink"}.get(
                     getattr(e, "errno", None), f"unreadable ({getattr(e, 'strerror', None) or e})")
                 why += f" after {kept} documents (those are kept)" if kept else ""
-                reject(str(path), why, whole_file=True)
-                continue
-            stats["files_read"] += 1
-            ext_stats(stats, ext)["files"] += 1
+                reject(where, why, whole_file=True)
+            else:
+                stats["files_read"] += 1
+                ext_stats(stats, ext)["files"] += 1
 
 # -----------------------------------------------------------------------------
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
 def encode_batch(tokenizer, texts, ends, is_val, dtype):
-    """-> (train ids, val ids, tokens per text, bytes per text); a document's last piece ends with
-    end-of-text."""
+    """-> (train ids, val ids, tokens and bytes per text), end-of-text after each document's last piece."""
     ids = tokenizer.encode_docs(texts, ends)
     parts = ([a for a, v in zip(ids, is_val) if not v], [a for a, v in zip(ids, is_val) if v])
     train, val = [np.concatenate(p).astype(dtype) if p else np.empty(0, dtype) for p in parts]
@@ -351,9 +299,8 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype):
 
 
 def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False):
-    """docs: (is_val, ext, doc, start, stop) -> yields ([(is_val, is_last, ext)], (train ids, val ids,
-    tokens, bytes)) per batch, one entry per piece. Batches don't depend on num_workers, so neither do
-    the outputs."""
+    """docs: (is_val, ext, doc, start, stop) -> yields ([(is_val, is_last, ext)], encode_batch's result) per
+    batch, one entry per piece. Batches don't depend on num_workers, so neither do the outputs."""
     items = ((text, end, is_val, ext) for is_val, ext, doc, start, stop in docs
              for text, end in pieces(doc, start, stop, in_one_piece))
     with ThreadPoolExecutor(num_workers) as pool:
@@ -389,40 +336,42 @@ def prepare(args, quiet=False):
     threads = max(1, args.num_workers or cpu_count())
 
     learning = time.time()  # char and bpe:N learn their vocabulary in a first pass over the corpus
-    tokenizer = make_tokenizer(args.tokenizer, lambda: corpus_texts(args, inputs, exclude))
-    learn_seconds = time.time() - learning
+    texts = lambda: (text for _, _, doc, _, _ in labelled_documents(args, inputs, exclude, new_stats())
+                     for text, _ in pieces(doc))  # a pass of its own, with stats of its own
+    tokenizer = make_tokenizer(args.tokenizer, texts)
+    seconds = {"learn": time.time() - learning}
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
 
     stats = new_stats()
     docs = labelled_documents(args, inputs, exclude, stats)
     docs, split_method, single_ext = plan_split(args, inputs, docs, stats, log)
-    created = not out.exists()
-    files = {} if args.analyze else open_outputs(out)
-    try:
+    with nullcontext({}) if args.analyze else temporary_outputs(out) as files:  # --analyze writes nothing
         encoding = time.time()
-        splits, last, histogram, ndocs = encode_and_write(docs, tokenizer, dtype, files, stats,
-                                                          threads, quiet)
-        encode_seconds = max(time.time() - encoding, 1e-6)
+        splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet)
+        seconds["encode"] = max(time.time() - encoding, 1e-6)
         if single_ext is not None:  # the head and tail of one document were counted as two
             ext_stats(stats, single_ext)["documents"] -= 1
-            ndocs -= 1
-        elif files and ndocs >= 2 and args.val_input is None and args.val_fraction > 0:
+        elif files and args.val_input is None and args.val_fraction > 0:
             balance_splits(splits, last, files, np.dtype(dtype).itemsize)
         if args.val_input and splits["val"]["documents"] == 0:
             die(f"no documents found in --val_input {', '.join(args.val_input)} (check it)")
         if splits["train"]["documents"] == 0 and not args.analyze:
             die(f"no training documents in {', '.join(inputs)} (check it)")
-
-        meta = make_meta(args, inputs, tokenizer, dtype, splits, split_method, stats, histogram)
+        meta = {
+            "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
+            "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+            "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name}, **splits,  # train, val
+            "split": {"method": split_method, "val_fraction": None if args.val_input else args.val_fraction},
+            "inputs": [str(p) for p in inputs], "val_inputs": [str(p) for p in args.val_input or []],
+            **stats,  # files_read ... duplicates_dropped: what was read and skipped
+            "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)},
+        }
         if args.analyze:
-            report_analyze(meta, stats, log)
+            report_analyze(meta, log)
             return meta
         move_into_place(out, files, tokenizer, meta)
-    finally:
-        clean_up(out, files, created)
 
-    seconds = {"learn": learn_seconds, "encode": encode_seconds, "all": time.time() - started}
-    report_run(meta, stats, out, ndocs, replacing, seconds, threads, log)
+    report_run(meta, out, replacing, seconds, started, threads, log)
     return meta
 
 
@@ -449,24 +398,13 @@ def check_arguments(args):
 
 def labelled_documents(args, inputs, exclude, stats):
     """Yield (is_val, ext, doc, start, stop) for the corpus, --val_input last: characters start:stop of doc.
-    Without --val_input, a hash of each document's name says its split."""
+    Without --val_input, a hash of its name gives a document's split: the same every run, any worker count."""
     for key, ext, doc in corpus(inputs, args, stats, only_py=not args.input, exclude=exclude):
-        yield (args.val_input is None and split_is_val(key, args.val_fraction)), ext, doc, 0, None
+        digest = blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        is_val = args.val_input is None and int.from_bytes(digest, "little") < args.val_fraction * 2**64
+        yield is_val, ext, doc, 0, None
     for key, ext, doc in corpus(args.val_input or [], args, stats, exclude=exclude):
         yield True, ext, doc, 0, None
-
-
-def corpus_texts(args, inputs, exclude):
-    """The corpus's text, in pieces, for learning a vocabulary: a pass of its own, with its own stats."""
-    for _, _, doc, _, _ in labelled_documents(args, inputs, exclude, new_stats()):
-        for text, _ in pieces(doc):
-            yield text
-
-
-def split_is_val(key, val_fraction):
-    """A document's split, from a hash of its name: the same on every run and for any worker count."""
-    digest = blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2**64
 
 
 def plan_split(args, inputs, docs, stats, log):
@@ -477,30 +415,52 @@ def plan_split(args, inputs, docs, stats, log):
         report_skips(stats, log)
         die(f"no documents found in {', '.join(inputs)} (every file was skipped or empty; see above)")
     if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze:
-        # One document (tinyshakespeare): its tail is the validation text, as nanoGPT does.
+        # One document (tinyshakespeare): its last val_fraction is the validation text, as nanoGPT does, cut
+        # at the next line start (or, with none after, the last one before), found reading it as a stream.
         _, ext, doc, _, _ = first[0]
-        cut = tail_cut(doc, args.val_fraction)
-        if cut is not None:
+        nchars = doc.nchars if isinstance(doc, BigText) else len(doc)
+        pos = cut = int(nchars * (1 - args.val_fraction))
+        at = 0  # characters read
+        for text, _ in pieces(doc):
+            newline = text.find("\n", max(pos - at, 0))
+            if newline != -1 and at + newline + 1 < nchars:
+                cut = at + newline + 1
+                break
+            newline = text.rfind("\n", 0, max(pos - at, 0))
+            cut = at + newline + 1 if newline != -1 else cut
+            at += len(text)
+        if 0 < cut < nchars:  # else no split: a part would be empty
             halves = [(False, ext, doc, 0, cut), (True, ext, doc, cut, None)]
             return chain(halves, docs), "tail of the single document, cut at a line start", ext
     return chain(first, docs), "val_input" if args.val_input else "hash of document name", None
 
 
-def open_outputs(out):
-    """train.bin.tmp and val.bin.tmp, opened empty: what a killed run left there is truncated."""
+@contextmanager
+def temporary_outputs(out):
+    """train.bin.tmp and val.bin.tmp, opened empty (what a killed run left there is truncated). After the
+    run, finished or stopped, no .tmp file stays, nor a folder it made and left empty."""
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    return {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val")}
+    files = {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val")}
+    try:
+        yield files
+    finally:
+        for f in files.values():
+            f.close()
+        for name in ("train.bin", "val.bin", "vocab.json", "tokenizer.json", "meta.json"):
+            (out / (name + ".tmp")).unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
 
 
 def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
     """Encode docs into files (none for --analyze), counting documents, tokens and bytes per split and per
-    extension -> (the splits' counts, each split's last (tokens, bytes), length histogram, documents)."""
+    extension -> (the splits' counts, each split's last (tokens, bytes), document length histogram)."""
     splits = {split: {"documents": 0, "tokens": 0, "bytes": 0} for split in ("train", "val")}
     last = {}  # split -> (tokens, bytes) of its last document, to move it if the other split is empty
     histogram = {}  # log2(document length in tokens) -> documents
-    ndocs = 0
     doc_tokens = doc_bytes = 0  # of the document so far: a big one comes in pieces
-    bar = tqdm(unit="B", unit_scale=True, disable=True if quiet else None, desc="prepare", file=sys.stderr)
+    bar = tqdm(unit="B", unit_scale=True, disable=True if quiet else None, desc="prepare")  # on stderr
     # SAFE_CUT is checked for these pre-tokenizers only; any other tokenizer gets whole documents.
     in_one_piece = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
                                                        and tokenizer.name not in SAFE_ENCODINGS)
@@ -521,57 +481,26 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
             last[split] = (doc_tokens, doc_bytes)
             bucket = (doc_tokens - 1).bit_length() - 1  # a power of two, of the length without end-of-text
             histogram[bucket] = histogram.get(bucket, 0) + 1
-            ndocs += 1
             doc_tokens = doc_bytes = 0
         bar.update(sum(sizes))
         ntokens_so_far = splits["train"]["tokens"] + splits["val"]["tokens"]
         bar.set_postfix(files=stats["files_read"], tokens=human(ntokens_so_far), refresh=False)
     bar.close()
-    return splits, last, histogram, ndocs
+    return splits, last, histogram
 
 
 def balance_splits(splits, last, files, itemsize):
-    """Each split gets at least one document: an empty one takes the other's last."""
+    """Each split gets at least one document: an empty one takes the other's last, moved from file to file."""
     for empty, full in (("val", "train"), ("train", "val")):
-        if splits[empty]["documents"] == 0:
+        if splits[empty]["documents"] == 0 and splits[full]["documents"] >= 2:
             ntokens, nbytes = last[full]
-            move_last_doc(files[full], files[empty], ntokens * itemsize)
+            start = files[full].seek(-ntokens * itemsize, os.SEEK_END)  # where the last document's ids begin
+            while chunk := files[full].read(1 << 24):  # a document may be big
+                files[empty].write(chunk)
+            files[full].truncate(start)
             moved = {"documents": 1, "tokens": ntokens, "bytes": nbytes}
             splits[full] = {key: splits[full][key] - moved[key] for key in moved}
             splits[empty] = moved
-
-
-def move_last_doc(src, dst, nbytes):
-    """Move the last nbytes of file src (one document's ids) to the end of file dst."""
-    end = src.seek(0, 2)
-    src.seek(end - nbytes)
-    while chunk := src.read(1 << 24):  # a document may be big
-        dst.write(chunk)
-    src.truncate(end - nbytes)
-    src.seek(0, 2)
-
-
-def make_meta(args, inputs, tokenizer, dtype, splits, split_method, stats, histogram):
-    return {
-        "format_version": FORMAT_VERSION,
-        "dtype": np.dtype(dtype).name,
-        "vocab_size": tokenizer.vocab_size,
-        "eot_id": tokenizer.eot_id,
-        "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name},
-        "train": splits["train"],
-        "val": splits["val"],
-        "split": {"method": split_method, "val_fraction": None if args.val_input else args.val_fraction},
-        "inputs": [str(p) for p in inputs],
-        "val_inputs": [str(p) for p in args.val_input or []],
-        "files_read": stats["files_read"],
-        "extensions": stats["by_ext"],
-        "skipped_files": [{"path": path, "reason": why} for path, why in stats["skipped"]],
-        "hidden_skipped": stats["hidden"],
-        "bad_records": {"count": stats["bad_records"], "examples": stats["bad_examples"]},
-        "empty_documents": stats["empty"],
-        "duplicates_dropped": stats["duplicates"],
-        "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)},
-    }
 
 
 def move_into_place(out, files, tokenizer, meta):
@@ -579,33 +508,17 @@ def move_into_place(out, files, tokenizer, meta):
     made; from then until it is removed, killed or not, the folder says it is incomplete (train.py refuses
     it, and a rerun replaces it)."""
     meta["tokenizer"], tokenizer_file = tokenizer.save(out)
-    for f in files.values():
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
+    (out / "meta.json.tmp").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", "utf-8")
     with open(out / MARKER, "w") as f:
         f.write("prepare.py stopped while writing this dataset: it is incomplete; run prepare.py again\n")
-        f.flush()
-        os.fsync(f.fileno())
+        for written in (*files.values(), f):  # token files and marker reach the disk before any rename
+            written.flush()
+            os.fsync(written.fileno())
+            written.close()
     (out / "meta.json").unlink(missing_ok=True)
-    for name in ("train.bin", "val.bin") + ((tokenizer_file,) if tokenizer_file else ()):
+    for name in filter(None, ("train.bin", "val.bin", tokenizer_file, "meta.json")):  # tiktoken has no file
         os.replace(out / (name + ".tmp"), out / name)
-    meta_text = json.dumps(meta, indent=2, ensure_ascii=False) + "\n"
-    (out / "meta.json.tmp").write_text(meta_text, encoding="utf-8")
-    os.replace(out / "meta.json.tmp", out / "meta.json")
     (out / MARKER).unlink()
-
-
-def clean_up(out, files, created):
-    """After a run, finished or stopped: no .tmp file stays, nor a folder this run made and left empty."""
-    if not files:  # --analyze opened nothing
-        return
-    for f in files.values():
-        f.close()
-    for name in ("train.bin", "val.bin", "vocab.json", "tokenizer.json", "meta.json"):
-        (out / (name + ".tmp")).unlink(missing_ok=True)
-    if created and not any(out.iterdir()):
-        out.rmdir()
 
 
 def cpu_count():
@@ -623,40 +536,40 @@ def human(n, unit=""):
 # -----------------------------------------------------------------------------
 # reports
 
-def report_run(meta, stats, out, ndocs, replacing, seconds, threads, log):
-    nbytes = meta["train"]["bytes"] + meta["val"]["bytes"]
-    ntokens = meta["train"]["tokens"] + meta["val"]["tokens"]
-    log(f"read {stats['files_read']} files, {ndocs} documents, {human(nbytes, 'B')} -> {out}/"
+def report_run(meta, out, replacing, seconds, started, threads, log):
+    ndocs = sum(counts["documents"] for counts in meta["extensions"].values())  # a document cut in two is one
+    nbytes, ntokens = (meta["train"][key] + meta["val"][key] for key in ("bytes", "tokens"))
+    log(f"read {meta['files_read']} files, {ndocs} documents, {human(nbytes, 'B')} -> {out}/"
         + (" (replacing the incomplete dataset a killed run had left there)" if replacing else ""))
     log(f"tokenizer: {meta['tokenizer']['name']} (vocab {meta['vocab_size']}, end-of-text {meta['eot_id']}, "
         f"{meta['dtype']})" + (f", learned in {seconds['learn']:.1f} s" if seconds["learn"] > 0.5 else ""))
     for split in ("train", "val"):
         log(f"{split:>5}: {meta[split]['documents']:>9,} documents {meta[split]['tokens']:>13,} tokens")
     log(f"split: {meta['split']['method']}")
-    report_skips(stats, log)
+    report_skips(meta, log)
     log(f"tokenized {human(nbytes, 'B')} in {seconds['encode']:.2f} s with {threads} threads: "
         f"{nbytes / 1e6 / seconds['encode']:.1f} MB/s, {human(ntokens / seconds['encode'])} tokens/s; "
-        f"{seconds['all']:.1f} s in all")
+        f"{time.time() - started:.1f} s in all")
 
 
-def report_skips(stats, log):
-    if stats["skipped"]:
-        log(f"skipped {len(stats['skipped'])} files:")
-        for path, why in stats["skipped"]:
-            log(f"  {path}: {why}")
-    if stats["bad_records"]:
-        first = ", the first:" if stats["bad_records"] > 20 else ":"
-        log(f"skipped {stats['bad_records']} bad records{first}")
-        for example in stats["bad_examples"][:20]:
+def report_skips(report, log):
+    """What was left out, from meta.json's content or from the stats that go into it."""
+    if report["skipped_files"]:
+        log(f"skipped {len(report['skipped_files'])} files:")
+        for skipped in report["skipped_files"]:
+            log(f"  {skipped['path']}: {skipped['reason']}")
+    bad = report["bad_records"]
+    if bad["count"]:
+        log(f"skipped {bad['count']} bad records" + (", the first:" if bad["count"] > 20 else ":"))
+        for example in bad["examples"][:20]:
             log(f"  {example}")
-    log(f"dropped {stats['empty']} empty documents, {stats['duplicates']} duplicates; "
-        f"left out {stats['hidden']} hidden files and folders")
+    log(f"dropped {report['empty_documents']} empty documents, {report['duplicates_dropped']} duplicates; "
+        f"left out {report['hidden_skipped']} hidden files and folders")
 
 
-def report_analyze(meta, stats, log):
-    ntokens = meta["train"]["tokens"] + meta["val"]["tokens"]
+def report_analyze(meta, log):
     ndocs = meta["train"]["documents"] + meta["val"]["documents"]
-    nbytes = meta["train"]["bytes"] + meta["val"]["bytes"]
+    nbytes, ntokens = (meta["train"][key] + meta["val"][key] for key in ("bytes", "tokens"))
     log(f"analyze (nothing written): {meta['files_read']} files, {ndocs:,} documents, {human(nbytes, 'B')}, "
         f"{ntokens:,} tokens with {meta['tokenizer']['name']} (counting one end-of-text per document)")
     log(f"{'extension':>12} {'files':>8} {'documents':>10} {'bytes':>9} {'tokens':>12}")
@@ -667,7 +580,7 @@ def report_analyze(meta, stats, log):
     top = max(meta["document_tokens_histogram"].values())
     for bucket, n in meta["document_tokens_histogram"].items():
         log(f"{bucket:>15} {n:>9,} {'#' * max(1, round(40 * n / top))}")
-    report_skips(stats, log)
+    report_skips(meta, log)
 
 # -----------------------------------------------------------------------------
 # --bench: our whole run (read, encode, write) against tiktoken's encode_ordinary_batch alone
@@ -676,24 +589,22 @@ def bench(args):
     tokenizer = make_tokenizer(args.tokenizer, lambda: iter(()))
     if tokenizer.kind != "tiktoken":
         die("--bench compares against tiktoken: pass a tiktoken encoding, e.g. --tokenizer=gpt2")
-    inputs = args.input or [sysconfig.get_paths()["stdlib"]]
-    docs = corpus(inputs, args, new_stats(), only_py=not args.input)
+    docs = corpus(args.input or [sysconfig.get_paths()["stdlib"]], args, new_stats(), only_py=not args.input)
     texts = ["".join(text for text, _ in pieces(doc)) for _, _, doc in docs]
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     threads = max(1, args.num_workers or cpu_count())
-
-    def timed(fn):  # -> (wall, CPU of all threads) seconds
-        wall, cpu = time.time(), time.process_time()
-        fn()
-        return time.time() - wall, time.process_time() - cpu
-
-    ceiling, ours = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        run = argparse.Namespace(**{**vars(args), "out_dir": tmp, "overwrite": True, "analyze": False})
+        run_args = argparse.Namespace(**{**vars(args), "out_dir": tmp, "overwrite": True, "analyze": False})
+        runs = {"tiktoken": lambda: tokenizer.enc.encode_ordinary_batch(texts, num_threads=threads),
+                "prepare": lambda: prepare(run_args, quiet=True)}
+        seconds = {name: [] for name in runs}  # (wall, CPU of all threads) per run
         for _ in range(5):  # side by side, alternating, the best of each: CPU timings are noisy
-            ceiling.append(timed(lambda: tokenizer.enc.encode_ordinary_batch(texts, num_threads=threads)))
-            ours.append(timed(lambda: prepare(run, quiet=True)))
-    (cw, cc), (ow, oc) = [(min(t[0] for t in ts), min(t[1] for t in ts)) for ts in (ceiling, ours)]
+            for name, run in runs.items():
+                wall, cpu = time.time(), time.process_time()
+                run()
+                seconds[name].append((time.time() - wall, time.process_time() - cpu))
+    # The best wall time and the best CPU time of each, for tiktoken (c) and for prepare.py (o).
+    (cw, cc), (ow, oc) = ([min(column) for column in zip(*seconds[name])] for name in runs)
     print(f"bench: {mb:.1f} MB in {len(texts)} documents, {tokenizer.name}, {threads} threads, best of 5")
     print(f"  tiktoken encode_ordinary_batch (text in memory): {mb / cw:6.1f} MB/s, {cc:.2f} s CPU")
     print(f"  prepare.py (read, encode, write the dataset):    {mb / ow:6.1f} MB/s, {oc:.2f} s CPU")
@@ -702,35 +613,26 @@ def bench(args):
 
 # -----------------------------------------------------------------------------
 
-def parse_args(argv=None):
+def main(argv=None):
     p = argparse.ArgumentParser(description="Files and folders -> train.bin, val.bin, meta.json. "
                                             "Examples: see the top of prepare.py.")
-    p.add_argument("input", nargs="*",
-                   help="files or folders (default: this Python's standard library, .py files)")
-    p.add_argument("--out_dir", help="where the dataset goes (default for the stdlib corpus: data/stdlib)")
-    p.add_argument("--tokenizer", default="gpt2", help="gpt2 | cl100k_base | o200k_base | ... | char | bpe:N "
-                                                       "| path to tokenizer.json | a prepared dataset folder")
-    p.add_argument("--val_fraction", type=float, default=0.1,
-                   help="share of documents for validation (one document: its tail)")
-    p.add_argument("--val_input", nargs="+",
-                   help="take validation documents from these files or folders instead")
-    p.add_argument("--field",
-                   help="the JSON field or parquet column holding the text (default: text, content or body)")
-    p.add_argument("--num_workers", type=int, default=0, help="encoder threads (default: all cores)")
-    p.add_argument("--dedup", action="store_true", help="drop exact duplicate documents")
-    p.add_argument("--strict", action="store_true",
-                   help="stop at the first bad file or record instead of skipping it")
-    p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out_dir")
-    p.add_argument("--analyze", action="store_true",
-                   help="report files, documents, tokens and lengths; write nothing")
-    p.add_argument("--bench", action="store_true",
-                   help="measure throughput against tiktoken's own batch encoder")
+    arg = p.add_argument
+    arg("input", nargs="*", help="files or folders (default: this Python's standard library, .py files)")
+    arg("--out_dir", help="where the dataset goes (default for the stdlib corpus: data/stdlib)")
+    arg("--tokenizer", default="gpt2", help="gpt2 | cl100k_base | o200k_base | ... | char | bpe:N "
+                                            "| path to tokenizer.json | a prepared dataset folder")
+    arg("--val_fraction", type=float, default=0.1,
+        help="share of documents for validation (one document: its tail)")
+    arg("--val_input", nargs="+", help="take validation documents from these files or folders instead")
+    arg("--field", help="the JSON field or parquet column holding the text (default: text, content or body)")
+    arg("--num_workers", type=int, default=0, help="encoder threads (default: all cores)")
+    arg("--dedup", action="store_true", help="drop exact duplicate documents")
+    arg("--strict", action="store_true", help="stop at the first bad file or record instead of skipping it")
+    arg("--overwrite", action="store_true", help="replace a dataset already in --out_dir")
+    arg("--analyze", action="store_true", help="report files, documents, tokens and lengths; write nothing")
+    arg("--bench", action="store_true", help="measure throughput against tiktoken's own batch encoder")
     p.error = lambda msg: die(f"{msg} (see python prepare.py --help)")  # one line, not usage + error
-    return p.parse_args(argv)
-
-
-def main(argv=None):
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     return bench(args) if args.bench else prepare(args)
 
 

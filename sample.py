@@ -59,7 +59,7 @@ if args.model:  # a Hugging Face folder: its weights in the dtype we sample in, 
     tokenizer = make_tokenizer(args.model, None)
 else:  # a run's checkpoint, and the tokenizer of the data it was trained on
     try:
-        model, tokenizer, _ = load_run(os.path.join(args.out_dir, args.ckpt), data_dir=args.data_dir)
+        model, tokenizer, _ = load_run(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype), args.data_dir)
     except ValueError as e:
         fail(str(e))
 model.eval().to(device)

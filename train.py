@@ -234,14 +234,14 @@ def document_ids(x):
 def check_tokenizer(folder):
     # Data for a pretrained model must be made with its own tokenizer, or its ids mean other words. The
     # same tokenizer gives a document's ids back from its text: decode the first few, encode them again.
-    how = f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
+    fix = f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
     try:
         with open(os.path.join(folder, "config.json")) as f:
             model_vocab = int(json.load(f)["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"cannot read the vocab_size in {folder}/config.json ({type(e).__name__}: {e})")
     if meta["vocab_size"] > model_vocab:
-        fail(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: {how}")
+        fail(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: {fix}")
     if not os.path.exists(os.path.join(folder, "tokenizer.json")):
         return  # nothing to compare with
     ids = np.array(np.memmap(os.path.join(data_dir, "val.bin"), dtype=data_dtype, mode="r")[:4096], dtype=np.int64)
@@ -252,12 +252,12 @@ def check_tokenizer(folder):
         ours, theirs = load_tokenizer(data_dir), make_tokenizer(folder, None)
     except (ValueError, KeyError, TypeError, SystemExit) as e:
         fail(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s ({type(e).__name__}: {e}): "
-             f"{how}")
+             f"{fix}")
     for doc in documents or [ids[:512].tolist()]:
         again = theirs.encode(ours.decode(doc))
-        whole = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
-        if again[:whole] != doc[:whole]:
-            fail(f"{data_dir} was not prepared with the tokenizer of {folder}: {how}")
+        compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
+        if again[:compared] != doc[:compared]:
+            fail(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")
 
 
 model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, block_size=block_size,
@@ -281,6 +281,15 @@ if from_folder and not os.path.isfile(os.path.join(init_from, "config.json")):
     fail(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model folder "
          f"(it has no config.json)")
 pretrained = os.path.abspath(init_from) if from_folder else None  # where the weights began, kept on resume
+if from_folder and have_ckpt:  # the same command after a preemption: continue the run, if it began here
+    try:
+        began_from = load_checkpoint(ckpt_path, mmap=True).get("pretrained")
+    except ValueError as e:
+        fail(str(e))
+    if began_from != pretrained:
+        fail(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not {pretrained}: "
+             f"train into another out_dir")
+    init_from, from_folder = "resume", False
 old_ckpts = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt.*\.pt", f)] if os.path.isdir(out_dir) else []
 if init_from != "resume" and old_ckpts:
     fail(f"{out_dir} holds a run already ({', '.join(sorted(old_ckpts))}): continue it with --init_from=resume, "
@@ -320,10 +329,13 @@ if init_from == "resume":
     if block_size > model_args["block_size"]:
         fail(f"block_size={block_size} is past the {model_args['block_size']} positions of the model {pretrained}")
 
+# LoRA: this command's rank on a fresh start from a folder, the checkpoint's on a resume
 lora = lora_rank if from_folder else model_args.get("lora_rank", 0) if checkpoint is not None else 0
 if lora_rank and not lora:
     fail("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of yours to one "
          "with export.py)")
+if lora and checkpoint is not None:  # a resumed run's base is held as it was (4 bits stay 4 bits)
+    lora_base_dtype = checkpoint["config"].get("lora_base_dtype", lora_base_dtype)
 if lora_base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4"):
     fail(f"lora_base_dtype={lora_base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16' or 'nf4'")
 # Full fine-tuning keeps fp32 master weights whatever the folder holds (autocast computes in dtype); a
@@ -513,7 +525,11 @@ def epoch():
 def memory_mb():
     if device_type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS (KiB on Linux)
+    try:  # this process's peak RSS; ru_maxrss would start from the parent's when a big process launched us
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
 
 
 config.update(device=device, dtype=dtype, backend=backend, vocab_size=vocab_size, init_from=init_from)  # resolved

@@ -69,11 +69,11 @@ def test_finetune_lowers_val_loss_and_resumes_bit_for_bit(pretrained, tmp_path):
     ckpt = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)
     assert ckpt["pretrained"] == str(folder) and ckpt["model_args"]["block_size"] == 64  # the model's own limit
     assert ckpt["model_args"]["qk_norm"] and ckpt["model_args"]["family"] == "qwen3"
-    # stopped at step 7 and resumed: the same losses and weights as the run that never stopped
+    # stopped at step 7, then the same command again (as after a preemption) continues the run: the same
+    # losses and weights as the run that never stopped
     run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=7")
-    out = run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=20", check=False)  # never overwritten
-    assert out.returncode != 0 and "continue it with --init_from=resume" in out.stderr
-    run(*FINETUNE, f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}", "--max_iters=20", "--init_from=auto")
+    out = run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=20")
+    assert "iter 8:" in out.stdout and "iter 7:" not in out.stdout
     assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
     whole, parts = weights(tmp_path / "whole"), weights(tmp_path / "parts")
     assert all(torch.equal(whole[k], parts[k]) for k in whole)
@@ -95,13 +95,16 @@ def test_step_zero_is_the_folders_model(pretrained, tmp_path):
 
 def test_refusals_are_one_line(pretrained, tmp_path, data_dir):
     folder, data = pretrained
+    run(*FINETUNE, f"--data_dir={data}", f"--out_dir={tmp_path / 'scratch'}", "--max_iters=1", "--n_layer=1",
+        "--n_head=2", "--n_embd=32")
     cases = [
+        ([f"--data_dir={data}", f"--out_dir={tmp_path / 'scratch'}"], "holds a run that began from scratch, not"),
         ([f"--data_dir={data}", "--block_size=65"], "block_size=65 is past the model's max_position_embeddings=64"),
         ([f"--data_dir={data_dir}"], "prepare it with the model's tokenizer"),  # char data without a tokenizer
         ([f"--data_dir={data}", f"--init_from={tmp_path}"], "is not 'scratch', 'resume', 'auto' or a Hugging Face"),
     ]
     for extra, message in cases:
-        out = run(*FINETUNE, f"--init_from={folder}", *extra, f"--out_dir={tmp_path / 'out'}", check=False)
+        out = run(*FINETUNE, f"--init_from={folder}", f"--out_dir={tmp_path / 'out'}", *extra, check=False)
         assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
@@ -134,7 +137,8 @@ def test_lora_trains_adapters_only_and_resumes_bit_for_bit(pretrained, tmp_path)
     assert ckpt["model_args"]["lora_rank"] == 4 and len(ckpt["base_fingerprint"]) == 16
     base = sum(p.numel() for p in GPT.from_pretrained(folder).parameters())
     assert sum(t.numel() for t in ckpt["model"].values()) < base / 5
-    assert "0.02M of them trained" in out.stdout or "M of them trained" in out.stdout
+    trained = sum(t.numel() for t in ckpt["model"].values())
+    assert f"{trained / 1e6:.2f}M of them trained" in out.stdout
     val = [r["val_loss"] for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines())
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05  # the adapters alone learn, slowly on a random base (fixed eval batches)
@@ -274,3 +278,28 @@ def test_lora_compiled_with_the_triton_kernels_matches_eager(pretrained, tmp_pat
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
     assert torch.load(tmp_path / "fused" / "ckpt.pt", weights_only=True)["model_args"]["use_kernels"] is True
+
+
+@pytest.mark.parametrize("config", ["config/finetune_qwen3.py", "config/lora_qwen3.py"])
+def test_the_shipped_fine_tune_configs_run(pretrained, tmp_path, config):
+    # the configs as a user runs them, on the tiny folder and for a few steps
+    folder, data = pretrained
+    run(config, f"--init_from={folder}", f"--data_dir={data}", f"--out_dir={tmp_path}", "--block_size=32",
+        "--batch_size=2", "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", "--eval_iters=1")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 2 and ckpt["model_args"]["lora_rank"] == (16 if "lora" in config else 0)
+
+
+def test_lora_on_a_bfloat16_folder_samples_on_a_cpu(pretrained, tmp_path):
+    # released models are bf16: the frozen base stays bf16 where asked, the fp32 adapters still fit it
+    folder, data = pretrained
+    bf16 = tmp_path / "bf16"
+    GPT.from_pretrained(folder, torch.bfloat16).save_pretrained(bf16)
+    (bf16 / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    run(*LORA, f"--data_dir={data}", f"--init_from={bf16}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
+    done = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'run'}", "--start=def ",
+                           "--num_samples=1", "--max_new_tokens=8", "--device=cpu"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and done.stdout.startswith("def "), done.stderr
+    model = GPT.from_pretrained(bf16).add_lora(4)  # bf16 base, fp32 adapters, no autocast
+    assert model(torch.randint(0, 400, (1, 8)))[0].dtype == torch.bfloat16
