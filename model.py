@@ -493,7 +493,14 @@ def load_checkpoint(path, device="cpu", mmap=False):
     try:
         with warnings.catch_warnings():  # torch warns about what it refused; our error says it in one line
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+            try:
+                return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+            except RuntimeError:
+                if not mmap:
+                    raise
+                # a file not in torch.save's zip format cannot be mapped: read it whole instead (the
+                # weights_only refusal of anything foreign happens there)
+                return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError:
         raise ValueError(f"{path} holds objects other than tensors and plain values; refusing to load it "
                          f"(only load checkpoints you trust, with code you have read)") from None
