@@ -1,10 +1,21 @@
 """
-Measurements. Training throughput of a config runs the real train.py, once per value of a switch
+Measurements. Training throughput of a config runs the real train.py, once per value of a setting
 (eager against torch.compile by default), and reports the median tokens/s, ms/iter and MFU of the
 steps after warmup, and peak memory:
 
     python bench.py config/train_small.py
     python bench.py config/train_gpt2.py --synthetic --compare=use_kernels --steps=30
+    python bench.py config/train_small.py --compare=optimizer --values=adamw,muon,adam,sgd
+
+--mode=race gives every run the same wall time instead: it times --steps of each, then trains each for
+as many steps as fit in --seconds (its schedule ending there) and reports the validation loss reached.
+--run names a whole set of overrides, once per run, instead of --compare's values (each optimizer wants its
+own learning rate):
+
+    python bench.py config/train_shakespeare_char_cpu.py --mode=race --seconds=20 --compare=lr_schedule \
+        --values=cosine,wsd
+    python bench.py config/train_small.py --mode=race --seconds=120 \
+        --run="--optimizer=adamw" --run="--optimizer=muon" --run="--optimizer=sgd --learning_rate=0.3"
     python bench.py --mode=kernels   # each fused op of kernels.py against its references (GPU)
     python bench.py --mode=load      # peak memory of GPT.from_pretrained on a generated ~1 GB folder
     python bench.py --mode=lora      # memory of full fine-tuning, LoRA and QLoRA of a Qwen3-0.6B shape
@@ -15,6 +26,7 @@ steps after warmup, and peak memory:
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -24,13 +36,16 @@ import time
 import numpy as np
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--compare", default="compile", help="a True/False setting of train.py to run both ways")
+parser.add_argument("--compare", default="compile", help="a setting of train.py to run with each of --values")
+parser.add_argument("--values", default="False,True", help="comma-separated values of --compare")
+parser.add_argument("--run", action="append", help="instead of --compare: --run='--key=value ...', once per run")
+parser.add_argument("--seconds", type=float, default=60, help="--mode=race: training seconds per run")
 parser.add_argument("--steps", type=int, default=50, help="training steps per run")
 parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
 parser.add_argument("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
-parser.add_argument("--mode", choices=["train", "kernels", "load", "lora"], default="train",
-                    help="kernels: time kernels.py's ops; load: memory of loading a Hugging Face folder; "
-                         "lora: memory of full, LoRA and QLoRA fine-tuning")
+parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora"], default="train",
+                    help="race: equal wall time per run; kernels: time kernels.py's ops; load: memory of "
+                         "loading a Hugging Face folder; lora: memory of full, LoRA and QLoRA fine-tuning")
 args, train_args = parser.parse_known_args()
 if args.warmup >= args.steps:
     sys.exit(f"bench.py: --warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
@@ -242,21 +257,44 @@ if args.mode == "lora":
     sys.exit(0)
 
 # -----------------------------------------------------------------------------
-# train.py's throughput, both ways
+# train.py's throughput (or, racing, the loss it reaches in equal time), once per run
 
 
-def run_train(extra, out_dir):
-    # train.py's own log records, one per step after warmup
-    cmd = [sys.executable, "train.py", *train_args, *extra, f"--out_dir={out_dir}", f"--max_iters={args.steps}",
-           "--log_interval=1", f"--eval_interval={args.steps + 1}", "--eval_iters=1", "--always_save_checkpoint=False"]
+def run_train(extra, out_dir, steps, evaluate=False):
+    # train.py's own log records; without evaluate, only one at the start, on a single batch
+    evals = [f"--eval_interval={steps}", f"--lr_decay_iters={steps}", f"--log_interval={steps}"] if evaluate \
+        else [f"--eval_interval={steps + 1}", "--eval_iters=1", "--log_interval=1"]
+    cmd = [sys.executable, "train.py", *train_args, *extra, f"--out_dir={out_dir}", f"--max_iters={steps}",
+           *evals, "--always_save_checkpoint=False"]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
         sys.exit(f"bench.py: train.py failed:\n{done.stdout[-3000:]}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    return [r for r in records if "tokens_per_s" in r and r["iter"] > args.warmup]
+        return [json.loads(line) for line in f]
 
 
+def throughput(extra, out_dir):
+    records = run_train(extra, out_dir, args.steps)
+    records = [r for r in records if "tokens_per_s" in r and r["iter"] > args.warmup]
+    med = {k: statistics.median(r[k] or 0 for r in records) for k in ("tokens_per_s", "ms_per_iter", "mfu")}
+    return med, max(r["mem_mb"] for r in records)
+
+
+def race(extra, out_dir):
+    # as many steps as --seconds hold at the speed just measured, the whole schedule fitted to them
+    med, _ = throughput(extra, out_dir + "_timing")
+    steps = max(1, round(args.seconds * 1000 / med["ms_per_iter"]))
+    records = run_train(extra, out_dir, steps, evaluate=True)
+    last = [r for r in records if "val_loss" in r][-1]
+    seconds = [r for r in records if "ms_per_iter" in r][-1]["ms_per_iter"] * steps / 1000  # eval excluded
+    return {"ms_per_iter": med["ms_per_iter"], "steps": steps, "seconds": seconds, "val_loss": last["val_loss"],
+            "val_accuracy": last["val_accuracy"]}
+
+
+if args.run:
+    runs = [shlex.split(r) for r in args.run]
+else:
+    runs = [[f"--{args.compare}={v}"] for v in args.values.split(",")]
 with tempfile.TemporaryDirectory() as tmp:
     if args.synthetic:
         rng = np.random.default_rng(0)
@@ -264,14 +302,21 @@ with tempfile.TemporaryDirectory() as tmp:
             rng.integers(0, 50257, size=2_000_000, dtype=np.uint16).tofile(os.path.join(tmp, f"{split}.bin"))
         train_args.append(f"--data_dir={tmp}")  # no meta.json: read as GPT-2 tokens
     rows = []
-    for value in (False, True):
-        records = run_train([f"--{args.compare}={value}"], os.path.join(tmp, f"out_{value}"))
-        med = {k: statistics.median(r[k] or 0 for r in records) for k in ("tokens_per_s", "ms_per_iter", "mfu")}
-        rows.append((f"{args.compare}={value}", med, max(r["mem_mb"] for r in records)))
+    for i, extra in enumerate(runs):
+        name = " ".join(e.removeprefix("--") for e in extra)
+        rows.append((name, (race if args.mode == "race" else throughput)(extra, os.path.join(tmp, f"out_{i}"))))
 
+if args.mode == "race":
+    print(f"\n{' '.join(train_args)}, {args.seconds:g} s of training each (timed on {args.steps} steps)")
+    print("| run | ms/iter | steps | training s | val loss | val accuracy |\n" + "| --- " * 6 + "|")
+    for name, r in rows:
+        print(f"| {name} | {r['ms_per_iter']:.1f} | {r['steps']} | {r['seconds']:.1f} | {r['val_loss']:.4f} "
+              f"| {r['val_accuracy']:.1%} |")
+    sys.exit(0)
 print(f"\n{' '.join(train_args)}, {args.steps} steps, medians after {args.warmup}")
 print("| run | tokens/s | ms/iter | MFU | peak memory MB |\n| --- | --- | --- | --- | --- |")
-for name, med, mem in rows:
+for name, (med, mem) in rows:
     mfu = f"{med['mfu']:.1%}" if med["mfu"] else "n/a"
     print(f"| {name} | {med['tokens_per_s']:,.0f} | {med['ms_per_iter']:.1f} | {mfu} | {mem:,.0f} |")
-print(f"speedup of {rows[1][0]}: {rows[1][1]['tokens_per_s'] / rows[0][1]['tokens_per_s']:.2f}x")
+for name, (med, _) in rows[1:]:
+    print(f"speedup of {name}: {med['tokens_per_s'] / rows[0][1][0]['tokens_per_s']:.2f}x")

@@ -28,6 +28,7 @@ try:  # optional: only used on CUDA for bf16/fp16 tensors
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
+flex_attention = None  # document masking's fast path on CUDA, imported and compiled when first needed (~3 s)
 
 
 @dataclass
@@ -150,16 +151,17 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.ops = ops
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, mask=None):
         B, T, C = x.shape
         q_size, kv_size = self.n_head * self.head_size, self.n_kv_head * self.head_size
-        q, k, v = adapted(self.qkv, x).split([q_size, kv_size, kv_size], dim=2)
-        q = q.view(B, T, self.n_head, self.head_size)  # (B, T, H, D)
-        k = k.view(B, T, self.n_kv_head, self.head_size)  # (B, T, Hkv, D)
-        v = v.view(B, T, self.n_kv_head, self.head_size)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.apply_rotary(q, cos, sin), self.ops.apply_rotary(k, cos, sin)
+        qk, v = adapted(self.qkv, x).split([q_size + kv_size, kv_size], dim=2)
+        qk = qk.view(B, T, self.n_head + self.n_kv_head, self.head_size)  # (B, T, H + Hkv, D)
+        v = v.view(B, T, self.n_kv_head, self.head_size)  # (B, T, Hkv, D)
+        if self.qk_norm:  # each with its own weight, then rotated together
+            q, k = qk.split([self.n_head, self.n_kv_head], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        # queries and keys rotated in one call: half the small ops of two (on CPU, ~5% of a small model's step)
+        q, k = self.ops.apply_rotary(qk, cos, sin).split([self.n_head, self.n_kv_head], dim=2)
         if cache is not None:  # generation: prepend the keys and values of earlier positions
             if cache:
                 k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
@@ -167,12 +169,20 @@ class Attention(nn.Module):
         # a single query attends to the whole cache; otherwise queries and keys start together
         causal = T > 1
         dropout = self.dropout if self.training else 0.0
-        if flash_attn_func is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        gqa = self.n_kv_head != self.n_head
+        if mask is not None and not isinstance(mask, torch.Tensor):  # documents on CUDA: FlexAttention
+            y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                               enable_gqa=gqa).transpose(1, 2)
+        elif mask is not None:  # documents elsewhere: a (B, 1, T, T) boolean mask, True where a query looks
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=dropout,
+                enable_gqa=gqa).transpose(1, 2)
+        elif flash_attn_func is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             y = flash_attn_func(q, k, v, dropout_p=dropout, causal=causal)  # (B, T, H, D), GQA built in
         else:
             y = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                dropout_p=dropout, is_causal=causal, enable_gqa=self.n_kv_head != self.n_head,
+                dropout_p=dropout, is_causal=causal, enable_gqa=gqa,
             ).transpose(1, 2)  # (B, T, H, D)
         return self.resid_dropout(adapted(self.proj, y.reshape(B, T, q_size)))
 
@@ -199,8 +209,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(config.n_embd, config.norm_eps, ops)
         self.mlp = MLP(config, ops)
 
-    def forward(self, x, cos, sin, cache=None):
-        x = x + self.attn(self.norm1(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache=None, mask=None):
+        x = x + self.attn(self.norm1(x), cos, sin, cache, mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -241,24 +251,51 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, cache=None):
+    def forward(self, idx, targets=None, cache=None, doc_ids=None):
         # idx: (B, T) token ids. With targets (B, T) it returns (None, mean loss) and never builds
         # the full logits; without, (logits (B, T, V), None). cache: list of n_layer lists, see generate.
+        # doc_ids: (B, T) document numbers of packed sequences; a token then attends only to earlier
+        # tokens of its own document (for training and evaluation, not with a cache).
+        x = self.hidden(idx, cache, doc_ids)
+        if targets is None:
+            return self.lm_head(x), None
+        B, T = idx.shape
+        loss = self.ops.linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
+        return None, loss
+
+    def hidden(self, idx, cache=None, doc_ids=None):
+        # the final normed hidden states (B, T, C), on which the LM head computes the logits
         B, T = idx.shape
         start = cache[0][0].shape[1] if cache and cache[0] else 0  # positions already in the cache
         if start and T > 1:  # the causal mask below assumes queries and keys start together
             raise ValueError("with a filled cache, feed one token at a time")
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
+        if doc_ids is not None and cache is not None:
+            raise ValueError("doc_ids masks training and evaluation sequences; generation takes no doc_ids")
+        mask = None if doc_ids is None else document_mask(doc_ids, flex=idx.is_cuda and not (
+            self.training and self.config.dropout > 0))  # FlexAttention has no dropout
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache[i] if cache is not None else None)
-        x = self.norm_f(x)
-        if targets is None:
-            return self.lm_head(x), None
-        loss = self.ops.linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
-        return None, loss
+            x = block(x, cos, sin, cache[i] if cache is not None else None, mask)
+        return self.norm_f(x)
+
+    @torch.no_grad()
+    def loss_and_accuracy(self, idx, targets, doc_ids=None, chunk_elements=2**24):
+        """(mean loss, next-token accuracy) over the targets that are not -1, as 0-d tensors. The logits
+        are built a chunk of rows at a time (chunk_elements of them, 64 MB in fp32), never all at once."""
+        x = self.hidden(idx, doc_ids=doc_ids)
+        x, targets = x.view(-1, x.size(-1)), targets.reshape(-1)
+        rows = max(1, chunk_elements // self.config.vocab_size)
+        loss_sum = torch.zeros((), device=x.device)
+        correct = torch.zeros((), device=x.device, dtype=torch.long)
+        for i in range(0, len(targets), rows):
+            logits, t = self.lm_head(x[i:i + rows]).float(), targets[i:i + rows]  # (rows, V), (rows,)
+            loss_sum += F.cross_entropy(logits, t, ignore_index=-1, reduction="sum")
+            correct += (logits.argmax(dim=-1) == t).sum()  # an ignored target (-1) is never the argmax
+        n = (targets != -1).sum().clamp(min=1)
+        return loss_sum / n, correct / n
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None):
@@ -288,15 +325,32 @@ class GPT(nn.Module):
         n = self.num_params(non_embedding=not c.tie_embeddings)  # the embedding lookup is no matmul
         return 6 * n + 12 * c.n_layer * c.n_head * c.head_size * (seq_len or c.block_size)
 
-    def configure_optimizer(self, weight_decay, learning_rate, betas, device_type):
-        # decay matrices only: norms' weights (and any other 1-D parameter) are left alone
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)
+    def configure_optimizers(self, kind, learning_rate, weight_decay, betas, device_type, momentum=0.9,
+                             muon_lr=0.02, muon_momentum=0.95):
+        """A list of optimizers over the trainable parameters, the first one covering what the others do not.
+        kind: 'adamw', 'adam', 'sgd' (momentum), or 'muon': torch.optim.Muon at muon_lr for the blocks' 2-D
+        matrices, AdamW at learning_rate beside it for the embedding, the head, the norms and any bias.
+        Weight decay goes to matrices only: norms' weights (and any other 1-D parameter) are left alone."""
+        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        hidden = [p for n, p in named if kind == "muon" and n.startswith("blocks.") and p.dim() == 2]
+        in_muon = {id(p) for p in hidden}
+        rest = [p for n, p in named if id(p) not in in_muon]
+        groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+        # one fused kernel for all parameters where there is one (CUDA, and CPU since torch 2.4)
+        fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
+        if kind in ("adamw", "muon"):
+            optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)]
+        elif kind == "adam":  # weight decay as torch's Adam does it: an L2 term added to the gradient
+            optimizers = [torch.optim.Adam(groups, lr=learning_rate, betas=betas, fused=fused or None)]
+        elif kind == "sgd":
+            optimizers = [torch.optim.SGD(groups, lr=learning_rate, momentum=momentum, fused=fused or None)]
+        else:
+            raise ValueError(f"optimizer={kind!r} is not one of 'adamw', 'muon', 'adam', 'sgd'")
+        if hidden:
+            optimizers.append(torch.optim.Muon(hidden, lr=muon_lr, weight_decay=weight_decay,
+                                               momentum=muon_momentum))
+        return optimizers
 
     # -------------------------------------------------------------------------
     # LoRA: a frozen base, trainable low-rank adapters, merged back for deployment
@@ -469,6 +523,23 @@ class GPT(nn.Module):
                      "weight_map": {hf: name for name, shard in zip(names, shards) for hf, _ in shard}}
             with open(path / "model.safetensors.index.json", "w") as f:
                 json.dump(index, f, indent=2)
+
+
+def document_mask(doc_ids, flex=False):
+    """doc_ids (B, T) -> the attention mask that lets a token see only itself and earlier tokens of its
+    own document: FlexAttention's block mask (flex, on CUDA), else a (B, 1, T, T) boolean mask for SDPA."""
+    global flex_attention
+    B, T = doc_ids.shape
+    if flex:
+        from torch.nn.attention import flex_attention as flex
+        if flex_attention is None:  # compiled, it is a fused kernel; eager, it would build the full scores
+            flex_attention = torch.compile(flex.flex_attention, dynamic=False)
+
+        def causal_in_document(b, h, q, k):
+            return (k <= q) & (doc_ids[b, q] == doc_ids[b, k])
+        return flex.create_block_mask(causal_in_document, B, None, T, T, device=doc_ids.device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]  # (B, 1, T, T)
 
 
 def filter_logits(logits, top_k=None, top_p=None):

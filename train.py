@@ -47,11 +47,13 @@ always_save_checkpoint = True  # save at every evaluation, not only when val los
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one), or a HF model folder
 keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
 early_stop_patience = 0  # stop after this many evaluations without a better val loss (0: never)
+early_stop_min_delta = 0.0  # an evaluation counts as better only if it lowers the best val loss by this much
 max_skipped_steps = 10  # stop after this many updates in a row skipped for a non-finite loss or gradient
 # logging
 wandb_log = False  # also send metrics to Weights & Biases
 wandb_project = "gpt"
 wandb_run_name = "run"
+tensorboard_log = False  # also write metrics.jsonl's records as TensorBoard events under out_dir/tb
 # data
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
 gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
@@ -66,23 +68,31 @@ dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
 tie_embeddings = True  # the LM head shares the token embedding's weight
 vocab_size = 0  # 0: the dataset's vocabulary, padded up to a multiple of 64
 use_kernels = None  # Triton fused ops: True, False, or None for auto (on CUDA with Triton)
+doc_mask = False  # attend only within a document: end-of-text (meta.json's eot_id) begins a new one
 # LoRA: train low-rank adapters on a frozen pretrained model (init_from a Hugging Face folder)
 lora_rank = 0  # the adapters' rank; 0: off, every weight trains
 lora_alpha = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
 lora_dropout = 0.0  # dropout on the adapters' input
 lora_targets = "q,k,v,o,gate,up,down"  # projections to adapt; the default is all of them, attention's and the MLP's
 lora_base_dtype = "auto"  # the frozen base: 'auto' (the run's dtype), 'float32', 'bfloat16', or 'nf4' (QLoRA, torchao)
-# optimizer: AdamW
-learning_rate = 6e-4  # peak learning rate
+# optimizer
+optimizer = "adamw"  # 'adamw', 'muon' (Muon for the blocks' matrices, AdamW for the rest), 'adam', 'sgd'
+learning_rate = 6e-4  # peak learning rate (under muon: of the AdamW part)
 max_iters = 5000  # total optimizer steps
-weight_decay = 0.1
-beta1 = 0.9
+weight_decay = 0.1  # on matrices only (AdamW, Muon: decoupled; Adam, SGD: an L2 term in the gradient)
+beta1 = 0.9  # Adam(W)'s
 beta2 = 0.95
+momentum = 0.9  # SGD's
+muon_lr = 0.02  # Muon's peak learning rate for the blocks' matrices
+muon_momentum = 0.95
 grad_clip = 1.0  # clip gradients at this norm (0: off)
-# learning rate schedule: linear warmup, then cosine decay to min_lr
-decay_lr = True
+# learning rate schedule: linear warmup over warmup_iters, then lr_schedule; every learning rate
+# (learning_rate, muon_lr) is scaled by the same factor, down to min_lr / learning_rate of its peak
+decay_lr = True  # False: learning_rate throughout, no warmup and no schedule
+lr_schedule = "cosine"  # 'cosine' or 'linear' (peak to min_lr at lr_decay_iters), 'constant', or 'wsd'
 warmup_iters = 100
 lr_decay_iters = 5000  # should be ~max_iters
+lr_decay_fraction = 0.2  # wsd: stable at the peak, then a linear decay over this last part of lr_decay_iters
 min_lr = 6e-5  # ~learning_rate/10
 # system
 backend = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
@@ -107,6 +117,17 @@ for k in ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_si
         fail(f"{k}={globals()[k]} must be at least 1")
 if use_kernels not in (None, True, False):
     fail(f"use_kernels={use_kernels!r} must be True, False or None (auto)")
+if optimizer not in ("adamw", "muon", "adam", "sgd"):
+    fail(f"optimizer={optimizer!r} is not one of 'adamw', 'muon', 'adam', 'sgd'")
+if tensorboard_log:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        fail("tensorboard_log=True needs TensorBoard: pip install tensorboard")
+if lr_schedule not in ("cosine", "linear", "constant", "wsd"):
+    fail(f"lr_schedule={lr_schedule!r} is not one of 'cosine', 'linear', 'constant', 'wsd'")
+if not 0 <= lr_decay_fraction <= 1:
+    fail(f"lr_decay_fraction={lr_decay_fraction} must be between 0 and 1")
 
 
 # -----------------------------------------------------------------------------
@@ -156,6 +177,10 @@ try:
 except ValueError as e:
     fail(str(e))
 data_dtype = np.dtype(meta["dtype"])
+eot_id = meta.get("eot_id")  # end-of-text: where one document ends and the next begins
+if doc_mask and eot_id is None:
+    fail(f"doc_mask=True needs the end-of-text id, and {meta_path} gives none (prepare the data with "
+         f"prepare.py, or set doc_mask=False)")
 if vocab_size == 0:
     vocab_size = 64 * math.ceil(meta["vocab_size"] / 64)
 if meta["vocab_size"] > vocab_size:
@@ -169,6 +194,8 @@ for split in ("train", "val"):
     if size % data_dtype.itemsize:
         fail(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
              f"or meta.json's dtype is wrong (re-run prepare.py)")
+    if split == "train":
+        train_tokens = size // data_dtype.itemsize
     if size // data_dtype.itemsize <= block_size:
         fail(f"{path} has {size // data_dtype.itemsize} tokens, too few for block_size={block_size} "
              f"(lower block_size or prepare more data)")
@@ -191,6 +218,13 @@ def get_batch(split, step, index):
     else:
         xy = xy.to(device)
     return xy[:, :-1], xy[:, 1:]
+
+
+def document_ids(x):
+    # (B, T) inputs -> each token's document number within its sequence (doc_mask), else None. The
+    # end-of-text token begins the next document, as a beginning-of-text would: a document's last token
+    # predicts end-of-text from its own document, and its first is predicted from end-of-text alone.
+    return (x == eot_id).cumsum(dim=1) if doc_mask else None
 
 
 # -----------------------------------------------------------------------------
@@ -335,11 +369,22 @@ if lora and lora_base_dtype == "nf4":
         model.quantize_base()
     except ValueError as e:
         fail(str(e))
-optimizer = model.configure_optimizer(weight_decay, learning_rate, (beta1, beta2), device_type)
+try:
+    optimizers = model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2),
+                                            device_type, momentum, muon_lr, muon_momentum)
+except ValueError as e:
+    fail(str(e))
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 if checkpoint is not None:
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    # "optimizer": the one every run has (AdamW, Adam or SGD); "muon": Muon's, under optimizer='muon'
+    trained_with = checkpoint["config"].get("optimizer", "adamw")
+    if trained_with != optimizer:
+        fail(f"{ckpt_path} was trained with optimizer={trained_with!r}: resume with --optimizer={trained_with}")
+    optimizers[0].load_state_dict(checkpoint["optimizer"])
+    if len(optimizers) > 1:
+        optimizers[1].load_state_dict(checkpoint["muon"])
     scaler.load_state_dict(checkpoint["scaler"])
+peak_lrs = [learning_rate, muon_lr][:len(optimizers)]  # the schedule scales each optimizer's own peak
 torch.manual_seed(seed + rank)  # dropout differs between processes
 if checkpoint is not None and len(checkpoint["rng"]) == world_size:
     torch.set_rng_state(checkpoint["rng"][rank]["cpu"])
@@ -358,35 +403,44 @@ if master:
     print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {model_args}")
 
 
-def get_lr(it):
-    # linear warmup, then cosine decay from learning_rate down to min_lr at lr_decay_iters
+def lr_factor(it):
+    # the fraction of its peak every learning rate has at step it: a linear warmup, then lr_schedule
+    # from 1 down to floor (min_lr's fraction of learning_rate) at lr_decay_iters, the floor after it
     if not decay_lr:
-        return learning_rate
+        return 1.0
     if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    if it > lr_decay_iters:
-        return min_lr
+        return (it + 1) / (warmup_iters + 1)
+    floor = min_lr / learning_rate if learning_rate > 0 else 0.0
+    if lr_schedule == "constant":
+        return 1.0
+    if it >= lr_decay_iters:
+        return floor
+    if lr_schedule == "wsd":  # stable at the peak, then linear over the last lr_decay_fraction
+        decay_start = max(warmup_iters, lr_decay_iters - lr_decay_fraction * lr_decay_iters)
+        ratio = max(0.0, it - decay_start) / max(1, lr_decay_iters - decay_start)
+        return 1.0 - ratio * (1.0 - floor)
     ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+    if lr_schedule == "linear":
+        return 1.0 - ratio * (1.0 - floor)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)  # cosine
 
 
 @torch.no_grad()
 def estimate_loss():
-    # mean loss over the same eval_iters batches of each split every time, averaged over processes
+    # mean loss and next-token accuracy over the same eval_iters batches of each split every time,
+    # averaged over processes. The raw model computes them a chunk of logits at a time.
     model.eval()
     out = {}
     for split in ("train", "val"):
-        losses = torch.zeros(eval_iters, device=device)
+        sums = torch.zeros(2, device=device)  # loss, accuracy
         for k in range(eval_iters):
             x, y = get_batch(split, -1, k * world_size + rank)
             with autocast:
-                _, loss = model(x, y)
-            losses[k] = loss.float()
-        mean = losses.mean()
+                loss, accuracy = raw_model.loss_and_accuracy(x, y, document_ids(x))
+            sums += torch.stack([loss.float(), accuracy.float()])
         if ddp:
-            dist.all_reduce(mean)
-            mean /= world_size
-        out[split] = mean.item()
+            dist.all_reduce(sums)
+        out[split], out[f"{split}_accuracy"] = (sums / (eval_iters * world_size)).tolist()
     model.train()
     return out
 
@@ -421,7 +475,8 @@ def save_checkpoint(improved):
         trained = {n for n, p in raw_model.named_parameters() if p.requires_grad}
         weights = {n: t for n, t in weights.items() if n in trained}
     state = {
-        "model": weights, "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+        "model": weights, "optimizer": optimizers[0].state_dict(), "scaler": scaler.state_dict(),
+        "muon": optimizers[1].state_dict() if len(optimizers) > 1 else None,
         "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
         "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
         "evaluated": evaluated_at == iter_num, "config": config, "world_size": world_size, "rng": rngs,
@@ -456,6 +511,15 @@ def log(record):
         f.write(json.dumps(record) + "\n")
     if wandb_log:
         wandb.log(record, step=record["iter"])
+    if tensorboard:
+        for key, value in record.items():  # the numbers: not the step itself, a None or the skipped flag
+            if key != "iter" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                tensorboard.add_scalar(key, value, record["iter"])
+
+
+def epoch():
+    # passes over the training split so far: tokens trained on over the split's tokens
+    return iter_num * tokens_per_iter / train_tokens
 
 
 def memory_mb():
@@ -472,6 +536,7 @@ config.update(device=device, dtype=dtype, backend=backend, vocab_size=vocab_size
 if wandb_log and master:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
+tensorboard = SummaryWriter(os.path.join(out_dir, "tb")) if tensorboard_log and master else None
 
 # preemption: SIGTERM or SIGINT finishes the current step, saves, and exits 0
 stop_requested = False
@@ -496,14 +561,18 @@ while True:
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != evaluated_at:
         losses = estimate_loss()
         evaluated_at = iter_num
-        improved = losses["val"] < best_val_loss
-        best_val_loss = min(best_val_loss, losses["val"])
+        improved = losses["val"] < best_val_loss - early_stop_min_delta
+        if improved:
+            best_val_loss = losses["val"]
         evals_without_gain = 0 if improved else evals_without_gain + 1
         if master:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
-                  f"val perplexity {math.exp(min(losses['val'], 50)):.2f}")
+                  f"val perplexity {math.exp(min(losses['val'], 50)):.2f}, "
+                  f"val accuracy {losses['val_accuracy']:.1%}, epoch {epoch():.2f}")
         log({"iter": iter_num, "loss": losses["train"], "val_loss": losses["val"],
-             "val_ppl": math.exp(min(losses["val"], 50)), "lr": get_lr(iter_num)})
+             "val_ppl": math.exp(min(losses["val"], 50)), "accuracy": losses["train_accuracy"],
+             "val_accuracy": losses["val_accuracy"], "lr": learning_rate * lr_factor(iter_num),
+             "epoch": epoch()})
         early_stop = early_stop_patience > 0 and evals_without_gain >= early_stop_patience
         if iter_num > 0 and (improved or always_save_checkpoint or iter_num == max_iters or early_stop):
             save_checkpoint(improved)
@@ -516,15 +585,17 @@ while True:
         break
 
     # one update: micro-steps with gradient sync only on the last, then clip and step
-    lr = get_lr(iter_num)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    factor = lr_factor(iter_num)
+    for opt, peak_lr in zip(optimizers, peak_lrs):
+        for group in opt.param_groups:
+            group["lr"] = peak_lr * factor
+    lr = learning_rate * factor
     loss_sum = torch.zeros((), device=device)
     for micro in range(micro_steps):
         x, y = get_batch("train", iter_num, rank * micro_steps + micro)
         sync = not ddp or micro == micro_steps - 1
         with (nullcontext() if sync else model.no_sync()), autocast:
-            _, loss = model(x, y)
+            _, loss = model(x, y, doc_ids=document_ids(x))
             loss = loss / micro_steps
         scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
@@ -533,11 +604,14 @@ while True:
         both = torch.cat([loss_sum.view(1), stop])
         dist.all_reduce(both)
         loss_sum, stop = both[0] / world_size, both[1:]
-    scaler.unscale_(optimizer)
+    for opt in optimizers:
+        scaler.unscale_(opt)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    loss_value, grad_norm_value = loss_sum.item(), grad_norm.item()
+    # one copy to the host per step: on a GPU each .item() waits for all the work queued before it
+    loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm.view(1).float(), stop]).tolist()
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
-        scaler.step(optimizer)
+        for opt in optimizers:
+            scaler.step(opt)
         skipped_in_a_row = 0
     else:  # a non-finite loss or gradient: apply nothing, not even to the optimizer's moments
         skipped_in_a_row += 1
@@ -546,7 +620,8 @@ while True:
                   f"({skipped_in_a_row} in a row)")
         log({"iter": iter_num + 1, "loss": loss_value, "grad_norm": grad_norm_value, "skipped": True})
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
     if skipped_in_a_row >= max_skipped_steps:
         fail(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped, and "
              f"{ckpt_path} is the last good state (lower learning_rate, or check the data)")
@@ -558,16 +633,18 @@ while True:
         tokens_per_s = tokens_per_iter / dt
         mfu = flops_per_token * tokens_per_s / world_size / peak if peak else None  # None: peak unknown
         print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
-              f"{dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU {f'{mfu:.1%}' if mfu else 'n/a'}, "
-              f"mem {memory_mb():,.0f} MB")
+              f"epoch {epoch():.2f}, {dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, "
+              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {memory_mb():,.0f} MB")
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
-             "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb()})
+             "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb(), "epoch": epoch()})
         t_log, iters_since_log = time.time(), 0
-    if stop.item() > 0:  # every process sees the same flag, so all stop after the same step
+    if stop_value > 0:  # every process sees the same flag, so all stop after the same step
         print(f"process {rank}: stop requested, saving at step {iter_num} and exiting", flush=True)
         save_checkpoint(False)
         break
 
+if tensorboard:
+    tensorboard.close()  # write out what is buffered
 if ddp:
     # free DDP's reducer (it holds gloo's pending work) now: freed at interpreter exit instead, it
     # sometimes aborted a process ("terminate called without an active exception"), 1 run in ~12 here

@@ -40,17 +40,39 @@ def wait_for(proc, text, timeout=120):
     raise AssertionError(f"{text!r} never printed:\n{''.join(seen)}")
 
 
-@pytest.mark.parametrize("stop_at", [1, 5, 9])
-def test_bitwise_resume_one_process(data_dir, tmp_path, stop_at):
-    args = [*COMMON, f"--data_dir={data_dir}"]
+def assert_same_optimizer_state(a, b):
+    for name in ("optimizer", "muon"):  # every optimizer's moments or momentum, bit for bit
+        assert (a[name] is None) == (b[name] is None)
+        if a[name] is not None:
+            sa, sb = a[name]["state"], b[name]["state"]
+            assert sa.keys() == sb.keys() and len(sa) > 0
+            assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+@pytest.mark.parametrize("optimizer,stop_at", [("adamw", 1), ("adamw", 5), ("adamw", 9), ("muon", 1), ("muon", 5),
+                                               ("adam", 5), ("sgd", 5)])
+def test_bitwise_resume_one_process(data_dir, tmp_path, optimizer, stop_at):
+    args = [*COMMON, f"--data_dir={data_dir}", f"--optimizer={optimizer}", "--lr_schedule=wsd"]
     run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=10")
     run(*args, f"--out_dir={tmp_path / 'parts'}", f"--max_iters={stop_at}")
     run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=10", "--init_from=resume")
     assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
     assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "parts"))
-    whole = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)["optimizer"]["state"]
-    parts = torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)["optimizer"]["state"]
-    assert all(torch.equal(whole[i]["exp_avg_sq"], parts[i]["exp_avg_sq"]) for i in whole)
+    whole = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)
+    parts = torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)
+    assert_same_optimizer_state(whole, parts)
+    assert (whole["muon"] is not None) == (optimizer == "muon")
+    evals = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+             if "val_loss" in line]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.1  # and every optimizer trains
+
+
+def test_resuming_with_another_optimizer_is_refused(data_dir, tmp_path):
+    run(*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2", "--optimizer=muon")
+    out = run(*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--init_from=resume",
+              check=False)
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1
+    assert "was trained with optimizer='muon': resume with --optimizer=muon" in out.stderr
 
 
 @pytest.mark.parametrize("stop_at", [2, 5])
@@ -177,8 +199,9 @@ def nan_config(tmp_path, from_call):
 
 
 def test_non_finite_loss_skips_the_update(data_dir, tmp_path):
-    # eval at step 0 computes 2 losses (eval_iters=1 per split); the 3rd is step 1's training loss
-    config = nan_config(tmp_path, "(3,)")
+    # evaluation computes its losses in GPT.loss_and_accuracy, never through linear_cross_entropy:
+    # the 1st call is step 1's training loss
+    config = nan_config(tmp_path, "(1,)")
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_iters=1", "--max_iters=5",
               "--eval_interval=5", config)
     assert "iter 1: skipped, loss nan" in out.stdout
@@ -225,6 +248,17 @@ def test_early_stopping(data_dir, tmp_path):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100", "--eval_interval=2",
               "--learning_rate=0", "--min_lr=0", "--early_stop_patience=2", "--init_from=auto")  # a restart
     assert "stopped early at step 4" in out.stdout and (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+def test_early_stop_min_delta(data_dir, tmp_path):
+    # val loss falls at every evaluation here, but never by 10: only the first evaluation counts as better
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100", "--eval_interval=2",
+              "--early_stop_patience=2", "--early_stop_min_delta=10.0")
+    assert "early stop" in out.stdout
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert state["iter_num"] == 4 and evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert state["best_val_loss"] == evals[0]["val_loss"]
 
 
 class Boom:

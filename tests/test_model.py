@@ -79,7 +79,7 @@ def test_tied_and_untied_embeddings():
 
 def test_optimizer_groups_no_decay_on_vectors():
     model = tiny()
-    opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu")
+    opt = model.configure_optimizers("adamw", 1e-3, 0.1, (0.9, 0.95), "cpu")[0]
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
@@ -109,7 +109,7 @@ def test_sequence_longer_than_block_is_refused():
 
 def test_training_reduces_loss():
     model = tiny().train()
-    opt = model.configure_optimizer(0.0, 3e-3, (0.9, 0.95), "cpu")
+    opt = model.configure_optimizers("adamw", 3e-3, 0.0, (0.9, 0.95), "cpu")[0]
     idx = torch.randint(0, 97, (4, 32))
     first = None
     for _ in range(30):
@@ -128,3 +128,72 @@ def test_filled_cache_takes_one_token_at_a_time():
     assert cache[0][0].shape == (1, 4, 2, 8)  # (B, T, n_kv_head, head size)
     with pytest.raises(ValueError, match="one token at a time"):
         model(torch.randint(0, 97, (1, 2)), cache=cache)
+
+
+def test_doc_mask_keeps_each_document_to_itself():
+    # three documents packed in one sequence, end-of-text (id 0) beginning the second and the third
+    model = tiny()
+    idx = torch.randint(1, 97, (2, 24))
+    idx[:, 8] = idx[:, 17] = 0
+    docs = (idx == 0).cumsum(dim=1)  # as train.py numbers them: 0 for 0..7, 1 for 8..16, 2 for 17..23
+    changed = idx.clone()
+    changed[:, 12] = (changed[:, 12] % 96) + 1  # a token of the middle document, never end-of-text
+    masked, masked2 = model(idx, doc_ids=docs)[0], model(changed, doc_ids=docs)[0]
+    torch.testing.assert_close(masked[:, :12], masked2[:, :12], rtol=0, atol=0)  # before it: untouched
+    torch.testing.assert_close(masked[:, 17:], masked2[:, 17:], rtol=0, atol=0)  # the next document too
+    assert not torch.allclose(masked[:, 12:17], masked2[:, 12:17])  # its own document sees it
+    plain, plain2 = model(idx)[0], model(changed)[0]
+    assert not torch.allclose(plain[:, 17:], plain2[:, 17:])  # without doc_ids, the next document sees it
+    torch.testing.assert_close(masked[:, :8], plain[:, :8])  # the first document is causal attention as always
+    # a change in the first document never reaches the others either
+    first = idx.clone()
+    first[:, 3] = (first[:, 3] % 96) + 1
+    torch.testing.assert_close(model(first, doc_ids=docs)[0][:, 8:], masked[:, 8:], rtol=0, atol=0)
+
+
+def test_doc_mask_with_one_document_is_causal_attention():
+    model = tiny()
+    idx = torch.randint(1, 97, (2, 16))
+    targets = torch.randint(0, 97, (2, 16))
+    torch.testing.assert_close(model(idx, targets, doc_ids=torch.zeros_like(idx))[1], model(idx, targets)[1])
+
+
+def test_generation_takes_no_doc_ids():
+    model = tiny()
+    with pytest.raises(ValueError, match="generation takes no doc_ids"):
+        model(torch.zeros(1, 4, dtype=torch.long), cache=[[] for _ in model.blocks], doc_ids=torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("chunk_elements", [97, 5 * 97, 2**24])  # one row, five rows, all rows per chunk
+def test_loss_and_accuracy_match_the_full_logits(chunk_elements):
+    model = tiny()
+    idx = torch.randint(0, 97, (3, 16))
+    targets = torch.randint(0, 97, (3, 16))
+    logits, _ = model(idx)
+    targets[0, :4] = logits[0, :4].argmax(-1)  # some right answers, so that accuracy is not ~0
+    targets[1, :3] = -1  # and some ignored positions
+    loss, accuracy = model.loss_and_accuracy(idx, targets, chunk_elements=chunk_elements)
+    kept = targets != -1
+    expected = torch.nn.functional.cross_entropy(logits[kept], targets[kept])
+    torch.testing.assert_close(loss, expected)
+    assert accuracy.item() == (logits[kept].argmax(-1) == targets[kept]).float().mean().item()
+    assert accuracy.item() >= 4 / kept.sum().item()
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd", "muon"])
+def test_optimizers_cover_every_parameter_once(kind):
+    model = tiny()
+    optimizers = model.configure_optimizers(kind, 1e-3, 0.1, (0.9, 0.95), "cpu", muon_lr=0.02)
+    params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    assert len(params) == len({id(p) for p in params}) and sum(p.numel() for p in params) == model.num_params()
+    if kind == "muon":
+        adamw, muon = optimizers
+        assert isinstance(muon, torch.optim.Muon) and muon.param_groups[0]["lr"] == 0.02
+        names = {id(p): n for n, p in model.named_parameters()}
+        assert {names[id(p)].split(".")[-2] for p in muon.param_groups[0]["params"]} == {"qkv", "proj", "gate_up",
+                                                                                         "down"}
+        assert model.wte.weight in adamw.param_groups[0]["params"]  # the embedding (and tied head): AdamW
+    else:
+        assert len(optimizers) == 1
+    with pytest.raises(ValueError, match="optimizer='lion' is not one of"):
+        model.configure_optimizers("lion", 1e-3, 0.1, (0.9, 0.95), "cpu")

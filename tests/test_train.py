@@ -1,6 +1,7 @@
 """train.py end to end, in subprocesses, on a tiny character-level dataset the tests write themselves."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -57,6 +58,11 @@ def test_trains_and_records_metrics(data_dir, tmp_path):
     assert [r["iter"] for r in evals] == [0, 10, 20]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5  # it learns
     assert evals[-1]["val_ppl"] == pytest.approx(np.exp(evals[-1]["val_loss"]))
+    assert all(0 <= r["val_accuracy"] <= 1 and 0 <= r["accuracy"] <= 1 for r in evals)
+    assert evals[-1]["val_accuracy"] > evals[0]["val_accuracy"]
+    train_tokens = (data_dir / "train.bin").stat().st_size // 2
+    assert evals[-1]["epoch"] == pytest.approx(20 * 128 / train_tokens)  # tokens seen over the split's
+    assert f"epoch {20 * 128 / train_tokens:.2f}" in out.stdout
     steps = [r for r in records if "tokens_per_s" in r]
     assert [r["iter"] for r in steps] == list(range(1, 21))
     assert all(r["grad_norm"] > 0 and r["mem_mb"] > 0 and (r["mfu"] is None or 0 < r["mfu"] < 1) for r in steps)
@@ -140,6 +146,9 @@ def test_resume_continues_from_saved_step(data_dir, tmp_path):
     (["--n_head=5"], "n_embd=32 must be divisible by n_head=5"),
     (["--eval_interval=0"], "eval_interval=0 must be at least 1"),
     (["--use_kernels=Flase"], "use_kernels='Flase' must be True, False or None (auto)"),
+    (["--optimizer=lion"], "optimizer='lion' is not one of 'adamw', 'muon', 'adam', 'sgd'"),
+    (["--lr_schedule=step"], "lr_schedule='step' is not one of 'cosine', 'linear', 'constant', 'wsd'"),
+    (["--lr_decay_fraction=1.5"], "lr_decay_fraction=1.5 must be between 0 and 1"),
 ])
 def test_config_errors(data_dir, tmp_path, args, message):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args, check=False)
@@ -290,3 +299,79 @@ def test_sample_finds_the_tokenizer_or_says_why_not(data_dir, tmp_path):
         pytest.skip("the gpt2 encoding is not cached here")
     assert out.returncode != 0 and "tokenizer has 50257 tokens, more than the model's 64" in out.stderr
     assert len(out.stderr.splitlines()) == 1
+
+
+# -----------------------------------------------------------------------------
+# the recipe: schedules, document masking, TensorBoard
+
+
+@pytest.mark.parametrize("schedule,factors", [
+    # the factor of step s (recorded at iter s + 1): warmup (s + 1) / 3 for s < 2, then from 1 down to
+    # min_lr / learning_rate = 0.1 at step 10 (lr_decay_iters), and 0.1 after it
+    ("cosine", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 4: 0.1 + 0.45 * (1 + math.cos(math.pi / 4)), 6: 0.55, 10: 0.1, 11: 0.1}),
+    ("linear", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 0.55, 8: 0.325, 10: 0.1, 11: 0.1}),
+    ("constant", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 1.0, 11: 1.0}),
+    # wsd, decaying over the last 40% of lr_decay_iters: stable to step 6, then 0.9 lower over 4 steps
+    ("wsd", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 1.0, 7: 0.775, 8: 0.55, 9: 0.325, 10: 0.1, 11: 0.1}),
+])
+def test_lr_schedules(data_dir, tmp_path, schedule, factors):
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=12", "--eval_interval=100",
+        "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=1e-2", "--min_lr=1e-3", "--optimizer=muon",
+        "--muon_lr=0.05", "--lr_decay_fraction=0.4", f"--lr_schedule={schedule}")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["iter"] - 1: r["lr"] for r in records if "tokens_per_s" in r}  # the step's rate, logged after it
+    for step, factor in factors.items():
+        assert lrs[step] == pytest.approx(1e-2 * factor, rel=1e-9, abs=0), step
+    muon = torch.load(tmp_path / "ckpt.pt", weights_only=True)["muon"]  # the other rate: the same factor
+    assert muon["param_groups"][0]["lr"] == pytest.approx(0.05 * factors[11], rel=1e-9)
+
+
+def test_doc_mask_trains_and_needs_an_end_of_text_id(data_dir, tmp_path):
+    # the tests' data has eot_id 0 (a newline): every line is a document
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'masked'}", "--max_iters=10", "--eval_interval=10",
+        "--doc_mask=True")
+    evals = [json.loads(line) for line in (tmp_path / "masked" / "metrics.jsonl").read_text().splitlines()
+             if "val_loss" in line]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("train.bin", "val.bin"):
+        (plain / name).write_bytes((data_dir / name).read_bytes())
+    (plain / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 62}))  # no eot_id
+    out = run(*TINY, f"--data_dir={plain}", f"--out_dir={tmp_path / 'o'}", "--doc_mask=True", check=False)
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1
+    assert "doc_mask=True needs the end-of-text id" in out.stderr
+
+
+def test_tensorboard_gets_the_records_of_metrics_jsonl(data_dir, tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is optional and not installed here")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=2",
+        "--tensorboard_log=True")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"loss", "val_loss", "val_accuracy", "lr", "epoch", "tokens_per_s"} <= set(scalars)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = {r["iter"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert {e.step: e.value for e in events.Scalars("val_loss")} == pytest.approx(val)
+
+
+def test_tensorboard_missing_is_one_line(data_dir, tmp_path):
+    hide = tmp_path / "no_tensorboard.py"
+    hide.write_text("import sys as _sys\n_sys.modules['torch.utils.tensorboard'] = None\n")  # import fails
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", str(hide), "--tensorboard_log=True",
+              check=False)
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1
+    assert "tensorboard_log=True needs TensorBoard: pip install tensorboard" in out.stderr
+
+
+def test_bench_races_optimizers_on_equal_time(data_dir):
+    done = subprocess.run([sys.executable, "bench.py", "--mode=race", "--seconds=0.5", "--steps=4", "--warmup=1",
+                           "--run=--optimizer=adamw", "--run=--optimizer=sgd --learning_rate=0.1", *TINY,
+                           f"--data_dir={data_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| optimizer=")]
+    assert [r[0].strip() for r in rows] == ["optimizer=adamw", "optimizer=sgd learning_rate=0.1"]
+    for name, ms, steps, seconds, loss, accuracy in rows:
+        assert int(steps) >= 1 and float(seconds) > 0 and 0 < float(loss) < 10 and accuracy.strip().endswith("%")
