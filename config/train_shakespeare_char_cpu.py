@@ -1,13 +1,13 @@
 # nanoGPT's CPU "baby" run on Shakespeare's characters (4 layers, 4 heads, 128 wide, block 64, batch 12:
-# validation loss 1.886 after 2,000 iterations) to the same quality in a fraction of its time on a laptop
-# or a 2-core CPU (BENCHMARKS.md has the side-by-side numbers):
+# validation loss 1.886 after 2,000 iterations) to the same quality in under a third of its time on a
+# laptop or a 2-core CPU (BENCHMARKS.md has the side-by-side numbers: 3.7x):
 #   python prepare.py input.txt --tokenizer=char --out_dir=data/shakespeare_char
 #   python train.py config/train_shakespeare_char_cpu.py
 # The baby's depth, block and batch, but 96 wide instead of 128 (3 heads of 32): a step costs ~2/3 of the
 # baby's, and this model (rotary, SwiGLU, RMSNorm) learns more per step. A short warmup, a higher peak
 # rate held stable and a linear decay to ~0 over the last 40% of the steps (lr_schedule='wsd') get
-# there in 760 steps. Muon is not used: torch's runs its orthogonalization in
-# bf16, which this kind of CPU computes ~15x slower than fp32 (it wins on GPUs, see README).
+# there in 760 steps. Muon is not used: torch's runs its orthogonalization in bf16, which this kind of
+# CPU computes ~15x slower than fp32 (it wins on GPUs, see README).
 out_dir = "out-shakespeare-char-cpu"
 data_dir = "data/shakespeare_char"
 device = "cpu"
