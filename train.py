@@ -432,14 +432,23 @@ try:
 except ValueError as e:
     fail(str(e))
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
+
+
+def sharded_state(model):
+    # What a sharded checkpoint holds, each process its own shards of it: the weights (a LoRA run's adapters
+    # alone) and the optimizers' tensors, by parameter name, so that they load into any other layout
+    model_state, optim_state = get_state_dict(model, optimizers)
+    trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {n: t for n, t in model_state.items() if n in trained or not lora}, optim_state
+
+
 if checkpoint is not None:
     # "optimizer": the one every run has (AdamW, Adam or SGD); "muon": Muon's, under optimizer='muon'
     trained_with = checkpoint["config"].get("optimizer", "adamw")
     if trained_with != optimizer:
         fail(f"{found_ckpt} was trained with optimizer={trained_with!r}: resume with --optimizer={trained_with}")
     if from_shards:  # each process reads what its shards need, resharded from however they were saved
-        options = StateDictOptions(ignore_frozen_params=bool(lora))  # a LoRA run saved its adapters alone
-        model_state, optim_state = get_state_dict(model, optimizers, options=options)
+        model_state, optim_state = sharded_state(model)
         try:
             with warnings.catch_warnings():  # without a process group it warns that it reads in one process
                 warnings.simplefilter("ignore")
@@ -447,7 +456,7 @@ if checkpoint is not None:
         except (dcp.api.CheckpointException, RuntimeError, OSError) as e:
             fail(f"{found_ckpt} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); resume "
                  f"from another (ckpt_best, ckpt_NNNNNNN)")
-        set_state_dict(model, optimizers, model_state_dict=model_state, options=options,
+        set_state_dict(model, optimizers, model_state_dict=model_state, options=StateDictOptions(strict=not lora),
                        optim_state_dict={"state": optim_state["state"], "param_groups": checkpoint["param_groups"]})
     elif fsdp:  # a single file into shards: keyed by parameter name, split as the parameters are
         names = {id(p): n for n, p in model.named_parameters()}
@@ -632,11 +641,9 @@ def save_checkpoint(improved):
         if master:
             retire(tmp)  # what a killed save left
         dist.barrier()
-        # The weights (a LoRA run's adapters alone) and the optimizer's tensors, by parameter name, so that
-        # they load into any other layout; its settings (plain values) go into state.pt, which is read
-        # without unpickling anything else. dcp.save returns on the master once every process has written.
-        options = StateDictOptions(ignore_frozen_params=bool(lora))
-        model_state, optim_state = get_state_dict(raw_model, optimizers, options=options)
+        # The optimizer's settings (plain values) go into state.pt, which is read without unpickling
+        # anything else. dcp.save returns on the master once every process has written its part.
+        model_state, optim_state = sharded_state(raw_model)
         dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=tmp)
         if not master:
             return

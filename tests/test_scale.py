@@ -217,9 +217,9 @@ def test_fsdp_fine_tunes_an_imported_model_and_sample_and_export_read_its_shards
                                "--max_new_tokens=16", "--temperature=0", "--device=cpu"], cwd=ROOT,
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
-        done = subprocess.run([sys.executable, "export.py", f"--out_dir={run_dir}", f"--to={run_dir}-hf"], cwd=ROOT,
-                              capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
+        exported = subprocess.run([sys.executable, "export.py", f"--out_dir={run_dir}", f"--to={run_dir}-hf"],
+                                  cwd=ROOT, capture_output=True, text=True)
+        assert exported.returncode == 0, exported.stderr
         outputs.append((done.stdout, read_folder(tmp_path / f"{run_dir.name}-hf")))
     (sample_a, hf_a), (sample_b, hf_b) = outputs
     assert sample_a == sample_b and sample_a.startswith("def ")
