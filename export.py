@@ -129,7 +129,8 @@ def write_adapter(model, checkpoint, folder):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", default="out", help="the run's folder")
-    parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss)")
+    parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss; "
+                        "the sharded folder of an FSDP run, ckpt/, is found by the same name)")
     parser.add_argument("--to", required=True, help="the folder to write")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="the weights' dtype; auto: that of the folder the run began from, else float32")

@@ -10,7 +10,11 @@ DDP over 8 GPUs on one node, or over several nodes (run the same line on each, w
     torchrun --nnodes=4 --node_rank=0 --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29500 train.py config/train_small.py
 
-Continue a run from out_dir/ckpt.pt exactly where it stopped: add --init_from=resume (or use
+Past one GPU's memory, shard weights, gradients and optimizer state over the processes (FSDP2):
+
+    torchrun --standalone --nproc_per_node=8 train.py config/train_small.py --fsdp=True
+
+Continue a run from out_dir/ckpt.pt (or the sharded out_dir/ckpt/) exactly where it stopped: add --init_from=resume (or use
 --init_from=auto, which resumes when there is a checkpoint: the same command after every preemption).
 """
 
@@ -168,8 +172,8 @@ if fsdp and optimizer == "muon":
 if fsdp_cpu_offload and not (fsdp and device_type == "cuda"):
     fail("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True and a "
          "CUDA device")
-if backend == "auto":
-    backend = "nccl" if device_type == "cuda" else "gloo"
+if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
+    backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if fsdp_cpu_offload else "nccl"
 if ddp:
     dist.init_process_group(backend=backend)
 elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to offload a model too big for a GPU
