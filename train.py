@@ -10,12 +10,11 @@ DDP over 8 GPUs on one node, or over several nodes (run the same line on each, w
     torchrun --nnodes=4 --node_rank=0 --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29500 train.py config/train_small.py
 
-Past one GPU's memory, shard weights, gradients and optimizer state over the processes (FSDP2):
+Past one device's memory add --fsdp=True, --tp_size=N, --gradient_checkpointing=True (README: Scaling up).
 
-    torchrun --standalone --nproc_per_node=8 train.py config/train_small.py --fsdp=True
-
-Continue a run from out_dir/ckpt.pt (or the sharded out_dir/ckpt/) exactly where it stopped: add --init_from=resume (or use
---init_from=auto, which resumes when there is a checkpoint: the same command after every preemption).
+Continue a run from out_dir/ckpt.pt (or an FSDP run's sharded out_dir/ckpt/) exactly where it stopped: add
+--init_from=resume (or use --init_from=auto, which resumes when there is a checkpoint: the same command after
+every preemption).
 """
 
 import gc
@@ -31,16 +30,19 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict
+from functools import partial
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
@@ -164,8 +166,8 @@ device_type = device.split(":")[0]
 if device_type == "cuda":
     torch.cuda.set_device(device)
 if fsdp and dtype == "float16":
-    fail("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded gradients): "
-         "use dtype='bfloat16' or 'float32'")
+    fail("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
+         "gradients): use dtype='bfloat16' or 'float32'")
 if fsdp and optimizer == "muon":
     fail("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
          "use optimizer='adamw' with fsdp")
@@ -176,17 +178,22 @@ if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU
     backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if fsdp_cpu_offload else "nccl"
 if ddp:
     dist.init_process_group(backend=backend)
-elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to offload a model too big for a GPU
+elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to offload a model past a GPU
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-# The data-parallel processes: each sees its own batches. Every process is one today; tensor parallel
-# makes a group of processes share their batches (dp_rank, dp_size count groups then).
-dp_rank, dp_size = rank, world_size
-dp_mesh = init_device_mesh(device_type, (dp_size,), mesh_dim_names=("dp",)) if fsdp else None
-sharded = fsdp  # checkpoints: a torch.distributed.checkpoint folder, each process writing its own part
+# Processes form a (data parallel, tensor parallel) grid: the tp_size processes of one model replica are
+# neighbours (one node), they share their batches, and the replicas split the data between them
+if tp_size < 1 or world_size % tp_size:
+    fail(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, N a multiple)")
+dp_size = world_size // tp_size
+mesh = None
+if dist.is_initialized():
+    mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+sharded = fsdp or tp_size > 1  # checkpoints: a torch.distributed.checkpoint folder, each process its part
 if gradient_accumulation_steps % dp_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
-         f"{dp_size} processes (it counts micro-steps over all of them)")
-micro_steps = gradient_accumulation_steps // dp_size  # this process's share
+         f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")
+micro_steps = gradient_accumulation_steps // dp_size  # this replica's share
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 ptdtype = getattr(torch, dtype)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
@@ -337,7 +344,7 @@ if init_from != "resume" and master and os.path.exists(os.path.join(out_dir, "me
 if init_from == "resume":
     if not have_ckpt:
         fail(f"no checkpoint at {ckpt_path} to resume from (train first, or set init_from='scratch')")
-    from_shards = os.path.isdir(found_ckpt)  # the weights and optimizer state are read once the model is sharded
+    from_shards = os.path.isdir(found_ckpt)  # weights and optimizer state are read once the model is sharded
     try:
         checkpoint = load_checkpoint(found_ckpt, weights=False)
     except ValueError as e:
@@ -346,7 +353,8 @@ if init_from == "resume":
               "skipped_in_a_row", "evaluated", "config", "world_size", "rng"}
     needed = needed - {"model", "optimizer"} | {"param_groups"} if from_shards else needed
     if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
-        fail(f"{found_ckpt} is not a checkpoint of this train.py (it lacks {', '.join(sorted(needed - set(checkpoint)))})")
+        fail(f"{found_ckpt} is not a checkpoint of this train.py (it lacks "
+             f"{', '.join(sorted(needed - set(checkpoint)))})")
     pretrained = checkpoint.get("pretrained")
     # the weights decide the shape; dropout, the kernels and (from scratch) block_size are this run's
     model_args = {**checkpoint["model_args"], "dropout": dropout, "use_kernels": use_kernels}
@@ -411,30 +419,63 @@ vocab_size = model_args["vocab_size"]
 if fsdp and lora and lora_base_dtype == "nf4":
     fail("lora_base_dtype='nf4' cannot be sharded by fsdp=True (FSDP does not split 4-bit tensors): use "
          "lora_base_dtype='bfloat16' with fsdp, or nf4 without it")
-if fsdp:
-    # Each block is one FSDP unit, gathered whole only while it computes (forward and backward) and split
-    # over the processes otherwise; the root unit holds the rest (embedding, final norm, head). Under bf16
-    # the gathered weights are bf16 and gradients are reduced in fp32; the shards stay fp32 master weights.
-    # The model is still on the CPU: each process moves only its shards to the device.
-    mixed = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32) if dtype == "bfloat16" else \
-        MixedPrecisionPolicy()
-    offload = CPUOffloadPolicy() if fsdp_cpu_offload else OffloadPolicy()
-    for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mixed, offload_policy=offload)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mixed, offload_policy=offload)
-    register_fsdp_forward_method(model, "loss_and_accuracy")  # evaluation calls it instead of forward
-else:
+if not fsdp:  # (under FSDP the model stays on the CPU: each process moves only its shards to the device)
     model.to(device)
 if lora and lora_base_dtype == "nf4":
     try:
         model.quantize_base()
     except ValueError as e:
         fail(str(e))
+
+# Past one device (README, "Scaling up"), in this order: tensor parallel splits each block's projections
+# over the replica's processes, checkpointing recomputes activations, compile fuses each block's ops, and
+# the replicas share the work: DDP (each whole) or FSDP (each holding a shard). The parameters keep
+# their names throughout, so checkpoints move between layouts.
+if tp_size > 1:
+    c = model.config
+    if c.n_head % tp_size or c.n_kv_head % tp_size:
+        fail(f"tp_size={tp_size} must divide n_head={c.n_head} and n_kv_head={c.n_kv_head} (attention is split "
+             f"by heads)")
+    if lora:
+        fail("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model (tp_size=1)")
+    if optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
+        fail("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
+    # q, k, v, gate and up by their outputs (heads, hidden units), their consumers by their inputs: each
+    # process computes its heads and hidden units whole, and one all-reduce per pair joins the results
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], plan)
+if gradient_checkpointing:  # keep each block's input only; recompute the rest when the gradient comes back
+    for block in model.blocks:
+        block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+if compile:  # block by block, in place: the parameters' names stay as they are
+    for block in model.blocks:
+        block.compile()
+if fsdp:
+    # Each block is one FSDP unit, gathered whole only while it computes (forward and backward) and split
+    # over the processes otherwise; the root unit holds the rest (embedding, final norm, head). Under bf16
+    # the gathered weights are bf16 and gradients are reduced in fp32; the shards stay fp32 master weights.
+    mixed = MixedPrecisionPolicy()
+    if dtype == "bfloat16":
+        mixed = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if fsdp_cpu_offload else OffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
+    register_fsdp_forward_method(model, "loss_and_accuracy")  # evaluation calls it instead of forward
+raw_model = model
+if ddp and dp_size > 1 and tp_size == 1 and not fsdp:
+    model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
 try:
-    optimizers = model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2),
+    optimizers = raw_model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2),
                                             device_type, momentum, muon_lr, muon_momentum)
 except ValueError as e:
     fail(str(e))
+if tp_size > 1 and not fsdp:  # split (DTensor) and whole parameters side by side: one kind per fused step
+    for group in (g for opt in optimizers for g in opt.param_groups):
+        group.update(fused=False, foreach=False)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 
 
@@ -450,9 +491,12 @@ if checkpoint is not None:
     # "optimizer": the one every run has (AdamW, Adam or SGD); "muon": Muon's, under optimizer='muon'
     trained_with = checkpoint["config"].get("optimizer", "adamw")
     if trained_with != optimizer:
-        fail(f"{found_ckpt} was trained with optimizer={trained_with!r}: resume with --optimizer={trained_with}")
+        fail(f"{found_ckpt} was trained with optimizer={trained_with!r}: resume with "
+             f"--optimizer={trained_with}")
+    # how this layout steps (fused or not) is its own, not the saving layout's: kept through the loading
+    steps_as = [{k: g[k] for k in ("fused", "foreach") if k in g} for opt in optimizers for g in opt.param_groups]
     if from_shards:  # each process reads what its shards need, resharded from however they were saved
-        model_state, optim_state = sharded_state(model)
+        model_state, optim_state = sharded_state(raw_model)
         try:
             with warnings.catch_warnings():  # without a process group it warns that it reads in one process
                 warnings.simplefilter("ignore")
@@ -460,33 +504,31 @@ if checkpoint is not None:
         except (dcp.api.CheckpointException, RuntimeError, OSError) as e:
             fail(f"{found_ckpt} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); resume "
                  f"from another (ckpt_best, ckpt_NNNNNNN)")
-        set_state_dict(model, optimizers, model_state_dict=model_state, options=StateDictOptions(strict=not lora),
-                       optim_state_dict={"state": optim_state["state"], "param_groups": checkpoint["param_groups"]})
-    elif fsdp:  # a single file into shards: keyed by parameter name, split as the parameters are
-        names = {id(p): n for n, p in model.named_parameters()}
+        optim_state["param_groups"] = checkpoint["param_groups"]
+        set_state_dict(raw_model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=StateDictOptions(strict=not lora))
+    elif sharded:  # a single file into shards: keyed by parameter name, split as the parameters are
+        names = {id(p): n for n, p in raw_model.named_parameters()}
         order = [names[id(p)] for group in optimizers[0].param_groups for p in group["params"]]
         saved = checkpoint["optimizer"]
-        optim_state = {"state": {order[i]: state for i, state in saved["state"].items()},
-                       "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
-        set_state_dict(model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
+        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in saved["param_groups"]]
+        optim_state = {"state": {order[i]: state for i, state in saved["state"].items()}, "param_groups": groups}
+        set_state_dict(raw_model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
                        options=StateDictOptions(full_state_dict=True))
     else:
         optimizers[0].load_state_dict(checkpoint["optimizer"])
         if len(optimizers) > 1:
             optimizers[1].load_state_dict(checkpoint["muon"])
     scaler.load_state_dict(checkpoint["scaler"])
+    for group, chosen in zip([g for opt in optimizers for g in opt.param_groups], steps_as):
+        group.update(chosen)
 peak_lrs = [learning_rate, muon_lr][:len(optimizers)]  # the schedule scales each optimizer's own peak
-torch.manual_seed(seed + rank)  # dropout differs between processes
+torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None and len(checkpoint["rng"]) == world_size:
     torch.set_rng_state(checkpoint["rng"][rank]["cpu"])
     if device_type == "cuda" and checkpoint["rng"][rank]["cuda"] is not None:
         torch.cuda.set_rng_state(checkpoint["rng"][rank]["cuda"])
 checkpoint = None  # free it
-raw_model = model
-if compile:
-    model = torch.compile(model)
-if ddp and not fsdp:
-    model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
 flops_per_token = raw_model.flops_per_token(block_size)
 peak = peak_flops(device, ptdtype)
 if master:
@@ -516,20 +558,26 @@ def lr_factor(it):
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)  # cosine
 
 
-def clip_gradients(params, max_norm):
-    # Scale all gradients down together so that their global norm is at most max_norm; returns that norm.
-    # Under FSDP or tensor parallel a gradient is a DTensor, this process's part of it: the norm of each
-    # group split alike (the same mesh and placements) is computed from the parts, combined over the
-    # processes by full_tensor(), and the groups' norms are combined here.
-    groups = {}
-    for p in params:
+def average_gradients():
+    # tensor parallel without FSDP: each replica's gradients (its shards of them) averaged over the replicas
+    for p in raw_model.parameters():
         if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p.grad)
-    norms = [torch.nn.utils.get_total_norm(grads) for grads in groups.values()]
-    norms = [(n.full_tensor() if isinstance(n, DTensor) else n).to(device) for n in norms]
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(grad, group=mesh["dp"].get_group())
+            grad /= dp_size
+
+
+def clip_gradients(max_norm):
+    # the norm of all the gradients, whatever holds them: plain tensors, or shards (DTensors) over a mesh,
+    # each group of one mesh and layout reduced over it; then every gradient scaled down to max_norm
+    grads = [p.grad for p in raw_model.parameters() if p.grad is not None]
+    groups = {}
+    for g in grads:
+        groups.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(g)
+    norms = [torch.nn.utils.get_total_norm(group) for group in groups.values()]
+    total = torch.nn.utils.get_total_norm([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_, on each process's shards
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
     return total
 
 
@@ -631,8 +679,8 @@ def save_checkpoint(improved):
     else:
         rngs = [rng]
     state = {
-        "scaler": scaler.state_dict(), "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
-        "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
+        "scaler": scaler.state_dict(), "model_args": model_args, "iter_num": iter_num,
+        "best_val_loss": best_val_loss, "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
         "evaluated": evaluated_at == iter_num, "config": config, "world_size": world_size, "rng": rngs,
         "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
         "pretrained": pretrained,  # the Hugging Face folder the run began from, if any
@@ -668,7 +716,8 @@ def save_checkpoint(improved):
         copy_checkpoint(latest, os.path.join(out_dir, "ckpt_best" + suffix))
     if keep_last_n > 0:
         copy_checkpoint(latest, os.path.join(out_dir, f"ckpt_{iter_num:07d}{suffix}"))
-        steps = [(int(m[1]), f) for f in os.listdir(out_dir) if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f))]
+        steps = [(int(m[1]), f) for f in os.listdir(out_dir)
+                 if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f))]
         kept = sorted({step for step, _ in steps})[-keep_last_n:]
         for step, old in steps:
             if step not in kept:
@@ -782,9 +831,11 @@ while True:
         both = torch.cat([loss_sum.view(1), stop])
         dist.all_reduce(both)
         loss_sum, stop = both[0] / world_size, both[1:]
+    if tp_size > 1 and dp_size > 1 and not fsdp:  # (FSDP reduces its shards' gradients itself)
+        average_gradients()
     for opt in optimizers:
         scaler.unscale_(opt)
-    grad_norm = clip_gradients(list(raw_model.parameters()), grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = clip_gradients(grad_clip if grad_clip > 0 else float("inf"))
     # one copy to the host per step: on a GPU each .item() waits for all the work queued before it
     loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm.view(1).float(), stop]).tolist()
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
@@ -802,7 +853,8 @@ while True:
         opt.zero_grad(set_to_none=True)
     if skipped_in_a_row >= max_skipped_steps:
         fail(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped, and "
-             f"{ckpt_path} is the last good state (lower learning_rate, or check the data)")
+             f"{os.path.join(out_dir, 'ckpt' if sharded else 'ckpt.pt')} is the last good state (lower "
+             f"learning_rate, or check the data)")
     iter_num += 1
     iters_since_log += 1
 
