@@ -549,7 +549,7 @@ def filter_logits(logits, top_k=None, top_p=None):
 
 def find_checkpoint(path):
     """The newest checkpoint of a name, as train.py writes them: 'out/ckpt.pt' (or 'out/ckpt') -> out/ckpt.pt
-    (a file), out/ckpt/ (a sharded folder, written by FSDP runs with torch.distributed.checkpoint) or
+    (a file), out/ckpt/ (a sharded folder: FSDP and tensor parallel write torch.distributed.checkpoint's) or
     out/ckpt.old/ (the previous folder, where a save was killed between its two renames); of those that
     exist, the one at the latest step. None if there is none. A folder counts only with its state.pt."""
     if os.path.isfile(path) and not path.endswith(".pt"):

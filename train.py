@@ -494,7 +494,8 @@ if checkpoint is not None:
         fail(f"{found_ckpt} was trained with optimizer={trained_with!r}: resume with "
              f"--optimizer={trained_with}")
     # how this layout steps (fused or not) is its own, not the saving layout's: kept through the loading
-    steps_as = [{k: g[k] for k in ("fused", "foreach") if k in g} for opt in optimizers for g in opt.param_groups]
+    steps_as = [{k: group[k] for k in ("fused", "foreach") if k in group}
+                for opt in optimizers for group in opt.param_groups]
     if from_shards:  # each process reads what its shards need, resharded from however they were saved
         model_state, optim_state = sharded_state(raw_model)
         try:
@@ -520,7 +521,7 @@ if checkpoint is not None:
         if len(optimizers) > 1:
             optimizers[1].load_state_dict(checkpoint["muon"])
     scaler.load_state_dict(checkpoint["scaler"])
-    for group, chosen in zip([g for opt in optimizers for g in opt.param_groups], steps_as):
+    for group, chosen in zip([group for opt in optimizers for group in opt.param_groups], steps_as):
         group.update(chosen)
 peak_lrs = [learning_rate, muon_lr][:len(optimizers)]  # the schedule scales each optimizer's own peak
 torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
@@ -603,10 +604,11 @@ def estimate_loss():
 
 # -----------------------------------------------------------------------------
 # checkpoints: written under a temporary name, flushed and renamed, so a crash never leaves half of one.
-# A plain run writes one file, ckpt.pt. An FSDP run writes a folder, ckpt/, with torch.distributed.checkpoint:
-# each process its own shards (nothing is gathered whole), then the master state.pt (everything else
-# ckpt.pt holds, the optimizer's settings included). A folder counts as a checkpoint only with its state.pt,
-# written after every shard and deleted before any. ckpt_best and ckpt_NNNNNNN follow the same layout.
+# A plain run writes one file, ckpt.pt. An FSDP or tensor-parallel run writes a folder, ckpt/, with
+# torch.distributed.checkpoint: each process its own shards (nothing is gathered whole), then the master
+# state.pt (everything else ckpt.pt holds, the optimizer's settings included). A folder counts as a
+# checkpoint only with its state.pt, written after every shard and deleted before any. ckpt_best and
+# ckpt_NNNNNNN follow the same layout.
 
 
 def write_file(state, path):
@@ -837,7 +839,9 @@ while True:
         scaler.unscale_(opt)
     grad_norm = clip_gradients(grad_clip if grad_clip > 0 else float("inf"))
     # one copy to the host per step: on a GPU each .item() waits for all the work queued before it
-    loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm.view(1).float(), stop]).tolist()
+    # (the norm of gradients offloaded to the CPU is on the CPU)
+    grad_norm = grad_norm.view(1).float().to(device)
+    loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm, stop]).tolist()
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
         for opt in optimizers:
             scaler.step(opt)
