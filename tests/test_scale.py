@@ -40,7 +40,7 @@ def whole_checkpoint(path):
 # FSDP gives DDP's losses, and its checkpoints load into other layouts
 
 
-def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_1_2_and_4_processes(data_dir, tmp_path):
+def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", "--batch_size=2", "--gradient_accumulation_steps=4",
             "--eval_interval=2"]
     run(*args, f"--out_dir={tmp_path / 'ddp'}", "--max_iters=8", torchrun=TWO)
@@ -71,6 +71,10 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_1_2_and_4_processes(data
     assert "4 process(es)" in out.stdout and "warning" not in out.stdout
     assert_close_losses(losses(tmp_path / "fsdp"), ddp, [5, 6])
     assert len(list((tmp_path / "fsdp" / "ckpt").glob("*.distcp"))) == 4
+    # and on as FSDP x tensor parallel (2 replicas of 2)
+    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=8", "--fsdp=True", "--tp_size=2", "--init_from=resume",
+        torchrun=FOUR)
+    assert_close_losses(losses(tmp_path / "fsdp"), ddp, [7, 8])
     # and a single file into shards: the 1-process run's ckpt.pt, resumed under FSDP on 2
     run(*args, f"--out_dir={one}", "--max_iters=8", "--fsdp=True", "--init_from=auto", torchrun=TWO)
     assert_close_losses(losses(one), ddp, [7, 8])
