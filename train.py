@@ -419,7 +419,7 @@ vocab_size = model_args["vocab_size"]
 if fsdp and lora and lora_base_dtype == "nf4":
     fail("lora_base_dtype='nf4' cannot be sharded by fsdp=True (FSDP does not split 4-bit tensors): use "
          "lora_base_dtype='bfloat16' with fsdp, or nf4 without it")
-if not fsdp:  # (under FSDP the model stays on the CPU: each process moves only its shards to the device)
+if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded below)
     model.to(device)
 if lora and lora_base_dtype == "nf4":
     try:
