@@ -623,6 +623,118 @@ def peak_flops(device, dtype):
 
 
 # -----------------------------------------------------------------------------
+# memory: what one training process holds, estimated from the shapes alone (a model on the meta device
+# will do), for planning a run and for checking one against torch.cuda.max_memory_allocated
+
+# tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
+# projections after them by input columns; embeddings, norms and the head stay whole
+COLUMN_PARALLEL = ("attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias", "attn.v.weight",
+                   "attn.v.bias", "mlp.gate.weight", "mlp.up.weight")
+ROW_PARALLEL = ("attn.proj.weight", "mlp.down.weight")
+MEMORY_KINDS = ("weights", "grads", "optimizer", "activations", "copies", "temporary", "device", "host")
+
+
+def tensor_bytes(t):
+    # a tensor's own bytes; a tensor subclass (torchao's NF4) is the sum of the tensors it is made of
+    if hasattr(t, "__tensor_flatten__") and type(t) is not nn.Parameter:
+        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
+def nf4_bytes(n):
+    # n values in NF4 as quantize_base holds them: 4 bits each, an int8 scale per 64, an fp32 scale
+    # per 256 of those, their mean and the 16-entry table
+    return n // 2 + n // 64 + 4 * (n // 64 // math.gcd(256, n // 64)) + 4 + 64
+
+
+def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="adamw", dp=1, tp=1, fsdp=False,
+                    checkpointing=False, offload=False, nf4=False):
+    """Bytes one training process holds, by kind (MEMORY_KINDS), for one micro-batch of batch_size
+    sequences of block_size tokens. weights; grads (under DDP with its flat buckets beside them);
+    optimizer, its state; activations, what autograd keeps of the forward for the backward (with
+    checkpointing: each block's input, and one block's activations at a time); copies, the weights in
+    the compute dtype (the copies autocast keeps for the backward, or under FSDP the gathered root and
+    one block with its gradients); temporary, the loss's logits-sized buffers; device, their sum less
+    what offload moves out; host, weights, gradients and optimizer state when offloaded.
+    The layout: dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2,
+    like torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
+    nf4: the frozen projections in NF4 (a model quantized already is counted as it is). Not counted:
+    dropout's masks, document masks, the allocator's caching and the kernels' own workspace."""
+    c = model.config
+    e = 4 if dtype == "float32" else 2  # an activation's bytes in the compute dtype
+    params = list(model.named_parameters())  # a tied weight once
+    trained = [(n, p) for n, p in params if p.requires_grad]
+
+    def local(name, p, shard=fsdp):  # how many of a parameter's values this process holds
+        shape = list(p.shape)
+        if tp > 1 and name.endswith(COLUMN_PARALLEL):
+            shape[0] //= tp
+        if tp > 1 and name.endswith(ROW_PARALLEL):
+            shape[1] //= tp
+        if shard:
+            shape[0] = -(-shape[0] // dp)
+        return math.prod(shape)
+
+    def held(name, p):  # the bytes of this process's part
+        if hasattr(p, "__tensor_flatten__"):  # quantized already: its parts, in proportion
+            return tensor_bytes(p) * local(name, p) // p.numel()
+        if nf4 and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:
+            return nf4_bytes(local(name, p))
+        return local(name, p) * p.element_size()
+
+    weights = sum(held(n, p) for n, p in params)
+    grads = sum(local(n, p) * p.element_size() for n, p in trained) * (2 if dp > 1 and not fsdp else 1)
+    optim = 0
+    for n, p in trained:  # Adam's two moments and its step, SGD's momentum, Muon's momentum for the blocks' matrices
+        in_muon = optimizer == "muon" and "blocks." in n and p.dim() == 2
+        moments = 1 if in_muon or optimizer == "sgd" else 2
+        optim += moments * local(n, p) * p.element_size() + (4 if moments == 2 else 0)
+
+    # activations, counted from what autograd saves in forward (see tests/test_memory.py): per token
+    N, C, D, F, V = batch_size * block_size, c.n_embd, c.head_size, c.mlp_hidden, c.vocab_size
+    H, Hkv, fused = c.n_head // tp, c.n_kv_head // tp, c.use_kernels
+    r = e if fsdp else model.wte.weight.element_size()  # the residual stream's: the embedding's dtype
+    norm = (r + e if fused else 4 + r + e) * C + 4  # input (in fp32), normalized, output as matmul input; 1/rms
+    attn = (2 * H + 2 * Hkv) * D * e + 4 * H  # q and k rotated, v, output; logsumexp
+    mlp = (3 if fused else 4) * (F // tp) * e  # gate, up, product; silu(gate) too unless the kernel recomputes it
+    block = N * (2 * norm + attn + mlp)
+    head = N * (norm + 16) + ((N + V) * C * (4 if dtype == "float16" else e) if fused else N * V * 4)
+    activations = head + (c.n_layer * N * C * r + block if checkpointing else c.n_layer * block)
+    temporary = min(N * V, kernels.LCE_CHUNK_ELEMENTS) * e if fused else 2 * N * V * 4
+
+    blocks = [(n, p) for n, p in params if "blocks." in n]
+    one_block = [(n, p) for n, p in blocks if "blocks.0." in n]
+    if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, one block and its gradients
+        root = sum(local(n, p, shard=False) for n, p in params if "blocks." not in n)
+        copies = (root + 2 * sum(local(n, p, shard=False) for n, p in one_block)) * e
+    else:  # autocast's copies of the matmuls' weights, kept for the backward (recomputed under checkpointing)
+        matmuls = (one_block if checkpointing else blocks) + [
+            (n, p) for n, p in params if "blocks." not in n and (c.tie_embeddings or "wte" not in n)]
+        copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
+    out = dict(weights=weights, grads=grads, optimizer=optim, activations=activations, copies=copies,
+               temporary=temporary, host=weights + grads + optim if offload else 0)
+    out["device"] = sum(out[k] for k in MEMORY_KINDS[:6]) - out["host"]
+    return out
+
+
+def memory_layout(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False):
+    # memory_estimate's layout in a few words, for memory_table: "FSDP x8 + TP x8 + checkpointing"
+    parts = [f"{'FSDP' if fsdp else 'DDP'} x{dp}"] if dp > 1 or fsdp else []
+    parts += [f"TP x{tp}"] if tp > 1 else []
+    parts += ["checkpointing"] if checkpointing else []
+    parts += ["offload"] if offload else []
+    return " + ".join(parts) or "1 process"
+
+
+def memory_table(rows):
+    """[(layout, memory_estimate's dict)] -> a Markdown table in MiB, a row each."""
+    lines = ["| MiB per process | " + " | ".join(MEMORY_KINDS) + " |", "| --- " * (len(MEMORY_KINDS) + 1) + "|"]
+    for name, estimate in rows:
+        lines.append(f"| {name} | " + " | ".join(f"{estimate[k] / 2**20:,.0f}" for k in MEMORY_KINDS) + " |")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
 # Hugging Face's config.json and tensor names for the families from_pretrained reads
 
 LORA_TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
-from model import GPT, GPTConfig, fingerprint, load_checkpoint, peak_flops, pick_device
+from model import (GPT, GPTConfig, fingerprint, load_checkpoint, memory_estimate, memory_layout, memory_table,
+                   peak_flops, pick_device)
 from tokenizer import load_tokenizer, make_tokenizer, read_meta
 
 # -----------------------------------------------------------------------------
@@ -100,6 +101,11 @@ device = "auto"  # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', '
 dtype = "auto"  # 'float32', 'bfloat16', 'float16' (with a gradient scaler); auto: bf16 where supported on CUDA
 compile = False  # torch.compile the model (slow first step, faster after)
 seed = 1337  # sets the initial weights, the data order and dropout
+# past one device's memory (README: "Scaling up"): shard, split, recompute, offload
+fsdp = False  # FSDP2: shard weights, gradients and optimizer state over the data-parallel processes
+fsdp_cpu_offload = False  # with fsdp: weights, gradients and optimizer state wait in CPU memory (CUDA only)
+tp_size = 1  # tensor parallel over this many processes of a node: attention by heads, the MLP by its width
+gradient_checkpointing = False  # keep only each block's input; recompute the rest in the backward pass
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
 config = {k: globals()[k] for k in config_keys}
@@ -401,6 +407,13 @@ peak = peak_flops(device, ptdtype)
 if master:
     trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
     print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {model_args}")
+# what each process should hold, by kind, printed before the first step; on CUDA the first log line shows
+# the measured peak beside it
+layout = dict(dp=world_size // tp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing,
+              offload=fsdp_cpu_offload)
+memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, nf4=lora_base_dtype == "nf4", **layout)
+if master:
+    print(memory_table([(memory_layout(**layout), memory)]))
 
 
 def lr_factor(it):
@@ -555,7 +568,7 @@ signal.signal(signal.SIGINT, request_stop)
 # -----------------------------------------------------------------------------
 # the training loop
 
-t_log, iters_since_log = time.time(), 0
+t_log, iters_since_log, logged = time.time(), 0, False
 while True:
     # evaluate (and checkpoint) every eval_interval steps and at the end
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != evaluated_at:
@@ -631,10 +644,13 @@ while True:
     if iter_num % log_interval == 0 and master and skipped_in_a_row == 0:
         dt = (time.time() - t_log) / iters_since_log
         tokens_per_s = tokens_per_iter / dt
+        # the first line on CUDA puts the measured peak beside the estimate printed at the start
+        memory_note = f" (estimate {memory['device'] / 2**20:,.0f} MB)" if device_type == "cuda" and not logged else ""
+        logged = True
         mfu = flops_per_token * tokens_per_s / world_size / peak if peak else None  # None: peak unknown
         print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
               f"epoch {epoch():.2f}, {dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, "
-              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {memory_mb():,.0f} MB")
+              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {memory_mb():,.0f} MB{memory_note}")
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
              "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb(), "epoch": epoch()})
         t_log, iters_since_log = time.time(), 0
