@@ -648,14 +648,16 @@ def nf4_bytes(n):
 
 
 def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="adamw", dp=1, tp=1, fsdp=False,
-                    checkpointing=False, offload=False, nf4=False):
+                    checkpointing=False, offload=False, nf4=False, micro_steps=1):
     """Bytes one training process holds, by kind (MEMORY_KINDS), for one micro-batch of batch_size
     sequences of block_size tokens. weights; grads (under DDP with its flat buckets beside them);
     optimizer, its state; activations, what autograd keeps of the forward for the backward (with
     checkpointing: each block's input, and one block's activations at a time); copies, the weights in
     the compute dtype (the copies autocast keeps for the backward, or under FSDP the gathered root and
-    one block with its gradients); temporary, the loss's logits-sized buffers; device, their sum less
-    what offload moves out; host, weights, gradients and optimizer state when offloaded.
+    one block with its gradients); temporary, the loss's logits-sized buffers; host, weights, gradients
+    and optimizer state when offloaded; device, the peak on the device, at the loss: everything but the
+    gradients, which are None until the backward makes them while it frees the activations (DDP's
+    buckets and, with micro_steps > 1 per process, the gradients kept between micro-steps, count).
     The layout: dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2,
     like torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
     nf4: the frozen projections in NF4 (a model quantized already is counted as it is). Not counted:
@@ -676,14 +678,15 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
         return math.prod(shape)
 
     def held(name, p):  # the bytes of this process's part
-        if hasattr(p, "__tensor_flatten__"):  # quantized already: its parts, in proportion
+        if hasattr(p, "get_original_weight"):  # in NF4 already: its parts, in proportion
             return tensor_bytes(p) * local(name, p) // p.numel()
         if nf4 and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:
             return nf4_bytes(local(name, p))
         return local(name, p) * p.element_size()
 
     weights = sum(held(n, p) for n, p in params)
-    grads = sum(local(n, p) * p.element_size() for n, p in trained) * (2 if dp > 1 and not fsdp else 1)
+    ddp = dp > 1 and not fsdp
+    grads = sum(local(n, p) * p.element_size() for n, p in trained) * (2 if ddp else 1)
     optim = 0
     for n, p in trained:  # Adam's two moments and its step, SGD's momentum, Muon's momentum for the blocks' matrices
         in_muon = optimizer == "muon" and "blocks." in n and p.dim() == 2
@@ -711,10 +714,11 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
         matmuls = (one_block if checkpointing else blocks) + [
             (n, p) for n, p in params if "blocks." not in n and (c.tie_embeddings or "wte" not in n)]
         copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
-    out = dict(weights=weights, grads=grads, optimizer=optim, activations=activations, copies=copies,
-               temporary=temporary, host=weights + grads + optim if offload else 0)
-    out["device"] = sum(out[k] for k in MEMORY_KINDS[:6]) - out["host"]
-    return out
+    host = weights + grads + optim if offload else 0
+    kept = grads if micro_steps > 1 else grads // 2 if ddp else 0  # gradients present at the loss
+    device = copies + max(activations + temporary + kept, grads) + (0 if offload else weights + optim)
+    return dict(weights=weights, grads=grads, optimizer=optim, activations=activations, copies=copies,
+                temporary=temporary, device=device, host=host)
 
 
 def memory_layout(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False):

@@ -1,0 +1,103 @@
+"""The memory estimate (model.memory_estimate): its weights, gradients and optimizer state against the bytes
+of the real tensors after a step (one process, FSDP on two, LoRA), its activations against what autograd
+saves, and bench.py --mode=memory."""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, memory_estimate, nf4_bytes, tensor_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)
+
+
+def real_bytes(model, optimizers):
+    # what one step left in memory: parameters, their gradients and every optimizer's state
+    def size(t):
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this process's shard
+        return tensor_bytes(t)
+    params = list(model.parameters())
+    return {"weights": sum(size(p) for p in params), "grads": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(t) for opt in optimizers for state in opt.state.values() for t in state.values())}
+
+
+def one_step(model, kind):
+    optimizers = model.configure_optimizers(kind, 1e-3, 0.1, (0.9, 0.95), "cpu")
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    _, loss = model(x, x)
+    loss.backward()
+    for opt in optimizers:
+        opt.step()
+    return real_bytes(model, optimizers)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "muon"])
+def test_weights_grads_and_optimizer_state_are_the_real_tensors_bytes(kind):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE))
+    real = one_step(model, kind)
+    estimate = memory_estimate(model, 2, 16, "float32", kind)
+    assert {k: estimate[k] for k in real} == real
+
+
+def test_lora_counts_only_the_adapters_gradients_and_state():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE)).to(torch.bfloat16).add_lora(4)  # a bf16 base, fp32 adapters
+    real = one_step(model, "adamw")
+    estimate = memory_estimate(model, 2, 16, "bfloat16", "adamw")
+    assert {k: estimate[k] for k in real} == real
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert real["grads"] == 4 * adapters < real["weights"]
+
+
+def test_nf4_base_is_counted_at_its_size():
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SHAPE, "n_embd": 64})).add_lora(4)
+    planned = memory_estimate(model, 2, 16, "float32", "adamw", nf4=True)  # before quantizing: from the shapes
+    model.quantize_base()
+    real = one_step(model, "adamw")
+    assert {k: planned[k] for k in real} == real
+    assert nf4_bytes(64 * 64) == tensor_bytes(model.blocks[0].attn.proj.weight)
+
+
+FSDP_WORKER = """
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from model import GPT, GPTConfig, memory_estimate
+sys.path.insert(0, "tests")
+from test_memory import SHAPE, one_step
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = GPT(GPTConfig(**SHAPE))
+for block in model.blocks:
+    fully_shard(block)
+fully_shard(model)
+real = one_step(model, "adamw")
+estimate = memory_estimate(model, 2, 16, "float32", "adamw", dp=2, fsdp=True)
+if dist.get_rank() == 0:
+    print(json.dumps({"real": real, "estimate": {k: estimate[k] for k in real}}))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_on_two_processes_is_rank_0s_shards(tmp_path):
+    # vocab_size 67 is odd: rank 0 holds 34 rows of the embedding (torch.chunk's split), rank 1 33
+    script = tmp_path / "worker.py"
+    script.write_text(FSDP_WORKER)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["real"] == result["estimate"]
+    whole = memory_estimate(GPT(GPTConfig(**SHAPE)), 2, 16, "float32", "adamw")
+    assert whole["weights"] / 2 < result["real"]["weights"] < whole["weights"]  # half, and a row more
