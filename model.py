@@ -693,15 +693,27 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
         moments = 1 if in_muon or optimizer == "sgd" else 2
         optim += moments * local(n, p) * p.element_size() + (4 if moments == 2 else 0)
 
-    # activations, counted from what autograd saves in forward (see tests/test_memory.py): per token
-    N, C, D, F, V = batch_size * block_size, c.n_embd, c.head_size, c.mlp_hidden, c.vocab_size
+    # activations: what autograd saves in forward, counted by tests/test_memory.py, in bytes per token
+    N, C, D, F, V = batch_size * block_size, c.n_embd, c.head_size, c.mlp_hidden // tp, c.vocab_size
     H, Hkv, fused = c.n_head // tp, c.n_kv_head // tp, c.use_kernels
     r = e if fsdp else model.wte.weight.element_size()  # the residual stream's: the embedding's dtype
-    norm = (r + e if fused else 4 + r + e) * C + 4  # input (in fp32), normalized, output as matmul input; 1/rms
+    lora = set(c.lora_targets.split(",")) if c.lora_rank else set()  # adapted projections
+    norm = (r if fused else 4) * C + 4  # a norm's input (the reference's in fp32) and 1/rms
     attn = (2 * H + 2 * Hkv) * D * e + 4 * H  # q and k rotated, v, output; logsumexp
-    mlp = (3 if fused else 4) * (F // tp) * e  # gate, up, product; silu(gate) too unless the kernel recomputes it
-    block = N * (2 * norm + attn + mlp)
-    head = N * (norm + 16) + ((N + V) * C * (4 if dtype == "float16" else e) if fused else N * V * 4)
+    mlp = (2 if fused else 3) * F * e  # gate, up, and silu(gate) unless the kernel recomputes it
+    if not lora:  # every matmul keeps its input: the norms' outputs, the product into mlp.down
+        inputs = 2 * (0 if fused else r) * C + (2 * C + F) * e  # (and the reference norm its normalized input)
+    elif e < 4:  # autocast casts each adapter's fp32 input again, and each cast is kept; a frozen base keeps none
+        sizes = {"q": C, "k": C, "v": C, "o": H * D, "gate": C, "up": C, "down": F}
+        inputs = sum(sizes[t] for t in lora) * e + len(lora) * c.lora_rank * e
+    else:  # in fp32 the adapters keep their inputs as they are: attention's and the MLP's once each
+        inputs = (C * bool(lora & {"q", "k", "v"}) + C * bool(lora & {"gate", "up"}) + F * ("down" in lora)) * 4
+        inputs += len(lora) * c.lora_rank * 4
+    block = N * (2 * norm + attn + mlp + inputs)
+    head_input = 0 if lora or fused else (r + e) * C  # the reference norm's normalized input, its output
+    # the head: the token ids (and the reference's targets), then the fused kernel's gradients or the log-softmax
+    head = N * (norm + head_input + (8 if fused else 16))
+    head += (N + V) * C * (4 if dtype == "float16" else e) if fused else N * V * 4
     activations = head + (c.n_layer * N * C * r + block if checkpointing else c.n_layer * block)
     temporary = min(N * V, kernels.LCE_CHUNK_ELEMENTS) * e if fused else 2 * N * V * 4
 
@@ -710,9 +722,11 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, one block and its gradients
         root = sum(local(n, p, shard=False) for n, p in params if "blocks." not in n)
         copies = (root + 2 * sum(local(n, p, shard=False) for n, p in one_block)) * e
-    else:  # autocast's copies of the matmuls' weights, kept for the backward (recomputed under checkpointing)
-        matmuls = (one_block if checkpointing else blocks) + [
-            (n, p) for n, p in params if "blocks." not in n and (c.tie_embeddings or "wte" not in n)]
+    else:  # autocast's copies of the matmuls' weights, kept for the backward (recomputed under checkpointing);
+        # the head's too, where the fused loss does not make its gradients in the forward
+        head_weight = [] if c.use_kernels else [(n, p) for n, p in params if n.endswith(
+            "wte.weight" if c.tie_embeddings else "lm_head.weight")]
+        matmuls = (one_block if checkpointing else blocks) + head_weight
         copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
     host = weights + grads + optim if offload else 0
     kept = grads if micro_steps > 1 else grads // 2 if ddp else 0  # gradients present at the loss

@@ -411,7 +411,8 @@ if master:
 # the measured peak beside it
 layout = dict(dp=world_size // tp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing,
               offload=fsdp_cpu_offload)
-memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, nf4=lora_base_dtype == "nf4", **layout)
+memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, nf4=lora_base_dtype == "nf4",
+                         micro_steps=micro_steps, **layout)
 if master:
     print(memory_table([(memory_layout(**layout), memory)]))
 
