@@ -278,17 +278,9 @@ if args.mode == "load":
 FINETUNES = {"full": [], "LoRA": ["--lora_rank=16"], "QLoRA": ["--lora_rank=16", "--lora_base_dtype=nf4"]}
 
 
-def tensor_bytes(t):
-    # a tensor's own bytes; a tensor subclass (torchao's NF4) is the sum of the tensors it is made of
-    import torch
-    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.nn.Parameter:
-        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-    return t.numel() * t.element_size()
-
-
 def bench_lora():
     import torch
-    from model import GPT, GPTConfig
+    from model import GPT, GPTConfig, tensor_bytes
     shape = dict(vocab_size=151936, block_size=4096, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_size=128,
                  mlp_hidden=3072, qk_norm=True, family="qwen3")
     with tempfile.TemporaryDirectory() as tmp:

@@ -101,3 +101,57 @@ def test_fsdp_on_two_processes_is_rank_0s_shards(tmp_path):
     assert result["real"] == result["estimate"]
     whole = memory_estimate(GPT(GPTConfig(**SHAPE)), 2, 16, "float32", "adamw")
     assert whole["weights"] / 2 < result["real"]["weights"] < whole["weights"]  # half, and a row more
+
+
+def saved_bytes(model, batch_size, block_size, dtype):
+    # what autograd keeps of one forward for the backward: the bytes of the distinct storages its saved
+    # tensors live in, less the parameters' and buffers' own (those are the weights)
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = torch.randint(0, model.config.vocab_size, (batch_size, block_size))
+    autocast = contextlib.nullcontext() if dtype == "float32" else torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(x, x)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape, batch_size, block_size", [
+    (SHAPE, 2, 16),
+    (dict(vocab_size=1024, block_size=64, n_layer=3, n_head=6, n_embd=96, tie_embeddings=False, use_kernels=False), 3, 64),
+])
+def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtype):
+    # under autocast the bf16 copies of the weights are saved tensors too: the estimate's copies
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape))
+    real = saved_bytes(model, batch_size, block_size, dtype)
+    estimate = memory_estimate(model, batch_size, block_size, dtype)
+    assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.1 * real
+    assert (estimate["copies"] > 0) == (dtype == "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_activations_are_what_autograd_saves(dtype):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE)).to(getattr(torch, dtype)).add_lora(4, targets="q,v,o,up,down")
+    real = saved_bytes(model, 2, 16, dtype)
+    estimate = memory_estimate(model, 2, 16, dtype)
+    assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.1 * real
+
+
+def test_bench_memory_mode_plans_1_8_and_64_gpus():
+    done = subprocess.run([sys.executable, "bench.py", "--mode=memory", "config/train_gpt2.py", "--batch_size=8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): [float(v.replace(",", "")) for v in line.split("|")[2:-1]]
+            for line in done.stdout.splitlines() if line.startswith("| ") and "GPU" in line}
+    assert {name.split(":")[0] for name in rows} == {"1 GPU", "8 GPUs", "64 GPUs"}
+    single, fsdp = rows["1 GPU: 1 process"], rows["8 GPUs: FSDP x8"]
+    assert 123e6 * 4 / 2**20 <= single[0] < 125e6 * 4 / 2**20  # GPT-2 small's 124M fp32 weights
+    assert fsdp[0] == pytest.approx(single[0] / 8, rel=0.01)  # sharded eight ways
+    assert rows["8 GPUs: FSDP x8 + checkpointing"][3] < fsdp[3] / 3  # activations recomputed
