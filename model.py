@@ -655,9 +655,9 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     checkpointing: each block's input, and one block's activations at a time); copies, the weights in
     the compute dtype (the copies autocast keeps for the backward, or under FSDP the gathered root and
     one block with its gradients); temporary, the loss's logits-sized buffers; host, weights, gradients
-    and optimizer state when offloaded; device, the peak on the device, at the loss: everything but the
-    gradients, which are None until the backward makes them while it frees the activations (DDP's
-    buckets and, with micro_steps > 1 per process, the gradients kept between micro-steps, count).
+    and optimizer state when offloaded; device, the peak on the device: at the loss (gradients are None
+    between steps, so only DDP's buckets are there, and with micro_steps > 1 per process those kept
+    between micro-steps) or, under checkpointing, while the backward recomputes a block.
     The layout: dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2,
     like torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
     nf4: the frozen projections in NF4 (a model quantized already is counted as it is). Not counted:
@@ -714,7 +714,8 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     # the head: the token ids (and the reference's targets), then the fused kernel's gradients or the log-softmax
     head = N * (norm + head_input + (8 if fused else 16))
     head += (N + V) * C * (4 if dtype == "float16" else e) if fused else N * V * 4
-    activations = head + (c.n_layer * N * C * r + block if checkpointing else c.n_layer * block)
+    stored = c.n_layer * N * C * r if checkpointing else c.n_layer * block  # through the whole forward
+    activations = head + stored + (block if checkpointing else 0)
     temporary = min(N * V, kernels.LCE_CHUNK_ELEMENTS) * e if fused else 2 * N * V * 4
 
     blocks = [(n, p) for n, p in params if "blocks." in n]
@@ -729,8 +730,11 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
         matmuls = (one_block if checkpointing else blocks) + head_weight
         copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
     host = weights + grads + optim if offload else 0
-    kept = grads if micro_steps > 1 else grads // 2 if ddp else 0  # gradients present at the loss
-    device = copies + max(activations + temporary + kept, grads) + (0 if offload else weights + optim)
+    # the peak comes at the loss, with the gradients kept from earlier micro-steps (and DDP's buckets); or,
+    # under checkpointing, while the backward recomputes a block with nearly every gradient made
+    kept = grads if micro_steps > 1 else grads // 2 if ddp else 0
+    peak = max(head + stored + temporary + kept, stored + block + grads if checkpointing else grads)
+    device = copies + peak + (0 if offload else weights + optim)
     return dict(weights=weights, grads=grads, optimizer=optim, activations=activations, copies=copies,
                 temporary=temporary, device=device, host=host)
 
