@@ -751,8 +751,10 @@ def memory_layout(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False):
 def memory_table(rows):
     """[(layout, memory_estimate's dict)] -> a Markdown table in MiB, a row each."""
     lines = ["| MiB per process | " + " | ".join(MEMORY_KINDS) + " |", "| --- " * (len(MEMORY_KINDS) + 1) + "|"]
+    def mib(n):  # small models' figures keep two decimals
+        return f"{n / 2**20:,.0f}" if n >= 10 * 2**20 else f"{n / 2**20:.2f}"
     for name, estimate in rows:
-        lines.append(f"| {name} | " + " | ".join(f"{estimate[k] / 2**20:,.0f}" for k in MEMORY_KINDS) + " |")
+        lines.append(f"| {name} | " + " | ".join(mib(estimate[k]) for k in MEMORY_KINDS) + " |")
     return "\n".join(lines)
 
 

@@ -155,3 +155,18 @@ def test_bench_memory_mode_plans_1_8_and_64_gpus():
     assert 123e6 * 4 / 2**20 <= single[0] < 125e6 * 4 / 2**20  # GPT-2 small's 124M fp32 weights
     assert fsdp[0] == pytest.approx(single[0] / 8, rel=0.01)  # sharded eight ways
     assert rows["8 GPUs: FSDP x8 + checkpointing"][3] < fsdp[3] / 3  # activations recomputed
+
+
+def test_train_prints_the_estimate_before_the_first_step(data_dir, tmp_path):
+    done = subprocess.run([sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                           "--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=4",
+                           "--max_iters=1", "--eval_iters=1", "--log_interval=1", "--device=cpu"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    table = lines.index("| MiB per process | weights | grads | optimizer | activations | copies | temporary | device "
+                        "| host |")
+    weights = sum(p.numel() for p in GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=64))
+                  .parameters()) * 4
+    assert lines[table + 2].startswith(f"| 1 process | {weights / 2**20:.2f} | {weights / 2**20:.2f} |")
+    assert table < min(i for i, line in enumerate(lines) if line.startswith("iter 1:"))
