@@ -195,7 +195,8 @@ def bench_memory():
         if g.lora_rank:  # the frozen base in the dtype it computes in (nf4: counted at its size)
             base = dtype if g.lora_base_dtype in ("auto", "nf4") else g.lora_base_dtype
             model.to(getattr(torch, base)).add_lora(g.lora_rank, g.lora_alpha, g.lora_dropout, g.lora_targets)
-    layouts = [(1, dict()), (1, dict(checkpointing=True)), (1, dict(fsdp=True, checkpointing=True, offload=True))]
+    layouts = [(1, dict()), (1, dict(checkpointing=True)),
+               (1, dict(fsdp=True, checkpointing=True, offload=True))]
     for gpus in (8, 64):
         layouts += [(gpus, dict(dp=gpus)), (gpus, dict(dp=gpus, fsdp=True)),
                     (gpus, dict(dp=gpus, fsdp=True, checkpointing=True))]
@@ -205,11 +206,11 @@ def bench_memory():
             layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=True, checkpointing=True)))
         layouts.append((gpus, dict(dp=gpus, fsdp=True, checkpointing=True, offload=True)))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"{model.num_params() / 1e6:,.1f}M parameters ({trained / 1e6:,.1f}M trained), {dtype}, {g.optimizer}, "
-          f"micro-batch {g.batch_size} x {g.block_size} tokens per GPU")
+    print(f"{model.num_params() / 1e6:,.1f}M parameters ({trained / 1e6:,.1f}M trained), {dtype}, "
+          f"{g.optimizer}, micro-batch {g.batch_size} x {g.block_size} tokens per GPU")
     rows = [(f"{gpus} GPU{'s' * (gpus > 1)}: {memory_layout(**layout)}",
-             memory_estimate(model, g.batch_size, g.block_size, dtype, g.optimizer, nf4=g.lora_base_dtype == "nf4",
-                             **layout)) for gpus, layout in layouts]
+             memory_estimate(model, g.batch_size, g.block_size, dtype, g.optimizer,
+                             nf4=g.lora_base_dtype == "nf4", **layout)) for gpus, layout in layouts]
     print(memory_table(rows))
 
 

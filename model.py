@@ -649,7 +649,7 @@ def nf4_bytes(n):
 
 def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="adamw", dp=1, tp=1, fsdp=False,
                     checkpointing=False, offload=False, nf4=False, micro_steps=1):
-    """Bytes one training process holds, by kind (MEMORY_KINDS), for one micro-batch of batch_size
+    """Bytes one training process holds, by kind (MEMORY_KINDS), for micro-batches of batch_size
     sequences of block_size tokens. weights; grads (under DDP with its flat buckets beside them);
     optimizer, its state; activations, what autograd keeps of the forward for the backward (with
     checkpointing: each block's input, and one block's activations at a time); copies, the weights in
@@ -688,55 +688,63 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     ddp = dp > 1 and not fsdp
     grads = sum(local(n, p) * p.element_size() for n, p in trained) * (2 if ddp else 1)
     optim = 0
-    for n, p in trained:  # Adam's two moments and its step, SGD's momentum, Muon's momentum for the blocks' matrices
-        in_muon = optimizer == "muon" and "blocks." in n and p.dim() == 2
-        moments = 1 if in_muon or optimizer == "sgd" else 2
+    for n, p in trained:  # Adam's two moments and its step; SGD's momentum; Muon's for the blocks' matrices
+        moments = 1 if optimizer == "sgd" or (optimizer == "muon" and "blocks." in n and p.dim() == 2) else 2
         optim += moments * local(n, p) * p.element_size() + (4 if moments == 2 else 0)
-
-    # activations: what autograd saves in forward, counted by tests/test_memory.py, in bytes per token
-    N, C, D, F, V = batch_size * block_size, c.n_embd, c.head_size, c.mlp_hidden // tp, c.vocab_size
-    H, Hkv, fused = c.n_head // tp, c.n_kv_head // tp, c.use_kernels
-    r = e if fsdp else model.wte.weight.element_size()  # the residual stream's: the embedding's dtype
-    lora = set(c.lora_targets.split(",")) if c.lora_rank else set()  # adapted projections
-    norm = (r if fused else 4) * C + 4  # a norm's input (the reference's in fp32) and 1/rms
-    attn = (2 * H + 2 * Hkv) * D * e + 4 * H  # q and k rotated, v, output; logsumexp
-    mlp = (2 if fused else 3) * F * e  # gate, up, and silu(gate) unless the kernel recomputes it
-    if not lora:  # every matmul keeps its input: the norms' outputs, the product into mlp.down
-        inputs = 2 * (0 if fused else r) * C + (2 * C + F) * e  # (and the reference norm its normalized input)
-    elif e < 4:  # autocast casts each adapter's fp32 input again, and each cast is kept; a frozen base keeps none
-        sizes = {"q": C, "k": C, "v": C, "o": H * D, "gate": C, "up": C, "down": F}
-        inputs = sum(sizes[t] for t in lora) * e + len(lora) * c.lora_rank * e
-    else:  # in fp32 the adapters keep their inputs as they are: attention's and the MLP's once each
-        inputs = (C * bool(lora & {"q", "k", "v"}) + C * bool(lora & {"gate", "up"}) + F * ("down" in lora)) * 4
-        inputs += len(lora) * c.lora_rank * 4
-    block = N * (2 * norm + attn + mlp + inputs)
-    head_input = 0 if lora or fused else (r + e) * C  # the reference norm's normalized input, its output
-    # the head: the token ids (and the reference's targets), then the fused kernel's gradients or the log-softmax
-    head = N * (norm + head_input + (8 if fused else 16))
-    head += (N + V) * C * (4 if dtype == "float16" else e) if fused else N * V * 4
-    stored = c.n_layer * N * C * r if checkpointing else c.n_layer * block  # through the whole forward
-    activations = head + stored + (block if checkpointing else 0)
-    temporary = min(N * V, kernels.LCE_CHUNK_ELEMENTS) * e if fused else 2 * N * V * 4
 
     blocks = [(n, p) for n, p in params if "blocks." in n]
     one_block = [(n, p) for n, p in blocks if "blocks.0." in n]
-    if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, one block and its gradients
+    if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, a block and its gradients
         root = sum(local(n, p, shard=False) for n, p in params if "blocks." not in n)
         copies = (root + 2 * sum(local(n, p, shard=False) for n, p in one_block)) * e
-    else:  # autocast's copies of the matmuls' weights, kept for the backward (recomputed under checkpointing);
-        # the head's too, where the fused loss does not make its gradients in the forward
-        head_weight = [] if c.use_kernels else [(n, p) for n, p in params if n.endswith(
-            "wte.weight" if c.tie_embeddings else "lm_head.weight")]
+    else:  # autocast's copies of the matmuls' weights, kept for the backward (recomputed under
+        # checkpointing); the head's too, unless the fused loss makes its gradients in the forward
+        head = "wte.weight" if c.tie_embeddings else "lm_head.weight"
+        head_weight = [] if c.use_kernels else [(n, p) for n, p in params if n.endswith(head)]
         matmuls = (one_block if checkpointing else blocks) + head_weight
         copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
-    host = weights + grads + optim if offload else 0
+
+    r = e if fsdp else model.wte.weight.element_size()  # the residual stream's dtype: the embedding's
+    block, head, temporary = activation_bytes(c, batch_size * block_size, dtype, r, tp)
+    stored = c.n_layer * batch_size * block_size * c.n_embd * r if checkpointing else c.n_layer * block
     # the peak comes at the loss, with the gradients kept from earlier micro-steps (and DDP's buckets); or,
     # under checkpointing, while the backward recomputes a block with nearly every gradient made
     kept = grads if micro_steps > 1 else grads // 2 if ddp else 0
     peak = max(head + stored + temporary + kept, stored + block + grads if checkpointing else grads)
-    device = copies + peak + (0 if offload else weights + optim)
-    return dict(weights=weights, grads=grads, optimizer=optim, activations=activations, copies=copies,
-                temporary=temporary, device=device, host=host)
+    host = weights + grads + optim if offload else 0
+    return dict(weights=weights, grads=grads, optimizer=optim, copies=copies, temporary=temporary, host=host,
+                activations=head + stored + (block if checkpointing else 0),
+                device=copies + peak + (0 if offload else weights + optim))
+
+
+def activation_bytes(c, N, dtype, r, tp=1):
+    """What autograd saves in the forward of N tokens, in bytes, as tests/test_memory.py counts it: (one
+    block's, the head's, the loss's short-lived logits-sized buffers). r: bytes of the residual stream's
+    dtype; tp: the tensor-parallel split of attention's heads and the MLP's width."""
+    e = 4 if dtype == "float32" else 2  # the compute dtype's
+    C, D, F, V = c.n_embd, c.head_size, c.mlp_hidden // tp, c.vocab_size
+    H, Hkv = c.n_head // tp, c.n_kv_head // tp
+    lora = set(c.lora_targets.split(",")) if c.lora_rank else set()  # the adapted projections
+    fused = c.use_kernels
+    norm = (r if fused else 4) * C + 4  # a norm's input (the reference's in fp32) and 1/rms
+    attn = (2 * H + 2 * Hkv) * D * e + 4 * H  # q and k rotated, v, output; logsumexp
+    mlp = (2 if fused else 3) * F * e  # gate, up, and silu(gate) unless the kernel recomputes it
+    if not lora:  # every matmul keeps its input (the norms' outputs, the product into mlp.down), and the
+        # reference norm its normalized input
+        inputs = 2 * (0 if fused else r) * C + (2 * C + F) * e
+    elif e < 4:  # autocast casts each adapter's fp32 input, and keeps each cast; a frozen base keeps none
+        sizes = {"q": C, "k": C, "v": C, "o": H * D, "gate": C, "up": C, "down": F}
+        inputs = sum(sizes[t] for t in lora) * e + len(lora) * c.lora_rank * e
+    else:  # in fp32 the adapters keep their inputs as they are: attention's and the MLP's once each
+        inputs = C * bool(lora & {"q", "k", "v"}) + C * bool(lora & {"gate", "up"}) + F * ("down" in lora)
+        inputs = (inputs + len(lora) * c.lora_rank) * 4
+    block = N * (2 * norm + attn + mlp + inputs)
+    # the head: the final norm, the token ids (and the reference's targets), then the fused loss's gradients
+    # or the reference's log-softmax
+    head = N * (norm + (0 if lora or fused else (r + e) * C) + (8 if fused else 16))
+    head += (N + V) * C * (4 if dtype == "float16" else e) if fused else N * V * 4
+    temporary = min(N * V, kernels.LCE_CHUNK_ELEMENTS) * e if fused else 2 * N * V * 4
+    return block, head, temporary
 
 
 def memory_layout(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False):
@@ -750,9 +758,9 @@ def memory_layout(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False):
 
 def memory_table(rows):
     """[(layout, memory_estimate's dict)] -> a Markdown table in MiB, a row each."""
-    lines = ["| MiB per process | " + " | ".join(MEMORY_KINDS) + " |", "| --- " * (len(MEMORY_KINDS) + 1) + "|"]
     def mib(n):  # small models' figures keep two decimals
         return f"{n / 2**20:,.0f}" if n >= 10 * 2**20 else f"{n / 2**20:.2f}"
+    lines = ["| MiB per process | " + " | ".join(MEMORY_KINDS) + " |", "| --- " * 9 + "|"]
     for name, estimate in rows:
         lines.append(f"| {name} | " + " | ".join(mib(estimate[k]) for k in MEMORY_KINDS) + " |")
     return "\n".join(lines)

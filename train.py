@@ -646,7 +646,8 @@ while True:
         dt = (time.time() - t_log) / iters_since_log
         tokens_per_s = tokens_per_iter / dt
         # the first line on CUDA puts the measured peak beside the estimate printed at the start
-        memory_note = f" (estimate {memory['device'] / 2**20:,.0f} MB)" if device_type == "cuda" and not logged else ""
+        first_on_cuda = device_type == "cuda" and not logged
+        memory_note = f" (estimate {memory['device'] / 2**20:,.0f} MB)" if first_on_cuda else ""
         logged = True
         mfu = flops_per_token * tokens_per_s / world_size / peak if peak else None  # None: peak unknown
         print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "

@@ -24,8 +24,9 @@ def real_bytes(model, optimizers):
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this process's shard
         return tensor_bytes(t)
     params = list(model.parameters())
-    return {"weights": sum(size(p) for p in params), "grads": sum(size(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(size(t) for opt in optimizers for state in opt.state.values() for t in state.values())}
+    return {"weights": sum(size(p) for p in params),
+            "grads": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(t) for opt in optimizers for s in opt.state.values() for t in s.values())}
 
 
 def one_step(model, kind):
@@ -61,7 +62,7 @@ def test_nf4_base_is_counted_at_its_size():
     pytest.importorskip("torchao")
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**SHAPE, "n_embd": 64})).add_lora(4)
-    planned = memory_estimate(model, 2, 16, "float32", "adamw", nf4=True)  # before quantizing: from the shapes
+    planned = memory_estimate(model, 2, 16, "float32", "adamw", nf4=True)  # before quantizing: the shapes
     model.quantize_base()
     real = one_step(model, "adamw")
     assert {k: planned[k] for k in real} == real
@@ -93,8 +94,8 @@ def test_fsdp_on_two_processes_is_rank_0s_shards(tmp_path):
     # vocab_size 67 is odd: rank 0 holds 34 rows of the embedding (torch.chunk's split), rank 1 33
     script = tmp_path / "worker.py"
     script.write_text(FSDP_WORKER)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run([*torchrun, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -123,7 +124,8 @@ def saved_bytes(model, batch_size, block_size, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape, batch_size, block_size", [
     (SHAPE, 2, 16),
-    (dict(vocab_size=1024, block_size=64, n_layer=3, n_head=6, n_embd=96, tie_embeddings=False, use_kernels=False), 3, 64),
+    (dict(vocab_size=1024, block_size=64, n_layer=3, n_head=6, n_embd=96, tie_embeddings=False,
+          use_kernels=False), 3, 64),
 ])
 def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtype):
     # under autocast the bf16 copies of the weights are saved tensors too: the estimate's copies
@@ -145,8 +147,8 @@ def test_lora_activations_are_what_autograd_saves(dtype):
 
 
 def test_bench_memory_mode_plans_1_8_and_64_gpus():
-    done = subprocess.run([sys.executable, "bench.py", "--mode=memory", "config/train_gpt2.py", "--batch_size=8"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "bench.py", "--mode=memory", "config/train_gpt2.py", "--batch_size=8"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {line.split("|")[1].strip(): [float(v.replace(",", "")) for v in line.split("|")[2:-1]]
             for line in done.stdout.splitlines() if line.startswith("| ") and "GPU" in line}
@@ -158,15 +160,16 @@ def test_bench_memory_mode_plans_1_8_and_64_gpus():
 
 
 def test_train_prints_the_estimate_before_the_first_step(data_dir, tmp_path):
-    done = subprocess.run([sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-                           "--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=4",
-                           "--max_iters=1", "--eval_iters=1", "--log_interval=1", "--device=cpu"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=2",
+               "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=4", "--max_iters=1",
+               "--eval_iters=1", "--log_interval=1", "--device=cpu"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    table = lines.index("| MiB per process | weights | grads | optimizer | activations | copies | temporary | device "
-                        "| host |")
-    weights = sum(p.numel() for p in GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=64))
-                  .parameters()) * 4
+    table = lines.index("| MiB per process | weights | grads | optimizer | activations | copies | temporary "
+                        "| device | host |")
+    shape = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=64)  # 62 characters, padded
+    weights = sum(p.numel() for p in GPT(shape).parameters()) * 4
     assert lines[table + 2].startswith(f"| 1 process | {weights / 2**20:.2f} | {weights / 2**20:.2f} |")
     assert table < min(i for i, line in enumerate(lines) if line.startswith("iter 1:"))
