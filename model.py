@@ -709,9 +709,10 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     stored = c.n_layer * batch_size * block_size * c.n_embd * r if checkpointing else c.n_layer * block
     # the peak comes at the loss, with the gradients kept from earlier micro-steps (and DDP's buckets); or,
     # under checkpointing, while the backward recomputes a block with nearly every gradient made
-    kept = grads if micro_steps > 1 else grads // 2 if ddp else 0
-    peak = max(head + stored + temporary + kept, stored + block + grads if checkpointing else grads)
     host = weights + grads + optim if offload else 0
+    made = 0 if offload else grads  # offloaded, the gradients go to the host as they are made
+    kept = made if micro_steps > 1 else made // 2 if ddp else 0
+    peak = max(head + stored + temporary + kept, stored + block + made if checkpointing else made)
     return dict(weights=weights, grads=grads, optimizer=optim, copies=copies, temporary=temporary, host=host,
                 activations=head + stored + (block if checkpointing else 0),
                 device=copies + peak + (0 if offload else weights + optim))
