@@ -97,8 +97,7 @@ def folder_dtype(pretrained):
 
 
 def write_adapter(model, checkpoint, folder):
-    # peft's layout: adapter_config.json, and lora_A/lora_B of each adapted module under transformers'
-    # names; our fused q/k/v and gate/up are split here, each part being its own module there
+    # peft's layout: adapter_config.json, and lora_A/lora_B of each adapted module under transformers' names
     from safetensors.torch import save_file
 
     from model import LORA_TARGETS
@@ -106,12 +105,11 @@ def write_adapter(model, checkpoint, folder):
     if not c.lora_rank:
         raise ValueError("--adapter exports a LoRA run's adapters, and this run trained every weight (leave it out)")
     tensors = {}
-    for i, linear, _ in model.lora_projections():
-        lora = getattr(linear, "lora", None)
-        for part in lora.A if lora is not None else ():
-            module = f"base_model.model.model.layers.{i}.{LORA_TARGETS[part]}"
-            tensors[f"{module}.lora_A.weight"] = lora.A[part].detach().contiguous()
-            tensors[f"{module}.lora_B.weight"] = lora.B[part].detach().contiguous()
+    for i, name, linear in model.lora_projections():
+        if getattr(linear, "lora", None) is not None:
+            module = f"base_model.model.model.layers.{i}.{LORA_TARGETS[name]}"
+            tensors[f"{module}.lora_A.weight"] = linear.lora.A.detach().contiguous()
+            tensors[f"{module}.lora_B.weight"] = linear.lora.B.detach().contiguous()
     targets = [LORA_TARGETS[t].split(".")[-1] for t in c.lora_targets.split(",")]
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": checkpoint["pretrained"],
               "r": c.lora_rank, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,

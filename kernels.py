@@ -266,7 +266,7 @@ if HAS_TRITON:
                        SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                        ACC: tl.constexpr):
         # one program per token (b, t): all its heads share one row of cos and sin.
-        # x may be any strided view (a slice of a fused qkv); y is contiguous (B, T, H, D).
+        # x may be any strided view (a slice of a wider tensor); y is contiguous (B, T, H, D).
         pid = tl.program_id(0)
         b, t = pid // T, pid % T
         h, d = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_D)[None, :]

@@ -99,35 +99,26 @@ def rotary_tables(head_size, length, theta, scaling=None):
 
 
 class LoRA(nn.Module):
-    """Low-rank adapters for a frozen projection: each adapted part s of its output gains
-    (alpha/rank)·B_s A_s x, with A_s (rank, in) and B_s (size, rank). B starts at zero, so an adapted
-    model starts exactly as its base. A fused projection (q, k and v in one) has a part for each."""
+    """A low-rank adapter for a frozen projection: its output gains (alpha/rank)·B A x, with A (rank, in)
+    and B (out, rank). B starts at zero, so an adapted model starts exactly as its base."""
 
-    def __init__(self, in_features, parts, rank, alpha, dropout):
-        # parts: [(name, size, adapted)] in the order of the projection's output
+    def __init__(self, in_features, out_features, rank, alpha, dropout):
         super().__init__()
-        self.parts = [(name, size) for name, size, _ in parts]
-        self.A = nn.ParameterDict({n: nn.Parameter(torch.empty(rank, in_features)) for n, _, on in parts if on})
-        self.B = nn.ParameterDict({n: nn.Parameter(torch.zeros(size, rank)) for n, size, on in parts if on})
-        for a in self.A.values():
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # nn.Linear's own init, as peft does
+        self.A = nn.Parameter(torch.empty(rank, in_features))
+        self.B = nn.Parameter(torch.zeros(out_features, rank))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))  # nn.Linear's own init, as peft does
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        # in the adapters' own dtype (fp32) whatever the frozen base's: a bf16 base on a CPU without
+        # in the adapter's own dtype (fp32) whatever the frozen base's: a bf16 base on a CPU without
         # autocast would otherwise multiply bf16 by fp32; under autocast the matmuls are bf16 anyway
-        x = self.dropout(x).to(self.B[next(iter(self.B))].dtype)
-        out = [(x @ self.A[n].t()) @ self.B[n].t() * self.scale if n in self.A else x.new_zeros(*x.shape[:-1], size)
-               for n, size in self.parts]
-        return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+        x = self.dropout(x).to(self.B.dtype)
+        return (x @ self.A.t()) @ self.B.t() * self.scale
 
     def delta(self):
         # the change to the frozen weight, (out, in) in fp32, for merging
-        rows = [self.scale * self.B[n].float() @ self.A[n].float() if n in self.A else
-                torch.zeros(size, next(iter(self.A.values())).shape[1], device=self.B[next(iter(self.B))].device)
-                for n, size in self.parts]
-        return torch.cat(rows, dim=0)
+        return self.scale * self.B.float() @ self.A.float()
 
 
 def adapted(linear, x):
@@ -141,7 +132,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
         q_size, kv_size = self.n_head * self.head_size, self.n_kv_head * self.head_size
-        self.qkv = nn.Linear(config.n_embd, q_size + 2 * kv_size, bias=config.qkv_bias)
+        # separate projections (not one fused qkv): tensor parallel splits each by heads
+        self.q = nn.Linear(config.n_embd, q_size, bias=config.qkv_bias)
+        self.k = nn.Linear(config.n_embd, kv_size, bias=config.qkv_bias)
+        self.v = nn.Linear(config.n_embd, kv_size, bias=config.qkv_bias)
         self.proj = nn.Linear(q_size, config.n_embd, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_size, config.norm_eps, ops)
@@ -153,15 +147,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache=None, mask=None):
         B, T, C = x.shape
-        q_size, kv_size = self.n_head * self.head_size, self.n_kv_head * self.head_size
-        qk, v = adapted(self.qkv, x).split([q_size + kv_size, kv_size], dim=2)
-        qk = qk.view(B, T, self.n_head + self.n_kv_head, self.head_size)  # (B, T, H + Hkv, D)
-        v = v.view(B, T, self.n_kv_head, self.head_size)  # (B, T, Hkv, D)
-        if self.qk_norm:  # each with its own weight, then rotated together
-            q, k = qk.split([self.n_head, self.n_kv_head], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        # head counts from the shapes: under tensor parallel a process holds only its share of the heads
+        q = adapted(self.q, x).view(B, T, -1, self.head_size)  # (B, T, H, D)
+        k = adapted(self.k, x).view(B, T, -1, self.head_size)  # (B, T, Hkv, D)
+        v = adapted(self.v, x).view(B, T, -1, self.head_size)
+        n_head, n_kv_head = q.size(2), k.size(2)
+        if self.qk_norm:  # each with its own weight
+            q, k = self.q_norm(q), self.k_norm(k)
         # queries and keys rotated in one call: half the small ops of two (on CPU, ~5% of a small model's step)
-        q, k = self.ops.apply_rotary(qk, cos, sin).split([self.n_head, self.n_kv_head], dim=2)
+        q, k = self.ops.apply_rotary(torch.cat([q, k], dim=2), cos, sin).split([n_head, n_kv_head], dim=2)
         if cache is not None:  # generation: prepend the keys and values of earlier positions
             if cache:
                 k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
@@ -169,7 +163,7 @@ class Attention(nn.Module):
         # a single query attends to the whole cache; otherwise queries and keys start together
         causal = T > 1
         dropout = self.dropout if self.training else 0.0
-        gqa = self.n_kv_head != self.n_head
+        gqa = n_kv_head != n_head
         if mask is not None and not isinstance(mask, torch.Tensor):  # documents on CUDA: FlexAttention
             y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                                enable_gqa=gqa).transpose(1, 2)
@@ -184,21 +178,21 @@ class Attention(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 dropout_p=dropout, is_causal=causal, enable_gqa=gqa,
             ).transpose(1, 2)  # (B, T, H, D)
-        return self.resid_dropout(adapted(self.proj, y.reshape(B, T, q_size)))
+        return self.resid_dropout(adapted(self.proj, y.reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
     def __init__(self, config, ops):
         super().__init__()
         # by default 2/3 of the classic 4x width, which keeps parameters equal to a GELU MLP
-        self.gate_up = nn.Linear(config.n_embd, 2 * config.mlp_hidden, bias=False)
+        self.gate = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
+        self.up = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
         self.down = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
         self.ops = ops
 
     def forward(self, x):
-        gate, up = adapted(self.gate_up, x).chunk(2, dim=-1)
-        return self.dropout(adapted(self.down, self.ops.swiglu(gate, up)))
+        return self.dropout(adapted(self.down, self.ops.swiglu(adapted(self.gate, x), adapted(self.up, x))))
 
 
 class Block(nn.Module):
@@ -356,14 +350,11 @@ class GPT(nn.Module):
     # LoRA: a frozen base, trainable low-rank adapters, merged back for deployment
 
     def lora_projections(self):
-        # (block index, projection, [(part, output size)]) for every projection LoRA can adapt
-        c = self.config
-        q, kv, hidden = c.n_head * c.head_size, c.n_kv_head * c.head_size, c.mlp_hidden
+        # (block index, LoRA's name for it, projection) for every projection LoRA can adapt
         for i, block in enumerate(self.blocks):
-            yield i, block.attn.qkv, [("q", q), ("k", kv), ("v", kv)]
-            yield i, block.attn.proj, [("o", c.n_embd)]
-            yield i, block.mlp.gate_up, [("gate", hidden), ("up", hidden)]
-            yield i, block.mlp.down, [("down", c.n_embd)]
+            a, m = block.attn, block.mlp
+            yield from [(i, "q", a.q), (i, "k", a.k), (i, "v", a.v), (i, "o", a.proj),
+                        (i, "gate", m.gate), (i, "up", m.up), (i, "down", m.down)]
 
     def add_lora(self, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down"):
         """Freeze every weight and give the projections named in targets (comma-separated, of q, k, v,
@@ -375,16 +366,16 @@ class GPT(nn.Module):
         self.config.lora_rank, self.config.lora_alpha, self.config.lora_dropout = rank, alpha, dropout
         self.config.lora_targets = targets
         self.requires_grad_(False)
-        for _, linear, parts in self.lora_projections():
-            if chosen & {name for name, _ in parts}:
-                lora = LoRA(linear.in_features, [(n, size, n in chosen) for n, size in parts], rank, alpha, dropout)
+        for _, name, linear in self.lora_projections():
+            if name in chosen:
+                lora = LoRA(linear.in_features, linear.out_features, rank, alpha, dropout)
                 linear.lora = lora.to(linear.weight.device)
         return self
 
     def merge_lora(self):
         """Fold every adapter into its weight, W + (alpha/rank)·B·A computed in fp32 and cast back to
         W's dtype, and drop the adapters: a plain model again, with the same outputs."""
-        for _, linear, _ in self.lora_projections():
+        for _, _, linear in self.lora_projections():
             if getattr(linear, "lora", None) is not None:
                 weight = linear.weight.detach()
                 if hasattr(weight, "get_original_weight"):  # 4-bit: back to the dtype it was quantized from
@@ -402,7 +393,7 @@ class GPT(nn.Module):
             from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
         except ImportError:
             raise ValueError("4-bit base weights need torchao: pip install torchao") from None
-        for _, linear, _ in self.lora_projections():
+        for _, _, linear in self.lora_projections():
             n = linear.weight.numel()
             if n % 64:
                 raise ValueError(f"a {tuple(linear.weight.shape)} weight cannot be held in nf4 (blocks of 64 values)")
@@ -413,8 +404,7 @@ class GPT(nn.Module):
 
 
     # -------------------------------------------------------------------------
-    # Hugging Face folders in and out: transformers' names and shapes, our fused tensors split
-    # and joined here and nowhere else
+    # Hugging Face folders in and out: transformers' names here and nowhere else
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, block_size=None, **overrides):
@@ -439,7 +429,7 @@ class GPT(nn.Module):
             model = cls(config)
         model = model.to(dtype).to_empty(device="cpu").materialize()
         params = dict(model.named_parameters())
-        layout = {name: (ours, rows) for name, ours, rows in hf_layout(config)}
+        layout = hf_layout(config)
         missing = set(layout)
         for file in files:
             with open_safetensors(file) as f, torch.no_grad():
@@ -448,8 +438,7 @@ class GPT(nn.Module):
                         continue  # derived from the config, or the tied embedding stored twice
                     if name not in layout:
                         raise ValueError(f"{file} holds {name}, which this model.py does not implement")
-                    ours, rows = layout[name]
-                    target = params[ours] if rows is None else params[ours][rows[0]:rows[1]]
+                    target = params[layout[name]]
                     tensor = f.get_tensor(name)
                     if tensor.shape != target.shape:
                         raise ValueError(f"{name} in {file} has shape {tuple(tensor.shape)}, but config.json "
@@ -475,6 +464,9 @@ class GPT(nn.Module):
         from_pretrained. A LoRA run's checkpoint holds only the adapters: they go onto its base folder
         again, read in base_dtype, which must be the very model the run began from."""
         args = {**checkpoint["model_args"], **overrides}
+        if any(".qkv." in name or ".gate_up." in name for name in checkpoint["model"]):
+            raise ValueError("this checkpoint is from an older model.py (fused attn.qkv and mlp.gate_up, before "
+                             "2026-11-22): sample, export or resume it with that version")
         if not args.get("lora_rank"):
             with torch.device("meta"):  # the checkpoint's tensors become the weights: no second copy
                 model = cls(GPTConfig(**args))
@@ -506,8 +498,8 @@ class GPT(nn.Module):
             json.dump(hf_config(self.config, self.wte.weight.dtype, eos_token_id), f, indent=2)
         params = dict(self.named_parameters())
         shards, size = [[]], 0
-        for hf, ours, rows in hf_layout(self.config):
-            tensor = params[ours] if rows is None else params[ours][rows[0]:rows[1]]
+        for hf, ours in hf_layout(self.config).items():
+            tensor = params[ours]
             if shards[-1] and size + tensor.nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -515,7 +507,7 @@ class GPT(nn.Module):
             size += tensor.nbytes
         names = ["model.safetensors"] if len(shards) == 1 else \
             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        for name, shard in zip(names, shards):  # one shard in memory at a time, copied off our fused tensors
+        for name, shard in zip(names, shards):  # one shard in memory at a time
             save_file({hf: t.detach().to("cpu", copy=True).contiguous() for hf, t in shard}, path / name,
                       metadata={"format": "pt"})
         if len(shards) > 1:
@@ -685,7 +677,7 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
         return local(name, p) * p.element_size()
 
     weights = sum(held(n, p) for n, p in params)
-    ddp = dp > 1 and not fsdp
+    ddp = dp > 1 and not fsdp and tp == 1  # (tensor parallel replicas average their gradients without DDP)
     grads = sum(local(n, p) * p.element_size() for n, p in trained) * (2 if ddp else 1)
     optim = 0
     for n, p in trained:  # Adam's two moments and its step; SGD's momentum; Muon's for the blocks' matrices
@@ -888,27 +880,22 @@ def hf_config(config, dtype, eos_token_id=None):
 
 
 def hf_layout(config):
-    """(transformers' name, our parameter, rows of ours or None) for every tensor. q, k and v are
-    stacked in that order in our attn.qkv, gate and up in mlp.gate_up."""
+    """{transformers' name: our parameter's name} for every tensor of a model of this config."""
     c = config
-    q, kv, hidden = c.n_head * c.head_size, c.n_kv_head * c.head_size, c.mlp_hidden
-    out = [("model.embed_tokens.weight", "wte.weight", None), ("model.norm.weight", "norm_f.weight", None)]
+    out = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "norm_f.weight"}
     if not c.tie_embeddings:
-        out.append(("lm_head.weight", "lm_head.weight", None))
+        out["lm_head.weight"] = "lm_head.weight"
     for i in range(c.n_layer):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-        out += [(hf + "input_layernorm.weight", ours + "norm1.weight", None),
-                (hf + "post_attention_layernorm.weight", ours + "norm2.weight", None),
-                (hf + "self_attn.o_proj.weight", ours + "attn.proj.weight", None),
-                (hf + "mlp.gate_proj.weight", ours + "mlp.gate_up.weight", (0, hidden)),
-                (hf + "mlp.up_proj.weight", ours + "mlp.gate_up.weight", (hidden, 2 * hidden)),
-                (hf + "mlp.down_proj.weight", ours + "mlp.down.weight", None)]
-        kinds = ("weight", "bias") if c.qkv_bias else ("weight",)
-        for kind in kinds:
-            out += [(hf + f"self_attn.q_proj.{kind}", ours + f"attn.qkv.{kind}", (0, q)),
-                    (hf + f"self_attn.k_proj.{kind}", ours + f"attn.qkv.{kind}", (q, q + kv)),
-                    (hf + f"self_attn.v_proj.{kind}", ours + f"attn.qkv.{kind}", (q + kv, q + 2 * kv))]
+        out.update({hf + "input_layernorm.weight": ours + "norm1.weight",
+                    hf + "post_attention_layernorm.weight": ours + "norm2.weight"})
+        for theirs, mine in [("self_attn.q_proj", "attn.q"), ("self_attn.k_proj", "attn.k"),
+                             ("self_attn.v_proj", "attn.v"), ("self_attn.o_proj", "attn.proj"),
+                             ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.up"), ("mlp.down_proj", "mlp.down")]:
+            out[hf + theirs + ".weight"] = ours + mine + ".weight"
+        if c.qkv_bias:
+            out.update({hf + f"self_attn.{x}_proj.bias": ours + f"attn.{x}.bias" for x in "qkv"})
         if c.qk_norm:
-            out += [(hf + "self_attn.q_norm.weight", ours + "attn.q_norm.weight", None),
-                    (hf + "self_attn.k_norm.weight", ours + "attn.k_norm.weight", None)]
+            out.update({hf + "self_attn.q_norm.weight": ours + "attn.q_norm.weight",
+                        hf + "self_attn.k_norm.weight": ours + "attn.k_norm.weight"})
     return out

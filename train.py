@@ -10,6 +10,8 @@ DDP over 8 GPUs on one node, or over several nodes (run the same line on each, w
     torchrun --nnodes=4 --node_rank=0 --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29500 train.py config/train_small.py
 
+Past one device's memory add --fsdp=True, --tp_size=N, --gradient_checkpointing=True (README: Scaling up).
+
 Continue a run from out_dir/ckpt.pt exactly where it stopped: add --init_from=resume (or use
 --init_from=auto, which resumes when there is a checkpoint: the same command after every preemption).
 """
@@ -26,10 +28,15 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
+from functools import partial
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
@@ -157,10 +164,17 @@ if ddp:
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend=backend)
-if gradient_accumulation_steps % world_size:
+# Processes form a (data parallel, tensor parallel) grid: the tp_size processes of one model replica are
+# neighbours (one node), they share their batches, and the replicas split the data between them
+if tp_size < 1 or world_size % tp_size:
+    fail(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, N a multiple)")
+dp_size = world_size // tp_size
+mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp")) if ddp else None
+dp_rank = mesh["dp"].get_local_rank() if ddp else 0
+if gradient_accumulation_steps % dp_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
-         f"{world_size} processes (it counts micro-steps over all of them)")
-micro_steps = gradient_accumulation_steps // world_size  # this process's share
+         f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")
+micro_steps = gradient_accumulation_steps // dp_size  # this replica's share
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 ptdtype = getattr(torch, dtype)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
@@ -329,9 +343,9 @@ if init_from == "resume":
             print(f"this run stopped early at step {iter_num} (no better val loss in {evals_without_gain} "
                   f"evaluations): nothing to do; raise early_stop_patience to train on")
         sys.exit(0)
-    if (checkpoint["config"]["seed"], checkpoint["world_size"]) != (seed, world_size) and master:
-        print("warning: seed or process count changed since the checkpoint: training continues, "
-              "but not on the batches the first run would have seen")
+    if checkpoint["config"]["seed"] != seed and master:
+        print("warning: the seed changed since the checkpoint: training continues, but not on the batches "
+              "the first run would have seen")
     if block_size > model_args["block_size"]:
         fail(f"block_size={block_size} is past the {model_args['block_size']} positions of the model {pretrained}")
 
@@ -375,11 +389,44 @@ if lora and lora_base_dtype == "nf4":
         model.quantize_base()
     except ValueError as e:
         fail(str(e))
+
+# Past one device (README, "Scaling up"), in this order: tensor parallel splits each block's projections
+# over the replica's processes, checkpointing recomputes activations, compile fuses each block's ops, and
+# the replicas share the work: DDP (each whole) or FSDP (each holding a shard). The parameters keep
+# their names throughout, so checkpoints move between layouts.
+if tp_size > 1:
+    c = model.config
+    if c.n_head % tp_size or c.n_kv_head % tp_size:
+        fail(f"tp_size={tp_size} must divide n_head={c.n_head} and n_kv_head={c.n_kv_head} (attention is split "
+             f"by heads)")
+    if lora:
+        fail("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model (tp_size=1)")
+    if optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
+        fail("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
+    # q, k, v, gate and up by their outputs (heads, hidden units), their consumers by their inputs: each
+    # process computes its heads and hidden units whole, and one all-reduce per pair joins the results
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], plan)
+if gradient_checkpointing:  # keep each block's input only; recompute the rest when the gradient comes back
+    for block in model.blocks:
+        block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+if compile:  # block by block, in place: the parameters' names stay as they are
+    for block in model.blocks:
+        block.compile()
+raw_model = model
+if ddp and dp_size > 1 and tp_size == 1:
+    model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
 try:
-    optimizers = model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2),
+    optimizers = raw_model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2),
                                             device_type, momentum, muon_lr, muon_momentum)
 except ValueError as e:
     fail(str(e))
+if tp_size > 1 and not fsdp:  # split (DTensor) and whole parameters side by side: one kind per fused step
+    for group in (g for opt in optimizers for g in opt.param_groups):
+        group.update(fused=False, foreach=False)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 if checkpoint is not None:
     # "optimizer": the one every run has (AdamW, Adam or SGD); "muon": Muon's, under optimizer='muon'
@@ -391,17 +438,12 @@ if checkpoint is not None:
         optimizers[1].load_state_dict(checkpoint["muon"])
     scaler.load_state_dict(checkpoint["scaler"])
 peak_lrs = [learning_rate, muon_lr][:len(optimizers)]  # the schedule scales each optimizer's own peak
-torch.manual_seed(seed + rank)  # dropout differs between processes
+torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None and len(checkpoint["rng"]) == world_size:
     torch.set_rng_state(checkpoint["rng"][rank]["cpu"])
     if device_type == "cuda" and checkpoint["rng"][rank]["cuda"] is not None:
         torch.cuda.set_rng_state(checkpoint["rng"][rank]["cuda"])
 checkpoint = None  # free it
-raw_model = model
-if compile:
-    model = torch.compile(model)
-if ddp:
-    model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
 flops_per_token = raw_model.flops_per_token(block_size)
 peak = peak_flops(device, ptdtype)
 if master:
@@ -409,8 +451,7 @@ if master:
     print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {model_args}")
 # what each process should hold, by kind, printed before the first step; on CUDA the first log line shows
 # the measured peak beside it
-layout = dict(dp=world_size // tp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing,
-              offload=fsdp_cpu_offload)
+layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
 memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, nf4=lora_base_dtype == "nf4",
                          micro_steps=micro_steps, **layout)
 if master:
@@ -439,6 +480,29 @@ def lr_factor(it):
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)  # cosine
 
 
+def average_gradients():
+    # tensor parallel without FSDP: each replica's gradients (its shards of them) averaged over the replicas
+    for p in raw_model.parameters():
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(grad, group=mesh["dp"].get_group())
+            grad /= dp_size
+
+
+def clip_gradients(max_norm):
+    # the norm of all the gradients, whatever holds them: plain tensors, or shards (DTensors) over a mesh,
+    # each group of one mesh and layout reduced over it; then every gradient scaled down to max_norm
+    grads = [p.grad for p in raw_model.parameters() if p.grad is not None]
+    groups = {}
+    for g in grads:
+        groups.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(g)
+    norms = [torch.nn.utils.get_total_norm(group) for group in groups.values()]
+    total = torch.nn.utils.get_total_norm([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_, on each process's shards
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
+    return total
+
+
 @torch.no_grad()
 def estimate_loss():
     # mean loss and next-token accuracy over the same eval_iters batches of each split every time,
@@ -448,7 +512,7 @@ def estimate_loss():
     for split in ("train", "val"):
         sums = torch.zeros(2, device=device)  # loss, accuracy
         for k in range(eval_iters):
-            x, y = get_batch(split, -1, k * world_size + rank)
+            x, y = get_batch(split, -1, k * dp_size + dp_rank)
             with autocast:
                 loss, accuracy = raw_model.loss_and_accuracy(x, y, document_ids(x))
             sums += torch.stack([loss.float(), accuracy.float()])
@@ -606,8 +670,8 @@ while True:
     lr = learning_rate * factor
     loss_sum = torch.zeros((), device=device)
     for micro in range(micro_steps):
-        x, y = get_batch("train", iter_num, rank * micro_steps + micro)
-        sync = not ddp or micro == micro_steps - 1
+        x, y = get_batch("train", iter_num, dp_rank * micro_steps + micro)
+        sync = not isinstance(model, DDP) or micro == micro_steps - 1
         with (nullcontext() if sync else model.no_sync()), autocast:
             _, loss = model(x, y, doc_ids=document_ids(x))
             loss = loss / micro_steps
@@ -618,9 +682,11 @@ while True:
         both = torch.cat([loss_sum.view(1), stop])
         dist.all_reduce(both)
         loss_sum, stop = both[0] / world_size, both[1:]
+    if tp_size > 1 and dp_size > 1:
+        average_gradients()
     for opt in optimizers:
         scaler.unscale_(opt)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = clip_gradients(grad_clip if grad_clip > 0 else float("inf"))
     # one copy to the host per step: on a GPU each .item() waits for all the work queued before it
     loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm.view(1).float(), stop]).tolist()
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):

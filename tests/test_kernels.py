@@ -104,7 +104,7 @@ def test_swiglu(dtype, views):
 
 
 def _rotary_qk(apply, H, Hkv, D):
-    # q and k as the model makes them: strided views into one fused qkv projection
+    # q and k as strided views into one (B, T, (H + 2·Hkv)·D) tensor: the kernel takes any strides
     def fn(qkv, cos, sin):
         B, T, _ = qkv.shape
         q, k, _ = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)

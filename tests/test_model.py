@@ -65,7 +65,8 @@ def test_kv_cache_generation_equals_full_forward(temperature, top_k):
 
 def test_grouped_query_attention_shapes_and_params():
     gqa, mha = tiny(n_kv_head=1), tiny(n_kv_head=4)
-    assert gqa.blocks[0].attn.qkv.weight.shape == (32 + 2 * 8, 32)  # 4 query heads, 1 kv head of 8
+    attn = gqa.blocks[0].attn  # 4 query heads, 1 key/value head, of 8
+    assert (attn.q.weight.shape, attn.k.weight.shape, attn.v.weight.shape) == ((32, 32), (8, 32), (8, 32))
     assert mha.num_params() - gqa.num_params() == 2 * 2 * 3 * 8 * 32  # 2 layers, k and v, 3 heads fewer
     with pytest.raises(ValueError, match="divisible by n_kv_head"):
         GPTConfig(n_head=4, n_kv_head=3, n_embd=32)
@@ -190,8 +191,8 @@ def test_optimizers_cover_every_parameter_once(kind):
         adamw, muon = optimizers
         assert isinstance(muon, torch.optim.Muon) and muon.param_groups[0]["lr"] == 0.02
         names = {id(p): n for n, p in model.named_parameters()}
-        assert {names[id(p)].split(".")[-2] for p in muon.param_groups[0]["params"]} == {"qkv", "proj", "gate_up",
-                                                                                         "down"}
+        assert {names[id(p)].split(".")[-2] for p in muon.param_groups[0]["params"]} == {"q", "k", "v", "proj",
+                                                                                         "gate", "up", "down"}
         assert model.wte.weight in adamw.param_groups[0]["params"]  # the embedding (and tied head): AdamW
     else:
         assert len(optimizers) == 1

@@ -97,7 +97,7 @@ def test_accumulation_steps_must_divide_among_processes(data_dir, tmp_path):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--gradient_accumulation_steps=3",
               torchrun=["--standalone", "--nproc_per_node=2"], check=False)
     assert out.returncode != 0
-    assert "gradient_accumulation_steps=3 must be a multiple of the 2 processes" in out.stderr
+    assert "gradient_accumulation_steps=3 must be a multiple of the 2 data-parallel replicas" in out.stderr
 
 
 def test_two_nodes_on_one_machine(data_dir, tmp_path):

@@ -1,0 +1,50 @@
+"""Tensor parallel and gradient checkpointing in train.py, on CPU processes (gloo), with tiny models."""
+
+from test_train import TINY, losses, run
+
+from model import GPT, GPTConfig
+
+TWO, FOUR = ["--standalone", "--nproc_per_node=2"], ["--standalone", "--nproc_per_node=4"]
+
+
+def assert_losses_close(a, b, rel=1e-5):
+    assert a.keys() == b.keys() and a
+    for step in a:
+        assert abs(a[step] - b[step]) <= rel * abs(a[step]), (step, a[step], b[step])
+
+
+def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path):
+    # 2 processes splitting every block (tp 2), and 4 as 2 replicas of 2 with gradient checkpointing: the
+    # same tokens per update, the same losses (no dropout: its masks are drawn per process)
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=100", "--batch_size=2",
+              "--gradient_accumulation_steps=4"]
+    run(*common, f"--out_dir={tmp_path / 'one'}")
+    out = run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO)
+    assert "2 process(es) on cpu" in out.stdout
+    run(*common, f"--out_dir={tmp_path / 'dp_tp'}", "--tp_size=2", "--gradient_checkpointing=True", torchrun=FOUR)
+    one = losses(tmp_path / "one")
+    assert_losses_close(one, losses(tmp_path / "tp"))
+    assert_losses_close(one, losses(tmp_path / "dp_tp"))
+
+
+def test_gradient_checkpointing_changes_no_loss(data_dir, tmp_path):
+    # recomputed activations are the same activations: dropout's masks too (the RNG state is replayed)
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=5", "--eval_interval=100", "--dropout=0.1"]
+    run(*common, f"--out_dir={tmp_path / 'kept'}")
+    run(*common, f"--out_dir={tmp_path / 'recomputed'}", "--gradient_checkpointing=True")
+    assert_losses_close(losses(tmp_path / "kept"), losses(tmp_path / "recomputed"))
+
+
+def test_tensor_parallel_refusals(data_dir, tmp_path):
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=2"]
+    out = run(*common, f"--out_dir={tmp_path / 'a'}", "--tp_size=2", check=False)
+    assert out.returncode != 0 and "tp_size=2 must divide the 1 processes" in out.stderr
+    out = run(*common, f"--out_dir={tmp_path / 'b'}", "--tp_size=2", "--n_kv_head=1", torchrun=TWO, check=False)
+    assert out.returncode != 0 and "tp_size=2 must divide n_head=4 and n_kv_head=1" in out.stderr
+    out = run(*common, f"--out_dir={tmp_path / 'm'}", "--tp_size=2", "--optimizer=muon", torchrun=TWO, check=False)
+    assert out.returncode != 0 and "optimizer='muon' does not run under tensor parallel" in out.stderr
+    folder = tmp_path / "folder"
+    GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32)).save_pretrained(folder)
+    out = run(*common, f"--out_dir={tmp_path / 'c'}", f"--init_from={folder}", "--lora_rank=2", "--tp_size=2",
+              torchrun=TWO, check=False)
+    assert out.returncode != 0 and "LoRA does not run under tensor parallel" in out.stderr
