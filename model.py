@@ -722,9 +722,9 @@ def activation_bytes(c, N, dtype, r, tp=1):
     norm = (r if fused else 4) * C + 4  # a norm's input (the reference's in fp32) and 1/rms
     attn = (2 * H + 2 * Hkv) * D * e + 4 * H  # q and k rotated, v, output; logsumexp
     mlp = (2 if fused else 3) * F * e  # gate, up, and silu(gate) unless the kernel recomputes it
-    if not lora:  # every matmul keeps its input (the norms' outputs, the product into mlp.down), and the
-        # reference norm its normalized input
-        inputs = 2 * (0 if fused else r) * C + (2 * C + F) * e
+    if not lora:  # every matmul keeps its input (the norms' outputs, autocast's cast of one for each of
+        # q, k, v, gate and up; the product into mlp.down), and the reference norm its normalized input
+        inputs = 2 * (0 if fused else r) * C + ((5 if r > e else 2) * C + F) * e
     elif e < 4:  # autocast casts each adapter's fp32 input, and keeps each cast; a frozen base keeps none
         sizes = {"q": C, "k": C, "v": C, "o": H * D, "gate": C, "up": C, "down": F}
         inputs = sum(sizes[t] for t in lora) * e + len(lora) * c.lora_rank * e
@@ -733,9 +733,11 @@ def activation_bytes(c, N, dtype, r, tp=1):
         inputs = (inputs + len(lora) * c.lora_rank) * 4
     block = N * (2 * norm + attn + mlp + inputs)
     # the head: the final norm, the token ids (and the reference's targets), then the fused loss's gradients
-    # or the reference's log-softmax
-    head = N * (norm + (0 if lora or fused else (r + e) * C) + (8 if fused else 16))
+    # or the reference's log-softmax. Under LoRA the embedding is frozen: no ids, and the first norm's
+    # input, which needs no gradient, keeps nothing.
+    head = N * (norm + (0 if lora or fused else (r + e) * C) + (0 if lora else 8) + (0 if fused else 8))
     head += (N + V) * C * (4 if dtype == "float16" else e) if fused else N * V * 4
+    head -= N * norm if lora else 0
     temporary = min(N * V, kernels.LCE_CHUNK_ELEMENTS) * e if fused else 2 * N * V * 4
     return block, head, temporary
 

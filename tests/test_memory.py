@@ -29,8 +29,11 @@ def real_bytes(model, optimizers):
             "optimizer": sum(size(t) for opt in optimizers for s in opt.state.values() for t in s.values())}
 
 
-def one_step(model, kind):
+def one_step(model, kind, fused=True):
     optimizers = model.configure_optimizers(kind, 1e-3, 0.1, (0.9, 0.95), "cpu")
+    if not fused:  # as train.py steps under tensor parallel: split and whole parameters side by side
+        for group in (g for opt in optimizers for g in opt.param_groups):
+            group.update(fused=False, foreach=False)
     x = torch.randint(0, model.config.vocab_size, (2, 16))
     _, loss = model(x, x)
     loss.backward()
@@ -69,39 +72,51 @@ def test_nf4_base_is_counted_at_its_size():
     assert nf4_bytes(64 * 64) == tensor_bytes(model.blocks[0].attn.proj.weight)
 
 
-FSDP_WORKER = """
+PARALLEL_WORKER = """
 import json, sys
 import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from model import GPT, GPTConfig, memory_estimate
 sys.path.insert(0, "tests")
 from test_memory import SHAPE, one_step
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = GPT(GPTConfig(**SHAPE))
-for block in model.blocks:
-    fully_shard(block)
-fully_shard(model)
-real = one_step(model, "adamw")
-estimate = memory_estimate(model, 2, 16, "float32", "adamw", dp=2, fsdp=True)
+if sys.argv[1] == "fsdp":
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+else:  # train.py's plan: q, k, v, gate, up by their outputs, attn.proj and mlp.down by their inputs
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, init_device_mesh("cpu", (2,)), plan)
+real = one_step(model, "adamw", fused=sys.argv[1] == "fsdp")
+layout = dict(dp=2, fsdp=True) if sys.argv[1] == "fsdp" else dict(tp=2)
+estimate = memory_estimate(model, 2, 16, "float32", "adamw", **layout)
 if dist.get_rank() == 0:
     print(json.dumps({"real": real, "estimate": {k: estimate[k] for k in real}}))
 dist.destroy_process_group()
 """
 
 
-def test_fsdp_on_two_processes_is_rank_0s_shards(tmp_path):
-    # vocab_size 67 is odd: rank 0 holds 34 rows of the embedding (torch.chunk's split), rank 1 33
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_fsdp_and_tensor_parallel_on_two_processes_are_rank_0s_parts(layout, tmp_path):
+    # FSDP: vocab_size 67 is odd, so rank 0 holds 34 rows of the embedding (torch.chunk's split), rank 1 33.
+    # TP: half of q, k, v, gate and up by rows, of attn.proj and mlp.down by columns, the rest whole
     script = tmp_path / "worker.py"
-    script.write_text(FSDP_WORKER)
+    script.write_text(PARALLEL_WORKER)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run([*torchrun, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([*torchrun, str(script), layout], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["real"] == result["estimate"]
     whole = memory_estimate(GPT(GPTConfig(**SHAPE)), 2, 16, "float32", "adamw")
-    assert whole["weights"] / 2 < result["real"]["weights"] < whole["weights"]  # half, and a row more
+    assert whole["weights"] / 2 < result["real"]["weights"] < whole["weights"]  # about half
 
 
 def saved_bytes(model, batch_size, block_size, dtype):
@@ -133,7 +148,7 @@ def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtyp
     model = GPT(GPTConfig(**shape))
     real = saved_bytes(model, batch_size, block_size, dtype)
     estimate = memory_estimate(model, batch_size, block_size, dtype)
-    assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.1 * real
+    assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.02 * real
     assert (estimate["copies"] > 0) == (dtype == "bfloat16")
 
 
@@ -143,7 +158,7 @@ def test_lora_activations_are_what_autograd_saves(dtype):
     model = GPT(GPTConfig(**SHAPE)).to(getattr(torch, dtype)).add_lora(4, targets="q,v,o,up,down")
     real = saved_bytes(model, 2, 16, dtype)
     estimate = memory_estimate(model, 2, 16, dtype)
-    assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.1 * real
+    assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.02 * real
 
 
 def test_bench_memory_mode_plans_1_8_and_64_gpus():
