@@ -200,10 +200,11 @@ def bench_memory():
     for gpus in (8, 64):
         layouts += [(gpus, dict(dp=gpus)), (gpus, dict(dp=gpus, fsdp=True)),
                     (gpus, dict(dp=gpus, fsdp=True, checkpointing=True))]
-        # tensor parallel within a node of 8 GPUs, over as many as the heads divide among
+        # tensor parallel within a node of 8 GPUs, over as many as the heads divide among (train.py refuses
+        # it for LoRA and Muon)
         tp = max(t for t in (8, 4, 2, 1) if shape.n_head % t == 0 and shape.n_kv_head % t == 0)
-        if tp > 1:
-            layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=True, checkpointing=True)))
+        if tp > 1 and not g.lora_rank and g.optimizer != "muon":
+            layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=gpus > tp, checkpointing=True)))
         layouts.append((gpus, dict(dp=gpus, fsdp=True, checkpointing=True, offload=True)))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{model.num_params() / 1e6:,.1f}M parameters ({trained / 1e6:,.1f}M trained), {dtype}, "

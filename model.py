@@ -721,6 +721,9 @@ def activation_bytes(c, N, dtype, r, tp=1):
     fused = c.use_kernels
     norm = (r if fused else 4) * C + 4  # a norm's input (the reference's in fp32) and 1/rms
     attn = (2 * H + 2 * Hkv) * D * e + 4 * H  # q and k rotated, v, output; logsumexp
+    if c.qk_norm:  # Qwen3's norm of every head's q and k: its input (the reference's in fp32, and where the
+        # weights train its normalized input too) and 1/rms
+        attn += (H + Hkv) * ((e if fused else 4 + (0 if lora else e)) * D + 4)
     mlp = (2 if fused else 3) * F * e  # gate, up, and silu(gate) unless the kernel recomputes it
     if not lora:  # every matmul keeps its input (the norms' outputs, autocast's cast of one for each of
         # q, k, v, gate and up; the product into mlp.down), and the reference norm its normalized input
@@ -754,7 +757,7 @@ def memory_layout(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False):
 def memory_table(rows):
     """[(layout, memory_estimate's dict)] -> a Markdown table in MiB, a row each."""
     def mib(n):  # small models' figures keep two decimals
-        return f"{n / 2**20:,.0f}" if n >= 10 * 2**20 else f"{n / 2**20:.2f}"
+        return f"{n / 2**20:,.0f}" if n >= 10 * 2**20 or n == 0 else f"{n / 2**20:.2f}"
     lines = ["| MiB per process | " + " | ".join(MEMORY_KINDS) + " |", "| --- " * 9 + "|"]
     for name, estimate in rows:
         lines.append(f"| {name} | " + " | ".join(mib(estimate[k]) for k in MEMORY_KINDS) + " |")

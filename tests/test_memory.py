@@ -141,6 +141,7 @@ def saved_bytes(model, batch_size, block_size, dtype):
     (SHAPE, 2, 16),
     (dict(vocab_size=1024, block_size=64, n_layer=3, n_head=6, n_embd=96, tie_embeddings=False,
           use_kernels=False), 3, 64),
+    (dict(SHAPE, head_size=16, qk_norm=True, qkv_bias=True), 2, 16),  # Qwen3's and Qwen2's extras
 ])
 def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtype):
     # under autocast the bf16 copies of the weights are saved tensors too: the estimate's copies
@@ -155,7 +156,7 @@ def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtyp
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lora_activations_are_what_autograd_saves(dtype):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SHAPE)).to(getattr(torch, dtype)).add_lora(4, targets="q,v,o,up,down")
+    model = GPT(GPTConfig(**SHAPE, qk_norm=True)).to(getattr(torch, dtype)).add_lora(4, targets="q,v,o,up,down")
     real = saved_bytes(model, 2, 16, dtype)
     estimate = memory_estimate(model, 2, 16, dtype)
     assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.02 * real
