@@ -691,8 +691,8 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
         copies = (root + 2 * sum(local(n, p, shard=False) for n, p in one_block)) * e
     else:  # autocast's copies of the matmuls' weights, kept for the backward (recomputed under
         # checkpointing); the head's too, unless the fused loss makes its gradients in the forward
-        head = "wte.weight" if c.tie_embeddings else "lm_head.weight"
-        head_weight = [] if c.use_kernels else [(n, p) for n, p in params if n.endswith(head)]
+        head_name = "wte.weight" if c.tie_embeddings else "lm_head.weight"
+        head_weight = [] if c.use_kernels else [(n, p) for n, p in params if n.endswith(head_name)]
         matmuls = (one_block if checkpointing else blocks) + head_weight
         copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
 
