@@ -149,7 +149,7 @@ if args.mode == "kernels":
     sys.exit(0)
 
 # -----------------------------------------------------------------------------
-# --mode=memory: model.memory_estimate for a config (train.py's defaults, the config file, --key=value) in
+# --mode=memory: memory.memory_estimate for a config (train.py's defaults, the config file, --key=value) in
 # the layouts a run on 1, 8 or 64 GPUs could take; the model is built on the meta device, so nothing is
 # allocated and no GPU is needed. The run is assumed on GPUs: bf16 where dtype is auto, the kernels on.
 
@@ -171,7 +171,8 @@ def train_defaults():
 def bench_memory():
     import torch
     from configurator import configure
-    from model import GPT, GPTConfig, config_from_hf, memory_estimate, memory_layout, memory_table, read_json
+    from memory import memory_estimate, memory_layout, memory_table
+    from model import GPT, GPTConfig, config_from_hf, read_json
     from tokenizer import read_meta
     config = train_defaults()
     configure(config, train_args)
@@ -282,7 +283,8 @@ FINETUNES = {"full": [], "LoRA": ["--lora_rank=16"], "QLoRA": ["--lora_rank=16",
 
 def bench_lora():
     import torch
-    from model import GPT, GPTConfig, tensor_bytes
+    from memory import tensor_bytes
+    from model import GPT, GPTConfig
     shape = dict(vocab_size=151936, block_size=4096, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_size=128,
                  mlp_hidden=3072, qk_norm=True, family="qwen3")
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,8 +40,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
-from model import (GPT, GPTConfig, fingerprint, load_checkpoint, memory_estimate, memory_layout, memory_table,
-                   peak_flops, pick_device)
+from memory import memory_estimate, memory_layout, memory_table
+from model import GPT, GPTConfig, fingerprint, load_checkpoint, peak_flops, pick_device
 from tokenizer import load_tokenizer, make_tokenizer, read_meta
 
 # -----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The memory estimate (model.memory_estimate): its weights, gradients and optimizer state against the bytes
+"""The memory estimate (memory.memory_estimate): its weights, gradients and optimizer state against the bytes
 of the real tensors after a step (one process, FSDP on two, LoRA), its activations against what autograd
 saves, and bench.py --mode=memory."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, GPTConfig, memory_estimate, nf4_bytes, tensor_bytes
+from memory import memory_estimate, nf4_bytes, tensor_bytes
+from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)
@@ -78,7 +79,8 @@ import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from model import GPT, GPTConfig, memory_estimate
+from memory import memory_estimate
+from model import GPT, GPTConfig
 sys.path.insert(0, "tests")
 from test_memory import SHAPE, one_step
 dist.init_process_group("gloo")
