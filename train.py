@@ -46,6 +46,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
+from memory import memory_estimate, memory_layout, memory_table
 from model import GPT, GPTConfig, find_checkpoint, fingerprint, load_checkpoint, peak_flops, pick_device
 from tokenizer import load_tokenizer, make_tokenizer, read_meta
 
@@ -535,6 +536,13 @@ peak = peak_flops(device, ptdtype)
 if master:
     trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
     print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {model_args}")
+# what each process should hold, by kind, printed before the first step; on CUDA the first log line shows
+# the measured peak beside it
+layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
+memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, nf4=lora_base_dtype == "nf4",
+                         micro_steps=micro_steps, **layout)
+if master:
+    print(memory_table([(memory_layout(**layout), memory)]))
 
 
 def lr_factor(it):
@@ -782,7 +790,7 @@ signal.signal(signal.SIGINT, request_stop)
 # -----------------------------------------------------------------------------
 # the training loop
 
-t_log, iters_since_log = time.time(), 0
+t_log, iters_since_log, logged = time.time(), 0, False
 while True:
     # evaluate (and checkpoint) every eval_interval steps and at the end
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != evaluated_at:
@@ -865,10 +873,14 @@ while True:
     if iter_num % log_interval == 0 and master and skipped_in_a_row == 0:
         dt = (time.time() - t_log) / iters_since_log
         tokens_per_s = tokens_per_iter / dt
+        # the first line on CUDA puts the measured peak beside the estimate printed at the start
+        first_on_cuda = device_type == "cuda" and not logged
+        memory_note = f" (estimate {memory['device'] / 2**20:,.0f} MB)" if first_on_cuda else ""
+        logged = True
         mfu = flops_per_token * tokens_per_s / world_size / peak if peak else None  # None: peak unknown
         print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
               f"epoch {epoch():.2f}, {dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, "
-              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {memory_mb():,.0f} MB")
+              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {memory_mb():,.0f} MB{memory_note}")
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
              "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb(), "epoch": epoch()})
         t_log, iters_since_log = time.time(), 0
