@@ -698,10 +698,12 @@ def save_checkpoint(improved):
     }
     suffix = "" if sharded else ".pt"
     latest = os.path.join(out_dir, "ckpt" + suffix)
+    if master:  # what killed saves left unfinished (no save is under way now)
+        for name in os.listdir(out_dir):
+            if re.fullmatch(r"ckpt.*\.tmp", name):
+                retire(os.path.join(out_dir, name))
     if sharded:
         tmp = latest + ".tmp"
-        if master:
-            retire(tmp)  # what a killed save left
         dist.barrier()
         # The optimizer's settings (plain values) go into state.pt, which is read without unpickling
         # anything else. dcp.save returns on the master once every process has written its part.

@@ -5,10 +5,12 @@ Each torchrun launch costs 10-20 s here, so each test makes several checks on th
 import importlib.util
 import json
 import os
-import signal
+import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -142,6 +144,25 @@ def test_sigkill_between_the_renames_of_a_sharded_save_keeps_the_previous_one(da
     assert sorted(os.listdir(out)) == ["ckpt", "ckpt_best", "metrics.jsonl"]
     a, b = load_checkpoint(str(out / "ckpt"))["model"], load_checkpoint(str(fsdp_run / "ckpt"))["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_at_random_moments_of_sharded_saves_then_resume_gives_the_uninterrupted_run(data_dir, fsdp_run,
+                                                                                           tmp_path):
+    # a save at every step, so that kills often land in one; evaluations change nothing in training
+    args = [*EXACT, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=1", "--keep_last_n=2"]
+    launcher = (sys.executable, "-m", "torch.distributed.run", *TWO)
+    rng = random.Random(0)
+    for attempt in range(3):
+        proc = start(*args, "--init_from=auto", launcher=launcher)
+        wait_for(proc, "saved ", timeout=240)
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    run(*args, "--init_from=auto", torchrun=TWO)
+    assert losses(tmp_path) == losses(fsdp_run)
+    a, b = load_checkpoint(str(tmp_path / "ckpt"))["model"], load_checkpoint(str(fsdp_run / "ckpt"))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt_0000008", "ckpt_0000009", "ckpt_best", "metrics.jsonl"]
 
 
 # -----------------------------------------------------------------------------
