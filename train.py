@@ -514,7 +514,8 @@ if checkpoint is not None:
         order = [names[id(p)] for group in optimizers[0].param_groups for p in group["params"]]
         saved = checkpoint["optimizer"]
         groups = [{**group, "params": [order[i] for i in group["params"]]} for group in saved["param_groups"]]
-        optim_state = {"state": {order[i]: state for i, state in saved["state"].items()}, "param_groups": groups}
+        by_name = {order[i]: moments for i, moments in saved["state"].items()}
+        optim_state = {"state": by_name, "param_groups": groups}
         set_state_dict(raw_model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
                        options=StateDictOptions(full_state_dict=True))
     else:
@@ -689,8 +690,8 @@ def save_checkpoint(improved):
     else:
         rngs = [rng]
     state = {
-        "scaler": scaler.state_dict(), "model_args": model_args, "iter_num": iter_num,
-        "best_val_loss": best_val_loss, "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
+        "scaler": scaler.state_dict(), "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
+        "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
         "evaluated": evaluated_at == iter_num, "config": config, "world_size": world_size, "rng": rngs,
         "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
         "pretrained": pretrained,  # the Hugging Face folder the run began from, if any

@@ -74,8 +74,8 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, 
     assert_close_losses(losses(tmp_path / "fsdp"), ddp, [5, 6])
     assert len(list((tmp_path / "fsdp" / "ckpt").glob("*.distcp"))) == 4
     # and on as FSDP x tensor parallel (2 replicas of 2)
-    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=8", "--fsdp=True", "--tp_size=2", "--init_from=resume",
-        torchrun=FOUR)
+    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=8", "--fsdp=True", "--tp_size=2",
+        "--init_from=resume", torchrun=FOUR)
     assert_close_losses(losses(tmp_path / "fsdp"), ddp, [7, 8])
     # and a single file into shards: the 1-process run's ckpt.pt, resumed under FSDP on 2
     run(*args, f"--out_dir={one}", "--max_iters=8", "--fsdp=True", "--init_from=auto", torchrun=TWO)
@@ -146,8 +146,7 @@ def test_sigkill_between_the_renames_of_a_sharded_save_keeps_the_previous_one(da
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigkill_at_random_moments_of_sharded_saves_then_resume_gives_the_uninterrupted_run(data_dir, fsdp_run,
-                                                                                           tmp_path):
+def test_sigkill_at_random_moments_of_sharded_saves_loses_nothing(data_dir, fsdp_run, tmp_path):
     # a save at every step, so that kills often land in one; evaluations change nothing in training
     args = [*EXACT, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=1", "--keep_last_n=2"]
     launcher = (sys.executable, "-m", "torch.distributed.run", *TWO)
@@ -162,7 +161,8 @@ def test_sigkill_at_random_moments_of_sharded_saves_then_resume_gives_the_uninte
     assert losses(tmp_path) == losses(fsdp_run)
     a, b = load_checkpoint(str(tmp_path / "ckpt"))["model"], load_checkpoint(str(fsdp_run / "ckpt"))["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt_0000008", "ckpt_0000009", "ckpt_best", "metrics.jsonl"]
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["ckpt", "ckpt_0000008", "ckpt_0000009", "ckpt_best", "metrics.jsonl"]  # no leftovers
 
 
 # -----------------------------------------------------------------------------
@@ -178,11 +178,12 @@ def test_fsdp_on_two_nodes(data_dir, tmp_path):
         torchrun = ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d",
                     f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=fsdp"]
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    records = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    evals = [json.loads(line) for line in records if "val_loss" in line]
     assert [r["iter"] for r in evals] == [0, 6] and evals[1]["val_loss"] < evals[0]["val_loss"]
     assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 2
     assert load_checkpoint(str(tmp_path / "ckpt"), weights=False)["world_size"] == 2
@@ -208,7 +209,8 @@ def test_fsdp_in_one_process_compiled_with_the_triton_kernels_matches_plain(data
 ])
 def test_fsdp_refusals_are_one_line(data_dir, tmp_path, args, message):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--fsdp=True", *args, check=False)
-    assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 # -----------------------------------------------------------------------------
@@ -217,7 +219,7 @@ def test_fsdp_refusals_are_one_line(data_dir, tmp_path, args, message):
 
 def read_folder(folder):
     from safetensors.torch import load_file
-    return {name: tensor for f in sorted(folder.glob("*.safetensors")) for name, tensor in load_file(f).items()}
+    return {name: t for f in sorted(folder.glob("*.safetensors")) for name, t in load_file(f).items()}
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the tiny Hugging Face folder needs transformers")
@@ -238,9 +240,9 @@ def test_fsdp_fine_tunes_an_imported_model_and_sample_and_export_read_its_shards
     torch.save(sharded, tmp_path / "file" / "ckpt.pt")
     outputs = []
     for run_dir in (tmp_path / "fsdp", tmp_path / "file"):
-        done = subprocess.run([sys.executable, "sample.py", f"--out_dir={run_dir}", "--start=def ", "--num_samples=1",
-                               "--max_new_tokens=16", "--temperature=0", "--device=cpu"], cwd=ROOT,
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "sample.py", f"--out_dir={run_dir}", "--start=def ",
+                               "--num_samples=1", "--max_new_tokens=16", "--temperature=0", "--device=cpu"],
+                              cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         exported = subprocess.run([sys.executable, "export.py", f"--out_dir={run_dir}", f"--to={run_dir}-hf"],
                                   cwd=ROOT, capture_output=True, text=True)
@@ -262,8 +264,8 @@ def test_lora_under_fsdp_matches_one_process_and_saves_the_adapters_alone(pretra
     adapters, one = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))["model"], weights(tmp_path / "one")
     assert adapters.keys() == one.keys() and all(".lora." in name for name in adapters)
     assert all(torch.allclose(adapters[k], one[k], atol=1e-5) for k in one)
-    done = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'fsdp'}", f"--to={tmp_path / 'peft'}",
-                           "--adapter"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'fsdp'}",
+                           f"--to={tmp_path / 'peft'}", "--adapter"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and (tmp_path / "peft" / "adapter_model.safetensors").exists(), done.stderr
     if importlib.util.find_spec("torchao") is not None:  # 4-bit tensors do not shard: refused in one line
         out = run(*args, f"--out_dir={tmp_path / 'nf4'}", "--fsdp=True", "--lora_base_dtype=nf4", check=False)
