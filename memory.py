@@ -91,6 +91,8 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
 
     r = e if fsdp else model.wte.weight.element_size()  # the residual stream's dtype: the embedding's
     block, head, temporary = activation_bytes(c, batch_size * block_size, dtype, r, tp)
+    if not c.use_kernels:  # the reference rotary's (T, D) cos and sin tables, made and kept by q's and k's calls
+        block += 2 * 2 * block_size * c.head_size * model.cos.element_size()
     stored = c.n_layer * batch_size * block_size * c.n_embd * r if checkpointing else c.n_layer * block
     # the peak comes at the loss, with the gradients kept from earlier micro-steps (and DDP's buckets); or,
     # under checkpointing, while the backward recomputes a block with nearly every gradient made
