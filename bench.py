@@ -19,6 +19,7 @@ own learning rate):
     python bench.py --mode=kernels   # each fused op of kernels.py against its references (GPU)
     python bench.py --mode=load      # peak memory of GPT.from_pretrained on a generated ~1 GB folder
     python bench.py --mode=lora      # memory of full fine-tuning, LoRA and QLoRA of a Qwen3-0.6B shape
+    python bench.py --mode=memory config/train_gpt2.py   # memory per GPU on 1, 8 and 64 of them, estimated
 
 --synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py.
 """
@@ -43,9 +44,10 @@ parser.add_argument("--seconds", type=float, default=60, help="--mode=race: trai
 parser.add_argument("--steps", type=int, default=50, help="training steps per run")
 parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
 parser.add_argument("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
-parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora"], default="train",
+parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora", "memory"], default="train",
                     help="race: equal wall time per run; kernels: time kernels.py's ops; load: memory of "
-                         "loading a Hugging Face folder; lora: memory of full, LoRA and QLoRA fine-tuning")
+                         "loading a Hugging Face folder; lora: memory of full, LoRA and QLoRA fine-tuning; "
+                         "memory: a config's memory per GPU on 1, 8 and 64 GPUs, estimated without a GPU")
 args, train_args = parser.parse_known_args()
 if args.warmup >= args.steps:
     sys.exit(f"bench.py: --warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
@@ -147,6 +149,78 @@ if args.mode == "kernels":
     sys.exit(0)
 
 # -----------------------------------------------------------------------------
+# --mode=memory: memory.memory_estimate for a config (train.py's defaults, the config file, --key=value) in
+# the layouts a run on 1, 8 or 64 GPUs could take; the model is built on the meta device, so nothing is
+# allocated and no GPU is needed. The run is assumed on GPUs: bf16 where dtype is auto, the kernels on.
+
+
+def train_defaults():
+    # train.py's settings and their defaults, read from its source (running it would start a run)
+    import ast
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")) as f:
+        tree = ast.parse(f.read())
+    config = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == "config_keys":  # the end of the defaults
+                break
+            config[node.targets[0].id] = ast.literal_eval(node.value)
+    return config
+
+
+def bench_memory():
+    import torch
+    from configurator import configure
+    from memory import memory_estimate, memory_layout, memory_table
+    from model import GPT, GPTConfig, config_from_hf, read_json
+    from tokenizer import read_meta
+    config = train_defaults()
+    configure(config, train_args)
+    g = argparse.Namespace(**config)
+    dtype = "bfloat16" if g.dtype == "auto" else g.dtype
+    if g.init_from not in ("scratch", "resume", "auto"):  # a Hugging Face folder: its shape
+        try:
+            shape = config_from_hf(read_json(os.path.join(g.init_from, "config.json")), g.block_size)
+        except (ValueError, KeyError) as e:
+            sys.exit(f"bench.py: {e}")
+    else:
+        vocab = g.vocab_size
+        if not vocab:  # the dataset's, padded as train.py pads it; GPT-2's without one
+            have_data = os.path.exists(os.path.join(g.data_dir, "meta.json"))
+            vocab = 64 * -(-read_meta(g.data_dir)["vocab_size"] // 64) if have_data else 50304
+        shape = GPTConfig(n_layer=g.n_layer, n_head=g.n_head, n_kv_head=g.n_kv_head, n_embd=g.n_embd,
+                          block_size=g.block_size, vocab_size=vocab, tie_embeddings=g.tie_embeddings)
+    shape.use_kernels = True if g.use_kernels is None else g.use_kernels  # a GPU's default, with Triton
+    with torch.device("meta"):
+        model = GPT(shape)
+        if g.lora_rank:  # the frozen base in the dtype it computes in (nf4: counted at its size)
+            base = dtype if g.lora_base_dtype in ("auto", "nf4") else g.lora_base_dtype
+            model.to(getattr(torch, base)).add_lora(g.lora_rank, g.lora_alpha, g.lora_dropout, g.lora_targets)
+    layouts = [(1, dict()), (1, dict(checkpointing=True)),
+               (1, dict(fsdp=True, checkpointing=True, offload=True))]
+    for gpus in (8, 64):
+        layouts += [(gpus, dict(dp=gpus)), (gpus, dict(dp=gpus, fsdp=True)),
+                    (gpus, dict(dp=gpus, fsdp=True, checkpointing=True))]
+        # tensor parallel within a node of 8 GPUs, over as many as the heads divide among (train.py refuses
+        # it for LoRA and Muon)
+        tp = max(t for t in (8, 4, 2, 1) if shape.n_head % t == 0 and shape.n_kv_head % t == 0)
+        if tp > 1 and not g.lora_rank and g.optimizer != "muon":
+            layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=gpus > tp, checkpointing=True)))
+        layouts.append((gpus, dict(dp=gpus, fsdp=True, checkpointing=True, offload=True)))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"{model.num_params() / 1e6:,.1f}M parameters ({trained / 1e6:,.1f}M trained), {dtype}, "
+          f"{g.optimizer}, micro-batch {g.batch_size} x {g.block_size} tokens per GPU")
+    rows = [(f"{gpus} GPU{'s' * (gpus > 1)}: {memory_layout(**layout)}",
+             memory_estimate(model, g.batch_size, g.block_size, dtype, g.optimizer,
+                             nf4=g.lora_base_dtype == "nf4", **layout)) for gpus, layout in layouts]
+    print(memory_table(rows))
+
+
+if args.mode == "memory":
+    bench_memory()
+    sys.exit(0)
+
+# -----------------------------------------------------------------------------
 # --mode=load: peak memory of from_pretrained against reading the file into memory and then building
 # a model, each in a fresh process, on a generated Llama-shaped folder of ~1 GB. safetensors reads through
 # mmap, whose pages count in RSS but are the kernel's cache, dropped under pressure: the process's
@@ -207,16 +281,9 @@ if args.mode == "load":
 FINETUNES = {"full": [], "LoRA": ["--lora_rank=16"], "QLoRA": ["--lora_rank=16", "--lora_base_dtype=nf4"]}
 
 
-def tensor_bytes(t):
-    # a tensor's own bytes; a tensor subclass (torchao's NF4) is the sum of the tensors it is made of
-    import torch
-    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.nn.Parameter:
-        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-    return t.numel() * t.element_size()
-
-
 def bench_lora():
     import torch
+    from memory import tensor_bytes
     from model import GPT, GPTConfig
     shape = dict(vocab_size=151936, block_size=4096, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_size=128,
                  mlp_hidden=3072, qk_norm=True, family="qwen3")

@@ -25,14 +25,17 @@ from tokenizer import hf_tokenizer_files
 
 
 def load_run(path, base_dtype=None, data_dir=None):
-    """out_dir/ckpt.pt -> (model, tokenizer, checkpoint), on the CPU. A LoRA run's frozen base is read in
+    """out_dir/ckpt.pt -> (model, tokenizer, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of
+    an FSDP run, whichever is newer (see find_checkpoint). A LoRA run's frozen base is read in
     base_dtype (None: its folder's). The tokenizer lives with the data the model was trained on:
     data_dir, else where that data was then, else where the run's config says. ValueError with one
     line for what is missing or damaged."""
-    from model import GPT, load_checkpoint
+    from model import GPT, find_checkpoint, load_checkpoint
     from tokenizer import load_tokenizer
-    if not os.path.exists(path):
+    found = find_checkpoint(path)
+    if found is None:
         raise ValueError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
+    path = found
     checkpoint = load_checkpoint(path, mmap=True)  # the weights are read, the optimizer's moments never
     if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
         raise ValueError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
@@ -124,7 +127,8 @@ def write_adapter(model, checkpoint, folder):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", default="out", help="the run's folder")
-    parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss)")
+    parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss; "
+                        "the sharded folder of an FSDP run, ckpt/, is found by the same name)")
     parser.add_argument("--to", required=True, help="the folder to write")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="the weights' dtype; auto: that of the folder the run began from, else float32")

@@ -547,12 +547,55 @@ def filter_logits(logits, top_k=None, top_p=None):
     return logits
 
 
-def load_checkpoint(path, device="cpu", mmap=False):
+def find_checkpoint(path):
+    """The newest checkpoint of a name, as train.py writes them: 'out/ckpt.pt' (or 'out/ckpt') -> out/ckpt.pt
+    (a file), out/ckpt/ (a sharded folder: FSDP and tensor parallel write torch.distributed.checkpoint's) or
+    out/ckpt.old/ (the previous folder, where a save was killed between its two renames); of those that
+    exist, the one at the latest step. None if there is none. A folder counts only with its state.pt."""
+    if os.path.isfile(path) and not path.endswith(".pt"):
+        return path  # a file named otherwise: the caller's own
+    stem = path.removesuffix(".pt").rstrip("/")
+    found = [p for p in (stem + ".pt", stem, stem + ".old")
+             if os.path.isfile(p if p.endswith(".pt") else os.path.join(p, "state.pt"))]
+    if len(found) > 1:  # a kill between two steps of a save, or a run resumed in the other layout
+        def written(p):
+            state = p if p.endswith(".pt") else os.path.join(p, "state.pt")
+            return load_checkpoint(state, mmap=True)["iter_num"], os.path.getmtime(state)
+        found.sort(key=written)
+    return found[-1] if found else None
+
+
+def read_sharded(folder, device="cpu"):
+    """The model's weights of a sharded checkpoint, whole, in one process (no process group needed):
+    {name: tensor}, as a file checkpoint's "model" holds them."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    try:
+        stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        weights = {name.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype, device=device)
+                   for name, m in stored.items() if name.startswith("model.")}
+        with warnings.catch_warnings():  # that it reads in one process is what we ask for
+            warnings.simplefilter("ignore")
+            dcp.load({"model": weights}, checkpoint_id=folder, no_dist=True)
+    except (dcp.api.CheckpointException, RuntimeError, OSError, AttributeError) as e:
+        raise ValueError(f"{folder} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); "
+                         f"use another one, e.g. ckpt_best or a ckpt_NNNNNNN") from None
+    return weights
+
+
+def load_checkpoint(path, device="cpu", mmap=False, weights=True):
     # weights_only: a checkpoint is tensors and plain values; anything else is refused, and no code
     # in it runs. mmap: tensors are read from the file as they are used (a reader that needs only
     # the weights never reads the optimizer's moments). A damaged or foreign file is a ValueError.
+    # A sharded folder: its state.pt, and (weights) the model's weights read whole from its shards.
     import pickle
     import warnings
+    if os.path.isdir(path):
+        checkpoint = load_checkpoint(os.path.join(path, "state.pt"), device, mmap)
+        if weights:
+            checkpoint["model"] = read_sharded(path, device)
+        return checkpoint
     try:
         with warnings.catch_warnings():  # torch warns about what it refused; our error says it in one line
             warnings.simplefilter("ignore")

@@ -20,7 +20,9 @@ from tokenizer import make_tokenizer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out_dir", default="out", help="folder holding the checkpoint")
-parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint file in out_dir (ckpt_best.pt: best val loss)")
+parser.add_argument("--ckpt", default="ckpt.pt",
+                    help="checkpoint in out_dir (ckpt_best.pt: best val loss; the sharded folder of an FSDP run, "
+                    "ckpt/, is found by the same name)")
 parser.add_argument("--model", default=None, help="a Hugging Face model folder to sample instead of a checkpoint")
 parser.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
 parser.add_argument("--num_samples", type=int, default=3)

@@ -12,8 +12,9 @@ DDP over 8 GPUs on one node, or over several nodes (run the same line on each, w
 
 Past one device's memory add --fsdp=True, --tp_size=N, --gradient_checkpointing=True (README: Scaling up).
 
-Continue a run from out_dir/ckpt.pt exactly where it stopped: add --init_from=resume (or use
---init_from=auto, which resumes when there is a checkpoint: the same command after every preemption).
+Continue a run from out_dir/ckpt.pt (or an FSDP run's sharded out_dir/ckpt/) exactly where it stopped: add
+--init_from=resume (or use --init_from=auto, which resumes when there is a checkpoint: the same command after
+every preemption).
 """
 
 import gc
@@ -26,6 +27,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict
 from functools import partial
@@ -33,14 +35,19 @@ from functools import partial
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.utils.checkpoint
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import configure
-from model import GPT, GPTConfig, fingerprint, load_checkpoint, peak_flops, pick_device
+from memory import memory_estimate, memory_layout, memory_table
+from model import GPT, GPTConfig, find_checkpoint, fingerprint, load_checkpoint, peak_flops, pick_device
 from tokenizer import load_tokenizer, make_tokenizer, read_meta
 
 # -----------------------------------------------------------------------------
@@ -159,17 +166,31 @@ if device == "cuda" and ddp:
 device_type = device.split(":")[0]
 if device_type == "cuda":
     torch.cuda.set_device(device)
+if fsdp and dtype == "float16":
+    fail("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
+         "gradients): use dtype='bfloat16' or 'float32'")
+if fsdp and optimizer == "muon":
+    fail("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
+         "use optimizer='adamw' with fsdp")
+if fsdp_cpu_offload and not (fsdp and device_type == "cuda"):
+    fail("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True and a "
+         "CUDA device")
+if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
+    backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if fsdp_cpu_offload else "nccl"
 if ddp:
-    if backend == "auto":
-        backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend=backend)
+elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to offload a model past a GPU
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 # Processes form a (data parallel, tensor parallel) grid: the tp_size processes of one model replica are
 # neighbours (one node), they share their batches, and the replicas split the data between them
 if tp_size < 1 or world_size % tp_size:
     fail(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, N a multiple)")
 dp_size = world_size // tp_size
-mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp")) if ddp else None
-dp_rank = mesh["dp"].get_local_rank() if ddp else 0
+mesh = None
+if dist.is_initialized():
+    mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+sharded = fsdp or tp_size > 1  # checkpoints: a torch.distributed.checkpoint folder, each process its part
 if gradient_accumulation_steps % dp_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
          f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")
@@ -286,7 +307,12 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 iter_num, best_val_loss, evals_without_gain, skipped_in_a_row = 0, float("inf"), 0, 0
 evaluated_at = None  # the step whose evaluation is done (a checkpoint saved on a signal may lack it)
 checkpoint = None
-have_ckpt = os.path.exists(ckpt_path)
+from_shards = False  # resuming from a sharded checkpoint
+try:  # ckpt.pt, or the sharded folder ckpt/ of an FSDP run (see find_checkpoint): the later one
+    found_ckpt = find_checkpoint(ckpt_path)
+except ValueError as e:
+    fail(str(e))
+have_ckpt = found_ckpt is not None
 if ddp:  # every process must see the same checkpoint, or they would start from different states
     seen = torch.tensor([float(have_ckpt)], device=device)
     dist.all_reduce(seen)
@@ -302,30 +328,34 @@ if from_folder and not os.path.isfile(os.path.join(init_from, "config.json")):
 pretrained = os.path.abspath(init_from) if from_folder else None  # where the weights began, kept on resume
 if from_folder and have_ckpt:  # the same command after a preemption: continue the run, if it began here
     try:
-        began_from = load_checkpoint(ckpt_path, mmap=True).get("pretrained")
+        began_from = load_checkpoint(found_ckpt, mmap=True, weights=False).get("pretrained")
     except ValueError as e:
         fail(str(e))
     if began_from != pretrained:
         fail(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not {pretrained}: "
              f"train into another out_dir")
     init_from, from_folder = "resume", False
-old_ckpts = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt.*\.pt", f)] if os.path.isdir(out_dir) else []
+old_ckpts = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?", f)
+             ] if os.path.isdir(out_dir) else []
 if init_from != "resume" and old_ckpts:
     fail(f"{out_dir} holds a run already ({', '.join(sorted(old_ckpts))}): continue it with --init_from=resume, "
          f"or train into another out_dir")
 if init_from != "resume" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
     os.remove(os.path.join(out_dir, "metrics.jsonl"))  # left by a run that died before its first checkpoint
 if init_from == "resume":
-    if not os.path.exists(ckpt_path):
+    if not have_ckpt:
         fail(f"no checkpoint at {ckpt_path} to resume from (train first, or set init_from='scratch')")
+    from_shards = os.path.isdir(found_ckpt)  # weights and optimizer state are read once the model is sharded
     try:
-        checkpoint = load_checkpoint(ckpt_path)
+        checkpoint = load_checkpoint(found_ckpt, weights=False)
     except ValueError as e:
         fail(str(e))
     needed = {"model", "optimizer", "scaler", "model_args", "iter_num", "best_val_loss", "evals_without_gain",
               "skipped_in_a_row", "evaluated", "config", "world_size", "rng"}
+    needed = needed - {"model", "optimizer"} | {"param_groups"} if from_shards else needed
     if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
-        fail(f"{ckpt_path} is not a checkpoint of this train.py (it lacks {', '.join(sorted(needed - set(checkpoint)))})")
+        fail(f"{found_ckpt} is not a checkpoint of this train.py (it lacks "
+             f"{', '.join(sorted(needed - set(checkpoint)))})")
     pretrained = checkpoint.get("pretrained")
     # the weights decide the shape; dropout, the kernels and (from scratch) block_size are this run's
     model_args = {**checkpoint["model_args"], "dropout": dropout, "use_kernels": use_kernels}
@@ -342,9 +372,11 @@ if init_from == "resume":
             print(f"this run stopped early at step {iter_num} (no better val loss in {evals_without_gain} "
                   f"evaluations): nothing to do; raise early_stop_patience to train on")
         sys.exit(0)
-    if checkpoint["config"]["seed"] != seed and master:
-        print("warning: the seed changed since the checkpoint: training continues, but not on the batches "
-              "the first run would have seen")
+    # the batches of a step depend on these alone, not on how many processes share them
+    shaping = ("seed", "batch_size", "gradient_accumulation_steps")
+    if any(checkpoint["config"].get(k) != globals()[k] for k in shaping) and master:
+        print(f"warning: {', '.join(shaping)} changed since the checkpoint: training continues, "
+              "but not on the batches the first run would have seen")
     if block_size > model_args["block_size"]:
         fail(f"block_size={block_size} is past the {model_args['block_size']} positions of the model {pretrained}")
 
@@ -366,7 +398,10 @@ torch.manual_seed(seed)  # the same initial weights in every process
 if from_folder:
     check_tokenizer(init_from)
 try:
-    if checkpoint is not None:  # (a LoRA run's base comes from its folder again, checked by fingerprint)
+    if from_shards and not lora:  # a fresh model: its weights are read into its shards below
+        base_fingerprint = None
+        model = GPT(GPTConfig(**model_args))
+    elif checkpoint is not None:  # (a LoRA run's base comes from its folder again, checked by fingerprint)
         base_fingerprint = checkpoint.get("base_fingerprint")
         run_settings = {k: model_args[k] for k in ("dropout", "use_kernels", "block_size")}
         model = GPT.from_checkpoint(checkpoint, base_dtype, **run_settings)
@@ -382,7 +417,11 @@ try:
 except (ValueError, OSError) as e:  # a shape that cannot be built, a folder with what GPT lacks, another base
     fail(str(e))
 vocab_size = model_args["vocab_size"]
-model.to(device)
+if fsdp and lora and lora_base_dtype == "nf4":
+    fail("lora_base_dtype='nf4' cannot be sharded by fsdp=True (FSDP does not split 4-bit tensors): use "
+         "lora_base_dtype='bfloat16' with fsdp, or nf4 without it")
+if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded below)
+    model.to(device)
 if lora and lora_base_dtype == "nf4":
     try:
         model.quantize_base()
@@ -415,8 +454,20 @@ if gradient_checkpointing:  # keep each block's input only; recompute the rest w
 if compile:  # block by block, in place: the parameters' names stay as they are
     for block in model.blocks:
         block.compile()
+if fsdp:
+    # Each block is one FSDP unit, gathered whole only while it computes (forward and backward) and split
+    # over the processes otherwise; the root unit holds the rest (embedding, final norm, head). Under bf16
+    # the gathered weights are bf16 and gradients are reduced in fp32; the shards stay fp32 master weights.
+    mixed = MixedPrecisionPolicy()
+    if dtype == "bfloat16":
+        mixed = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if fsdp_cpu_offload else OffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
+    register_fsdp_forward_method(model, "loss_and_accuracy")  # evaluation calls it instead of forward
 raw_model = model
-if ddp and dp_size > 1 and tp_size == 1:
+if ddp and dp_size > 1 and tp_size == 1 and not fsdp:
     model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
 try:
     optimizers = raw_model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2),
@@ -427,15 +478,53 @@ if tp_size > 1 and not fsdp:  # split (DTensor) and whole parameters side by sid
     for group in (g for opt in optimizers for g in opt.param_groups):
         group.update(fused=False, foreach=False)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
+
+
+def sharded_state(model):
+    # What a sharded checkpoint holds, each process its own shards of it: the weights (a LoRA run's adapters
+    # alone) and the optimizers' tensors, by parameter name, so that they load into any other layout
+    model_state, optim_state = get_state_dict(model, optimizers)
+    trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {n: t for n, t in model_state.items() if n in trained or not lora}, optim_state
+
+
 if checkpoint is not None:
     # "optimizer": the one every run has (AdamW, Adam or SGD); "muon": Muon's, under optimizer='muon'
     trained_with = checkpoint["config"].get("optimizer", "adamw")
     if trained_with != optimizer:
-        fail(f"{ckpt_path} was trained with optimizer={trained_with!r}: resume with --optimizer={trained_with}")
-    optimizers[0].load_state_dict(checkpoint["optimizer"])
-    if len(optimizers) > 1:
-        optimizers[1].load_state_dict(checkpoint["muon"])
+        fail(f"{found_ckpt} was trained with optimizer={trained_with!r}: resume with "
+             f"--optimizer={trained_with}")
+    # how this layout steps (fused or not) is its own, not the saving layout's: kept through the loading
+    steps_as = [{k: group[k] for k in ("fused", "foreach") if k in group}
+                for opt in optimizers for group in opt.param_groups]
+    if from_shards:  # each process reads what its shards need, resharded from however they were saved
+        model_state, optim_state = sharded_state(raw_model)
+        try:
+            with warnings.catch_warnings():  # without a process group it warns that it reads in one process
+                warnings.simplefilter("ignore")
+                dcp.load({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=found_ckpt)
+        except (dcp.api.CheckpointException, RuntimeError, OSError) as e:
+            fail(f"{found_ckpt} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); resume "
+                 f"from another (ckpt_best, ckpt_NNNNNNN)")
+        optim_state["param_groups"] = checkpoint["param_groups"]
+        set_state_dict(raw_model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=StateDictOptions(strict=not lora))
+    elif sharded:  # a single file into shards: keyed by parameter name, split as the parameters are
+        names = {id(p): n for n, p in raw_model.named_parameters()}
+        order = [names[id(p)] for group in optimizers[0].param_groups for p in group["params"]]
+        saved = checkpoint["optimizer"]
+        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in saved["param_groups"]]
+        by_name = {order[i]: moments for i, moments in saved["state"].items()}
+        optim_state = {"state": by_name, "param_groups": groups}
+        set_state_dict(raw_model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
+                       options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizers[0].load_state_dict(checkpoint["optimizer"])
+        if len(optimizers) > 1:
+            optimizers[1].load_state_dict(checkpoint["muon"])
     scaler.load_state_dict(checkpoint["scaler"])
+    for group, chosen in zip([group for opt in optimizers for group in opt.param_groups], steps_as):
+        group.update(chosen)
 peak_lrs = [learning_rate, muon_lr][:len(optimizers)]  # the schedule scales each optimizer's own peak
 torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None and len(checkpoint["rng"]) == world_size:
@@ -448,6 +537,13 @@ peak = peak_flops(device, ptdtype)
 if master:
     trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
     print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {model_args}")
+# what each process should hold, by kind, printed before the first step; on CUDA the first log line shows
+# the measured peak beside it
+layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
+memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, nf4=lora_base_dtype == "nf4",
+                         micro_steps=micro_steps, **layout)
+if master:
+    print(memory_table([(memory_layout(**layout), memory)]))
 
 
 def lr_factor(it):
@@ -516,19 +612,74 @@ def estimate_loss():
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: written to a temporary file, flushed and renamed, so a crash never leaves half of one
+# checkpoints: written under a temporary name, flushed and renamed, so a crash never leaves half of one.
+# A plain run writes one file, ckpt.pt. An FSDP or tensor-parallel run writes a folder, ckpt/, with
+# torch.distributed.checkpoint: each process its own shards (nothing is gathered whole), then the master
+# state.pt (everything else ckpt.pt holds, the optimizer's settings included). A folder counts as a
+# checkpoint only with its state.pt, written after every shard and deleted before any. ckpt_best and
+# ckpt_NNNNNNN follow the same layout.
 
 
-def replace_atomically(src, dst):
-    # dst becomes src's content in one rename; src is kept (a hard link where the disk allows it)
-    tmp = dst + ".tmp"
-    if os.path.exists(tmp):
-        os.remove(tmp)
+def write_file(state, path):
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def link_or_copy(src, dst):
     try:
-        os.link(src, tmp)
+        os.link(src, dst)  # no bytes copied: checkpoint files are never changed in place
     except OSError:
-        shutil.copyfile(src, tmp)
+        shutil.copyfile(src, dst)
+
+
+def retire(path):
+    # delete a checkpoint file or folder; a folder's state.pt first (see above)
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "state.pt")):
+            os.remove(os.path.join(path, "state.pt"))
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def publish(tmp, dst):
+    # the finished folder tmp takes the name dst. A folder cannot replace another in one rename: the old one
+    # steps aside as dst.old first. A kill between the two renames leaves it there, whole, and
+    # find_checkpoint takes it; the next save removes it.
+    old = dst + ".old"
+    if os.path.isdir(dst):
+        retire(old)
+        os.replace(dst, old)
     os.replace(tmp, dst)
+    retire(old)
+
+
+def retire_other(path):
+    # the same checkpoint name in the other layout (a plain run resumed from shards, or the reverse) is
+    # older than the one just written: remove it, so that only one of them holds the name
+    stem = path.removesuffix(".pt")
+    for other in (stem + ".pt", stem, stem + ".old"):
+        if other != path:
+            retire(other)
+
+
+def copy_checkpoint(src, dst):
+    # dst becomes a copy of the checkpoint src, a file or a folder, in hard links where the disk allows
+    tmp = dst + ".tmp"
+    retire(tmp)
+    if os.path.isdir(src):
+        os.makedirs(tmp)
+        for name in sorted(os.listdir(src), key=lambda n: n == "state.pt"):  # state.pt last
+            link_or_copy(os.path.join(src, name), os.path.join(tmp, name))
+        publish(tmp, dst)
+    else:
+        link_or_copy(src, tmp)
+        os.replace(tmp, dst)
+    retire_other(dst)
 
 
 def save_checkpoint(improved):
@@ -538,36 +689,53 @@ def save_checkpoint(improved):
         dist.all_gather_object(rngs, rng)  # every process's dropout stream, for an exact resume
     else:
         rngs = [rng]
-    if not master:
-        return
-    weights = raw_model.state_dict()
-    if lora:  # the adapters alone: the frozen base is the folder's, known again by its fingerprint
-        trained = {n for n, p in raw_model.named_parameters() if p.requires_grad}
-        weights = {n: t for n, t in weights.items() if n in trained}
     state = {
-        "model": weights, "optimizer": optimizers[0].state_dict(), "scaler": scaler.state_dict(),
-        "muon": optimizers[1].state_dict() if len(optimizers) > 1 else None,
-        "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
+        "scaler": scaler.state_dict(), "model_args": model_args, "iter_num": iter_num, "best_val_loss": best_val_loss,
         "evals_without_gain": evals_without_gain, "skipped_in_a_row": skipped_in_a_row,
         "evaluated": evaluated_at == iter_num, "config": config, "world_size": world_size, "rng": rngs,
         "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
         "pretrained": pretrained,  # the Hugging Face folder the run began from, if any
         "base_fingerprint": base_fingerprint,
     }
-    tmp = ckpt_path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ckpt_path)
+    suffix = "" if sharded else ".pt"
+    latest = os.path.join(out_dir, "ckpt" + suffix)
+    if master:  # what killed saves left unfinished (no save is under way now)
+        for name in os.listdir(out_dir):
+            if re.fullmatch(r"ckpt.*\.tmp", name):
+                retire(os.path.join(out_dir, name))
+    if sharded:
+        tmp = latest + ".tmp"
+        dist.barrier()
+        # The optimizer's settings (plain values) go into state.pt, which is read without unpickling
+        # anything else. dcp.save returns on the master once every process has written its part.
+        model_state, optim_state = sharded_state(raw_model)
+        dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=tmp)
+        if not master:
+            return
+        write_file({**state, "param_groups": optim_state["param_groups"]}, os.path.join(tmp, "state.pt"))
+        publish(tmp, latest)
+    else:
+        if not master:
+            return
+        weights = raw_model.state_dict()
+        if lora:  # the adapters alone: the frozen base is the folder's, known again by its fingerprint
+            trained = {n for n, p in raw_model.named_parameters() if p.requires_grad}
+            weights = {n: t for n, t in weights.items() if n in trained}
+        state.update(model=weights, optimizer=optimizers[0].state_dict(),
+                     muon=optimizers[1].state_dict() if len(optimizers) > 1 else None)
+        write_file(state, latest)
+    retire_other(latest)
     if improved:
-        replace_atomically(ckpt_path, os.path.join(out_dir, "ckpt_best.pt"))
+        copy_checkpoint(latest, os.path.join(out_dir, "ckpt_best" + suffix))
     if keep_last_n > 0:
-        replace_atomically(ckpt_path, os.path.join(out_dir, f"ckpt_{iter_num:07d}.pt"))
-        steps = sorted((int(m[1]), f) for f in os.listdir(out_dir) if (m := re.fullmatch(r"ckpt_([0-9]+)\.pt", f)))
-        for _, old in steps[:-keep_last_n]:
-            os.remove(os.path.join(out_dir, old))
-    print(f"saved {ckpt_path} at step {iter_num}")
+        copy_checkpoint(latest, os.path.join(out_dir, f"ckpt_{iter_num:07d}{suffix}"))
+        steps = [(int(m[1]), f) for f in os.listdir(out_dir)
+                 if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f))]
+        kept = sorted({step for step, _ in steps})[-keep_last_n:]
+        for step, old in steps:
+            if step not in kept:
+                retire(os.path.join(out_dir, old))
+    print(f"saved {latest} at step {iter_num}")
 
 
 # -----------------------------------------------------------------------------
@@ -625,7 +793,7 @@ signal.signal(signal.SIGINT, request_stop)
 # -----------------------------------------------------------------------------
 # the training loop
 
-t_log, iters_since_log = time.time(), 0
+t_log, iters_since_log, logged = time.time(), 0, False
 while True:
     # evaluate (and checkpoint) every eval_interval steps and at the end
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != evaluated_at:
@@ -663,8 +831,10 @@ while True:
     loss_sum = torch.zeros((), device=device)
     for micro in range(micro_steps):
         x, y = get_batch("train", iter_num, dp_rank * micro_steps + micro)
-        sync = not isinstance(model, DDP) or micro == micro_steps - 1
-        with (nullcontext() if sync else model.no_sync()), autocast:
+        last = micro == micro_steps - 1
+        if fsdp:  # gradients summed unsharded on each process, reduced and split once, after the last
+            raw_model.set_requires_gradient_sync(last)
+        with (model.no_sync() if isinstance(model, DDP) and not last else nullcontext()), autocast:
             _, loss = model(x, y, doc_ids=document_ids(x))
             loss = loss / micro_steps
         scaler.scale(loss).backward()
@@ -674,13 +844,15 @@ while True:
         both = torch.cat([loss_sum.view(1), stop])
         dist.all_reduce(both)
         loss_sum, stop = both[0] / world_size, both[1:]
-    if tp_size > 1 and dp_size > 1:
+    if tp_size > 1 and dp_size > 1 and not fsdp:  # (FSDP reduces its shards' gradients itself)
         average_gradients()
     for opt in optimizers:
         scaler.unscale_(opt)
     grad_norm = clip_gradients(grad_clip if grad_clip > 0 else float("inf"))
     # one copy to the host per step: on a GPU each .item() waits for all the work queued before it
-    loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm.view(1).float(), stop]).tolist()
+    # (the norm of gradients offloaded to the CPU is on the CPU)
+    grad_norm = grad_norm.view(1).float().to(device)
+    loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm, stop]).tolist()
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
         for opt in optimizers:
             scaler.step(opt)
@@ -696,17 +868,22 @@ while True:
         opt.zero_grad(set_to_none=True)
     if skipped_in_a_row >= max_skipped_steps:
         fail(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped, and "
-             f"{ckpt_path} is the last good state (lower learning_rate, or check the data)")
+             f"{os.path.join(out_dir, 'ckpt' if sharded else 'ckpt.pt')} is the last good state (lower "
+             f"learning_rate, or check the data)")
     iter_num += 1
     iters_since_log += 1
 
     if iter_num % log_interval == 0 and master and skipped_in_a_row == 0:
         dt = (time.time() - t_log) / iters_since_log
         tokens_per_s = tokens_per_iter / dt
+        # the first line on CUDA puts the measured peak beside the estimate printed at the start
+        first_on_cuda = device_type == "cuda" and not logged
+        memory_note = f" (estimate {memory['device'] / 2**20:,.0f} MB)" if first_on_cuda else ""
+        logged = True
         mfu = flops_per_token * tokens_per_s / world_size / peak if peak else None  # None: peak unknown
         print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
               f"epoch {epoch():.2f}, {dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, "
-              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {memory_mb():,.0f} MB")
+              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {memory_mb():,.0f} MB{memory_note}")
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
              "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb(), "epoch": epoch()})
         t_log, iters_since_log = time.time(), 0
@@ -717,7 +894,7 @@ while True:
 
 if tensorboard:
     tensorboard.close()  # write out what is buffered
-if ddp:
+if dist.is_initialized():
     # free DDP's reducer (it holds gloo's pending work) now: freed at interpreter exit instead, it
     # sometimes aborted a process ("terminate called without an active exception"), 1 run in ~12 here
     del model

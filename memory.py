@@ -1,0 +1,159 @@
+"""
+Memory: what one training process holds, estimated from the model's shapes alone (a model on the meta
+device will do), for planning a run (bench.py --mode=memory) and for checking one against
+torch.cuda.max_memory_allocated (train.py prints it before the first step).
+"""
+
+import math
+
+import torch.nn as nn
+
+import kernels
+
+
+# tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
+# projections after them by input columns; embeddings, norms and the head stay whole
+COLUMN_PARALLEL = ("attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias", "attn.v.weight",
+                   "attn.v.bias", "mlp.gate.weight", "mlp.up.weight")
+ROW_PARALLEL = ("attn.proj.weight", "mlp.down.weight")
+MEMORY_KINDS = ("weights", "grads", "optimizer", "activations", "copies", "temporary", "device", "host")
+
+
+def tensor_bytes(t):
+    # a tensor's own bytes; a tensor subclass (torchao's NF4) is the sum of the tensors it is made of
+    if hasattr(t, "__tensor_flatten__") and type(t) is not nn.Parameter:
+        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
+def nf4_bytes(n):
+    # n values in NF4 as quantize_base holds them: 4 bits each, an int8 scale per 64, an fp32 scale
+    # per 256 of those, their mean and the 16-entry table
+    return n // 2 + n // 64 + 4 * (n // 64 // math.gcd(256, n // 64)) + 4 + 64
+
+
+def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="adamw", dp=1, tp=1, fsdp=False,
+                    checkpointing=False, offload=False, nf4=False, micro_steps=1):
+    """Bytes one training process holds, by kind (MEMORY_KINDS), for micro-batches of batch_size
+    sequences of block_size tokens. weights; grads (under DDP with its flat buckets beside them);
+    optimizer, its state; activations, what autograd keeps of the forward for the backward (with
+    checkpointing: each block's input, and one block's activations at a time); copies, the weights in
+    the compute dtype (the copies autocast keeps for the backward, or under FSDP the gathered root and
+    one block with its gradients); temporary, the loss's logits-sized buffers; host, weights, gradients
+    and optimizer state when offloaded; device, the peak on the device: at the loss (gradients are None
+    between steps, so only DDP's buckets are there, and with micro_steps > 1 per process those kept
+    between micro-steps) or, under checkpointing, while the backward recomputes a block.
+    The layout: dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2,
+    like torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
+    nf4: the frozen projections in NF4 (a model quantized already is counted as it is). Not counted:
+    dropout's masks, document masks, the allocator's caching and the kernels' own workspace."""
+    c = model.config
+    e = 4 if dtype == "float32" else 2  # an activation's bytes in the compute dtype
+    params = list(model.named_parameters())  # a tied weight once
+    trained = [(n, p) for n, p in params if p.requires_grad]
+
+    def local(name, p, shard=fsdp):  # how many of a parameter's values this process holds
+        shape = list(p.shape)
+        if tp > 1 and name.endswith(COLUMN_PARALLEL):
+            shape[0] //= tp
+        if tp > 1 and name.endswith(ROW_PARALLEL):
+            shape[1] //= tp
+        if shard:
+            shape[0] = -(-shape[0] // dp)
+        return math.prod(shape)
+
+    def held(name, p):  # the bytes of this process's part
+        if hasattr(p, "get_original_weight"):  # in NF4 already: its parts, in proportion
+            return tensor_bytes(p) * local(name, p) // p.numel()
+        if nf4 and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:
+            return nf4_bytes(local(name, p))
+        return local(name, p) * p.element_size()
+
+    weights = sum(held(n, p) for n, p in params)
+    ddp = dp > 1 and not fsdp and tp == 1  # (tensor parallel replicas average their gradients without DDP)
+    grads = sum(local(n, p) * p.element_size() for n, p in trained) * (2 if ddp else 1)
+    optim = 0
+    for n, p in trained:  # Adam's two moments and its step; SGD's momentum; Muon's for the blocks' matrices
+        moments = 1 if optimizer == "sgd" or (optimizer == "muon" and "blocks." in n and p.dim() == 2) else 2
+        optim += moments * local(n, p) * p.element_size() + (4 if moments == 2 else 0)
+
+    blocks = [(n, p) for n, p in params if "blocks." in n]
+    one_block = [(n, p) for n, p in blocks if "blocks.0." in n]
+    if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, a block and its gradients
+        root = sum(local(n, p, shard=False) for n, p in params if "blocks." not in n)
+        copies = (root + 2 * sum(local(n, p, shard=False) for n, p in one_block)) * e
+    else:  # autocast's copies of the matmuls' weights, kept for the backward (recomputed under
+        # checkpointing); the head's too, unless the fused loss makes its gradients in the forward
+        head_name = "wte.weight" if c.tie_embeddings else "lm_head.weight"
+        head_weight = [] if c.use_kernels else [(n, p) for n, p in params if n.endswith(head_name)]
+        matmuls = (one_block if checkpointing else blocks) + head_weight
+        copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
+
+    r = e if fsdp else model.wte.weight.element_size()  # the residual stream's dtype: the embedding's
+    block, head, temporary = activation_bytes(c, batch_size * block_size, dtype, r, tp)
+    if not c.use_kernels:  # the reference rotary's (T, D) cos and sin tables, made and kept by q's and k's calls
+        block += 2 * 2 * block_size * c.head_size * model.cos.element_size()
+    stored = c.n_layer * batch_size * block_size * c.n_embd * r if checkpointing else c.n_layer * block
+    # the peak comes at the loss, with the gradients kept from earlier micro-steps (and DDP's buckets); or,
+    # under checkpointing, while the backward recomputes a block with nearly every gradient made
+    host = weights + grads + optim if offload else 0
+    made = 0 if offload else grads  # offloaded, the gradients go to the host as they are made
+    kept = made if micro_steps > 1 else made // 2 if ddp else 0
+    peak = max(head + stored + temporary + kept, stored + block + made if checkpointing else made)
+    return dict(weights=weights, grads=grads, optimizer=optim, copies=copies, temporary=temporary, host=host,
+                activations=head + stored + (block if checkpointing else 0),
+                device=copies + peak + (0 if offload else weights + optim))
+
+
+def activation_bytes(c, N, dtype, r, tp=1):
+    """What autograd saves in the forward of N tokens, in bytes, as tests/test_memory.py counts it: (one
+    block's, the head's, the loss's short-lived logits-sized buffers). r: bytes of the residual stream's
+    dtype; tp: the tensor-parallel split of attention's heads and the MLP's width."""
+    e = 4 if dtype == "float32" else 2  # the compute dtype's
+    C, D, F, V = c.n_embd, c.head_size, c.mlp_hidden // tp, c.vocab_size
+    H, Hkv = c.n_head // tp, c.n_kv_head // tp
+    lora = set(c.lora_targets.split(",")) if c.lora_rank else set()  # the adapted projections
+    fused = c.use_kernels
+    norm = (r if fused else 4) * C + 4  # a norm's input (the reference's in fp32) and 1/rms
+    attn = (2 * H + 2 * Hkv) * D * e + 4 * H  # q and k rotated, v, output; logsumexp
+    if c.qk_norm:  # Qwen3's norm of every head's q and k: its input (the reference's in fp32, and where the
+        # weights train its normalized input too) and 1/rms
+        attn += (H + Hkv) * ((e if fused else 4 + (0 if lora else e)) * D + 4)
+    mlp = (2 if fused else 3) * F * e  # gate, up, and silu(gate) unless the kernel recomputes it
+    if not lora:  # every matmul keeps its input (the norms' outputs, autocast's cast of one for each of
+        # q, k, v, gate and up; the product into mlp.down), and the reference norm its normalized input
+        inputs = 2 * (0 if fused else r) * C + ((5 if r > e else 2) * C + F) * e
+    elif e < 4:  # autocast casts each adapter's fp32 input, and keeps each cast; a frozen base keeps none
+        sizes = {"q": C, "k": C, "v": C, "o": H * D, "gate": C, "up": C, "down": F}
+        inputs = sum(sizes[t] for t in lora) * e + len(lora) * c.lora_rank * e
+    else:  # in fp32 the adapters keep their inputs as they are: attention's and the MLP's once each
+        inputs = C * bool(lora & {"q", "k", "v"}) + C * bool(lora & {"gate", "up"}) + F * ("down" in lora)
+        inputs = (inputs + len(lora) * c.lora_rank) * 4
+    block = N * (2 * norm + attn + mlp + inputs)
+    # the head: the final norm, the token ids (and the reference's targets), then the fused loss's gradients
+    # or the reference's log-softmax. Under LoRA the embedding is frozen: no ids, and the first norm's
+    # input, which needs no gradient, keeps nothing.
+    head = N * (norm + (0 if lora or fused else (r + e) * C) + (0 if lora else 8) + (0 if fused else 8))
+    head += (N + V) * C * (4 if dtype == "float16" else e) if fused else N * V * 4
+    head -= N * norm if lora else 0
+    temporary = min(N * V, kernels.LCE_CHUNK_ELEMENTS) * e if fused else 2 * N * V * 4
+    return block, head, temporary
+
+
+def memory_layout(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False):
+    # memory_estimate's layout in a few words, for memory_table: "FSDP x8 + TP x8 + checkpointing"
+    parts = [f"{'FSDP' if fsdp else 'DDP'} x{dp}"] if dp > 1 or fsdp else []
+    parts += [f"TP x{tp}"] if tp > 1 else []
+    parts += ["checkpointing"] if checkpointing else []
+    parts += ["offload"] if offload else []
+    return " + ".join(parts) or "1 process"
+
+
+def memory_table(rows):
+    """[(layout, memory_estimate's dict)] -> a Markdown table in MiB, a row each."""
+    def mib(n):  # small models' figures keep two decimals
+        return f"{n / 2**20:,.0f}" if n >= 10 * 2**20 or n == 0 else f"{n / 2**20:.2f}"
+    lines = ["| MiB per process | " + " | ".join(MEMORY_KINDS) + " |", "| --- " * 9 + "|"]
+    for name, estimate in rows:
+        lines.append(f"| {name} | " + " | ".join(mib(estimate[k]) for k in MEMORY_KINDS) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""The memory estimate (memory.memory_estimate): its weights, gradients and optimizer state against the bytes
+of the real tensors after a step (one process, FSDP on two, LoRA), its activations against what autograd
+saves, and bench.py --mode=memory."""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from memory import memory_estimate, nf4_bytes, tensor_bytes
+from model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)
+
+
+def real_bytes(model, optimizers):
+    # what one step left in memory: parameters, their gradients and every optimizer's state
+    def size(t):
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this process's shard
+        return tensor_bytes(t)
+    params = list(model.parameters())
+    return {"weights": sum(size(p) for p in params),
+            "grads": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(t) for opt in optimizers for s in opt.state.values() for t in s.values())}
+
+
+def one_step(model, kind, fused=True):
+    optimizers = model.configure_optimizers(kind, 1e-3, 0.1, (0.9, 0.95), "cpu")
+    if not fused:  # as train.py steps under tensor parallel: split and whole parameters side by side
+        for group in (g for opt in optimizers for g in opt.param_groups):
+            group.update(fused=False, foreach=False)
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    _, loss = model(x, x)
+    loss.backward()
+    for opt in optimizers:
+        opt.step()
+    return real_bytes(model, optimizers)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "muon"])
+def test_weights_grads_and_optimizer_state_are_the_real_tensors_bytes(kind):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE))
+    real = one_step(model, kind)
+    estimate = memory_estimate(model, 2, 16, "float32", kind)
+    assert {k: estimate[k] for k in real} == real
+
+
+def test_lora_counts_only_the_adapters_gradients_and_state():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE)).to(torch.bfloat16).add_lora(4)  # a bf16 base, fp32 adapters
+    real = one_step(model, "adamw")
+    estimate = memory_estimate(model, 2, 16, "bfloat16", "adamw")
+    assert {k: estimate[k] for k in real} == real
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert real["grads"] == 4 * adapters < real["weights"]
+
+
+def test_nf4_base_is_counted_at_its_size():
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SHAPE, "n_embd": 64})).add_lora(4)
+    planned = memory_estimate(model, 2, 16, "float32", "adamw", nf4=True)  # before quantizing: the shapes
+    model.quantize_base()
+    real = one_step(model, "adamw")
+    assert {k: planned[k] for k in real} == real
+    assert nf4_bytes(64 * 64) == tensor_bytes(model.blocks[0].attn.proj.weight)
+
+
+PARALLEL_WORKER = """
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from memory import memory_estimate
+from model import GPT, GPTConfig
+sys.path.insert(0, "tests")
+from test_memory import SHAPE, one_step
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = GPT(GPTConfig(**SHAPE))
+if sys.argv[1] == "fsdp":
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+else:  # train.py's plan: q, k, v, gate, up by their outputs, attn.proj and mlp.down by their inputs
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, init_device_mesh("cpu", (2,)), plan)
+real = one_step(model, "adamw", fused=sys.argv[1] == "fsdp")
+layout = dict(dp=2, fsdp=True) if sys.argv[1] == "fsdp" else dict(tp=2)
+estimate = memory_estimate(model, 2, 16, "float32", "adamw", **layout)
+if dist.get_rank() == 0:
+    print(json.dumps({"real": real, "estimate": {k: estimate[k] for k in real}}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_fsdp_and_tensor_parallel_on_two_processes_are_rank_0s_parts(layout, tmp_path):
+    # FSDP: vocab_size 67 is odd, so rank 0 holds 34 rows of the embedding (torch.chunk's split), rank 1 33.
+    # TP: half of q, k, v, gate and up by rows, of attn.proj and mlp.down by columns, the rest whole
+    script = tmp_path / "worker.py"
+    script.write_text(PARALLEL_WORKER)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run([*torchrun, str(script), layout], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["real"] == result["estimate"]
+    whole = memory_estimate(GPT(GPTConfig(**SHAPE)), 2, 16, "float32", "adamw")
+    assert whole["weights"] / 2 < result["real"]["weights"] < whole["weights"]  # about half
+
+
+def saved_bytes(model, batch_size, block_size, dtype):
+    # what autograd keeps of one forward for the backward: the bytes of the distinct storages its saved
+    # tensors live in, less the parameters' and buffers' own (those are the weights)
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = torch.randint(0, model.config.vocab_size, (batch_size, block_size))
+    autocast = contextlib.nullcontext() if dtype == "float32" else torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(x, x)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape, batch_size, block_size", [
+    (SHAPE, 2, 16),
+    (dict(vocab_size=1024, block_size=64, n_layer=3, n_head=6, n_embd=96, tie_embeddings=False,
+          use_kernels=False), 3, 64),
+    (dict(SHAPE, head_size=16, qk_norm=True, qkv_bias=True), 2, 16),  # Qwen3's and Qwen2's extras
+])
+def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtype):
+    # under autocast the bf16 copies of the weights are saved tensors too: the estimate's copies
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape))
+    real = saved_bytes(model, batch_size, block_size, dtype)
+    estimate = memory_estimate(model, batch_size, block_size, dtype)
+    assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.02 * real
+    assert (estimate["copies"] > 0) == (dtype == "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_activations_are_what_autograd_saves(dtype):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE, qk_norm=True)).to(getattr(torch, dtype)).add_lora(4, targets="q,v,o,up,down")
+    real = saved_bytes(model, 2, 16, dtype)
+    estimate = memory_estimate(model, 2, 16, dtype)
+    # 3%: the estimate counts the reference rotary's cos/sin tables for every call, though the first block's
+    # frozen k keeps none; at 32 tokens such per-call constants weigh (2.3% here), at real sizes tokens dominate
+    assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.03 * real
+
+
+def test_bench_memory_mode_plans_1_8_and_64_gpus():
+    command = [sys.executable, "bench.py", "--mode=memory", "config/train_gpt2.py", "--batch_size=8"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): [float(v.replace(",", "")) for v in line.split("|")[2:-1]]
+            for line in done.stdout.splitlines() if line.startswith("| ") and "GPU" in line}
+    assert {name.split(":")[0] for name in rows} == {"1 GPU", "8 GPUs", "64 GPUs"}
+    single, fsdp = rows["1 GPU: 1 process"], rows["8 GPUs: FSDP x8"]
+    assert 123e6 * 4 / 2**20 <= single[0] < 125e6 * 4 / 2**20  # GPT-2 small's 124M fp32 weights
+    assert fsdp[0] == pytest.approx(single[0] / 8, rel=0.01)  # sharded eight ways
+    assert rows["8 GPUs: FSDP x8 + checkpointing"][3] < fsdp[3] / 3  # activations recomputed
+
+
+def test_train_prints_the_estimate_before_the_first_step(data_dir, tmp_path):
+    command = [sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=2",
+               "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=4", "--max_iters=1",
+               "--eval_iters=1", "--log_interval=1", "--device=cpu"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    table = lines.index("| MiB per process | weights | grads | optimizer | activations | copies | temporary "
+                        "| device | host |")
+    shape = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=64)  # 62 characters, padded
+    weights = sum(p.numel() for p in GPT(shape).parameters()) * 4
+    assert lines[table + 2].startswith(f"| 1 process | {weights / 2**20:.2f} | {weights / 2**20:.2f} |")
+    assert table < min(i for i, line in enumerate(lines) if line.startswith("iter 1:"))

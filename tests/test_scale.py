@@ -1,0 +1,273 @@
+"""Past one device's memory: FSDP2 (fsdp=True) and its sharded checkpoints, on CPU with gloo.
+
+Each torchrun launch costs 10-20 s here, so each test makes several checks on the runs it starts."""
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from model import find_checkpoint, load_checkpoint
+from test_fault_tolerance import start, wait_for
+from test_train import ROOT, TINY, free_port, losses, run, weights
+
+TWO = ["--standalone", "--nproc_per_node=2"]
+FOUR = ["--standalone", "--nproc_per_node=4"]
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+if HAS_TRANSFORMERS:
+    from test_finetune import FINETUNE, LORA, pretrained  # noqa: F401 (pretrained: a fixture)
+
+
+def assert_close_losses(a, b, steps, rel=1e-4):
+    assert set(steps) <= a.keys() and set(steps) <= b.keys(), (a, b)
+    assert all(abs(a[i] - b[i]) <= rel * abs(b[i]) for i in steps), (a, b)
+
+
+def whole_checkpoint(path):
+    # every tensor of a sharded checkpoint, whole, in one process: model, optimizer state and state.pt's
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(path, path.parent / f"{path.name}.whole.pt")
+    return torch.load(path.parent / f"{path.name}.whole.pt", weights_only=False)
+
+
+# -----------------------------------------------------------------------------
+# FSDP gives DDP's losses, and its checkpoints load into other layouts
+
+
+def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", "--batch_size=2", "--gradient_accumulation_steps=4",
+            "--eval_interval=2"]
+    run(*args, f"--out_dir={tmp_path / 'ddp'}", "--max_iters=8", torchrun=TWO)
+    out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=4", "--fsdp=True", "--keep_last_n=1",
+              torchrun=TWO)
+    ddp, fsdp = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
+    assert_close_losses(fsdp, ddp, range(1, 5))
+    # on disk: a folder in place of ckpt.pt, one file of shards per process, each about half of the whole;
+    # the best and the last step beside it, older steps pruned
+    assert f"saved {tmp_path / 'fsdp' / 'ckpt'} at step 4" in out.stdout
+    names = sorted(os.listdir(tmp_path / "fsdp"))
+    assert names == ["ckpt", "ckpt_0000004", "ckpt_best", "metrics.jsonl"], names
+    shards = sorted((tmp_path / "fsdp" / "ckpt").glob("*.distcp"))
+    assert len(shards) == 2 and (tmp_path / "fsdp" / "ckpt" / "state.pt").exists()
+    sizes = [s.stat().st_size for s in shards]
+    assert max(sizes) < 0.6 * sum(sizes)  # nothing gathered whole on one process
+    state = torch.load(tmp_path / "fsdp" / "ckpt" / "state.pt", weights_only=True)
+    assert state["iter_num"] == 4 and state["world_size"] == 2 and "model" not in state
+    # into 1 process without fsdp (it writes ckpt.pt then, and the folder it read goes), and into 4
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copytree(tmp_path / "fsdp" / "ckpt_0000004", one / "ckpt")
+    run(*args, f"--out_dir={one}", "--max_iters=6", "--init_from=resume")
+    assert_close_losses(losses(one), ddp, [5, 6])
+    assert (one / "ckpt.pt").exists() and not (one / "ckpt").exists()
+    out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=6", "--fsdp=True", "--init_from=resume",
+              torchrun=FOUR)
+    assert "4 process(es)" in out.stdout and "warning" not in out.stdout
+    assert_close_losses(losses(tmp_path / "fsdp"), ddp, [5, 6])
+    assert len(list((tmp_path / "fsdp" / "ckpt").glob("*.distcp"))) == 4
+    # and on as FSDP x tensor parallel (2 replicas of 2)
+    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=8", "--fsdp=True", "--tp_size=2",
+        "--init_from=resume", torchrun=FOUR)
+    assert_close_losses(losses(tmp_path / "fsdp"), ddp, [7, 8])
+    # and a single file into shards: the 1-process run's ckpt.pt, resumed under FSDP on 2
+    run(*args, f"--out_dir={one}", "--max_iters=8", "--fsdp=True", "--init_from=auto", torchrun=TWO)
+    assert_close_losses(losses(one), ddp, [7, 8])
+    assert (one / "ckpt").is_dir() and not (one / "ckpt.pt").exists()
+    assert find_checkpoint(str(one / "ckpt.pt")) == str(one / "ckpt")
+
+
+# -----------------------------------------------------------------------------
+# exact resume and atomic saves
+
+EXACT = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--dropout=0.1", "--eval_interval=3",
+         "--max_iters=9", "--fsdp=True"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(data_dir, tmp_path_factory):
+    # 9 steps under FSDP on 2 processes, with dropout, keeping the checkpoints of steps 3, 6 and 9
+    out = tmp_path_factory.mktemp("fsdp_run")
+    run(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", "--keep_last_n=3", torchrun=TWO)
+    return out
+
+
+def test_bitwise_resume_under_fsdp(data_dir, fsdp_run, tmp_path):
+    shutil.copytree(fsdp_run / "ckpt_0000003", tmp_path / "ckpt")
+    out = run(*EXACT, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume", torchrun=TWO)
+    assert "iter 4:" in out.stdout and "iter 3:" not in out.stdout
+    assert losses(tmp_path) == {i: v for i, v in losses(fsdp_run).items() if i > 3}
+    whole, parts = whole_checkpoint(fsdp_run / "ckpt"), whole_checkpoint(tmp_path / "ckpt")
+    assert whole["model"].keys() == parts["model"].keys()
+    assert all(torch.equal(whole["model"][k], parts["model"][k]) for k in whole["model"])
+    moments = whole["optimizer"]  # {parameter name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}}
+    assert len(moments) > 0 and moments.keys() == parts["optimizer"].keys()
+    assert all(torch.equal(moments[n][k], parts["optimizer"][n][k]) for n in moments for k in moments[n])
+    # the model sample.py and export.py read is the same, and it is the model that was trained
+    read = load_checkpoint(str(tmp_path / "ckpt"))["model"]
+    assert all(torch.equal(read[k], whole["model"][k]) for k in read)
+
+
+def test_sigkill_between_the_renames_of_a_sharded_save_keeps_the_previous_one(data_dir, fsdp_run, tmp_path):
+    # a config that hangs the save of step 6 after ckpt/ stepped aside as ckpt.old/ and before ckpt.tmp/
+    # took its name: the one moment when no folder is called ckpt
+    hang = tmp_path / "hang_between_renames.py"
+    hang.write_text(
+        "import os as _os, time as _time\n"
+        "_replace = _os.replace\n"
+        "def _hang(src, dst):\n"
+        "    if str(src).endswith('ckpt.tmp') and _os.path.isdir(str(dst) + '.old'):\n"
+        "        print('BETWEEN RENAMES', flush=True)\n"
+        "        _time.sleep(600)\n"
+        "    return _replace(src, dst)\n"
+        "_os.replace = _hang\n"
+    )
+    out = tmp_path / "out"
+    launcher = (sys.executable, "-m", "torch.distributed.run", *TWO)
+    proc = start(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", str(hang), launcher=launcher)
+    wait_for(proc, "BETWEEN RENAMES", timeout=240)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "ckpt").exists() and (out / "ckpt.tmp" / "state.pt").exists()
+    assert find_checkpoint(str(out / "ckpt.pt")) == str(out / "ckpt.old")
+    assert load_checkpoint(str(out / "ckpt.old"), weights=False)["iter_num"] == 3
+    # the same command again continues from step 3, and ends where the run that was never killed did
+    run(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=auto", torchrun=TWO)
+    assert losses(out) == losses(fsdp_run)
+    assert sorted(os.listdir(out)) == ["ckpt", "ckpt_best", "metrics.jsonl"]
+    a, b = load_checkpoint(str(out / "ckpt"))["model"], load_checkpoint(str(fsdp_run / "ckpt"))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_at_random_moments_of_sharded_saves_loses_nothing(data_dir, fsdp_run, tmp_path):
+    # a save at every step, so that kills often land in one; evaluations change nothing in training
+    args = [*EXACT, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=1", "--keep_last_n=2"]
+    launcher = (sys.executable, "-m", "torch.distributed.run", *TWO)
+    rng = random.Random(0)
+    for attempt in range(3):
+        proc = start(*args, "--init_from=auto", launcher=launcher)
+        wait_for(proc, "saved ", timeout=240)
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    run(*args, "--init_from=auto", torchrun=TWO)
+    assert losses(tmp_path) == losses(fsdp_run)
+    a, b = load_checkpoint(str(tmp_path / "ckpt"))["model"], load_checkpoint(str(fsdp_run / "ckpt"))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["ckpt", "ckpt_0000008", "ckpt_0000009", "ckpt_best", "metrics.jsonl"]  # no leftovers
+
+
+# -----------------------------------------------------------------------------
+# layouts: two nodes, one process, compile and the kernels
+
+
+def test_fsdp_on_two_nodes(data_dir, tmp_path):
+    port = free_port()
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=6", "--eval_interval=6",
+            "--gradient_accumulation_steps=2", "--fsdp=True"]
+    procs = []
+    for node in (0, 1):
+        torchrun = ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                    f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=fsdp"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    records = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    evals = [json.loads(line) for line in records if "val_loss" in line]
+    assert [r["iter"] for r in evals] == [0, 6] and evals[1]["val_loss"] < evals[0]["val_loss"]
+    assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 2
+    assert load_checkpoint(str(tmp_path / "ckpt"), weights=False)["world_size"] == 2
+
+
+def test_fsdp_in_one_process_compiled_with_the_triton_kernels_matches_plain(data_dir, tmp_path):
+    # one process: FSDP over a group of one (what CPU offload of a model too big for one GPU needs)
+    args = [*TINY, f"--data_dir={data_dir}", "--max_iters=2", "--block_size=16", "--batch_size=1",
+            "--eval_interval=2", "--eval_iters=1"]
+    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", "--compile=True", "--use_kernels=True",
+        env={"TRITON_INTERPRET": "1"})
+    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False")
+    fsdp, plain = losses(tmp_path / "fsdp"), losses(tmp_path / "plain")
+    assert fsdp.keys() == plain.keys() == {1, 2} and all(abs(fsdp[i] - plain[i]) < 1e-5 for i in fsdp)
+    a, b = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))["model"], weights(tmp_path / "plain")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dtype=float16"], "fsdp=True does not work with dtype='float16'"),
+    (["--optimizer=muon"], "optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them"),
+    (["--fsdp_cpu_offload=True"], "fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory"),
+])
+def test_fsdp_refusals_are_one_line(data_dir, tmp_path, args, message):
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--fsdp=True", *args, check=False)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+# -----------------------------------------------------------------------------
+# an imported model and LoRA under FSDP; sample.py and export.py read the shards
+
+
+def read_folder(folder):
+    from safetensors.torch import load_file
+    return {name: t for f in sorted(folder.glob("*.safetensors")) for name, t in load_file(f).items()}
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the tiny Hugging Face folder needs transformers")
+def test_fsdp_fine_tunes_an_imported_model_and_sample_and_export_read_its_shards(pretrained, tmp_path):
+    folder, data = pretrained
+    args = [*FINETUNE, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=4", "--eval_interval=4",
+            "--gradient_accumulation_steps=2", "--dropout=0.0"]
+    run(*args, f"--out_dir={tmp_path / 'one'}")
+    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", torchrun=TWO)
+    assert_close_losses(losses(tmp_path / "fsdp"), losses(tmp_path / "one"), range(1, 5))
+    sharded = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))
+    assert sharded["pretrained"] == str(folder) and sharded["model_args"]["family"] == "qwen3"
+    one = weights(tmp_path / "one")
+    assert sharded["model"].keys() == one.keys()
+    assert all(torch.allclose(sharded["model"][k], one[k], atol=1e-5) for k in one)
+    # the same checkpoint as one file: sample.py and export.py give the same output from either
+    (tmp_path / "file").mkdir()
+    torch.save(sharded, tmp_path / "file" / "ckpt.pt")
+    outputs = []
+    for run_dir in (tmp_path / "fsdp", tmp_path / "file"):
+        done = subprocess.run([sys.executable, "sample.py", f"--out_dir={run_dir}", "--start=def ",
+                               "--num_samples=1", "--max_new_tokens=16", "--temperature=0", "--device=cpu"],
+                              cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        exported = subprocess.run([sys.executable, "export.py", f"--out_dir={run_dir}", f"--to={run_dir}-hf"],
+                                  cwd=ROOT, capture_output=True, text=True)
+        assert exported.returncode == 0, exported.stderr
+        outputs.append((done.stdout, read_folder(tmp_path / f"{run_dir.name}-hf")))
+    (sample_a, hf_a), (sample_b, hf_b) = outputs
+    assert sample_a == sample_b and sample_a.startswith("def ")
+    assert hf_a.keys() == hf_b.keys() and all(torch.equal(hf_a[k], hf_b[k]) for k in hf_a)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="the tiny Hugging Face folder needs transformers")
+def test_lora_under_fsdp_matches_one_process_and_saves_the_adapters_alone(pretrained, tmp_path):
+    folder, data = pretrained
+    args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=4", "--eval_interval=4",
+            "--gradient_accumulation_steps=2", "--dropout=0.0"]
+    run(*args, f"--out_dir={tmp_path / 'one'}")
+    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", torchrun=TWO)
+    assert_close_losses(losses(tmp_path / "fsdp"), losses(tmp_path / "one"), range(1, 5))
+    adapters, one = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))["model"], weights(tmp_path / "one")
+    assert adapters.keys() == one.keys() and all(".lora." in name for name in adapters)
+    assert all(torch.allclose(adapters[k], one[k], atol=1e-5) for k in one)
+    done = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'fsdp'}",
+                           f"--to={tmp_path / 'peft'}", "--adapter"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and (tmp_path / "peft" / "adapter_model.safetensors").exists(), done.stderr
+    if importlib.util.find_spec("torchao") is not None:  # 4-bit tensors do not shard: refused in one line
+        out = run(*args, f"--out_dir={tmp_path / 'nf4'}", "--fsdp=True", "--lora_base_dtype=nf4", check=False)
+        assert out.returncode != 0 and "lora_base_dtype='nf4' cannot be sharded by fsdp=True" in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
