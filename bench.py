@@ -76,7 +76,7 @@ def bench_kernels():
     def rand(*shape, std=1.0, grad=True):
         return (std * torch.randn(*shape, device="cuda", dtype=torch.bfloat16)).requires_grad_(grad)
 
-    def rotary_inputs(N, C, D=128, T=2048):  # q as the model makes it: a view into a fused qkv
+    def rotary_inputs(N, C, D=128, T=2048):  # q as a strided view into a wider tensor (the model's is contiguous)
         angles = torch.outer(torch.arange(T, device="cuda").float(), torch.rand(D // 2, device="cuda"))
         return [rand(N // T, T, 3 * C), angles.cos(), angles.sin()]
 
