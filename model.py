@@ -127,6 +127,16 @@ def adapted(linear, x):
     return y if getattr(linear, "lora", None) is None else y + linear.lora(x).to(y.dtype)
 
 
+def attend(q, k, v, **kwargs):
+    # torch's scaled_dot_product_attention on (B, T, H, D) tensors. Under a CPU's bf16 autocast it runs in
+    # fp32: torch's CPU attention is ~5x slower backward in bf16 than in fp32 (BENCHMARKS.md)
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return attend(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          **kwargs).transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, config, ops):
         super().__init__()
@@ -168,16 +178,11 @@ class Attention(nn.Module):
             y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                                enable_gqa=gqa).transpose(1, 2)
         elif mask is not None:  # documents elsewhere: a (B, 1, T, T) boolean mask, True where a query looks
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=dropout,
-                enable_gqa=gqa).transpose(1, 2)
+            y = attend(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
         elif flash_attn_func is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             y = flash_attn_func(q, k, v, dropout_p=dropout, causal=causal)  # (B, T, H, D), GQA built in
         else:
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                dropout_p=dropout, is_causal=causal, enable_gqa=gqa,
-            ).transpose(1, 2)  # (B, T, H, D)
+            y = attend(q, k, v, dropout_p=dropout, is_causal=causal, enable_gqa=gqa)
         return self.resid_dropout(adapted(self.proj, y.reshape(B, T, -1)))
 
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from model import GPT, GPTConfig, filter_logits
+from model import GPT, GPTConfig, attend, filter_logits
 
 
 def tiny(**kw):
@@ -157,6 +157,22 @@ def test_doc_mask_with_one_document_is_causal_attention():
     idx = torch.randint(1, 97, (2, 16))
     targets = torch.randint(0, 97, (2, 16))
     torch.testing.assert_close(model(idx, targets, doc_ids=torch.zeros_like(idx))[1], model(idx, targets)[1])
+
+
+@pytest.mark.parametrize("kwargs", [dict(is_causal=True), dict(attn_mask=torch.rand(1, 1, 24, 24) < 0.7)])
+def test_attention_under_cpu_bf16_autocast_runs_in_fp32(kwargs):
+    # torch's CPU attention is much slower backward in bf16: under autocast it gets fp32 inputs and the
+    # result comes back in bf16, with gradients in the inputs' dtype
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 24, 4, 16).bfloat16().requires_grad_() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attend(q, k, v, **kwargs)
+        in_bf16 = torch.nn.functional.scaled_dot_product_attention(  # what autocast alone would compute
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs).transpose(1, 2)
+    exact = attend(q.float(), k.float(), v.float(), **kwargs).bfloat16()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, exact) and not torch.equal(in_bf16, exact)
+    y.sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and q.grad.abs().sum() > 0
 
 
 def test_generation_takes_no_doc_ids():
