@@ -33,7 +33,7 @@ def nf4_bytes(n):
 
 
 def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="adamw", dp=1, tp=1, fsdp=False,
-                    checkpointing=False, offload=False, nf4=False, micro_steps=1):
+                    checkpointing=False, offload=False, nf4=False, micro_steps=1, device="cuda"):
     """Bytes one training process holds, by kind (MEMORY_KINDS), for micro-batches of batch_size
     sequences of block_size tokens. weights; grads (under DDP with its flat buckets beside them);
     optimizer, its state; activations, what autograd keeps of the forward for the backward (with
@@ -45,7 +45,8 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     between micro-steps) or, under checkpointing, while the backward recomputes a block.
     The layout: dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2,
     like torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
-    nf4: the frozen projections in NF4 (a model quantized already is counted as it is). Not counted:
+    nf4: the frozen projections in NF4 (a model quantized already is counted as it is). device: its type
+    (on a CPU, attention runs in fp32 under autocast: model.attend). Not counted:
     dropout's masks, document masks, the allocator's caching and the kernels' own workspace."""
     c = model.config
     e = 4 if dtype == "float32" else 2  # an activation's bytes in the compute dtype
@@ -90,7 +91,7 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
         copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
 
     r = e if fsdp else model.wte.weight.element_size()  # the residual stream's dtype: the embedding's
-    block, head, temporary = activation_bytes(c, batch_size * block_size, dtype, r, tp)
+    block, head, temporary = activation_bytes(c, batch_size * block_size, dtype, r, tp, device)
     if not c.use_kernels:  # the reference rotary's (T, D) cos and sin tables, made and kept by q's and k's calls
         block += 2 * 2 * block_size * c.head_size * model.cos.element_size()
     stored = c.n_layer * batch_size * block_size * c.n_embd * r if checkpointing else c.n_layer * block
@@ -105,17 +106,20 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
                 device=copies + peak + (0 if offload else weights + optim))
 
 
-def activation_bytes(c, N, dtype, r, tp=1):
+def activation_bytes(c, N, dtype, r, tp=1, device="cuda"):
     """What autograd saves in the forward of N tokens, in bytes, as tests/test_memory.py counts it: (one
     block's, the head's, the loss's short-lived logits-sized buffers). r: bytes of the residual stream's
     dtype; tp: the tensor-parallel split of attention's heads and the MLP's width."""
     e = 4 if dtype == "float32" else 2  # the compute dtype's
+    a = 4 if device == "cpu" else e  # attention's inputs and output (fp32 on a CPU)
     C, D, F, V = c.n_embd, c.head_size, c.mlp_hidden // tp, c.vocab_size
     H, Hkv = c.n_head // tp, c.n_kv_head // tp
     lora = set(c.lora_targets.split(",")) if c.lora_rank else set()  # the adapted projections
     fused = c.use_kernels
     norm = (r if fused else 4) * C + 4  # a norm's input (the reference's in fp32) and 1/rms
-    attn = (2 * H + 2 * Hkv) * D * e + 4 * H  # q and k rotated, v, output; logsumexp
+    attn = (2 * H + 2 * Hkv) * D * a + 4 * H  # q and k rotated, v, output; logsumexp
+    if a > e and not lora:  # the fp32 output's cast for attn.proj, kept by it
+        attn += H * D * e
     if c.qk_norm:  # Qwen3's norm of every head's q and k: its input (the reference's in fp32, and where the
         # weights train its normalized input too) and 1/rms
         attn += (H + Hkv) * ((e if fused else 4 + (0 if lora else e)) * D + 4)

@@ -542,7 +542,7 @@ if master:
 # the measured peak beside it
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
 memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, nf4=lora_base_dtype == "nf4",
-                         micro_steps=micro_steps, **layout)
+                         micro_steps=micro_steps, device=device_type, **layout)
 if master:
     print(memory_table([(memory_layout(**layout), memory)]))
 

@@ -150,7 +150,7 @@ def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtyp
     torch.manual_seed(0)
     model = GPT(GPTConfig(**shape))
     real = saved_bytes(model, batch_size, block_size, dtype)
-    estimate = memory_estimate(model, batch_size, block_size, dtype)
+    estimate = memory_estimate(model, batch_size, block_size, dtype, device="cpu")
     assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.02 * real
     assert (estimate["copies"] > 0) == (dtype == "bfloat16")
 
@@ -160,7 +160,7 @@ def test_lora_activations_are_what_autograd_saves(dtype):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SHAPE, qk_norm=True)).to(getattr(torch, dtype)).add_lora(4, targets="q,v,o,up,down")
     real = saved_bytes(model, 2, 16, dtype)
-    estimate = memory_estimate(model, 2, 16, dtype)
+    estimate = memory_estimate(model, 2, 16, dtype, device="cpu")
     # 3%: the estimate counts the reference rotary's cos/sin tables for every call, though the first block's
     # frozen k keeps none; at 32 tokens such per-call constants weigh (2.3% here), at real sizes tokens dominate
     assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.03 * real
