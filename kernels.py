@@ -345,16 +345,17 @@ if HAS_TRITON:
 
     @torch.library.custom_op("kernels::linear_cross_entropy", mutates_args=())
     def _lce_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
-                with_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+                x_grad: bool, w_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         # The gradients are computed here, in forward, chunk by chunk while each chunk's logits
-        # exist; backward only scales them. Returns (loss, grad_x, grad_weight).
+        # exist; backward only scales them. Returns (loss, grad_x, grad_weight), each gradient empty
+        # where it is not wanted (a frozen head under LoRA: no V x C matmul, no V x C buffer).
         N, V, acc = x.shape[0], weight.shape[0], _acc(x, weight)
         targets = targets.contiguous()
         n_valid = (targets != ignore_index).sum().clamp(min=1)  # stays on device: no sync
         scale = 1.0 / n_valid.to(acc)
         loss_rows = torch.empty(N, dtype=acc, device=x.device)
-        grad_x = torch.empty_like(x) if with_grad else x.new_empty(0)
-        grad_w = None
+        grad_x = torch.empty_like(x) if x_grad else x.new_empty(0)
+        grad_w = None if w_grad else weight.new_empty(0)
         n_chunks = triton.cdiv(N * V, LCE_CHUNK_ELEMENTS)
         rows = triton.cdiv(N, n_chunks)
         BLOCK = min(triton.next_power_of_2(V), 4096)
@@ -364,28 +365,27 @@ if HAS_TRITON:
             _cross_entropy_kernel[(xc.shape[0],)](logits, targets[s:], loss_rows[s:], scale, V,
                                                   logits.stride(0), ignore_index, BLOCK=BLOCK,
                                                   ACC=_tl(acc), num_warps=_warps(BLOCK))
-            if with_grad:  # logits now hold d(loss)/d(logits)
+            if x_grad:  # logits now hold d(loss)/d(logits)
                 torch.mm(logits, weight, out=grad_x[s:s + rows])
+            if w_grad:
                 # grad_weight accumulates in weight's dtype: an fp32 copy would cost twice the
                 # weight (2 GB at V=128K, C=4096), more than the chunking saves. cuBLAS sums
                 # each chunk in fp32 and rounds once per chunk, and chunks are few.
                 grad_w = logits.t() @ xc if grad_w is None else grad_w.addmm_(logits.t(), xc)
-        return loss_rows.sum() * scale, grad_x, grad_w if with_grad else x.new_empty(0)
+        return loss_rows.sum() * scale, grad_x, grad_w
 
     @_lce_op.register_fake
-    def _(x, weight, targets, ignore_index, with_grad):
-        loss = x.new_empty((), dtype=_acc(x, weight))
-        if not with_grad:
-            return loss, x.new_empty(0), x.new_empty(0)
-        return loss, torch.empty_like(x), torch.empty_like(weight)
+    def _(x, weight, targets, ignore_index, x_grad, w_grad):
+        return (x.new_empty((), dtype=_acc(x, weight)), torch.empty_like(x) if x_grad else x.new_empty(0),
+                torch.empty_like(weight) if w_grad else weight.new_empty(0))
 
     def _lce_setup(ctx, inputs, output):
         ctx.save_for_backward(output[1], output[2])
 
     def _lce_backward(ctx, dloss, _dgx, _dgw):
         # out of place: scaling the saved gradients in place would break a second backward
-        grad_x, grad_w = ctx.saved_tensors
-        return grad_x * dloss.to(grad_x.dtype), grad_w * dloss.to(grad_w.dtype), None, None, None
+        grads = [g * dloss.to(g.dtype) if g.numel() else None for g in ctx.saved_tensors]
+        return *grads, None, None, None, None
 
     _lce_op.register_autograd(_lce_backward, setup_context=_lce_setup)
 
@@ -399,6 +399,7 @@ if HAS_TRITON:
             # the gradients are made in forward, before the loss scale is known: in fp16 the
             # small ones (softmax / tokens) would underflow, so fp16 inputs are worked in fp32
             x, weight = x.float(), weight.float()
-        with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        grad = torch.is_grad_enabled()
         with torch.autocast(dev, enabled=False):  # inputs are cast already: the op's matmuls keep them
-            return _lce_op(x, weight, targets, ignore_index, with_grad)[0]
+            return _lce_op(x, weight, targets, ignore_index, grad and x.requires_grad,
+                           grad and weight.requires_grad)[0]

@@ -138,7 +138,7 @@ def activation_bytes(c, N, dtype, r, tp=1, device="cuda"):
     # or the reference's log-softmax. Under LoRA the embedding is frozen: no ids, and the first norm's
     # input, which needs no gradient, keeps nothing.
     head = N * (norm + (0 if lora or fused else (r + e) * C) + (0 if lora else 8) + (0 if fused else 8))
-    head += (N + V) * C * (4 if dtype == "float16" else e) if fused else N * V * 4
+    head += (N + (0 if lora else V)) * C * (4 if dtype == "float16" else e) if fused else N * V * 4
     head -= N * norm if lora else 0
     temporary = min(N * V, kernels.LCE_CHUNK_ELEMENTS) * e if fused else 2 * N * V * 4
     return block, head, temporary

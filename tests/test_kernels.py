@@ -147,6 +147,19 @@ def test_linear_cross_entropy(dtype, ignore, chunks, monkeypatch):
 
 
 @needs_triton
+def test_linear_cross_entropy_with_a_frozen_head_makes_no_weight_gradient(monkeypatch):
+    # LoRA freezes the head: the op makes x's gradient only, with no V x C matmul or buffer
+    op, asked = K._lce_op, []
+    monkeypatch.setattr(K, "_lce_op", lambda *args: asked.append(args[-2:]) or op(*args))
+    torch.manual_seed(0)
+    N, C, V = 41, 24, 300
+    x, w, t = randn(N, C), 0.3 * randn(V, C, grad=False), _targets(N, V, "some")
+    check(K.linear_cross_entropy, K.linear_cross_entropy_ref, [x, w, t], torch.float32)
+    assert asked and all(a == (True, False) for a in asked)
+    assert op(x.detach(), w, t, -1, True, False)[2].numel() == 0
+
+
+@needs_triton
 def test_linear_cross_entropy_fp16_autocast():
     # fp16 mixed precision: fp32 weights, autocast to fp16, a loss scale; as the reference does
     x, w, t = randn(33, 16), randn(70, 16), _targets(33, 70, "some")
@@ -252,8 +265,9 @@ def test_opcheck():
         (K._swiglu_op, (x[..., :3], x[..., 4:])),
         (K._swiglu_bwd_op, (randn(3, 5, 3, grad=False), x.detach()[..., :3], x.detach()[..., 4:])),
         (K._rotary_op, (randn(2, 3, 2, 6), randn(3, 3, grad=False), randn(3, 3, grad=False), False)),
-        (K._lce_op, (randn(9, 4), randn(11, 4), _targets(9, 11, "some"), -1, True)),
-        (K._lce_op, (randn(9, 4, grad=False), randn(11, 4, grad=False), _targets(9, 11, "none"), -1, False)),
+        (K._lce_op, (randn(9, 4), randn(11, 4), _targets(9, 11, "some"), -1, True, True)),
+        (K._lce_op, (randn(9, 4), randn(11, 4, grad=False), _targets(9, 11, "some"), -1, True, False)),
+        (K._lce_op, (randn(9, 4, grad=False), randn(11, 4, grad=False), _targets(9, 11, "none"), -1, False, False)),
     ]
     for op, args in cases:
         results = torch.library.opcheck(op, args)
