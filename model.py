@@ -319,10 +319,13 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len=None):
         # training FLOPs per token: 6N for the weights' matmuls plus attention's 12·L·H·Q·T (PaLM, B),
-        # T being the length trained on (by default the longest the model takes)
+        # T being the length trained on (by default the longest the model takes); a frozen weight (LoRA's
+        # base) costs 4, having no gradient of its own
         c = self.config
         n = self.num_params(non_embedding=not c.tie_embeddings)  # the embedding lookup is no matmul
-        return 6 * n + 12 * c.n_layer * c.n_head * c.head_size * (seq_len or c.block_size)
+        frozen = sum(p.numel() for name, p in self.named_parameters()
+                     if not p.requires_grad and (c.tie_embeddings or name != "wte.weight"))
+        return 6 * n - 2 * frozen + 12 * c.n_layer * c.n_head * c.head_size * (seq_len or c.block_size)
 
     def configure_optimizers(self, kind, learning_rate, weight_decay, betas, device_type, momentum=0.9,
                              muon_lr=0.02, muon_momentum=0.95):

@@ -92,7 +92,11 @@ def test_flops_per_token():
     model = tiny()
     c = model.config
     n = model.num_params()
-    assert model.flops_per_token() == 6 * n + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+    attention = 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
+    assert model.flops_per_token() == 6 * n + attention
+    model.add_lora(4)  # the base frozen: 4 FLOPs a weight (forward, input gradient), 6 for the adapters'
+    adapters = model.num_params() - n
+    assert model.flops_per_token() == 4 * n + 6 * adapters + attention
 
 
 def test_filter_logits_top_p():
