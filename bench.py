@@ -17,7 +17,7 @@ own learning rate):
     python bench.py config/train_small.py --mode=race --seconds=120 \
         --run="--optimizer=adamw" --run="--optimizer=muon" --run="--optimizer=sgd --learning_rate=0.3"
     python bench.py --mode=kernels   # each fused op of kernels.py against its references (GPU)
-    python bench.py --mode=load      # peak memory of GPT.from_pretrained on a generated ~1 GB folder
+    python bench.py --mode=load      # peak memory of load_pretrained on a generated ~1 GB folder
     python bench.py --mode=lora      # memory of full fine-tuning, LoRA and QLoRA of a Qwen3-0.6B shape
     python bench.py --mode=memory config/train_gpt2.py   # memory per GPU on 1, 8 and 64 of them, estimated
 
@@ -171,8 +171,10 @@ def train_defaults():
 def bench_memory():
     import torch
     from configurator import configure
+    from hf import config_from_hf, read_json
+    from lora import add_lora
     from memory import memory_estimate, memory_layout, memory_table
-    from model import GPT, GPTConfig, config_from_hf, read_json
+    from model import GPT, GPTConfig
     from tokenizer import read_meta
     config = train_defaults()
     configure(config, train_args)
@@ -195,7 +197,7 @@ def bench_memory():
         model = GPT(shape)
         if g.lora_rank:  # the frozen base in the dtype it computes in (nf4: counted at its size)
             base = dtype if g.lora_base_dtype in ("auto", "nf4") else g.lora_base_dtype
-            model.to(getattr(torch, base)).add_lora(g.lora_rank, g.lora_alpha, g.lora_dropout, g.lora_targets)
+            add_lora(model.to(getattr(torch, base)), g.lora_rank, g.lora_alpha, g.lora_dropout, g.lora_targets)
     layouts = [(1, dict()), (1, dict(checkpointing=True)),
                (1, dict(fsdp=True, checkpointing=True, offload=True))]
     for gpus in (8, 64):
@@ -228,7 +230,7 @@ if args.mode == "memory":
 
 LOADERS = {
     "baseline (import torch and model.py)": "pass",
-    "GPT.from_pretrained (streamed)": "m = GPT.from_pretrained(folder)",
+    "load_pretrained (streamed)": "m = load_pretrained(folder)",
     "file read whole, then a model": "from safetensors.torch import load\n"
                                      "w = load(open(folder + '/model.safetensors', 'rb').read()); "
                                      "m = GPT(GPTConfig(**shape))",
@@ -253,17 +255,18 @@ def peak_memory(script):
 
 def bench_load():
     import torch
+    from hf import save_pretrained
     from model import GPT, GPTConfig
     with tempfile.TemporaryDirectory() as folder:
         shape = dict(vocab_size=32000, block_size=2048, n_layer=16, n_head=16, n_embd=1024, mlp_hidden=2816)
-        GPT(GPTConfig(**shape)).save_pretrained(folder)
+        save_pretrained(GPT(GPTConfig(**shape)), folder)
         size = os.path.getsize(os.path.join(folder, "model.safetensors")) / 2**20
         print(f"folder: {size:,.0f} MB of fp32 weights, torch {torch.__version__}")
         print("| load | peak anonymous MB | above baseline | peak RSS MB (with mmap'd file pages) |\n"
               "| --- | --- | --- | --- |")
         baseline = None
         for name, code in LOADERS.items():
-            script = f"from model import GPT, GPTConfig\nfolder, shape = {folder!r}, {shape!r}\n{code}\nimport time; time.sleep(0.1)"
+            script = f"from model import GPT, GPTConfig\nfrom hf import load_pretrained\nfolder, shape = {folder!r}, {shape!r}\n{code}\nimport time; time.sleep(0.1)"
             anon, rss = peak_memory(script)
             baseline = baseline or anon
             print(f"| {name} | {anon:,.0f} | {anon - baseline:,.0f} | {rss:,.0f} |")
@@ -283,12 +286,15 @@ FINETUNES = {"full": [], "LoRA": ["--lora_rank=16"], "QLoRA": ["--lora_rank=16",
 
 def bench_lora():
     import torch
+    from checkpoint import model_from_checkpoint
+    from hf import save_pretrained
+    from lora import quantize_base
     from memory import tensor_bytes
     from model import GPT, GPTConfig
     shape = dict(vocab_size=151936, block_size=4096, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_size=128,
                  mlp_hidden=3072, qk_norm=True, family="qwen3")
     with tempfile.TemporaryDirectory() as tmp:
-        GPT(GPTConfig(**shape)).to(torch.bfloat16).save_pretrained(f"{tmp}/model")  # as the Hub holds it: bf16
+        save_pretrained(GPT(GPTConfig(**shape)).to(torch.bfloat16), f"{tmp}/model")  # as the Hub holds it: bf16
         rng = np.random.default_rng(0)
         for split in ("train", "val"):
             rng.integers(0, 151643, size=200_000, dtype=np.uint32).tofile(f"{tmp}/{split}.bin")
@@ -308,9 +314,9 @@ def bench_lora():
             state = sum(tensor_bytes(t) for s in ckpt["optimizer"]["state"].values() for t in s.values()
                         if torch.is_tensor(t) and t.dim() > 0)
             ckpt["optimizer"] = None
-            model = GPT.from_checkpoint(ckpt, torch.bfloat16)  # a LoRA run's frozen base, in bf16 as it ran
+            model = model_from_checkpoint(ckpt, torch.bfloat16)  # a LoRA run's frozen base, in bf16 as it ran
             if "--lora_base_dtype=nf4" in extra:
-                model.quantize_base()
+                quantize_base(model)
             trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
             frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
             with open(f"{out}/metrics.jsonl") as f:

@@ -13,47 +13,16 @@ PeftModel.from_pretrained(base_model, "adapters/mine").
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
 
-from tokenizer import hf_tokenizer_files
+import torch
 
-# -----------------------------------------------------------------------------
-# a run's checkpoint -> the model and the tokenizer of its data (sample.py reads runs this way too)
-
-
-def load_run(path, base_dtype=None, data_dir=None):
-    """out_dir/ckpt.pt -> (model, tokenizer, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of
-    an FSDP run, whichever is newer (see find_checkpoint). A LoRA run's frozen base is read in
-    base_dtype (None: its folder's). The tokenizer lives with the data the model was trained on:
-    data_dir, else where that data was then, else where the run's config says. ValueError with one
-    line for what is missing or damaged."""
-    from model import GPT, find_checkpoint, load_checkpoint
-    from tokenizer import load_tokenizer
-    found = find_checkpoint(path)
-    if found is None:
-        raise ValueError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
-    path = found
-    checkpoint = load_checkpoint(path, mmap=True)  # the weights are read, the optimizer's moments never
-    if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
-        raise ValueError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
-    model = GPT.from_checkpoint(checkpoint, base_dtype)
-    candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
-    found = next((d for d in candidates if d and os.path.isdir(d)), None)
-    if found is None:
-        raise ValueError(f"the model was trained on {candidates[-1]}, which is not here: its tokenizer is needed "
-                         f"(restore it, or pass --data_dir)")
-    try:
-        tokenizer = load_tokenizer(found)
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"cannot read the tokenizer in {found} ({type(e).__name__}: {e}); re-run prepare.py")
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"{found}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                         f"{model.config.vocab_size}: it is not the data this model was trained on")
-    return model, tokenizer, checkpoint
-
+from checkpoint import load_run
+from hf import read_json, save_pretrained
+from lora import merge_lora, write_adapter
+from tokenizer import durable_replace, hf_tokenizer_files
 
 # -----------------------------------------------------------------------------
 # the folders: a whole model, or a LoRA adapter in peft's layout
@@ -61,11 +30,10 @@ def load_run(path, base_dtype=None, data_dir=None):
 
 def write_model(model, tokenizer, checkpoint, folder, dtype):
     # merged (a LoRA run's adapters folded into the base) and cast; returns a note on the tokenizer
-    import torch
     if dtype == "auto":  # the dtype the run began from, else the checkpoint's own (float32)
         dtype = folder_dtype(checkpoint.get("pretrained")) or "float32"
-    model.merge_lora().to(getattr(torch, dtype))
-    model.save_pretrained(folder, eos_token_id=tokenizer.eot_id)
+    merge_lora(model).to(getattr(torch, dtype))
+    save_pretrained(model, folder, eos_token_id=tokenizer.eot_id)
     files, note = hf_tokenizer_files(tokenizer)
     for name, text in files.items():
         with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
@@ -91,37 +59,14 @@ def read_text(path):
 
 
 def folder_dtype(pretrained):
-    try:
-        with open(os.path.join(pretrained, "config.json")) as f:
-            config = json.load(f)
-        return config.get("torch_dtype") or config.get("dtype")
-    except (TypeError, OSError, ValueError):
+    # the dtype a Hugging Face folder's config.json gives its weights; None without one
+    if not pretrained:
         return None
-
-
-def write_adapter(model, checkpoint, folder):
-    # peft's layout: adapter_config.json, and lora_A/lora_B of each adapted module under transformers' names
-    from safetensors.torch import save_file
-
-    from model import LORA_TARGETS
-    c = model.config
-    if not c.lora_rank:
-        raise ValueError("--adapter exports a LoRA run's adapters, and this run trained every weight (leave it out)")
-    tensors = {}
-    for i, name, linear in model.lora_projections():
-        if getattr(linear, "lora", None) is not None:
-            module = f"base_model.model.model.layers.{i}.{LORA_TARGETS[name]}"
-            tensors[f"{module}.lora_A.weight"] = linear.lora.A.detach().contiguous()
-            tensors[f"{module}.lora_B.weight"] = linear.lora.B.detach().contiguous()
-    targets = [LORA_TARGETS[t].split(".")[-1] for t in c.lora_targets.split(",")]
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": checkpoint["pretrained"],
-              "r": c.lora_rank, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
-              "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-              "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}
-    os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    try:
+        config = read_json(os.path.join(pretrained, "config.json"))
+    except ValueError:
+        return None
+    return config.get("torch_dtype") or config.get("dtype")
 
 
 def main(argv=None):
@@ -136,7 +81,6 @@ def main(argv=None):
     parser.add_argument("--data_dir", default=None, help="the dataset whose tokenizer to write (default: the run's)")
     parser.add_argument("--overwrite", action="store_true", help="replace --to if it holds anything")
     args = parser.parse_args(argv)
-    import torch
     if os.path.exists(args.to) and not os.path.isdir(args.to):
         sys.exit(f"export.py: {args.to} is a file, not a folder; choose another --to")
     if os.path.isdir(args.to) and os.listdir(args.to) and not args.overwrite:
@@ -152,7 +96,7 @@ def main(argv=None):
         # a LoRA run's base in fp32, so that the adapters merge into it in fp32 before the cast
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
         if args.adapter:
-            write_adapter(model, checkpoint, staging)
+            write_adapter(model, checkpoint["pretrained"], staging)
             note = None
         else:
             note = write_model(model, tokenizer, checkpoint, staging, args.dtype)
@@ -165,7 +109,7 @@ def main(argv=None):
     old = args.to.rstrip("/") + ".export-old"  # the folder replaced, kept until the new one is in place
     if os.path.exists(args.to):
         os.replace(args.to, old)
-    os.replace(staging, args.to)
+    durable_replace(staging, args.to)
     shutil.rmtree(old, ignore_errors=True)
     what = "a peft adapter" if args.adapter else "a Hugging Face model"
     print(f"wrote {what} to {args.to}" + (f" (tokenizer: {note})" if note else ""))

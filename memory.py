@@ -5,17 +5,20 @@ torch.cuda.max_memory_allocated (train.py prints it before the first step).
 """
 
 import math
+import resource
+import sys
 
+import torch
 import torch.nn as nn
 
 import kernels
-
+from model import PROJECTIONS
+from parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT
 
 # tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
 # projections after them by input columns; embeddings, norms and the head stay whole
-COLUMN_PARALLEL = ("attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias", "attn.v.weight",
-                   "attn.v.bias", "mlp.gate.weight", "mlp.up.weight")
-ROW_PARALLEL = ("attn.proj.weight", "mlp.down.weight")
+COLUMN_PARALLEL = tuple(f"{PROJECTIONS[n]}.{kind}" for n in SPLIT_BY_OUTPUT for kind in ("weight", "bias"))
+ROW_PARALLEL = tuple(f"{PROJECTIONS[n]}.weight" for n in SPLIT_BY_INPUT)
 MEMORY_KINDS = ("weights", "grads", "optimizer", "activations", "copies", "temporary", "device", "host")
 
 
@@ -161,3 +164,15 @@ def memory_table(rows):
     for name, estimate in rows:
         lines.append(f"| {name} | " + " | ".join(mib(estimate[k]) for k in MEMORY_KINDS) + " |")
     return "\n".join(lines)
+
+
+def measured_mb(device):
+    """What this process has held at most so far, in MiB: on CUDA the allocator's peak, elsewhere the
+    process's peak resident memory."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:  # this process's peak RSS; ru_maxrss would start from the parent's when a big process launched us
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)

@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 # The tokenizers live in tokenizer.py; read_meta and load_tokenizer are here too, as they always were.
-from tokenizer import MARKER, die, load_tokenizer, make_tokenizer, read_meta  # noqa: F401
+from tokenizer import MARKER, die, durable_replace, load_tokenizer, make_tokenizer, read_meta  # noqa: F401
 
 FORMAT_VERSION = 1
 TEXT_FIELDS = ("text", "content", "body")
@@ -517,7 +517,7 @@ def move_into_place(out, files, tokenizer, meta):
             written.close()
     (out / "meta.json").unlink(missing_ok=True)
     for name in filter(None, ("train.bin", "val.bin", tokenizer_file, "meta.json")):  # tiktoken has no file
-        os.replace(out / (name + ".tmp"), out / name)
+        durable_replace(out / (name + ".tmp"), out / name)
     (out / MARKER).unlink()
 
 

@@ -14,8 +14,9 @@ from contextlib import nullcontext
 
 import torch
 
-from export import load_run
-from model import GPT, pick_device
+from checkpoint import load_run
+from hf import load_pretrained
+from parallel import pick_device
 from tokenizer import make_tokenizer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,7 +56,7 @@ if args.model:  # a Hugging Face folder: its weights in the dtype we sample in, 
     if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
         fail(f"{args.model} has no tokenizer.json to encode the prompt with")
     try:
-        model = GPT.from_pretrained(args.model, dtype=getattr(torch, dtype))
+        model = load_pretrained(args.model, dtype=getattr(torch, dtype))
     except ValueError as e:
         fail(str(e))
     tokenizer = make_tokenizer(args.model, None)

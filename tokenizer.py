@@ -13,6 +13,7 @@ the tokenizer.json that encodes the same way, for an exported model (hf_tokenize
 
 import base64
 import json
+import os
 import pickle
 import re
 from itertools import chain
@@ -28,6 +29,21 @@ MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py ren
 def die(msg):
     """A user's mistake: one line naming the problem and the fix, non-zero exit."""
     raise SystemExit(f"prepare.py: {msg}")
+
+
+def durable_replace(src, dst):
+    """Rename src to dst (a file or a folder, replacing a file) and make the rename itself survive a power cut:
+    the folder that holds the name is synced too. Every finished output (datasets, checkpoints, exports)
+    takes its name this way, after its bytes have reached the disk."""
+    os.replace(src, dst)
+    try:
+        folder = os.open(os.path.dirname(os.path.abspath(dst)), os.O_RDONLY)
+    except OSError:  # a platform that cannot open folders (Windows): the rename is all there is
+        return
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 # -----------------------------------------------------------------------------
 # tokenizers: one object for every kind, made by the small constructors below it
@@ -431,3 +447,30 @@ def onig_pattern(pattern):
     if re.search(r"\)\{\d+(?:,\d*)?\}\+", out):
         raise ValueError("its split pattern repeats a group possessively, which this rewrite does not handle")
     return out
+
+
+def check_tokenizer(data_dir, meta, folder, model_vocab):
+    """ValueError, in one line with the fix, unless the dataset data_dir (meta: its read_meta) was made with
+    the tokenizer of the Hugging Face model folder, whose config.json says model_vocab. The same tokenizer
+    gives a document's ids back from its text: the first few are decoded and encoded again."""
+    fix = f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
+    if meta["vocab_size"] > model_vocab:
+        raise ValueError(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: "
+                         f"{fix}")
+    if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        return  # nothing to compare with
+    ids = np.array(np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.dtype(meta["dtype"]), mode="r")[:4096],
+                   dtype=np.int64)
+    ends = np.flatnonzero(ids == meta["eot_id"]) if meta.get("eot_id") is not None else np.array([], dtype=int)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(int)
+    documents = [ids[a:b].tolist() for a, b in zip(starts, ends)][:8]  # whole ones, without end-of-text
+    try:
+        ours, theirs = load_tokenizer(data_dir), make_tokenizer(folder, None)
+    except (ValueError, KeyError, TypeError, SystemExit) as e:
+        raise ValueError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
+                         f"({type(e).__name__}: {e}): {fix}") from None
+    for doc in documents or [ids[:512].tolist()]:
+        again = theirs.encode(ours.decode(doc))
+        compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
+        if again[:compared] != doc[:compared]:
+            raise ValueError(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")

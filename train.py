@@ -21,37 +21,29 @@ import gc
 import json
 import math
 import os
-import re
-import resource
-import shutil
 import signal
 import sys
 import time
-import warnings
 from contextlib import nullcontext
 from dataclasses import asdict
-from functools import partial
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.utils.checkpoint
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.fsdp import register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint as ckpt
 from configurator import configure
-from memory import memory_estimate, memory_layout, memory_table
-from model import GPT, GPTConfig, find_checkpoint, fingerprint, load_checkpoint, peak_flops, pick_device
-from tokenizer import load_tokenizer, make_tokenizer, read_meta
+from hf import fingerprint, load_pretrained, read_json
+from lora import add_lora, quantize_base
+from memory import measured_mb, memory_estimate, memory_layout, memory_table
+from model import GPT, GPTConfig
+from parallel import clip_gradients, parallelize, peak_flops, pick_device
+from tokenizer import check_tokenizer, read_meta
 
 # -----------------------------------------------------------------------------
-# defaults: every setting is a global here; config files and --key=value override them
+# 1. settings: every one is a global here; config files and --key=value override them
 # I/O
 out_dir = "out"  # checkpoints and metrics.jsonl go here
 eval_interval = 250  # estimate train/val loss (and maybe checkpoint) every this many steps
@@ -148,9 +140,8 @@ if lr_schedule not in ("cosine", "linear", "constant", "wsd"):
 if not 0 <= lr_decay_fraction <= 1:
     fail(f"lr_decay_fraction={lr_decay_fraction} must be between 0 and 1")
 
-
 # -----------------------------------------------------------------------------
-# devices and processes
+# 2. devices and processes
 
 ddp = "RANK" in os.environ  # started by torchrun
 rank = int(os.environ.get("RANK", 0))
@@ -166,6 +157,11 @@ if device == "cuda" and ddp:
 device_type = device.split(":")[0]
 if device_type == "cuda":
     torch.cuda.set_device(device)
+if tp_size > 1 and optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
+    fail("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
+# Tensor parallel shards the rest of each replica with FSDP too (over a mesh of one replica, if so): every
+# parameter is then a DTensor on the one mesh, which the fused optimizer step and the clipping need
+fsdp = fsdp or tp_size > 1
 if fsdp and dtype == "float16":
     fail("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
          "gradients): use dtype='bfloat16' or 'float32'")
@@ -186,11 +182,8 @@ elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to of
 if tp_size < 1 or world_size % tp_size:
     fail(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, N a multiple)")
 dp_size = world_size // tp_size
-mesh = None
-if dist.is_initialized():
-    mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp")) if dist.is_initialized() else None
 dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-sharded = fsdp or tp_size > 1  # checkpoints: a torch.distributed.checkpoint folder, each process its part
 if gradient_accumulation_steps % dp_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
          f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")
@@ -207,7 +200,7 @@ if master:
           f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
 
 # -----------------------------------------------------------------------------
-# data: token files are memory-mapped, never read whole. The sequences of a step are a pure function
+# 3. data: token files are memory-mapped, never read whole. The sequences of a step are a pure function
 # of (seed, step): a resumed run sees exactly the batches it would have seen, and the same tokens
 # per update give the same sequences however they are split into processes and micro-steps
 
@@ -268,37 +261,7 @@ def document_ids(x):
 
 
 # -----------------------------------------------------------------------------
-# model, optimizer and state: fresh, from a Hugging Face folder, or from the checkpoint
-
-
-def check_tokenizer(folder):
-    # Data for a pretrained model must be made with its own tokenizer, or its ids mean other words. The
-    # same tokenizer gives a document's ids back from its text: decode the first few, encode them again.
-    fix = f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            model_vocab = int(json.load(f)["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        fail(f"cannot read the vocab_size in {folder}/config.json ({type(e).__name__}: {e})")
-    if meta["vocab_size"] > model_vocab:
-        fail(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: {fix}")
-    if not os.path.exists(os.path.join(folder, "tokenizer.json")):
-        return  # nothing to compare with
-    ids = np.array(np.memmap(os.path.join(data_dir, "val.bin"), dtype=data_dtype, mode="r")[:4096], dtype=np.int64)
-    ends = np.flatnonzero(ids == meta["eot_id"]) if meta.get("eot_id") is not None else np.array([], dtype=int)
-    starts = np.concatenate([[0], ends[:-1] + 1]).astype(int)
-    documents = [ids[a:b].tolist() for a, b in zip(starts, ends)][:8]  # whole ones, without end-of-text
-    try:
-        ours, theirs = load_tokenizer(data_dir), make_tokenizer(folder, None)
-    except (ValueError, KeyError, TypeError, SystemExit) as e:
-        fail(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s ({type(e).__name__}: {e}): "
-             f"{fix}")
-    for doc in documents or [ids[:512].tolist()]:
-        again = theirs.encode(ours.decode(doc))
-        compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
-        if again[:compared] != doc[:compared]:
-            fail(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")
-
+# 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint
 
 model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, block_size=block_size,
                   vocab_size=vocab_size, dropout=dropout, tie_embeddings=tie_embeddings,
@@ -307,55 +270,42 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 iter_num, best_val_loss, evals_without_gain, skipped_in_a_row = 0, float("inf"), 0, 0
 evaluated_at = None  # the step whose evaluation is done (a checkpoint saved on a signal may lack it)
 checkpoint = None
-from_shards = False  # resuming from a sharded checkpoint
 try:  # ckpt.pt, or the sharded folder ckpt/ of an FSDP run (see find_checkpoint): the later one
-    found_ckpt = find_checkpoint(ckpt_path)
+    found_ckpt = ckpt.find_checkpoint(ckpt_path)
 except ValueError as e:
     fail(str(e))
-have_ckpt = found_ckpt is not None
 if ddp:  # every process must see the same checkpoint, or they would start from different states
-    seen = torch.tensor([float(have_ckpt)], device=device)
+    seen = torch.tensor([float(found_ckpt is not None)], device=device)
     dist.all_reduce(seen)
     if 0 < seen.item() < world_size:
         fail(f"{ckpt_path} is visible to {seen.item():.0f} of {world_size} processes: out_dir must be on storage "
              f"every node shares")
 if init_from == "auto":
-    init_from = "resume" if have_ckpt else "scratch"
+    init_from = "resume" if found_ckpt else "scratch"
 from_folder = init_from not in ("scratch", "resume")  # a Hugging Face model folder to fine-tune
 if from_folder and not os.path.isfile(os.path.join(init_from, "config.json")):
     fail(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model folder "
          f"(it has no config.json)")
 pretrained = os.path.abspath(init_from) if from_folder else None  # where the weights began, kept on resume
-if from_folder and have_ckpt:  # the same command after a preemption: continue the run, if it began here
-    try:
-        began_from = load_checkpoint(found_ckpt, mmap=True, weights=False).get("pretrained")
-    except ValueError as e:
-        fail(str(e))
-    if began_from != pretrained:
-        fail(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not {pretrained}: "
-             f"train into another out_dir")
-    init_from, from_folder = "resume", False
-old_ckpts = [f for f in os.listdir(out_dir) if re.fullmatch(r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?", f)
-             ] if os.path.isdir(out_dir) else []
-if init_from != "resume" and old_ckpts:
-    fail(f"{out_dir} holds a run already ({', '.join(sorted(old_ckpts))}): continue it with --init_from=resume, "
-         f"or train into another out_dir")
+try:
+    if from_folder and found_ckpt:  # the same command after a preemption: continue the run, if it began here
+        began_from = ckpt.load_checkpoint(found_ckpt, mmap=True, weights=False).get("pretrained")
+        if began_from != pretrained:
+            fail(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not {pretrained}: "
+                 f"train into another out_dir")
+        init_from, from_folder = "resume", False
+    if init_from != "resume" and ckpt.existing(out_dir):
+        fail(f"{out_dir} holds a run already ({', '.join(ckpt.existing(out_dir))}): continue it with "
+             f"--init_from=resume, or train into another out_dir")
+    if init_from == "resume" and not found_ckpt:
+        fail(f"no checkpoint at {ckpt_path} to resume from (train first, or set init_from='scratch')")
+    if init_from == "resume":  # the weights and optimizer state are read once the model is laid out
+        checkpoint = ckpt.load_resume_state(found_ckpt)
+except ValueError as e:
+    fail(str(e))
 if init_from != "resume" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
     os.remove(os.path.join(out_dir, "metrics.jsonl"))  # left by a run that died before its first checkpoint
-if init_from == "resume":
-    if not have_ckpt:
-        fail(f"no checkpoint at {ckpt_path} to resume from (train first, or set init_from='scratch')")
-    from_shards = os.path.isdir(found_ckpt)  # weights and optimizer state are read once the model is sharded
-    try:
-        checkpoint = load_checkpoint(found_ckpt, weights=False)
-    except ValueError as e:
-        fail(str(e))
-    needed = {"model", "optimizer", "scaler", "model_args", "iter_num", "best_val_loss", "evals_without_gain",
-              "skipped_in_a_row", "evaluated", "config", "world_size", "rng"}
-    needed = needed - {"model", "optimizer"} | {"param_groups"} if from_shards else needed
-    if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
-        fail(f"{found_ckpt} is not a checkpoint of this train.py (it lacks "
-             f"{', '.join(sorted(needed - set(checkpoint)))})")
+if checkpoint is not None:
     pretrained = checkpoint.get("pretrained")
     # the weights decide the shape; dropout, the kernels and (from scratch) block_size are this run's
     model_args = {**checkpoint["model_args"], "dropout": dropout, "use_kernels": use_kernels}
@@ -379,6 +329,9 @@ if init_from == "resume":
               "but not on the batches the first run would have seen")
     if block_size > model_args["block_size"]:
         fail(f"block_size={block_size} is past the {model_args['block_size']} positions of the model {pretrained}")
+    trained_with = checkpoint["config"].get("optimizer", "adamw")
+    if trained_with != optimizer:
+        fail(f"{found_ckpt} was trained with optimizer={trained_with!r}: resume with --optimizer={trained_with}")
 
 # LoRA: this command's rank on a fresh start from a folder, the checkpoint's on a resume
 lora = lora_rank if from_folder else model_args.get("lora_rank", 0) if checkpoint is not None else 0
@@ -389,143 +342,69 @@ if lora and checkpoint is not None:  # a resumed run's base is held as it was (4
     lora_base_dtype = checkpoint["config"].get("lora_base_dtype", lora_base_dtype)
 if lora_base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4"):
     fail(f"lora_base_dtype={lora_base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16' or 'nf4'")
+if lora and tp_size > 1:
+    fail("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model (tp_size=1)")
+if fsdp and lora and lora_base_dtype == "nf4":
+    fail("lora_base_dtype='nf4' cannot be sharded by fsdp=True (FSDP does not split 4-bit tensors): use "
+         "lora_base_dtype='bfloat16' with fsdp, or nf4 without it")
+if from_folder:
+    try:  # data for a pretrained model must be made with its own tokenizer, or its ids mean other words
+        model_vocab = int(read_json(os.path.join(init_from, "config.json"))["vocab_size"])
+        check_tokenizer(data_dir, meta, init_from, model_vocab)
+    except (ValueError, KeyError, TypeError) as e:
+        fail(str(e) if isinstance(e, ValueError) else f"cannot read the vocab_size in {init_from}/config.json "
+             f"({type(e).__name__}: {e})")
+
+# -----------------------------------------------------------------------------
+# 5. the model, laid out over the processes, and its optimizers
+
 # Full fine-tuning keeps fp32 master weights whatever the folder holds (autocast computes in dtype); a
 # frozen LoRA base needs only the dtype it computes in, and nf4 is quantized from that.
 base_dtype = dtype if lora_base_dtype in ("auto", "nf4") else lora_base_dtype
 base_dtype = getattr(torch, base_dtype) if lora else torch.float32
-
 torch.manual_seed(seed)  # the same initial weights in every process
-if from_folder:
-    check_tokenizer(init_from)
+base_fingerprint = checkpoint.get("base_fingerprint") if checkpoint is not None else None
 try:
-    if from_shards and not lora:  # a fresh model: its weights are read into its shards below
-        base_fingerprint = None
-        model = GPT(GPTConfig(**model_args))
-    elif checkpoint is not None:  # (a LoRA run's base comes from its folder again, checked by fingerprint)
-        base_fingerprint = checkpoint.get("base_fingerprint")
+    if checkpoint is not None and (lora or not os.path.isdir(found_ckpt)):  # a sharded one's weights: below
         run_settings = {k: model_args[k] for k in ("dropout", "use_kernels", "block_size")}
-        model = GPT.from_checkpoint(checkpoint, base_dtype, **run_settings)
+        model = ckpt.model_from_checkpoint(checkpoint, base_dtype, **run_settings)
     elif from_folder:
         base_fingerprint = fingerprint(init_from)
-        model = GPT.from_pretrained(init_from, base_dtype, block_size, dropout=dropout, use_kernels=use_kernels)
+        model = load_pretrained(init_from, base_dtype, block_size, dropout=dropout, use_kernels=use_kernels)
         if lora:
-            model.add_lora(lora_rank, lora_alpha, lora_dropout, lora_targets)
+            add_lora(model, lora_rank, lora_alpha, lora_dropout, lora_targets)
         model_args = asdict(model.config)
     else:
-        base_fingerprint = None
         model = GPT(GPTConfig(**model_args))
 except (ValueError, OSError) as e:  # a shape that cannot be built, a folder with what GPT lacks, another base
     fail(str(e))
 vocab_size = model_args["vocab_size"]
-if fsdp and lora and lora_base_dtype == "nf4":
-    fail("lora_base_dtype='nf4' cannot be sharded by fsdp=True (FSDP does not split 4-bit tensors): use "
-         "lora_base_dtype='bfloat16' with fsdp, or nf4 without it")
-if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded below)
+if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded)
     model.to(device)
 if lora and lora_base_dtype == "nf4":
     try:
-        model.quantize_base()
+        quantize_base(model)
     except ValueError as e:
         fail(str(e))
-
-# Past one device (README, "Scaling up"), in this order: tensor parallel splits each block's projections
-# over the replica's processes, checkpointing recomputes activations, compile fuses each block's ops, and
-# the replicas share the work: DDP (each whole) or FSDP (each holding a shard). The parameters keep
-# their names throughout, so checkpoints move between layouts.
-if tp_size > 1:
-    c = model.config
-    if c.n_head % tp_size or c.n_kv_head % tp_size:
-        fail(f"tp_size={tp_size} must divide n_head={c.n_head} and n_kv_head={c.n_kv_head} (attention is split "
-             f"by heads)")
-    if lora:
-        fail("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model (tp_size=1)")
-    if optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
-        fail("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
-    # q, k, v, gate and up by their outputs (heads, hidden units), their consumers by their inputs: each
-    # process computes its heads and hidden units whole, and one all-reduce per pair joins the results
-    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
-            "mlp.down": RowwiseParallel()}
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], plan)
-if gradient_checkpointing:  # keep each block's input only; recompute the rest when the gradient comes back
-    for block in model.blocks:
-        block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
-if compile:  # in place, so the parameters keep their names: the whole model in one graph (its embedding,
-    # final norm and loss fused too: ~8% faster a step on a CPU), or each block where they are split
-    for module in model.blocks if fsdp or tp_size > 1 else [model]:
-        module.compile()
-if fsdp:
-    # Each block is one FSDP unit, gathered whole only while it computes (forward and backward) and split
-    # over the processes otherwise; the root unit holds the rest (embedding, final norm, head). Under bf16
-    # the gathered weights are bf16 and gradients are reduced in fp32; the shards stay fp32 master weights.
-    mixed = MixedPrecisionPolicy()
-    if dtype == "bfloat16":
-        mixed = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy() if fsdp_cpu_offload else OffloadPolicy()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
-    register_fsdp_forward_method(model, "loss_and_accuracy")  # evaluation calls it instead of forward
+if model.config.n_head % tp_size or model.config.n_kv_head % tp_size:
+    fail(f"tp_size={tp_size} must divide n_head={model.config.n_head} and n_kv_head={model.config.n_kv_head} "
+         f"(attention is split by heads)")
+# Past one device (README, "Scaling up"): tensor parallel, checkpointing, compile, then FSDP or DDP
 raw_model = model
-if ddp and dp_size > 1 and tp_size == 1 and not fsdp:
-    model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+model = parallelize(model, mesh, tp_size, fsdp, gradient_checkpointing, compile, ptdtype, fsdp_cpu_offload,
+                    ddp=ddp and dp_size > 1, device_ids=[local_rank] if device_type == "cuda" else None)
 try:
     optimizers = raw_model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2),
-                                            device_type, momentum, muon_lr, muon_momentum)
+                                                device_type, momentum, muon_lr, muon_momentum)
 except ValueError as e:
     fail(str(e))
-if tp_size > 1 and not fsdp:  # split (DTensor) and whole parameters side by side: one kind per fused step
-    for group in (g for opt in optimizers for g in opt.param_groups):
-        group.update(fused=False, foreach=False)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
-
-
-def sharded_state(model):
-    # What a sharded checkpoint holds, each process its own shards of it: the weights (a LoRA run's adapters
-    # alone) and the optimizers' tensors, by parameter name, so that they load into any other layout
-    model_state, optim_state = get_state_dict(model, optimizers)
-    trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    return {n: t for n, t in model_state.items() if n in trained or not lora}, optim_state
-
-
 if checkpoint is not None:
-    # "optimizer": the one every run has (AdamW, Adam or SGD); "muon": Muon's, under optimizer='muon'
-    trained_with = checkpoint["config"].get("optimizer", "adamw")
-    if trained_with != optimizer:
-        fail(f"{found_ckpt} was trained with optimizer={trained_with!r}: resume with "
-             f"--optimizer={trained_with}")
-    # how this layout steps (fused or not) is its own, not the saving layout's: kept through the loading
-    steps_as = [{k: group[k] for k in ("fused", "foreach") if k in group}
-                for opt in optimizers for group in opt.param_groups]
-    if from_shards:  # each process reads what its shards need, resharded from however they were saved
-        model_state, optim_state = sharded_state(raw_model)
-        try:
-            with warnings.catch_warnings():  # without a process group it warns that it reads in one process
-                warnings.simplefilter("ignore")
-                dcp.load({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=found_ckpt)
-        except (dcp.api.CheckpointException, RuntimeError, OSError) as e:
-            fail(f"{found_ckpt} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); resume "
-                 f"from another (ckpt_best, ckpt_NNNNNNN)")
-        optim_state["param_groups"] = checkpoint["param_groups"]
-        set_state_dict(raw_model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
-                       options=StateDictOptions(strict=not lora))
-    elif sharded:  # a single file into shards: keyed by parameter name, split as the parameters are
-        names = {id(p): n for n, p in raw_model.named_parameters()}
-        order = [names[id(p)] for group in optimizers[0].param_groups for p in group["params"]]
-        saved = checkpoint["optimizer"]
-        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in saved["param_groups"]]
-        by_name = {order[i]: moments for i, moments in saved["state"].items()}
-        optim_state = {"state": by_name, "param_groups": groups}
-        set_state_dict(raw_model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
-                       options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizers[0].load_state_dict(checkpoint["optimizer"])
-        if len(optimizers) > 1:
-            optimizers[1].load_state_dict(checkpoint["muon"])
+    try:
+        ckpt.restore(found_ckpt, checkpoint, raw_model, optimizers, fsdp, lora)
+    except ValueError as e:
+        fail(str(e))
     scaler.load_state_dict(checkpoint["scaler"])
-    for group, chosen in zip([group for opt in optimizers for group in opt.param_groups], steps_as):
-        group.update(chosen)
 peak_lrs = [learning_rate, muon_lr][:len(optimizers)]  # the schedule scales each optimizer's own peak
 torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None and len(checkpoint["rng"]) == world_size:
@@ -545,6 +424,9 @@ memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, nf
                          micro_steps=micro_steps, device=device_type, **layout)
 if master:
     print(memory_table([(memory_layout(**layout), memory)]))
+
+# -----------------------------------------------------------------------------
+# 6. what the loop calls: the learning rate, evaluation, checkpoints, logging
 
 
 def lr_factor(it):
@@ -569,29 +451,6 @@ def lr_factor(it):
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)  # cosine
 
 
-def average_gradients():
-    # tensor parallel without FSDP: each replica's gradients (its shards of them) averaged over the replicas
-    for p in raw_model.parameters():
-        if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(grad, group=mesh["dp"].get_group())
-            grad /= dp_size
-
-
-def clip_gradients(max_norm):
-    # the norm of all the gradients, whatever holds them: plain tensors, or shards (DTensors) over a mesh,
-    # each group of one mesh and layout reduced over it; then every gradient scaled down to max_norm
-    grads = [p.grad for p in raw_model.parameters() if p.grad is not None]
-    groups = {}
-    for g in grads:
-        groups.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(g)
-    norms = [torch.nn.utils.get_total_norm(group) for group in groups.values()]
-    total = torch.nn.utils.get_total_norm([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_, on each process's shards
-    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
-    return total
-
-
 @torch.no_grad()
 def estimate_loss():
     # mean loss and next-token accuracy over the same eval_iters batches of each split every time,
@@ -612,77 +471,6 @@ def estimate_loss():
     return out
 
 
-# -----------------------------------------------------------------------------
-# checkpoints: written under a temporary name, flushed and renamed, so a crash never leaves half of one.
-# A plain run writes one file, ckpt.pt. An FSDP or tensor-parallel run writes a folder, ckpt/, with
-# torch.distributed.checkpoint: each process its own shards (nothing is gathered whole), then the master
-# state.pt (everything else ckpt.pt holds, the optimizer's settings included). A folder counts as a
-# checkpoint only with its state.pt, written after every shard and deleted before any. ckpt_best and
-# ckpt_NNNNNNN follow the same layout.
-
-
-def write_file(state, path):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def link_or_copy(src, dst):
-    try:
-        os.link(src, dst)  # no bytes copied: checkpoint files are never changed in place
-    except OSError:
-        shutil.copyfile(src, dst)
-
-
-def retire(path):
-    # delete a checkpoint file or folder; a folder's state.pt first (see above)
-    if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "state.pt")):
-            os.remove(os.path.join(path, "state.pt"))
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)
-
-
-def publish(tmp, dst):
-    # the finished folder tmp takes the name dst. A folder cannot replace another in one rename: the old one
-    # steps aside as dst.old first. A kill between the two renames leaves it there, whole, and
-    # find_checkpoint takes it; the next save removes it.
-    old = dst + ".old"
-    if os.path.isdir(dst):
-        retire(old)
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    retire(old)
-
-
-def retire_other(path):
-    # the same checkpoint name in the other layout (a plain run resumed from shards, or the reverse) is
-    # older than the one just written: remove it, so that only one of them holds the name
-    stem = path.removesuffix(".pt")
-    for other in (stem + ".pt", stem, stem + ".old"):
-        if other != path:
-            retire(other)
-
-
-def copy_checkpoint(src, dst):
-    # dst becomes a copy of the checkpoint src, a file or a folder, in hard links where the disk allows
-    tmp = dst + ".tmp"
-    retire(tmp)
-    if os.path.isdir(src):
-        os.makedirs(tmp)
-        for name in sorted(os.listdir(src), key=lambda n: n == "state.pt"):  # state.pt last
-            link_or_copy(os.path.join(src, name), os.path.join(tmp, name))
-        publish(tmp, dst)
-    else:
-        link_or_copy(src, tmp)
-        os.replace(tmp, dst)
-    retire_other(dst)
-
-
 def save_checkpoint(improved):
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
     rngs = [None] * world_size
@@ -698,52 +486,11 @@ def save_checkpoint(improved):
         "pretrained": pretrained,  # the Hugging Face folder the run began from, if any
         "base_fingerprint": base_fingerprint,
     }
-    suffix = "" if sharded else ".pt"
-    latest = os.path.join(out_dir, "ckpt" + suffix)
-    if master:  # what killed saves left unfinished (no save is under way now)
-        for name in os.listdir(out_dir):
-            if re.fullmatch(r"ckpt.*\.tmp", name):
-                retire(os.path.join(out_dir, name))
-    if sharded:
-        tmp = latest + ".tmp"
-        dist.barrier()
-        # The optimizer's settings (plain values) go into state.pt, which is read without unpickling
-        # anything else. dcp.save returns on the master once every process has written its part.
-        model_state, optim_state = sharded_state(raw_model)
-        dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=tmp)
-        if not master:
-            return
-        write_file({**state, "param_groups": optim_state["param_groups"]}, os.path.join(tmp, "state.pt"))
-        publish(tmp, latest)
-    else:
-        if not master:
-            return
-        weights = raw_model.state_dict()
-        if lora:  # the adapters alone: the frozen base is the folder's, known again by its fingerprint
-            trained = {n for n, p in raw_model.named_parameters() if p.requires_grad}
-            weights = {n: t for n, t in weights.items() if n in trained}
-        state.update(model=weights, optimizer=optimizers[0].state_dict(),
-                     muon=optimizers[1].state_dict() if len(optimizers) > 1 else None)
-        write_file(state, latest)
-    retire_other(latest)
-    if improved:
-        copy_checkpoint(latest, os.path.join(out_dir, "ckpt_best" + suffix))
-    if keep_last_n > 0:
-        copy_checkpoint(latest, os.path.join(out_dir, f"ckpt_{iter_num:07d}{suffix}"))
-        steps = [(int(m[1]), f) for f in os.listdir(out_dir)
-                 if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f))]
-        kept = sorted({step for step, _ in steps})[-keep_last_n:]
-        for step, old in steps:
-            if step not in kept:
-                retire(os.path.join(out_dir, old))
-    print(f"saved {latest} at step {iter_num}")
-
-
-# -----------------------------------------------------------------------------
-# logging: stdout, out_dir/metrics.jsonl, and wandb
+    ckpt.save(out_dir, state, raw_model, optimizers, fsdp, lora, improved, keep_last_n)
 
 
 def log(record):
+    # stdout is the caller's; here out_dir/metrics.jsonl, wandb and TensorBoard
     if not master:
         return
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
@@ -759,16 +506,6 @@ def log(record):
 def epoch():
     # passes over the training split so far: tokens trained on over the split's tokens
     return iter_num * tokens_per_iter / train_tokens
-
-
-def memory_mb():
-    if device_type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:  # this process's peak RSS; ru_maxrss would start from the parent's when a big process launched us
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
 
 
 config.update(device=device, dtype=dtype, backend=backend, vocab_size=vocab_size, init_from=init_from)  # resolved
@@ -792,7 +529,7 @@ signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 
 # -----------------------------------------------------------------------------
-# the training loop
+# 7. the training loop
 
 t_log, iters_since_log, logged = time.time(), 0, False
 while True:
@@ -845,11 +582,9 @@ while True:
         both = torch.cat([loss_sum.view(1), stop])
         dist.all_reduce(both)
         loss_sum, stop = both[0] / world_size, both[1:]
-    if tp_size > 1 and dp_size > 1 and not fsdp:  # (FSDP reduces its shards' gradients itself)
-        average_gradients()
     for opt in optimizers:
         scaler.unscale_(opt)
-    grad_norm = clip_gradients(grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = clip_gradients(raw_model, grad_clip if grad_clip > 0 else float("inf"))
     # one copy to the host per step: on a GPU each .item() waits for all the work queued before it
     # (the norm of gradients offloaded to the CPU is on the CPU)
     grad_norm = grad_norm.view(1).float().to(device)
@@ -869,7 +604,7 @@ while True:
         opt.zero_grad(set_to_none=True)
     if skipped_in_a_row >= max_skipped_steps:
         fail(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped, and "
-             f"{os.path.join(out_dir, 'ckpt' if sharded else 'ckpt.pt')} is the last good state (lower "
+             f"{os.path.join(out_dir, 'ckpt' if fsdp else 'ckpt.pt')} is the last good state (lower "
              f"learning_rate, or check the data)")
     iter_num += 1
     iters_since_log += 1
@@ -884,9 +619,9 @@ while True:
         mfu = flops_per_token * tokens_per_s / world_size / peak if peak else None  # None: peak unknown
         print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
               f"epoch {epoch():.2f}, {dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, "
-              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {memory_mb():,.0f} MB{memory_note}")
+              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {measured_mb(device):,.0f} MB{memory_note}")
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
-             "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": memory_mb(), "epoch": epoch()})
+             "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": measured_mb(device), "epoch": epoch()})
         t_log, iters_since_log = time.time(), 0
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step
         print(f"process {rank}: stop requested, saving at step {iter_num} and exiting", flush=True)

@@ -13,6 +13,8 @@ from test_train import ROOT, losses, run, weights
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from hf import load_pretrained, save_pretrained
+from lora import add_lora
 from model import GPT, GPTConfig  # noqa: E402
 
 FINETUNE = ["--block_size=32", "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2",
@@ -135,7 +137,7 @@ def test_lora_trains_adapters_only_and_resumes_bit_for_bit(pretrained, tmp_path)
     ckpt = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)
     assert ckpt["model"] and all(".lora." in name for name in ckpt["model"])  # adapters only, no base
     assert ckpt["model_args"]["lora_rank"] == 4 and len(ckpt["base_fingerprint"]) == 16
-    base = sum(p.numel() for p in GPT.from_pretrained(folder).parameters())
+    base = sum(p.numel() for p in load_pretrained(folder).parameters())
     assert sum(t.numel() for t in ckpt["model"].values()) < base / 5
     trained = sum(t.numel() for t in ckpt["model"].values())
     assert f"{trained / 1e6:.2f}M of them trained" in out.stdout
@@ -156,10 +158,10 @@ def test_lora_refuses_another_base(pretrained, tmp_path):
     for f in folder.iterdir():
         (base / f.name).write_bytes(f.read_bytes())
     run(*LORA, f"--data_dir={data}", f"--init_from={base}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2")
-    model = GPT.from_pretrained(base)
+    model = load_pretrained(base)
     with torch.no_grad():
         model.blocks[0].mlp.down.weight.mul_(1.01)  # another model of the same shape
-    model.save_pretrained(base)
+    save_pretrained(model, base)
     out = run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--init_from=resume",
               check=False)
     assert out.returncode != 0 and "is not the one this LoRA run began from" in out.stderr
@@ -190,8 +192,8 @@ def export(*args, check=True):
 
 def run_model(out_dir):
     # the model of a run's checkpoint, as sample.py and export.py rebuild it
-    from model import load_checkpoint
-    return GPT.from_checkpoint(load_checkpoint(out_dir / "ckpt.pt"), use_kernels=False).eval()
+    from checkpoint import load_checkpoint, model_from_checkpoint
+    return model_from_checkpoint(load_checkpoint(out_dir / "ckpt.pt"), use_kernels=False).eval()
 
 
 def test_export_a_finetune_loads_in_transformers_with_equal_logits(pretrained, tmp_path):
@@ -221,7 +223,7 @@ def test_lora_exports_merged_and_as_a_peft_adapter_with_the_same_logits(pretrain
         f"--out_dir={tmp_path / 'run'}", "--max_iters=6")
     ids = torch.randint(0, 400, (2, 24))
     ours = logits_of(run_model(tmp_path / "run"), ids)  # adapters on the base, not merged
-    base_logits = logits_of(GPT.from_pretrained(folder).eval(), ids)
+    base_logits = logits_of(load_pretrained(folder).eval(), ids)
     assert (ours - base_logits).abs().max() > 1e-3  # the adapters learned something
     export("--out_dir", tmp_path / "run", "--to", tmp_path / "merged")
     merged = logits_of(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval(), ids)
@@ -294,12 +296,12 @@ def test_lora_on_a_bfloat16_folder_samples_on_a_cpu(pretrained, tmp_path):
     # released models are bf16: the frozen base stays bf16 where asked, the fp32 adapters still fit it
     folder, data = pretrained
     bf16 = tmp_path / "bf16"
-    GPT.from_pretrained(folder, torch.bfloat16).save_pretrained(bf16)
+    save_pretrained(load_pretrained(folder, torch.bfloat16), bf16)
     (bf16 / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
     run(*LORA, f"--data_dir={data}", f"--init_from={bf16}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
     done = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'run'}", "--start=def ",
                            "--num_samples=1", "--max_new_tokens=8", "--device=cpu"], cwd=ROOT, capture_output=True,
                           text=True)
     assert done.returncode == 0 and done.stdout.startswith("def "), done.stderr
-    model = GPT.from_pretrained(bf16).add_lora(4)  # bf16 base, fp32 adapters, no autocast
+    model = add_lora(load_pretrained(bf16), 4)  # bf16 base, fp32 adapters, no autocast
     assert model(torch.randint(0, 400, (1, 8)))[0].dtype == torch.bfloat16

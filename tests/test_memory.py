@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from memory import memory_estimate, nf4_bytes, tensor_bytes
+from lora import add_lora, quantize_base
 from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def test_weights_grads_and_optimizer_state_are_the_real_tensors_bytes(kind):
 
 def test_lora_counts_only_the_adapters_gradients_and_state():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SHAPE)).to(torch.bfloat16).add_lora(4)  # a bf16 base, fp32 adapters
+    model = add_lora(GPT(GPTConfig(**SHAPE)).to(torch.bfloat16), 4)  # a bf16 base, fp32 adapters
     real = one_step(model, "adamw")
     estimate = memory_estimate(model, 2, 16, "bfloat16", "adamw")
     assert {k: estimate[k] for k in real} == real
@@ -65,9 +66,9 @@ def test_lora_counts_only_the_adapters_gradients_and_state():
 def test_nf4_base_is_counted_at_its_size():
     pytest.importorskip("torchao")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**SHAPE, "n_embd": 64})).add_lora(4)
+    model = add_lora(GPT(GPTConfig(**{**SHAPE, "n_embd": 64})), 4)
     planned = memory_estimate(model, 2, 16, "float32", "adamw", nf4=True)  # before quantizing: the shapes
-    model.quantize_base()
+    quantize_base(model)
     real = one_step(model, "adamw")
     assert {k: planned[k] for k in real} == real
     assert nf4_bytes(64 * 64) == tensor_bytes(model.blocks[0].attn.proj.weight)
@@ -158,7 +159,7 @@ def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtyp
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lora_activations_are_what_autograd_saves(dtype):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**SHAPE, qk_norm=True)).to(getattr(torch, dtype)).add_lora(4, targets="q,v,o,up,down")
+    model = add_lora(GPT(GPTConfig(**SHAPE, qk_norm=True)).to(getattr(torch, dtype)), 4, targets="q,v,o,up,down")
     real = saved_bytes(model, 2, 16, dtype)
     estimate = memory_estimate(model, 2, 16, dtype, device="cpu")
     # 3%: the estimate counts the reference rotary's cos/sin tables for every call, though the first block's

@@ -2,6 +2,7 @@
 
 from test_train import TINY, losses, run
 
+from hf import save_pretrained
 from model import GPT, GPTConfig
 
 TWO, FOUR = ["--standalone", "--nproc_per_node=2"], ["--standalone", "--nproc_per_node=4"]
@@ -44,7 +45,7 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
     out = run(*common, f"--out_dir={tmp_path / 'm'}", "--tp_size=2", "--optimizer=muon", torchrun=TWO, check=False)
     assert out.returncode != 0 and "optimizer='muon' does not run under tensor parallel" in out.stderr
     folder = tmp_path / "folder"
-    GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32)).save_pretrained(folder)
+    save_pretrained(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32)), folder)
     out = run(*common, f"--out_dir={tmp_path / 'c'}", f"--init_from={folder}", "--lora_rank=2", "--tp_size=2",
               torchrun=TWO, check=False)
     assert out.returncode != 0 and "LoRA does not run under tensor parallel" in out.stderr

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402 (after the skip: safetensors comes with transformers)
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from hf import load_pretrained, save_pretrained
 from model import GPT, GPTConfig  # noqa: E402
 
 AutoModelForCausalLM = transformers.AutoModelForCausalLM
@@ -134,11 +135,11 @@ def test_logits_both_ways(family, hf_folder, tmp_path):
     folder, hf = hf_folder(family)
     ids = random_ids()
     expected = hf_logits(hf, ids)
-    ours = GPT.from_pretrained(folder)
+    ours = load_pretrained(folder)
     assert all(p.dtype == torch.float32 for p in ours.parameters())
     assert_same_logits(our_logits(ours, ids), expected)
 
-    ours.save_pretrained(tmp_path)
+    save_pretrained(ours, tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     assert not (tmp_path / "model.safetensors.index.json").exists()
     config = read_config(tmp_path)
@@ -163,13 +164,13 @@ def test_llama3_scaling_moves_some_frequencies(hf_folder):
 
 def test_default_and_asked_block_size(hf_folder):
     folder, _ = hf_folder("llama")
-    assert GPT.from_pretrained(folder).config.block_size == SHAPE["max_position_embeddings"]
+    assert load_pretrained(folder).config.block_size == SHAPE["max_position_embeddings"]
     # a Mistral sliding window shorter than max_position_embeddings bounds the default
     window_folder, window_hf = hf_folder("mistral_window")
-    assert GPT.from_pretrained(window_folder).config.block_size == 64
+    assert load_pretrained(window_folder).config.block_size == 64
     # a shorter block_size asked is only checked against that limit (main's 57449bb keeps config.block_size
     # at the model's own limit, so that a saved folder keeps its max_position_embeddings)
-    ours = GPT.from_pretrained(window_folder, block_size=32)
+    ours = load_pretrained(window_folder, block_size=32)
     ids = random_ids()
     assert_same_logits(our_logits(ours, ids), hf_logits(window_hf, ids))
 
@@ -188,7 +189,7 @@ def test_greedy_generation_matches_transformers(family, hf_folder):
                                max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert expected.shape == (2, 30)
     assert len(set(expected[:, 20:].flatten().tolist())) > 2  # a real continuation, not one repeated token
-    got = GPT.from_pretrained(folder).eval().generate(ids, 10, temperature=0)
+    got = load_pretrained(folder).eval().generate(ids, 10, temperature=0)
     assert torch.equal(got, expected), (got, expected)
 
 
@@ -204,12 +205,12 @@ def test_loads_sharded_folder(hf_folder, tmp_path):
     assert (tmp_path / "model.safetensors.index.json").exists() and len(shard_files(tmp_path)) > 1
     assert not (tmp_path / "model.safetensors").exists()
     ids = random_ids()
-    assert_same_logits(our_logits(GPT.from_pretrained(tmp_path), ids), hf_logits(hf, ids))
+    assert_same_logits(our_logits(load_pretrained(tmp_path), ids), hf_logits(hf, ids))
 
 
 def test_saves_sharded_folder(hf_folder, tmp_path):
     folder, hf = hf_folder("qwen3")
-    GPT.from_pretrained(folder).save_pretrained(tmp_path, max_shard_bytes=50_000)
+    save_pretrained(load_pretrained(folder), tmp_path, max_shard_bytes=50_000)
     shards = shard_files(tmp_path)
     assert len(shards) > 1 and not (tmp_path / "model.safetensors").exists()
     assert all(name == f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i, name in enumerate(shards, 1))
@@ -231,7 +232,7 @@ def test_max_shard_bytes_is_the_second_parameter(hf_folder, tmp_path):
     # save_pretrained(path, max_shard_bytes=...): a size given in second place shards, and is not taken
     # for some other field of config.json
     folder, _ = hf_folder("qwen3")
-    GPT.from_pretrained(folder).save_pretrained(tmp_path, 50_000)
+    save_pretrained(load_pretrained(folder), tmp_path, 50_000)
     assert len(shard_files(tmp_path)) > 1
     assert 50_000 not in read_config(tmp_path).values()
 
@@ -273,14 +274,14 @@ def test_hub_style_config(family, hf_folder, tmp_path):
     expected = hf_logits(hf, ids)
     # transformers reads the rewritten file as the same model: the rewrite kept its meaning
     assert_same_logits(hf_logits(hf_load(tmp_path), ids), expected)
-    assert_same_logits(our_logits(GPT.from_pretrained(tmp_path), ids), expected)
+    assert_same_logits(our_logits(load_pretrained(tmp_path), ids), expected)
 
 
 # --- 5. refusals: one line, naming what is not supported or wrong -------------------------------------------
 
 def assert_refused(folder, words, **kw):
     with pytest.raises(ValueError) as e:
-        GPT.from_pretrained(folder, **kw)
+        load_pretrained(folder, **kw)
     message = str(e.value)
     assert message.strip() and "\n" not in message.strip(), f"not one line: {message!r}"
     assert any(w in message for w in words), f"{message!r} names none of {words}"
@@ -387,9 +388,9 @@ def test_bfloat16_in_and_out(tmp_path):
     hf = build_hf("llama3").to(torch.bfloat16)
     folder = tmp_path / "bf16"
     hf.save_pretrained(folder)
-    ours = GPT.from_pretrained(folder)
+    ours = load_pretrained(folder)
     assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
-    ours32 = GPT.from_pretrained(folder, dtype=torch.float32)
+    ours32 = load_pretrained(folder, dtype=torch.float32)
     assert {p.dtype for p in ours32.parameters()} == {torch.float32}
     # the same bf16 weights, widened on both sides
     ids = random_ids()
@@ -397,7 +398,7 @@ def test_bfloat16_in_and_out(tmp_path):
     assert_same_logits(our_logits(ours32, ids), expected)
 
     out = tmp_path / "out"
-    ours.save_pretrained(out)
+    save_pretrained(ours, out)
     with safe_open(out / "model.safetensors", "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     assert hf_load(out, dtype="auto").dtype == torch.bfloat16
@@ -413,7 +414,7 @@ def test_scratch_model_loads_as_llama(tied, tmp_path):
     config = GPTConfig(vocab_size=320, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
                        tie_embeddings=tied, rope_theta=500000.0, norm_eps=1e-4, use_kernels=False)
     model = randomize(GPT(config)).eval()
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     saved = read_config(tmp_path)
     assert saved["model_type"] == "llama" and saved["architectures"] == ["LlamaForCausalLM"]
     hf = hf_load(tmp_path)
@@ -423,4 +424,4 @@ def test_scratch_model_loads_as_llama(tied, tmp_path):
     expected = our_logits(model, ids)
     assert_same_logits(hf_logits(hf, ids), expected)
     # and back into ours
-    assert_same_logits(our_logits(GPT.from_pretrained(tmp_path), ids), expected)
+    assert_same_logits(our_logits(load_pretrained(tmp_path), ids), expected)

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from model import find_checkpoint, load_checkpoint
+from checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import start, wait_for
 from test_train import ROOT, TINY, free_port, losses, run, weights
 

@@ -1,0 +1,326 @@
+"""
+Checkpoints: every read and write of a run's state. A plain run writes one file, out_dir/ckpt.pt; an FSDP
+or tensor-parallel run a folder, out_dir/ckpt/, with torch.distributed.checkpoint: each process its own
+shards (nothing is gathered whole), then the master's state.pt (everything else ckpt.pt holds). Both load
+into any other layout, by parameter name. ckpt_best and ckpt_NNNNNNN follow the same layout.
+
+Nothing is ever half written: a file is written under a temporary name, flushed and renamed; a folder
+counts as a checkpoint only with its state.pt, written after every shard and deleted before any, and it
+takes its name by two renames (the old one steps aside as NAME.old first, see publish). Reading runs no
+code: only tensors and plain values are unpickled.
+
+    from checkpoint import load_run
+    model, tokenizer, checkpoint = load_run("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt
+"""
+
+import os
+import pickle
+import re
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from hf import fingerprint, load_pretrained
+from lora import add_lora, trained_only
+from model import GPT, GPTConfig
+from tokenizer import durable_replace, load_tokenizer
+
+# what a checkpoint of train.py holds (a sharded one: "param_groups" in state.pt, the tensors in its shards)
+NEEDED = {"model", "optimizer", "scaler", "model_args", "iter_num", "best_val_loss", "evals_without_gain",
+          "skipped_in_a_row", "evaluated", "config", "world_size", "rng"}
+NAMES = r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?"  # the checkpoints of an out_dir, in either layout
+
+# -----------------------------------------------------------------------------
+# reading
+
+
+
+
+def find_checkpoint(path):
+    """The newest checkpoint of a name, as train.py writes them: 'out/ckpt.pt' (or 'out/ckpt') -> out/ckpt.pt
+    (a file), out/ckpt/ (a sharded folder: FSDP and tensor parallel write torch.distributed.checkpoint's) or
+    out/ckpt.old/ (the previous folder, where a save was killed between its two renames); of those that
+    exist, the one at the latest step. None if there is none. A folder counts only with its state.pt."""
+    if os.path.isfile(path) and not path.endswith(".pt"):
+        return path  # a file named otherwise: the caller's own
+    stem = path.removesuffix(".pt").rstrip("/")
+    found = [p for p in (stem + ".pt", stem, stem + ".old")
+             if os.path.isfile(p if p.endswith(".pt") else os.path.join(p, "state.pt"))]
+    if len(found) > 1:  # a kill between two steps of a save, or a run resumed in the other layout
+        def written(p):
+            state = p if p.endswith(".pt") else os.path.join(p, "state.pt")
+            return load_checkpoint(state, mmap=True)["iter_num"], os.path.getmtime(state)
+        found.sort(key=written)
+    return found[-1] if found else None
+
+
+def read_sharded(folder, device="cpu"):
+    """The model's weights of a sharded checkpoint, whole, in one process (no process group needed):
+    {name: tensor}, as a file checkpoint's "model" holds them."""
+    try:
+        stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        weights = {name.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype, device=device)
+                   for name, m in stored.items() if name.startswith("model.")}
+        with warnings.catch_warnings():  # that it reads in one process is what we ask for
+            warnings.simplefilter("ignore")
+            dcp.load({"model": weights}, checkpoint_id=folder, no_dist=True)
+    except (dcp.api.CheckpointException, RuntimeError, OSError, AttributeError) as e:
+        raise ValueError(f"{folder} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); "
+                         f"use another one, e.g. ckpt_best or a ckpt_NNNNNNN") from None
+    return weights
+
+
+def load_checkpoint(path, device="cpu", mmap=False, weights=True):
+    # weights_only: a checkpoint is tensors and plain values; anything else is refused, and no code
+    # in it runs. mmap: tensors are read from the file as they are used (a reader that needs only
+    # the weights never reads the optimizer's moments). A damaged or foreign file is a ValueError.
+    # A sharded folder: its state.pt, and (weights) the model's weights read whole from its shards.
+    if os.path.isdir(path):
+        checkpoint = load_checkpoint(os.path.join(path, "state.pt"), device, mmap)
+        if weights:
+            checkpoint["model"] = read_sharded(path, device)
+        return checkpoint
+    try:
+        with warnings.catch_warnings():  # torch warns about what it refused; our error says it in one line
+            warnings.simplefilter("ignore")
+            try:
+                return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+            except RuntimeError:
+                if not mmap:
+                    raise
+                # a file not in torch.save's zip format cannot be mapped: read it whole instead (the
+                # weights_only refusal of anything foreign happens there)
+                return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path} holds objects other than tensors and plain values; refusing to load it "
+                         f"(only load checkpoints you trust, with code you have read)") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{path} is not a readable checkpoint ({str(e).splitlines()[0]}); "
+                         f"use another one, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt") from None
+
+
+def load_resume_state(path):
+    """Everything but the weights of the checkpoint a run resumes from (a sharded one's are read into
+    its shards later, by restore), checked to be a checkpoint of this train.py."""
+    checkpoint = load_checkpoint(path, weights=False)
+    needed = NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(path) else NEEDED
+    if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
+        raise ValueError(f"{path} is not a checkpoint of this train.py (it lacks "
+                         f"{', '.join(sorted(needed - set(checkpoint)))})")
+    return checkpoint
+
+
+def existing(out_dir):
+    # the checkpoints in out_dir, by name
+    return sorted(f for f in os.listdir(out_dir) if re.fullmatch(NAMES, f)) if os.path.isdir(out_dir) else []
+
+
+def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
+    """A train.py checkpoint (as load_checkpoint returns it) -> GPT with its weights; overrides as in
+    hf.load_pretrained. A LoRA run's checkpoint holds only the adapters: they go onto its base folder
+    again, read in base_dtype, which must be the very model the run began from."""
+    args = {**checkpoint["model_args"], **overrides}
+    if any(".qkv." in name or ".gate_up." in name for name in checkpoint["model"]):
+        raise ValueError("this checkpoint is from an older model.py (fused attn.qkv and mlp.gate_up, before "
+                         "2026-11-22): sample, export or resume it with that version")
+    if not args.get("lora_rank"):
+        with torch.device("meta"):  # the checkpoint's tensors become the weights: no second copy
+            model = GPT(GPTConfig(**args))
+        model.load_state_dict(checkpoint["model"], assign=True)
+        return model.materialize()
+    base = checkpoint["pretrained"]
+    if not os.path.isdir(base):
+        raise ValueError(f"the base model this LoRA run began from is not at {base}: put it back there")
+    if fingerprint(base) != checkpoint["base_fingerprint"]:
+        raise ValueError(f"the base model at {base} is not the one this LoRA run began from (its weights "
+                         f"differ): put that model back there")
+    model = load_pretrained(base, base_dtype, dropout=args["dropout"], use_kernels=args["use_kernels"])
+    add_lora(model, args["lora_rank"], args["lora_alpha"], args["lora_dropout"], args["lora_targets"])
+    missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
+    if unexpected or any(p.requires_grad for name, p in model.named_parameters() if name in missing):
+        raise ValueError("the checkpoint does not hold this model's adapters")
+    return model
+
+
+def load_run(path, base_dtype=None, data_dir=None):
+    """out_dir/ckpt.pt -> (model, tokenizer, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of
+    an FSDP run, whichever is newer (see find_checkpoint). A LoRA run's frozen base is read in
+    base_dtype (None: its folder's). The tokenizer lives with the data the model was trained on:
+    data_dir, else where that data was then, else where the run's config says. ValueError with one
+    line for what is missing or damaged."""
+    found = find_checkpoint(path)
+    if found is None:
+        raise ValueError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
+    path = found
+    checkpoint = load_checkpoint(path, mmap=True)  # the weights are read, the optimizer's moments never
+    if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
+        raise ValueError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
+    model = model_from_checkpoint(checkpoint, base_dtype)
+    candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
+    found = next((d for d in candidates if d and os.path.isdir(d)), None)
+    if found is None:
+        raise ValueError(f"the model was trained on {candidates[-1]}, which is not here: its tokenizer is needed "
+                         f"(restore it, or pass --data_dir)")
+    try:
+        tokenizer = load_tokenizer(found)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the tokenizer in {found} ({type(e).__name__}: {e}); re-run prepare.py")
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{found}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                         f"{model.config.vocab_size}: it is not the data this model was trained on")
+    return model, tokenizer, checkpoint
+
+
+# -----------------------------------------------------------------------------
+# writing
+
+
+def write_file(state, path):
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    durable_replace(tmp, path)
+
+
+def link_or_copy(src, dst):
+    try:
+        os.link(src, dst)  # no bytes copied: checkpoint files are never changed in place
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def retire(path):
+    # delete a checkpoint file or folder; a folder's state.pt first (see above)
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "state.pt")):
+            os.remove(os.path.join(path, "state.pt"))
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def publish(tmp, dst):
+    # the finished folder tmp takes the name dst. A folder cannot replace another in one rename: the old one
+    # steps aside as dst.old first. A kill between the two renames leaves it there, whole, and
+    # find_checkpoint takes it; the next save removes it.
+    old = dst + ".old"
+    if os.path.isdir(dst):
+        retire(old)
+        durable_replace(dst, old)
+    durable_replace(tmp, dst)
+    retire(old)
+
+
+def retire_other(path):
+    # the same checkpoint name in the other layout (a plain run resumed from shards, or the reverse) is
+    # older than the one just written: remove it, so that only one of them holds the name
+    stem = path.removesuffix(".pt")
+    for other in (stem + ".pt", stem, stem + ".old"):
+        if other != path:
+            retire(other)
+
+
+def copy_checkpoint(src, dst):
+    # dst becomes a copy of the checkpoint src, a file or a folder, in hard links where the disk allows
+    tmp = dst + ".tmp"
+    retire(tmp)
+    if os.path.isdir(src):
+        os.makedirs(tmp)
+        for name in sorted(os.listdir(src), key=lambda n: n == "state.pt"):  # state.pt last
+            link_or_copy(os.path.join(src, name), os.path.join(tmp, name))
+        publish(tmp, dst)
+    else:
+        link_or_copy(src, tmp)
+        durable_replace(tmp, dst)
+    retire_other(dst)
+
+
+def sharded_state(model, optimizers, lora):
+    # What a sharded checkpoint holds, each process its own shards of it: the weights (a LoRA run's adapters
+    # alone) and the optimizers' tensors, by parameter name, so that they load into any other layout
+    model_state, optim_state = get_state_dict(model, optimizers)
+    return trained_only(model, model_state) if lora else model_state, optim_state
+
+
+def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_last_n=0):
+    """Write the run's checkpoint: state (plain values: step, config, random states, ...) and the model's
+    and optimizers' tensors, as ckpt.pt or, sharded, ckpt/ (every process calls it then); also as
+    ckpt_best when improved, and as ckpt_NNNNNNN keeping the last keep_last_n of those."""
+    master = not dist.is_initialized() or dist.get_rank() == 0
+    suffix = "" if sharded else ".pt"
+    latest = os.path.join(out_dir, "ckpt" + suffix)
+    if master:  # what killed saves left unfinished (no save is under way now)
+        for name in os.listdir(out_dir):
+            if re.fullmatch(r"ckpt.*\.tmp", name):
+                retire(os.path.join(out_dir, name))
+    if sharded:
+        tmp = latest + ".tmp"
+        dist.barrier()
+        # The optimizer's settings (plain values) go into state.pt, which is read without unpickling
+        # anything else. dcp.save returns on the master once every process has written its part.
+        model_state, optim_state = sharded_state(model, optimizers, lora)
+        dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=tmp)
+        if not master:
+            return
+        write_file({**state, "param_groups": optim_state["param_groups"]}, os.path.join(tmp, "state.pt"))
+        publish(tmp, latest)
+    else:
+        if not master:
+            return
+        weights = model.state_dict()
+        state.update(model=trained_only(model, weights) if lora else weights, optimizer=optimizers[0].state_dict(),
+                     muon=optimizers[1].state_dict() if len(optimizers) > 1 else None)
+        write_file(state, latest)
+    retire_other(latest)
+    if improved:
+        copy_checkpoint(latest, os.path.join(out_dir, "ckpt_best" + suffix))
+    if keep_last_n > 0:
+        copy_checkpoint(latest, os.path.join(out_dir, f"ckpt_{state['iter_num']:07d}{suffix}"))
+        steps = [(int(m[1]), f) for f in os.listdir(out_dir)
+                 if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f))]
+        kept = sorted({step for step, _ in steps})[-keep_last_n:]
+        for step, old in steps:
+            if step not in kept:
+                retire(os.path.join(out_dir, old))
+    print(f"saved {latest} at step {state['iter_num']}")
+
+
+# -----------------------------------------------------------------------------
+# resuming: the optimizers' state (and a sharded checkpoint's weights) into the model as laid out now
+
+
+def restore(path, checkpoint, model, optimizers, sharded, lora):
+    """Load what the model built from checkpoint (model_from_checkpoint, or a fresh model for a sharded one)
+    still lacks: a sharded checkpoint's weights, resharded to this layout, and every optimizer's state,
+    whichever layout saved it. ValueError in one line for a damaged checkpoint."""
+    if os.path.isdir(path):  # each process reads what its shards need, resharded from however they were saved
+        model_state, optim_state = sharded_state(model, optimizers, lora)
+        try:
+            with warnings.catch_warnings():  # without a process group it warns that it reads in one process
+                warnings.simplefilter("ignore")
+                dcp.load({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=path)
+        except (dcp.api.CheckpointException, RuntimeError, OSError) as e:
+            raise ValueError(f"{path} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); resume "
+                             f"from another (ckpt_best, ckpt_NNNNNNN)") from None
+        optim_state["param_groups"] = checkpoint["param_groups"]
+        set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=StateDictOptions(strict=not lora))
+    elif sharded:  # a single file into shards: keyed by parameter name, split as the parameters are
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizers[0].param_groups for p in group["params"]]
+        saved = checkpoint["optimizer"]
+        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in saved["param_groups"]]
+        by_name = {order[i]: moments for i, moments in saved["state"].items()}
+        optim_state = {"state": by_name, "param_groups": groups}
+        set_state_dict(model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
+                       options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizers[0].load_state_dict(checkpoint["optimizer"])
+        if len(optimizers) > 1:
+            optimizers[1].load_state_dict(checkpoint["muon"])

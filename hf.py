@@ -1,0 +1,218 @@
+"""
+Hugging Face model folders in and out: config.json <-> GPTConfig, transformers' tensor names <-> ours,
+safetensors files (one, or shards with an index), and a fingerprint that knows a folder again. The
+Llama, Mistral, Qwen2 and Qwen3 families; what GPT does not implement is refused in one line.
+
+    from hf import load_pretrained, save_pretrained
+    model = load_pretrained("models/Qwen3-0.6B")          # a GPT with the folder's weights
+    save_pretrained(model, "models/copy")                  # config.json + model.safetensors
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from model import GPT, PROJECTIONS, GPTConfig
+
+# ours -> transformers' names of a block's seven projections (model.PROJECTIONS), and of the families
+HF_PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                  "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path} ({e.strerror}): a Hugging Face model folder needs it") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
+def open_safetensors(file):
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(file, "pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); download it again") from None
+
+
+def safetensors_files(path):
+    # the weights: one model.safetensors, or the shards its index names, in order
+    if (path / "model.safetensors.index.json").exists():
+        index = read_json(path / "model.safetensors.index.json")
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"{path}/model.safetensors.index.json has no weight_map: download it again")
+        shards = sorted(set(index["weight_map"].values()))
+        absent = [s for s in shards if not (path / s).exists()]
+        if absent:
+            raise ValueError(f"{path} lacks {absent[0]}, a shard its model.safetensors.index.json names")
+        return [path / s for s in shards]
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    raise ValueError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors "
+                     f"weights are read: convert .bin weights first)")
+
+
+def fingerprint(folder):
+    """A short hash of a Hugging Face folder, to know a LoRA run's base again without reading all of it:
+    its config.json, each safetensors file's size and header (names, shapes, offsets) and 64 KB from
+    each of 32 places spread over it. Fine-tuning changes nearly every weight, so two bases differ here
+    too; a change to a few tensors alone could pass unseen."""
+    digest = hashlib.sha256(json.dumps(read_json(Path(folder) / "config.json"), sort_keys=True).encode())
+    for file in safetensors_files(Path(folder)):
+        size = os.path.getsize(file)
+        digest.update(str(size).encode())
+        with open(file, "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header, size)))
+            for i in range(32):
+                f.seek(i * size // 32)
+                digest.update(f.read(1 << 16))
+    return digest.hexdigest()[:16]
+
+
+def config_from_hf(hf, block_size=None):
+    """config.json as a dict -> GPTConfig, refusing in one line what GPT does not implement."""
+    family = hf.get("model_type")
+    if family not in HF_ARCHITECTURES:
+        raise ValueError(f"model_type {family!r} is not supported (only {', '.join(HF_ARCHITECTURES)})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    if hf.get("mlp_bias") or (family != "qwen2" and hf.get("attention_bias")):
+        raise ValueError("biases on the attention output or the MLP (attention_bias/mlp_bias) are not supported")
+    # The Hub's released models hold rope_theta and rope_scaling at the top level; transformers 5
+    # writes both into rope_parameters. Either way, only the llama3 scaling (or none) is implemented.
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope scaling {rope_type!r} is not supported (only llama3, or none)")
+    scaling = None
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        scaling = {k: rope[k] for k in keys}
+    max_len = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window") if family == "mistral" or hf.get("use_sliding_window") else None
+    if block_size is not None and block_size > max_len:
+        raise ValueError(f"block_size={block_size} is past the model's max_position_embeddings={max_len}")
+    if block_size is not None and window and window < block_size:
+        raise ValueError(f"the model attends within a sliding_window of {window} tokens, which is not "
+                         f"implemented: use block_size <= {window}")
+    n_head = hf["num_attention_heads"]
+    return GPTConfig(
+        block_size=min(max_len, window or max_len), vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"], n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
+        n_embd=hf["hidden_size"], head_size=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        mlp_hidden=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_scaling=scaling,
+        norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+        family=family)
+
+
+def hf_config(config, dtype, eos_token_id=None):
+    # GPTConfig -> config.json in the Hub's style (rope_theta and rope_scaling at the top level),
+    # which both transformers 4 and 5 and vLLM read
+    c = config
+    scaling = {**c.rope_scaling, "rope_type": "llama3"} if c.rope_scaling else None
+    out = {"architectures": [HF_ARCHITECTURES[c.family]], "model_type": c.family, "vocab_size": c.vocab_size,
+           "hidden_size": c.n_embd, "intermediate_size": c.mlp_hidden, "num_hidden_layers": c.n_layer,
+           "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_size,
+           "hidden_act": "silu", "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps,
+           "rope_theta": c.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": c.tie_embeddings,
+           "attention_dropout": 0.0, "torch_dtype": str(dtype).removeprefix("torch."),
+           "eos_token_id": eos_token_id}
+    if c.family in ("llama", "qwen3"):
+        out.update(attention_bias=False)
+    if c.family in ("mistral", "qwen2", "qwen3"):
+        out.update(sliding_window=None, use_sliding_window=False)
+    return out
+
+
+def hf_layout(config):
+    """{transformers' name: our parameter's name} for every tensor of a model of this config."""
+    c = config
+    out = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "norm_f.weight"}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = "lm_head.weight"
+    for i in range(c.n_layer):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        out.update({hf + "input_layernorm.weight": ours + "norm1.weight",
+                    hf + "post_attention_layernorm.weight": ours + "norm2.weight"})
+        for short, theirs in HF_PROJECTIONS.items():
+            out[hf + theirs + ".weight"] = ours + PROJECTIONS[short] + ".weight"
+        if c.qkv_bias:
+            out.update({hf + f"self_attn.{x}_proj.bias": ours + f"attn.{x}.bias" for x in "qkv"})
+        if c.qk_norm:
+            out.update({hf + "self_attn.q_norm.weight": ours + "attn.q_norm.weight",
+                        hf + "self_attn.k_norm.weight": ours + "attn.k_norm.weight"})
+    return out
+
+
+# -----------------------------------------------------------------------------
+# a folder -> GPT, and GPT -> a folder
+
+
+def load_pretrained(path, dtype=None, block_size=None, **overrides):
+    """A Llama, Mistral, Qwen2 or Qwen3 folder (config.json + safetensors) -> GPT. dtype: None keeps
+    the weights'; block_size: the longest sequence it will be given, checked against the model's
+    limit (which stays its config.block_size); overrides: GPTConfig fields that leave the weights
+    alone (dropout, use_kernels). Tensors are copied one at a time into a model allocated once,
+    so loading takes about one copy of the weights. What GPT lacks is a one-line ValueError."""
+    path = Path(path)
+    if set(overrides) - {"dropout", "use_kernels"}:
+        raise ValueError(f"load_pretrained takes dropout and use_kernels, not {sorted(overrides)} (LoRA: add_lora)")
+    hf = read_json(path / "config.json")
+    try:
+        config = replace(config_from_hf(hf, block_size), **overrides)
+    except KeyError as e:
+        raise ValueError(f"{path / 'config.json'} lacks {e}, which a {hf.get('model_type')} model needs") from None
+    files = safetensors_files(path)
+    with open_safetensors(files[0]) as f:  # the dtype of the first tensor is the folder's
+        stored = f.get_slice(next(iter(f.keys()))).get_dtype()
+    dtype = dtype or SAFETENSORS_DTYPES.get(stored, torch.float32)
+    with torch.device("meta"):  # no memory yet, and no time spent on a random init
+        model = GPT(config)
+    model = model.to(dtype).to_empty(device="cpu").materialize()
+    params = dict(model.named_parameters())
+    layout = hf_layout(config)
+    missing = set(layout)
+    for file in files:
+        with open_safetensors(file) as f, torch.no_grad():
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_embeddings):
+                    continue  # derived from the config, or the tied embedding stored twice
+                if name not in layout:
+                    raise ValueError(f"{file} holds {name}, which this model.py does not implement")
+                target = params[layout[name]]
+                tensor = f.get_tensor(name)
+                if tensor.shape != target.shape:
+                    raise ValueError(f"{name} in {file} has shape {tuple(tensor.shape)}, but config.json "
+                                     f"implies {tuple(target.shape)}")
+                target.copy_(tensor)
+                missing.discard(name)
+    if missing:
+        raise ValueError(f"{path} lacks {len(missing)} tensor(s) the config needs, e.g. {sorted(missing)[0]}")
+    return model
+
+
+def save_pretrained(model, path, max_shard_bytes=5 * 2**30, eos_token_id=None):
+    """Write config.json and model.safetensors (or shards with an index past max_shard_bytes, as the
+    Hub does) in the model's dtype, for transformers, vLLM and llama.cpp's converter."""
+    from huggingface_hub import save_torch_state_dict
+    if model.config.lora_rank or any(hasattr(p, "get_original_weight") for p in model.parameters()):
+        raise ValueError("save_pretrained writes plain weights: merge_lora() first, and load a 4-bit base "
+                         "again unquantized (export.py does both)")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "config.json", "w") as f:
+        json.dump(hf_config(model.config, model.wte.weight.dtype, eos_token_id), f, indent=2)
+    params = dict(model.named_parameters())
+    weights = {hf: params[ours].detach().to("cpu") for hf, ours in hf_layout(model.config).items()}
+    save_torch_state_dict(weights, path, max_shard_size=max_shard_bytes)

@@ -1,0 +1,123 @@
+"""
+LoRA: low-rank adapters beside a frozen model's projections (only they train), folded back into the
+weights for export, the frozen base held in 4 bits (QLoRA, through torchao), and the adapters alone
+in peft's layout.
+
+    from lora import add_lora, merge_lora
+    add_lora(model, rank=8)       # every weight frozen; q, k, v, o, gate, up, down adapted
+    merge_lora(model)             # W + (alpha/rank)·B·A: a plain model with the same outputs
+"""
+
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+
+from hf import HF_PROJECTIONS
+from model import PROJECTIONS
+
+
+class LoRA(nn.Module):
+    """A low-rank adapter for a frozen projection: its output gains (alpha/rank)·B A x, with A (rank, in)
+    and B (out, rank). B starts at zero, so an adapted model starts exactly as its base. model.adapted
+    adds it to the projection it hangs on (linear.lora)."""
+
+    def __init__(self, in_features, out_features, rank, alpha, dropout):
+        super().__init__()
+        self.A = nn.Parameter(torch.empty(rank, in_features))
+        self.B = nn.Parameter(torch.zeros(out_features, rank))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))  # nn.Linear's own init, as peft does
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        # in the adapter's own dtype (fp32) whatever the frozen base's: a bf16 base on a CPU without
+        # autocast would otherwise multiply bf16 by fp32; under autocast the matmuls are bf16 anyway
+        x = self.dropout(x).to(self.B.dtype)
+        return (x @ self.A.t()) @ self.B.t() * self.scale
+
+    def delta(self):
+        # the change to the frozen weight, (out, in) in fp32, for merging
+        return self.scale * self.B.float() @ self.A.float()
+
+
+def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down"):
+    """Freeze every weight and give the projections named in targets (comma-separated, of q, k, v,
+    o, gate, up, down) fp32 low-rank adapters: afterwards only the adapters get gradients."""
+    chosen = set(targets.split(","))
+    if chosen - set(PROJECTIONS) or rank < 1:
+        raise ValueError(f"lora_targets={targets!r} and lora_rank={rank} must name some of "
+                         f"{','.join(PROJECTIONS)} and be at least 1")
+    model.config.lora_rank, model.config.lora_alpha, model.config.lora_dropout = rank, alpha, dropout
+    model.config.lora_targets = targets
+    model.requires_grad_(False)
+    for _, name, linear in model.projections():
+        if name in chosen:
+            lora = LoRA(linear.in_features, linear.out_features, rank, alpha, dropout)
+            linear.lora = lora.to(linear.weight.device)
+    return model
+
+
+def merge_lora(model):
+    """Fold every adapter into its weight, W + (alpha/rank)·B·A computed in fp32 and cast back to
+    W's dtype, and drop the adapters: a plain model again, with the same outputs."""
+    for _, _, linear in model.projections():
+        if getattr(linear, "lora", None) is not None:
+            weight = linear.weight.detach()
+            if hasattr(weight, "get_original_weight"):  # 4-bit: back to the dtype it was quantized from
+                weight = weight.get_original_weight()
+            merged = weight.float() + linear.lora.delta().to(weight.device)
+            linear.weight = nn.Parameter(merged.to(weight.dtype), requires_grad=False)
+            del linear.lora
+    model.config.lora_rank = 0
+    return model
+
+
+def quantize_base(model):
+    """Hold the frozen projections' weights in 4-bit NF4 (QLoRA), through torchao; each keeps the
+    dtype it had for computing. Embeddings, norms and the adapters stay as they are."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    except ImportError:
+        raise ValueError("4-bit base weights need torchao: pip install torchao") from None
+    for _, _, linear in model.projections():
+        n = linear.weight.numel()
+        if n % 64:
+            raise ValueError(f"a {tuple(linear.weight.shape)} weight cannot be held in nf4 (blocks of 64 values)")
+        # QLoRA's blocks: 64 values per scale, 256 scales per second-level scale (fewer in tiny models)
+        quantized = to_nf4(linear.weight.detach(), 64, math.gcd(256, n // 64))
+        linear.weight = nn.Parameter(quantized, requires_grad=False)
+    return model
+
+
+def trained_only(model, state):
+    # a state dict's entries for the parameters that train: under LoRA the adapters alone, the frozen
+    # base being its folder's (known again by its fingerprint)
+    trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {n: t for n, t in state.items() if n in trained}
+
+
+def write_adapter(model, base, folder):
+    """peft's layout: adapter_config.json, and lora_A/lora_B of each adapted module under transformers'
+    names. base: the Hugging Face folder the adapters go on."""
+    from safetensors.torch import save_file
+    c = model.config
+    if not c.lora_rank:
+        raise ValueError("--adapter exports a LoRA run's adapters, and this run trained every weight (leave it out)")
+    tensors = {}
+    for i, name, linear in model.projections():
+        if getattr(linear, "lora", None) is not None:
+            module = f"base_model.model.model.layers.{i}.{HF_PROJECTIONS[name]}"
+            tensors[f"{module}.lora_A.weight"] = linear.lora.A.detach().contiguous()
+            tensors[f"{module}.lora_B.weight"] = linear.lora.B.detach().contiguous()
+    targets = [HF_PROJECTIONS[t].split(".")[-1] for t in c.lora_targets.split(",")]
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+              "r": c.lora_rank, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
+              "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,115 @@
+"""
+Devices and processes: which device a run uses and its peak FLOP/s, and one function that spreads a model
+over the processes of a (data parallel, tensor parallel) mesh, as torchtitan does: tensor parallel,
+activation checkpointing, compile, then FSDP or DDP, in that order. model.py knows none of it. Parameters
+keep their names throughout, so checkpoints move between layouts.
+
+    model = parallelize(model, mesh, tp=2, fsdp=True, checkpointing=True, compile=True, dtype=torch.bfloat16)
+"""
+
+from functools import partial
+
+import torch
+import torch.utils.checkpoint
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import PROJECTIONS
+
+# Tensor parallel splits q, k, v, gate and up by their outputs (heads, hidden units) and their consumers by
+# their inputs: each process computes its heads and hidden units whole, and one all-reduce per pair joins them
+SPLIT_BY_OUTPUT, SPLIT_BY_INPUT = ("q", "k", "v", "gate", "up"), ("o", "down")
+
+
+def pick_device(device="auto", dtype="auto"):
+    """Resolve the 'auto' settings: cuda, then mps, then cpu; bf16 where the GPU has it, else float32.
+    Returns (device, dtype name); a CUDA device without a GPU or an unknown dtype is a one-line ValueError."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device} but no CUDA GPU is visible (use --device=cpu)")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
+    return device, dtype
+
+
+def peak_flops(device, dtype):
+    # dense matmul peak of one device in FLOP/s, for MFU; None where unknown
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        half = dtype in (torch.bfloat16, torch.float16)
+        # (bf16/fp16 tensor cores, tf32) from the vendors' data sheets, dense
+        table = {"H100 PCIe": (756e12, 378e12), "H100": (989e12, 494e12), "H200": (989e12, 494e12),
+                 "B200": (2250e12, 1100e12), "A100": (312e12, 156e12), "L40S": (362e12, 183e12),
+                 "A10G": (70e12, 35e12), "4090": (165e12, 83e12), "3090": (71e12, 36e12)}
+        for key, (bf16, tf32) in table.items():
+            if key in name:
+                return bf16 if half else tf32
+        return None
+    if device.type == "cpu":
+        # threads x clock x fp32 FLOPs per cycle of two FMA pipes: 64 with AVX-512, 32 with AVX2.
+        # A nominal figure: boost clocks and double-pumped AVX-512 make the real one differ.
+        try:
+            with open("/proc/cpuinfo") as f:
+                info = f.read()
+            mhz = float(info.split("cpu MHz")[1].split(":")[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            return None
+        per_cycle = 64 if " avx512f" in info else 32 if " fma" in info else 8
+        return torch.get_num_threads() * mhz * 1e6 * per_cycle
+    return None
+
+
+
+def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile=False, dtype=torch.float32,
+                offload=False, ddp=False, device_ids=None):
+    """Spread model over the processes of mesh (dims "dp" and "tp"), in place where it can be, and return
+    the module to call: tensor parallel over tp processes, activation checkpointing, compile, then FSDP
+    (fsdp) or DDP (ddp) over the data-parallel replicas. Under FSDP the shards stay fp32 master weights and,
+    with dtype bf16, the gathered weights are bf16 and gradients are reduced in fp32."""
+    if tp > 1:
+        plan = {PROJECTIONS[n]: ColwiseParallel() for n in SPLIT_BY_OUTPUT}
+        plan.update({PROJECTIONS[n]: RowwiseParallel() for n in SPLIT_BY_INPUT})
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], plan)
+    if checkpointing:  # keep each block's input only; recompute the rest when the gradient comes back
+        for block in model.blocks:
+            block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+    if compile:  # in place, so the parameters keep their names: the whole model in one graph (its embedding,
+        # final norm and loss fused too: ~8% faster a step on a CPU), or each block where they are split
+        for module in model.blocks if fsdp or tp > 1 else [model]:
+            module.compile()
+    if fsdp:
+        # Each block is one FSDP unit, gathered whole only while it computes (forward and backward) and split
+        # over the processes otherwise; the root unit holds the rest (embedding, final norm, head).
+        mixed = MixedPrecisionPolicy()
+        if dtype == torch.bfloat16:
+            mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy() if offload else OffloadPolicy()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
+        register_fsdp_forward_method(model, "loss_and_accuracy")  # evaluation calls it instead of forward
+    elif ddp:
+        return DDP(model, device_ids=device_ids)
+    return model
+
+
+def clip_gradients(model, max_norm):
+    # the norm of all the gradients, whatever holds them: plain tensors, or shards (DTensors) over a mesh,
+    # each group of one mesh and layout reduced over it; then every gradient scaled down to max_norm
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    groups = {}
+    for g in grads:
+        groups.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(g)
+    norms = [torch.nn.utils.get_total_norm(group) for group in groups.values()]
+    total = torch.nn.utils.get_total_norm([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_, on each process's shards
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
+    return total
