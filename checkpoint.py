@@ -114,6 +114,49 @@ def load_resume_state(path):
     return checkpoint
 
 
+def starting_point(out_dir, init_from, found):
+    """Where a run begins, from its init_from and what out_dir holds (found: its find_checkpoint): init_from
+    resolved to 'scratch', 'resume' or a Hugging Face folder, and on a resume the checkpoint's state
+    (load_resume_state). 'auto' resumes when there is a checkpoint; a folder resumes the run that began from
+    it (the same command after a preemption). ValueError for a run that would overwrite another, or resume
+    nothing."""
+    if init_from == "auto":
+        init_from = "resume" if found else "scratch"
+    if init_from not in ("scratch", "resume"):  # a Hugging Face model folder to fine-tune
+        if not os.path.isfile(os.path.join(init_from, "config.json")):
+            raise ValueError(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model "
+                             f"folder (it has no config.json)")
+        if found:
+            began_from, pretrained = load_checkpoint(found, mmap=True, weights=False).get("pretrained"), \
+                os.path.abspath(init_from)
+            if began_from != pretrained:
+                raise ValueError(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not "
+                                 f"{pretrained}: train into another out_dir")
+            init_from = "resume"
+    if init_from != "resume" and existing(out_dir):
+        raise ValueError(f"{out_dir} holds a run already ({', '.join(existing(out_dir))}): continue it with "
+                         f"--init_from=resume, or train into another out_dir")
+    if init_from == "resume" and not found:
+        raise ValueError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
+                         f"set init_from='scratch')")
+    return init_from, load_resume_state(found) if init_from == "resume" else None
+
+
+def check_resume(checkpoint, config, data_vocab, path):
+    """ValueError, in one line, where this run's settings (config) cannot continue checkpoint (read from path)."""
+    args = checkpoint["model_args"]
+    if data_vocab > args["vocab_size"]:
+        raise ValueError(f"the checkpoint's vocab_size {args['vocab_size']} is smaller than the data's "
+                         f"{data_vocab}: resume with the data it was trained on")
+    if checkpoint.get("pretrained") and config["block_size"] > args["block_size"]:
+        raise ValueError(f"block_size={config['block_size']} is past the {args['block_size']} positions of the "
+                         f"model {checkpoint['pretrained']}")
+    trained_with = checkpoint["config"].get("optimizer", "adamw")
+    if trained_with != config["optimizer"]:
+        raise ValueError(f"{path} was trained with optimizer={trained_with!r}: resume with "
+                         f"--optimizer={trained_with}")
+
+
 def existing(out_dir):
     # the checkpoints in out_dir, by name
     return sorted(f for f in os.listdir(out_dir) if re.fullmatch(NAMES, f)) if os.path.isdir(out_dir) else []
@@ -124,13 +167,14 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
     hf.load_pretrained. A LoRA run's checkpoint holds only the adapters: they go onto its base folder
     again, read in base_dtype, which must be the very model the run began from."""
     args = {**checkpoint["model_args"], **overrides}
-    if any(".qkv." in name or ".gate_up." in name for name in checkpoint["model"]):
+    weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
+    if any(".qkv." in name or ".gate_up." in name for name in weights):
         raise ValueError("this checkpoint is from an older model.py (fused attn.qkv and mlp.gate_up, before "
                          "2026-11-22): sample, export or resume it with that version")
     if not args.get("lora_rank"):
         with torch.device("meta"):  # the checkpoint's tensors become the weights: no second copy
             model = GPT(GPTConfig(**args))
-        model.load_state_dict(checkpoint["model"], assign=True)
+        model.load_state_dict(weights, assign=True)
         return model.materialize()
     base = checkpoint["pretrained"]
     if not os.path.isdir(base):
@@ -140,8 +184,8 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
                          f"differ): put that model back there")
     model = load_pretrained(base, base_dtype, dropout=args["dropout"], use_kernels=args["use_kernels"])
     add_lora(model, args["lora_rank"], args["lora_alpha"], args["lora_dropout"], args["lora_targets"])
-    missing, unexpected = model.load_state_dict(checkpoint["model"], strict=False)
-    if unexpected or any(p.requires_grad for name, p in model.named_parameters() if name in missing):
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or weights and any(p.requires_grad for name, p in model.named_parameters() if name in missing):
         raise ValueError("the checkpoint does not hold this model's adapters")
     return model
 

@@ -474,3 +474,21 @@ def check_tokenizer(data_dir, meta, folder, model_vocab):
         compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
         if again[:compared] != doc[:compared]:
             raise ValueError(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")
+
+
+def check_token_files(data_dir, meta, block_size):
+    """The training split's length in tokens, once train.bin and val.bin are there, whole tokens of meta's
+    dtype, and longer than block_size; else ValueError in one line with the fix."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in ("train", "val"):
+        path = os.path.join(data_dir, f"{split}.bin")
+        if not os.path.exists(path):
+            raise ValueError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
+        size = os.path.getsize(path)
+        if size % itemsize:
+            raise ValueError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
+                             f"or meta.json's dtype is wrong (re-run prepare.py)")
+        if size // itemsize <= block_size:
+            raise ValueError(f"{path} has {size // itemsize} tokens, too few for block_size={block_size} "
+                             f"(lower block_size or prepare more data)")
+    return os.path.getsize(os.path.join(data_dir, "train.bin")) // itemsize

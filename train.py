@@ -40,7 +40,7 @@ from lora import add_lora, quantize_base
 from memory import measured_mb, memory_estimate, memory_layout, memory_table
 from model import GPT, GPTConfig
 from parallel import clip_gradients, parallelize, peak_flops, pick_device
-from tokenizer import check_tokenizer, read_meta
+from tokenizer import check_token_files, check_tokenizer, read_meta
 
 # -----------------------------------------------------------------------------
 # 1. settings: every one is a global here; config files and --key=value override them
@@ -219,19 +219,10 @@ if vocab_size == 0:
 if meta["vocab_size"] > vocab_size:
     fail(f"{meta_path} says the data has {meta['vocab_size']} token ids but the model's vocab_size is "
          f"{vocab_size} (set vocab_size=0 to follow the data)")
-for split in ("train", "val"):
-    path = os.path.join(data_dir, f"{split}.bin")
-    if not os.path.exists(path):
-        fail(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
-    size = os.path.getsize(path)
-    if size % data_dtype.itemsize:
-        fail(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
-             f"or meta.json's dtype is wrong (re-run prepare.py)")
-    if split == "train":
-        train_tokens = size // data_dtype.itemsize
-    if size // data_dtype.itemsize <= block_size:
-        fail(f"{path} has {size // data_dtype.itemsize} tokens, too few for block_size={block_size} "
-             f"(lower block_size or prepare more data)")
+try:
+    train_tokens = check_token_files(data_dir, meta, block_size)
+except ValueError as e:
+    fail(str(e))
 
 
 def get_batch(split, step, index):
@@ -269,7 +260,6 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 iter_num, best_val_loss, evals_without_gain, skipped_in_a_row = 0, float("inf"), 0, 0
 evaluated_at = None  # the step whose evaluation is done (a checkpoint saved on a signal may lack it)
-checkpoint = None
 try:  # ckpt.pt, or the sharded folder ckpt/ of an FSDP run (see find_checkpoint): the later one
     found_ckpt = ckpt.find_checkpoint(ckpt_path)
 except ValueError as e:
@@ -280,29 +270,14 @@ if ddp:  # every process must see the same checkpoint, or they would start from 
     if 0 < seen.item() < world_size:
         fail(f"{ckpt_path} is visible to {seen.item():.0f} of {world_size} processes: out_dir must be on storage "
              f"every node shares")
-if init_from == "auto":
-    init_from = "resume" if found_ckpt else "scratch"
-from_folder = init_from not in ("scratch", "resume")  # a Hugging Face model folder to fine-tune
-if from_folder and not os.path.isfile(os.path.join(init_from, "config.json")):
-    fail(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model folder "
-         f"(it has no config.json)")
-pretrained = os.path.abspath(init_from) if from_folder else None  # where the weights began, kept on resume
-try:
-    if from_folder and found_ckpt:  # the same command after a preemption: continue the run, if it began here
-        began_from = ckpt.load_checkpoint(found_ckpt, mmap=True, weights=False).get("pretrained")
-        if began_from != pretrained:
-            fail(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not {pretrained}: "
-                 f"train into another out_dir")
-        init_from, from_folder = "resume", False
-    if init_from != "resume" and ckpt.existing(out_dir):
-        fail(f"{out_dir} holds a run already ({', '.join(ckpt.existing(out_dir))}): continue it with "
-             f"--init_from=resume, or train into another out_dir")
-    if init_from == "resume" and not found_ckpt:
-        fail(f"no checkpoint at {ckpt_path} to resume from (train first, or set init_from='scratch')")
-    if init_from == "resume":  # the weights and optimizer state are read once the model is laid out
-        checkpoint = ckpt.load_resume_state(found_ckpt)
+try:  # the checkpoint's weights and optimizer state are read once the model is laid out
+    init_from, checkpoint = ckpt.starting_point(out_dir, init_from, found_ckpt)
+    if checkpoint is not None:
+        ckpt.check_resume(checkpoint, config, meta["vocab_size"], found_ckpt)
 except ValueError as e:
     fail(str(e))
+from_folder = init_from not in ("scratch", "resume")  # a Hugging Face model folder to fine-tune
+pretrained = os.path.abspath(init_from) if from_folder else None  # where the weights began, kept on resume
 if init_from != "resume" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
     os.remove(os.path.join(out_dir, "metrics.jsonl"))  # left by a run that died before its first checkpoint
 if checkpoint is not None:
@@ -311,9 +286,6 @@ if checkpoint is not None:
     model_args = {**checkpoint["model_args"], "dropout": dropout, "use_kernels": use_kernels}
     if not pretrained:  # a pretrained model's block_size is its own limit, not the length trained on
         model_args["block_size"] = block_size
-    if meta["vocab_size"] > model_args["vocab_size"]:
-        fail(f"the checkpoint's vocab_size {model_args['vocab_size']} is smaller than the data's "
-             f"{meta['vocab_size']}: resume with the data it was trained on")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evals_without_gain, skipped_in_a_row = checkpoint["evals_without_gain"], checkpoint["skipped_in_a_row"]
     evaluated_at = iter_num if checkpoint["evaluated"] else None
@@ -327,11 +299,6 @@ if checkpoint is not None:
     if any(checkpoint["config"].get(k) != globals()[k] for k in shaping) and master:
         print(f"warning: {', '.join(shaping)} changed since the checkpoint: training continues, "
               "but not on the batches the first run would have seen")
-    if block_size > model_args["block_size"]:
-        fail(f"block_size={block_size} is past the {model_args['block_size']} positions of the model {pretrained}")
-    trained_with = checkpoint["config"].get("optimizer", "adamw")
-    if trained_with != optimizer:
-        fail(f"{found_ckpt} was trained with optimizer={trained_with!r}: resume with --optimizer={trained_with}")
 
 # LoRA: this command's rank on a fresh start from a folder, the checkpoint's on a resume
 lora = lora_rank if from_folder else model_args.get("lora_rank", 0) if checkpoint is not None else 0
