@@ -43,6 +43,22 @@ class LoRA(nn.Module):
         return self.scale * self.B.float() @ self.A.float()
 
 
+def check_lora(asked, rank, base_dtype, tp, fsdp):
+    """ValueError, in one line with the fix, for LoRA settings that cannot run: asked, the lora_rank set; rank,
+    the run's (the checkpoint's on a resume, 0 without a pretrained folder); base_dtype, lora_base_dtype."""
+    if asked and not rank:
+        raise ValueError("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of "
+                         "yours to one with export.py)")
+    if base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4"):
+        raise ValueError(f"lora_base_dtype={base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16' or 'nf4'")
+    if rank and tp > 1:
+        raise ValueError("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model "
+                         "(tp_size=1)")
+    if fsdp and rank and base_dtype == "nf4":
+        raise ValueError("lora_base_dtype='nf4' cannot be sharded by fsdp=True (FSDP does not split 4-bit tensors): "
+                         "use lora_base_dtype='bfloat16' with fsdp, or nf4 without it")
+
+
 def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down"):
     """Freeze every weight and give the projections named in targets (comma-separated, of q, k, v,
     o, gate, up, down) fp32 low-rank adapters: afterwards only the adapters get gradients."""

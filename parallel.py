@@ -67,6 +67,21 @@ def peak_flops(device, dtype):
 
 
 
+def check_layout(tp, fsdp, offload, device_type, dtype, optimizer):
+    """ValueError, in one line with the fix, for a layout that cannot run (tensor parallel brings FSDP)."""
+    if tp > 1 and optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
+        raise ValueError("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
+    if (fsdp or tp > 1) and dtype == "float16":
+        raise ValueError("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
+                         "gradients): use dtype='bfloat16' or 'float32'")
+    if fsdp and optimizer == "muon":
+        raise ValueError("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
+                         "use optimizer='adamw' with fsdp")
+    if offload and not ((fsdp or tp > 1) and device_type == "cuda"):
+        raise ValueError("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True "
+                         "and a CUDA device")
+
+
 def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile=False, dtype=torch.float32,
                 offload=False, ddp=False, device_ids=None):
     """Spread model over the processes of mesh (dims "dp" and "tp"), in place where it can be, and return

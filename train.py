@@ -36,10 +36,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint as ckpt
 from configurator import configure
 from hf import fingerprint, load_pretrained, read_json
-from lora import add_lora, quantize_base
+from lora import add_lora, check_lora, quantize_base
 from memory import measured_mb, memory_estimate, memory_layout, memory_table
 from model import GPT, GPTConfig
-from parallel import clip_gradients, parallelize, peak_flops, pick_device
+from parallel import check_layout, clip_gradients, parallelize, peak_flops, pick_device
 from tokenizer import check_token_files, check_tokenizer, read_meta
 
 # -----------------------------------------------------------------------------
@@ -157,20 +157,13 @@ if device == "cuda" and ddp:
 device_type = device.split(":")[0]
 if device_type == "cuda":
     torch.cuda.set_device(device)
-if tp_size > 1 and optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
-    fail("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
 # Tensor parallel shards the rest of each replica with FSDP too (over a mesh of one replica, if so): every
 # parameter is then a DTensor on the one mesh, which the fused optimizer step and the clipping need
+try:
+    check_layout(tp_size, fsdp, fsdp_cpu_offload, device_type, dtype, optimizer)
+except ValueError as e:
+    fail(str(e))
 fsdp = fsdp or tp_size > 1
-if fsdp and dtype == "float16":
-    fail("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
-         "gradients): use dtype='bfloat16' or 'float32'")
-if fsdp and optimizer == "muon":
-    fail("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
-         "use optimizer='adamw' with fsdp")
-if fsdp_cpu_offload and not (fsdp and device_type == "cuda"):
-    fail("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True and a "
-         "CUDA device")
 if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
     backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if fsdp_cpu_offload else "nccl"
 if ddp:
@@ -302,18 +295,12 @@ if checkpoint is not None:
 
 # LoRA: this command's rank on a fresh start from a folder, the checkpoint's on a resume
 lora = lora_rank if from_folder else model_args.get("lora_rank", 0) if checkpoint is not None else 0
-if lora_rank and not lora:
-    fail("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of yours to one "
-         "with export.py)")
 if lora and checkpoint is not None:  # a resumed run's base is held as it was (4 bits stay 4 bits)
     lora_base_dtype = checkpoint["config"].get("lora_base_dtype", lora_base_dtype)
-if lora_base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4"):
-    fail(f"lora_base_dtype={lora_base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16' or 'nf4'")
-if lora and tp_size > 1:
-    fail("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model (tp_size=1)")
-if fsdp and lora and lora_base_dtype == "nf4":
-    fail("lora_base_dtype='nf4' cannot be sharded by fsdp=True (FSDP does not split 4-bit tensors): use "
-         "lora_base_dtype='bfloat16' with fsdp, or nf4 without it")
+try:
+    check_lora(lora_rank, lora, lora_base_dtype, tp_size, fsdp)
+except ValueError as e:
+    fail(str(e))
 if from_folder:
     try:  # data for a pretrained model must be made with its own tokenizer, or its ids mean other words
         model_vocab = int(read_json(os.path.join(init_from, "config.json"))["vocab_size"])

@@ -31,11 +31,8 @@ def real_bytes(model, optimizers):
             "optimizer": sum(size(t) for opt in optimizers for s in opt.state.values() for t in s.values())}
 
 
-def one_step(model, kind, fused=True):
+def one_step(model, kind):
     optimizers = model.configure_optimizers(kind, 1e-3, 0.1, (0.9, 0.95), "cpu")
-    if not fused:  # as train.py steps under tensor parallel: split and whole parameters side by side
-        for group in (g for opt in optimizers for g in opt.param_groups):
-            group.update(fused=False, foreach=False)
     x = torch.randint(0, model.config.vocab_size, (2, 16))
     _, loss = model(x, x)
     loss.backward()
@@ -78,27 +75,19 @@ PARALLEL_WORKER = """
 import json, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from memory import memory_estimate
 from model import GPT, GPTConfig
+from parallel import parallelize
 sys.path.insert(0, "tests")
 from test_memory import SHAPE, one_step
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = GPT(GPTConfig(**SHAPE))
-if sys.argv[1] == "fsdp":
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-else:  # train.py's plan: q, k, v, gate, up by their outputs, attn.proj and mlp.down by their inputs
-    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(), "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
-            "mlp.down": RowwiseParallel()}
-    for block in model.blocks:
-        parallelize_module(block, init_device_mesh("cpu", (2,)), plan)
-real = one_step(model, "adamw", fused=sys.argv[1] == "fsdp")
-layout = dict(dp=2, fsdp=True) if sys.argv[1] == "fsdp" else dict(tp=2)
+# as train.py lays them out: FSDP over 2 replicas, or tensor parallel over 2 (with FSDP over one replica)
+layout = dict(dp=2, fsdp=True) if sys.argv[1] == "fsdp" else dict(tp=2, fsdp=True)
+mesh = init_device_mesh("cpu", (layout.get("dp", 1), layout.get("tp", 1)), mesh_dim_names=("dp", "tp"))
+parallelize(model, mesh, tp=layout.get("tp", 1), fsdp=True)
+real = one_step(model, "adamw")
 estimate = memory_estimate(model, 2, 16, "float32", "adamw", **layout)
 if dist.get_rank() == 0:
     print(json.dumps({"real": real, "estimate": {k: estimate[k] for k in real}}))
