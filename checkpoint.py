@@ -1,8 +1,9 @@
 """
-Checkpoints: every read and write of a run's state. A plain run writes one file, out_dir/ckpt.pt; an FSDP
-or tensor-parallel run a folder, out_dir/ckpt/, with torch.distributed.checkpoint: each process its own
-shards (nothing is gathered whole), then the master's state.pt (everything else ckpt.pt holds). Both load
-into any other layout, by parameter name. ckpt_best and ckpt_NNNNNNN follow the same layout.
+Checkpoints: every read and write of a run's state. An out_dir holds one layout, the one its run began with:
+files (out_dir/ckpt.pt, written by the master, gathered from any shards) or, begun under FSDP or tensor
+parallel, sharded folders (out_dir/ckpt/, torch.distributed.checkpoint's: each process writes its own shards,
+nothing is gathered whole, then the master's state.pt holds everything else ckpt.pt holds). Both load into
+any other layout, by parameter name. ckpt_best and ckpt_NNNNNNN follow the same layout.
 
 Nothing is ever half written: a file is written under a temporary name, flushed and renamed; a folder
 counts as a checkpoint only with its state.pt, written after every shard and deleted before any, and it
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from hf import fingerprint, load_pretrained
 from lora import add_lora, trained_only
@@ -50,7 +52,7 @@ def find_checkpoint(path):
     stem = path.removesuffix(".pt").rstrip("/")
     found = [p for p in (stem + ".pt", stem, stem + ".old")
              if os.path.isfile(p if p.endswith(".pt") else os.path.join(p, "state.pt"))]
-    if len(found) > 1:  # a kill between two steps of a save, or a run resumed in the other layout
+    if len(found) > 1:  # a kill between the two renames of a save (or an out_dir written by an older train.py)
         def written(p):
             state = p if p.endswith(".pt") else os.path.join(p, "state.pt")
             return load_checkpoint(state, mmap=True)["iter_num"], os.path.getmtime(state)
@@ -261,15 +263,6 @@ def publish(tmp, dst):
     retire(old)
 
 
-def retire_other(path):
-    # the same checkpoint name in the other layout (a plain run resumed from shards, or the reverse) is
-    # older than the one just written: remove it, so that only one of them holds the name
-    stem = path.removesuffix(".pt")
-    for other in (stem + ".pt", stem, stem + ".old"):
-        if other != path:
-            retire(other)
-
-
 def copy_checkpoint(src, dst):
     # dst becomes a copy of the checkpoint src, a file or a folder, in hard links where the disk allows
     tmp = dst + ".tmp"
@@ -282,7 +275,6 @@ def copy_checkpoint(src, dst):
     else:
         link_or_copy(src, tmp)
         durable_replace(tmp, dst)
-    retire_other(dst)
 
 
 def sharded_state(model, optimizers, lora):
@@ -292,10 +284,33 @@ def sharded_state(model, optimizers, lora):
     return trained_only(model, model_state) if lora else model_state, optim_state
 
 
+def parameter_names(model, optimizer):
+    # the names of the optimizer's parameters, in the order its state_dict numbers them
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def whole_state(model, optimizers):
+    """The model's weights and the first optimizer's state as one process holds them (torch's own
+    state_dict layout, parameters by their index), gathered from the shards of FSDP or tensor parallel onto
+    the master's CPU (every process must call it then; the others get nothing)."""
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return model.state_dict(), optimizers[0].state_dict()
+    weights, optim = get_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
+    if not optim:  # not the master
+        return weights, optim
+    index = {n: i for i, n in enumerate(parameter_names(model, optimizers[0]))}
+    return weights, {"state": {index[n]: moments for n, moments in optim["state"].items()},
+                     "param_groups": optimizers[0].state_dict()["param_groups"]}
+
+
 def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_last_n=0):
     """Write the run's checkpoint: state (plain values: step, config, random states, ...) and the model's
-    and optimizers' tensors, as ckpt.pt or, sharded, ckpt/ (every process calls it then); also as
-    ckpt_best when improved, and as ckpt_NNNNNNN keeping the last keep_last_n of those."""
+    and optimizers' tensors; also as ckpt_best when improved, and as ckpt_NNNNNNN keeping the last
+    keep_last_n of those. Every process calls it. An out_dir holds one layout, the one it began with,
+    whatever the layout of the run that continues it: sharded folders (ckpt/, each process writing its own
+    part) or files (ckpt.pt, the master's, gathered from any shards)."""
     master = not dist.is_initialized() or dist.get_rank() == 0
     suffix = "" if sharded else ".pt"
     latest = os.path.join(out_dir, "ckpt" + suffix)
@@ -305,23 +320,25 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
                 retire(os.path.join(out_dir, name))
     if sharded:
         tmp = latest + ".tmp"
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         # The optimizer's settings (plain values) go into state.pt, which is read without unpickling
         # anything else. dcp.save returns on the master once every process has written its part.
         model_state, optim_state = sharded_state(model, optimizers, lora)
-        dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=tmp)
+        with warnings.catch_warnings():  # without a process group it warns that it writes in one process
+            warnings.simplefilter("ignore")
+            dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=tmp)
         if not master:
             return
         write_file({**state, "param_groups": optim_state["param_groups"]}, os.path.join(tmp, "state.pt"))
         publish(tmp, latest)
     else:
+        weights, optimizer = whole_state(model, optimizers)
         if not master:
             return
-        weights = model.state_dict()
-        state.update(model=trained_only(model, weights) if lora else weights, optimizer=optimizers[0].state_dict(),
+        state.update(model=trained_only(model, weights) if lora else weights, optimizer=optimizer,
                      muon=optimizers[1].state_dict() if len(optimizers) > 1 else None)
         write_file(state, latest)
-    retire_other(latest)
     if improved:
         copy_checkpoint(latest, os.path.join(out_dir, "ckpt_best" + suffix))
     if keep_last_n > 0:
@@ -356,8 +373,7 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
         set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
                        options=StateDictOptions(strict=not lora))
     elif sharded:  # a single file into shards: keyed by parameter name, split as the parameters are
-        names = {id(p): n for n, p in model.named_parameters()}
-        order = [names[id(p)] for group in optimizers[0].param_groups for p in group["params"]]
+        order = parameter_names(model, optimizers[0])
         saved = checkpoint["optimizer"]
         groups = [{**group, "params": [order[i] for i in group["params"]]} for group in saved["param_groups"]]
         by_name = {order[i]: moments for i, moments in saved["state"].items()}

@@ -42,7 +42,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     use_kernels: bool | None = None  # Triton fused ops; None: on for CUDA with Triton, off elsewhere
-    # What released models need beyond that (from_pretrained sets them; the defaults are ours):
+    # What released models need beyond that (hf.load_pretrained sets them; the defaults are ours):
     head_size: int = 0  # width of one head; 0 means n_embd // n_head (Qwen3's is its own)
     mlp_hidden: int = 0  # SwiGLU width; 0 means 8/3 n_embd rounded up to a multiple of 64
     qkv_bias: bool = False  # biases on q, k and v (Qwen2)

@@ -253,7 +253,7 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 iter_num, best_val_loss, evals_without_gain, skipped_in_a_row = 0, float("inf"), 0, 0
 evaluated_at = None  # the step whose evaluation is done (a checkpoint saved on a signal may lack it)
-try:  # ckpt.pt, or the sharded folder ckpt/ of an FSDP run (see find_checkpoint): the later one
+try:  # ckpt.pt, or the sharded folder ckpt/ of a run begun under FSDP or tensor parallel (find_checkpoint)
     found_ckpt = ckpt.find_checkpoint(ckpt_path)
 except ValueError as e:
     fail(str(e))
@@ -270,6 +270,8 @@ try:  # the checkpoint's weights and optimizer state are read once the model is 
 except ValueError as e:
     fail(str(e))
 from_folder = init_from not in ("scratch", "resume")  # a Hugging Face model folder to fine-tune
+# an out_dir keeps the layout it began with: sharded folders (FSDP, tensor parallel) or files
+sharded = os.path.isdir(found_ckpt) if found_ckpt else fsdp
 pretrained = os.path.abspath(init_from) if from_folder else None  # where the weights began, kept on resume
 if init_from != "resume" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
     os.remove(os.path.join(out_dir, "metrics.jsonl"))  # left by a run that died before its first checkpoint
@@ -440,7 +442,7 @@ def save_checkpoint(improved):
         "pretrained": pretrained,  # the Hugging Face folder the run began from, if any
         "base_fingerprint": base_fingerprint,
     }
-    ckpt.save(out_dir, state, raw_model, optimizers, fsdp, lora, improved, keep_last_n)
+    ckpt.save(out_dir, state, raw_model, optimizers, sharded, lora, improved, keep_last_n)
 
 
 def log(record):
@@ -558,7 +560,7 @@ while True:
         opt.zero_grad(set_to_none=True)
     if skipped_in_a_row >= max_skipped_steps:
         fail(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped, and "
-             f"{os.path.join(out_dir, 'ckpt' if fsdp else 'ckpt.pt')} is the last good state (lower "
+             f"{os.path.join(out_dir, 'ckpt' if sharded else 'ckpt.pt')} is the last good state (lower "
              f"learning_rate, or check the data)")
     iter_num += 1
     iters_since_log += 1

@@ -45,7 +45,7 @@ def whole_checkpoint(path):
 def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", "--batch_size=2", "--gradient_accumulation_steps=4",
             "--eval_interval=2"]
-    run(*args, f"--out_dir={tmp_path / 'ddp'}", "--max_iters=8", torchrun=TWO)
+    run(*args, f"--out_dir={tmp_path / 'ddp'}", "--max_iters=8", "--keep_last_n=2", torchrun=TWO)
     out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=4", "--fsdp=True", "--keep_last_n=1",
               torchrun=TWO)
     ddp, fsdp = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
@@ -61,13 +61,14 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, 
     assert max(sizes) < 0.6 * sum(sizes)  # nothing gathered whole on one process
     state = torch.load(tmp_path / "fsdp" / "ckpt" / "state.pt", weights_only=True)
     assert state["iter_num"] == 4 and state["world_size"] == 2 and "model" not in state
-    # into 1 process without fsdp (it writes ckpt.pt then, and the folder it read goes), and into 4
+    # into 1 process without fsdp (the out_dir keeps its layout: shards, written by one process), and into 4
     one = tmp_path / "one"
     one.mkdir()
     shutil.copytree(tmp_path / "fsdp" / "ckpt_0000004", one / "ckpt")
     run(*args, f"--out_dir={one}", "--max_iters=6", "--init_from=resume")
     assert_close_losses(losses(one), ddp, [5, 6])
-    assert (one / "ckpt.pt").exists() and not (one / "ckpt").exists()
+    assert (one / "ckpt" / "state.pt").exists() and not (one / "ckpt.pt").exists()
+    assert load_checkpoint(str(one / "ckpt"), weights=False)["iter_num"] == 6
     out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=6", "--fsdp=True", "--init_from=resume",
               torchrun=FOUR)
     assert "4 process(es)" in out.stdout and "warning" not in out.stdout
@@ -77,11 +78,22 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, 
     run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=8", "--fsdp=True", "--tp_size=2",
         "--init_from=resume", torchrun=FOUR)
     assert_close_losses(losses(tmp_path / "fsdp"), ddp, [7, 8])
-    # and a single file into shards: the 1-process run's ckpt.pt, resumed under FSDP on 2
-    run(*args, f"--out_dir={one}", "--max_iters=8", "--fsdp=True", "--init_from=auto", torchrun=TWO)
-    assert_close_losses(losses(one), ddp, [7, 8])
-    assert (one / "ckpt").is_dir() and not (one / "ckpt.pt").exists()
-    assert find_checkpoint(str(one / "ckpt.pt")) == str(one / "ckpt")
+    # and a single file into shards: DDP's ckpt.pt of step 6, resumed under FSDP on 2, which gathers its shards
+    # into ckpt.pt again (the out_dir's layout), the checkpoint a plain run resumes from
+    files = tmp_path / "files"
+    files.mkdir()
+    shutil.copy(tmp_path / "ddp" / "ckpt_0000006.pt", files / "ckpt.pt")
+    run(*args, f"--out_dir={files}", "--max_iters=8", "--fsdp=True", "--init_from=auto", torchrun=TWO)
+    assert_close_losses(losses(files), ddp, [7, 8])
+    assert find_checkpoint(str(files / "ckpt.pt")) == str(files / "ckpt.pt") and not (files / "ckpt").exists()
+    gathered, plain = torch.load(files / "ckpt.pt", weights_only=True), torch.load(tmp_path / "ddp" / "ckpt.pt",
+                                                                                  weights_only=True)
+    assert gathered["iter_num"] == 8 and gathered["model"].keys() == plain["model"].keys()
+    assert all(torch.allclose(gathered["model"][k], plain["model"][k], atol=1e-5) for k in plain["model"])
+    def groups(checkpoint):  # (the optimizer FSDP loaded holds its betas as a list, torch's own a tuple)
+        return [{**group, "betas": tuple(group["betas"])} for group in checkpoint["optimizer"]["param_groups"]]
+    assert groups(gathered) == groups(plain)
+    assert gathered["optimizer"]["state"].keys() == plain["optimizer"]["state"].keys()
 
 
 # -----------------------------------------------------------------------------
