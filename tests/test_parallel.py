@@ -22,6 +22,7 @@ def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path):
     run(*common, f"--out_dir={tmp_path / 'one'}")
     out = run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO)
     assert "2 process(es) on cpu" in out.stdout
+    assert "| FSDP x1 + TP x2 |" in out.stdout  # every parameter on the one mesh: FSDP over the single replica
     run(*common, f"--out_dir={tmp_path / 'dp_tp'}", "--tp_size=2", "--gradient_checkpointing=True", torchrun=FOUR)
     one = losses(tmp_path / "one")
     assert_losses_close(one, losses(tmp_path / "tp"))
