@@ -207,7 +207,7 @@ def bench_memory():
         # it for LoRA and Muon)
         tp = max(t for t in (8, 4, 2, 1) if shape.n_head % t == 0 and shape.n_kv_head % t == 0)
         if tp > 1 and not g.lora_rank and g.optimizer != "muon":
-            layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=gpus > tp, checkpointing=True)))
+            layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=True, checkpointing=True)))  # TP brings FSDP
         layouts.append((gpus, dict(dp=gpus, fsdp=True, checkpointing=True, offload=True)))
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{model.num_params() / 1e6:,.1f}M parameters ({trained / 1e6:,.1f}M trained), {dtype}, "

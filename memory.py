@@ -54,32 +54,11 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     c = model.config
     e = 4 if dtype == "float32" else 2  # an activation's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
-    trained = [(n, p) for n, p in params if p.requires_grad]
+    ddp = dp > 1 and not fsdp  # (tensor parallel runs under FSDP)
+    weights, grads, optim = state_bytes(params, optimizer, dp, tp, fsdp, nf4, ddp)
 
-    def local(name, p, shard=fsdp):  # how many of a parameter's values this process holds
-        shape = list(p.shape)
-        if tp > 1 and name.endswith(COLUMN_PARALLEL):
-            shape[0] //= tp
-        if tp > 1 and name.endswith(ROW_PARALLEL):
-            shape[1] //= tp
-        if shard:
-            shape[0] = -(-shape[0] // dp)
-        return math.prod(shape)
-
-    def held(name, p):  # the bytes of this process's part
-        if hasattr(p, "get_original_weight"):  # in NF4 already: its parts, in proportion
-            return tensor_bytes(p) * local(name, p) // p.numel()
-        if nf4 and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:
-            return nf4_bytes(local(name, p))
-        return local(name, p) * p.element_size()
-
-    weights = sum(held(n, p) for n, p in params)
-    ddp = dp > 1 and not fsdp and tp == 1  # (tensor parallel replicas average their gradients without DDP)
-    grads = sum(local(n, p) * p.element_size() for n, p in trained) * (2 if ddp else 1)
-    optim = 0
-    for n, p in trained:  # Adam's two moments and its step; SGD's momentum; Muon's for the blocks' matrices
-        moments = 1 if optimizer == "sgd" or (optimizer == "muon" and "blocks." in n and p.dim() == 2) else 2
-        optim += moments * local(n, p) * p.element_size() + (4 if moments == 2 else 0)
+    def local(name, p, shard=fsdp):
+        return held_values(name, p, dp, tp, shard)
 
     blocks = [(n, p) for n, p in params if "blocks." in n]
     one_block = [(n, p) for n, p in blocks if "blocks.0." in n]
@@ -107,6 +86,40 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     return dict(weights=weights, grads=grads, optimizer=optim, copies=copies, temporary=temporary, host=host,
                 activations=head + stored + (block if checkpointing else 0),
                 device=copies + peak + (0 if offload else weights + optim))
+
+
+def held_values(name, p, dp=1, tp=1, shard=False):
+    """How many of the values of parameter p (named name) one process holds: tensor parallel over tp splits
+    the projections, FSDP (shard) every parameter's dim 0 over dp, as torch.chunk does (rank 0's share, the
+    largest)."""
+    shape = list(p.shape)
+    if tp > 1 and name.endswith(COLUMN_PARALLEL):
+        shape[0] //= tp
+    if tp > 1 and name.endswith(ROW_PARALLEL):
+        shape[1] //= tp
+    if shard:
+        shape[0] = -(-shape[0] // dp)
+    return math.prod(shape)
+
+
+def state_bytes(params, optimizer, dp, tp, fsdp, nf4, ddp):
+    """(weights, gradients, optimizer state) in bytes one process holds of params, [(name, parameter)]: see
+    memory_estimate; DDP keeps flat buckets beside the gradients."""
+    def held(name, p):  # the bytes of this process's part
+        if hasattr(p, "get_original_weight"):  # in NF4 already: its parts, in proportion
+            return tensor_bytes(p) * held_values(name, p, dp, tp, fsdp) // p.numel()
+        if nf4 and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:
+            return nf4_bytes(held_values(name, p, dp, tp, fsdp))
+        return held_values(name, p, dp, tp, fsdp) * p.element_size()
+
+    trained = [(n, p) for n, p in params if p.requires_grad]
+    weights = sum(held(n, p) for n, p in params)
+    grads = sum(held_values(n, p, dp, tp, fsdp) * p.element_size() for n, p in trained) * (2 if ddp else 1)
+    optim = 0
+    for n, p in trained:  # Adam's two moments and its step; SGD's momentum; Muon's for the blocks' matrices
+        moments = 1 if optimizer == "sgd" or (optimizer == "muon" and "blocks." in n and p.dim() == 2) else 2
+        optim += moments * held_values(n, p, dp, tp, fsdp) * p.element_size() + (4 if moments == 2 else 0)
+    return weights, grads, optim
 
 
 def activation_bytes(c, N, dtype, r, tp=1, device="cuda"):
