@@ -1,0 +1,67 @@
+"""checkpoint.py and the atomic rename under it, in-process: no training run."""
+
+import os
+import stat
+
+import pytest
+import torch
+
+import checkpoint as ckpt
+from model import GPT, GPTConfig
+from tokenizer import durable_replace
+
+SHAPE = dict(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=8)
+
+
+def test_durable_replace_syncs_the_folder_that_holds_the_new_name(tmp_path, monkeypatch):
+    # the rename itself must reach the disk: the folder is fsynced after it, not only the file before it
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)) or real_fsync(fd))
+    (tmp_path / "a.tmp").write_text("new")
+    (tmp_path / "a").write_text("old")
+    durable_replace(tmp_path / "a.tmp", tmp_path / "a")
+    assert (tmp_path / "a").read_text() == "new" and not (tmp_path / "a.tmp").exists()
+    assert synced == [True]
+    (tmp_path / "d.tmp").mkdir()
+    durable_replace(tmp_path / "d.tmp", tmp_path / "d")  # a folder takes a free name the same way
+    assert (tmp_path / "d").is_dir() and synced == [True, True]
+
+
+def plain_run(out_dir, steps=1):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE))
+    optimizers = model.configure_optimizers("adamw", 1e-3, 0.1, (0.9, 0.95), "cpu")
+    for _ in range(steps):
+        x = torch.randint(0, 32, (2, 8))
+        model(x, x)[1].backward()
+        optimizers[0].step()
+    state = {"iter_num": steps, "model_args": SHAPE, "config": {"data_dir": str(out_dir)}}
+    ckpt.save(str(out_dir), state, model, optimizers, sharded=False, lora=False, improved=True, keep_last_n=1)
+    return model, optimizers
+
+
+def test_a_file_checkpoint_holds_torchs_own_state_dicts_and_its_copies(tmp_path):
+    model, optimizers = plain_run(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt_0000001.pt", "ckpt_best.pt"]
+    saved = ckpt.load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert saved.keys() >= {"model", "optimizer", "muon", "iter_num"} and saved["muon"] is None
+    assert all(torch.equal(saved["model"][k], v) for k, v in model.state_dict().items())
+    assert saved["optimizer"]["param_groups"] == optimizers[0].state_dict()["param_groups"]
+    rebuilt = ckpt.model_from_checkpoint(saved)
+    assert all(torch.equal(rebuilt.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert os.stat(tmp_path / "ckpt.pt").st_ino == os.stat(tmp_path / "ckpt_best.pt").st_ino  # a hard link
+
+
+def test_where_a_run_begins_and_what_it_refuses(tmp_path):
+    assert ckpt.starting_point(str(tmp_path), "auto", None) == ("scratch", None)
+    with pytest.raises(ValueError, match="no checkpoint at .* to resume from"):
+        ckpt.starting_point(str(tmp_path), "resume", None)
+    with pytest.raises(ValueError, match="is not 'scratch', 'resume', 'auto' or a Hugging Face model folder"):
+        ckpt.starting_point(str(tmp_path), str(tmp_path / "nowhere"), None)
+    plain_run(tmp_path)
+    found = ckpt.find_checkpoint(str(tmp_path / "ckpt.pt"))
+    with pytest.raises(ValueError, match=r"holds a run already \(ckpt.pt, ckpt_0000001.pt, ckpt_best.pt\)"):
+        ckpt.starting_point(str(tmp_path), "scratch", found)
+    with pytest.raises(ValueError, match="is not a checkpoint of this train.py"):  # plain_run's state is partial
+        ckpt.starting_point(str(tmp_path), "auto", found)
