@@ -175,7 +175,9 @@ elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to of
 if tp_size < 1 or world_size % tp_size:
     fail(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, N a multiple)")
 dp_size = world_size // tp_size
-mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp")) if dist.is_initialized() else None
+mesh = None
+if dist.is_initialized():
+    mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
 dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
 if gradient_accumulation_steps % dp_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
