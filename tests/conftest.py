@@ -1,6 +1,9 @@
+import getpass
 import json
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -60,3 +63,27 @@ def generated_text(n):
         size += len(word)
     text = "".join(out)[:n - len(chars)]
     return text + chars  # every character at least once, whatever the draws
+
+
+# -----------------------------------------------------------------------------
+# no test leaves a process behind, and torchrun's scratch folders stay with the test's files
+
+_marks = iter(range(10**9))
+
+
+@pytest.fixture(autouse=True)
+def processes_end_with_their_test(request, tmp_path_factory, monkeypatch):
+    # Every process the test starts inherits a mark of its own (processes.py finds them by it, wherever they
+    # were reparented) and a TMPDIR of its own: torchrun makes its torchelastic_* folders there. Compiled
+    # code keeps its cache where it was (under the old TMPDIR), shared by the tests as before.
+    from processes import MARK, kill_marked, wait_unmarked
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
+                       os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser()))
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp(re.sub(r"\W", "_", request.node.name)[:40] + "-scratch")))
+    mark = f"{os.getpid()}-{next(_marks)}"
+    monkeypatch.setenv(MARK, mark)
+    yield
+    left = wait_unmarked(mark, timeout=10)
+    if left:
+        kill_marked(mark)
+        pytest.fail(f"the test left {len(left)} process(es) running: {left}")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from processes import kill_marked, marked
 from test_train import ROOT, TINY, losses, run, weights
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
@@ -26,6 +27,17 @@ def start(*args, launcher=(sys.executable,)):
     return subprocess.Popen([*launcher, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                             start_new_session=True)
+
+
+def kill(proc):
+    # SIGKILL a process started by start() and everything it started: its group, and torchrun's workers too,
+    # which run in sessions of their own and would live on (found by the mark every process of this test
+    # carries: processes.py); none may survive
+    os.killpg(proc.pid, signal.SIGKILL)
+    code = proc.wait()
+    kill_marked()
+    assert not marked(), marked()
+    return code
 
 
 def wait_for(proc, text, timeout=120):
@@ -98,8 +110,7 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_weights(d
         if attempt < 3:  # three kills at random moments, then let it finish
             wait_for(proc, "iter ")  # training has begun (the start-up itself is not interesting)
             time.sleep(rng.uniform(0.0, 0.5))
-            os.killpg(proc.pid, signal.SIGKILL)
-            kills += proc.wait() == -signal.SIGKILL
+            kills += kill(proc) == -signal.SIGKILL
             continue
         proc.communicate(timeout=300)
         assert proc.returncode == 0
@@ -129,8 +140,7 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(data_dir, tmp_pa
     out = tmp_path / "out"
     proc = start(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=9", str(slow))
     wait_for(proc, "HALF WRITTEN")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill(proc)
     assert (out / "ckpt.pt.tmp").exists()  # the half-written file never took the name
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 3
     run(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=9", "--init_from=resume")

@@ -7,7 +7,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from model import find_checkpoint, load_checkpoint
-from test_fault_tolerance import start, wait_for
+from test_fault_tolerance import kill, start, wait_for
 from test_train import ROOT, TINY, free_port, losses, run, weights
 
 TWO = ["--standalone", "--nproc_per_node=2"]
@@ -133,8 +132,7 @@ def test_sigkill_between_the_renames_of_a_sharded_save_keeps_the_previous_one(da
     launcher = (sys.executable, "-m", "torch.distributed.run", *TWO)
     proc = start(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", str(hang), launcher=launcher)
     wait_for(proc, "BETWEEN RENAMES", timeout=240)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill(proc)  # the launcher and its workers: a worker left asleep would rename files here later
     assert not (out / "ckpt").exists() and (out / "ckpt.tmp" / "state.pt").exists()
     assert find_checkpoint(str(out / "ckpt.pt")) == str(out / "ckpt.old")
     assert load_checkpoint(str(out / "ckpt.old"), weights=False)["iter_num"] == 3
@@ -155,8 +153,7 @@ def test_sigkill_at_random_moments_of_sharded_saves_loses_nothing(data_dir, fsdp
         proc = start(*args, "--init_from=auto", launcher=launcher)
         wait_for(proc, "saved ", timeout=240)
         time.sleep(rng.uniform(0.0, 0.3))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill(proc)
     run(*args, "--init_from=auto", torchrun=TWO)
     assert losses(tmp_path) == losses(fsdp_run)
     a, b = load_checkpoint(str(tmp_path / "ckpt"))["model"], load_checkpoint(str(fsdp_run / "ckpt"))["model"]

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -12,15 +13,22 @@ import numpy as np
 import pytest
 import torch
 
+import forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20", "--learning_rate=1e-2"]
 
 
 def run(*args, torchrun=(), check=True, env=None):
-    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun] if torchrun else [sys.executable]
-    done = subprocess.run([*launcher, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    # train.py in a new process: forked from a server that has torch imported already (forkserver.py), or
+    # under torchrun
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if torchrun:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    else:
+        done = forkserver.run(["train.py", *args], cwd=ROOT, env=env, timeout=300)
     if check and done.returncode != 0:
         raise AssertionError(f"train.py failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return done
@@ -43,9 +51,18 @@ def assert_weights_close(a, b, atol=1e-5):
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # A port no other test takes meanwhile: below Linux's ephemeral range (32768-60999, where torchrun
+    # --standalone and every client socket get theirs), in a range of its own for each pytest-xdist worker.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    start = 20000 + 1000 * (worker % 12)
+    for port in random.sample(range(start, start + 1000), 1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {start}-{start + 999}")
 
 
 # -----------------------------------------------------------------------------
