@@ -79,7 +79,8 @@ def processes_end_with_their_test(request, tmp_path_factory, monkeypatch):
     from processes import MARK, kill_marked, wait_unmarked
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
                        os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser()))
-    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp(re.sub(r"\W", "_", request.node.name)[:40] + "-scratch")))
+    scratch = tmp_path_factory.mktemp(re.sub(r"\W", "_", request.node.name)[:40] + "-scratch")
+    monkeypatch.setenv("TMPDIR", str(scratch))
     mark = f"{os.getpid()}-{next(_marks)}"
     monkeypatch.setenv(MARK, mark)
     yield

@@ -139,8 +139,9 @@ class Server:
 
     def run(self, args, cwd, env, timeout):
         with tempfile.NamedTemporaryFile() as out, tempfile.NamedTemporaryFile() as err:
-            request = pickle.dumps(dict(path=os.path.abspath(os.path.join(cwd, args[0])), argv=[str(a) for a in args],
-                                        cwd=str(cwd), env=dict(env), out=out.name, err=err.name))
+            path = os.path.abspath(os.path.join(cwd, args[0]))
+            request = pickle.dumps(dict(path=path, argv=[str(a) for a in args], cwd=str(cwd), env=dict(env),
+                                        out=out.name, err=err.name))
             self.proc.stdin.write(struct.pack("q", len(request)) + request)
             self.proc.stdin.flush()
             pid = self.read_reply()
@@ -150,7 +151,8 @@ class Server:
                 self.read_reply()
                 raise subprocess.TimeoutExpired(args, timeout)
             stdout, stderr = (f.read().decode(errors="replace") for f in (out, err))
-        return subprocess.CompletedProcess([sys.executable, *args], os.waitstatus_to_exitcode(status), stdout, stderr)
+        code = os.waitstatus_to_exitcode(status)
+        return subprocess.CompletedProcess([sys.executable, *args], code, stdout, stderr)
 
     def close(self):
         self.proc.stdin.close()

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from test_train import ROOT, losses, run, weights
+from test_train import (ROOT, assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run,
+                        weights)
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -80,17 +81,23 @@ def test_finetune_lowers_val_loss_and_resumes_bit_for_bit(pretrained, tmp_path):
 
 
 def test_step_zero_is_the_folders_model(pretrained, tmp_path):
-    # with no update, the checkpoint holds the folder's weights: the same logits as transformers
+    # with no update, the checkpoint holds the folder's weights: the same logits as transformers. The folder's
+    # weights re-drawn large first (as test_pretrained.py does): transformers' init gives logits near zero,
+    # where a dropped norm (Qwen3's q and k norms) would hardly show
+    from test_pretrained import assert_same_logits, randomize
     folder, data = pretrained
-    run(*FINETUNE, f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path}", "--max_iters=1",
-        "--learning_rate=0", "--min_lr=0", "--warmup_iters=0")
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    hf = randomize(transformers.AutoModelForCausalLM.from_pretrained(folder)).eval()
+    hf.save_pretrained(tmp_path / "large")
+    (tmp_path / "large" / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    run(*FINETUNE, f"--data_dir={data}", f"--init_from={tmp_path / 'large'}", f"--out_dir={tmp_path / 'run'}",
+        "--max_iters=1", "--learning_rate=0", "--min_lr=0", "--warmup_iters=0")
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
     ours = GPT(GPTConfig(**{**ckpt["model_args"], "use_kernels": False})).eval()
     ours.load_state_dict(ckpt["model"])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.randint(0, 400, (2, 24))
     theirs = logits_of(hf, ids)
-    assert (logits_of(ours, ids) - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+    assert theirs.std() > 1.0  # large enough that a dropped norm shows
+    assert_same_logits(logits_of(ours, ids), theirs)
 
 
 def test_refusals_are_one_line(pretrained, tmp_path, data_dir):
@@ -168,12 +175,42 @@ def test_lora_refuses_another_base(pretrained, tmp_path):
     assert out.returncode != 0 and "LoRA adapts a pretrained model" in out.stderr
 
 
+# A config file for train.py that prints, at the model's first forward, the type of each frozen parameter (the
+# model as it trains, whatever built it): a 4-bit base must be torchao's NF4Tensor there, not merely train.
+FROZEN_TYPES = """
+import json as _json
+import torch as _torch
+
+
+def _report(module, args):
+    if type(module).__name__ == "GPT" and not _reported:
+        _reported.append(module)
+        kinds = {name: type(p).__name__ for name, p in module.named_parameters() if not p.requires_grad}
+        print("FROZEN " + _json.dumps(kinds), flush=True)
+
+
+_reported = []
+_torch.nn.modules.module.register_module_forward_pre_hook(_report)
+"""
+PROJECTIONS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.weight", "mlp.gate.weight",
+               "mlp.up.weight", "mlp.down.weight")
+
+
 def test_qlora_trains(pretrained, tmp_path):
     pytest.importorskip("torchao", reason="QLoRA's 4-bit base needs torchao (pip install torchao)")
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
     folder, data = pretrained
-    run(*LORA, "--lora_base_dtype=nf4", f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path}",
-        "--max_iters=10")
-    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    # quantize_base holds every projection's weight in NF4, and nothing else
+    model = GPT.from_pretrained(folder).add_lora(4).quantize_base()
+    quantized = {name for name, p in model.named_parameters() if isinstance(p, NF4Tensor)}
+    assert quantized == {name for name, _ in model.named_parameters() if name.endswith(PROJECTIONS)}
+    assert len(quantized) == 7 * len(model.blocks)
+    (tmp_path / "frozen_types.py").write_text(FROZEN_TYPES)
+    out = run(*LORA, "--lora_base_dtype=nf4", f"--data_dir={data}", f"--init_from={folder}",
+              f"--out_dir={tmp_path / 'run'}", "--max_iters=10", str(tmp_path / "frozen_types.py"))
+    frozen = json.loads(out.stdout.split("FROZEN ")[1].splitlines()[0])
+    assert {name for name, kind in frozen.items() if kind == "NF4Tensor"} == quantized  # train.py's model too
+    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05
 
@@ -272,9 +309,11 @@ def test_lora_compiled_with_the_triton_kernels_matches_eager(pretrained, tmp_pat
     folder, data = pretrained
     args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=2", "--block_size=16",
             "--batch_size=1", "--eval_interval=2", "--eval_iters=1", "--dropout=0.0"]
-    run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", "--compile=True",
-        env={"TRITON_INTERPRET": "1"})
-    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False")
+    counter = kernel_counter(tmp_path)
+    out = run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", "--compile=True", counter,
+              env={"TRITON_INTERPRET": "1"})
+    assert_every_kernel_ran(out.stdout)  # the fused ops ran (the plain ones would give the same losses)
+    assert_no_kernel_ran(run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False", counter).stdout)
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
     assert torch.load(tmp_path / "fused" / "ckpt.pt", weights_only=True)["model_args"]["use_kernels"] is True

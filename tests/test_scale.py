@@ -16,7 +16,8 @@ import torch
 
 from model import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
-from test_train import ROOT, TINY, free_port, losses, run, weights
+from test_train import (ROOT, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port, kernel_counter,
+                        losses, run, weights)
 
 TWO = ["--standalone", "--nproc_per_node=2"]
 FOUR = ["--standalone", "--nproc_per_node=4"]
@@ -190,13 +191,17 @@ def test_fsdp_in_one_process_compiled_with_the_triton_kernels_matches_plain(data
     # one process: FSDP over a group of one (what CPU offload of a model too big for one GPU needs)
     args = [*TINY, f"--data_dir={data_dir}", "--max_iters=2", "--block_size=16", "--batch_size=1",
             "--eval_interval=2", "--eval_iters=1"]
-    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", "--compile=True", "--use_kernels=True",
-        env={"TRITON_INTERPRET": "1"})
-    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False")
+    counter = kernel_counter(tmp_path)
+    out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", "--compile=True", "--use_kernels=True",
+              counter, env={"TRITON_INTERPRET": "1"})
+    assert_every_kernel_ran(out.stdout)  # the fused ops ran (the plain ones would give the same losses)
+    assert_no_kernel_ran(run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False", counter).stdout)
     fsdp, plain = losses(tmp_path / "fsdp"), losses(tmp_path / "plain")
     assert fsdp.keys() == plain.keys() == {1, 2} and all(abs(fsdp[i] - plain[i]) < 1e-5 for i in fsdp)
-    a, b = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))["model"], weights(tmp_path / "plain")
+    fused = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))
+    a, b = fused["model"], weights(tmp_path / "plain")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert fused["model_args"]["use_kernels"] is True
 
 
 @pytest.mark.parametrize("args,message", [

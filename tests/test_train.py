@@ -50,6 +50,55 @@ def assert_weights_close(a, b, atol=1e-5):
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
 
 
+# A config file for train.py that counts the launches of each Triton kernel in kernels.py and prints them as the
+# process exits. Equal losses alone cannot show that the fused ops ran: the plain ops give the same losses.
+KERNEL_COUNTER = """
+import atexit as _atexit, json as _json
+import kernels as _kernels
+
+
+def _counted(name, kernel):
+    class _Counted:  # kernel[grid](...) is how kernels.py launches one
+        def __getitem__(self, grid):
+            _launches[name] += 1
+            return kernel[grid]
+    return _Counted()
+
+
+_launches = {_name: 0 for _name, _value in vars(_kernels).items()
+             if _name.endswith("_kernel") and type(_value).__module__.startswith("triton")}
+for _name in _launches:
+    setattr(_kernels, _name, _counted(_name, getattr(_kernels, _name)))
+_atexit.register(lambda: print("TRITON LAUNCHES " + _json.dumps(_launches), flush=True))
+"""
+
+
+def kernel_counter(folder):
+    path = Path(folder) / "count_kernel_launches.py"
+    path.write_text(KERNEL_COUNTER)
+    return str(path)
+
+
+def kernel_launches(stdout):
+    # {kernel: launches} of each process that ran with kernel_counter's config
+    lines = [line for line in stdout.splitlines() if line.startswith("TRITON LAUNCHES ")]
+    assert lines, "no process printed its kernel launches"
+    counts = [json.loads(line.removeprefix("TRITON LAUNCHES ")) for line in lines]
+    for op in ("rms_norm", "swiglu", "rotary", "cross_entropy"):  # every fused op has its kernels counted
+        assert all(any(op in name for name in count) for count in counts), (op, counts)
+    return counts
+
+
+def assert_every_kernel_ran(stdout):
+    for count in kernel_launches(stdout):
+        assert all(n > 0 for n in count.values()), count
+
+
+def assert_no_kernel_ran(stdout):
+    for count in kernel_launches(stdout):
+        assert not any(count.values()), count
+
+
 def free_port():
     # A port no other test takes meanwhile: below Linux's ephemeral range (32768-60999, where torchrun
     # --standalone and every client socket get theirs), in a range of its own for each pytest-xdist worker.
@@ -281,7 +330,11 @@ def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", "--block_size=16", "--batch_size=1", "--max_iters=2",
             "--eval_interval=2", "--eval_iters=1", "--gradient_accumulation_steps=2"]
     ddp = ["--standalone", "--nproc_per_node=2"]
-    run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", torchrun=ddp, env={"TRITON_INTERPRET": "1"})
+    counter = kernel_counter(tmp_path)
+    out = run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", counter, torchrun=ddp,
+              env={"TRITON_INTERPRET": "1"})
+    assert_every_kernel_ran(out.stdout)
+    assert len(kernel_launches(out.stdout)) == 2  # in both processes
     run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False", torchrun=ddp)
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
@@ -296,8 +349,9 @@ def test_float16_with_the_triton_kernels_trains(data_dir, tmp_path):
     # fp16 autocast and the gradient scaler around the fused ops (interpreter on CPU)
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--block_size=16", "--batch_size=1",
               "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--dtype=float16", "--use_kernels=True",
-              env={"TRITON_INTERPRET": "1"})
+              kernel_counter(tmp_path), env={"TRITON_INTERPRET": "1"})
     assert "float16" in out.stdout and "skipped" not in out.stdout
+    assert_every_kernel_ran(out.stdout)
     assert all(np.isfinite(v) for v in losses(tmp_path).values()) and len(losses(tmp_path)) == 3
 
 
