@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from processes import kill_marked, marked
-from test_train import ROOT, TINY, losses, run, weights
+from test_train import ROOT, TINY, losses, run, script, weights
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -291,8 +291,7 @@ def test_malicious_checkpoint_is_refused_and_runs_nothing(data_dir, tmp_path):
     assert "holds objects other than tensors and plain values; refusing to load it" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert not Boom.marker.exists()
-    out = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                         text=True)
+    out = script("sample.py", f"--out_dir={tmp_path}")
     assert out.returncode != 0 and "refusing to load it" in out.stderr and not Boom.marker.exists()
 
 

@@ -2,14 +2,11 @@
 resume, sample.py on the folder, export.py back to a folder that transformers loads with equal logits."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from test_train import (ROOT, assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run,
-                        weights)
+from test_train import assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run, script, weights
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -49,8 +46,7 @@ def pretrained(tmp_path_factory):
     (root / "corpus").mkdir()
     (root / "corpus" / "text.txt").write_text(text)
     data = root / "data"
-    done = subprocess.run([sys.executable, "prepare.py", str(root / "corpus"), f"--tokenizer={folder}",
-                           f"--out_dir={data}"], cwd=ROOT, capture_output=True, text=True)
+    done = script("prepare.py", root / "corpus", f"--tokenizer={folder}", f"--out_dir={data}")
     assert done.returncode == 0, done.stderr
     return folder, data
 
@@ -117,9 +113,8 @@ def test_refusals_are_one_line(pretrained, tmp_path, data_dir):
 
 def test_sample_a_folder_greedily_as_transformers_does(pretrained):
     folder, _ = pretrained
-    done = subprocess.run([sys.executable, "sample.py", f"--model={folder}", "--start=def ", "--temperature=0",
-                           "--max_new_tokens=12", "--num_samples=1", "--device=cpu"], cwd=ROOT, capture_output=True,
-                          text=True)
+    done = script("sample.py", f"--model={folder}", "--start=def ", "--temperature=0", "--max_new_tokens=12",
+                  "--num_samples=1", "--device=cpu")
     assert done.returncode == 0, done.stderr
     tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -220,7 +215,7 @@ def test_qlora_trains(pretrained, tmp_path):
 
 
 def export(*args, check=True):
-    done = subprocess.run([sys.executable, "export.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    done = script("export.py", *args)
     assert not check or done.returncode == 0, done.stderr
     return done
 
@@ -275,8 +270,7 @@ def test_lora_on_a_model_trained_here(pretrained, tmp_path):
     # train from scratch on a bpe dataset, export it, fine-tune the export with LoRA on the same data
     folder, _ = pretrained
     data = tmp_path / "data"
-    done = subprocess.run([sys.executable, "prepare.py", str(folder.parent / "corpus"), "--tokenizer=bpe:300",
-                           f"--out_dir={data}"], cwd=ROOT, capture_output=True, text=True)
+    done = script("prepare.py", folder.parent / "corpus", "--tokenizer=bpe:300", f"--out_dir={data}")
     assert done.returncode == 0, done.stderr
     shape = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64"]
     run(*FINETUNE, *shape, f"--data_dir={data}", f"--out_dir={tmp_path / 'scratch'}", "--max_iters=10")
@@ -336,9 +330,8 @@ def test_lora_on_a_bfloat16_folder_samples_on_a_cpu(pretrained, tmp_path):
     GPT.from_pretrained(folder, torch.bfloat16).save_pretrained(bf16)
     (bf16 / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
     run(*LORA, f"--data_dir={data}", f"--init_from={bf16}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
-    done = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'run'}", "--start=def ",
-                           "--num_samples=1", "--max_new_tokens=8", "--device=cpu"], cwd=ROOT, capture_output=True,
-                          text=True)
+    done = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--start=def ", "--num_samples=1",
+                  "--max_new_tokens=8", "--device=cpu")
     assert done.returncode == 0 and done.stdout.startswith("def "), done.stderr
     model = GPT.from_pretrained(bf16).add_lora(4)  # bf16 base, fp32 adapters, no autocast
     assert model(torch.randint(0, 400, (1, 8)))[0].dtype == torch.bfloat16

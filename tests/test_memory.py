@@ -14,6 +14,7 @@ import torch
 
 from memory import memory_estimate, nf4_bytes, tensor_bytes
 from model import GPT, GPTConfig
+from test_train import script
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)
@@ -167,8 +168,7 @@ def test_lora_activations_are_what_autograd_saves(dtype):
 
 
 def test_bench_memory_mode_plans_1_8_and_64_gpus():
-    command = [sys.executable, "bench.py", "--mode=memory", "config/train_gpt2.py", "--batch_size=8"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = script("bench.py", "--mode=memory", "config/train_gpt2.py", "--batch_size=8")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {line.split("|")[1].strip(): [float(v.replace(",", "")) for v in line.split("|")[2:-1]]
             for line in done.stdout.splitlines() if line.startswith("| ") and "GPU" in line}
@@ -180,11 +180,9 @@ def test_bench_memory_mode_plans_1_8_and_64_gpus():
 
 
 def test_train_prints_the_estimate_before_the_first_step(data_dir, tmp_path):
-    command = [sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=2",
-               "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=4", "--max_iters=1",
-               "--eval_iters=1", "--log_interval=1", "--device=cpu"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = script("train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=2", "--n_head=4",
+                  "--n_embd=32", "--block_size=32", "--batch_size=4", "--max_iters=1", "--eval_iters=1",
+                  "--log_interval=1", "--device=cpu")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     table = lines.index("| MiB per process | weights | grads | optimizer | activations | copies | temporary "

@@ -17,7 +17,7 @@ import torch
 from model import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
 from test_train import (ROOT, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port, kernel_counter,
-                        losses, run, weights)
+                        losses, run, script, weights)
 
 TWO = ["--standalone", "--nproc_per_node=2"]
 FOUR = ["--standalone", "--nproc_per_node=4"]
@@ -242,12 +242,10 @@ def test_fsdp_fine_tunes_an_imported_model_and_sample_and_export_read_its_shards
     torch.save(sharded, tmp_path / "file" / "ckpt.pt")
     outputs = []
     for run_dir in (tmp_path / "fsdp", tmp_path / "file"):
-        done = subprocess.run([sys.executable, "sample.py", f"--out_dir={run_dir}", "--start=def ",
-                               "--num_samples=1", "--max_new_tokens=16", "--temperature=0", "--device=cpu"],
-                              cwd=ROOT, capture_output=True, text=True)
+        done = script("sample.py", f"--out_dir={run_dir}", "--start=def ", "--num_samples=1", "--max_new_tokens=16",
+                      "--temperature=0", "--device=cpu")
         assert done.returncode == 0, done.stderr
-        exported = subprocess.run([sys.executable, "export.py", f"--out_dir={run_dir}", f"--to={run_dir}-hf"],
-                                  cwd=ROOT, capture_output=True, text=True)
+        exported = script("export.py", f"--out_dir={run_dir}", f"--to={run_dir}-hf")
         assert exported.returncode == 0, exported.stderr
         outputs.append((done.stdout, read_folder(tmp_path / f"{run_dir.name}-hf")))
     (sample_a, hf_a), (sample_b, hf_b) = outputs
@@ -266,8 +264,7 @@ def test_lora_under_fsdp_matches_one_process_and_saves_the_adapters_alone(pretra
     adapters, one = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))["model"], weights(tmp_path / "one")
     assert adapters.keys() == one.keys() and all(".lora." in name for name in adapters)
     assert all(torch.allclose(adapters[k], one[k], atol=1e-5) for k in one)
-    done = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'fsdp'}",
-                           f"--to={tmp_path / 'peft'}", "--adapter"], cwd=ROOT, capture_output=True, text=True)
+    done = script("export.py", f"--out_dir={tmp_path / 'fsdp'}", f"--to={tmp_path / 'peft'}", "--adapter")
     assert done.returncode == 0 and (tmp_path / "peft" / "adapter_model.safetensors").exists(), done.stderr
     if importlib.util.find_spec("torchao") is not None:  # 4-bit tensors do not shard: refused in one line
         out = run(*args, f"--out_dir={tmp_path / 'nf4'}", "--fsdp=True", "--lora_base_dtype=nf4", check=False)

@@ -34,6 +34,12 @@ def run(*args, torchrun=(), check=True, env=None):
     return done
 
 
+def script(*args, cwd=ROOT, env=None, timeout=300):
+    # another of the project's scripts (sample.py, export.py, prepare.py, bench.py) in a new process, as run() does
+    return forkserver.run([*map(str, args)], cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          timeout=timeout)
+
+
 def losses(out_dir):
     # the last loss recorded for each step (a resumed run records the steps it repeats again)
     records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -279,13 +285,12 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
     for i in range(20):
         (corpus / ("sub" if i % 2 else "") / f"doc{i}.txt").write_text(f"hello world number {i}.\n" * 50)
     data = tmp_path / "data"
-    prep = subprocess.run([sys.executable, "prepare.py", str(corpus), f"--out_dir={data}", "--tokenizer=char"],
-                          cwd=ROOT, capture_output=True, text=True)
+    prep = script("prepare.py", corpus, f"--out_dir={data}", "--tokenizer=char")
     assert prep.returncode == 0, prep.stderr
     out = tmp_path / "out"
     run(*TINY, f"--data_dir={data}", f"--out_dir={out}", "--max_iters=30", "--eval_interval=30")
-    done = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--start=hello", "--num_samples=2",
-                           "--max_new_tokens=40", "--temperature=0"], cwd=ROOT, capture_output=True, text=True)
+    done = script("sample.py", f"--out_dir={out}", "--start=hello", "--num_samples=2", "--max_new_tokens=40",
+                  "--temperature=0")
     assert done.returncode == 0, done.stderr
     samples = done.stdout.split("---------------\n")[:-1]
     assert len(samples) == 2 and samples[0] == samples[1]  # greedy: the same text twice
@@ -294,21 +299,18 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
     assert set(text.replace("<|endoftext|>", "")) <= set("hello world number 0123456789.\n")
 
     # from another folder too: the checkpoint knows where its data and tokenizer are
-    elsewhere = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={out}", "--start=hello",
-                                "--num_samples=1", "--max_new_tokens=40", "--temperature=0"], cwd=tmp_path,
-                               capture_output=True, text=True)
+    elsewhere = script(ROOT / "sample.py", f"--out_dir={out}", "--start=hello", "--num_samples=1",
+                       "--max_new_tokens=40", "--temperature=0", cwd=tmp_path)
     assert elsewhere.returncode == 0 and elsewhere.stdout == samples[0] + "---------------\n"
     for bad, message in [("--start=FILE:/no/such/prompt.txt", "cannot read the prompt file"),
                          ("--start=héllo", "the prompt cannot be encoded: character 'é'"),
                          ("--top_k=0", "--top_k=0 must be at least 1")]:
-        done = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", bad], cwd=ROOT, capture_output=True,
-                              text=True)
+        done = script("sample.py", f"--out_dir={out}", bad)
         assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
 
 def test_bench_runs_train_both_ways_and_reports_a_table():
-    done = subprocess.run([sys.executable, "bench.py", "--synthetic", "--compare=tie_embeddings", "--steps=4",
-                           "--warmup=1", *TINY], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = script("bench.py", "--synthetic", "--compare=tie_embeddings", "--steps=4", "--warmup=1", *TINY)
     assert done.returncode == 0, done.stderr
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| tie_embeddings=")]
     assert [r[0].strip() for r in rows] == ["tie_embeddings=False", "tie_embeddings=True"]
@@ -359,13 +361,11 @@ def test_sample_finds_the_tokenizer_or_says_why_not(data_dir, tmp_path):
     # data_dir is a char dataset without a vocabulary file (meta.json only): copy what sample.py needs
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2")
     moved = tmp_path / "moved"
-    out = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}"],
-                         cwd=ROOT, capture_output=True, text=True)
+    out = script("sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}")
     assert out.returncode != 0 and f"trained on {moved}, which is not here" in out.stderr
     moved.mkdir()
     (moved / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "tiktoken", "name": "gpt2"}}))
-    out = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}"],
-                         cwd=ROOT, capture_output=True, text=True)
+    out = script("sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}")
     if "cannot load tiktoken encoding" in out.stderr:
         pytest.skip("the gpt2 encoding is not cached here")
     assert out.returncode != 0 and "tokenizer has 50257 tokens, more than the model's 64" in out.stderr
@@ -438,9 +438,8 @@ def test_tensorboard_missing_is_one_line(data_dir, tmp_path):
 
 
 def test_bench_races_optimizers_on_equal_time(data_dir):
-    done = subprocess.run([sys.executable, "bench.py", "--mode=race", "--seconds=0.5", "--steps=4", "--warmup=1",
-                           "--run=--optimizer=adamw", "--run=--optimizer=sgd --learning_rate=0.1", *TINY,
-                           f"--data_dir={data_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = script("bench.py", "--mode=race", "--seconds=0.5", "--steps=4", "--warmup=1", "--run=--optimizer=adamw",
+                  "--run=--optimizer=sgd --learning_rate=0.1", *TINY, f"--data_dir={data_dir}")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| optimizer=")]
     assert [r[0].strip() for r in rows] == ["optimizer=adamw", "optimizer=sgd learning_rate=0.1"]
