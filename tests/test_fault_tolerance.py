@@ -63,18 +63,19 @@ def assert_same_optimizer_state(a, b):
 
 @pytest.mark.parametrize("optimizer,stop_at", [("adamw", 1), ("adamw", 5), ("adamw", 9), ("muon", 1), ("muon", 5),
                                                ("adam", 5), ("sgd", 5)])
-def test_bitwise_resume_one_process(data_dir, tmp_path, optimizer, stop_at):
+def test_bitwise_resume_one_process(data_dir, tmp_path, optimizer, stop_at, shared):
     args = [*COMMON, f"--data_dir={data_dir}", f"--optimizer={optimizer}", "--lr_schedule=wsd"]
-    run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=10")
+    # the uninterrupted run, the same for every stop_at: made once, only read
+    uninterrupted = shared(f"whole_{optimizer}", lambda out: run(*args, f"--out_dir={out}", "--max_iters=10"))
     run(*args, f"--out_dir={tmp_path / 'parts'}", f"--max_iters={stop_at}")
     run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=10", "--init_from=resume")
-    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
-    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "parts"))
-    whole = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)
+    assert losses(uninterrupted) == losses(tmp_path / "parts")
+    assert_same_weights(weights(uninterrupted), weights(tmp_path / "parts"))
+    whole = torch.load(uninterrupted / "ckpt.pt", weights_only=True)
     parts = torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)
     assert_same_optimizer_state(whole, parts)
     assert (whole["muon"] is not None) == (optimizer == "muon")
-    evals = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    evals = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()
              if "val_loss" in line]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.1  # and every optimizer trains
 
@@ -88,14 +89,15 @@ def test_resuming_with_another_optimizer_is_refused(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("stop_at", [2, 5])
-def test_bitwise_resume_ddp(data_dir, tmp_path, stop_at):
+def test_bitwise_resume_ddp(data_dir, tmp_path, stop_at, shared):
     args = [*COMMON, f"--data_dir={data_dir}", "--gradient_accumulation_steps=2"]
     ddp = ["--standalone", "--nproc_per_node=2"]
-    run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=8", torchrun=ddp)
+    # the uninterrupted run, the same for every stop_at: made once, only read
+    uninterrupted = shared("whole_ddp", lambda out: run(*args, f"--out_dir={out}", "--max_iters=8", torchrun=ddp))
     run(*args, f"--out_dir={tmp_path / 'parts'}", f"--max_iters={stop_at}", torchrun=ddp)
     run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=8", "--init_from=resume", torchrun=ddp)
-    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
-    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "parts"))
+    assert losses(uninterrupted) == losses(tmp_path / "parts")
+    assert_same_weights(weights(uninterrupted), weights(tmp_path / "parts"))
 
 
 def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_weights(data_dir, tmp_path):

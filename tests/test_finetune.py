@@ -26,9 +26,13 @@ def corpus_text():
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    # a tiny Qwen3 (q/k norm, head_dim of its own) with its own byte-level BPE tokenizer, as on the Hub
-    root = tmp_path_factory.mktemp("pretrained")
+def pretrained(shared):
+    # a tiny Qwen3 (q/k norm, head_dim of its own) with its own byte-level BPE tokenizer, as on the Hub (read only)
+    root = shared("pretrained", make_pretrained)
+    return root / "qwen", root / "data"
+
+
+def make_pretrained(root):
     text = corpus_text()
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -48,7 +52,6 @@ def pretrained(tmp_path_factory):
     data = root / "data"
     done = script("prepare.py", root / "corpus", f"--tokenizer={folder}", f"--out_dir={data}")
     assert done.returncode == 0, done.stderr
-    return folder, data
 
 
 def logits_of(model, ids):

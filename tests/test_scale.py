@@ -92,11 +92,10 @@ EXACT = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--dropout=
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(data_dir, tmp_path_factory):
-    # 9 steps under FSDP on 2 processes, with dropout, keeping the checkpoints of steps 3, 6 and 9
-    out = tmp_path_factory.mktemp("fsdp_run")
-    run(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", "--keep_last_n=3", torchrun=TWO)
-    return out
+def fsdp_run(data_dir, shared):
+    # 9 steps under FSDP on 2 processes, with dropout, keeping the checkpoints of steps 3, 6 and 9 (read only)
+    return shared("fsdp_run", lambda out: run(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}",
+                                              "--keep_last_n=3", torchrun=TWO))
 
 
 def test_bitwise_resume_under_fsdp(data_dir, fsdp_run, tmp_path):
