@@ -31,6 +31,11 @@ if TIKTOKEN_CACHE.is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of the quick tier (-m \"not slow\"): torchrun, compile, "
+                            "Triton's interpreter at length, kill tests, big tokenizers")
+
+
 @pytest.fixture(scope="session")
 def data_dir(shared):
     # a tiny character-level dataset for the train.py tests, written here (nothing is downloaded):

@@ -13,6 +13,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from model import GPT, GPTConfig  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Hugging Face folder and a tokenizer to make first (test_pretrained.py is quick)
 FINETUNE = ["--block_size=32", "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2",
             "--lr_decay_iters=20", "--learning_rate=3e-3", "--eval_interval=5", "--dropout=0.1"]
 

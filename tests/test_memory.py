@@ -106,6 +106,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_fsdp_and_tensor_parallel_on_two_processes_are_rank_0s_parts(layout, tmp_path):
     # FSDP: vocab_size 67 is odd, so rank 0 holds 34 rows of the embedding (torch.chunk's split), rank 1 33.
@@ -223,6 +224,7 @@ def test_lora_activations_are_what_autograd_saves(dtype):
     assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.03 * real
 
 
+@pytest.mark.slow
 def test_bench_memory_mode_plans_1_8_and_64_gpus():
     done = script("bench.py", "--mode=memory", "config/train_gpt2.py", "--batch_size=8")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,9 +1,12 @@
 """Tensor parallel and gradient checkpointing in train.py, on CPU processes (gloo), with tiny models."""
 
+import pytest
+
 from test_train import TINY, losses, run
 
 from model import GPT, GPTConfig
 
+pytestmark = pytest.mark.slow  # torchrun, mostly
 TWO, FOUR = ["--standalone", "--nproc_per_node=2"], ["--standalone", "--nproc_per_node=4"]
 
 

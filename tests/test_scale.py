@@ -19,6 +19,7 @@ from test_fault_tolerance import kill, start, wait_for
 from test_train import (ROOT, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port, kernel_counter,
                         losses, run, script, weights)
 
+pytestmark = pytest.mark.slow  # every test here starts torchrun
 TWO = ["--standalone", "--nproc_per_node=2"]
 FOUR = ["--standalone", "--nproc_per_node=4"]
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

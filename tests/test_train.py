@@ -154,6 +154,7 @@ def test_gradient_accumulation_matches_one_big_batch(data_dir, tmp_path):
     assert_weights_close(weights(tmp_path / "big"), weights(tmp_path / "acc"))
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process(data_dir, tmp_path):
     common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=100", "--batch_size=2",
               "--gradient_accumulation_steps=4"]
@@ -165,6 +166,7 @@ def test_ddp_two_processes_match_one_process(data_dir, tmp_path):
     assert_weights_close(weights(tmp_path / "one"), weights(tmp_path / "ddp"))
 
 
+@pytest.mark.slow
 def test_accumulation_steps_must_divide_among_processes(data_dir, tmp_path):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--gradient_accumulation_steps=3",
               torchrun=["--standalone", "--nproc_per_node=2"], check=False)
@@ -172,6 +174,7 @@ def test_accumulation_steps_must_divide_among_processes(data_dir, tmp_path):
     assert "gradient_accumulation_steps=3 must be a multiple of the 2 data-parallel replicas" in out.stderr
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(data_dir, tmp_path):
     port = free_port()
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=10", "--eval_interval=10",
@@ -309,6 +312,7 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
         assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
 
+@pytest.mark.slow
 def test_bench_runs_train_both_ways_and_reports_a_table():
     done = script("bench.py", "--synthetic", "--compare=tie_embeddings", "--steps=4", "--warmup=1", *TINY)
     assert done.returncode == 0, done.stderr
@@ -327,6 +331,7 @@ def test_wandb_logging_offline(data_dir, tmp_path):
     assert all(key in records for key in (b"val_loss", b"tokens_per_s", b"grad_norm"))
 
 
+@pytest.mark.slow
 def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
     # the fused ops (under Triton's interpreter on CPU: slow, so a tiny batch) inside DDP
     args = [*TINY, f"--data_dir={data_dir}", "--block_size=16", "--batch_size=1", "--max_iters=2",
@@ -347,6 +352,7 @@ def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
     assert ckpt["model_args"]["use_kernels"] is True
 
 
+@pytest.mark.slow
 def test_float16_with_the_triton_kernels_trains(data_dir, tmp_path):
     # fp16 autocast and the gradient scaler around the fused ops (interpreter on CPU)
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--block_size=16", "--batch_size=1",
@@ -437,6 +443,7 @@ def test_tensorboard_missing_is_one_line(data_dir, tmp_path):
     assert "tensorboard_log=True needs TensorBoard: pip install tensorboard" in out.stderr
 
 
+@pytest.mark.slow
 def test_bench_races_optimizers_on_equal_time(data_dir):
     done = script("bench.py", "--mode=race", "--seconds=0.5", "--steps=4", "--warmup=1", "--run=--optimizer=adamw",
                   "--run=--optimizer=sgd --learning_rate=0.1", *TINY, f"--data_dir={data_dir}")
