@@ -37,7 +37,7 @@ FIXED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_I
 MARK = "PYTEST_PROCESS_MARK"
 
 SERVER = r'''
-import atexit, importlib, os, pickle, random, runpy, struct, sys, tempfile, traceback
+import atexit, importlib, os, pickle, random, runpy, struct, sys, tempfile, threading, traceback
 for name in sys.argv[1:]:
     importlib.import_module(name)
 replies = int(os.environ.pop("FORKSERVER_REPLIES"))
@@ -84,7 +84,8 @@ def child(request):
     except BaseException:
         traceback.print_exc()
         code = 1
-    try:
+    try:  # then what the interpreter does on its way out: join the threads left running, run atexit's functions
+        threading._shutdown()
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
