@@ -1,6 +1,11 @@
+import contextlib
+import getpass
 import json
 import os
+import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,20 +31,27 @@ if TIKTOKEN_CACHE.is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of the quick tier (-m \"not slow\"): torchrun, compile, "
+                            "Triton's interpreter at length, kill tests, big tokenizers")
+
+
 @pytest.fixture(scope="session")
-def data_dir(tmp_path_factory):
+def data_dir(shared):
     # a tiny character-level dataset for the train.py tests, written here (nothing is downloaded):
     # characters of tinyshakespeare when it is there, else generated text of as many characters
-    # (62), so that no test depends on which of the two it got; 90/10 split
+    # (62), so that no test depends on which of the two it got; 90/10 split. One for the session (read only).
+    return shared("data", write_data)
+
+
+def write_data(d):
     text = SHAKESPEARE.read_text()[:200_000] if SHAKESPEARE.exists() else generated_text(200_000)
     chars = sorted(set(text))
     ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
-    d = tmp_path_factory.mktemp("data")
     n = int(0.9 * len(ids))
     ids[:n].tofile(d / "train.bin")
     ids[n:].tofile(d / "val.bin")
     (d / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": len(chars), "eot_id": 0}))
-    return d
 
 
 def generated_text(n):
@@ -60,3 +72,62 @@ def generated_text(n):
         size += len(word)
     text = "".join(out)[:n - len(chars)]
     return text + chars  # every character at least once, whatever the draws
+
+
+# -----------------------------------------------------------------------------
+# no test leaves a process behind, and torchrun's scratch folders stay with the test's files
+
+_marks = iter(range(10**9))
+
+
+@contextlib.contextmanager
+def own_processes(name, tmp_path_factory):
+    # Every process started inside inherits a mark of its own (processes.py finds them by it, wherever they were
+    # reparented) and a TMPDIR of its own: torchrun makes its torchelastic_* folders there. Compiled code keeps
+    # its cache where it was (under the old TMPDIR), shared by the tests as before. None may outlive the block.
+    from processes import MARK, kill_marked, wait_unmarked
+    mark = f"{os.getpid()}-{next(_marks)}"
+    scratch = tmp_path_factory.mktemp(re.sub(r"\W", "_", name)[:40] + "-scratch")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
+                   os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser()))
+        env.setenv("TMPDIR", str(scratch))
+        env.setenv(MARK, mark)
+        yield
+    left = wait_unmarked(mark, timeout=10)
+    if left:
+        kill_marked(mark)
+        pytest.fail(f"{name} left {len(left)} process(es) running: {left}")
+
+
+@pytest.fixture(autouse=True)
+def processes_end_with_their_test(request, tmp_path_factory):
+    with own_processes(request.node.name, tmp_path_factory):
+        yield
+
+
+# -----------------------------------------------------------------------------
+# a run only read by several tests is made once per test session, whichever pytest-xdist worker needs it first
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory):
+    """shared(name, build) -> a folder that build(folder) filled, once for the whole session: under pytest-xdist
+    the workers' temporary folders have a common parent, and the first worker to ask builds while the others
+    wait on a lock. Tests only read what is in it (copy before changing anything)."""
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+    def get(name, build):
+        folder = root / f"shared-{name}"
+        with FileLock(f"{folder}.lock"):
+            if not (root / f"shared-{name}.done").exists():
+                if folder.exists():
+                    shutil.rmtree(folder)  # a build that failed part way
+                folder.mkdir()
+                with own_processes(f"shared-{name}", tmp_path_factory):
+                    build(folder)
+                (root / f"shared-{name}.done").touch()
+        return folder
+    return get

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_train import ROOT, TINY, losses, run, weights
+from processes import kill_marked, marked
+from test_train import ROOT, TINY, losses, run, script, weights
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -26,6 +27,17 @@ def start(*args, launcher=(sys.executable,)):
     return subprocess.Popen([*launcher, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
                             start_new_session=True)
+
+
+def kill(proc):
+    # SIGKILL a process started by start() and everything it started: its group, and torchrun's workers too,
+    # which run in sessions of their own and would live on (found by the mark every process of this test
+    # carries: processes.py); none may survive
+    os.killpg(proc.pid, signal.SIGKILL)
+    code = proc.wait()
+    kill_marked()
+    assert not marked(), marked()
+    return code
 
 
 def wait_for(proc, text, timeout=120):
@@ -49,20 +61,23 @@ def assert_same_optimizer_state(a, b):
             assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
-@pytest.mark.parametrize("optimizer,stop_at", [("adamw", 1), ("adamw", 5), ("adamw", 9), ("muon", 1), ("muon", 5),
-                                               ("adam", 5), ("sgd", 5)])
-def test_bitwise_resume_one_process(data_dir, tmp_path, optimizer, stop_at):
+@pytest.mark.parametrize("optimizer,stop_at", [
+    ("adamw", 5), ("muon", 5),  # the quick tier's
+    *(pytest.param(*case, marks=pytest.mark.slow)
+      for case in [("adamw", 1), ("adamw", 9), ("muon", 1), ("adam", 5), ("sgd", 5)])])
+def test_bitwise_resume_one_process(data_dir, tmp_path, optimizer, stop_at, shared):
     args = [*COMMON, f"--data_dir={data_dir}", f"--optimizer={optimizer}", "--lr_schedule=wsd"]
-    run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=10")
+    # the uninterrupted run, the same for every stop_at: made once, only read
+    uninterrupted = shared(f"whole_{optimizer}", lambda out: run(*args, f"--out_dir={out}", "--max_iters=10"))
     run(*args, f"--out_dir={tmp_path / 'parts'}", f"--max_iters={stop_at}")
     run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=10", "--init_from=resume")
-    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
-    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "parts"))
-    whole = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)
+    assert losses(uninterrupted) == losses(tmp_path / "parts")
+    assert_same_weights(weights(uninterrupted), weights(tmp_path / "parts"))
+    whole = torch.load(uninterrupted / "ckpt.pt", weights_only=True)
     parts = torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)
     assert_same_optimizer_state(whole, parts)
     assert (whole["muon"] is not None) == (optimizer == "muon")
-    evals = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    evals = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()
              if "val_loss" in line]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.1  # and every optimizer trains
 
@@ -75,17 +90,20 @@ def test_resuming_with_another_optimizer_is_refused(data_dir, tmp_path):
     assert "was trained with optimizer='muon': resume with --optimizer=muon" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop_at", [2, 5])
-def test_bitwise_resume_ddp(data_dir, tmp_path, stop_at):
+def test_bitwise_resume_ddp(data_dir, tmp_path, stop_at, shared):
     args = [*COMMON, f"--data_dir={data_dir}", "--gradient_accumulation_steps=2"]
     ddp = ["--standalone", "--nproc_per_node=2"]
-    run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=8", torchrun=ddp)
+    # the uninterrupted run, the same for every stop_at: made once, only read
+    uninterrupted = shared("whole_ddp", lambda out: run(*args, f"--out_dir={out}", "--max_iters=8", torchrun=ddp))
     run(*args, f"--out_dir={tmp_path / 'parts'}", f"--max_iters={stop_at}", torchrun=ddp)
     run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=8", "--init_from=resume", torchrun=ddp)
-    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
-    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "parts"))
+    assert losses(uninterrupted) == losses(tmp_path / "parts")
+    assert_same_weights(weights(uninterrupted), weights(tmp_path / "parts"))
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_weights(data_dir, tmp_path):
     args = [*COMMON, f"--data_dir={data_dir}", "--max_iters=300", "--eval_interval=5", "--log_interval=10"]
     run(*args, f"--out_dir={tmp_path / 'whole'}")
@@ -98,8 +116,7 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_weights(d
         if attempt < 3:  # three kills at random moments, then let it finish
             wait_for(proc, "iter ")  # training has begun (the start-up itself is not interesting)
             time.sleep(rng.uniform(0.0, 0.5))
-            os.killpg(proc.pid, signal.SIGKILL)
-            kills += proc.wait() == -signal.SIGKILL
+            kills += kill(proc) == -signal.SIGKILL
             continue
         proc.communicate(timeout=300)
         assert proc.returncode == 0
@@ -109,6 +126,7 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_weights(d
     assert losses(tmp_path / "whole") == losses(out)
 
 
+@pytest.mark.slow
 def test_sigkill_during_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path):
     # a config that makes the save at step 6 write half its bytes, then hang there
     slow = tmp_path / "slow_save.py"
@@ -129,14 +147,14 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(data_dir, tmp_pa
     out = tmp_path / "out"
     proc = start(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=9", str(slow))
     wait_for(proc, "HALF WRITTEN")
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill(proc)
     assert (out / "ckpt.pt.tmp").exists()  # the half-written file never took the name
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 3
     run(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=9", "--init_from=resume")
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_finishes_the_step_saves_and_exits_zero(data_dir, tmp_path, sig):
     proc = start(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000",
@@ -150,6 +168,7 @@ def test_signal_finishes_the_step_saves_and_exits_zero(data_dir, tmp_path, sig):
     assert max(losses(tmp_path)) == step  # the step was finished and logged
 
 
+@pytest.mark.slow
 def test_a_stop_at_an_evaluation_step_evaluates_on_resume(data_dir, tmp_path):
     # eval_interval=1: every stop lands on a step whose evaluation has not run yet
     args = [*TINY, f"--data_dir={data_dir}", "--eval_interval=1", "--eval_iters=1", "--max_iters=60"]
@@ -168,6 +187,7 @@ def test_a_stop_at_an_evaluation_step_evaluates_on_resume(data_dir, tmp_path):
     assert evals("whole") == evals("parts") and len(evals("parts")) == 61
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_path):
     launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
     proc = start(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000",
@@ -214,6 +234,7 @@ def test_non_finite_loss_skips_the_update(data_dir, tmp_path):
     assert all(torch.isfinite(p).all() for p in state["model"].values())
 
 
+@pytest.mark.slow
 def test_too_many_non_finite_steps_stop_and_keep_the_last_good_checkpoint(data_dir, tmp_path):
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=4")
     before = (tmp_path / "ckpt.pt").read_bytes()
@@ -281,8 +302,7 @@ def test_malicious_checkpoint_is_refused_and_runs_nothing(data_dir, tmp_path):
     assert "holds objects other than tensors and plain values; refusing to load it" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert not Boom.marker.exists()
-    out = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                         text=True)
+    out = script("sample.py", f"--out_dir={tmp_path}")
     assert out.returncode != 0 and "refusing to load it" in out.stderr and not Boom.marker.exists()
 
 

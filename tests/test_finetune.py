@@ -2,21 +2,20 @@
 resume, sample.py on the folder, export.py back to a folder that transformers loads with equal logits."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from test_train import ROOT, losses, run, weights
+from test_train import assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run, script, weights
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from hf import load_pretrained, save_pretrained
-from lora import add_lora
+from lora import add_lora, quantize_base
 from model import GPT, GPTConfig  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a Hugging Face folder and a tokenizer to make first (test_pretrained.py is quick)
 FINETUNE = ["--block_size=32", "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2",
             "--lr_decay_iters=20", "--learning_rate=3e-3", "--eval_interval=5", "--dropout=0.1"]
 
@@ -30,9 +29,13 @@ def corpus_text():
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    # a tiny Qwen3 (q/k norm, head_dim of its own) with its own byte-level BPE tokenizer, as on the Hub
-    root = tmp_path_factory.mktemp("pretrained")
+def pretrained(shared):
+    # a tiny Qwen3 (q/k norm, head_dim of its own) with its own byte-level BPE tokenizer, as on the Hub (read only)
+    root = shared("pretrained", make_pretrained)
+    return root / "qwen", root / "data"
+
+
+def make_pretrained(root):
     text = corpus_text()
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -50,10 +53,8 @@ def pretrained(tmp_path_factory):
     (root / "corpus").mkdir()
     (root / "corpus" / "text.txt").write_text(text)
     data = root / "data"
-    done = subprocess.run([sys.executable, "prepare.py", str(root / "corpus"), f"--tokenizer={folder}",
-                           f"--out_dir={data}"], cwd=ROOT, capture_output=True, text=True)
+    done = script("prepare.py", root / "corpus", f"--tokenizer={folder}", f"--out_dir={data}")
     assert done.returncode == 0, done.stderr
-    return folder, data
 
 
 def logits_of(model, ids):
@@ -82,17 +83,23 @@ def test_finetune_lowers_val_loss_and_resumes_bit_for_bit(pretrained, tmp_path):
 
 
 def test_step_zero_is_the_folders_model(pretrained, tmp_path):
-    # with no update, the checkpoint holds the folder's weights: the same logits as transformers
+    # with no update, the checkpoint holds the folder's weights: the same logits as transformers. The folder's
+    # weights re-drawn large first (as test_pretrained.py does): transformers' init gives logits near zero,
+    # where a dropped norm (Qwen3's q and k norms) would hardly show
+    from test_pretrained import assert_same_logits, randomize
     folder, data = pretrained
-    run(*FINETUNE, f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path}", "--max_iters=1",
-        "--learning_rate=0", "--min_lr=0", "--warmup_iters=0")
-    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    hf = randomize(transformers.AutoModelForCausalLM.from_pretrained(folder)).eval()
+    hf.save_pretrained(tmp_path / "large")
+    (tmp_path / "large" / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    run(*FINETUNE, f"--data_dir={data}", f"--init_from={tmp_path / 'large'}", f"--out_dir={tmp_path / 'run'}",
+        "--max_iters=1", "--learning_rate=0", "--min_lr=0", "--warmup_iters=0")
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
     ours = GPT(GPTConfig(**{**ckpt["model_args"], "use_kernels": False})).eval()
     ours.load_state_dict(ckpt["model"])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.randint(0, 400, (2, 24))
     theirs = logits_of(hf, ids)
-    assert (logits_of(ours, ids) - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+    assert theirs.std() > 1.0  # large enough that a dropped norm shows
+    assert_same_logits(logits_of(ours, ids), theirs)
 
 
 def test_refusals_are_one_line(pretrained, tmp_path, data_dir):
@@ -112,9 +119,8 @@ def test_refusals_are_one_line(pretrained, tmp_path, data_dir):
 
 def test_sample_a_folder_greedily_as_transformers_does(pretrained):
     folder, _ = pretrained
-    done = subprocess.run([sys.executable, "sample.py", f"--model={folder}", "--start=def ", "--temperature=0",
-                           "--max_new_tokens=12", "--num_samples=1", "--device=cpu"], cwd=ROOT, capture_output=True,
-                          text=True)
+    done = script("sample.py", f"--model={folder}", "--start=def ", "--temperature=0", "--max_new_tokens=12",
+                  "--num_samples=1", "--device=cpu")
     assert done.returncode == 0, done.stderr
     tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -170,12 +176,42 @@ def test_lora_refuses_another_base(pretrained, tmp_path):
     assert out.returncode != 0 and "LoRA adapts a pretrained model" in out.stderr
 
 
+# A config file for train.py that prints, at the model's first forward, the type of each frozen parameter (the
+# model as it trains, whatever built it): a 4-bit base must be torchao's NF4Tensor there, not merely train.
+FROZEN_TYPES = """
+import json as _json
+import torch as _torch
+
+
+def _report(module, args):
+    if type(module).__name__ == "GPT" and not _reported:
+        _reported.append(module)
+        kinds = {name: type(p).__name__ for name, p in module.named_parameters() if not p.requires_grad}
+        print("FROZEN " + _json.dumps(kinds), flush=True)
+
+
+_reported = []
+_torch.nn.modules.module.register_module_forward_pre_hook(_report)
+"""
+PROJECTIONS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.weight", "mlp.gate.weight",
+               "mlp.up.weight", "mlp.down.weight")
+
+
 def test_qlora_trains(pretrained, tmp_path):
     pytest.importorskip("torchao", reason="QLoRA's 4-bit base needs torchao (pip install torchao)")
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
     folder, data = pretrained
-    run(*LORA, "--lora_base_dtype=nf4", f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path}",
-        "--max_iters=10")
-    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    # quantize_base holds every projection's weight in NF4, and nothing else
+    model = quantize_base(add_lora(load_pretrained(folder), 4))
+    quantized = {name for name, p in model.named_parameters() if isinstance(p, NF4Tensor)}
+    assert quantized == {name for name, _ in model.named_parameters() if name.endswith(PROJECTIONS)}
+    assert len(quantized) == 7 * len(model.blocks)
+    (tmp_path / "frozen_types.py").write_text(FROZEN_TYPES)
+    out = run(*LORA, "--lora_base_dtype=nf4", f"--data_dir={data}", f"--init_from={folder}",
+              f"--out_dir={tmp_path / 'run'}", "--max_iters=10", str(tmp_path / "frozen_types.py"))
+    frozen = json.loads(out.stdout.split("FROZEN ")[1].splitlines()[0])
+    assert {name for name, kind in frozen.items() if kind == "NF4Tensor"} == quantized  # train.py's model too
+    val = [r["val_loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05
 
@@ -185,7 +221,7 @@ def test_qlora_trains(pretrained, tmp_path):
 
 
 def export(*args, check=True):
-    done = subprocess.run([sys.executable, "export.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    done = script("export.py", *args)
     assert not check or done.returncode == 0, done.stderr
     return done
 
@@ -240,8 +276,7 @@ def test_lora_on_a_model_trained_here(pretrained, tmp_path):
     # train from scratch on a bpe dataset, export it, fine-tune the export with LoRA on the same data
     folder, _ = pretrained
     data = tmp_path / "data"
-    done = subprocess.run([sys.executable, "prepare.py", str(folder.parent / "corpus"), "--tokenizer=bpe:300",
-                           f"--out_dir={data}"], cwd=ROOT, capture_output=True, text=True)
+    done = script("prepare.py", folder.parent / "corpus", "--tokenizer=bpe:300", f"--out_dir={data}")
     assert done.returncode == 0, done.stderr
     shape = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64"]
     run(*FINETUNE, *shape, f"--data_dir={data}", f"--out_dir={tmp_path / 'scratch'}", "--max_iters=10")
@@ -274,9 +309,11 @@ def test_lora_compiled_with_the_triton_kernels_matches_eager(pretrained, tmp_pat
     folder, data = pretrained
     args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=2", "--block_size=16",
             "--batch_size=1", "--eval_interval=2", "--eval_iters=1", "--dropout=0.0"]
-    run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", "--compile=True",
-        env={"TRITON_INTERPRET": "1"})
-    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False")
+    counter = kernel_counter(tmp_path)
+    out = run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", "--compile=True", counter,
+              env={"TRITON_INTERPRET": "1"})
+    assert_every_kernel_ran(out.stdout)  # the fused ops ran (the plain ones would give the same losses)
+    assert_no_kernel_ran(run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False", counter).stdout)
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
     assert torch.load(tmp_path / "fused" / "ckpt.pt", weights_only=True)["model_args"]["use_kernels"] is True
@@ -299,9 +336,8 @@ def test_lora_on_a_bfloat16_folder_samples_on_a_cpu(pretrained, tmp_path):
     save_pretrained(load_pretrained(folder, torch.bfloat16), bf16)
     (bf16 / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
     run(*LORA, f"--data_dir={data}", f"--init_from={bf16}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
-    done = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'run'}", "--start=def ",
-                           "--num_samples=1", "--max_new_tokens=8", "--device=cpu"], cwd=ROOT, capture_output=True,
-                          text=True)
+    done = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--start=def ", "--num_samples=1",
+                  "--max_new_tokens=8", "--device=cpu")
     assert done.returncode == 0 and done.stdout.startswith("def "), done.stderr
     model = add_lora(load_pretrained(bf16), 4)  # bf16 base, fp32 adapters, no autocast
     assert model(torch.randint(0, 400, (1, 8)))[0].dtype == torch.bfloat16

@@ -244,6 +244,7 @@ GRADCHECKS = {  # tiny odd shapes; the kernels compute in fp64 for fp64 inputs
 }
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("name", list(GRADCHECKS))
 def test_gradcheck(name):
@@ -254,6 +255,7 @@ def test_gradcheck(name):
     assert torch.autograd.gradcheck(fn, inputs)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_opcheck():
     # schema, fake (meta) implementation, autograd registration, AOT dispatch: what
@@ -274,6 +276,7 @@ def test_opcheck():
         assert all(r == "SUCCESS" for r in results.values()), (op, results)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_compile_fullgraph():
     # all four ops inside one torch.compile(fullgraph=True) region: a graph break would raise
@@ -316,6 +319,7 @@ def test_compile_fullgraph():
         assert rel_err(g, g_ref) <= 1e-5
 
 
+@pytest.mark.slow
 @needs_triton
 def test_model_training_matches_reference():
     # a few AdamW steps of a small GPT with the fused ops and with the references
@@ -372,6 +376,7 @@ for dt, acc in [("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32"), ("fp64", "
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not K.HAS_TRITON or torch.cuda.is_available(),
                     reason="needs Triton; with a GPU the other tests compile the kernels for real")
 def test_kernels_compile_for_cuda():
@@ -398,6 +403,7 @@ def test_cpu_without_interpreter_uses_references(monkeypatch):
     assert K.linear_cross_entropy(x.view(-1, 4), torch.randn(5, 4), torch.zeros(12, dtype=torch.long)) == "ref"
 
 
+@pytest.mark.slow
 def test_imports_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError

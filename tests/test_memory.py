@@ -15,6 +15,7 @@ import torch
 from memory import memory_estimate, nf4_bytes, tensor_bytes
 from lora import add_lora, quantize_base
 from model import GPT, GPTConfig
+from test_train import script
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)
@@ -95,6 +96,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_fsdp_and_tensor_parallel_on_two_processes_are_rank_0s_parts(layout, tmp_path):
     # FSDP: vocab_size 67 is odd, so rank 0 holds 34 rows of the embedding (torch.chunk's split), rank 1 33.
@@ -146,6 +148,62 @@ def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtyp
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [SHAPE, dict(SHAPE, head_size=16, qk_norm=True, qkv_bias=True)])
+def test_activations_with_the_fused_kernels_are_what_autograd_saves(shape, dtype):
+    # the estimate's other branch: the Triton ops (under Triton's interpreter on a CPU) keep what their
+    # backward needs, which is not what the plain ops keep
+    import kernels
+    if not kernels.triton_can_run(torch.zeros(1)):
+        pytest.skip("Triton cannot run on this CPU (no triton, or TRITON_INTERPRET unset)")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**shape, "use_kernels": True}))
+    real = saved_bytes(model, 2, 16, dtype)
+    estimate = memory_estimate(model, 2, 16, dtype, device="cpu")
+    assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.005 * real
+    plain = memory_estimate(GPT(GPTConfig(**shape)), 2, 16, dtype, device="cpu")
+    assert plain["activations"] != estimate["activations"]  # (else this test would check nothing new)
+
+
+def peak_of_a_step(model, batch_size, block_size, dtype):
+    # the most memory one training step holds at any moment (after a first step made the optimizer's state), as
+    # torch's MemTracker counts the tensors alive; on fake tensors (shapes only), so the fused ops cost no time
+    from torch.distributed._tools.mem_tracker import MemTracker
+    optimizer = model.configure_optimizers("adamw", 1e-3, 0.1, (0.9, 0.95), "cpu")[0]
+    x = torch.randint(0, model.config.vocab_size, (batch_size, block_size))
+    autocast = contextlib.nullcontext() if dtype == "float32" else torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def step():
+        with autocast:
+            _, loss = model(x, x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    return sum(by_kind["Total"] for by_kind in tracker.get_tracker_snapshot("peak").values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_device_is_the_peak_of_a_step(fused, dtype):
+    # The estimate's device figure against the peak of a real step (MemTracker on fake tensors). The fused ops'
+    # peak comes in the backward, which the estimate does not model: 2.9-3.0% under it at this shape (and the
+    # kernels' own workspace is not counted at all). Fake CUDA tensors would check the CUDA branch too, but a
+    # CPU-only torch cannot run autograd on them (its InputMetadata asks for a CUDA device guard).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
+                              use_kernels=fused))
+        peak = peak_of_a_step(model, 4, 64, dtype)
+    estimate = memory_estimate(model, 4, 64, dtype, device="cpu")["device"]
+    assert estimate <= peak <= estimate * (1.04 if fused else 1.01)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lora_activations_are_what_autograd_saves(dtype):
     torch.manual_seed(0)
     model = add_lora(GPT(GPTConfig(**SHAPE, qk_norm=True)).to(getattr(torch, dtype)), 4, targets="q,v,o,up,down")
@@ -156,9 +214,9 @@ def test_lora_activations_are_what_autograd_saves(dtype):
     assert abs(estimate["activations"] + estimate["copies"] - real) <= 0.03 * real
 
 
+@pytest.mark.slow
 def test_bench_memory_mode_plans_1_8_and_64_gpus():
-    command = [sys.executable, "bench.py", "--mode=memory", "config/train_gpt2.py", "--batch_size=8"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = script("bench.py", "--mode=memory", "config/train_gpt2.py", "--batch_size=8")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {line.split("|")[1].strip(): [float(v.replace(",", "")) for v in line.split("|")[2:-1]]
             for line in done.stdout.splitlines() if line.startswith("| ") and "GPU" in line}
@@ -170,11 +228,9 @@ def test_bench_memory_mode_plans_1_8_and_64_gpus():
 
 
 def test_train_prints_the_estimate_before_the_first_step(data_dir, tmp_path):
-    command = [sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=2",
-               "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=4", "--max_iters=1",
-               "--eval_iters=1", "--log_interval=1", "--device=cpu"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = script("train.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=2", "--n_head=4",
+                  "--n_embd=32", "--block_size=32", "--batch_size=4", "--max_iters=1", "--eval_iters=1",
+                  "--log_interval=1", "--device=cpu")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     table = lines.index("| MiB per process | weights | grads | optimizer | activations | copies | temporary "

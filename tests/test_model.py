@@ -89,15 +89,35 @@ def test_optimizer_groups_no_decay_on_vectors():
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
 
 
-def test_flops_per_token():
-    model = tiny()
-    c = model.config
-    n = model.num_params()
-    attention = 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * c.block_size
-    assert model.flops_per_token() == 6 * n + attention
-    add_lora(model, 4)  # the base frozen: 4 FLOPs a weight (forward, input gradient), 6 for the adapters'
-    adapters = model.num_params() - n
-    assert model.flops_per_token() == 4 * n + 6 * adapters + attention
+def counted_flops_per_token(model, T):
+    # the FLOPs of one forward and backward of T-token sequences, per token, as torch's FlopCounterMode counts
+    # them: every matmul, attention's too (through the math backend, whose matmuls it sees), with every input
+    # gradient made (as the count convention has it, even where the embedding is frozen), plus what the
+    # convention charges the parameters outside matmuls (norms, biases): 6 a value trained, 4 frozen
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    idx = torch.randint(0, model.config.vocab_size, (2, T))
+    def needs_gradient(module, args, out):
+        return out if out.requires_grad else out.detach().requires_grad_()
+    hook = model.wte.register_forward_hook(needs_gradient)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        _, loss = model.train()(idx, idx)
+        loss.backward()
+    hook.remove()
+    elementwise = sum((6 if p.requires_grad else 4) * p.numel() for p in model.parameters() if p.dim() < 2)
+    return counter.get_total_flops() / idx.numel() + elementwise
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=False), dict(n_kv_head=1),
+                                dict(head_size=16, qk_norm=True, qkv_bias=True)])  # Qwen3's heads: 4 x 16 != 32
+def test_flops_per_token(kw):
+    # counted, not restated: 6 FLOPs a weight trained, 4 frozen (LoRA's base: no weight gradient), attention's
+    # 12·L·H·Q·T, the embedding's lookup none (its matmul as the tied head only)
+    model = tiny(**kw)
+    assert model.flops_per_token() == counted_flops_per_token(model, 32)  # block_size by default
+    assert model.flops_per_token(16) == counted_flops_per_token(model, 16)
+    add_lora(model, 4)
+    assert model.flops_per_token() == counted_flops_per_token(model, 32)
 
 
 def test_filter_logits_top_p():

@@ -212,19 +212,15 @@ def test_no_meta_at_all_is_gpt2(tmp_path):
 
 
 def test_a_nanogpt_folder_trains_and_samples_its_characters(tmp_path, text):
-    import subprocess
-    import sys
-
     import torch
-    from test_train import ROOT, TINY, run
+    from test_train import TINY, run, script
     chars, _ = nanogpt_char_folder(tmp_path / "data", text)
     run(*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--max_iters=10",
         "--eval_interval=10")
     ckpt = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
     assert ckpt["model_args"]["vocab_size"] == 64 * -(-len(chars) // 64)  # its characters padded, not GPT-2's
-    done = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'out'}", "--start=First",
-                           "--num_samples=1", "--max_new_tokens=200"], cwd=ROOT,
-                          capture_output=True, text=True)
+    done = script("sample.py", f"--out_dir={tmp_path / 'out'}", "--start=First", "--num_samples=1",
+                  "--max_new_tokens=200")
     assert done.returncode == 0, done.stderr
     sample = done.stdout.split("\n---------------")[0]
     assert sample.startswith("First") and len(sample) > 150 and set(sample) <= set(chars) | {"\ufffd"}

@@ -1,10 +1,13 @@
 """Tensor parallel and gradient checkpointing in train.py, on CPU processes (gloo), with tiny models."""
 
+import pytest
+
 from test_train import TINY, losses, run
 
 from hf import save_pretrained
 from model import GPT, GPTConfig
 
+pytestmark = pytest.mark.slow  # torchrun, mostly
 TWO, FOUR = ["--standalone", "--nproc_per_node=2"], ["--standalone", "--nproc_per_node=4"]
 
 

@@ -564,6 +564,7 @@ def peak_rss_mb(src, out):
     return int(r.stdout.strip().splitlines()[-1]) / 1024  # KB on Linux
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["many documents", "one big file"])
 def test_memory_does_not_grow_with_corpus_size(tmp_path, shape):
     if shape == "many documents":  # 2 MB against 80 MB of .jsonl
@@ -577,6 +578,7 @@ def test_memory_does_not_grow_with_corpus_size(tmp_path, shape):
     assert big_mb - small_mb < 25, f"peak RSS {small_mb:.0f} MB for the small corpus, {big_mb:.0f} MB for the big one"
 
 
+@pytest.mark.slow
 def test_killed_run_leaves_nothing_finished(tmp_path):
     src = words_corpus(tmp_path / "src", 20, nfiles=4)
     out = tmp_path / "out"

@@ -7,7 +7,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -16,9 +15,11 @@ import pytest
 import torch
 
 from checkpoint import find_checkpoint, load_checkpoint
-from test_fault_tolerance import start, wait_for
-from test_train import ROOT, TINY, free_port, losses, run, weights
+from test_fault_tolerance import kill, start, wait_for
+from test_train import (ROOT, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port, kernel_counter,
+                        losses, run, script, weights)
 
+pytestmark = pytest.mark.slow  # every test here starts torchrun
 TWO = ["--standalone", "--nproc_per_node=2"]
 FOUR = ["--standalone", "--nproc_per_node=4"]
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -104,11 +105,10 @@ EXACT = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--dropout=
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(data_dir, tmp_path_factory):
-    # 9 steps under FSDP on 2 processes, with dropout, keeping the checkpoints of steps 3, 6 and 9
-    out = tmp_path_factory.mktemp("fsdp_run")
-    run(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", "--keep_last_n=3", torchrun=TWO)
-    return out
+def fsdp_run(data_dir, shared):
+    # 9 steps under FSDP on 2 processes, with dropout, keeping the checkpoints of steps 3, 6 and 9 (read only)
+    return shared("fsdp_run", lambda out: run(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}",
+                                              "--keep_last_n=3", torchrun=TWO))
 
 
 def test_bitwise_resume_under_fsdp(data_dir, fsdp_run, tmp_path):
@@ -145,8 +145,7 @@ def test_sigkill_between_the_renames_of_a_sharded_save_keeps_the_previous_one(da
     launcher = (sys.executable, "-m", "torch.distributed.run", *TWO)
     proc = start(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", str(hang), launcher=launcher)
     wait_for(proc, "BETWEEN RENAMES", timeout=240)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill(proc)  # the launcher and its workers: a worker left asleep would rename files here later
     assert not (out / "ckpt").exists() and (out / "ckpt.tmp" / "state.pt").exists()
     assert find_checkpoint(str(out / "ckpt.pt")) == str(out / "ckpt.old")
     assert load_checkpoint(str(out / "ckpt.old"), weights=False)["iter_num"] == 3
@@ -167,8 +166,7 @@ def test_sigkill_at_random_moments_of_sharded_saves_loses_nothing(data_dir, fsdp
         proc = start(*args, "--init_from=auto", launcher=launcher)
         wait_for(proc, "saved ", timeout=240)
         time.sleep(rng.uniform(0.0, 0.3))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill(proc)
     run(*args, "--init_from=auto", torchrun=TWO)
     assert losses(tmp_path) == losses(fsdp_run)
     a, b = load_checkpoint(str(tmp_path / "ckpt"))["model"], load_checkpoint(str(fsdp_run / "ckpt"))["model"]
@@ -205,13 +203,17 @@ def test_fsdp_in_one_process_compiled_with_the_triton_kernels_matches_plain(data
     # one process: FSDP over a group of one (what CPU offload of a model too big for one GPU needs)
     args = [*TINY, f"--data_dir={data_dir}", "--max_iters=2", "--block_size=16", "--batch_size=1",
             "--eval_interval=2", "--eval_iters=1"]
-    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", "--compile=True", "--use_kernels=True",
-        env={"TRITON_INTERPRET": "1"})
-    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False")
+    counter = kernel_counter(tmp_path)
+    out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", "--compile=True", "--use_kernels=True",
+              counter, env={"TRITON_INTERPRET": "1"})
+    assert_every_kernel_ran(out.stdout)  # the fused ops ran (the plain ones would give the same losses)
+    assert_no_kernel_ran(run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False", counter).stdout)
     fsdp, plain = losses(tmp_path / "fsdp"), losses(tmp_path / "plain")
     assert fsdp.keys() == plain.keys() == {1, 2} and all(abs(fsdp[i] - plain[i]) < 1e-5 for i in fsdp)
-    a, b = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))["model"], weights(tmp_path / "plain")
+    fused = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))
+    a, b = fused["model"], weights(tmp_path / "plain")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert fused["model_args"]["use_kernels"] is True
 
 
 @pytest.mark.parametrize("args,message", [
@@ -252,12 +254,10 @@ def test_fsdp_fine_tunes_an_imported_model_and_sample_and_export_read_its_shards
     torch.save(sharded, tmp_path / "file" / "ckpt.pt")
     outputs = []
     for run_dir in (tmp_path / "fsdp", tmp_path / "file"):
-        done = subprocess.run([sys.executable, "sample.py", f"--out_dir={run_dir}", "--start=def ",
-                               "--num_samples=1", "--max_new_tokens=16", "--temperature=0", "--device=cpu"],
-                              cwd=ROOT, capture_output=True, text=True)
+        done = script("sample.py", f"--out_dir={run_dir}", "--start=def ", "--num_samples=1", "--max_new_tokens=16",
+                      "--temperature=0", "--device=cpu")
         assert done.returncode == 0, done.stderr
-        exported = subprocess.run([sys.executable, "export.py", f"--out_dir={run_dir}", f"--to={run_dir}-hf"],
-                                  cwd=ROOT, capture_output=True, text=True)
+        exported = script("export.py", f"--out_dir={run_dir}", f"--to={run_dir}-hf")
         assert exported.returncode == 0, exported.stderr
         outputs.append((done.stdout, read_folder(tmp_path / f"{run_dir.name}-hf")))
     (sample_a, hf_a), (sample_b, hf_b) = outputs
@@ -276,8 +276,7 @@ def test_lora_under_fsdp_matches_one_process_and_saves_the_adapters_alone(pretra
     adapters, one = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))["model"], weights(tmp_path / "one")
     assert adapters.keys() == one.keys() and all(".lora." in name for name in adapters)
     assert all(torch.allclose(adapters[k], one[k], atol=1e-5) for k in one)
-    done = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'fsdp'}",
-                           f"--to={tmp_path / 'peft'}", "--adapter"], cwd=ROOT, capture_output=True, text=True)
+    done = script("export.py", f"--out_dir={tmp_path / 'fsdp'}", f"--to={tmp_path / 'peft'}", "--adapter")
     assert done.returncode == 0 and (tmp_path / "peft" / "adapter_model.safetensors").exists(), done.stderr
     if importlib.util.find_spec("torchao") is not None:  # 4-bit tensors do not shard: refused in one line
         out = run(*args, f"--out_dir={tmp_path / 'nf4'}", "--fsdp=True", "--lora_base_dtype=nf4", check=False)

@@ -17,6 +17,7 @@ import tokenizer
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402  (after the skip)
 
+pytestmark = pytest.mark.slow  # tiktoken's big encodings, read whole
 REPO = Path(__file__).resolve().parents[1]
 TIKTOKEN_NAMES = ("gpt2", "cl100k_base", "o200k_base")
 

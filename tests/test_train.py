@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -12,18 +13,31 @@ import numpy as np
 import pytest
 import torch
 
+import forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20", "--learning_rate=1e-2"]
 
 
 def run(*args, torchrun=(), check=True, env=None):
-    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun] if torchrun else [sys.executable]
-    done = subprocess.run([*launcher, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    # train.py in a new process: forked from a server that has torch imported already (forkserver.py), or
+    # under torchrun
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if torchrun:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    else:
+        done = forkserver.run(["train.py", *args], cwd=ROOT, env=env, timeout=300)
     if check and done.returncode != 0:
         raise AssertionError(f"train.py failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return done
+
+
+def script(*args, cwd=ROOT, env=None, timeout=300):
+    # another of the project's scripts (sample.py, export.py, prepare.py, bench.py) in a new process, as run() does
+    return forkserver.run([*map(str, args)], cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          timeout=timeout)
 
 
 def losses(out_dir):
@@ -42,10 +56,68 @@ def assert_weights_close(a, b, atol=1e-5):
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
 
 
+# A config file for train.py that counts the launches of each Triton kernel in kernels.py and prints them as the
+# process exits. Equal losses alone cannot show that the fused ops ran: the plain ops give the same losses.
+KERNEL_COUNTER = """
+import atexit as _atexit, json as _json
+import kernels as _kernels
+
+
+def _counted(name, kernel):
+    class _Counted:  # kernel[grid](...) is how kernels.py launches one
+        def __getitem__(self, grid):
+            _launches[name] += 1
+            return kernel[grid]
+    return _Counted()
+
+
+_launches = {_name: 0 for _name, _value in vars(_kernels).items()
+             if _name.endswith("_kernel") and type(_value).__module__.startswith("triton")}
+for _name in _launches:
+    setattr(_kernels, _name, _counted(_name, getattr(_kernels, _name)))
+_atexit.register(lambda: print("TRITON LAUNCHES " + _json.dumps(_launches), flush=True))
+"""
+
+
+def kernel_counter(folder):
+    path = Path(folder) / "count_kernel_launches.py"
+    path.write_text(KERNEL_COUNTER)
+    return str(path)
+
+
+def kernel_launches(stdout):
+    # {kernel: launches} of each process that ran with kernel_counter's config
+    lines = [line for line in stdout.splitlines() if line.startswith("TRITON LAUNCHES ")]
+    assert lines, "no process printed its kernel launches"
+    counts = [json.loads(line.removeprefix("TRITON LAUNCHES ")) for line in lines]
+    for op in ("rms_norm", "swiglu", "rotary", "cross_entropy"):  # every fused op has its kernels counted
+        assert all(any(op in name for name in count) for count in counts), (op, counts)
+    return counts
+
+
+def assert_every_kernel_ran(stdout):
+    for count in kernel_launches(stdout):
+        assert all(n > 0 for n in count.values()), count
+
+
+def assert_no_kernel_ran(stdout):
+    for count in kernel_launches(stdout):
+        assert not any(count.values()), count
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # A port no other test takes meanwhile: below Linux's ephemeral range (32768-60999, where torchrun
+    # --standalone and every client socket get theirs), in a range of its own for each pytest-xdist worker.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    start = 20000 + 1000 * (worker % 12)
+    for port in random.sample(range(start, start + 1000), 1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {start}-{start + 999}")
 
 
 # -----------------------------------------------------------------------------
@@ -82,6 +154,7 @@ def test_gradient_accumulation_matches_one_big_batch(data_dir, tmp_path):
     assert_weights_close(weights(tmp_path / "big"), weights(tmp_path / "acc"))
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process(data_dir, tmp_path):
     common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=100", "--batch_size=2",
               "--gradient_accumulation_steps=4"]
@@ -93,6 +166,7 @@ def test_ddp_two_processes_match_one_process(data_dir, tmp_path):
     assert_weights_close(weights(tmp_path / "one"), weights(tmp_path / "ddp"))
 
 
+@pytest.mark.slow
 def test_accumulation_steps_must_divide_among_processes(data_dir, tmp_path):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--gradient_accumulation_steps=3",
               torchrun=["--standalone", "--nproc_per_node=2"], check=False)
@@ -100,6 +174,7 @@ def test_accumulation_steps_must_divide_among_processes(data_dir, tmp_path):
     assert "gradient_accumulation_steps=3 must be a multiple of the 2 data-parallel replicas" in out.stderr
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(data_dir, tmp_path):
     port = free_port()
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=10", "--eval_interval=10",
@@ -213,13 +288,12 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
     for i in range(20):
         (corpus / ("sub" if i % 2 else "") / f"doc{i}.txt").write_text(f"hello world number {i}.\n" * 50)
     data = tmp_path / "data"
-    prep = subprocess.run([sys.executable, "prepare.py", str(corpus), f"--out_dir={data}", "--tokenizer=char"],
-                          cwd=ROOT, capture_output=True, text=True)
+    prep = script("prepare.py", corpus, f"--out_dir={data}", "--tokenizer=char")
     assert prep.returncode == 0, prep.stderr
     out = tmp_path / "out"
     run(*TINY, f"--data_dir={data}", f"--out_dir={out}", "--max_iters=30", "--eval_interval=30")
-    done = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--start=hello", "--num_samples=2",
-                           "--max_new_tokens=40", "--temperature=0"], cwd=ROOT, capture_output=True, text=True)
+    done = script("sample.py", f"--out_dir={out}", "--start=hello", "--num_samples=2", "--max_new_tokens=40",
+                  "--temperature=0")
     assert done.returncode == 0, done.stderr
     samples = done.stdout.split("---------------\n")[:-1]
     assert len(samples) == 2 and samples[0] == samples[1]  # greedy: the same text twice
@@ -228,21 +302,19 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
     assert set(text.replace("<|endoftext|>", "")) <= set("hello world number 0123456789.\n")
 
     # from another folder too: the checkpoint knows where its data and tokenizer are
-    elsewhere = subprocess.run([sys.executable, str(ROOT / "sample.py"), f"--out_dir={out}", "--start=hello",
-                                "--num_samples=1", "--max_new_tokens=40", "--temperature=0"], cwd=tmp_path,
-                               capture_output=True, text=True)
+    elsewhere = script(ROOT / "sample.py", f"--out_dir={out}", "--start=hello", "--num_samples=1",
+                       "--max_new_tokens=40", "--temperature=0", cwd=tmp_path)
     assert elsewhere.returncode == 0 and elsewhere.stdout == samples[0] + "---------------\n"
     for bad, message in [("--start=FILE:/no/such/prompt.txt", "cannot read the prompt file"),
                          ("--start=héllo", "the prompt cannot be encoded: character 'é'"),
                          ("--top_k=0", "--top_k=0 must be at least 1")]:
-        done = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", bad], cwd=ROOT, capture_output=True,
-                              text=True)
+        done = script("sample.py", f"--out_dir={out}", bad)
         assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
 
+@pytest.mark.slow
 def test_bench_runs_train_both_ways_and_reports_a_table():
-    done = subprocess.run([sys.executable, "bench.py", "--synthetic", "--compare=tie_embeddings", "--steps=4",
-                           "--warmup=1", *TINY], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = script("bench.py", "--synthetic", "--compare=tie_embeddings", "--steps=4", "--warmup=1", *TINY)
     assert done.returncode == 0, done.stderr
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| tie_embeddings=")]
     assert [r[0].strip() for r in rows] == ["tie_embeddings=False", "tie_embeddings=True"]
@@ -259,12 +331,17 @@ def test_wandb_logging_offline(data_dir, tmp_path):
     assert all(key in records for key in (b"val_loss", b"tokens_per_s", b"grad_norm"))
 
 
+@pytest.mark.slow
 def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
     # the fused ops (under Triton's interpreter on CPU: slow, so a tiny batch) inside DDP
     args = [*TINY, f"--data_dir={data_dir}", "--block_size=16", "--batch_size=1", "--max_iters=2",
             "--eval_interval=2", "--eval_iters=1", "--gradient_accumulation_steps=2"]
     ddp = ["--standalone", "--nproc_per_node=2"]
-    run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", torchrun=ddp, env={"TRITON_INTERPRET": "1"})
+    counter = kernel_counter(tmp_path)
+    out = run(*args, f"--out_dir={tmp_path / 'fused'}", "--use_kernels=True", counter, torchrun=ddp,
+              env={"TRITON_INTERPRET": "1"})
+    assert_every_kernel_ran(out.stdout)
+    assert len(kernel_launches(out.stdout)) == 2  # in both processes
     run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False", torchrun=ddp)
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
@@ -275,12 +352,14 @@ def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
     assert ckpt["model_args"]["use_kernels"] is True
 
 
+@pytest.mark.slow
 def test_float16_with_the_triton_kernels_trains(data_dir, tmp_path):
     # fp16 autocast and the gradient scaler around the fused ops (interpreter on CPU)
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--block_size=16", "--batch_size=1",
               "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--dtype=float16", "--use_kernels=True",
-              env={"TRITON_INTERPRET": "1"})
+              kernel_counter(tmp_path), env={"TRITON_INTERPRET": "1"})
     assert "float16" in out.stdout and "skipped" not in out.stdout
+    assert_every_kernel_ran(out.stdout)
     assert all(np.isfinite(v) for v in losses(tmp_path).values()) and len(losses(tmp_path)) == 3
 
 
@@ -288,13 +367,11 @@ def test_sample_finds_the_tokenizer_or_says_why_not(data_dir, tmp_path):
     # data_dir is a char dataset without a vocabulary file (meta.json only): copy what sample.py needs
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2")
     moved = tmp_path / "moved"
-    out = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}"],
-                         cwd=ROOT, capture_output=True, text=True)
+    out = script("sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}")
     assert out.returncode != 0 and f"trained on {moved}, which is not here" in out.stderr
     moved.mkdir()
     (moved / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "tiktoken", "name": "gpt2"}}))
-    out = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}"],
-                         cwd=ROOT, capture_output=True, text=True)
+    out = script("sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}")
     if "cannot load tiktoken encoding" in out.stderr:
         pytest.skip("the gpt2 encoding is not cached here")
     assert out.returncode != 0 and "tokenizer has 50257 tokens, more than the model's 64" in out.stderr
@@ -366,10 +443,10 @@ def test_tensorboard_missing_is_one_line(data_dir, tmp_path):
     assert "tensorboard_log=True needs TensorBoard: pip install tensorboard" in out.stderr
 
 
+@pytest.mark.slow
 def test_bench_races_optimizers_on_equal_time(data_dir):
-    done = subprocess.run([sys.executable, "bench.py", "--mode=race", "--seconds=0.5", "--steps=4", "--warmup=1",
-                           "--run=--optimizer=adamw", "--run=--optimizer=sgd --learning_rate=0.1", *TINY,
-                           f"--data_dir={data_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = script("bench.py", "--mode=race", "--seconds=0.5", "--steps=4", "--warmup=1", "--run=--optimizer=adamw",
+                  "--run=--optimizer=sgd --learning_rate=0.1", *TINY, f"--data_dir={data_dir}")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| optimizer=")]
     assert [r[0].strip() for r in rows] == ["optimizer=adamw", "optimizer=sgd learning_rate=0.1"]

@@ -1,0 +1,59 @@
+"""The processes a test started, found by a mark in their environment, whoever their parent is now.
+
+conftest.py gives every test its own value of PYTEST_PROCESS_MARK; every process the test starts inherits it,
+and so do the processes those start: torchrun's workers too, which run in sessions of their own and outlive a
+killed launcher (its group never reaches them). /proc/PID/environ is the environment a process was started
+with, so the pytest process itself, which only set the variable later, never matches."""
+
+import os
+import signal
+import time
+
+MARK = "PYTEST_PROCESS_MARK"
+
+
+def marked(value=None):
+    # {pid: command line} of the live processes whose environment holds MARK=value (this test's by default)
+    value = os.environ.get(MARK) if value is None else value
+    if not value:
+        return {}
+    needle = f"{MARK}={value}".encode()
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # exited, only not yet reaped
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def kill_marked(value=None, timeout=30):
+    # SIGKILL every process of this test until none is left; returns what was alive
+    alive = marked(value)
+    seen = dict(alive)
+    deadline = time.time() + timeout
+    while alive:
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert time.time() < deadline, f"processes that SIGKILL did not end: {alive}"
+        time.sleep(0.05)
+        alive = marked(value)
+    return seen
+
+
+def wait_unmarked(value=None, timeout=10):
+    # the processes of this test still alive after timeout seconds (none, normally)
+    deadline = time.time() + timeout
+    while (alive := marked(value)) and time.time() < deadline:
+        time.sleep(0.1)
+    return alive
