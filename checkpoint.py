@@ -129,11 +129,10 @@ def starting_point(out_dir, init_from, found):
             raise ValueError(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model "
                              f"folder (it has no config.json)")
         if found:
-            began_from, pretrained = load_checkpoint(found, mmap=True, weights=False).get("pretrained"), \
-                os.path.abspath(init_from)
-            if began_from != pretrained:
+            began_from = load_checkpoint(found, mmap=True, weights=False).get("pretrained")
+            if began_from != os.path.abspath(init_from):
                 raise ValueError(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not "
-                                 f"{pretrained}: train into another out_dir")
+                                 f"{os.path.abspath(init_from)}: train into another out_dir")
             init_from = "resume"
     if init_from != "resume" and existing(out_dir):
         raise ValueError(f"{out_dir} holds a run already ({', '.join(existing(out_dir))}): continue it with "
