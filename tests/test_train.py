@@ -4,6 +4,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def assert_weights_close(a, b, atol=1e-5):
 # A config file for train.py that counts the launches of each Triton kernel in kernels.py and prints them as the
 # process exits. Equal losses alone cannot show that the fused ops ran: the plain ops give the same losses.
 KERNEL_COUNTER = """
-import atexit as _atexit, json as _json
+import atexit as _atexit, json as _json, os as _os, sys as _sys
 import kernels as _kernels
 
 
@@ -75,7 +76,14 @@ _launches = {_name: 0 for _name, _value in vars(_kernels).items()
              if _name.endswith("_kernel") and type(_value).__module__.startswith("triton")}
 for _name in _launches:
     setattr(_kernels, _name, _counted(_name, getattr(_kernels, _name)))
-_atexit.register(lambda: print("TRITON LAUNCHES " + _json.dumps(_launches), flush=True))
+
+
+def _report():  # one write of the whole line: torchrun's workers share the pipe, and print's pieces interleave
+    _sys.stdout.flush()
+    _os.write(1, ("TRITON LAUNCHES " + _json.dumps(_launches) + "\\n").encode())
+
+
+_atexit.register(_report)
 """
 
 
@@ -87,9 +95,8 @@ def kernel_counter(folder):
 
 def kernel_launches(stdout):
     # {kernel: launches} of each process that ran with kernel_counter's config
-    lines = [line for line in stdout.splitlines() if line.startswith("TRITON LAUNCHES ")]
-    assert lines, "no process printed its kernel launches"
-    counts = [json.loads(line.removeprefix("TRITON LAUNCHES ")) for line in lines]
+    counts = [json.loads(m) for m in re.findall(r"TRITON LAUNCHES (\{[^{}]*\})", stdout)]
+    assert counts, "no process printed its kernel launches"
     for op in ("rms_norm", "swiglu", "rotary", "cross_entropy"):  # every fused op has its kernels counted
         assert all(any(op in name for name in count) for count in counts), (op, counts)
     return counts
