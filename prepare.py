@@ -33,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 # The tokenizers live in tokenizer.py; read_meta and load_tokenizer are here too, as they always were.
+from chat import TRAIN_ON, Chat, ChatFormat, is_conversation
 from tokenizer import MARKER, die, durable_replace, load_tokenizer, make_tokenizer, read_meta  # noqa: F401
 
 FORMAT_VERSION = 1
@@ -93,10 +94,16 @@ def file_ext(path):
     return Path(name.removesuffix(".gz")).suffix + (".gz" if name.endswith(".gz") else "")
 
 
-def record_text(obj, field):
-    """(text, None) from a JSON record, or (None, why not)."""
+def record_text(obj, field, chat):
+    """(text, None) from a JSON record, (Chat, None) from a conversation's (chat: the ChatFormat's maker), or
+    (None, why not)."""
     if not isinstance(obj, dict):
         return None, f"not a JSON object ({type(obj).__name__})"
+    if not field and is_conversation(obj):
+        try:
+            return chat().record(obj), None
+        except ValueError as e:
+            return None, str(e)
     names = [field] if field else TEXT_FIELDS
     name = next((key for key in names if key in obj), None)
     text = obj.get(name)
@@ -111,7 +118,7 @@ def record_text(obj, field):
     return text, None
 
 
-def read_documents(path, field, dedup):
+def read_documents(path, field, dedup, chat):
     """Yield (position, text or BigText, None) per document, or (position, None, why) per bad record.
     Raises SkipFile for a file that cannot be read at all."""
     if not path.is_file():
@@ -124,26 +131,26 @@ def read_documents(path, field, dedup):
                 if not line.strip():
                     continue
                 try:
-                    text, why = record_text(json.loads(line), field)
+                    text, why = record_text(json.loads(line), field, chat)
                 except UnicodeDecodeError:
                     text, why = None, "not UTF-8"
                 except ValueError as e:
                     text, why = None, f"malformed JSON ({getattr(e, 'msg', e)})"
                 yield str(n), text, why
     elif ext == ".parquet":
-        yield from read_parquet(path, field)
+        yield from read_parquet(path, field, chat)
     elif ext == ".json":
         try:
             obj = json.loads("".join(text for _, text in decoded(path)))
         except json.JSONDecodeError as e:
             raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
         for i, item in enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]:
-            yield (f"item {i}" if i else ""), *record_text(item, field)
+            yield (f"item {i}" if i else ""), *record_text(item, field, chat)
     else:
         yield "", read_text(path, dedup), None
 
 
-def read_parquet(path, field):
+def read_parquet(path, field, chat):
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -154,6 +161,11 @@ def read_parquet(path, field):
     except pa.ArrowException as e:
         raise SkipFile(f"not a readable parquet file ({str(e)[:80]})")
     names = parquet.schema_arrow.names
+    if not field and is_conversation(dict.fromkeys(names)):  # conversations: each row as a record
+        rows = chain.from_iterable(batch.to_pylist() for batch in parquet.iter_batches(batch_size=1024))
+        for row, record in enumerate(rows, 1):
+            yield f"row {row}", *record_text(record, None, chat)
+        return
     column = field if field else next((c for c in TEXT_FIELDS if c in names), None)
     if column not in names:
         raise SkipFile(f"no text column ({field or '/'.join(TEXT_FIELDS)}); it has {', '.join(names)[:80]}")
@@ -206,8 +218,8 @@ def read_text(path, dedup):
 def pieces(doc, start=0, stop=None, in_one_piece=False):
     """Yield (text, is_last) for characters start:stop of a document: a str in one piece, a BigText in
     pieces of about one read, cut at its last SAFE_CUT (none in it: held until one comes), or in one."""
-    if isinstance(doc, str):
-        yield doc[start:stop], True
+    if isinstance(doc, (str, Chat)):  # a conversation is always whole
+        yield doc[start:stop] if isinstance(doc, str) else doc, True
         return
     held, at = [], 0  # text read but not yet given out; characters read
     try:
@@ -232,7 +244,8 @@ def pieces(doc, start=0, stop=None, in_one_piece=False):
 def new_stats():
     """What was read and skipped, in meta.json's own words and order (meta.json takes it whole)."""
     return {"files_read": 0, "extensions": {}, "skipped_files": [], "hidden_skipped": 0,
-            "bad_records": {"count": 0, "examples": []}, "empty_documents": 0, "duplicates_dropped": 0}
+            "bad_records": {"count": 0, "examples": []}, "empty_documents": 0, "duplicates_dropped": 0,
+            "conversations": None}  # whether the documents are conversations: the first one decides
 
 
 def ext_stats(stats, ext):
@@ -260,20 +273,28 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
             ext, kept = file_ext(path), 0
             where = str(path).encode("utf-8", "backslashreplace").decode()  # a file name that isn't UTF-8
             try:
-                for pos, doc, why in read_documents(path, args.field, args.dedup):
+                for pos, doc, why in read_documents(path, args.field, args.dedup, args.chat):
+                    chat = isinstance(doc, Chat)
+                    if why is None and stats["conversations"] not in (None, chat):
+                        why = "a conversation among texts" if chat else "a text among conversations"
+                        why += " (prepare the two kinds apart)"
+                        if not pos:  # a plain-text file among conversations
+                            raise SkipFile(why)
                     if why is not None:
                         reject(f"{where}:{pos}" if pos else where, why, whole_file=False)
                         continue
                     big = isinstance(doc, BigText)
-                    if doc.blank if big else not doc.strip():
+                    text = doc.text if chat else doc
+                    if doc.blank if big else not text.strip():
                         stats["empty_documents"] += 1  # empty or whitespace only: nothing to learn from
                         continue
                     if args.dedup:
-                        digest = doc.digest if big else blake2b(doc.encode("utf-8"), digest_size=16).digest()
+                        digest = doc.digest if big else blake2b(text.encode("utf-8"), digest_size=16).digest()
                         if digest in seen:
                             stats["duplicates_dropped"] += 1
                             continue
                         seen.add(digest)
+                    stats["conversations"] = chat
                     kept += 1
                     yield f"{rel}:{pos}", ext, doc
             except SkipFile as e:
@@ -291,11 +312,24 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
 def encode_batch(tokenizer, texts, ends, is_val, dtype):
-    """-> (train ids, val ids, tokens and bytes per text), end-of-text after each document's last piece."""
-    ids = tokenizer.encode_docs(texts, ends)
-    parts = ([a for a, v in zip(ids, is_val) if not v], [a for a, v in zip(ids, is_val) if v])
-    train, val = [np.concatenate(p).astype(dtype) if p else np.empty(0, dtype) for p in parts]
-    return train, val, [len(a) for a in ids], [len(t.encode("utf-8")) for t in texts]
+    """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text), end-of-text after
+    each document's last piece. Conversations (Chat) come with masks: 1 for a trained token, and 0 for the
+    end-of-text after each, which separates it from the next and is never trained (train.py cuts there)."""
+    masks = None
+    if texts and isinstance(texts[0], Chat):
+        pairs = [tokenizer.encode_chat(chat.text, chat.spans) for chat in texts]
+        ids = [np.append(a, np.uint32(tokenizer.eot_id)) for a, _ in pairs]
+        masks = [np.append(m, np.uint8(0)) for _, m in pairs]
+        texts = [chat.text for chat in texts]
+    else:
+        ids = tokenizer.encode_docs(texts, ends)
+
+    def by_split(arrays, kind):
+        parts = ([a for a, v in zip(arrays, is_val) if not v], [a for a, v in zip(arrays, is_val) if v])
+        return tuple(np.concatenate(p).astype(kind) if p else np.empty(0, kind) for p in parts)
+
+    return (by_split(ids, dtype), masks and by_split(masks, np.uint8), [len(a) for a in ids],
+            [len(t.encode("utf-8")) for t in texts])
 
 
 def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False):
@@ -309,7 +343,7 @@ def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False):
         for item in chain(items, [None]):
             if item is not None:
                 batch.append(item)
-                size += len(item[0])
+                size += len(item[0].text if isinstance(item[0], Chat) else item[0])
             if batch and (size >= BATCH_CHARS or item is None):
                 texts, ends, flags, exts = zip(*batch)
                 job = pool.submit(encode_batch, tokenizer, texts, ends, flags, dtype)
@@ -336,9 +370,11 @@ def prepare(args, quiet=False):
     threads = max(1, args.num_workers or cpu_count())
 
     learning = time.time()  # char and bpe:N learn their vocabulary in a first pass over the corpus
-    texts = lambda: (text for _, _, doc, _, _ in labelled_documents(args, inputs, exclude, new_stats())
-                     for text, _ in pieces(doc))  # a pass of its own, with stats of its own
+    texts = lambda: (getattr(text, "text", text) for _, _, doc, _, _ in  # a pass with stats of its own
+                     labelled_documents(args, inputs, exclude, new_stats()) for text, _ in pieces(doc))
+    args.chat = chat_maker(args, None)
     tokenizer = make_tokenizer(args.tokenizer, texts)
+    args.chat = chat_maker(args, tokenizer)
     seconds = {"learn": time.time() - learning}
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
 
@@ -352,16 +388,20 @@ def prepare(args, quiet=False):
         if single_ext is not None:  # the head and tail of one document were counted as two
             ext_stats(stats, single_ext)["documents"] -= 1
         elif files and args.val_input is None and args.val_fraction > 0:
-            balance_splits(splits, last, files, np.dtype(dtype).itemsize)
+            balance_splits(splits, last, files, np.dtype(dtype).itemsize, stats["conversations"])
         if args.val_input and splits["val"]["documents"] == 0:
             die(f"no documents found in --val_input {', '.join(args.val_input)} (check it)")
         if splits["train"]["documents"] == 0 and not args.analyze:
             die(f"no training documents in {', '.join(inputs)} (check it)")
+        conversations = stats.pop("conversations")
+        if conversations and splits["train"].get("targets", 0) == 0:
+            die(f"the masks of {', '.join(inputs)} select no token to train on (check --train_on and the template)")
         meta = {
             "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
             "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name}, **splits,  # train, val
             "split": {"method": split_method, "val_fraction": None if args.val_input else args.val_fraction},
+            "masks": bool(conversations), **({"chat": args.chat().meta(tokenizer)} if conversations else {}),
             "inputs": [str(p) for p in inputs], "val_inputs": [str(p) for p in args.val_input or []],
             **stats,  # files_read ... duplicates_dropped: what was read and skipped
             "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)},
@@ -372,7 +412,31 @@ def prepare(args, quiet=False):
         move_into_place(out, files, tokenizer, meta)
 
     report_run(meta, out, replacing, seconds, started, threads, log)
+    if meta["masks"]:
+        report_example(out, tokenizer, meta, log)
     return meta
+
+
+def chat_maker(args, tokenizer):
+    """-> chat(): the ChatFormat conversations are rendered with, made when the first one is met (a corpus of
+    texts needs none): --chat_template or the template of the tokenizer's folder, with the tokenizer's special
+    tokens (before a bpe:N vocabulary is learned, the end-of-text it will have)."""
+    made = []
+
+    def chat():
+        if not made:
+            specials = tokenizer.special_tokens() if tokenizer else {"<|endoftext|>": None}
+            if not specials:
+                die(f"conversations need a tokenizer with special tokens to mark turns, and {tokenizer.name} has "
+                    f"none: use bpe:N, a tiktoken encoding or the model's tokenizer.json")
+            eot = tokenizer.decode([tokenizer.eot_id]) if tokenizer else "<|endoftext|>"
+            folder = args.tokenizer if os.path.exists(args.tokenizer) else None
+            try:
+                made.append(ChatFormat.for_tokenizer(folder, specials, eot, args.train_on, args.chat_template))
+            except (ValueError, OSError) as e:
+                die(str(e))
+        return made[0]
+    return chat
 
 
 def check_arguments(args):
@@ -414,7 +478,8 @@ def plan_split(args, inputs, docs, stats, log):
     if not first:
         report_skips(stats, log)
         die(f"no documents found in {', '.join(inputs)} (every file was skipped or empty; see above)")
-    if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze:
+    if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze \
+            and not isinstance(first[0][2], Chat):
         # One document (tinyshakespeare): its last val_fraction is the validation text, as nanoGPT does, cut
         # at the next line start (or, with none after, the last one before), found reading it as a stream.
         _, ext, doc, _, _ = first[0]
@@ -441,13 +506,14 @@ def temporary_outputs(out):
     run, finished or stopped, no .tmp file stays, nor a folder it made and left empty."""
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    files = {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val")}
+    files = {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val", "train.mask", "val.mask")}
     try:
         yield files
     finally:
         for f in files.values():
             f.close()
-        for name in ("train.bin", "val.bin", "vocab.json", "tokenizer.json", "meta.json"):
+        for name in ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", "vocab.json", "tokenizer.json",
+                     "meta.json"):
             (out / (name + ".tmp")).unlink(missing_ok=True)
         if created and not any(out.iterdir()):
             out.rmdir()
@@ -464,10 +530,14 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
     # SAFE_CUT is checked for these pre-tokenizers only; any other tokenizer gets whole documents.
     in_one_piece = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
                                                        and tokenizer.name not in SAFE_ENCODINGS)
-    for infos, (train_ids, val_ids, lens, sizes) in encoded(docs, tokenizer, dtype, threads, in_one_piece):
-        if files:
-            files["train"].write(train_ids)
-            files["val"].write(val_ids)
+    for infos, (ids, masks, lens, sizes) in encoded(docs, tokenizer, dtype, threads, in_one_piece):
+        for split, i in (("train", 0), ("val", 1)):
+            if files:
+                files[split].write(ids[i])
+            if files and masks:
+                files[f"{split}.mask"].write(masks[i])
+            if masks:
+                splits[split]["targets"] = splits[split].get("targets", 0) + int(masks[i].sum())
         for (is_val, is_last, ext), ntokens, nbytes in zip(infos, lens, sizes):
             doc_tokens += ntokens
             doc_bytes += nbytes
@@ -489,17 +559,22 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
     return splits, last, histogram
 
 
-def balance_splits(splits, last, files, itemsize):
-    """Each split gets at least one document: an empty one takes the other's last, moved from file to file."""
+def balance_splits(splits, last, files, itemsize, masked):
+    """Each split gets at least one document: an empty one takes the other's last, moved from file to file
+    (with its mask, where there are masks)."""
     for empty, full in (("val", "train"), ("train", "val")):
         if splits[empty]["documents"] == 0 and splits[full]["documents"] >= 2:
             ntokens, nbytes = last[full]
-            start = files[full].seek(-ntokens * itemsize, os.SEEK_END)  # where the last document's ids begin
-            while chunk := files[full].read(1 << 24):  # a document may be big
-                files[empty].write(chunk)
-            files[full].truncate(start)
             moved = {"documents": 1, "tokens": ntokens, "bytes": nbytes}
-            splits[full] = {key: splits[full][key] - moved[key] for key in moved}
+            for suffix, size in (("", itemsize), (".mask", 1)) if masked else (("", itemsize),):
+                source = files[full + suffix]
+                start = source.seek(-ntokens * size, os.SEEK_END)  # where the last document's ids begin
+                while chunk := source.read(1 << 24):  # a document may be big
+                    files[empty + suffix].write(chunk)
+                    if suffix:
+                        moved["targets"] = moved.get("targets", 0) + int(np.frombuffer(chunk, np.uint8).sum())
+                source.truncate(start)
+            splits[full] = {key: splits[full][key] - moved.get(key, 0) for key in splits[full]}
             splits[empty] = moved
 
 
@@ -516,7 +591,8 @@ def move_into_place(out, files, tokenizer, meta):
             os.fsync(written.fileno())
             written.close()
     (out / "meta.json").unlink(missing_ok=True)
-    for name in filter(None, ("train.bin", "val.bin", tokenizer_file, "meta.json")):  # tiktoken has no file
+    masks = ("train.mask.bin", "val.mask.bin") if meta.get("masks") else ()
+    for name in filter(None, ("train.bin", "val.bin", *masks, tokenizer_file, "meta.json")):  # tiktoken: no file
         durable_replace(out / (name + ".tmp"), out / name)
     (out / MARKER).unlink()
 
@@ -550,6 +626,18 @@ def report_run(meta, out, replacing, seconds, started, threads, log):
     log(f"tokenized {human(nbytes, 'B')} in {seconds['encode']:.2f} s with {threads} threads: "
         f"{nbytes / 1e6 / seconds['encode']:.1f} MB/s, {human(ntokens / seconds['encode'])} tokens/s; "
         f"{time.time() - started:.1f} s in all")
+
+
+def report_example(out, tokenizer, meta, log):
+    """The first training conversation as the model reads it, what it learns to write between [[ and ]]."""
+    ids = np.fromfile(out / "train.bin", dtype=meta["dtype"], count=4096)
+    mask = np.fromfile(out / "train.mask.bin", dtype=np.uint8, count=4096)
+    end = next((i for i in np.flatnonzero(ids == tokenizer.eot_id) if mask[i] == 0), len(ids))
+    runs = np.split(np.arange(end), np.flatnonzero(np.diff(mask[:end])) + 1)  # stretches of equal mask
+    text = "".join(("[[{}]]" if mask[r[0]] else "{}").format(tokenizer.decode(ids[r].tolist())) for r in runs if len(r))
+    log(f"{meta['train']['targets']:,} of {meta['train']['tokens']:,} training tokens are trained on "
+        f"({meta['chat']['train_on']}, template: {meta['chat']['template_from']}); the first example, "
+        f"its trained part in [[ ]]:\n{text}")
 
 
 def report_skips(report, log):
@@ -587,6 +675,7 @@ def report_analyze(meta, log):
 
 def bench(args):
     tokenizer = make_tokenizer(args.tokenizer, lambda: iter(()))
+    args.chat = chat_maker(args, tokenizer)
     if tokenizer.kind != "tiktoken":
         die("--bench compares against tiktoken: pass a tiktoken encoding, e.g. --tokenizer=gpt2")
     docs = corpus(args.input or [sysconfig.get_paths()["stdlib"]], args, new_stats(), only_py=not args.input)
@@ -625,6 +714,10 @@ def main(argv=None):
         help="share of documents for validation (one document: its tail)")
     arg("--val_input", nargs="+", help="take validation documents from these files or folders instead")
     arg("--field", help="the JSON field or parquet column holding the text (default: text, content or body)")
+    arg("--train_on", default="assistant", choices=TRAIN_ON, help="conversations: what the model learns to "
+        "write: each assistant turn (and the token closing it), the completion after the prompt, or all of it")
+    arg("--chat_template", help="a Jinja chat template file for conversations (default: the tokenizer folder's, "
+        "else a plain built-in one)")
     arg("--num_workers", type=int, default=0, help="encoder threads (default: all cores)")
     arg("--dedup", action="store_true", help="drop exact duplicate documents")
     arg("--strict", action="store_true", help="stop at the first bad file or record instead of skipping it")

@@ -95,6 +95,37 @@ class Tokenizer:
         eot = np.array([self.eot_id], dtype=np.uint32)
         return [np.concatenate([ids, eot]) if end else ids for ids, end in zip(out, ends)]
 
+    def special_tokens(self):
+        """{text: id} of the tokens a chat template writes as markers (<|im_end|>, <|endoftext|>, ...)."""
+        if self.enc is not None:
+            return {token: self.enc.encode_single_token(token) for token in self.enc.special_tokens_set}
+        if self.hf is not None:
+            added = json.loads(self.hf_json).get("added_tokens", [])
+            return {t["content"]: t["id"] for t in added if t.get("special")}
+        return {}
+
+    def encode_chat(self, text, spans):
+        """A chat template's text -> (ids, mask): its markers read as special tokens, and mask 1 for each token
+        that overlaps a trained span of characters [(start, end)], 0 elsewhere. Both uint8/uint32 arrays."""
+        if self.enc is not None:
+            ids = self.enc.encode(text, allowed_special="all")
+            starts = self.enc.decode_with_offsets(ids)[1]
+        elif self.hf is not None:
+            if getattr(self, "hf_chat", None) is None:  # a second encoder that reads "<|im_end|>" as the token
+                from tokenizers import Tokenizer as HFTokenizer
+                self.hf_chat = HFTokenizer.from_str(self.hf_json)
+            encoding = self.hf_chat.encode(text, add_special_tokens=False)
+            ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
+        else:
+            raise ValueError(f"a {self.kind} tokenizer has no special tokens for a chat template: use bpe:N, "
+                             f"a tiktoken encoding or a model's tokenizer.json")
+        starts = np.array(starts, dtype=np.int64)
+        ends = np.append(starts[1:], len(text))
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        for start, end in spans:  # a token overlapping the span is trained: " Hello" whose space is outside it
+            mask[(starts < end) & (ends > start)] = 1
+        return np.array(ids, dtype=np.uint32), mask
+
     def encode_chars(self, text):
         code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         at = np.searchsorted(self.codes, code_points)
@@ -469,8 +500,10 @@ def check_tokenizer(data_dir, meta, folder, model_vocab):
     except (ValueError, KeyError, TypeError, SystemExit) as e:
         raise ValueError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
                          f"({type(e).__name__}: {e}): {fix}") from None
+    # conversations' markers (<|im_start|>, ...) are special tokens: their text reads as those
+    encode = (lambda text: theirs.encode_chat(text, [])[0].tolist()) if meta.get("masks") else theirs.encode
     for doc in documents or [ids[:512].tolist()]:
-        again = theirs.encode(ours.decode(doc))
+        again = encode(ours.decode(doc))
         compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
         if again[:compared] != doc[:compared]:
             raise ValueError(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")
@@ -478,7 +511,8 @@ def check_tokenizer(data_dir, meta, folder, model_vocab):
 
 def check_token_files(data_dir, meta, block_size):
     """The training split's length in tokens, once train.bin and val.bin are there, whole tokens of meta's
-    dtype, and longer than block_size; else ValueError in one line with the fix."""
+    dtype, longer than block_size, with a mask of as many bytes where meta says there are masks; else ValueError
+    in one line with the fix."""
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in ("train", "val"):
         path = os.path.join(data_dir, f"{split}.bin")
@@ -491,4 +525,7 @@ def check_token_files(data_dir, meta, block_size):
         if size // itemsize <= block_size:
             raise ValueError(f"{path} has {size // itemsize} tokens, too few for block_size={block_size} "
                              f"(lower block_size or prepare more data)")
+        mask = os.path.join(data_dir, f"{split}.mask.bin")
+        if meta.get("masks") and (not os.path.exists(mask) or os.path.getsize(mask) != size // itemsize):
+            raise ValueError(f"{mask} is missing or does not hold one byte per token of {path} (re-run prepare.py)")
     return os.path.getsize(os.path.join(data_dir, "train.bin")) // itemsize

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint as ckpt
 from configurator import configure
+from data import Split
 from hf import fingerprint, load_pretrained, read_json
 from lora import add_lora, check_lora, quantize_base
 from memory import measured_mb, memory_estimate, memory_layout, memory_table
@@ -65,6 +66,8 @@ data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
 gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
 batch_size = 12  # sequences per micro-step per process
 block_size = 256  # tokens per sequence (from a pretrained folder: at most its max_position_embeddings)
+sequences = "windows"  # 'windows': random windows (pretraining); 'examples': whole examples packed (fine-tuning)
+max_epochs = 0  # also end the run after this many passes over the training split (0: max_iters alone)
 # model (from a pretrained folder, its config.json sets the shape and these are ignored)
 n_layer = 6
 n_head = 6
@@ -97,6 +100,7 @@ grad_clip = 1.0  # clip gradients at this norm (0: off)
 decay_lr = True  # False: learning_rate throughout, no warmup and no schedule
 lr_schedule = "cosine"  # 'cosine' or 'linear' (peak to min_lr at lr_decay_iters), 'constant', or 'wsd'
 warmup_iters = 100
+warmup_ratio = 0.0  # if above 0: warm up over this fraction of the run's steps instead of warmup_iters
 lr_decay_iters = 5000  # should be ~max_iters
 lr_decay_fraction = 0.2  # wsd: stable at the peak, then a linear decay over this last part of lr_decay_iters
 min_lr = 6e-5  # ~learning_rate/10
@@ -137,6 +141,10 @@ if tensorboard_log:
         fail("tensorboard_log=True needs TensorBoard: pip install tensorboard")
 if lr_schedule not in ("cosine", "linear", "constant", "wsd"):
     fail(f"lr_schedule={lr_schedule!r} is not one of 'cosine', 'linear', 'constant', 'wsd'")
+if sequences not in ("windows", "examples"):
+    fail(f"sequences={sequences!r} is not 'windows' or 'examples'")
+if max_epochs < 0 or not 0 <= warmup_ratio < 1:
+    fail(f"max_epochs={max_epochs} must be at least 0 and warmup_ratio={warmup_ratio} in [0, 1)")
 if not 0 <= lr_decay_fraction <= 1:
     fail(f"lr_decay_fraction={lr_decay_fraction} must be between 0 and 1")
 
@@ -206,45 +214,18 @@ except ValueError as e:
     fail(str(e))
 data_dtype = np.dtype(meta["dtype"])
 eot_id = meta.get("eot_id")  # end-of-text: where one document ends and the next begins
-if doc_mask and eot_id is None:
-    fail(f"doc_mask=True needs the end-of-text id, and {meta_path} gives none (prepare the data with "
-         f"prepare.py, or set doc_mask=False)")
+if (doc_mask or sequences == "examples") and eot_id is None:
+    fail(f"{'doc_mask=True' if doc_mask else 'sequences=examples'} needs the end-of-text id, and {meta_path} "
+         f"gives none (prepare the data with prepare.py, or set doc_mask=False and sequences='windows')")
 if vocab_size == 0:
     vocab_size = 64 * math.ceil(meta["vocab_size"] / 64)
 if meta["vocab_size"] > vocab_size:
     fail(f"{meta_path} says the data has {meta['vocab_size']} token ids but the model's vocab_size is "
          f"{vocab_size} (set vocab_size=0 to follow the data)")
-try:
-    train_tokens = check_token_files(data_dir, meta, block_size)
+try:  # whole examples need no minimum length; windows need one longer than block_size
+    train_tokens = check_token_files(data_dir, meta, block_size if sequences == "windows" else 0)
 except ValueError as e:
     fail(str(e))
-
-
-def get_batch(split, step, index):
-    # the index-th micro-batch of a step (eval batches use step -1): (B, T) inputs and targets
-    path = os.path.join(data_dir, f"{split}.bin")
-    data = np.memmap(path, dtype=data_dtype, mode="r")  # re-opened each time: np.memmap leaks otherwise
-    draws = np.random.PCG64([seed, split == "val", step + 1]).random_raw((index + 1) * batch_size)
-    starts = draws[-batch_size:] % np.uint64(len(data) - block_size)  # this micro-batch's sequences
-    xy = np.stack([data[i:i + block_size + 1] for i in starts]).astype(np.int64)  # (B, T+1)
-    if xy.max() >= vocab_size:  # a bad id would index past the embedding: name it instead
-        b, t = np.argwhere(xy >= vocab_size)[0]
-        fail(f"token id {xy[b, t]} at position {int(starts[b]) + t} of {path} is not below the model's "
-             f"vocab_size {vocab_size}: the file does not match meta.json (re-run prepare.py)")
-    xy = torch.from_numpy(xy)
-    if device_type == "cuda":
-        xy = xy.pin_memory().to(device, non_blocking=True)
-    else:
-        xy = xy.to(device)
-    return xy[:, :-1], xy[:, 1:]
-
-
-def document_ids(x):
-    # (B, T) inputs -> each token's document number within its sequence (doc_mask), else None. The
-    # end-of-text token begins the next document, as a beginning-of-text would: a document's last token
-    # predicts end-of-text from its own document, and its first is predicted from end-of-text alone.
-    return (x == eot_id).cumsum(dim=1) if doc_mask else None
-
 
 # -----------------------------------------------------------------------------
 # 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint
@@ -292,7 +273,7 @@ if checkpoint is not None:
                   f"evaluations): nothing to do; raise early_stop_patience to train on")
         sys.exit(0)
     # the batches of a step depend on these alone, not on how many processes share them
-    shaping = ("seed", "batch_size", "gradient_accumulation_steps")
+    shaping = ("seed", "batch_size", "gradient_accumulation_steps", "sequences")
     if any(checkpoint["config"].get(k) != globals()[k] for k in shaping) and master:
         print(f"warning: {', '.join(shaping)} changed since the checkpoint: training continues, "
               "but not on the batches the first run would have seen")
@@ -384,7 +365,48 @@ if master:
     print(memory_table([(memory_layout(**layout), memory)]))
 
 # -----------------------------------------------------------------------------
-# 6. what the loop calls: the learning rate, evaluation, checkpoints, logging
+# 6. the sequences (data.py): random windows, or whole examples packed best-fit, every one once per epoch
+# and attending only within itself. Sequence n of the run is the same however processes share the steps
+
+examples = sequences == "examples"
+splits = {split: Split(data_dir, split, meta, block_size, seed, examples, vocab_size) for split in ("train", "val")}
+sequences_per_step = gradient_accumulation_steps * batch_size
+end_of_epochs = None  # sequences in max_epochs epochs; past them, a step's sequences are empty
+if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
+    end_of_epochs = splits["train"].sequences_in(max_epochs) if examples else None
+    epoch_steps = math.ceil(end_of_epochs / sequences_per_step if examples else
+                            max_epochs * train_tokens / tokens_per_iter)
+    max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
+if warmup_ratio > 0:
+    warmup_iters = math.ceil(warmup_ratio * max_iters)
+if examples and master:
+    train = splits["train"]
+    real = int(np.minimum(train.lengths, block_size + 1).sum())
+    print(f"examples: {len(train.lengths):,} in training, packed into {train.sequences_in(1):,} sequences per "
+          f"epoch, {real / (train.sequences_in(1) * (block_size + 1)):.1%} of their tokens real; {train.cut} "
+          f"longer than block_size + 1 = {block_size + 1} tokens, cut to it")
+if max_epochs > 0 and master:
+    print(f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})")
+
+
+def batch(split, step, index):
+    # the index-th micro-batch of a step (evaluation's have step -1) -> x, y, doc_ids on the device; y is -1
+    # where nothing is learned
+    try:
+        if examples:
+            first = (max(step, 0) * gradient_accumulation_steps + index) * batch_size
+            tensors = splits[split].packed(range(first, first + batch_size), end_of_epochs if step >= 0 else None)
+        else:
+            tensors = splits[split].windows(step, index, batch_size, doc_mask)
+    except ValueError as e:
+        fail(str(e))
+    if device_type == "cuda":
+        return [t if t is None else t.pin_memory().to(device, non_blocking=True) for t in tensors]
+    return [t if t is None else t.to(device) for t in tensors]
+
+
+# -----------------------------------------------------------------------------
+# 7. what the loop calls: the learning rate, evaluation, checkpoints, logging
 
 
 def lr_factor(it):
@@ -411,20 +433,25 @@ def lr_factor(it):
 
 @torch.no_grad()
 def estimate_loss():
-    # mean loss and next-token accuracy over the same eval_iters batches of each split every time,
-    # averaged over processes. The raw model computes them a chunk of logits at a time.
+    # mean loss and next-token accuracy over every trained target of the same batches every time: eval_iters
+    # batches of each split, or with examples all of val; over all processes. The raw model computes them a
+    # chunk of logits at a time.
     model.eval()
     out = {}
     for split in ("train", "val"):
-        sums = torch.zeros(2, device=device)  # loss, accuracy
-        for k in range(eval_iters):
-            x, y = get_batch(split, -1, k * dp_size + dp_rank)
+        batches = eval_iters
+        if examples and split == "val":  # all of it, as many batches in every process
+            batches = math.ceil(splits["val"].sequences_in(1) / (batch_size * dp_size))
+        sums = torch.zeros(3, device=device)  # loss and accuracy, each times its targets; the targets
+        for k in range(batches):
+            x, y, doc_ids = batch(split, -1, k * dp_size + dp_rank)
             with autocast:
-                loss, accuracy = raw_model.loss_and_accuracy(x, y, document_ids(x))
-            sums += torch.stack([loss.float(), accuracy.float()])
+                loss, accuracy = raw_model.loss_and_accuracy(x, y, doc_ids)
+            targets = (y != -1).sum().float()
+            sums += torch.stack([loss.float() * targets, accuracy.float() * targets, targets])
         if ddp:
             dist.all_reduce(sums)
-        out[split], out[f"{split}_accuracy"] = (sums / (eval_iters * world_size)).tolist()
+        out[split], out[f"{split}_accuracy"] = (sums[:2] / sums[2].clamp(min=1)).tolist()
     model.train()
     return out
 
@@ -462,7 +489,9 @@ def log(record):
 
 
 def epoch():
-    # passes over the training split so far: tokens trained on over the split's tokens
+    # passes over the training split so far: sequences (examples) or tokens (windows) over the split's
+    if examples:
+        return splits["train"].epoch_at(iter_num * sequences_per_step)
     return iter_num * tokens_per_iter / train_tokens
 
 
@@ -487,7 +516,7 @@ signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 
 # -----------------------------------------------------------------------------
-# 7. the training loop
+# 8. the training loop
 
 t_log, iters_since_log, logged = time.time(), 0, False
 while True:
@@ -525,14 +554,25 @@ while True:
             group["lr"] = peak_lr * factor
     lr = learning_rate * factor
     loss_sum = torch.zeros((), device=device)
-    for micro in range(micro_steps):
-        x, y = get_batch("train", iter_num, dp_rank * micro_steps + micro)
+    batches = [batch("train", iter_num, dp_rank * micro_steps + micro) for micro in range(micro_steps)]
+    # With masks or packed examples, micro-batches hold different numbers of targets: each one's mean loss is
+    # weighted by its share of the targets of the whole update (over every process), so that the update's
+    # loss is their mean, however they fall into micro-steps and processes.
+    weighted = examples or meta.get("masks", False)
+    if weighted:
+        targets = torch.stack([(y != -1).sum() for _, y, _ in batches]).float()
+        all_targets = targets.sum()
+        if ddp:  # the tensor-parallel processes of a replica hold the same batches: counted tp_size times
+            dist.all_reduce(all_targets)
+            all_targets /= tp_size
+        shares = (targets * dp_size / all_targets.clamp(min=1)).tolist()
+    for micro, (x, y, doc_ids) in enumerate(batches):
         last = micro == micro_steps - 1
         if fsdp:  # gradients summed unsharded on each process, reduced and split once, after the last
             raw_model.set_requires_gradient_sync(last)
         with (model.no_sync() if isinstance(model, DDP) and not last else nullcontext()), autocast:
-            _, loss = model(x, y, doc_ids=document_ids(x))
-            loss = loss / micro_steps
+            _, loss = model(x, y, doc_ids=doc_ids)
+            loss = loss * shares[micro] if weighted else loss / micro_steps
         scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
     stop = torch.tensor([float(stop_requested)], device=device)

@@ -1,0 +1,202 @@
+"""
+Conversations and instructions -> the text a model's chat template makes of them, and which characters of that
+text the model learns to write. prepare.py turns a record into a Chat (rendered text + trained spans) here, and
+sample.py renders a conversation to continue; both with the same template.
+
+    from chat import ChatFormat
+    fmt = ChatFormat.for_tokenizer("models/Qwen3-0.6B", {"<|im_end|>": 151645, ...}, train_on="assistant")
+    chat = fmt.record({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})
+    chat.text, chat.spans   # '<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n', [(..)]
+
+Records: {"messages": [{"role", "content"}, ...]}, {"prompt", "completion"} (strings, or lists of messages), and
+Alpaca's {"instruction", "input", "output"}. A template is code from the internet: it runs in jinja2's sandbox,
+as transformers runs it, where it can reach neither files nor Python's internals.
+"""
+
+import json
+from collections import namedtuple
+from datetime import datetime
+from pathlib import Path
+
+Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
+ROLES = ("system", "user", "assistant", "tool")
+TRAIN_ON = ("assistant", "completion", "all")
+# For tokenizers that come without a template: a header per turn, and each assistant turn closed by the
+# end-of-text token, which the model learns to write and sample.py stops at.
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+
+
+def is_conversation(obj):
+    """Whether a JSON record holds a conversation or an instruction rather than a text."""
+    return isinstance(obj, dict) and ("messages" in obj or {"prompt", "completion"} <= obj.keys()
+                                      or {"instruction", "output"} <= obj.keys())
+
+
+def compile_template(source):
+    """A chat template's text -> a jinja2 template run in the sandbox, with what transformers gives templates."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ValueError(f"the chat template does not compile ({e})") from None
+
+
+def find_template(folder, template_file=None):
+    """(template text, where it is from, {bos_token, eos_token: their text}) for a tokenizer's folder (or None):
+    --chat_template=FILE, else the folder's chat_template.jinja or tokenizer_config.json's chat_template, else
+    DEFAULT_TEMPLATE. The special tokens are the folder's tokenizer_config.json's."""
+    config = {}
+    path = Path(folder) if folder else None
+    if path is not None and path.is_file():
+        path = path.parent  # a tokenizer.json: its folder
+    if path is not None and (path / "tokenizer_config.json").is_file():
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if path is not None and (path / "meta.json").is_file():  # a dataset of ours: the template it was made with
+        config = json.loads((path / "meta.json").read_text(encoding="utf-8")).get("chat") or {}
+        config = {**config, "chat_template": config.get("template")}
+    tokens = {}
+    for name in ("bos_token", "eos_token"):
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            tokens[name] = token
+    if template_file:
+        return Path(template_file).read_text(encoding="utf-8"), str(template_file), tokens
+    if path is not None and (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8"), str(path / "chat_template.jinja"), tokens
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if isinstance(template, str):
+        return template, str(path / "tokenizer_config.json"), tokens
+    return DEFAULT_TEMPLATE, "built-in", tokens
+
+
+class ChatFormat:
+    """A chat template with the tokenizer's special tokens, and what to train on: renders records and
+    conversations, and finds the trained characters of what it renders."""
+
+    def __init__(self, source, origin, special_tokens, eos_token, train_on="assistant", bos_token=None):
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"--train_on={train_on} is not one of {', '.join(TRAIN_ON)}")
+        self.source, self.origin, self.train_on = source, origin, train_on
+        self.specials = sorted(special_tokens, key=len, reverse=True)  # the longest first: "</s>" before "<"
+        self.context = {"eos_token": eos_token, "bos_token": bos_token or "", "tools": None, "documents": None}
+        self.template = compile_template(source)
+        # the token that closes an assistant's turn, which the model must learn to write to stop
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        text = self.render(probe)
+        self.end_of_turn = self.closing_token(text, text.rfind("Hello") + len("Hello"))
+        if self.end_of_turn is None:
+            raise ValueError(f"the chat template ({origin}) closes an assistant's turn with no special token, so "
+                             f"a model could not learn where to stop: use a template that does (--chat_template)")
+
+    @classmethod
+    def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None):
+        source, origin, tokens = find_template(folder, template_file)
+        return cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on,
+                   tokens.get("bos_token"))
+
+    def meta(self, tokenizer):
+        """What meta.json says of the conversations: the template (sample.py and export.py use it again), what was
+        trained, the end-of-turn token."""
+        return {"template": self.source, "template_from": self.origin, "train_on": self.train_on,
+                "end_of_turn": self.end_of_turn, "end_of_turn_id": tokenizer.special_tokens()[self.end_of_turn],
+                "bos_token": self.context["bos_token"], "eos_token": self.context["eos_token"]}
+
+    def render(self, messages, add_generation_prompt=False):
+        from jinja2.exceptions import TemplateError
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.context)
+        except TemplateError as e:  # the template's own raise_exception, or what the sandbox refused
+            raise ValueError(f"the chat template refused it ({e})") from None
+
+    def closing_token(self, text, end):
+        # the special token right after end, past any whitespace, or None
+        rest = text[end:].lstrip()
+        return next((s for s in self.specials if rest.startswith(s)), None)
+
+    def record(self, obj):
+        """A JSON record -> Chat, or ValueError saying why it cannot be one."""
+        if "messages" in obj:
+            messages = obj["messages"]
+            check_messages(messages, "messages")
+            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+            if last is None:
+                raise ValueError("no assistant message to learn from")
+            return self.chat(messages, last)
+        if "instruction" in obj:
+            instruction, given, output = obj["instruction"], obj.get("input") or "", obj["output"]
+            if not all(isinstance(s, str) for s in (instruction, given, output)):
+                raise ValueError("instruction, input and output must be strings")
+            user = instruction + ("\n\n" + given if given else "")
+            return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}], 1)
+        prompt, completion = obj["prompt"], obj["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):  # plain text, no template (as TRL does)
+            text = prompt + completion + self.context["eos_token"]
+            start = 0 if self.train_on == "all" else len(prompt)
+            return Chat(text, [(start, len(text))])
+        check_messages(prompt, "prompt")
+        check_messages(completion, "completion")
+        return self.chat(prompt + completion, len(prompt))
+
+    def chat(self, messages, first_completion):
+        """messages -> Chat; the completion is messages[first_completion:] (train_on='completion')."""
+        text = self.render(messages)
+        if self.train_on == "all":
+            return Chat(text, [(0, len(text))])
+        if self.train_on == "completion":
+            return Chat(text, [(self.reply_start(text, messages, first_completion), len(text))])
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            content = message["content"].strip()
+            start = text.find(content, self.reply_start(text, messages, i))
+            if start < 0 or not content:
+                raise ValueError(f"the chat template does not write assistant message {i + 1} as it is")
+            end = start + len(content)
+            closing = self.closing_token(text, end)
+            if closing is not None:
+                end = text.index(closing, end) + len(closing)
+            spans.append((start, end))
+        return Chat(text, spans)
+
+    def reply_start(self, text, messages, i):
+        # where message i's turn begins in text: past what the template writes before it, the conversation so
+        # far with the generation prompt (the assistant's header), as far as that agrees with text
+        before = self.render(messages[:i], add_generation_prompt=messages[i]["role"] == "assistant")
+        if text.startswith(before):
+            return len(before)
+        n = 0
+        while n < min(len(before), len(text)) and before[n] == text[n]:
+            n += 1
+        return n
+
+
+def check_messages(messages, field):
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"'{field}' is not a list of messages")
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            raise ValueError(f"{field} {i} is not a message with a role ({'/'.join(ROLES)}) and text content")

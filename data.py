@@ -1,0 +1,154 @@
+"""
+What train.py trains and evaluates on, read from prepare.py's token files (and masks, for conversations): random
+windows of the token stream (pretraining, as nanoGPT), or whole examples packed best-fit into sequences, every
+example once per epoch in an order drawn from the seed (fine-tuning). A batch is a pure function of the seed and
+its number, so a resumed run sees exactly the batches it would have seen.
+
+    from data import Split
+    train = Split("data/chat", "train", meta, block_size=1024, seed=1337, examples=True)
+    x, y, doc_ids = train.packed(range(0, 8))   # sequences 0-7 of the run: (8, 1024) inputs, targets, documents
+
+A target is -1 where nothing is learned: a masked-out token (a user's turn), padding, or the first token of the
+next packed example, which nothing before it can predict.
+"""
+
+import bisect
+import os
+
+import numpy as np
+import torch
+
+CHUNK = 1 << 26  # tokens scanned at a time for the examples' ends
+
+
+class Split:
+    """One split (train or val): its tokens memory-mapped (re-opened for each batch: np.memmap leaks otherwise),
+    its mask where it has one, and with examples=True where each example ends and how they pack."""
+
+    def __init__(self, data_dir, split, meta, block_size, seed, examples, vocab_size):
+        self.path = os.path.join(data_dir, f"{split}.bin")
+        self.mask_path = os.path.join(data_dir, f"{split}.mask.bin") if meta.get("masks") else None
+        self.dtype, self.eot_id = np.dtype(meta["dtype"]), meta.get("eot_id")
+        self.block_size, self.seed, self.is_val, self.vocab_size = block_size, seed, split == "val", vocab_size
+        self.epochs = {}  # epoch -> its sequences, each a list of example numbers (the last two epochs met)
+        self.firsts = [0]  # the number of each epoch's first sequence, as far as epochs have been packed
+        if examples:
+            self.starts, self.lengths = example_bounds(self.tokens(), self.mask(), self.eot_id)
+            self.cut = int((self.lengths > block_size + 1).sum())  # longer than a sequence: cut to fit
+
+    def tokens(self):
+        return np.memmap(self.path, dtype=self.dtype, mode="r")
+
+    def mask(self):
+        return np.memmap(self.mask_path, dtype=np.uint8, mode="r") if self.mask_path else None
+
+    def windows(self, step, index, batch_size, doc_mask):
+        """The index-th micro-batch of a step (evaluation uses step -1): batch_size windows of block_size + 1
+        tokens at random places -> (x, y, doc_ids or None). With doc_mask a document begins after each end-of-text
+        (one that is not a target, in conversations: that one closes an assistant's turn)."""
+        data, mask = self.tokens(), self.mask()
+        draws = np.random.PCG64([self.seed, self.is_val, step + 1]).random_raw((index + 1) * batch_size)
+        starts = draws[-batch_size:] % np.uint64(len(data) - self.block_size)  # this micro-batch's sequences
+        xy = np.stack([data[i:i + self.block_size + 1] for i in starts]).astype(np.int64)  # (B, T+1)
+        self.check_ids(xy, lambda b, t: int(starts[b]) + t)
+        trained = np.stack([mask[i:i + self.block_size + 1] for i in starts]) > 0 if mask is not None else None
+        x, y = xy[:, :-1], xy[:, 1:].copy()
+        if trained is not None:
+            y[~trained[:, 1:]] = -1
+        doc_ids = None
+        if doc_mask:
+            ends = (x == self.eot_id) & (~trained[:, :-1] if trained is not None else True)
+            doc_ids = torch.from_numpy(ends.cumsum(axis=1))
+        return torch.from_numpy(x), torch.from_numpy(y), doc_ids
+
+    def packed(self, numbers, limit=None):
+        """Sequences numbers of the run (epoch after epoch; none from limit on: all padding) -> (x, y, doc_ids),
+        each (len(numbers), block_size). The validation split is one epoch in the file's order."""
+        T = self.block_size
+        data, mask = self.tokens(), self.mask()
+        tokens = np.full((len(numbers), T + 1), self.eot_id, dtype=np.int64)
+        trained = np.zeros((len(numbers), T + 1), dtype=bool)
+        doc_ids = np.full((len(numbers), T + 1), T + 1, dtype=np.int64)  # padding: a document of its own
+        for row, n in enumerate(numbers):
+            at = 0
+            for doc, example in enumerate(self.sequence(n) if limit is None or n < limit else []):
+                start, length = self.starts[example], min(self.lengths[example], T + 1)
+                tokens[row, at:at + length] = data[start:start + length]
+                trained[row, at:at + length] = mask[start:start + length] > 0 if mask is not None else True
+                trained[row, at] = False  # an example's first token: nothing of it comes before to predict it
+                doc_ids[row, at:at + length] = doc
+                at += length
+        self.check_ids(tokens, lambda b, t: None)
+        y = np.where(trained[:, 1:], tokens[:, 1:], -1)
+        return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(y), torch.from_numpy(doc_ids[:, :-1])
+
+    def check_ids(self, tokens, position):
+        # a bad id would index past the embedding: name it instead
+        if tokens.max() >= self.vocab_size:
+            b, t = np.argwhere(tokens >= self.vocab_size)[0]
+            at = position(b, t)
+            raise ValueError(f"token id {tokens[b, t]}{'' if at is None else f' at position {at}'} of {self.path} "
+                             f"is not below the model's vocab_size {self.vocab_size}: the file does not match "
+                             f"meta.json (re-run prepare.py)")
+
+    def sequence(self, n):
+        # the example numbers packed into sequence n of the run
+        while n >= self.firsts[-1] and not (self.is_val and len(self.firsts) > 1):  # pack up to n's epoch
+            self.firsts.append(self.firsts[-1] + len(self.epoch(len(self.firsts) - 1)))
+        if n >= self.firsts[-1]:
+            return []  # past the validation split's one epoch: padding
+        epoch = bisect.bisect_right(self.firsts, n) - 1
+        return self.epoch(epoch)[n - self.firsts[epoch]]
+
+    def epoch(self, epoch):
+        # one epoch's sequences: the examples in an order drawn from (seed, epoch), packed best-fit
+        if epoch not in self.epochs:
+            order = np.arange(len(self.lengths))
+            if not self.is_val:
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+            sizes = np.minimum(self.lengths[order], self.block_size + 1)
+            self.epochs = {e: s for e, s in self.epochs.items() if e == epoch - 1}  # keep the one before
+            self.epochs[epoch] = [order[b].tolist() for b in best_fit(sizes.tolist(), self.block_size + 1)]
+        return self.epochs[epoch]
+
+    def sequences_in(self, epochs):
+        """How many sequences the first `epochs` epochs hold."""
+        while len(self.firsts) <= epochs:
+            self.firsts.append(self.firsts[-1] + len(self.epoch(len(self.firsts) - 1)))
+        return self.firsts[epochs]
+
+    def epoch_at(self, n):
+        """Epochs trained after n sequences, with the fraction of the current one."""
+        self.sequence(n)  # packs as far as n
+        epoch = bisect.bisect_right(self.firsts, n) - 1
+        return epoch + (n - self.firsts[epoch]) / (self.firsts[epoch + 1] - self.firsts[epoch])
+
+
+def example_bounds(data, mask, eot_id):
+    """(starts, lengths) of the examples in a token file: each ends with its end-of-text, one that is not a
+    target where there is a mask (a chat template may close an assistant's turn with end-of-text too)."""
+    ends = []
+    for at in range(0, len(data), CHUNK):
+        found = np.flatnonzero(np.asarray(data[at:at + CHUNK]) == eot_id) + at
+        ends.append(found[np.asarray(mask)[found] == 0] if mask is not None else found)
+    ends = np.concatenate(ends + [np.array([len(data) - 1])]) + 1  # one past each; a last one without end-of-text
+    ends = np.unique(ends)
+    starts = np.concatenate([[0], ends[:-1]])
+    return starts, ends - starts
+
+
+def best_fit(sizes, capacity):
+    """Each size in turn into the open bin with the least room that still holds it, a new one when none does
+    -> the bins, each a list of positions in sizes, in the order they were opened."""
+    bins, rooms = [], []  # rooms: sorted (room left, bin number) of the bins with room
+    for i, size in enumerate(sizes):
+        k = bisect.bisect_left(rooms, (size, -1))
+        if k < len(rooms):
+            room, b = rooms.pop(k)
+        else:
+            room, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if room > size:
+            bisect.insort(rooms, (room - size, b))
+    return bins
