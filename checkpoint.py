@@ -217,6 +217,7 @@ def load_run(path, base_dtype=None, data_dir=None):
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"{found}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                          f"{model.config.vocab_size}: it is not the data this model was trained on")
+    checkpoint["data_dir"] = found  # where the data is now: its meta.json has the chat template, if any
     return model, tokenizer, checkpoint
 
 

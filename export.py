@@ -13,6 +13,7 @@ PeftModel.from_pretrained(base_model, "adapters/mine").
 """
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -22,7 +23,7 @@ import torch
 from checkpoint import load_run
 from hf import read_json, save_pretrained
 from lora import merge_lora, write_adapter
-from tokenizer import durable_replace, hf_tokenizer_files
+from tokenizer import durable_replace, hf_tokenizer_files, read_meta
 
 # -----------------------------------------------------------------------------
 # the folders: a whole model, or a LoRA adapter in peft's layout
@@ -47,7 +48,28 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     for name in names:
         if os.path.isfile(os.path.join(base, name)):
             shutil.copyfile(os.path.join(base, name), os.path.join(folder, name))
+    chat = read_meta(checkpoint["data_dir"]).get("chat")
+    if chat and files:
+        write_chat(folder, chat, tokenizer.eot_id)
     return note
+
+
+def write_chat(folder, chat, eot_id):
+    # A model trained on conversations: tokenizer_config.json gets the template it was trained with, whose
+    # markers are special tokens (not split into text), and generation stops at the end of its turn, as in
+    # sample.py --chat, in transformers' generate and in vLLM (generation_config.json's eos_token_id)
+    config = read_json(os.path.join(folder, "tokenizer_config.json"))
+    config.update(chat_template=chat["template"], split_special_tokens=False)
+    generation = {}
+    if os.path.isfile(os.path.join(folder, "generation_config.json")):
+        generation = read_json(os.path.join(folder, "generation_config.json"))
+    eos = generation.get("eos_token_id", [])
+    eos = eos if isinstance(eos, list) else [eos]
+    generation["eos_token_id"] = [chat["end_of_turn_id"]] + [i for i in eos + [eot_id] if i != chat["end_of_turn_id"]]
+    generation["eos_token_id"] = list(dict.fromkeys(generation["eos_token_id"]))
+    for name, content in (("tokenizer_config.json", config), ("generation_config.json", generation)):
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2, ensure_ascii=False)
 
 
 def read_text(path):

@@ -277,11 +277,12 @@ class GPT(nn.Module):
         return loss_sum / n, correct / n
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None):
-        # idx: (B, T). Appends max_new_tokens sampled tokens, reusing keys and values of earlier
-        # positions (a KV cache). Past block_size, the window slides: the cache is rebuilt from the
-        # last block_size tokens, so every step sees exactly what a full forward pass would.
-        cache = None
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop=None):
+        # idx: (B, T). Appends max_new_tokens sampled tokens (fewer once every row has written the token id
+        # stop), reusing keys and values of earlier positions (a KV cache). Past block_size, the window
+        # slides: the cache is rebuilt from the last block_size tokens, so every step sees exactly what a
+        # full forward pass would.
+        cache, start = None, idx.shape[1]
         for _ in range(max_new_tokens):
             if cache is None or idx.shape[1] > self.config.block_size:
                 cache = [[] for _ in self.blocks]
@@ -295,6 +296,8 @@ class GPT(nn.Module):
                 probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
                 idx_next = torch.multinomial(probs, num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
+            if stop is not None and (idx[:, start:] == stop).any(dim=1).all():
+                break
         return idx
 
     def flops_per_token(self, seq_len=None):

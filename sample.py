@@ -5,6 +5,12 @@ a Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) with the folder's own
     python sample.py --out_dir=out-small --start="import " --num_samples=2 --max_new_tokens=200
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompt.txt --temperature=0.8
     python sample.py --model=models/Qwen3-0.6B --start="The capital of France is" --temperature=0
+
+A model trained on conversations (or a folder with a chat template) chats: --chat renders the conversation with
+its template and answers until its end-of-turn token; with --start it answers that one message and exits.
+
+    python sample.py --out_dir=out-sft --chat --system="You are terse."     # type a message, empty line to end
+    python sample.py --model=models/Qwen3-0.6B --chat --start="Name a prime." --temperature=0
 """
 
 import argparse
@@ -14,6 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
+from chat import ChatFormat
 from checkpoint import load_run
 from hf import load_pretrained
 from parallel import pick_device
@@ -25,7 +32,10 @@ parser.add_argument("--ckpt", default="ckpt.pt",
                     help="checkpoint in out_dir (ckpt_best.pt: best val loss; the sharded folder of an FSDP run, "
                     "ckpt/, is found by the same name)")
 parser.add_argument("--model", default=None, help="a Hugging Face model folder to sample instead of a checkpoint")
-parser.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
+parser.add_argument("--start", default=None, help="prompt text, or FILE:path to read it from a file (default: a "
+                    "newline; with --chat: read messages from the terminal)")
+parser.add_argument("--chat", action="store_true", help="chat with the model through its chat template")
+parser.add_argument("--system", default=None, help="with --chat: the system prompt")
 parser.add_argument("--num_samples", type=int, default=3)
 parser.add_argument("--max_new_tokens", type=int, default=500)
 parser.add_argument("--temperature", type=float, default=0.8, help="<1 is surer, >1 more varied, 0 greedy")
@@ -60,20 +70,61 @@ if args.model:  # a Hugging Face folder: its weights in the dtype we sample in, 
     except ValueError as e:
         fail(str(e))
     tokenizer = make_tokenizer(args.model, None)
+    folder = args.model
 else:  # a run's checkpoint, and the tokenizer of the data it was trained on
     try:
-        model, tokenizer, _ = load_run(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype), args.data_dir)
+        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype),
+                                                args.data_dir)
     except ValueError as e:
         fail(str(e))
+    folder = checkpoint["data_dir"]  # its meta.json holds the chat template of conversations
 model.eval().to(device)
+autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
+torch.manual_seed(args.seed)
 
-start = args.start
-if start.startswith("FILE:"):
+start = args.start if args.start is not None or args.chat else "\n"
+if start is not None and start.startswith("FILE:"):
     try:
         with open(start[5:], encoding="utf-8") as f:
             start = f.read()
     except (OSError, UnicodeDecodeError) as e:
         fail(f"cannot read the prompt file {start[5:]} ({e})")
+
+
+def reply(messages):
+    # the model's next turn: the conversation rendered with the generation prompt, sampled until end-of-turn
+    ids = tokenizer.encode_chat(chat.render(messages, add_generation_prompt=True), [])[0].tolist()
+    x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]
+    with autocast:
+        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, stop=end_of_turn)[0, len(ids):].tolist()
+    return tokenizer.decode(y[:y.index(end_of_turn)] if end_of_turn in y else y).strip()
+
+
+if args.chat:  # one reply to --start, or a conversation typed in the terminal
+    try:
+        chat = ChatFormat.for_tokenizer(folder, tokenizer.special_tokens(), tokenizer.decode([tokenizer.eot_id]))
+        end_of_turn = tokenizer.special_tokens()[chat.end_of_turn]
+    except (ValueError, OSError, KeyError) as e:
+        fail(f"cannot chat with this model's template ({e})")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            text = start if start is not None else input("> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        messages.append({"role": "user", "content": text})
+        try:
+            messages.append({"role": "assistant", "content": reply(messages)})
+        except ValueError as e:
+            fail(str(e))
+        print(messages[-1]["content"], flush=True)
+        if start is not None:
+            break
+    sys.exit(0)
+
 try:
     ids = tokenizer.encode(start)
 except ValueError as e:  # e.g. a character the char vocabulary lacks
@@ -84,9 +135,7 @@ if not ids:
 # -----------------------------------------------------------------------------
 # generate
 
-torch.manual_seed(args.seed)
 x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]  # (1, T)
-autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
 with autocast:
     for _ in range(args.num_samples):
         y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
