@@ -1,0 +1,466 @@
+"""chat.py with tokenizer.py and prepare.py: conversations rendered by the chat templates of Qwen3, Llama-3 and
+Mistral (written here after the real ones) give transformers' text and token ids, train each assistant's reply
+and the token closing it and nothing else, become masked datasets, and cannot reach Python from the sandbox.
+Nothing is downloaded: each tokenizer is a tiny byte-level BPE made here.
+Run: python -m pytest -q tests/test_chat.py"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+
+import chat  # noqa: E402
+import prepare  # noqa: E402
+from tokenizer import make_tokenizer  # noqa: E402
+
+# -----------------------------------------------------------------------------
+# three templates, after the ones their models' tokenizer_config.json hold
+
+# Qwen3's: ChatML turns, tools in the system turn, and a think block before the reply of an assistant turn that
+# follows the last user query (an empty one when the reply has none).
+QWEN3 = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# Meta-Llama-3-8B-Instruct's: the BOS written by the template itself, each turn closed by <|eot_id|>.
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+          "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+          "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+          "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+
+# Mistral-7B-Instruct-v0.2's: [INST] ... [/INST] answer</s>, the system prompt folded into the first user turn,
+# and roles that must alternate.
+MISTRAL = """{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {%- if loop.first and system_message is defined %}
+            {{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}
+        {%- else %}
+            {{- ' [INST] ' + message['content'] + ' [/INST]' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content'] + eos_token}}
+    {%- else %}
+        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+# name -> the template, tokenizer_config.json's bos/eos, the special tokens (the end-of-text our tokenizer.py looks
+# for among them), added tokens that are not special, the token closing an assistant's turn
+STYLES = {
+    "qwen3": dict(template=QWEN3, bos=None, eos="<|im_end|>", end_of_turn="<|im_end|>",
+                  special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], plain=["<think>", "</think>"]),
+    "llama3": dict(template=LLAMA3, bos="<|begin_of_text|>", eos="<|eot_id|>", end_of_turn="<|eot_id|>",
+                   special=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                            "<|eot_id|>"], plain=[]),
+    "mistral": dict(template=MISTRAL, bos="<s>", eos="</s>", end_of_turn="</s>",
+                    special=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], plain=[]),
+}
+
+# A system prompt and three exchanges; replies of several words, so that their tokens are not the prompts'.
+MESSAGES = [
+    {"role": "system", "content": "You are a terse geography tutor."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris is the capital of France."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome, on the Tiber."},
+    {"role": "user", "content": "Which river runs through Berlin?"},
+    {"role": "assistant", "content": "The Spree runs through Berlin."},
+]
+REPLIES = [m["content"] for m in MESSAGES if m["role"] == "assistant"]
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paris, Rome and Berlin are capitals; the Tiber and the Spree "
+    "are rivers. What is the capital of France? Which river runs through it? You are a terse tutor of geography. "
+    "Questions and answers, users and assistants, systems and prompts: a conversation has turns.\n"
+    "def main():\n    return 42  # a comment, with numbers 0123456789 and punctuation !?;:'\"()[]{}\n"
+)
+
+
+def make_folder(folder, style):
+    """A tiny byte-level BPE with the style's special tokens, as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    spec = STYLES[style]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=spec["special"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec["plain"]])
+    if spec["bos"]:  # as the real ones do, which add the BOS when asked for special tokens: the template has it
+        bos = spec["bos"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": spec["template"],
+              "bos_token": spec["bos"], "eos_token": spec["eos"], "model_max_length": 4096}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module", params=sorted(STYLES))
+def style(request, tmp_path_factory):
+    """(name, folder, transformers' tokenizer, ours) for each template."""
+    folder = make_folder(tmp_path_factory.mktemp(request.param), request.param)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    return request.param, folder, theirs, make_tokenizer(str(folder), None)
+
+
+def chat_format(folder, ours, train_on="assistant"):
+    eot = ours.decode([ours.eot_id])
+    return chat.ChatFormat.for_tokenizer(str(folder), ours.special_tokens(), eot, train_on)
+
+
+def their_ids(theirs, messages, **kwargs):
+    out = theirs.apply_chat_template(messages, tokenize=True, **kwargs)
+    if not isinstance(out, list):  # transformers 5: a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+def trained_runs(ours, ids, mask):
+    """The decoded stretches of trained tokens, in order."""
+    runs, start = [], None
+    for i, m in enumerate([*mask.tolist(), 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append(ours.decode(ids[start:i].tolist()))
+            start = None
+    return runs
+
+# -----------------------------------------------------------------------------
+# 1. the text and the token ids are transformers'
+
+
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_render_and_ids_match_transformers(style, add_generation_prompt):
+    name, folder, theirs, ours = style
+    fmt = chat_format(folder, ours)
+    conversations = [MESSAGES, MESSAGES[:-1], MESSAGES[1:]]  # ending with a reply or a question; no system prompt
+    for messages in conversations:
+        text = fmt.render(messages, add_generation_prompt=add_generation_prompt)
+        assert text == theirs.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt), name
+        ids, mask = ours.encode_chat(text, [])
+        assert ids.tolist() == their_ids(theirs, messages, add_generation_prompt=add_generation_prompt), name
+        assert mask.tolist() == [0] * len(ids)
+
+
+def test_special_tokens_are_single_tokens(style):
+    name, folder, theirs, ours = style
+    text = chat_format(folder, ours).render(MESSAGES)
+    ids = ours.encode_chat(text, [])[0].tolist()
+    specials = ours.special_tokens()
+    eot = specials[STYLES[name]["end_of_turn"]]
+    assert ids.count(eot) == len(REPLIES) + (name != "mistral") * (len(MESSAGES) - len(REPLIES))
+    assert ours.decode(ids) == text  # nothing lost, nothing added
+
+
+@pytest.mark.parametrize("style", ["llama3"], indirect=True)
+def test_llama3_bos_once(style):
+    name, folder, theirs, ours = style
+    bos = ours.special_tokens()["<|begin_of_text|>"]
+    assert theirs.encode("Hi")[0] == bos  # the post-processor adds one, as the real one does
+    text = chat_format(folder, ours).render(MESSAGES)
+    assert text.count("<|begin_of_text|>") == 1
+    ids = ours.encode_chat(text, [])[0].tolist()
+    assert ids.count(bos) == 1 and ids[0] == bos
+    assert their_ids(theirs, MESSAGES).count(bos) == 1
+
+# -----------------------------------------------------------------------------
+# 2. masks: what the model is trained to write
+
+
+def test_assistant_mask_is_replies_and_end_of_turn(style):
+    name, folder, theirs, ours = style
+    fmt = chat_format(folder, ours)
+    end = STYLES[name]["end_of_turn"]
+    assert fmt.end_of_turn == end
+    for messages in (MESSAGES, MESSAGES[1:], MESSAGES[1:3]):
+        record = fmt.record({"messages": messages})
+        ids, mask = ours.encode_chat(record.text, record.spans)
+        assert ids.tolist() == their_ids(theirs, messages)
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        # a reply after a space ("[/INST] Paris") starts with a token holding the space
+        runs = [run.lstrip(" ") for run in trained_runs(ours, ids, mask)]
+        assert runs == [reply + end for reply in replies], name
+        untrained = ours.decode(ids[mask == 0].tolist())
+        for m in messages:
+            if m["role"] != "assistant":
+                assert m["content"] in untrained
+
+
+# what follows the last question when training on the completion: its reply, what the template writes around it
+COMPLETION = {
+    "qwen3": "<think>\n\n</think>\n\nThe Spree runs through Berlin.<|im_end|>\n",
+    "llama3": "The Spree runs through Berlin.<|eot_id|>",
+    "mistral": " The Spree runs through Berlin.</s>",
+}
+
+
+def test_completion_mask_is_the_last_turn(style):
+    name, folder, theirs, ours = style
+    record = chat_format(folder, ours, "completion").record({"messages": MESSAGES})
+    ids, mask = ours.encode_chat(record.text, record.spans)
+    first = int(np.argmax(mask))
+    assert mask[:first].sum() == 0 and mask[first:].all()  # one stretch, to the end
+    assert trained_runs(ours, ids, mask) == [COMPLETION[name]]
+    # the same with the conversation as a prompt and a completion
+    split = {"prompt": MESSAGES[:-1], "completion": MESSAGES[-1:]}
+    other = chat_format(folder, ours, "completion").record(split)
+    assert other == record
+
+
+def test_all_mask_is_everything(style):
+    name, folder, theirs, ours = style
+    record = chat_format(folder, ours, "all").record({"messages": MESSAGES})
+    ids, mask = ours.encode_chat(record.text, record.spans)
+    assert mask.all() and ours.decode(ids.tolist()) == record.text
+
+
+def test_mistral_refuses_roles_that_do_not_alternate(tmp_path):
+    folder = make_folder(tmp_path / "mistral", "mistral")
+    ours = make_tokenizer(str(folder), None)
+    fmt = chat_format(folder, ours)
+    bad = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hello?"},
+           {"role": "assistant", "content": "Yes."}]
+    with pytest.raises(ValueError, match="alternate"):
+        fmt.record({"messages": bad})
+
+# -----------------------------------------------------------------------------
+# 3. prepare.py: a .jsonl of every record kind -> masked dataset
+
+
+@pytest.mark.parametrize("name", sorted(STYLES))
+def test_prepare_masked_dataset(tmp_path, name):
+    folder = make_folder(tmp_path / name, name)
+    records = [
+        {"messages": MESSAGES},
+        {"messages": MESSAGES[1:3]},
+        {"prompt": "Capital of Spain?", "completion": " Madrid, on the Manzanares."},
+        {"prompt": [{"role": "user", "content": "Capital of Portugal?"}],
+         "completion": [{"role": "assistant", "content": "Lisbon, on the Tagus."}]},
+        {"instruction": "Name a river in Berlin.", "input": "", "output": "The Spree flows there."},
+        {"instruction": "Translate to French.", "input": "river", "output": "fleuve or riviere"},
+        {"messages": [{"role": "user", "content": "Nobody answers this."}]},
+    ]
+    lines = [json.dumps(r) for r in records]
+    lines.insert(3, '{"messages": [{"role": "user", "content": "broken"')  # line 4: malformed
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "data"
+    meta = prepare.main([str(path), f"--tokenizer={folder}", f"--out_dir={out}", "--num_workers=1"])
+
+    end = STYLES[name]["end_of_turn"]
+    assert meta["masks"] is True and meta == json.loads((out / "meta.json").read_text())
+    assert meta["chat"]["end_of_turn"] == end and meta["chat"]["train_on"] == "assistant"
+    assert meta["chat"]["template"] == STYLES[name]["template"]
+    bad = meta["bad_records"]
+    assert bad["count"] == 2, bad
+    assert any(":4: malformed JSON" in e for e in bad["examples"]), bad
+    assert any(":8: no assistant message" in e for e in bad["examples"]), bad
+
+    ours = prepare.load_tokenizer(out)
+    runs, documents, bos_counts = [], 0, []
+    for split in ("train", "val"):
+        ids = np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])
+        mask = np.fromfile(out / f"{split}.mask.bin", dtype=np.uint8)
+        assert ids.size == mask.size == meta[split]["tokens"] > 0  # one byte per token
+        assert int(mask.sum()) == meta[split]["targets"] > 0
+        # Mistral's end-of-text is </s>, which also closes a reply: there, trained; after an example, not
+        eots = np.flatnonzero(ids == meta["eot_id"])
+        separators = eots[mask[eots] == 0]
+        assert len(separators) == meta[split]["documents"] and separators[-1] == ids.size - 1
+        assert mask[-1] == 0
+        starts = np.concatenate([[0], separators[:-1] + 1])
+        for start, stop in zip(starts, separators):  # each example ends with an untrained end-of-text
+            assert ids[stop] == meta["eot_id"] and mask[stop] == 0 and mask[start:stop].any()
+        if name == "llama3":  # the template's BOS, once: encode_chat adds none of its own
+            bos = ours.special_tokens()["<|begin_of_text|>"]
+            bos_counts += [int((ids[start:stop] == bos).sum()) for start, stop in zip(starts, separators)]
+            for start, stop in zip(starts, separators):
+                assert ids[start] == bos or not (ids[start:stop] == bos).any()
+        documents += len(separators)
+        runs += [run.lstrip(" ") for run in trained_runs(ours, ids, mask)]
+    assert documents == 6
+    if name == "llama3":  # the prompt and completion strings are text, without the template: no BOS
+        assert sorted(bos_counts) == [0, 1, 1, 1, 1, 1]
+    expected = [*REPLIES, REPLIES[0], "Madrid, on the Manzanares.", "Lisbon, on the Tagus.",
+                "The Spree flows there.", "fleuve or riviere"]
+    assert sorted(runs) == sorted(reply + end for reply in expected)
+
+# -----------------------------------------------------------------------------
+# 4. a template is code from the internet: the sandbox keeps it from Python and files
+
+PROBE = "{% for m in messages %}{{ m['content'] }}</s>{% endfor %}"  # closes a reply with a special token
+
+ESCAPES = [
+    "{{ ''.__class__.__mro__ }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__init__.__globals__ }}",
+    "{{ raise_exception.__globals__['__builtins__']['open']('/etc/passwd').read() }}",
+    "{{ lipsum.__globals__['os'].popen('id').read() }}",
+    "{{ cycler.__init__.__globals__.os.listdir('/') }}",
+    "{{ open('/etc/passwd').read() }}",
+    "{{ messages.append(1) }}",  # the immutable sandbox: a template changes no message
+]
+LOADS = ["{% include '/etc/passwd' %}", "{% import '/etc/passwd' as secrets %}", "{% extends '/etc/passwd' %}"]
+
+
+@pytest.mark.parametrize("escape", ESCAPES)
+def test_template_is_sandboxed(escape):
+    from jinja2.exceptions import SecurityError
+    # ChatFormat renders a probe conversation when it is made: that meets the escape
+    with pytest.raises((SecurityError, ValueError), match="unsafe|undefined"):
+        chat.ChatFormat(PROBE + escape, "test", ["</s>"], "</s>")
+
+
+@pytest.mark.parametrize("escape", ["{{ ''.__class__ }}", "{{ '{0.__class__}'.format('') }}",
+                                    "{{ messages|attr('__class__') }}", "{{ ''.format.__self__ }}"])
+def test_template_prints_nothing_of_python(escape):
+    # an unsafe attribute only printed is jinja2's undefined, which prints as nothing
+    fmt = chat.ChatFormat(PROBE + escape, "test", ["</s>"], "</s>")
+    assert fmt.render([{"role": "user", "content": "Hi"}]) == "Hi</s>"
+
+
+@pytest.mark.parametrize("load", LOADS)
+def test_template_reads_no_file(load):
+    # the sandbox has no loader: nothing is read (transformers' raises the same TypeError)
+    with pytest.raises(Exception) as refused:
+        chat.ChatFormat(PROBE + load, "test", ["</s>"], "</s>")
+    assert "root:" not in str(refused.value)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="chat.py: a template's {% include %}/{% import %}/"
+                   "{% extends %} raises jinja2's TypeError ('no loader for this environment specified'), which "
+                   "render() does not turn into its one-line ValueError: prepare.py ends in a raw traceback")
+@pytest.mark.parametrize("load", LOADS)
+def test_template_that_loads_a_file_is_a_value_error(load):
+    with pytest.raises(ValueError):
+        chat.ChatFormat(PROBE + load, "test", ["</s>"], "</s>")
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="same bug, seen from prepare.py: a raw traceback, not "
+                   "'prepare.py: ...' in one line")
+def test_prepare_refuses_a_template_that_loads_a_file(tmp_path):
+    folder = make_folder(tmp_path / "qwen3", "qwen3")
+    template = tmp_path / "t.jinja"
+    template.write_text(LOADS[0] + QWEN3, encoding="utf-8")
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": MESSAGES}) + "\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="prepare.py: .*template"):
+        prepare.main([str(path), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
+                      f"--chat_template={template}"])
+
+
+def test_sandbox_messages_are_not_changed():
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(ValueError, match="unsafe"):
+        chat.ChatFormat(PROBE + "{% if messages.pop() %}{% endif %}", "test", ["</s>"], "</s>").render(messages)
+    assert len(messages) == 2

@@ -1,0 +1,239 @@
+"""Supervised fine-tuning: conversations with loss masks, whole examples packed exactly (data.py), the loss over
+the trained targets of an update however it is split, epochs, resume, sample.py --chat and export.py's chat files."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import prepare
+from data import Split, best_fit
+from kernels import linear_cross_entropy_ref
+from model import GPT, GPTConfig
+from test_train import assert_weights_close, losses, run, script, weights
+
+WORDS = "apple river stone cloud seven orange lamp tiger music paper green window silver forest quiet".split()
+SMALL = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--batch_size=4", "--eval_iters=2",
+         "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=40", "--learning_rate=3e-3", "--eval_interval=100",
+         "--sequences=examples"]
+
+
+def conversations(n, seed):
+    # reverse a list of words: prompts and answers of mixed lengths, some with a system prompt, some two turns
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        messages = [{"role": "system", "content": "Reverse the words."}] if rng.random() < 0.3 else []
+        for _ in range(1 + (rng.random() < 0.2)):
+            words = list(rng.choice(WORDS, size=rng.integers(1, 9)))
+            messages += [{"role": "user", "content": " ".join(words)},
+                         {"role": "assistant", "content": " ".join(reversed(words))}]
+        yield {"messages": messages}
+
+
+def write_chat_data(folder):
+    with open(folder / "chats.jsonl", "w") as f:
+        for record in conversations(600, seed=0):
+            f.write(json.dumps(record) + "\n")
+    prepare.main([str(folder / "chats.jsonl"), "--tokenizer=bpe:300", f"--out_dir={folder / 'data'}"])
+
+
+@pytest.fixture(scope="session")
+def chat_data(shared):
+    return shared("sft", write_chat_data) / "data"
+
+
+def split(chat_data, name="train", block_size=64, seed=1):
+    meta = json.loads((chat_data / "meta.json").read_text())
+    return Split(str(chat_data), name, meta, block_size, seed, examples=True, vocab_size=meta["vocab_size"])
+
+
+# -----------------------------------------------------------------------------
+# packing, in-process
+
+
+def test_best_fit_packs_every_example_once_within_the_capacity():
+    rng = np.random.default_rng(0)
+    sizes = np.minimum(rng.geometric(1 / 60, size=5000), 257).tolist()  # long-tailed, as chat sets are
+    bins = best_fit(sizes, 257)
+    assert sorted(i for b in bins for i in b) == list(range(5000))
+    assert all(sum(sizes[i] for i in b) <= 257 for b in bins)
+    assert sum(sizes) / (len(bins) * 257) > 0.95  # real tokens in the sequences (padded alone: ~23%)
+
+
+def test_an_epoch_holds_every_example_once_in_an_order_of_its_own(chat_data):
+    train = split(chat_data)
+    n = len(train.lengths)
+    assert n == json.loads((chat_data / "meta.json").read_text())["train"]["documents"]
+    first, second = ([i for s in train.epoch(e) for i in s] for e in (0, 1))
+    assert sorted(first) == sorted(second) == list(range(n)) and first != second
+    assert split(chat_data).epoch(1) == train.epoch(1)  # the seed decides
+    x, _, _ = train.packed(range(train.sequences_in(1) - 1, train.sequences_in(1) + 1))
+    assert x[1].tolist() == train.packed([0, train.sequences_in(1)])[0][1].tolist()  # epoch 1 follows epoch 0
+
+
+def test_packed_targets_are_the_masked_in_tokens_of_each_example_alone(chat_data):
+    train = split(chat_data)
+    tokens = np.fromfile(chat_data / "train.bin", dtype=np.uint16).astype(np.int64)
+    mask = np.fromfile(chat_data / "train.mask.bin", dtype=np.uint8)
+    x, y, doc_ids = train.packed(range(3))
+    for row in range(3):
+        at = 0
+        for doc, example in enumerate(train.sequence(row)):
+            start, whole = train.starts[example], train.lengths[example]
+            assert tokens[start + whole - 1] == train.eot_id and mask[start + whole - 1] == 0  # ends untrained
+            length = min(whole, 65)  # a longer one is cut to the sequence's 64 inputs and one more target
+            ids = tokens[start:start + length]
+            assert x[row, at:at + length].tolist() == ids[:len(x[row, at:at + length])].tolist()
+            assert (doc_ids[row, at:at + length] == doc).all()
+            want = np.where(mask[start + 1:start + length] > 0, ids[1:], -1)  # its own next tokens, if trained
+            assert y[row, at:at + length - 1].tolist() == want.tolist()
+            if at + length < 64:
+                assert y[row, at + length - 1] == -1  # the next example's first token is no target
+            at += length
+        assert (y[row, at:] == -1).all()  # padding
+    assert (y != -1).sum() > 0 and (y == -1).sum() > 0
+
+
+def test_the_loss_of_packed_examples_is_that_of_each_alone(chat_data):
+    # document masking makes packing exact: the summed loss of a packed row equals the sum of its examples' losses,
+    # each run on its own, and its mean is over the trained targets only
+    train = split(chat_data)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=320)).eval()
+    for p in model.parameters():  # weights far from their small initial ones, so that attention matters
+        torch.nn.init.normal_(p, std=0.3)
+    row = next(n for n in range(100) if len(train.sequence(n)) >= 3)
+    x, y, doc_ids = train.packed([row])
+    with torch.no_grad():
+        logits = model(x)[0]
+        packed_loss = model(x, y, doc_ids=doc_ids)[1]
+        alone, count = 0.0, 0
+        for doc in doc_ids[0].unique().tolist():
+            rows = (doc_ids[0] == doc).nonzero().flatten()
+            if (y[0, rows] == -1).all():
+                continue
+            logits_alone = model(x[:, rows])[0][0]
+            alone += F.cross_entropy(logits_alone, y[0, rows], ignore_index=-1, reduction="sum").item()
+            count += (y[0, rows] != -1).sum().item()
+        unmasked = F.cross_entropy(logits[0], y[0], ignore_index=-1).item()  # without the document mask
+    assert packed_loss.item() == pytest.approx(alone / count, rel=1e-5)
+    assert unmasked != pytest.approx(alone / count, rel=1e-3)  # attending across examples would change it
+
+
+@pytest.mark.parametrize("op", ["reference", "triton"])
+def test_ignored_targets_change_no_gradient(op):
+    # rows whose target is -1 (masked out, padding) contribute nothing: changing their hidden states changes
+    # neither the loss nor the head's gradient, and their own gradient is zero
+    if op == "triton":
+        kernels = pytest.importorskip("kernels")
+        if not kernels.HAS_TRITON:
+            pytest.skip("no Triton")
+        fn = kernels.linear_cross_entropy
+    else:
+        fn = linear_cross_entropy_ref
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 32), torch.randn(96, 32)
+    targets = torch.randint(0, 96, (16,))
+    targets[::3] = -1
+    results = []
+    for hidden in (x, torch.where((targets == -1)[:, None], torch.randn(16, 32) * 5, x)):
+        hidden, weight = hidden.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(hidden, weight, targets)
+        loss.backward()
+        results.append((loss.detach(), weight.grad, hidden.grad))
+    (loss_a, w_a, x_a), (loss_b, w_b, x_b) = results
+    torch.testing.assert_close(loss_a, loss_b)
+    torch.testing.assert_close(w_a, w_b)
+    assert (x_a[targets == -1] == 0).all() and (x_a[targets != -1] != 0).any()
+
+
+# -----------------------------------------------------------------------------
+# train.py on conversations
+
+
+def test_examples_accumulated_match_one_big_batch_and_epochs_end_the_run(chat_data, tmp_path):
+    # micro-batches hold different numbers of targets: each is weighted by its share of the update's, so that 4
+    # micro-steps of 2 sequences give the update of one batch of 8
+    common = [*SMALL, f"--data_dir={chat_data}", "--max_iters=6"]
+    run(*common, f"--out_dir={tmp_path / 'big'}", "--batch_size=8")
+    run(*common, f"--out_dir={tmp_path / 'acc'}", "--batch_size=2", "--gradient_accumulation_steps=4")
+    big, acc = losses(tmp_path / "big"), losses(tmp_path / "acc")
+    assert big.keys() == acc.keys() == set(range(1, 7)) and all(abs(big[i] - acc[i]) < 1e-5 for i in big)
+    assert_weights_close(weights(tmp_path / "big"), weights(tmp_path / "acc"))
+    # two epochs: as many steps as their sequences take, then the run ends
+    per_epoch = split(chat_data).sequences_in(2)
+    out = run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'epochs'}", "--max_epochs=2",
+              "--batch_size=16", "--max_iters=1000", "--warmup_ratio=0.1", "--eval_interval=1000")
+    steps = -(-per_epoch // 16)
+    assert f"max_epochs=2: {steps} steps (lr_decay_iters 40, warmup {-(-steps // 10)})" in out.stdout
+    ckpt = torch.load(tmp_path / "epochs" / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == steps
+    evals = [json.loads(line) for line in (tmp_path / "epochs" / "metrics.jsonl").read_text().splitlines()]
+    assert evals[-1]["epoch"] == pytest.approx(2.0, abs=16 / per_epoch)
+
+
+def test_val_loss_is_over_every_trained_token_of_the_val_split(chat_data, tmp_path):
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=3")
+    record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    from checkpoint import load_run
+    model = load_run(str(tmp_path / "ckpt.pt"))[0].eval()
+    val = split(chat_data, "val", seed=1337)
+    x, y, doc_ids = val.packed(range(val.sequences_in(1)))
+    with torch.no_grad():
+        total = sum(model(x[i:i + 1], y[i:i + 1], doc_ids=doc_ids[i:i + 1])[1].item() * (y[i] != -1).sum().item()
+                    for i in range(len(x)))
+    assert record["val_loss"] == pytest.approx(total / (y != -1).sum().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_examples_under_ddp_match_one_process_and_resume_exactly(chat_data, tmp_path):
+    common = [*SMALL, f"--data_dir={chat_data}", "--batch_size=2", "--gradient_accumulation_steps=2",
+              "--max_epochs=1", "--eval_interval=4", "--max_iters=8"]
+    run(*common, f"--out_dir={tmp_path / 'one'}")
+    run(*common, f"--out_dir={tmp_path / 'ddp'}", torchrun=["--standalone", "--nproc_per_node=2"])
+    one, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    assert one.keys() == ddp.keys() == set(range(1, 9)) and all(abs(one[i] - ddp[i]) < 1e-5 for i in one)
+    assert_weights_close(weights(tmp_path / "one"), weights(tmp_path / "ddp"))
+    # with dropout, stopped in the middle of the epoch at step 4, then resumed: the same losses and weights as
+    # the run that never stopped, bit for bit
+    run(*common, "--dropout=0.1", f"--out_dir={tmp_path / 'whole'}")
+    run(*common, "--dropout=0.1", f"--out_dir={tmp_path / 'parts'}", "--max_iters=4")
+    run(*common, "--dropout=0.1", f"--out_dir={tmp_path / 'parts'}", "--init_from=resume")
+    assert losses(tmp_path / "parts") == losses(tmp_path / "whole")
+    assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
+
+
+def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=30", "--eval_interval=30")
+    done = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=apple river", "--temperature=0",
+                  "--max_new_tokens=20", "--device=cpu", "--system=Reverse the words.")
+    assert done.returncode == 0, done.stderr
+    # the same reply by hand: the conversation rendered as in training, greedy, cut at the end-of-turn
+    from chat import ChatFormat
+    from checkpoint import load_run
+    model, tokenizer, _ = load_run(str(tmp_path / "run" / "ckpt.pt"))
+    meta = json.loads((chat_data / "meta.json").read_text())
+    assert meta["chat"]["end_of_turn_id"] == tokenizer.eot_id  # the built-in template closes turns with it
+    fmt = ChatFormat.for_tokenizer(str(chat_data), tokenizer.special_tokens(), "<|endoftext|>")
+    text = fmt.render([{"role": "system", "content": "Reverse the words."}, {"role": "user", "content": "apple river"}],
+                      add_generation_prompt=True)
+    assert text.endswith("<|user|>\napple river\n<|assistant|>\n")
+    ids = tokenizer.encode_chat(text, [])[0].tolist()
+    out = model.eval().generate(torch.tensor([ids]), 20, temperature=0)[0, len(ids):].tolist()
+    out = out[:out.index(tokenizer.eot_id)] if tokenizer.eot_id in out else out
+    assert done.stdout.strip() == tokenizer.decode(out).strip()
+    # export: the template and the end-of-turn token as generation's eos go along
+    done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert generation["eos_token_id"][0] == meta["chat"]["end_of_turn_id"]
+    assert config["chat_template"] == meta["chat"]["template"] and config["split_special_tokens"] is False
+    transformers = pytest.importorskip("transformers")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    messages = [{"role": "user", "content": "apple river"}, {"role": "assistant", "content": "river apple"}]
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False)
+    assert theirs == fmt.render(messages)
+    assert hf_tokenizer(theirs, add_special_tokens=False)["input_ids"] == tokenizer.encode_chat(theirs, [])[0].tolist()
