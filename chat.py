@@ -128,7 +128,7 @@ class ChatFormat:
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **self.context)
-        except TemplateError as e:  # the template's own raise_exception, or what the sandbox refused
+        except (TemplateError, TypeError) as e:  # its raise_exception, what the sandbox refused, an {% include %}
             raise ValueError(f"the chat template refused it ({e})") from None
 
     def closing_token(self, text, end):
@@ -161,7 +161,9 @@ class ChatFormat:
         return self.chat(prompt + completion, len(prompt))
 
     def chat(self, messages, first_completion):
-        """messages -> Chat; the completion is messages[first_completion:] (train_on='completion')."""
+        """messages -> Chat. Trained: each assistant turn from its header (the generation prompt) to the special token
+        closing it (train_on='assistant'), everything from messages[first_completion]'s turn on ('completion'),
+        or all of it."""
         text = self.render(messages)
         if self.train_on == "all":
             return Chat(text, [(0, len(text))])
@@ -171,11 +173,16 @@ class ChatFormat:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            content = message["content"].strip()
-            start = text.find(content, self.reply_start(text, messages, i))
+            content, begin = message["content"].strip(), self.reply_start(text, messages, i)
+            start = text.find(content, begin)
+            if start < 0 and "</think>" in content:  # reasoning templates drop it from earlier turns
+                content = content.split("</think>")[-1].strip()
+                start = text.find(content, begin)
             if start < 0 or not content:
                 raise ValueError(f"the chat template does not write assistant message {i + 1} as it is")
             end = start + len(content)
+            if self.end_of_turn not in text[begin:start]:  # what the template writes before the reply, in its
+                start = begin  # turn (a think block), is the model's to write too
             closing = self.closing_token(text, end)
             if closing is not None:
                 end = text.index(closing, end) + len(closing)

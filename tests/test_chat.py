@@ -287,13 +287,34 @@ def test_assistant_mask_is_replies_and_end_of_turn(style):
         ids, mask = ours.encode_chat(record.text, record.spans)
         assert ids.tolist() == their_ids(theirs, messages)
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
-        # a reply after a space ("[/INST] Paris") starts with a token holding the space
+        # a reply after a space ("[/INST] Paris") starts with a token holding the space; Qwen3's last turn
+        # begins with the (empty) think block its template writes, which the model learns to write too
         runs = [run.lstrip(" ") for run in trained_runs(ours, ids, mask)]
+        if name == "qwen3":
+            assert runs[-1].startswith(THINK) and not any(run.startswith(THINK) for run in runs[:-1])
+            runs[-1] = runs[-1].removeprefix(THINK)
         assert runs == [reply + end for reply in replies], name
         untrained = ours.decode(ids[mask == 0].tolist())
         for m in messages:
             if m["role"] != "assistant":
                 assert m["content"] in untrained
+
+
+def test_qwen3_reasoning_of_earlier_turns_is_dropped_and_their_replies_trained(style):
+    # Qwen3's template keeps the think block of the last turn only: an earlier turn's reply is found without it
+    name, folder, theirs, ours = style
+    if name != "qwen3":
+        pytest.skip("Qwen3's template")
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>two and two</think>4"},
+                {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>three twice</think>6"}]
+    record = chat_format(folder, ours).record({"messages": messages})
+    assert "two and two" not in record.text and "three twice" in record.text
+    ids, mask = ours.encode_chat(record.text, record.spans)
+    runs = trained_runs(ours, ids, mask)
+    assert runs == ["4<|im_end|>", "<think>\nthree twice\n</think>\n\n6<|im_end|>"]  # the last one's reasoning too
+
+
+THINK = "<think>\n\n</think>\n\n"  # Qwen3's empty think block
 
 
 # what follows the last question when training on the completion: its reply, what the template writes around it
@@ -389,6 +410,9 @@ def test_prepare_masked_dataset(tmp_path, name):
         documents += len(separators)
         runs += [run.lstrip(" ") for run in trained_runs(ours, ids, mask)]
     assert documents == 6
+    if name == "qwen3":  # the last turn of each of the 5 templated conversations begins with its think block
+        assert sum(run.startswith(THINK) for run in runs) == 5
+        runs = [run.removeprefix(THINK) for run in runs]
     if name == "llama3":  # the prompt and completion strings are text, without the template: no BOS
         assert sorted(bos_counts) == [0, 1, 1, 1, 1, 1]
     expected = [*REPLIES, REPLIES[0], "Madrid, on the Manzanares.", "Lisbon, on the Tagus.",
@@ -437,17 +461,12 @@ def test_template_reads_no_file(load):
     assert "root:" not in str(refused.value)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="chat.py: a template's {% include %}/{% import %}/"
-                   "{% extends %} raises jinja2's TypeError ('no loader for this environment specified'), which "
-                   "render() does not turn into its one-line ValueError: prepare.py ends in a raw traceback")
 @pytest.mark.parametrize("load", LOADS)
 def test_template_that_loads_a_file_is_a_value_error(load):
     with pytest.raises(ValueError):
         chat.ChatFormat(PROBE + load, "test", ["</s>"], "</s>")
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="same bug, seen from prepare.py: a raw traceback, not "
-                   "'prepare.py: ...' in one line")
 def test_prepare_refuses_a_template_that_loads_a_file(tmp_path):
     folder = make_folder(tmp_path / "qwen3", "qwen3")
     template = tmp_path / "t.jinja"
