@@ -212,7 +212,6 @@ try:
     meta = read_meta(data_dir)
 except ValueError as e:
     fail(str(e))
-data_dtype = np.dtype(meta["dtype"])
 eot_id = meta.get("eot_id")  # end-of-text: where one document ends and the next begins
 if (doc_mask or sequences == "examples") and eot_id is None:
     fail(f"{'doc_mask=True' if doc_mask else 'sequences=examples'} needs the end-of-text id, and {meta_path} "
@@ -565,7 +564,7 @@ while True:
         if ddp:  # the tensor-parallel processes of a replica hold the same batches: counted tp_size times
             dist.all_reduce(all_targets)
             all_targets /= tp_size
-        shares = (targets * dp_size / all_targets.clamp(min=1)).tolist()
+        shares = targets * dp_size / all_targets.clamp(min=1)  # stays on the device: no wait for it
     for micro, (x, y, doc_ids) in enumerate(batches):
         last = micro == micro_steps - 1
         if fsdp:  # gradients summed unsharded on each process, reduced and split once, after the last

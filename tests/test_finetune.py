@@ -341,3 +341,24 @@ def test_lora_on_a_bfloat16_folder_samples_on_a_cpu(pretrained, tmp_path):
     assert done.returncode == 0 and done.stdout.startswith("def "), done.stderr
     model = add_lora(load_pretrained(bf16), 4)  # bf16 base, fp32 adapters, no autocast
     assert model(torch.randint(0, 400, (1, 8)))[0].dtype == torch.bfloat16
+
+
+def test_sft_config_on_conversations_with_lora_under_fsdp(pretrained, tmp_path):
+    # config/sft_qwen3.py as a user runs it: conversations prepared with the folder's tokenizer (it has no chat
+    # template: the built-in one), LoRA on whole examples, two processes under FSDP; then a chat with the folder
+    from test_sft import conversations
+    folder, _ = pretrained
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(record) + "\n" for record in conversations(200, seed=1)))
+    done = script("prepare.py", chats, f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}")
+    assert done.returncode == 0, done.stderr
+    assert "[[" in done.stdout and json.loads((tmp_path / "data" / "meta.json").read_text())["masks"] is True
+    out = run("config/sft_qwen3.py", f"--init_from={folder}", f"--data_dir={tmp_path / 'data'}",
+              f"--out_dir={tmp_path / 'run'}", "--block_size=64", "--batch_size=2", "--gradient_accumulation_steps=2",
+              "--max_iters=3", "--eval_interval=3", "--fsdp=True", torchrun=["--standalone", "--nproc_per_node=2"])
+    assert "max_epochs=3: 3 steps" in out.stdout and "packed into" in out.stdout
+    state = torch.load(tmp_path / "run" / "ckpt" / "state.pt", weights_only=True)
+    assert state["iter_num"] == 3 and state["model_args"]["lora_rank"] == 16
+    done = script("sample.py", f"--model={folder}", "--chat", "--start=apple river", "--max_new_tokens=5",
+                  "--device=cpu", "--temperature=0")
+    assert done.returncode == 0 and done.stdout.endswith("\n"), done.stderr  # the reply, on its own line

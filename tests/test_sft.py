@@ -237,3 +237,21 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
     theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False)
     assert theirs == fmt.render(messages)
     assert hf_tokenizer(theirs, add_special_tokens=False)["input_ids"] == tokenizer.encode_chat(theirs, [])[0].tolist()
+
+
+def test_conversations_from_parquet_and_json_are_those_of_jsonl(tmp_path):
+    # the same records as JSON Lines, a JSON array and a parquet table (messages: a list of structs) make the
+    # same tokens and masks
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    records = list(conversations(40, seed=2))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "b.json").write_text(json.dumps(records))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet")
+    made = []
+    for name in ("a.jsonl", "b.json", "c.parquet"):
+        out = tmp_path / f"data-{name}"
+        meta = prepare.main([str(tmp_path / name), "--tokenizer=bpe:300", f"--out_dir={out}", "--val_fraction=0"])
+        assert meta["masks"] and meta["train"]["documents"] == 40 and meta["bad_records"]["count"] == 0
+        made.append([(out / f).read_bytes() for f in ("train.bin", "train.mask.bin")])
+    assert made[0] == made[1] == made[2]
