@@ -105,6 +105,9 @@ class ChatFormat:
         # the token that closes an assistant's turn, which the model must learn to write to stop
         probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
         text = self.render(probe)
+        if "Hello" not in text:
+            raise ValueError(f"the chat template ({origin}) does not write an assistant's reply, so there would be "
+                             f"nothing to train on: use one that does (--chat_template)")
         self.end_of_turn = self.closing_token(text, text.rfind("Hello") + len("Hello"))
         if self.end_of_turn is None:
             raise ValueError(f"the chat template ({origin}) closes an assistant's turn with no special token, so "

@@ -255,3 +255,16 @@ def test_conversations_from_parquet_and_json_are_those_of_jsonl(tmp_path):
         assert meta["masks"] and meta["train"]["documents"] == 40 and meta["bad_records"]["count"] == 0
         made.append([(out / f).read_bytes() for f in ("train.bin", "train.mask.bin")])
     assert made[0] == made[1] == made[2]
+
+
+def test_a_template_that_hides_the_replies_selects_nothing_and_is_refused(tmp_path):
+    # the mask must never silently select nothing: a template that does not write the assistant's replies is
+    # refused in one line before anything is written
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in conversations(20, seed=3)))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
+                        "<|endoftext|>{% endfor %}")
+    with pytest.raises(SystemExit, match="does not write an assistant's reply") as stopped:
+        prepare.main([str(tmp_path / "chats.jsonl"), "--tokenizer=bpe:300", f"--out_dir={tmp_path / 'data'}",
+                      f"--chat_template={template}"])
+    assert "\n" not in str(stopped.value) and not (tmp_path / "data").exists()
