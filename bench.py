@@ -20,6 +20,7 @@ own learning rate):
     python bench.py --mode=load      # peak memory of load_pretrained on a generated ~1 GB folder
     python bench.py --mode=lora      # memory of full fine-tuning, LoRA and QLoRA of a Qwen3-0.6B shape
     python bench.py --mode=memory config/train_gpt2.py   # memory per GPU on 1, 8 and 64 of them, estimated
+    python bench.py --mode=sft --steps=300   # fine-tuning on answers only against every token; packing
 
 --synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py.
 """
@@ -44,10 +45,11 @@ parser.add_argument("--seconds", type=float, default=60, help="--mode=race: trai
 parser.add_argument("--steps", type=int, default=50, help="training steps per run")
 parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
 parser.add_argument("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
-parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora", "memory"], default="train",
+parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora", "memory", "sft"], default="train",
                     help="race: equal wall time per run; kernels: time kernels.py's ops; load: memory of "
                          "loading a Hugging Face folder; lora: memory of full, LoRA and QLoRA fine-tuning; "
-                         "memory: a config's memory per GPU on 1, 8 and 64 GPUs, estimated without a GPU")
+                         "memory: a config's memory per GPU on 1, 8 and 64 GPUs, estimated without a GPU; "
+                         "sft: a task's exact match trained on answers only and on every token, and packing")
 args, train_args = parser.parse_known_args()
 if args.warmup >= args.steps:
     sys.exit(f"bench.py: --warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
@@ -327,6 +329,94 @@ def bench_lora():
 
 if args.mode == "lora":
     bench_lora()
+    sys.exit(0)
+
+# -----------------------------------------------------------------------------
+# --mode=sft: what the assistant-only mask buys on a task whose answers are known (reverse 3-5 of 30 words), in
+# exact match on held-out prompts after the same --steps; and the real tokens of packed sequences on a chat set
+# of long-tailed lengths, against one example per sequence
+
+
+WORDS = ("ant bee cat dog eel fox gnu hen ibis jay kite lynx mole newt owl pig quail rat seal toad urchin vole wasp "
+         "yak zebra crab dove frog goat hare").split()  # about one bpe:512 token each
+
+
+def reversal_chats(path, n, rng, seen, lengths=(3, 5)):
+    # n conversations "reverse: a b c" -> "c b a", none in seen (nor repeated); their words lists returned
+    made = []
+    while len(made) < n:
+        pick = tuple(rng.choice(WORDS, size=rng.integers(lengths[0], lengths[1] + 1)))
+        if pick not in seen:
+            seen.add(pick)
+            made.append(pick)
+    with open(path, "w") as f:
+        for pick in made:
+            f.write(json.dumps({"messages": [{"role": "user", "content": "reverse: " + " ".join(pick)},
+                                             {"role": "assistant", "content": " ".join(reversed(pick))}]}) + "\n")
+    return made
+
+
+def exact_match(out_dir, prompts):
+    # greedy answers to the held-out prompts, cut at the end-of-turn, against the truth
+    import torch
+    from checkpoint import load_run
+    model, tokenizer, _ = load_run(os.path.join(out_dir, "ckpt.pt"), torch.float32)
+    right = 0
+    for pick in prompts:
+        text = f"<|user|>\nreverse: {' '.join(pick)}\n<|assistant|>\n"  # the built-in template's prompt
+        ids = tokenizer.encode_chat(text, [])[0].tolist()
+        out = model.eval().generate(torch.tensor([ids]), 16, temperature=0, stop=tokenizer.eot_id)[0, len(ids):]
+        out = out.tolist()
+        right += tokenizer.decode(out[:out.index(tokenizer.eot_id)] if tokenizer.eot_id in out else out) == \
+            " ".join(reversed(pick))
+    return right / len(prompts)
+
+
+def bench_sft():
+    from data import Split
+    from tokenizer import read_meta
+    rng, seen = np.random.default_rng(0), set()
+    shape = ["--n_layer=4", "--n_head=4", "--n_embd=128", "--block_size=128", "--batch_size=16", "--device=cpu",
+             "--learning_rate=1e-3", "--min_lr=1e-4", "--warmup_iters=50", f"--lr_decay_iters={args.steps}",
+             f"--max_iters={args.steps}", f"--eval_interval={args.steps}", "--sequences=examples", *train_args]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        reversal_chats(os.path.join(tmp, "train.jsonl"), 4000, rng, seen)
+        held_out = reversal_chats(os.path.join(tmp, "test.jsonl"), 200, rng, seen)
+        for train_on in ("assistant", "all"):
+            data, out = os.path.join(tmp, f"data_{train_on}"), os.path.join(tmp, f"out_{train_on}")
+            for cmd in (["prepare.py", os.path.join(tmp, "train.jsonl"), "--val_input", os.path.join(tmp, "test.jsonl"),
+                         "--tokenizer=bpe:512", f"--train_on={train_on}", f"--out_dir={data}"],
+                        ["train.py", f"--data_dir={data}", f"--out_dir={out}", *shape]):
+                done = subprocess.run([sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                if done.returncode:
+                    sys.exit(f"bench.py: {cmd[0]} failed:\n{done.stdout[-3000:]}")
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                val_loss = [json.loads(line) for line in f][-1]["val_loss"]
+            rows.append((train_on, val_loss, exact_match(out, held_out)))
+        # packing: answers of 5-300 words (tokens), log-normal lengths (median ~30), in sequences of 256
+        with open(os.path.join(tmp, "mixed.jsonl"), "w") as f:
+            for _ in range(3000):
+                n = int(np.clip(np.round(np.exp(rng.normal(np.log(30), 1.0))), 5, 300))
+                prompt, answer = rng.choice(WORDS, size=rng.integers(3, 21)), rng.choice(WORDS, size=n)
+                f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(prompt)},
+                                                 {"role": "assistant", "content": " ".join(answer)}]}) + "\n")
+        data = os.path.join(tmp, "data_mixed")
+        subprocess.run([sys.executable, "prepare.py", os.path.join(tmp, "mixed.jsonl"), "--tokenizer=bpe:512",
+                        f"--out_dir={data}"], stdout=subprocess.DEVNULL, check=True)
+        train = Split(data, "train", read_meta(data), 256, 1337, examples=True, vocab_size=2**31)
+        real = np.minimum(train.lengths, 257).sum()
+        packed, padded = real / (train.sequences_in(1) * 257), real / (len(train.lengths) * 257)
+    print(f"reverse 3-5 words: 4,000 conversations, 200 held out, {args.steps} steps each")
+    print("| trained on | val loss (its own targets) | exact match, held out |\n| --- | --- | --- |")
+    for train_on, val_loss, match in rows:
+        print(f"| {train_on} | {val_loss:.4f} | {match:.1%} |")
+    print(f"packing {len(train.lengths):,} conversations of long-tailed lengths into sequences of 256: real "
+          f"tokens {packed:.1%} packed, {padded:.1%} one example per sequence ({packed / padded:.2f}x)")
+
+
+if args.mode == "sft":
+    bench_sft()
     sys.exit(0)
 
 # -----------------------------------------------------------------------------
