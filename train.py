@@ -98,12 +98,15 @@ grad_clip = 1.0  # clip gradients at this norm (0: off)
 # learning rate schedule: linear warmup over warmup_iters, then lr_schedule; every learning rate
 # (learning_rate, muon_lr) is scaled by the same factor, down to min_lr / learning_rate of its peak
 decay_lr = True  # False: learning_rate throughout, no warmup and no schedule
-lr_schedule = "cosine"  # 'cosine' or 'linear' (peak to min_lr at lr_decay_iters), 'constant', or 'wsd'
+lr_schedule = "cosine"  # 'cosine', 'linear', 'polynomial' (peak to min_lr at lr_decay_iters), 'constant',
+# 'wsd', or 'cosine_restarts' (cosine to min_lr and back to the peak every lr_cycle_iters, until lr_decay_iters)
 warmup_iters = 100
 warmup_ratio = 0.0  # if above 0: warm up over this fraction of the run's steps instead of warmup_iters
 lr_decay_iters = 5000  # should be ~max_iters
 lr_decay_fraction = 0.2  # wsd: stable at the peak, then a linear decay over this last part of lr_decay_iters
 min_lr = 6e-5  # ~learning_rate/10
+lr_cycle_iters = 1000  # cosine_restarts: steps from one restart to the next
+lr_power = 1.0  # polynomial: the decay's power (1: linear)
 # system
 backend = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
 device = "auto"  # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
@@ -139,8 +142,11 @@ if tensorboard_log:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         fail("tensorboard_log=True needs TensorBoard: pip install tensorboard")
-if lr_schedule not in ("cosine", "linear", "constant", "wsd"):
-    fail(f"lr_schedule={lr_schedule!r} is not one of 'cosine', 'linear', 'constant', 'wsd'")
+SCHEDULES = ("cosine", "linear", "polynomial", "constant", "wsd", "cosine_restarts")
+if lr_schedule not in SCHEDULES:
+    fail(f"lr_schedule={lr_schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
+if lr_cycle_iters < 1 or lr_power <= 0:
+    fail(f"lr_cycle_iters={lr_cycle_iters} must be at least 1 and lr_power={lr_power} above 0")
 if sequences not in ("windows", "examples"):
     fail(f"sequences={sequences!r} is not 'windows' or 'examples'")
 if max_epochs < 0 or not 0 <= warmup_ratio < 1:
@@ -425,8 +431,10 @@ def lr_factor(it):
         ratio = max(0.0, it - decay_start) / max(1, lr_decay_iters - decay_start)
         return 1.0 - ratio * (1.0 - floor)
     ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
-    if lr_schedule == "linear":
-        return 1.0 - ratio * (1.0 - floor)
+    if lr_schedule in ("linear", "polynomial"):
+        return floor + (1.0 - ratio) ** (lr_power if lr_schedule == "polynomial" else 1) * (1.0 - floor)
+    if lr_schedule == "cosine_restarts":  # where in its cycle the step is
+        ratio = (it - warmup_iters) % lr_cycle_iters / lr_cycle_iters
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)  # cosine
 
 

@@ -229,7 +229,9 @@ def test_resume_continues_from_saved_step(data_dir, tmp_path):
     (["--eval_interval=0"], "eval_interval=0 must be at least 1"),
     (["--use_kernels=Flase"], "use_kernels='Flase' must be True, False or None (auto)"),
     (["--optimizer=lion"], "optimizer='lion' is not one of 'adamw', 'muon', 'adam', 'sgd'"),
-    (["--lr_schedule=step"], "lr_schedule='step' is not one of 'cosine', 'linear', 'constant', 'wsd'"),
+    (["--lr_schedule=step"], "lr_schedule='step' is not one of 'cosine', 'linear', 'polynomial', 'constant', 'wsd', "
+                             "'cosine_restarts'"),
+    (["--lr_cycle_iters=0"], "lr_cycle_iters=0 must be at least 1 and lr_power=1.0 above 0"),
     (["--lr_decay_fraction=1.5"], "lr_decay_fraction=1.5 must be between 0 and 1"),
 ])
 def test_config_errors(data_dir, tmp_path, args, message):
@@ -397,11 +399,18 @@ def test_sample_finds_the_tokenizer_or_says_why_not(data_dir, tmp_path):
     ("constant", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 1.0, 11: 1.0}),
     # wsd, decaying over the last 40% of lr_decay_iters: stable to step 6, then 0.9 lower over 4 steps
     ("wsd", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 1.0, 7: 0.775, 8: 0.55, 9: 0.325, 10: 0.1, 11: 0.1}),
+    # polynomial of power 2: 0.1 + 0.9 (1 - (s - 2) / 8)^2
+    ("polynomial", {0: 1 / 3, 2: 1.0, 4: 0.1 + 0.9 * 0.75**2, 6: 0.325, 9: 0.1 + 0.9 / 64, 10: 0.1, 11: 0.1}),
+    # cosine restarts every 4 steps after warmup: down toward 0.1, back to the peak at step 6; 0.1 from step 10
+    ("cosine_restarts", {0: 1 / 3, 2: 1.0, 3: 0.1 + 0.45 * (1 + math.cos(math.pi / 4)), 4: 0.55, 6: 1.0,
+                         7: 0.1 + 0.45 * (1 + math.cos(math.pi / 4)), 9: 0.1 + 0.45 * (1 + math.cos(3 * math.pi / 4)),
+                         10: 0.1, 11: 0.1}),
 ])
 def test_lr_schedules(data_dir, tmp_path, schedule, factors):
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=12", "--eval_interval=100",
         "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=1e-2", "--min_lr=1e-3", "--optimizer=muon",
-        "--muon_lr=0.05", "--lr_decay_fraction=0.4", f"--lr_schedule={schedule}")
+        "--muon_lr=0.05", "--lr_decay_fraction=0.4", f"--lr_schedule={schedule}", "--lr_cycle_iters=4",
+        "--lr_power=2")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["iter"] - 1: r["lr"] for r in records if "tokens_per_s" in r}  # the step's rate, logged after it
     for step, factor in factors.items():
