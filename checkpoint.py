@@ -191,12 +191,12 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
     return model
 
 
-def load_run(path, base_dtype=None, data_dir=None):
-    """out_dir/ckpt.pt -> (model, tokenizer, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of
-    an FSDP run, whichever is newer (see find_checkpoint). A LoRA run's frozen base is read in
-    base_dtype (None: its folder's). The tokenizer lives with the data the model was trained on:
-    data_dir, else where that data was then, else where the run's config says. ValueError with one
-    line for what is missing or damaged."""
+def load_model(path, base_dtype=None, data_dir=None):
+    """out_dir/ckpt.pt -> (model, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of an FSDP run,
+    whichever is newer (see find_checkpoint). A LoRA run's frozen base is read in base_dtype (None: its
+    folder's). checkpoint["data_dir"] becomes where the data the model was trained on is now: data_dir, else
+    where that data was then, else where the run's config says. ValueError with one line for what is missing
+    or damaged."""
     found = find_checkpoint(path)
     if found is None:
         raise ValueError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
@@ -208,8 +208,16 @@ def load_run(path, base_dtype=None, data_dir=None):
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
     if found is None:
-        raise ValueError(f"the model was trained on {candidates[-1]}, which is not here: its tokenizer is needed "
+        raise ValueError(f"the model was trained on {candidates[-1]}, which is not here: its data is needed "
                          f"(restore it, or pass --data_dir)")
+    checkpoint["data_dir"] = found  # where the data is now: its meta.json has the chat template, if any
+    return model, checkpoint
+
+
+def load_run(path, base_dtype=None, data_dir=None):
+    """load_model's (model, tokenizer, checkpoint): the tokenizer lives with the data the model was trained on."""
+    model, checkpoint = load_model(path, base_dtype, data_dir)
+    found = checkpoint["data_dir"]
     try:
         tokenizer = load_tokenizer(found)
     except (KeyError, TypeError) as e:
@@ -217,7 +225,6 @@ def load_run(path, base_dtype=None, data_dir=None):
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"{found}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                          f"{model.config.vocab_size}: it is not the data this model was trained on")
-    checkpoint["data_dir"] = found  # where the data is now: its meta.json has the chat template, if any
     return model, tokenizer, checkpoint
 
 

@@ -44,20 +44,39 @@ class Split:
 
     def windows(self, step, index, batch_size, doc_mask):
         """The index-th micro-batch of a step (evaluation uses step -1): batch_size windows of block_size + 1
-        tokens at random places -> (x, y, doc_ids or None). With doc_mask a document begins after each end-of-text
-        (one that is not a target, in conversations: that one closes an assistant's turn)."""
-        data, mask = self.tokens(), self.mask()
+        tokens at random places -> (x, y, doc_ids or None)."""
         draws = np.random.PCG64([self.seed, self.is_val, step + 1]).random_raw((index + 1) * batch_size)
-        starts = draws[-batch_size:] % np.uint64(len(data) - self.block_size)  # this micro-batch's sequences
-        xy = np.stack([data[i:i + self.block_size + 1] for i in starts]).astype(np.int64)  # (B, T+1)
-        self.check_ids(xy, lambda b, t: int(starts[b]) + t)
-        trained = np.stack([mask[i:i + self.block_size + 1] for i in starts]) > 0 if mask is not None else None
-        x, y = xy[:, :-1], xy[:, 1:].copy()
-        if trained is not None:
-            y[~trained[:, 1:]] = -1
+        starts = draws[-batch_size:] % np.uint64(len(self.tokens()) - self.block_size)  # this micro-batch's
+        return self.rows(starts.astype(np.int64), np.zeros(batch_size, dtype=np.int64), doc_mask)
+
+    def whole(self, numbers, overlap, doc_mask):
+        """Windows numbers of the split scored whole: each after the first begins block_size - overlap tokens
+        after the one before, so that every token is a target once, in the first window that holds it past its
+        first overlap tokens (the context) -> (x, y, doc_ids or None). Windows past the end are padding."""
+        starts = np.array(numbers, dtype=np.int64) * (self.block_size - overlap)
+        return self.rows(starts, np.where(starts > 0, overlap, 0), doc_mask)
+
+    def whole_windows(self, overlap):
+        """How many windows whole() takes to score every token of the split."""
+        return 1 + -(-max(0, len(self.tokens()) - 1 - self.block_size) // (self.block_size - overlap))
+
+    def rows(self, starts, context, doc_mask):
+        # block_size + 1 tokens from each start (end-of-text past the split's end) -> x, y (-1 for the first
+        # context[b] targets, past the end, and where the mask says so). With doc_mask a document begins after
+        # each end-of-text (in conversations, one that is not a target: that one closes an assistant's turn).
+        T, data, mask = self.block_size, self.tokens(), self.mask()
+        tokens = np.full((len(starts), T + 1), self.eot_id or 0, dtype=np.int64)
+        kept = np.zeros((len(starts), T + 1), dtype=bool)  # the mask file's, where there is one
+        for row, start in enumerate(starts):
+            window = data[start:start + T + 1]
+            tokens[row, :len(window)] = window
+            kept[row, :len(window)] = mask[start:start + len(window)] > 0 if mask is not None else True
+        self.check_ids(tokens, lambda b, t: int(starts[b]) + t)
+        x = tokens[:, :-1]
+        y = np.where(kept[:, 1:] & (np.arange(T) >= context[:, None]), tokens[:, 1:], -1)
         doc_ids = None
         if doc_mask:
-            ends = (x == self.eot_id) & (~trained[:, :-1] if trained is not None else True)
+            ends = (x == self.eot_id) & (~kept[:, :-1] if mask is not None else True)
             doc_ids = torch.from_numpy(ends.cumsum(axis=1))
         return torch.from_numpy(x), torch.from_numpy(y), doc_ids
 

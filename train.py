@@ -50,6 +50,8 @@ out_dir = "out"  # checkpoints and metrics.jsonl go here
 eval_interval = 250  # estimate train/val loss (and maybe checkpoint) every this many steps
 log_interval = 10  # print and record training metrics every this many steps
 eval_iters = 50  # batches per loss estimate, per process
+eval_full = False  # the val loss over every token of val.bin once, in overlapping windows (as perplexity in papers)
+eval_stride = 128  # eval_full: tokens each window shares with the one before, its context (only the rest count)
 always_save_checkpoint = True  # save at every evaluation, not only when val loss improves
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one), or a HF model folder
 keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
@@ -147,6 +149,8 @@ if lr_schedule not in SCHEDULES:
     fail(f"lr_schedule={lr_schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
 if lr_cycle_iters < 1 or lr_power <= 0:
     fail(f"lr_cycle_iters={lr_cycle_iters} must be at least 1 and lr_power={lr_power} above 0")
+if eval_full and not 0 <= eval_stride < block_size:
+    fail(f"eval_stride={eval_stride} must be at least 0 and below block_size={block_size} (the windows' overlap)")
 if sequences not in ("windows", "examples"):
     fail(f"sequences={sequences!r} is not 'windows' or 'examples'")
 if max_epochs < 0 or not 0 <= warmup_ratio < 1:
@@ -398,7 +402,9 @@ def batch(split, step, index):
     # the index-th micro-batch of a step (evaluation's have step -1) -> x, y, doc_ids on the device; y is -1
     # where nothing is learned
     try:
-        if examples:
+        if split == "val" and eval_full:  # every token once, in windows overlapping by eval_stride
+            tensors = splits[split].whole(range(index * batch_size, (index + 1) * batch_size), eval_stride, doc_mask)
+        elif examples:
             first = (max(step, 0) * gradient_accumulation_steps + index) * batch_size
             tensors = splits[split].packed(range(first, first + batch_size), end_of_epochs if step >= 0 else None)
         else:
@@ -441,14 +447,15 @@ def lr_factor(it):
 @torch.no_grad()
 def estimate_loss():
     # mean loss and next-token accuracy over every trained target of the same batches every time: eval_iters
-    # batches of each split, or with examples all of val; over all processes. The raw model computes them a
-    # chunk of logits at a time.
+    # batches of each split, or all of val (eval_full, or whole examples); over all processes. The raw model
+    # computes them a chunk of logits at a time.
     model.eval()
     out = {}
     for split in ("train", "val"):
         batches = eval_iters
-        if examples and split == "val":  # all of it, as many batches in every process
-            batches = math.ceil(splits["val"].sequences_in(1) / (batch_size * dp_size))
+        if split == "val" and (eval_full or examples):  # all of it, as many batches in every process
+            count = splits["val"].whole_windows(eval_stride) if eval_full else splits["val"].sequences_in(1)
+            batches = math.ceil(count / (batch_size * dp_size))
         sums = torch.zeros(3, device=device)  # loss and accuracy, each times its targets; the targets
         for k in range(batches):
             x, y, doc_ids = batch(split, -1, k * dp_size + dp_rank)

@@ -2,6 +2,7 @@
 resume, sample.py on the folder, export.py back to a folder that transformers loads with equal logits."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -362,3 +363,30 @@ def test_sft_config_on_conversations_with_lora_under_fsdp(pretrained, tmp_path):
     done = script("sample.py", f"--model={folder}", "--chat", "--start=apple river", "--max_new_tokens=5",
                   "--device=cpu", "--temperature=0")
     assert done.returncode == 0 and done.stdout.endswith("\n"), done.stderr  # the reply, on its own line
+
+
+def test_eval_scores_every_val_token_once_as_transformers_does(pretrained):
+    # eval.py on a Hugging Face folder: windows of 32 overlapping by 8, each token scored once, the loss equal to
+    # transformers' own logits on the same windows
+    import re
+    import numpy as np
+    folder, data = pretrained
+    done = script("eval.py", f"--model={folder}", f"--data_dir={data}", "--block_size=32", "--stride=8",
+                  "--device=cpu")
+    assert done.returncode == 0, done.stderr
+    found = re.fullmatch(r"val loss (\S+) perplexity (\S+) over (\d+) tokens", done.stdout.strip().splitlines()[-1])
+    loss, perplexity, count = float(found[1]), float(found[2]), int(found[3])
+    ids = np.fromfile(data / "val.bin", dtype=json.loads((data / "meta.json").read_text())["dtype"]).astype(np.int64)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    nll, scored, start, done_until = 0.0, 0, 0, 0  # done_until: the last token scored so far
+    while done_until < len(ids) - 1:
+        window = torch.from_numpy(ids[start:start + 33])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(window[None, :-1]).logits[0].float(), dim=-1)
+        for t in range(len(window) - 1):
+            if start + t + 1 > done_until:
+                nll -= logp[t, window[t + 1]].item()
+                scored += 1
+        done_until, start = start + len(window) - 1, start + 24
+    assert count == scored == len(ids) - 1
+    assert abs(loss - nll / scored) < 1e-4 and perplexity == pytest.approx(math.exp(loss), rel=1e-4)

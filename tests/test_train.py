@@ -468,3 +468,23 @@ def test_bench_races_optimizers_on_equal_time(data_dir):
     assert [r[0].strip() for r in rows] == ["optimizer=adamw", "optimizer=sgd learning_rate=0.1"]
     for name, ms, steps, seconds, loss, accuracy in rows:
         assert int(steps) >= 1 and float(seconds) > 0 and 0 < float(loss) < 10 and accuracy.strip().endswith("%")
+
+
+def test_eval_full_scores_the_whole_val_split_as_eval_py_does(data_dir, tmp_path):
+    # eval_full: every token of val.bin once, in windows of 32 overlapping by 8; the same loss eval.py reports
+    # for the checkpoint, and again the same on a second evaluation of the same weights
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=4",
+        "--eval_full=True", "--eval_stride=8")
+    val = [json.loads(line)["val_loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+           if "val_loss" in line]
+    done = script("eval.py", f"--out_dir={tmp_path}", "--stride=8", "--device=cpu")
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    val_tokens = (data_dir / "val.bin").stat().st_size // 2
+    assert last.endswith(f"over {val_tokens - 1} tokens")  # every token but the first, once
+    assert float(last.split()[2]) == pytest.approx(val[-1], abs=1e-5)
+    again = script("eval.py", f"--out_dir={tmp_path}", "--stride=8", "--device=cpu", "--batch_size=3")
+    assert again.stdout.strip().splitlines()[-1].split()[2] == last.split()[2]  # deterministic, any batching
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'bad'}", "--eval_full=True",
+              "--eval_stride=32", check=False)
+    assert "eval_stride=32 must be at least 0 and below block_size=32" in out.stderr

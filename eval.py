@@ -1,0 +1,88 @@
+"""
+The loss and perplexity of a model over every token of a dataset's validation split, scored once each in windows
+of block_size that overlap by --stride tokens (the overlap is context; only the tokens after it count), the way
+perplexity is measured for papers. Deterministic: two runs, or a run and transformers on the same tokens, compare.
+
+    python eval.py --out_dir=out-small                                   # a run's checkpoint, on its own data
+    python eval.py --model=models/Qwen3-0.6B --data_dir=data/finetune --block_size=1024 --stride=512
+
+Its last line: `val loss L perplexity P over N tokens`.
+"""
+
+import argparse
+import math
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from checkpoint import load_model
+from data import Split
+from hf import load_pretrained
+from parallel import pick_device
+from tokenizer import check_tokenizer, read_meta
+
+
+def fail(msg):
+    sys.exit(f"eval.py: {msg}")
+
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--out_dir", default="out", help="the run whose checkpoint to score")
+parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss)")
+parser.add_argument("--model", default=None, help="a Hugging Face model folder to score instead of a run")
+parser.add_argument("--data_dir", default=None, help="the prepared dataset (default: the run's)")
+parser.add_argument("--block_size", type=int, default=None, help="the window (default: the run's block_size, or "
+                    "the folder's max_position_embeddings)")
+parser.add_argument("--stride", type=int, default=None, help="tokens a window shares with the one before, its "
+                    "context (default: half the window)")
+parser.add_argument("--batch_size", type=int, default=8, help="windows at a time")
+parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'mps'")
+parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: bf16 on CUDA")
+args = parser.parse_args()
+
+# -----------------------------------------------------------------------------
+# the model and the data
+
+try:
+    device, dtype = pick_device(args.device, args.dtype)
+    if args.model:  # a folder: its weights, and data that must be made with its tokenizer
+        if not args.data_dir:
+            fail("--model needs --data_dir, a dataset prepared with the folder's tokenizer")
+        model = load_pretrained(args.model, getattr(torch, dtype), args.block_size)
+        check_tokenizer(args.data_dir, read_meta(args.data_dir), args.model, model.config.vocab_size)
+        data_dir = args.data_dir
+    else:
+        model, checkpoint = load_model(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype), args.data_dir)
+        data_dir = checkpoint["data_dir"]
+    meta = read_meta(data_dir)
+except ValueError as e:
+    fail(str(e))
+block_size = args.block_size or model.config.block_size
+stride = block_size // 2 if args.stride is None else args.stride
+if not 0 < block_size <= model.config.block_size or not 0 <= stride < block_size:
+    fail(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit) and --stride={stride} "
+         f"in 0..{block_size - 1}")
+val = Split(data_dir, "val", meta, block_size, seed=0, examples=False, vocab_size=model.config.vocab_size)
+model.eval().to(device)
+
+# -----------------------------------------------------------------------------
+# every window; the loss summed over the scored tokens
+
+windows = val.whole_windows(stride)
+autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
+loss_sum, count = 0.0, 0
+for first in range(0, windows, args.batch_size):
+    try:
+        x, y, _ = val.whole(range(first, min(first + args.batch_size, windows)), stride, doc_mask=False)
+    except ValueError as e:
+        fail(str(e))
+    with autocast:
+        loss, _ = model.loss_and_accuracy(x.to(device), y.to(device))
+    scored = int((y != -1).sum())
+    loss_sum += loss.item() * scored
+    count += scored
+loss = loss_sum / max(count, 1)
+print(f"{windows} windows of {block_size} tokens overlapping by {stride}, {data_dir}/val.bin")
+print(f"val loss {loss:.6f} perplexity {math.exp(min(loss, 50)):.4f} over {count} tokens")
