@@ -312,10 +312,10 @@ def whole_state(model, optimizers):
                      "param_groups": optimizers[0].state_dict()["param_groups"]}
 
 
-def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_last_n=0):
+def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_last_n=0, finished_epoch=None):
     """Write the run's checkpoint: state (plain values: step, config, random states, ...) and the model's
-    and optimizers' tensors; also as ckpt_best when improved, and as ckpt_NNNNNNN keeping the last
-    keep_last_n of those. Every process calls it. An out_dir holds one layout, the one it began with,
+    and optimizers' tensors; also as ckpt_best when improved, as ckpt_NNNNNNN keeping the last keep_last_n of
+    those, and as ckpt_epoch_N at the end of epoch N (finished_epoch). Every process calls it. An out_dir holds one layout, the one it began with,
     whatever the layout of the run that continues it: sharded folders (ckpt/, each process writing its own
     part) or files (ckpt.pt, the master's, gathered from any shards)."""
     master = not dist.is_initialized() or dist.get_rank() == 0
@@ -348,6 +348,8 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
         write_file(state, latest)
     if improved:
         copy_checkpoint(latest, os.path.join(out_dir, "ckpt_best" + suffix))
+    if finished_epoch is not None:
+        copy_checkpoint(latest, os.path.join(out_dir, f"ckpt_epoch_{finished_epoch}{suffix}"))
     if keep_last_n > 0:
         copy_checkpoint(latest, os.path.join(out_dir, f"ckpt_{state['iter_num']:07d}{suffix}"))
         steps = [(int(m[1]), f) for f in os.listdir(out_dir)

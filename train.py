@@ -55,6 +55,7 @@ eval_stride = 128  # eval_full: tokens each window shares with the one before, i
 always_save_checkpoint = True  # save at every evaluation, not only when val loss improves
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one), or a HF model folder
 keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
+save_every_epoch = False  # also save at the end of each epoch N, and keep that as ckpt_epoch_N.pt
 early_stop_patience = 0  # stop after this many evaluations without a better val loss (0: never)
 early_stop_min_delta = 0.0  # an evaluation counts as better only if it lowers the best val loss by this much
 max_skipped_steps = 10  # stop after this many updates in a row skipped for a non-finite loss or gradient
@@ -470,7 +471,7 @@ def estimate_loss():
     return out
 
 
-def save_checkpoint(improved):
+def save_checkpoint(improved, finished_epoch=None):
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
     rngs = [None] * world_size
     if ddp:
@@ -485,7 +486,7 @@ def save_checkpoint(improved):
         "pretrained": pretrained,  # the Hugging Face folder the run began from, if any
         "base_fingerprint": base_fingerprint,
     }
-    ckpt.save(out_dir, state, raw_model, optimizers, sharded, lora, improved, keep_last_n)
+    ckpt.save(out_dir, state, raw_model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch)
 
 
 def log(record):
@@ -562,6 +563,7 @@ while True:
         break
 
     # one update: micro-steps with gradient sync only on the last, then clip and step
+    epoch_before = int(epoch()) if save_every_epoch else None
     factor = lr_factor(iter_num)
     for opt, peak_lr in zip(optimizers, peak_lrs):
         for group in opt.param_groups:
@@ -635,6 +637,8 @@ while True:
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
              "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": measured_mb(device), "epoch": epoch()})
         t_log, iters_since_log = time.time(), 0
+    if save_every_epoch and int(epoch()) > epoch_before:  # this step finished an epoch: kept as ckpt_epoch_N
+        save_checkpoint(False, int(epoch()))
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step
         print(f"process {rank}: stop requested, saving at step {iter_num} and exiting", flush=True)
         save_checkpoint(False)

@@ -268,3 +268,21 @@ def test_a_template_that_hides_the_replies_selects_nothing_and_is_refused(tmp_pa
         prepare.main([str(tmp_path / "chats.jsonl"), "--tokenizer=bpe:300", f"--out_dir={tmp_path / 'data'}",
                       f"--chat_template={template}"])
     assert "\n" not in str(stopped.value) and not (tmp_path / "data").exists()
+
+
+def test_every_epoch_kept_and_a_run_resumed_from_one_ends_the_same(chat_data, tmp_path):
+    # save_every_epoch: ckpt_epoch_N.pt at the step that finishes epoch N; copied into a fresh out_dir as
+    # ckpt.pt, it continues to the very weights of the run that never stopped
+    common = [*SMALL, f"--data_dir={chat_data}", "--batch_size=16", "--max_iters=1000", "--max_epochs=2",
+              "--save_every_epoch=True", "--dropout=0.1"]
+    run(*common, f"--out_dir={tmp_path / 'whole'}")
+    per_epoch = split(chat_data).sequences_in(1)
+    ends = {n: -(-split(chat_data).sequences_in(n) // 16) for n in (1, 2)}  # the step that finishes epoch n
+    for n, step in ends.items():
+        assert torch.load(tmp_path / "whole" / f"ckpt_epoch_{n}.pt", weights_only=True)["iter_num"] == step
+    assert per_epoch > 16  # an epoch spans several steps
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "ckpt.pt").write_bytes((tmp_path / "whole" / "ckpt_epoch_1.pt").read_bytes())
+    out = run(*common, f"--out_dir={tmp_path / 'parts'}", "--init_from=resume")
+    assert f"iter {ends[1] + 1}:" in out.stdout and f"iter {ends[1]}:" not in out.stdout
+    assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
