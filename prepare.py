@@ -708,7 +708,7 @@ def main(argv=None):
     arg = p.add_argument
     arg("input", nargs="*", help="files or folders (default: this Python's standard library, .py files)")
     arg("--out_dir", help="where the dataset goes (default for the stdlib corpus: data/stdlib)")
-    arg("--tokenizer", default="gpt2", help="gpt2 | cl100k_base | o200k_base | ... | char | bpe:N "
+    arg("--tokenizer", default="gpt2", help="gpt2 | cl100k_base | o200k_base | ... | char | bpe:N | wordpiece:N "
                                             "| path to tokenizer.json | a prepared dataset folder")
     arg("--val_fraction", type=float, default=0.1,
         help="share of documents for validation (one document: its tail)")

@@ -190,6 +190,24 @@ def hf_tokenizer(name, hf_json):
     return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json)
 
 
+def wordpiece_tokenizer(name, size, texts):
+    """A WordPiece vocabulary of size tokens learned from texts() with the tokenizers library, as BERT's: text
+    split at whitespace and punctuation (case kept), words into pieces marked ##; decoding joins the words with
+    single spaces. Saved as its tokenizer.json, a Hugging Face tokenizer from then on."""
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+    except ImportError:
+        die("wordpiece:N needs the tokenizers library (pip install tokenizers)")
+    learner = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
+    learner.normalizer = normalizers.BertNormalizer(lowercase=False)
+    learner.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    learner.decoder = decoders.WordPiece()
+    learner.train_from_iterator(texts(), trainers.WordPieceTrainer(vocab_size=size,
+                                                                   special_tokens=["[UNK]", "<|endoftext|>"]))
+    return hf_tokenizer(name, learner.to_str())
+
+
 def make_tokenizer(spec, texts):
     """--tokenizer -> Tokenizer; texts() streams the corpus for the kinds that learn a vocabulary."""
     if spec == "char":
@@ -206,6 +224,11 @@ def make_tokenizer(spec, texts):
         trainer.train_from_iterator(texts(), int(size))
         ranks = {bytes(b): rank for b, rank in trainer.get_mergeable_ranks()}
         return bpe_tokenizer(spec, ranks, trainer.get_pattern())
+    if spec.startswith("wordpiece:"):
+        size = spec[10:]
+        if not size.isdigit() or int(size) < 100:
+            die(f"bad tokenizer '{spec}' (wordpiece:N needs a whole number N >= 100, e.g. wordpiece:8192)")
+        return wordpiece_tokenizer(spec, int(size), texts)
     import tiktoken
     if spec in tiktoken.list_encoding_names():
         return tiktoken_tokenizer(spec)

@@ -660,3 +660,31 @@ def test_bench_reports_a_ratio(tmp_path, capsys):
     result = run(tmp_path / "src", "--bench", "--num_workers", 2)
     assert 0.1 < result["ratio"] < 10 and result["prepare_mb_s"] > 0 and result["ceiling_mb_s"] > 0
     assert "of tiktoken's throughput" in capsys.readouterr().out
+
+
+def test_wordpiece_is_learned_saved_as_tokenizer_json_and_exported(tmp_path):
+    # wordpiece:N: a WordPiece model in tokenizer.json; text comes back with its characters, whitespace
+    # normalized as WordPiece does; transformers reads the exported folder's tokenizer to the same ids
+    import re
+    import subprocess
+    import sys
+    text = "".join(f"Line {i}: the quick brown fox, jumping over {i * 7} lazy dogs!\n" for i in range(400))
+    (tmp_path / "in.txt").write_text(text)
+    meta = prepare.main([str(tmp_path / "in.txt"), "--tokenizer=wordpiece:200", f"--out_dir={tmp_path / 'data'}"])
+    assert meta["tokenizer"] == {"kind": "huggingface", "name": "wordpiece:200", "file": "tokenizer.json"}
+    assert json.loads((tmp_path / "data" / "tokenizer.json").read_text())["model"]["type"] == "WordPiece"
+    tok = prepare.load_tokenizer(tmp_path / "data")
+    sample = "the quick fox, 12 dogs!\nLine   over"  # characters of the corpus (any other is [UNK])
+    ids = tok.encode(sample)
+    assert tok.decode([tok.eot_id]) == "<|endoftext|>" and tok.eot_id not in ids
+    assert re.sub(r"\s", "", tok.decode(ids)) == re.sub(r"\s", "", sample)  # only whitespace changes
+    assert tok.encode(tok.decode(ids)) == ids
+    with pytest.raises(SystemExit, match="wordpiece:N needs a whole number N >= 100"):
+        prepare.main([str(tmp_path / "in.txt"), "--tokenizer=wordpiece:x", f"--out_dir={tmp_path / 'bad'}"])
+    transformers = pytest.importorskip("transformers")
+    files, note = __import__("tokenizer").hf_tokenizer_files(tok)
+    (tmp_path / "hf").mkdir()
+    for name, content in files.items():
+        (tmp_path / "hf" / name).write_text(content)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert note is None and theirs(sample, add_special_tokens=False)["input_ids"] == ids
