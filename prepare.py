@@ -58,8 +58,42 @@ class SkipFile(Exception):
     """A file that cannot be read as documents; its message is the reason."""
 
 
+class HubSplit(namedtuple("HubSplit", "name config split")):
+    """A Hugging Face dataset's split (hf:NAME), read as a file of records is."""
+    def __str__(self):
+        return f"hf:{self.name}:{self.split}"
+
+
+def hub_split(spec, config):
+    """'hf:NAME' or 'hf:NAME:SPLIT' (NAME: on the Hub, or a local folder laid out as a Hub dataset) -> HubSplit."""
+    name, _, split = spec[3:].partition(":")
+    return HubSplit(name, config, split or "train")
+
+
+def hub_splits(name, config):
+    try:
+        import datasets
+    except ImportError:
+        die("hf:NAME reads Hugging Face datasets through the datasets library: pip install datasets")
+    try:
+        return datasets.get_dataset_split_names(name, config)
+    except Exception as e:  # not found, offline, a config needed: the library says which
+        die(f"cannot read the dataset hf:{name} ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+
+
+def read_hub(hub, field, chat):
+    """A Hugging Face dataset's split, streamed: its rows as JSON records are (see record_text)."""
+    import datasets
+    rows = datasets.load_dataset(hub.name, hub.config, split=hub.split, streaming=True)
+    for row, record in enumerate(rows, 1):
+        yield f"row {row}", *record_text(record, field, chat)
+
+
 def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
     """Yield (path, path relative to the INPUT) for every file under folder (or folder, a file), sorted."""
+    if isinstance(folder, HubSplit):
+        yield folder, f"hf:{folder.name}:{folder.split}"
+        return
     folder = Path(folder)
     if not folder.is_dir():
         yield folder, folder.name
@@ -90,6 +124,8 @@ def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
 
 def file_ext(path):
     """'.jsonl.gz' -> '.jsonl.gz', 'README' -> '' (for the per-extension report)."""
+    if isinstance(path, HubSplit):
+        return "(hf dataset)"
     name = path.name.lower()
     return Path(name.removesuffix(".gz")).suffix + (".gz" if name.endswith(".gz") else "")
 
@@ -121,6 +157,9 @@ def record_text(obj, field, chat):
 def read_documents(path, field, dedup, chat):
     """Yield (position, text or BigText, None) per document, or (position, None, why) per bad record.
     Raises SkipFile for a file that cannot be read at all."""
+    if isinstance(path, HubSplit):
+        yield from read_hub(path, field, chat)
+        return
     if not path.is_file():
         raise SkipFile("not a regular file")
     ext = file_ext(path).removesuffix(".gz")
@@ -245,6 +284,7 @@ def new_stats():
     """What was read and skipped, in meta.json's own words and order (meta.json takes it whole)."""
     return {"files_read": 0, "extensions": {}, "skipped_files": [], "hidden_skipped": 0,
             "bad_records": {"count": 0, "examples": []}, "empty_documents": 0, "duplicates_dropped": 0,
+            "short_dropped": 0,  # documents of fewer tokens than --min_length
             "conversations": None}  # whether the documents are conversations: the first one decides
 
 
@@ -311,10 +351,11 @@ def corpus(inputs, args, stats, only_py=False, exclude=None):
 # -----------------------------------------------------------------------------
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
-def encode_batch(tokenizer, texts, ends, is_val, dtype):
-    """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text), end-of-text after
-    each document's last piece. Conversations (Chat) come with masks: 1 for a trained token, and 0 for the
-    end-of-text after each, which separates it from the next and is never trained (train.py cuts there)."""
+def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=0):
+    """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text, whether each was
+    dropped), end-of-text after each document's last piece. A whole document (wholes) of fewer than min_length
+    tokens is dropped. Conversations (Chat) come with masks: 1 for a trained token, and 0 for the end-of-text
+    after each, which separates it from the next and is never trained (train.py cuts there)."""
     masks = None
     if texts and isinstance(texts[0], Chat):
         pairs = [tokenizer.encode_chat(chat.text, chat.spans) for chat in texts]
@@ -323,19 +364,21 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype):
         texts = [chat.text for chat in texts]
     else:
         ids = tokenizer.encode_docs(texts, ends)
+    dropped = [bool(whole) and len(a) - end < min_length for a, end, whole in zip(ids, ends, wholes or ends)]
 
     def by_split(arrays, kind):
-        parts = ([a for a, v in zip(arrays, is_val) if not v], [a for a, v in zip(arrays, is_val) if v])
+        parts = ([a for a, v, d in zip(arrays, is_val, dropped) if not v and not d],
+                 [a for a, v, d in zip(arrays, is_val, dropped) if v and not d])
         return tuple(np.concatenate(p).astype(kind) if p else np.empty(0, kind) for p in parts)
 
     return (by_split(ids, dtype), masks and by_split(masks, np.uint8), [len(a) for a in ids],
-            [len(t.encode("utf-8")) for t in texts])
+            [len(t.encode("utf-8")) for t in texts], dropped)
 
 
-def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False):
+def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False, min_length=0):
     """docs: (is_val, ext, doc, start, stop) -> yields ([(is_val, is_last, ext)], encode_batch's result) per
     batch, one entry per piece. Batches don't depend on num_workers, so neither do the outputs."""
-    items = ((text, end, is_val, ext) for is_val, ext, doc, start, stop in docs
+    items = ((text, end, is_val, ext, not isinstance(doc, BigText)) for is_val, ext, doc, start, stop in docs
              for text, end in pieces(doc, start, stop, in_one_piece))
     with ThreadPoolExecutor(num_workers) as pool:
         pending = deque()  # at most 2 batches per worker in flight, so that memory stays bounded
@@ -345,8 +388,8 @@ def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False):
                 batch.append(item)
                 size += len(item[0].text if isinstance(item[0], Chat) else item[0])
             if batch and (size >= BATCH_CHARS or item is None):
-                texts, ends, flags, exts = zip(*batch)
-                job = pool.submit(encode_batch, tokenizer, texts, ends, flags, dtype)
+                texts, ends, flags, exts, wholes = zip(*batch)
+                job = pool.submit(encode_batch, tokenizer, texts, ends, flags, dtype, wholes, min_length)
                 pending.append((list(zip(flags, ends, exts)), job))
                 batch, size = [], 0
             while pending and (len(pending) > 2 * num_workers or item is None):
@@ -383,19 +426,20 @@ def prepare(args, quiet=False):
     docs, split_method, single_ext = plan_split(args, inputs, docs, stats, log)
     with nullcontext({}) if args.analyze else temporary_outputs(out) as files:  # --analyze writes nothing
         encoding = time.time()
-        splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet)
+        splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet,
+                                                   args.min_length)
         seconds["encode"] = max(time.time() - encoding, 1e-6)
         if single_ext is not None:  # the head and tail of one document were counted as two
             ext_stats(stats, single_ext)["documents"] -= 1
         elif files and args.val_input is None and args.val_fraction > 0:
             balance_splits(splits, last, files, np.dtype(dtype).itemsize, stats["conversations"])
         if args.val_input and splits["val"]["documents"] == 0:
-            die(f"no documents found in --val_input {', '.join(args.val_input)} (check it)")
+            die(f"no documents found in --val_input {', '.join(map(str, args.val_input))} (check it)")
         if splits["train"]["documents"] == 0 and not args.analyze:
-            die(f"no training documents in {', '.join(inputs)} (check it)")
+            die(f"no training documents in {', '.join(map(str, inputs))} (check it)")
         conversations = stats.pop("conversations")
         if conversations and splits["train"].get("targets", 0) == 0:
-            die(f"the masks of {', '.join(inputs)} select no token to train on (check --train_on and the template)")
+            die(f"the masks of {', '.join(map(str, inputs))} select no token to train on (check --train_on and the template)")
         meta = {
             "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
@@ -442,8 +486,15 @@ def chat_maker(args, tokenizer):
 def check_arguments(args):
     """-> (inputs, out_dir, whether it holds an incomplete dataset to replace); dies at a bad argument."""
     inputs = args.input or [sysconfig.get_paths()["stdlib"]]
+    hub = [i for i in inputs if i.startswith("hf:")]
+    if hub and args.val_input is None and len(inputs) == 1 and ":" not in hub[0][3:]:  # its validation split
+        if "validation" in hub_splits(hub[0][3:], args.hf_config):
+            args.val_input = [hub[0] + ":validation"]
+    inputs, args.val_input = ([hub_split(i, args.hf_config) if i.startswith("hf:") else i for i in paths]
+                              for paths in (inputs, args.val_input or []))
+    args.val_input = args.val_input or None
     for path in inputs + (args.val_input or []):
-        if not os.path.exists(path):
+        if not isinstance(path, HubSplit) and not os.path.exists(path):
             die(f"no such input: {path} (check the path)")
     if not 0 <= args.val_fraction < 1:
         die(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
@@ -477,7 +528,7 @@ def plan_split(args, inputs, docs, stats, log):
     first = list(islice(docs, 2))
     if not first:
         report_skips(stats, log)
-        die(f"no documents found in {', '.join(inputs)} (every file was skipped or empty; see above)")
+        die(f"no documents found in {', '.join(map(str, inputs))} (every file was skipped or empty; see above)")
     if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze \
             and not isinstance(first[0][2], Chat):
         # One document (tinyshakespeare): its last val_fraction is the validation text, as nanoGPT does, cut
@@ -519,7 +570,7 @@ def temporary_outputs(out):
             out.rmdir()
 
 
-def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
+def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet, min_length=0):
     """Encode docs into files (none for --analyze), counting documents, tokens and bytes per split and per
     extension -> (the splits' counts, each split's last (tokens, bytes), document length histogram)."""
     splits = {split: {"documents": 0, "tokens": 0, "bytes": 0} for split in ("train", "val")}
@@ -530,7 +581,8 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
     # SAFE_CUT is checked for these pre-tokenizers only; any other tokenizer gets whole documents.
     in_one_piece = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
                                                        and tokenizer.name not in SAFE_ENCODINGS)
-    for infos, (ids, masks, lens, sizes) in encoded(docs, tokenizer, dtype, threads, in_one_piece):
+    for infos, (ids, masks, lens, sizes, dropped) in encoded(docs, tokenizer, dtype, threads, in_one_piece,
+                                                             min_length):
         for split, i in (("train", 0), ("val", 1)):
             if files:
                 files[split].write(ids[i])
@@ -538,7 +590,10 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet):
                 files[f"{split}.mask"].write(masks[i])
             if masks:
                 splits[split]["targets"] = splits[split].get("targets", 0) + int(masks[i].sum())
-        for (is_val, is_last, ext), ntokens, nbytes in zip(infos, lens, sizes):
+        for (is_val, is_last, ext), ntokens, nbytes, short in zip(infos, lens, sizes, dropped):
+            if short:  # fewer tokens than --min_length: left out
+                stats["short_dropped"] += 1
+                continue
             doc_tokens += ntokens
             doc_bytes += nbytes
             if not is_last:
@@ -651,7 +706,8 @@ def report_skips(report, log):
         log(f"skipped {bad['count']} bad records" + (", the first:" if bad["count"] > 20 else ":"))
         for example in bad["examples"][:20]:
             log(f"  {example}")
-    log(f"dropped {report['empty_documents']} empty documents, {report['duplicates_dropped']} duplicates; "
+    short = f", {report['short_dropped']} shorter than --min_length" if report.get("short_dropped") else ""
+    log(f"dropped {report['empty_documents']} empty documents, {report['duplicates_dropped']} duplicates{short}; "
         f"left out {report['hidden_skipped']} hidden files and folders")
 
 
@@ -706,13 +762,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Files and folders -> train.bin, val.bin, meta.json. "
                                             "Examples: see the top of prepare.py.")
     arg = p.add_argument
-    arg("input", nargs="*", help="files or folders (default: this Python's standard library, .py files)")
+    arg("input", nargs="*", help="files or folders (default: this Python's standard library, .py files), or "
+        "hf:NAME[:SPLIT] for a Hugging Face dataset (on the Hub, or a local folder laid out as one), streamed")
     arg("--out_dir", help="where the dataset goes (default for the stdlib corpus: data/stdlib)")
     arg("--tokenizer", default="gpt2", help="gpt2 | cl100k_base | o200k_base | ... | char | bpe:N | wordpiece:N "
                                             "| path to tokenizer.json | a prepared dataset folder")
     arg("--val_fraction", type=float, default=0.1,
         help="share of documents for validation (one document: its tail)")
     arg("--val_input", nargs="+", help="take validation documents from these files or folders instead")
+    arg("--hf_config", help="hf:NAME: the dataset's configuration (e.g. wikitext-103-raw-v1)")
     arg("--field", help="the JSON field or parquet column holding the text (default: text, content or body)")
     arg("--train_on", default="assistant", choices=TRAIN_ON, help="conversations: what the model learns to "
         "write: each assistant turn (and the token closing it), the completion after the prompt, or all of it")
@@ -720,6 +778,8 @@ def main(argv=None):
         "else a plain built-in one)")
     arg("--num_workers", type=int, default=0, help="encoder threads (default: all cores)")
     arg("--dedup", action="store_true", help="drop exact duplicate documents")
+    arg("--min_length", type=int, default=0, help="drop documents of fewer tokens than this (end-of-text not "
+        "counted)")
     arg("--strict", action="store_true", help="stop at the first bad file or record instead of skipping it")
     arg("--overwrite", action="store_true", help="replace a dataset already in --out_dir")
     arg("--analyze", action="store_true", help="report files, documents, tokens and lengths; write nothing")

@@ -688,3 +688,42 @@ def test_wordpiece_is_learned_saved_as_tokenizer_json_and_exported(tmp_path):
         (tmp_path / "hf" / name).write_text(content)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert note is None and theirs(sample, add_special_tokens=False)["input_ids"] == ids
+
+
+def hub_folder(folder, splits):
+    # a dataset laid out as a Hugging Face Hub repository: data files, and README.md's front matter naming them
+    (folder / "data").mkdir(parents=True)
+    front = ["---", "configs:", "- config_name: default", "  data_files:"]
+    for split, records in splits.items():
+        (folder / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        front += [f"  - split: {split}", f"    path: data/{split}.jsonl"]
+    (folder / "README.md").write_text("\n".join(front + ["---", "# a dataset made by the tests"]) + "\n")
+    return folder
+
+
+def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, monkeypatch):
+    # hf:PATH reads a local folder laid out as a Hub dataset through the datasets library, as a download would
+    # be read: its train split is ours, its validation split our val; --min_length drops short documents
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = {split: [{"text": f"{split} {i} " + "ab" * i} for i in range(n)] for split, n in (("train", 30),
+                                                                                             ("validation", 6))}
+    folder = hub_folder(tmp_path / "ds", texts)
+    meta = prepare.main([f"hf:{folder}", "--tokenizer=char", f"--out_dir={tmp_path / 'all'}"])
+    assert meta["train"]["documents"] == 30 and meta["val"]["documents"] == 6 and meta["split"]["method"] == "val_input"
+    val = np.fromfile(tmp_path / "all" / "val.bin", dtype=np.uint16)
+    tok = prepare.load_tokenizer(tmp_path / "all")
+    assert tok.decode(val.tolist()).split("<|endoftext|>")[:2] == ["validation 0 ", "validation 1 ab"]
+    # --min_length=20 tokens (characters here): "train 6 " + 12 is 20, "train 5 " + 10 only 18: 6 dropped;
+    # "validation 4 " + 8 is 21, "validation 3 " + 6 only 19: 4 dropped
+    meta = prepare.main([f"hf:{folder}", "--tokenizer=char", f"--out_dir={tmp_path / 'long'}", "--min_length=20"])
+    assert meta["short_dropped"] == 6 + 4 and meta["train"]["documents"] == 24 and meta["val"]["documents"] == 2
+    # conversations in a column, as in files
+    chats = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}"}]}
+             for i in range(12)]
+    meta = prepare.main([f"hf:{hub_folder(tmp_path / 'chats', {'train': chats})}", "--tokenizer=bpe:260",
+                         f"--out_dir={tmp_path / 'chat'}"])
+    assert meta["masks"] and meta["train"]["documents"] + meta["val"]["documents"] == 12
+    with pytest.raises(SystemExit, match=r"^prepare.py: cannot read the dataset hf:"):
+        prepare.main([f"hf:{tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'none'}"])
