@@ -198,7 +198,7 @@ def bench_memory():
     with torch.device("meta"):
         model = GPT(shape)
         if g.lora_rank:  # the frozen base in the dtype it computes in (nf4: counted at its size)
-            base = dtype if g.lora_base_dtype in ("auto", "nf4") else g.lora_base_dtype
+            base = dtype if g.lora_base_dtype in ("auto", "nf4", "int8") else g.lora_base_dtype
             add_lora(model.to(getattr(torch, base)), g.lora_rank, g.lora_alpha, g.lora_dropout, g.lora_targets)
     layouts = [(1, dict()), (1, dict(checkpointing=True)),
                (1, dict(fsdp=True, checkpointing=True, offload=True))]
@@ -216,7 +216,8 @@ def bench_memory():
           f"{g.optimizer}, micro-batch {g.batch_size} x {g.block_size} tokens per GPU")
     rows = [(f"{gpus} GPU{'s' * (gpus > 1)}: {memory_layout(**layout)}",
              memory_estimate(model, g.batch_size, g.block_size, dtype, g.optimizer,
-                             nf4=g.lora_base_dtype == "nf4", **layout)) for gpus, layout in layouts]
+                             quantized=g.lora_base_dtype if g.lora_base_dtype in ("nf4", "int8") else None,
+                             **layout)) for gpus, layout in layouts]
     print(memory_table(rows))
 
 
@@ -283,7 +284,8 @@ if args.mode == "load":
 # folder, side by side, each a real train.py run: its optimizer state (from its checkpoint), the
 # frozen base's weights and the peak memory it logged. Any other --key=value goes to train.py.
 
-FINETUNES = {"full": [], "LoRA": ["--lora_rank=16"], "QLoRA": ["--lora_rank=16", "--lora_base_dtype=nf4"]}
+FINETUNES = {"full": [], "LoRA": ["--lora_rank=16"], "LoRA, int8 base": ["--lora_rank=16", "--lora_base_dtype=int8"],
+             "QLoRA": ["--lora_rank=16", "--lora_base_dtype=nf4"]}
 
 
 def bench_lora():
@@ -317,8 +319,8 @@ def bench_lora():
                         if torch.is_tensor(t) and t.dim() > 0)
             ckpt["optimizer"] = None
             model = model_from_checkpoint(ckpt, torch.bfloat16)  # a LoRA run's frozen base, in bf16 as it ran
-            if "--lora_base_dtype=nf4" in extra:
-                quantize_base(model)
+            if extra[-1] in ("--lora_base_dtype=nf4", "--lora_base_dtype=int8"):
+                quantize_base(model, extra[-1].split("=")[1])
             trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
             frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
             with open(f"{out}/metrics.jsonl") as f:

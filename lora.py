@@ -49,14 +49,15 @@ def check_lora(asked, rank, base_dtype, tp, fsdp):
     if asked and not rank:
         raise ValueError("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of "
                          "yours to one with export.py)")
-    if base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4"):
-        raise ValueError(f"lora_base_dtype={base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16' or 'nf4'")
+    if base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4", "int8"):
+        raise ValueError(f"lora_base_dtype={base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16', 'nf4' "
+                         f"or 'int8'")
     if rank and tp > 1:
         raise ValueError("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model "
                          "(tp_size=1)")
-    if fsdp and rank and base_dtype == "nf4":
-        raise ValueError("lora_base_dtype='nf4' cannot be sharded by fsdp=True (FSDP does not split 4-bit tensors): "
-                         "use lora_base_dtype='bfloat16' with fsdp, or nf4 without it")
+    if fsdp and rank and base_dtype in ("nf4", "int8"):
+        raise ValueError(f"lora_base_dtype={base_dtype!r} cannot be sharded by fsdp=True (FSDP does not split "
+                         f"quantized tensors): use lora_base_dtype='bfloat16' with fsdp, or {base_dtype} without it")
 
 
 def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down"):
@@ -84,6 +85,8 @@ def merge_lora(model):
             weight = linear.weight.detach()
             if hasattr(weight, "get_original_weight"):  # 4-bit: back to the dtype it was quantized from
                 weight = weight.get_original_weight()
+            elif hasattr(weight, "dequantize"):  # 8-bit
+                weight = weight.dequantize()
             merged = weight.float() + linear.lora.delta().to(weight.device)
             linear.weight = nn.Parameter(merged.to(weight.dtype), requires_grad=False)
             del linear.lora
@@ -91,13 +94,19 @@ def merge_lora(model):
     return model
 
 
-def quantize_base(model):
-    """Hold the frozen projections' weights in 4-bit NF4 (QLoRA), through torchao; each keeps the
-    dtype it had for computing. Embeddings, norms and the adapters stay as they are."""
+def quantize_base(model, kind="nf4"):
+    """Hold the frozen projections' weights in 4-bit NF4 (QLoRA) or in int8 (weight-only, a scale per output
+    row), through torchao; each keeps the dtype it had for computing. Embeddings, norms and the adapters stay
+    as they are."""
     try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError:
-        raise ValueError("4-bit base weights need torchao: pip install torchao") from None
+        raise ValueError(f"{kind} base weights need torchao: pip install torchao") from None
+    if kind == "int8":
+        projections = {id(linear) for _, _, linear in model.projections()}
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, name: id(module) in projections)
+        return model
     for _, _, linear in model.projections():
         n = linear.weight.numel()
         if n % 64:

@@ -36,7 +36,7 @@ def nf4_bytes(n):
 
 
 def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="adamw", dp=1, tp=1, fsdp=False,
-                    checkpointing=False, offload=False, nf4=False, micro_steps=1, device="cuda"):
+                    checkpointing=False, offload=False, quantized=None, micro_steps=1, device="cuda"):
     """Bytes one training process holds, by kind (MEMORY_KINDS), for micro-batches of batch_size
     sequences of block_size tokens. weights; grads (under DDP with its flat buckets beside them);
     optimizer, its state; activations, what autograd keeps of the forward for the backward (with
@@ -48,14 +48,15 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     between micro-steps) or, under checkpointing, while the backward recomputes a block.
     The layout: dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2,
     like torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
-    nf4: the frozen projections in NF4 (a model quantized already is counted as it is). device: its type
+    quantized: 'nf4' or 'int8', the frozen projections so held (a model quantized already is counted as it is;
+    int8: a value a byte, an fp32 scale and an int8 zero point a row). device: its type
     (on a CPU, attention runs in fp32 under autocast: model.attend). Not counted:
     dropout's masks, document masks, the allocator's caching and the kernels' own workspace."""
     c = model.config
     e = 4 if dtype == "float32" else 2  # an activation's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
     ddp = dp > 1 and not fsdp  # (tensor parallel runs under FSDP)
-    weights, grads, optim = state_bytes(params, optimizer, dp, tp, fsdp, nf4, ddp)
+    weights, grads, optim = state_bytes(params, optimizer, dp, tp, fsdp, quantized, ddp)
 
     def local(name, p, shard=fsdp):
         return held_values(name, p, dp, tp, shard)
@@ -102,14 +103,15 @@ def held_values(name, p, dp=1, tp=1, shard=False):
     return math.prod(shape)
 
 
-def state_bytes(params, optimizer, dp, tp, fsdp, nf4, ddp):
+def state_bytes(params, optimizer, dp, tp, fsdp, quantized, ddp):
     """(weights, gradients, optimizer state) in bytes one process holds of params, [(name, parameter)]: see
     memory_estimate; DDP keeps flat buckets beside the gradients."""
     def held(name, p):  # the bytes of this process's part
-        if hasattr(p, "get_original_weight"):  # in NF4 already: its parts, in proportion
+        if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter:  # quantized already: its parts
             return tensor_bytes(p) * held_values(name, p, dp, tp, fsdp) // p.numel()
-        if nf4 and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:
-            return nf4_bytes(held_values(name, p, dp, tp, fsdp))
+        if quantized and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:
+            n = held_values(name, p, dp, tp, fsdp)
+            return nf4_bytes(n) if quantized == "nf4" else n + 5 * (n // p.shape[1])
         return held_values(name, p, dp, tp, fsdp) * p.element_size()
 
     trained = [(n, p) for n, p in params if p.requires_grad]

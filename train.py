@@ -86,7 +86,8 @@ lora_rank = 0  # the adapters' rank; 0: off, every weight trains
 lora_alpha = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
 lora_dropout = 0.0  # dropout on the adapters' input
 lora_targets = "q,k,v,o,gate,up,down"  # projections to adapt; the default is all of them, attention's and the MLP's
-lora_base_dtype = "auto"  # the frozen base: 'auto' (the run's dtype), 'float32', 'bfloat16', or 'nf4' (QLoRA, torchao)
+lora_base_dtype = "auto"  # the frozen base: 'auto' (the run's dtype), 'float32', 'bfloat16', 'nf4' (QLoRA) or 'int8'
+# (torchao's: 4 bits, or 8 bits weight-only)
 # optimizer
 optimizer = "adamw"  # 'adamw', 'muon' (Muon for the blocks' matrices, AdamW for the rest), 'adam', 'sgd'
 learning_rate = 6e-4  # peak learning rate (under muon: of the AdamW part)
@@ -308,8 +309,8 @@ if from_folder:
 # 5. the model, laid out over the processes, and its optimizers
 
 # Full fine-tuning keeps fp32 master weights whatever the folder holds (autocast computes in dtype); a
-# frozen LoRA base needs only the dtype it computes in, and nf4 is quantized from that.
-base_dtype = dtype if lora_base_dtype in ("auto", "nf4") else lora_base_dtype
+# frozen LoRA base needs only the dtype it computes in, and nf4 or int8 is quantized from that.
+base_dtype = dtype if lora_base_dtype in ("auto", "nf4", "int8") else lora_base_dtype
 base_dtype = getattr(torch, base_dtype) if lora else torch.float32
 torch.manual_seed(seed)  # the same initial weights in every process
 base_fingerprint = checkpoint.get("base_fingerprint") if checkpoint is not None else None
@@ -330,9 +331,9 @@ except (ValueError, OSError) as e:  # a shape that cannot be built, a folder wit
 vocab_size = model_args["vocab_size"]
 if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded)
     model.to(device)
-if lora and lora_base_dtype == "nf4":
+if lora and lora_base_dtype in ("nf4", "int8"):
     try:
-        quantize_base(model)
+        quantize_base(model, lora_base_dtype)
     except ValueError as e:
         fail(str(e))
 if model.config.n_head % tp_size or model.config.n_kv_head % tp_size:
@@ -369,7 +370,8 @@ if master:
 # what each process should hold, by kind, printed before the first step; on CUDA the first log line shows
 # the measured peak beside it
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
-memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, nf4=lora_base_dtype == "nf4",
+memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer,
+                         quantized=lora_base_dtype if lora_base_dtype in ("nf4", "int8") else None,
                          micro_steps=micro_steps, device=device_type, **layout)
 if master:
     print(memory_table([(memory_layout(**layout), memory)]))

@@ -198,20 +198,28 @@ PROJECTIONS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.wei
                "mlp.up.weight", "mlp.down.weight")
 
 
-def test_qlora_trains(pretrained, tmp_path):
-    pytest.importorskip("torchao", reason="QLoRA's 4-bit base needs torchao (pip install torchao)")
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+@pytest.mark.parametrize("kind,tensor", [("nf4", "NF4Tensor"), ("int8", "Int8Tensor")])
+def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
+    pytest.importorskip("torchao", reason="a 4-bit or 8-bit base needs torchao (pip install torchao)")
+    from lora import merge_lora
     folder, data = pretrained
-    # quantize_base holds every projection's weight in NF4, and nothing else
-    model = quantize_base(add_lora(load_pretrained(folder), 4))
-    quantized = {name for name, p in model.named_parameters() if isinstance(p, NF4Tensor)}
+    # quantize_base holds every projection's weight in NF4 (or int8), and nothing else
+    model = quantize_base(add_lora(load_pretrained(folder), 4), kind)
+    quantized = {name for name, p in model.named_parameters() if type(p).__name__ == tensor}
     assert quantized == {name for name, _ in model.named_parameters() if name.endswith(PROJECTIONS)}
     assert len(quantized) == 7 * len(model.blocks)
+    ids = torch.randint(0, 400, (1, 16))
+    for _, _, linear in model.projections():  # an adapter that does something, to merge
+        torch.nn.init.normal_(linear.lora.B, std=0.02)
+    before = logits_of(model, ids)
+    merged = merge_lora(model)  # back to plain weights: base dequantized + the adapters
+    assert not any(type(p).__name__ == tensor for p in merged.parameters())
+    torch.testing.assert_close(logits_of(merged, ids), before, atol=1e-4, rtol=1e-4)
     (tmp_path / "frozen_types.py").write_text(FROZEN_TYPES)
-    out = run(*LORA, "--lora_base_dtype=nf4", f"--data_dir={data}", f"--init_from={folder}",
+    out = run(*LORA, f"--lora_base_dtype={kind}", f"--data_dir={data}", f"--init_from={folder}",
               f"--out_dir={tmp_path / 'run'}", "--max_iters=10", str(tmp_path / "frozen_types.py"))
     frozen = json.loads(out.stdout.split("FROZEN ")[1].splitlines()[0])
-    assert {name for name, kind in frozen.items() if kind == "NF4Tensor"} == quantized  # train.py's model too
+    assert {name for name, kind in frozen.items() if kind == tensor} == quantized  # train.py's model too
     val = [r["val_loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05

@@ -61,15 +61,18 @@ def test_lora_counts_only_the_adapters_gradients_and_state():
     assert real["grads"] == 4 * adapters < real["weights"]
 
 
-def test_nf4_base_is_counted_at_its_size():
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_quantized_base_is_counted_at_its_size(kind):
     pytest.importorskip("torchao")
     torch.manual_seed(0)
     model = add_lora(GPT(GPTConfig(**{**SHAPE, "n_embd": 64})), 4)
-    planned = memory_estimate(model, 2, 16, "float32", "adamw", nf4=True)  # before quantizing: the shapes
-    quantize_base(model)
+    planned = memory_estimate(model, 2, 16, "float32", "adamw", quantized=kind)  # before quantizing: the shapes
+    quantize_base(model, kind)
     real = one_step(model, "adamw")
     assert {k: planned[k] for k in real} == real
-    assert nf4_bytes(64 * 64) == tensor_bytes(model.blocks[0].attn.proj.weight)
+    assert memory_estimate(model, 2, 16, "float32", "adamw")["weights"] == planned["weights"]  # as it is now
+    held = tensor_bytes(model.blocks[0].attn.proj.weight)
+    assert held == (nf4_bytes(64 * 64) if kind == "nf4" else 64 * 64 + 5 * 64)  # int8, scale and zero point a row
 
 
 PARALLEL_WORKER = """
