@@ -319,8 +319,9 @@ def bench_lora():
                         if torch.is_tensor(t) and t.dim() > 0)
             ckpt["optimizer"] = None
             model = model_from_checkpoint(ckpt, torch.bfloat16)  # a LoRA run's frozen base, in bf16 as it ran
-            if extra[-1] in ("--lora_base_dtype=nf4", "--lora_base_dtype=int8"):
-                quantize_base(model, extra[-1].split("=")[1])
+            quantized = [e.split("=")[1] for e in extra if e.startswith("--lora_base_dtype=")]
+            if quantized:
+                quantize_base(model, quantized[0])
             trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
             frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
             with open(f"{out}/metrics.jsonl") as f:

@@ -21,6 +21,7 @@ from pathlib import Path
 Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "completion", "all")
+STAND_IN = "\ue000\ue001\ue000"  # stands for a reply while finding where a template writes it (private use)
 # For tokenizers that come without a template: a header per turn, and each assistant turn closed by the
 # end-of-text token, which the model learns to write and sample.py stops at.
 DEFAULT_TEMPLATE = (
@@ -116,8 +117,9 @@ class ChatFormat:
     @classmethod
     def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None):
         source, origin, tokens = find_template(folder, template_file)
-        return cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on,
-                   tokens.get("bos_token"))
+        made = cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on, tokens.get("bos_token"))
+        made.separator = eot_text  # what ends an example in the token files: no message may hold it
+        return made
 
     def meta(self, tokenizer):
         """What meta.json says of the conversations: the template (sample.py and export.py use it again), what was
@@ -139,8 +141,15 @@ class ChatFormat:
         rest = text[end:].lstrip()
         return next((s for s in self.specials if rest.startswith(s)), None)
 
+    separator = None
+
     def record(self, obj):
         """A JSON record -> Chat, or ValueError saying why it cannot be one."""
+        texts = [m.get("content") if isinstance(m, dict) else m for key in ("messages", "prompt", "completion")
+                 for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
+        texts += [obj.get(key) for key in ("instruction", "input", "output")]
+        if self.separator and any(isinstance(t, str) and self.separator in t for t in texts):
+            raise ValueError(f"it holds {self.separator}, which ends an example in the token files, as text")
         if "messages" in obj:
             messages = obj["messages"]
             check_messages(messages, "messages")
@@ -164,44 +173,49 @@ class ChatFormat:
         return self.chat(prompt + completion, len(prompt))
 
     def chat(self, messages, first_completion):
-        """messages -> Chat. Trained: each assistant turn from its header (the generation prompt) to the special token
-        closing it (train_on='assistant'), everything from messages[first_completion]'s turn on ('completion'),
-        or all of it."""
+        """messages -> Chat. Trained: each assistant turn, from its header (the generation prompt) where the
+        template writes the conversation before it as it writes it alone, else from its reply, to the token
+        closing it (train_on='assistant'); everything from messages[first_completion]'s turn on ('completion'); or
+        all of it."""
         text = self.render(messages)
         if self.train_on == "all":
             return Chat(text, [(0, len(text))])
-        if self.train_on == "completion":
-            return Chat(text, [(self.reply_start(text, messages, first_completion), len(text))])
-        spans = []
+        spans, at = [], 0  # at: where the last turn found ends
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            content, begin = message["content"].strip(), self.reply_start(text, messages, i)
-            start = text.find(content, begin)
-            if start < 0 and "</think>" in content:  # reasoning templates drop it from earlier turns
-                content = content.split("</think>")[-1].strip()
-                start = text.find(content, begin)
-            if start < 0 or not content:
-                raise ValueError(f"the chat template does not write assistant message {i + 1} as it is")
-            end = start + len(content)
-            if self.end_of_turn not in text[begin:start]:  # what the template writes before the reply, in its
-                start = begin  # turn (a think block), is the model's to write too
-            closing = self.closing_token(text, end)
-            if closing is not None:
-                end = text.index(closing, end) + len(closing)
-            spans.append((start, end))
+            if message["role"] == "assistant" and (self.train_on == "assistant" or i >= first_completion):
+                spans.append(self.turn(text, messages, i, at))
+                at = spans[-1][1]
+        if self.train_on == "completion":
+            return Chat(text, [(spans[0][0], len(text))])
         return Chat(text, spans)
 
-    def reply_start(self, text, messages, i):
-        # where message i's turn begins in text: past what the template writes before it, the conversation so
-        # far with the generation prompt (the assistant's header), as far as that agrees with text
-        before = self.render(messages[:i], add_generation_prompt=messages[i]["role"] == "assistant")
+    def turn(self, text, messages, i, at):
+        # (start, end) of assistant message i's turn in text, the first after at. It begins where the conversation
+        # before it, with the generation prompt, ends; or, where a template writes that otherwise when it ends the
+        # conversation (Mistral's moves the system prompt to the last user turn), where a stand-in for the reply
+        # stands. The reply is then found backwards from the token that closes the turn (a think block before it
+        # may hold the same words), and the turn ends with that token.
+        before = self.render(messages[:i], add_generation_prompt=True)
         if text.startswith(before):
-            return len(before)
-        n = 0
-        while n < min(len(before), len(text)) and before[n] == text[n]:
-            n += 1
-        return n
+            begin = len(before)
+        else:
+            marked = self.render(messages[:i] + [{**messages[i], "content": STAND_IN}] + messages[i + 1:])
+            begin = marked.find(STAND_IN)
+            if begin < at or not text.startswith(marked[:begin]):
+                raise ValueError(f"the chat template writes the conversation before assistant message {i + 1} "
+                                 f"otherwise with the reply there: cannot tell where the reply begins")
+        close = text.find(self.end_of_turn, begin)
+        content = messages[i]["content"].strip()
+        start = text.rfind(content, begin, close) if close >= 0 and content else -1
+        if start < 0 and "</think>" in content:  # reasoning templates drop it from earlier turns
+            content = content.split("</think>")[-1].strip()
+            start = text.rfind(content, begin, close)
+        if start < 0 or not content or text[start + len(content):close].strip():
+            raise ValueError(f"the chat template does not write assistant message {i + 1} as it is, closed by "
+                             f"{self.end_of_turn}")
+        if self.end_of_turn not in text[begin:start]:
+            start = begin  # what the template writes in the turn before the reply (a think block) is the model's
+        return start, close + len(self.end_of_turn)
 
 
 def check_messages(messages, field):

@@ -35,6 +35,7 @@ class Split:
         if examples:
             self.starts, self.lengths = example_bounds(self.tokens(), self.mask(), self.eot_id)
             self.cut = int((self.lengths > block_size + 1).sum())  # longer than a sequence: cut to fit
+            self.targets = kept_targets(self.starts, self.lengths, self.mask(), block_size)
 
     def tokens(self):
         return np.memmap(self.path, dtype=self.dtype, mode="r")
@@ -126,7 +127,8 @@ class Split:
             if not self.is_val:
                 order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
             sizes = np.minimum(self.lengths[order], self.block_size + 1)
-            self.epochs = {e: s for e, s in self.epochs.items() if e == epoch - 1}  # keep the one before
+            # kept: the epoch before (a batch may straddle two) and the first (evaluation reads train's from it)
+            self.epochs = {e: s for e, s in self.epochs.items() if e in (0, epoch - 1)}
             self.epochs[epoch] = [order[b].tolist() for b in best_fit(sizes.tolist(), self.block_size + 1)]
         return self.epochs[epoch]
 
@@ -156,18 +158,43 @@ def example_bounds(data, mask, eot_id):
     return starts, ends - starts
 
 
+def kept_targets(starts, lengths, mask, block_size):
+    """(targets left, targets) of examples cut to block_size + 1 tokens: an example's first token is no target,
+    and with a mask only its trained tokens are."""
+    if mask is None:
+        return int((np.minimum(lengths, block_size + 1) - 1).sum()), int((lengths - 1).sum())
+    kept = total = first = 0
+    while first < len(starts):  # examples a CHUNK of tokens at a time, each chunk's running sum of the mask
+        last = max(first + 1, int(np.searchsorted(starts, starts[first] + CHUNK, side="right")))
+        low = starts[first]
+        sums = np.concatenate([[0], np.cumsum(mask[low:starts[last - 1] + lengths[last - 1]], dtype=np.int64)])
+        at, length = starts[first:last] - low, lengths[first:last]
+        kept += int((sums[at + np.minimum(length, block_size + 1)] - sums[at + 1]).sum())
+        total += int((sums[at + length] - sums[at + 1]).sum())
+        first = last
+    return kept, total
+
+
 def best_fit(sizes, capacity):
-    """Each size in turn into the open bin with the least room that still holds it, a new one when none does
-    -> the bins, each a list of positions in sizes, in the order they were opened."""
-    bins, rooms = [], []  # rooms: sorted (room left, bin number) of the bins with room
+    """Each size in turn into the open bin with the least room that still holds it (the latest of those), a new
+    one when none does -> the bins, each a list of positions in sizes, in the order they were opened. Time
+    linear in the sizes: bins are kept by their room, of which there are at most capacity kinds."""
+    bins, by_room, rooms = [], {}, []  # by_room: room -> the bins with that room left; rooms: those rooms, sorted
     for i, size in enumerate(sizes):
-        k = bisect.bisect_left(rooms, (size, -1))
+        k = bisect.bisect_left(rooms, size)
         if k < len(rooms):
-            room, b = rooms.pop(k)
+            room = rooms[k]
+            b = by_room[room].pop()
+            if not by_room[room]:
+                del by_room[room]
+                rooms.pop(k)
         else:
             room, b = capacity, len(bins)
             bins.append([])
         bins[b].append(i)
         if room > size:
-            bisect.insort(rooms, (room - size, b))
+            if room - size not in by_room:
+                by_room[room - size] = []
+                bisect.insort(rooms, room - size)
+            by_room[room - size].append(b)
     return bins

@@ -60,11 +60,14 @@ def write_chat(folder, chat, eot_id):
     # sample.py --chat, in transformers' generate and in vLLM (generation_config.json's eos_token_id)
     config = read_json(os.path.join(folder, "tokenizer_config.json"))
     config.update(chat_template=chat["template"], split_special_tokens=False)
+    for name in ("bos_token", "eos_token"):  # the tokens the template was rendered with, which it names
+        if chat.get(name) and name not in config:
+            config[name] = chat[name]
     generation = {}
     if os.path.isfile(os.path.join(folder, "generation_config.json")):
         generation = read_json(os.path.join(folder, "generation_config.json"))
     eos = generation.get("eos_token_id", [])
-    eos = eos if isinstance(eos, list) else [eos]
+    eos = [i for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
     generation["eos_token_id"] = [chat["end_of_turn_id"]] + [i for i in eos + [eot_id] if i != chat["end_of_turn_id"]]
     generation["eos_token_id"] = list(dict.fromkeys(generation["eos_token_id"]))
     for name, content in (("tokenizer_config.json", config), ("generation_config.json", generation)):

@@ -107,6 +107,9 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
         end_of_turn = tokenizer.special_tokens()[chat.end_of_turn]
     except (ValueError, OSError, KeyError) as e:
         fail(f"cannot chat with this model's template ({e})")
+    if chat.origin == "built-in":  # it never learned one: a template of ours would only confuse it
+        fail(f"--chat needs a model trained on conversations: {folder} has no chat template (its data was prepared "
+             f"from text, or the folder has none); sample without --chat")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:

@@ -542,6 +542,8 @@ def check_token_files(data_dir, meta, block_size):
         if not os.path.exists(path):
             raise ValueError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
         size = os.path.getsize(path)
+        if size == 0:
+            raise ValueError(f"{path} is empty: prepare the data with --val_fraction above 0 or --val_input")
         if size % itemsize:
             raise ValueError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
                              f"or meta.json's dtype is wrong (re-run prepare.py)")

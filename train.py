@@ -391,12 +391,17 @@ if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if t
     max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
 if warmup_ratio > 0:
     warmup_iters = math.ceil(warmup_ratio * max_iters)
+for split in splits.values() if examples else ():  # cut to block_size, examples may keep nothing to learn
+    if split.targets[0] == 0:
+        fail(f"no {'val' if split.is_val else 'train'} example keeps a trained token within its first block_size + "
+             f"1 = {block_size + 1} tokens ({split.cut} of {len(split.lengths)} are longer): raise block_size")
 if examples and master:
     train = splits["train"]
     real = int(np.minimum(train.lengths, block_size + 1).sum())
     print(f"examples: {len(train.lengths):,} in training, packed into {train.sequences_in(1):,} sequences per "
           f"epoch, {real / (train.sequences_in(1) * (block_size + 1)):.1%} of their tokens real; {train.cut} "
-          f"longer than block_size + 1 = {block_size + 1} tokens, cut to it")
+          f"longer than block_size + 1 = {block_size + 1} tokens, cut to it, keeping "
+          f"{train.targets[0] / max(train.targets[1], 1):.1%} of the trained tokens")
 if max_epochs > 0 and master:
     print(f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})")
 
@@ -507,8 +512,8 @@ def log(record):
 
 def epoch():
     # passes over the training split so far: sequences (examples) or tokens (windows) over the split's
-    if examples:
-        return splits["train"].epoch_at(iter_num * sequences_per_step)
+    if examples:  # (a last step partly past max_epochs holds padding, not the next epoch)
+        return splits["train"].epoch_at(min(iter_num * sequences_per_step, end_of_epochs or math.inf))
     return iter_num * tokens_per_iter / train_tokens
 
 

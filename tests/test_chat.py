@@ -314,6 +314,44 @@ def test_qwen3_reasoning_of_earlier_turns_is_dropped_and_their_replies_trained(s
     assert runs == ["4<|im_end|>", "<think>\nthree twice\n</think>\n\n6<|im_end|>"]  # the last one's reasoning too
 
 
+# Mistral v0.3's: the system prompt goes into the last user turn, so the conversation before a reply is written
+# otherwise when it ends there
+MISTRAL_V03 = """{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}
+{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- endif %}
+{%- endfor %}"""
+
+
+@pytest.mark.parametrize("name,template,messages,trained", [
+    # a reply whose words are in the reasoning before it: found backwards from its end-of-turn
+    ("qwen3", None, [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>2+2 = 4</think>4"}],
+     ["<think>\n2+2 = 4\n</think>\n\n4<|im_end|>"]),
+    ("qwen3", None, [{"role": "user", "content": "A preposition?"}, {"role": "assistant", "content": "in"}],
+     ["<think>\n\n</think>\n\nin<|im_end|>"]),
+    # a user message holding the reply, under a template that writes the turns before a reply otherwise
+    ("mistral", MISTRAL_V03, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say Paris."},
+                              {"role": "assistant", "content": "Paris."}], ["Paris.</s>"]),
+    ("mistral", MISTRAL_V03, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Capital?"},
+                              {"role": "assistant", "content": "Paris."}], ["Hello</s>", "Paris.</s>"]),
+])
+def test_replies_are_found_where_their_words_also_stand_elsewhere(name, template, messages, trained):
+    spec = STYLES[name]
+    fmt = chat.ChatFormat(template or spec["template"], name, spec["special"], spec["eos"], "assistant", spec["bos"])
+    record = fmt.record({"messages": messages})
+    assert [record.text[a:b].lstrip(" ") for a, b in record.spans] == trained
+
+
 THINK = "<think>\n\n</think>\n\n"  # Qwen3's empty think block
 
 

@@ -354,7 +354,7 @@ def test_lora_on_a_bfloat16_folder_samples_on_a_cpu(pretrained, tmp_path):
 
 def test_sft_config_on_conversations_with_lora_under_fsdp(pretrained, tmp_path):
     # config/sft_qwen3.py as a user runs it: conversations prepared with the folder's tokenizer (it has no chat
-    # template: the built-in one), LoRA on whole examples, two processes under FSDP; then a chat with the folder
+    # template: the built-in one), LoRA on whole examples, two processes under FSDP; then a chat with the run
     from test_sft import conversations
     folder, _ = pretrained
     chats = tmp_path / "chats.jsonl"
@@ -368,9 +368,12 @@ def test_sft_config_on_conversations_with_lora_under_fsdp(pretrained, tmp_path):
     assert "max_epochs=3: 3 steps" in out.stdout and "packed into" in out.stdout
     state = torch.load(tmp_path / "run" / "ckpt" / "state.pt", weights_only=True)
     assert state["iter_num"] == 3 and state["model_args"]["lora_rank"] == 16
-    done = script("sample.py", f"--model={folder}", "--chat", "--start=apple river", "--max_new_tokens=5",
-                  "--device=cpu", "--temperature=0")
+    done = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=apple river",
+                  "--max_new_tokens=5", "--device=cpu", "--temperature=0")
     assert done.returncode == 0 and done.stdout.endswith("\n"), done.stderr  # the reply, on its own line
+    # the folder itself has no chat template: it never learned one, and --chat says so in one line
+    done = script("sample.py", f"--model={folder}", "--chat", "--start=apple river", "--device=cpu")
+    assert done.returncode != 0 and "has no chat template" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
 def test_eval_scores_every_val_token_once_as_transformers_does(pretrained):

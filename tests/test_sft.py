@@ -286,3 +286,28 @@ def test_every_epoch_kept_and_a_run_resumed_from_one_ends_the_same(chat_data, tm
     out = run(*common, f"--out_dir={tmp_path / 'parts'}", "--init_from=resume")
     assert f"iter {ends[1] + 1}:" in out.stdout and f"iter {ends[1]}:" not in out.stdout
     assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
+
+
+def test_a_message_holding_the_end_of_text_marker_is_skipped(tmp_path):
+    # "<|endoftext|>" inside a message would read as the token that ends an example and cut it in two
+    records = list(conversations(10, seed=4))
+    records[3]["messages"][-2]["content"] += " <|endoftext|> and more"
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare.main([str(tmp_path / "chats.jsonl"), "--tokenizer=bpe:300", f"--out_dir={tmp_path / 'data'}"])
+    assert meta["bad_records"]["examples"] == [f"{tmp_path / 'chats.jsonl'}:4: it holds <|endoftext|>, which ends an "
+                                               f"example in the token files, as text"]
+    assert meta["train"]["documents"] + meta["val"]["documents"] == 9
+
+
+def test_examples_cut_to_nothing_trained_are_refused(chat_data, tmp_path):
+    # block_size 6: every example is cut before its answer, and no target is left: refused, not a silent loss of 0;
+    # at 8 a few training examples keep some, but no validation one does
+    train = split(chat_data, block_size=6)
+    assert train.targets[0] == 0 < train.targets[1] == int(np.fromfile(chat_data / "train.mask.bin", np.uint8).sum())
+    assert 0 < split(chat_data, block_size=8).targets[0] < split(chat_data).targets[0] < train.targets[1]
+    assert split(chat_data, block_size=1000).targets[0] == train.targets[1]
+    for block, name in ((6, "train"), (8, "val")):
+        out = run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / name}", f"--block_size={block}",
+                  check=False)
+        assert out.returncode != 0 and f"no {name} example keeps a trained token within its first block_size + 1 " \
+            f"= {block + 1} tokens" in out.stderr
