@@ -63,9 +63,9 @@ def compile_template(source):
 
 def find_template(folder, template_file=None):
     """(template text, where it is from, {bos_token, eos_token: their text}) for a tokenizer's folder (or None):
-    --chat_template=FILE, else the folder's chat_template.jinja or tokenizer_config.json's chat_template, else
-    DEFAULT_TEMPLATE. The special tokens are the folder's tokenizer_config.json's."""
-    config = {}
+    --chat_template=FILE, else the folder's chat_template.jinja or tokenizer_config.json's chat_template (a dataset
+    of ours: its meta.json's), else DEFAULT_TEMPLATE. The special tokens are that file's."""
+    config, config_file = {}, "tokenizer_config.json"
     path = Path(folder) if folder else None
     if path is not None and path.is_file():
         path = path.parent  # a tokenizer.json: its folder
@@ -73,7 +73,7 @@ def find_template(folder, template_file=None):
         config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
     if path is not None and (path / "meta.json").is_file():  # a dataset of ours: the template it was made with
         config = json.loads((path / "meta.json").read_text(encoding="utf-8")).get("chat") or {}
-        config = {**config, "chat_template": config.get("template")}
+        config, config_file = {**config, "chat_template": config.get("template")}, "meta.json"
     tokens = {}
     for name in ("bos_token", "eos_token"):
         token = config.get(name)
@@ -88,7 +88,7 @@ def find_template(folder, template_file=None):
     if isinstance(template, list):  # several named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if isinstance(template, str):
-        return template, str(path / "tokenizer_config.json"), tokens
+        return template, str(path / config_file), tokens
     return DEFAULT_TEMPLATE, "built-in", tokens
 
 

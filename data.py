@@ -5,7 +5,7 @@ example once per epoch in an order drawn from the seed (fine-tuning). A batch is
 its number, so a resumed run sees exactly the batches it would have seen.
 
     from data import Split
-    train = Split("data/chat", "train", meta, block_size=1024, seed=1337, examples=True)
+    train = Split("data/chat", "train", meta, 1024, seed=1337, examples=True, vocab_size=meta["vocab_size"])
     x, y, doc_ids = train.packed(range(0, 8))   # sequences 0-7 of the run: (8, 1024) inputs, targets, documents
 
 A target is -1 where nothing is learned: a masked-out token (a user's turn), padding, or the first token of the
@@ -30,7 +30,7 @@ class Split:
         self.mask_path = os.path.join(data_dir, f"{split}.mask.bin") if meta.get("masks") else None
         self.dtype, self.eot_id = np.dtype(meta["dtype"]), meta.get("eot_id")
         self.block_size, self.seed, self.is_val, self.vocab_size = block_size, seed, split == "val", vocab_size
-        self.epochs = {}  # epoch -> its sequences, each a list of example numbers (the last two epochs met)
+        self.epochs = {}  # epoch -> its sequences, each a list of example numbers (the first, the last two met)
         self.firsts = [0]  # the number of each epoch's first sequence, as far as epochs have been packed
         if examples:
             self.starts, self.lengths = example_bounds(self.tokens(), self.mask(), self.eot_id)

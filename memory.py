@@ -10,6 +10,7 @@ import sys
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 import kernels
 from model import PROJECTIONS
@@ -107,7 +108,8 @@ def state_bytes(params, optimizer, dp, tp, fsdp, quantized, ddp):
     """(weights, gradients, optimizer state) in bytes one process holds of params, [(name, parameter)]: see
     memory_estimate; DDP keeps flat buckets beside the gradients."""
     def held(name, p):  # the bytes of this process's part
-        if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter:  # quantized already: its parts
+        if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not isinstance(p, DTensor):
+            # quantized already (nf4, int8): its parts, in proportion
             return tensor_bytes(p) * held_values(name, p, dp, tp, fsdp) // p.numel()
         if quantized and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:
             n = held_values(name, p, dp, tp, fsdp)
