@@ -391,7 +391,8 @@ def bench_sft():
             for cmd in (["prepare.py", os.path.join(tmp, "train.jsonl"), "--val_input", os.path.join(tmp, "test.jsonl"),
                          "--tokenizer=bpe:512", f"--train_on={train_on}", f"--out_dir={data}"],
                         ["train.py", f"--data_dir={data}", f"--out_dir={out}", *shape]):
-                done = subprocess.run([sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                done = subprocess.run([sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
                 if done.returncode:
                     sys.exit(f"bench.py: {cmd[0]} failed:\n{done.stdout[-3000:]}")
             with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -96,10 +96,12 @@ class ChatFormat:
     """A chat template with the tokenizer's special tokens, and what to train on: renders records and
     conversations, and finds the trained characters of what it renders."""
 
-    def __init__(self, source, origin, special_tokens, eos_token, train_on="assistant", bos_token=None):
+    def __init__(self, source, origin, special_tokens, eos_token, train_on="assistant", bos_token=None,
+                 separator=None):
         if train_on not in TRAIN_ON:
             raise ValueError(f"--train_on={train_on} is not one of {', '.join(TRAIN_ON)}")
         self.source, self.origin, self.train_on = source, origin, train_on
+        self.separator = separator  # what ends an example in the token files: no message may hold it
         self.specials = sorted(special_tokens, key=len, reverse=True)  # the longest first: "</s>" before "<"
         self.context = {"eos_token": eos_token, "bos_token": bos_token or "", "tools": None, "documents": None}
         self.template = compile_template(source)
@@ -117,9 +119,8 @@ class ChatFormat:
     @classmethod
     def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None):
         source, origin, tokens = find_template(folder, template_file)
-        made = cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on, tokens.get("bos_token"))
-        made.separator = eot_text  # what ends an example in the token files: no message may hold it
-        return made
+        return cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on,
+                   tokens.get("bos_token"), eot_text)
 
     def meta(self, tokenizer):
         """What meta.json says of the conversations: the template (sample.py and export.py use it again), what was
@@ -140,8 +141,6 @@ class ChatFormat:
         # the special token right after end, past any whitespace, or None
         rest = text[end:].lstrip()
         return next((s for s in self.specials if rest.startswith(s)), None)
-
-    separator = None
 
     def record(self, obj):
         """A JSON record -> Chat, or ValueError saying why it cannot be one."""

@@ -315,9 +315,9 @@ def whole_state(model, optimizers):
 def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_last_n=0, finished_epoch=None):
     """Write the run's checkpoint: state (plain values: step, config, random states, ...) and the model's
     and optimizers' tensors; also as ckpt_best when improved, as ckpt_NNNNNNN keeping the last keep_last_n of
-    those, and as ckpt_epoch_N at the end of epoch N (finished_epoch). Every process calls it. An out_dir holds one layout, the one it began with,
-    whatever the layout of the run that continues it: sharded folders (ckpt/, each process writing its own
-    part) or files (ckpt.pt, the master's, gathered from any shards)."""
+    those, and as ckpt_epoch_N at the end of epoch N (finished_epoch). Every process calls it. An out_dir holds
+    one layout, the one it began with, whatever the layout of the run that continues it: sharded folders (ckpt/,
+    each process writing its own part) or files (ckpt.pt, the master's, gathered from any shards)."""
     master = not dist.is_initialized() or dist.get_rank() == 0
     suffix = "" if sharded else ".pt"
     latest = os.path.join(out_dir, "ckpt" + suffix)

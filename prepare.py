@@ -439,7 +439,8 @@ def prepare(args, quiet=False):
             die(f"no training documents in {', '.join(map(str, inputs))} (check it)")
         conversations = stats.pop("conversations")
         if conversations and splits["train"].get("targets", 0) == 0:
-            die(f"the masks of {', '.join(map(str, inputs))} select no token to train on (check --train_on and the template)")
+            die(f"the masks of {', '.join(map(str, inputs))} select no token to train on (check --train_on and "
+                f"the template)")
         meta = {
             "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,

@@ -383,6 +383,7 @@ if master:
 examples = sequences == "examples"
 splits = {split: Split(data_dir, split, meta, block_size, seed, examples, vocab_size) for split in ("train", "val")}
 sequences_per_step = gradient_accumulation_steps * batch_size
+weighted = examples or meta.get("masks", False)  # micro-batches hold different numbers of targets (the loop)
 end_of_epochs = None  # sequences in max_epochs epochs; past them, a step's sequences are empty
 if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
     end_of_epochs = splits["train"].sequences_in(max_epochs) if examples else None
@@ -581,7 +582,6 @@ while True:
     # With masks or packed examples, micro-batches hold different numbers of targets: each one's mean loss is
     # weighted by its share of the targets of the whole update (over every process), so that the update's
     # loss is their mean, however they fall into micro-steps and processes.
-    weighted = examples or meta.get("masks", False)
     if weighted:
         targets = torch.stack([(y != -1).sum() for _, y, _ in batches]).float()
         all_targets = targets.sum()
