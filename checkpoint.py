@@ -14,6 +14,7 @@ code: only tensors and plain values are unpickled.
     model, tokenizer, checkpoint = load_run("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt
 """
 
+import errno
 import os
 import pickle
 import re
@@ -317,7 +318,70 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
     and optimizers' tensors; also as ckpt_best when improved, as ckpt_NNNNNNN keeping the last keep_last_n of
     those, and as ckpt_epoch_N at the end of epoch N (finished_epoch). Every process calls it. An out_dir holds
     one layout, the one it began with, whatever the layout of the run that continues it: sharded folders (ckpt/,
-    each process writing its own part) or files (ckpt.pt, the master's, gathered from any shards)."""
+    each process writing its own part) or files (ckpt.pt, the master's, gathered from any shards).
+    A save that cannot be written (a full disk, a quota, permissions, a vanished mount) removes what it began
+    and raises ValueError in one line: what, why, and which checkpoint is intact."""
+    try:
+        write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch)
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+        # torch.save reports a full disk as "unexpected pos": the free space against the checkpoint's size says
+        model_state = trained_only(model, model.state_dict()) if lora else model.state_dict()
+        needed = tensor_bytes([model_state] + [opt.state_dict()["state"] for opt in optimizers])
+        raise ValueError(failed_save(out_dir, state["iter_num"], sharded, e, needed)) from None
+
+
+def tensor_bytes(tree):
+    # the bytes of the tensors in nested dicts and lists (a sharded tensor's whole size: every shard's)
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in values)
+
+
+def failed_save(out_dir, step, sharded, error, needed):
+    # the one line for a save that failed, once what it began is removed (the master's part; the others' shards
+    # are in the same folders)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for name in os.listdir(out_dir) if os.path.isdir(out_dir) else ():
+            if re.fullmatch(r"ckpt.*\.tmp", name):
+                retire(os.path.join(out_dir, name))
+    why = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+    try:
+        free = shutil.disk_usage(out_dir).free
+        if free < needed or isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            why = f"No space left on device: about {needed / 2**20:,.1f} MB needed, {free / 2**20:,.1f} MB free"
+    except OSError:  # the folder itself is gone: the error says why
+        pass
+    latest = find_checkpoint(os.path.join(out_dir, "ckpt" + ("" if sharded else ".pt")))
+    kept = f"{latest} from step {load_checkpoint(latest, mmap=True, weights=False)['iter_num']} is intact" \
+        if latest else "no earlier checkpoint was written"
+    return (f"could not write the checkpoint of step {step} in {out_dir} ({why}); {kept}: make room (or move "
+            f"out_dir), then resume with --init_from=auto")
+
+
+def check_room(out_dir, size):
+    """Before the first step: ValueError in one line when out_dir cannot be written or has no room for one
+    checkpoint of size bytes; a warning (returned, else None) when it has none for two (a save writes the new
+    one beside the last)."""
+    probe = os.path.join(out_dir, f".write-test-{dist.get_rank() if dist.is_initialized() else 0}.tmp")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"0")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+        free = shutil.disk_usage(out_dir).free
+    except OSError as e:
+        raise ValueError(f"cannot write in out_dir={out_dir} ({e.strerror}): choose a folder this user can write "
+                         f"to, on a disk that is mounted") from None
+    room = f"{free / 2**20:,.1f} MB free in {out_dir}, and a checkpoint takes about {size / 2**20:,.1f} MB"
+    if free < size:
+        raise ValueError(f"{room}: make room, or choose another out_dir")
+    return f"warning: {room}: a second checkpoint will not fit beside the first" if free < 2 * size else None
+
+
+def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch):
     master = not dist.is_initialized() or dist.get_rank() == 0
     suffix = "" if sharded else ".pt"
     latest = os.path.join(out_dir, "ckpt" + suffix)

@@ -26,6 +26,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ from configurator import configure
 from data import Split
 from hf import fingerprint, load_pretrained, read_json
 from lora import add_lora, check_lora, quantize_base
-from memory import measured_mb, memory_estimate, memory_layout, memory_table
+from memory import measured_mb, memory_estimate, memory_layout, memory_table, state_bytes
 from model import GPT, GPTConfig
 from parallel import check_layout, clip_gradients, parallelize, peak_flops, pick_device
 from tokenizer import check_token_files, check_tokenizer, read_meta
@@ -113,6 +114,8 @@ lr_cycle_iters = 1000  # cosine_restarts: steps from one restart to the next
 lr_power = 1.0  # polynomial: the decay's power (1: linear)
 # system
 backend = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
+dist_timeout = 600  # seconds joining the process group, or a collective, may wait for the others before failing
+# (so that torchrun can restart a group that lost a process, README: "Surviving failures")
 device = "auto"  # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = "auto"  # 'float32', 'bfloat16', 'float16' (with a gradient scaler); auto: bf16 where supported on CUDA
 compile = False  # torch.compile the model (slow first step, faster after)
@@ -134,7 +137,7 @@ def fail(msg):
 
 
 for k in ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size", "gradient_accumulation_steps",
-          "max_skipped_steps"):
+          "max_skipped_steps", "dist_timeout"):
     if globals()[k] < 1:
         fail(f"{k}={globals()[k]} must be at least 1")
 if use_kernels not in (None, True, False):
@@ -187,7 +190,13 @@ fsdp = fsdp or tp_size > 1
 if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
     backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if fsdp_cpu_offload else "nccl"
 if ddp:
-    dist.init_process_group(backend=backend)
+    # torchrun's store outlives a restart of its workers, and so would the addresses the last group wrote there:
+    # each restart of the group keeps its keys apart, or the new workers would dial their dead peers. Joining
+    # waits dist_timeout at most, so a group that cannot form fails, and torchrun tries again.
+    store = next(dist.rendezvous("env://", timeout=timedelta(seconds=dist_timeout)))[0]
+    store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=dist_timeout))
 elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to offload a model past a GPU
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 # Processes form a (data parallel, tensor parallel) grid: the tp_size processes of one model replica are
@@ -210,7 +219,10 @@ if device_type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the float32 matmuls that remain
     torch.backends.cudnn.allow_tf32 = True
 if master:
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        fail(f"cannot make out_dir={out_dir} ({e.strerror}): choose a folder this user can write to")
     print(f"{world_size} process(es) on {device_type}, {dtype}; tokens per update: {tokens_per_iter:,} "
           f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
 
@@ -375,6 +387,15 @@ memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer,
                          micro_steps=micro_steps, device=device_type, **layout)
 if master:
     print(memory_table([(memory_layout(**layout), memory)]))
+# out_dir must take the checkpoints (the weights, a LoRA run's adapters alone, and the optimizer's state): found
+# out now, not at the first save, hours in
+saved = [(name, p) for name, p in raw_model.named_parameters() if p.requires_grad or not lora]
+try:
+    room_warning = ckpt.check_room(out_dir, sum(state_bytes(saved, optimizer, 1, 1, False, None, False)[::2]))
+except ValueError as e:
+    fail(str(e))
+if room_warning and master:
+    print(room_warning)
 
 # -----------------------------------------------------------------------------
 # 6. the sequences (data.py): random windows, or whole examples packed best-fit, every one once per epoch
@@ -494,15 +515,32 @@ def save_checkpoint(improved, finished_epoch=None):
         "pretrained": pretrained,  # the Hugging Face folder the run began from, if any
         "base_fingerprint": base_fingerprint,
     }
-    ckpt.save(out_dir, state, raw_model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch)
+    try:
+        ckpt.save(out_dir, state, raw_model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch)
+        failed = None
+    except ValueError as e:  # a full disk, a folder gone: what the save began is removed, the last one is intact
+        failed = str(e)
+    if ddp:  # every process stops, or the others would wait for this one at the next step
+        failures = torch.tensor([float(failed is not None)], device=device)
+        dist.all_reduce(failures)
+        if failures.item() and failed is None:
+            failed = "another process could not write the checkpoint (its error is above)"
+    if failed:
+        fail(failed)
 
 
 def log(record):
     # stdout is the caller's; here out_dir/metrics.jsonl, wandb and TensorBoard
+    global metrics_failed
     if not master:
         return
-    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a record lost is no reason to lose the run: said once
+        if not metrics_failed:
+            print(f"warning: cannot write {out_dir}/metrics.jsonl ({e.strerror}); training goes on without it")
+        metrics_failed = True
     if wandb_log:
         wandb.log(record, step=record["iter"])
     if tensorboard:
@@ -525,7 +563,7 @@ if wandb_log and master:
 tensorboard = SummaryWriter(os.path.join(out_dir, "tb")) if tensorboard_log and master else None
 
 # preemption: SIGTERM or SIGINT finishes the current step, saves, and exits 0
-stop_requested = False
+stop_requested, metrics_failed = False, False
 
 
 def request_stop(signum, frame):

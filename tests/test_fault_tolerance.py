@@ -320,3 +320,34 @@ def test_out_of_range_token_names_file_and_position(data_dir, tmp_path):
     assert "token id 200 at position" in line and f"of {bad}/train.bin is not below" in line
     position = int(line.split("at position ")[1].split()[0])
     assert position >= 1000 and len(line.splitlines()) == 1
+
+
+def final_weights(out_dir):
+    # the weights of a run's last checkpoint, a file or (FSDP) a sharded folder
+    from checkpoint import read_sharded
+    return read_sharded(str(out_dir / "ckpt")) if (out_dir / "ckpt").is_dir() else weights(out_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(data_dir, tmp_path, layout):
+    # kill -9 one worker (as the out-of-memory killer or a lost node does) at a random step, three times in the
+    # run's life: torchrun restarts the group, which resumes from its last checkpoint (--init_from=auto)
+    args = [*COMMON, f"--data_dir={data_dir}", "--gradient_accumulation_steps=2", "--max_iters=40",
+            "--eval_interval=4", "--init_from=auto", "--dist_timeout=15", *(["--fsdp=True"] * (layout == "fsdp"))]
+    two = ["--standalone", "--nproc_per_node=2"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}", torchrun=two)
+    launcher = (sys.executable, "-m", "torch.distributed.run", *two, "--max-restarts=9")
+    proc = start(*args, f"--out_dir={tmp_path / 'killed'}", launcher=launcher)
+    rng = random.Random(layout)
+    output = ""
+    for step in sorted(rng.sample(range(5, 36), 3)):
+        output += wait_for(proc, f"iter {step}:")
+        workers = sorted(pid for pid, command in marked().items() if "torch.distributed.run" not in command)
+        assert len(workers) == 2, workers
+        os.kill(rng.choice(workers), signal.SIGKILL)
+    output += proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert output.count("exitcode: -9") == 3, output[-3000:]  # torchrun saw the three kills
+    assert losses(tmp_path / "whole") == losses(tmp_path / "killed")
+    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"))
