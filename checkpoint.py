@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from hf import fingerprint, load_pretrained
 from lora import add_lora, trained_only
+from memory import state_bytes
 from model import GPT, GPTConfig
 from tokenizer import durable_replace, load_tokenizer
 
@@ -326,16 +327,16 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         # torch.save reports a full disk as "unexpected pos": the free space against the checkpoint's size says
         model_state = trained_only(model, model.state_dict()) if lora else model.state_dict()
-        needed = tensor_bytes([model_state] + [opt.state_dict()["state"] for opt in optimizers])
+        needed = nested_bytes([model_state] + [opt.state_dict()["state"] for opt in optimizers])
         raise ValueError(failed_save(out_dir, state["iter_num"], sharded, e, needed)) from None
 
 
-def tensor_bytes(tree):
+def nested_bytes(tree):
     # the bytes of the tensors in nested dicts and lists (a sharded tensor's whole size: every shard's)
     if isinstance(tree, torch.Tensor):
         return tree.numel() * tree.element_size()
     values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
-    return sum(tensor_bytes(v) for v in values)
+    return sum(nested_bytes(v) for v in values)
 
 
 def failed_save(out_dir, step, sharded, error, needed):
@@ -359,10 +360,14 @@ def failed_save(out_dir, step, sharded, error, needed):
             f"out_dir), then resume with --init_from=auto")
 
 
-def check_room(out_dir, size):
+def check_room(out_dir, model, optimizer, lora):
     """Before the first step: ValueError in one line when out_dir cannot be written or has no room for one
-    checkpoint of size bytes; a warning (returned, else None) when it has none for two (a save writes the new
-    one beside the last)."""
+    checkpoint (the weights, a LoRA run's adapters alone, and the state of the optimizer, named as in
+    train.py); a warning (returned, else None) when it has none for two (a save writes the new one beside the
+    last)."""
+    saved = [(name, p) for name, p in model.named_parameters() if p.requires_grad or not lora]
+    weights, _, optimizer_state = state_bytes(saved, optimizer, 1, 1, False, None, False)
+    size = weights + optimizer_state
     probe = os.path.join(out_dir, f".write-test-{dist.get_rank() if dist.is_initialized() else 0}.tmp")
     try:
         os.makedirs(out_dir, exist_ok=True)

@@ -39,7 +39,7 @@ from configurator import configure
 from data import Split
 from hf import fingerprint, load_pretrained, read_json
 from lora import add_lora, check_lora, quantize_base
-from memory import measured_mb, memory_estimate, memory_layout, memory_table, state_bytes
+from memory import measured_mb, memory_estimate, memory_layout, memory_table
 from model import GPT, GPTConfig
 from parallel import check_layout, clip_gradients, parallelize, peak_flops, pick_device
 from tokenizer import check_token_files, check_tokenizer, read_meta
@@ -387,11 +387,8 @@ memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer,
                          micro_steps=micro_steps, device=device_type, **layout)
 if master:
     print(memory_table([(memory_layout(**layout), memory)]))
-# out_dir must take the checkpoints (the weights, a LoRA run's adapters alone, and the optimizer's state): found
-# out now, not at the first save, hours in
-saved = [(name, p) for name, p in raw_model.named_parameters() if p.requires_grad or not lora]
-try:
-    room_warning = ckpt.check_room(out_dir, sum(state_bytes(saved, optimizer, 1, 1, False, None, False)[::2]))
+try:  # found out now, not at the first save, hours in
+    room_warning = ckpt.check_room(out_dir, raw_model, optimizer, lora)
 except ValueError as e:
     fail(str(e))
 if room_warning and master:

@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -351,3 +352,84 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(d
     assert output.count("exitcode: -9") == 3, output[-3000:]  # torchrun saw the three kills
     assert losses(tmp_path / "whole") == losses(tmp_path / "killed")
     assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"))
+
+
+def tmpfs_available():
+    # a small filesystem of the test's own (a user namespace may mount one where the kernel allows it)
+    try:
+        return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /tmp"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("disk", ["tmpfs", "patched"])
+def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes_once_there_is_room(data_dir, tmp_path, disk):
+    args = [*COMMON, f"--data_dir={data_dir}", "--max_iters=9"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}")
+    size = (tmp_path / "whole" / "ckpt.pt").stat().st_size
+    out = tmp_path / "disk" / "out"
+    out.parent.mkdir()
+    python = " ".join(map(shlex.quote, [sys.executable, "train.py", *args, f"--out_dir={out}"]))
+    logs = " ".join(f"> {tmp_path / name}.out 2> {tmp_path / name}.err" for name in ("full",))
+    if disk == "tmpfs":  # room for the checkpoint of step 3, not for step 6's beside it; then a bigger disk
+        if not tmpfs_available():
+            pytest.skip("this kernel lets no user namespace mount a tmpfs (unshare -rm)")
+        script = (f"mount -t tmpfs -o size={size * 8 // 5 // 1024}k tmpfs {out.parent} && {python} {logs}; "
+                  f"ls -a {out} > {tmp_path / 'listing'}; mount -o remount,size=16m {out.parent} && "
+                  f"{python} --init_from=auto > {tmp_path / 'resumed.out'} && cp -r {out} {tmp_path / 'final'}")
+        subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, timeout=300, check=True)
+    else:  # ENOSPC from the file's write, half the checkpoint of step 6 written
+        full = tmp_path / "full_disk.py"
+        full.write_text("import errno as _errno, torch as _torch\n"
+                        "_save = _torch.save\n"
+                        "def _full(obj, f, *a, **k):\n"
+                        "    if obj['iter_num'] < 6:\n"
+                        "        return _save(obj, f, *a, **k)\n"
+                        f"    f.write(bytes({size // 2}))\n"
+                        "    raise OSError(_errno.ENOSPC, 'No space left on device')\n"
+                        "_torch.save = _full\n")
+        subprocess.run(f"{python} {full} {logs}; ls -a {out} > {tmp_path / 'listing'}", shell=True, cwd=ROOT)
+        run(*args, f"--out_dir={out}", "--init_from=auto")
+        (tmp_path / "final").symlink_to(out)
+    error = (tmp_path / "full.err").read_text().strip()
+    assert len(error.splitlines()) == 1, error
+    assert "could not write the checkpoint of step 6" in error and "No space left on device" in error
+    assert f"{out}/ckpt.pt from step 3 is intact: make room" in error
+    assert (tmp_path / "listing").read_text().split() == [".", "..", "ckpt.pt", "ckpt_best.pt", "metrics.jsonl"]
+    assert torch.load(tmp_path / "final" / "ckpt.pt", weights_only=True)["iter_num"] == 9
+    assert losses(tmp_path / "whole") == losses(tmp_path / "final")
+
+
+@pytest.mark.slow
+def test_out_dir_that_cannot_be_written_or_holds_no_checkpoint_is_refused_before_training(data_dir, tmp_path):
+    (tmp_path / "file").write_text("")
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'file' / 'out'}", check=False)
+    assert out.returncode != 0 and out.stderr.strip().count("\n") == 0
+    assert f"cannot make out_dir={tmp_path / 'file' / 'out'} (Not a directory)" in out.stderr
+
+    def free(nbytes):  # a config file that makes the disk seem to have nbytes free
+        path = tmp_path / f"free_{nbytes}.py"
+        path.write_text("import shutil as _shutil, types as _types\n_shutil.disk_usage = lambda path: "
+                        f"_types.SimpleNamespace(total=10**12, used=10**12, free={nbytes})\n")
+        return str(path)
+    args = [*TINY, f"--data_dir={data_dir}", "--max_iters=2", "--eval_interval=2"]
+    out = run(*args, f"--out_dir={tmp_path / 'small'}", free(1000), check=False)
+    assert out.returncode != 0 and out.stderr.strip().count("\n") == 0
+    assert "0.0 MB free in" in out.stderr and "make room, or choose another out_dir" in out.stderr
+    assert not (tmp_path / "small" / "metrics.jsonl").exists()  # refused before the first step
+    out = run(*args, f"--out_dir={tmp_path / 'short'}", free(600_000))  # one checkpoint fits, two do not
+    assert "a second checkpoint will not fit beside the first" in out.stdout
+    assert torch.load(tmp_path / "short" / "ckpt.pt", weights_only=True)["iter_num"] == 2
+
+
+def test_metrics_that_cannot_be_written_warn_once_and_training_goes_on(data_dir, tmp_path):
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2"]
+    run(*args, "--max_iters=2")
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: No space left on device
+    out = run(*args, "--max_iters=6", "--init_from=resume")
+    assert out.stdout.count("warning: cannot write") == 1
+    assert "metrics.jsonl (No space left on device); training goes on without it" in out.stdout
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 6
