@@ -82,7 +82,7 @@ def write_json(path, content):
 def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
     # the same model as write_model's folder, as one GGUF file; float32 unless asked
     from gguf_export import write_gguf
-    merge_lora(model).to(getattr(torch, "float32" if dtype == "auto" else dtype))
+    merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
     base = checkpoint.get("pretrained") or ""
     chat = read_meta(checkpoint["data_dir"]).get("chat")
     template = chat["template"] if chat else None
@@ -92,7 +92,7 @@ def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
     elif tokenizer.kind == "huggingface" and read_text(os.path.join(base, "tokenizer.json")) == tokenizer.hf_json:
         config = os.path.join(base, "tokenizer_config.json")
         template = read_json(config).get("chat_template") if os.path.isfile(config) else None
-    write_gguf(model, tokenizer, path, ids, template)
+    write_gguf(model, tokenizer, path, getattr(torch, "float32" if dtype == "auto" else dtype), ids, template)
 
 
 def write_chat(folder, chat, eot_id):

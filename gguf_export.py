@@ -45,10 +45,10 @@ PRE_TOKENIZERS = {
 GPT2_BYTELEVEL = "gpt-2"  # a tokenizer.json whose ByteLevel step splits with GPT-2's own pattern
 
 
-def write_gguf(model, tokenizer, path, ids, chat_template=None):
-    """model (cast to its export dtype) + its dataset's tokenizer -> a GGUF file at path. ids: the special
-    token ids as config.json has them (export.run_special_ids). ValueError in one line for what GGUF, or
-    this writer, cannot express."""
+def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
+    """model (float32) + its dataset's tokenizer -> a GGUF file at path, its matrices in dtype (torch's).
+    ids: the special token ids as config.json has them (export.run_special_ids). ValueError in one line
+    for what GGUF, or this writer, cannot express."""
     import gguf
     c = model.config
     if c.rope_scaling:
@@ -68,7 +68,7 @@ def write_gguf(model, tokenizer, path, ids, chat_template=None):
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.norm_eps)
     writer.add_vocab_size(c.vocab_size)
-    writer.add_file_type(FILE_TYPES[model.wte.weight.dtype](gguf))
+    writer.add_file_type(FILE_TYPES[dtype](gguf))
     writer.add_tokenizer_model("gpt2")  # llama.cpp's name for a byte-level BPE
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -87,7 +87,7 @@ def write_gguf(model, tokenizer, path, ids, chat_template=None):
     names = gguf.get_tensor_name_map(arch, c.n_layer)
     for hf_name, tensor in gguf_tensors(model, arch.name in INTERLEAVED_ROTARY):
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        add_tensor(writer, gguf, name, tensor)
+        add_tensor(writer, gguf, name, tensor, dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -116,11 +116,10 @@ def interleave_rotary(weight, heads):
     return weight.reshape(heads, 2, -1, weight.shape[-1]).transpose(1, 2).reshape(weight.shape)
 
 
-def add_tensor(writer, gguf, name, tensor):
+def add_tensor(writer, gguf, name, tensor, dtype):
     # Norms' weights stay float32, as llama.cpp's converter writes them; bfloat16 goes as its raw bits.
-    if tensor.dim() == 1 or tensor.dtype == torch.float32:
-        writer.add_tensor(name, tensor.float().numpy())
-    elif tensor.dtype == torch.bfloat16:
+    tensor = tensor.float() if tensor.dim() == 1 else tensor.to(dtype)
+    if tensor.dtype == torch.bfloat16:
         writer.add_tensor(name, tensor.view(torch.int16).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
     else:
         writer.add_tensor(name, tensor.numpy())

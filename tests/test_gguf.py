@@ -1,0 +1,152 @@
+"""export.py --to=NAME.gguf: one GGUF file, read back with the gguf package's own reader, holds every weight of
+the run in the layout llama.cpp wants, the hyperparameters it reads and the dataset's tokenizer.
+Run: python -m pytest -q tests/test_gguf.py"""
+
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import export
+from gguf_export import PRE_TOKENIZERS, interleave_rotary, vocabulary
+from hf import hf_layout
+from test_train import TINY, run, script
+from tokenizer import byte_chars, load_tokenizer, make_tokenizer
+
+gguf = pytest.importorskip("gguf")
+
+
+def write_run(folder):
+    # bpe:300 learned by prepare.py on some Python source, and a tiny GQA model trained on it for 3 steps
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-c]*.py"))
+    (folder / "corpus.txt").write_text("\n".join(f.read_text(errors="replace") for f in files)[:150_000])
+    done = script("prepare.py", folder / "corpus.txt", "--tokenizer=bpe:300", f"--out_dir={folder / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run(*TINY, f"--data_dir={folder / 'data'}", f"--out_dir={folder / 'run'}", "--max_iters=3")
+
+
+@pytest.fixture(scope="module")
+def bpe_run(shared):
+    return shared("gguf-bpe-run", write_run)
+
+
+def exported(folder, tmp_path, *args):
+    path = tmp_path / "model.gguf"
+    done = script("export.py", f"--out_dir={folder / 'run'}", f"--to={path}", *args)
+    assert done.returncode == 0, done.stderr
+    return gguf.GGUFReader(path)
+
+
+def run_model(folder):
+    from checkpoint import load_checkpoint, model_from_checkpoint
+    return model_from_checkpoint(load_checkpoint(folder / "run" / "ckpt.pt"))
+
+
+def value(reader, key):
+    return reader.fields[key].contents()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_tensor_is_the_models_in_llama_cpps_layout(bpe_run, tmp_path, dtype):
+    reader = exported(bpe_run, tmp_path, f"--dtype={dtype}")
+    model = run_model(bpe_run)
+    config, params = model.config, dict(model.named_parameters())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.n_layer)
+    tensors = {t.name: t for t in reader.tensors}
+    layout = hf_layout(config)
+    assert len(tensors) == len(layout) and "output.weight" not in tensors  # the head is tied: not written
+    for hf_name, ours in layout.items():
+        stored = tensors[names.get_name(hf_name, try_suffixes=(".weight",))]
+        expected = params[ours].detach()
+        if expected.dim() == 2:  # norms stay float32; the matrices take the dtype asked for
+            expected = expected.to(getattr(torch, dtype))
+        if stored.tensor_type == gguf.GGMLQuantizationType.BF16:
+            data = torch.from_numpy(np.array(stored.data).view(np.int16)).view(torch.bfloat16)
+        else:
+            data = torch.from_numpy(np.array(stored.data))
+        data = data.reshape(expected.shape)
+        for proj, heads in (("q_proj", config.n_head), ("k_proj", config.n_kv_head)):
+            if proj in hf_name:  # llama.cpp's llama rotates interleaved pairs: undo the reordering to compare
+                assert not torch.equal(data, expected)
+                data = uninterleave(data, heads)
+        assert data.dtype == expected.dtype and torch.equal(data, expected), hf_name
+
+
+def uninterleave(weight, heads):
+    # the inverse of gguf_export.interleave_rotary, written the other way round: alternating rows -> halves
+    rows = weight.reshape(heads, -1, 2, weight.shape[-1])
+    return torch.cat([rows[:, :, 0], rows[:, :, 1]], dim=1).reshape(weight.shape)
+
+
+def test_interleave_pairs_each_heads_halves():
+    weight = torch.arange(2 * 8, dtype=torch.float32)[:, None]  # two heads of 8 rows
+    out = interleave_rotary(weight, 2)[:, 0].tolist()
+    assert out == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    assert torch.equal(uninterleave(interleave_rotary(weight, 2), 2), weight)
+
+
+def test_metadata_and_tokenizer(bpe_run, tmp_path):
+    reader = exported(bpe_run, tmp_path)
+    config = run_model(bpe_run).config
+    tokenizer = load_tokenizer(bpe_run / "data")
+    assert value(reader, "general.architecture") == "llama"
+    expected = {"block_count": config.n_layer, "attention.head_count": config.n_head,
+                "attention.head_count_kv": config.n_kv_head, "context_length": config.block_size,
+                "embedding_length": config.n_embd, "feed_forward_length": config.mlp_hidden,
+                "rope.freq_base": config.rope_theta, "vocab_size": config.vocab_size}
+    for key, wanted in expected.items():
+        assert value(reader, f"llama.{key}") == wanted, key
+    assert value(reader, "llama.attention.layer_norm_rms_epsilon") == pytest.approx(config.norm_eps)
+    assert value(reader, "tokenizer.ggml.model") == "gpt2" and value(reader, "tokenizer.ggml.pre") == "llama-bpe"
+    assert value(reader, "tokenizer.ggml.eos_token_id") == tokenizer.eot_id
+    assert "tokenizer.ggml.bos_token_id" not in reader.fields  # our documents have no start token
+    assert value(reader, "tokenizer.ggml.add_bos_token") is False
+    assert "tokenizer.chat_template" not in reader.fields
+    # every token's text is its bytes, spelled as byte-level BPE files spell them; the padding is unused
+    tokens, types = value(reader, "tokenizer.ggml.tokens"), value(reader, "tokenizer.ggml.token_type")
+    assert len(tokens) == config.vocab_size
+    byte_of = {c: b for b, c in byte_chars().items()}
+    for i in range(tokenizer.eot_id):
+        assert bytes(byte_of[c] for c in tokens[i]) == tokenizer.enc.decode_single_token_bytes(i)
+        assert types[i] == gguf.TokenType.NORMAL
+    assert tokens[tokenizer.eot_id] == "<|endoftext|>" and types[tokenizer.eot_id] == gguf.TokenType.CONTROL
+    assert set(types[tokenizer.eot_id + 1:]) == {gguf.TokenType.UNUSED}
+    assert len(value(reader, "tokenizer.ggml.merges")) == tokenizer.eot_id - 256
+
+
+def test_overwrite_and_adapter(bpe_run, tmp_path):
+    exported(bpe_run, tmp_path)
+    again = script("export.py", f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'model.gguf'}")
+    assert again.returncode != 0 and "pass --overwrite" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    exported(bpe_run, tmp_path, "--overwrite", "--dtype=float16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # nothing left beside it
+
+
+def test_every_tiktoken_pattern_has_llama_cpps_name():
+    import tiktoken
+    expected = {"gpt2": "gpt-2", "r50k_base": "gpt-2", "cl100k_base": "llama-bpe", "o200k_base": "gpt-4o"}
+    for name, pre in expected.items():
+        try:
+            pattern = tiktoken.get_encoding(name)._pat_str
+        except Exception as e:  # it would download: tests never do
+            pytest.skip(f"tiktoken encoding {name} does not load offline ({type(e).__name__})")
+        assert PRE_TOKENIZERS[pattern] == pre, name
+
+
+def test_char_tokenizer_is_refused_in_one_line():
+    tokenizer = make_tokenizer("char", lambda: iter(["hello world"]))
+    with pytest.raises(ValueError) as e:
+        vocabulary(tokenizer, 64, gguf)
+    assert "\n" not in str(e.value) and "convert_hf_to_gguf.py" in str(e.value)
+
+
+def test_without_the_gguf_package_one_line_says_to_install_it(bpe_run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # an import of it fails as if it were not installed
+    with pytest.raises(SystemExit) as e:
+        export.main([f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'model.gguf'}"])
+    assert str(e.value) == "export.py: writing GGUF needs llama.cpp's gguf package: pip install gguf"
+    assert not (tmp_path / "model.gguf").exists()
