@@ -150,3 +150,104 @@ def test_without_the_gguf_package_one_line_says_to_install_it(bpe_run, tmp_path,
         export.main([f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'model.gguf'}"])
     assert str(e.value) == "export.py: writing GGUF needs llama.cpp's gguf package: pip install gguf"
     assert not (tmp_path / "model.gguf").exists()
+
+
+# -----------------------------------------------------------------------------
+# a fine-tuned import: its base's special ids and generation defaults pass through to both exports
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+BASES = {  # family: (config class, split pattern, special tokens, ids in config.json)
+    "llama": ("LlamaConfig", LLAMA3_SPLIT, ["<|begin_of_text|>", "<|end_of_text|>"],
+              dict(bos_token_id=0, eos_token_id=1, pad_token_id=1)),
+    "qwen3": ("Qwen3Config", QWEN2_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+              dict(bos_token_id=None, eos_token_id=2, pad_token_id=0)),
+}
+
+
+def make_base(folder, family, text):
+    # a tiny random model of the family with a byte-level BPE split as its family's, as on the Hub
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    config_class, pattern, specials, ids = BASES[family]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text[i:i + 10_000] for i in range(0, len(text), 10_000)], trainer)
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(
+        vocab_size=416, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, **ids)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.generation_config = transformers.GenerationConfig(**ids, temperature=0.7, do_sample=True)
+    model.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.slow  # a base, a dataset with its tokenizer and a short fine-tune
+@pytest.mark.parametrize("family", list(BASES))
+def test_a_fine_tuned_import_keeps_its_bases_ids(family, tmp_path):
+    import json
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[d-f]*.py"))
+    text = "\n".join(f.read_text(errors="replace") for f in files)[:100_000]
+    make_base(tmp_path / "base", family, text)
+    (tmp_path / "corpus.txt").write_text(text)
+    done = script("prepare.py", tmp_path / "corpus.txt", f"--tokenizer={tmp_path / 'base'}",
+                  f"--out_dir={tmp_path / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run("--block_size=32", "--batch_size=2", "--eval_iters=1", "--max_iters=2", f"--data_dir={tmp_path / 'data'}",
+        f"--init_from={tmp_path / 'base'}", f"--out_dir={tmp_path / 'run'}")
+    done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    base = json.loads((tmp_path / "base" / "config.json").read_text())
+    ours = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert ours.get(name) == base.get(name), name
+    generation = (tmp_path / "hf" / "generation_config.json").read_text()
+    assert generation == (tmp_path / "base" / "generation_config.json").read_text()
+    reader = exported(tmp_path, tmp_path)
+    assert value(reader, "general.architecture") == family
+    assert value(reader, "tokenizer.ggml.pre") == {"llama": "llama-bpe", "qwen3": "qwen2"}[family]
+    assert value(reader, "tokenizer.ggml.eos_token_id") == base["eos_token_id"]
+    assert value(reader, "tokenizer.ggml.padding_token_id") == base["pad_token_id"]
+    if base.get("bos_token_id") is not None:
+        assert value(reader, "tokenizer.ggml.bos_token_id") == base["bos_token_id"]
+    # Qwen rotates halves as model.py does: its q is written as it is
+    q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    weight = dict(run_model(tmp_path).named_parameters())["blocks.0.attn.q.weight"].detach()
+    assert torch.equal(torch.from_numpy(np.array(q.data)).reshape(weight.shape), weight) == (family == "qwen3")
+
+
+# -----------------------------------------------------------------------------
+# the Hugging Face folder of a run trained here: transformers encodes a text as prepare.py did
+
+def write_gpt2_run(folder):
+    (folder / "corpus.txt").write_text(Path(sysconfig.get_paths()["stdlib"], "abc.py").read_text() * 3)
+    done = script("prepare.py", folder / "corpus.txt", "--tokenizer=gpt2", f"--out_dir={folder / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run(*TINY, f"--data_dir={folder / 'data'}", f"--out_dir={folder / 'run'}", "--max_iters=1")
+
+
+@pytest.mark.parametrize("kind", ["bpe", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_autotokenizer_encodes_as_prepare_did(kind, bpe_run, shared, tmp_path):
+    import json
+    transformers = pytest.importorskip("transformers")
+    if kind == "gpt2":
+        pytest.importorskip("tiktoken").get_encoding("gpt2")  # skips, as tiktoken_case does, where it would download
+    folder = bpe_run if kind == "bpe" else shared("gguf-gpt2-run", write_gpt2_run)
+    done = script("export.py", f"--out_dir={folder / 'run'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] is False and config["add_eos_token"] is False
+    ids = np.fromfile(folder / "data" / "train.bin", dtype=np.uint16)[:3000].tolist()
+    text = load_tokenizer(folder / "data").decode(ids)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert auto(text)["input_ids"][:2900] == ids[:2900]  # nothing added in front; the cut end may split otherwise
+    eot = load_tokenizer(folder / "data").eot_id
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((tmp_path / "hf" / name).read_text())
+        assert written["eos_token_id"] == written["pad_token_id"] == eot and "bos_token_id" not in written
