@@ -2,11 +2,13 @@
 Export a training run as a Hugging Face folder that transformers, vLLM and llama.cpp's converter read:
 config.json, model.safetensors (shards past 5 GB) and the tokenizer (tokenizer.json and
 tokenizer_config.json), which encodes exactly as the data the model was trained on. A LoRA run is
-merged into its base (W + alpha/rank B A, in fp32, then cast), or written alone as a peft adapter.
+merged into its base (W + alpha/rank B A, in fp32, then cast), or written alone as a peft adapter. A --to
+that ends in .gguf writes one GGUF file for llama.cpp and Ollama instead (gguf_export.py; pip install gguf).
 
     python export.py --out_dir=out-finetune --to=models/finetuned
     python export.py --out_dir=out-finetune --ckpt=ckpt_best.pt --to=models/finetuned --dtype=bfloat16
     python export.py --out_dir=out-lora --to=adapters/mine --adapter    # peft: adapter_config.json + weights
+    python export.py --out_dir=out --to=model.gguf --dtype=float16      # then: llama-cli -m model.gguf
 
 Then: AutoModelForCausalLM.from_pretrained("models/finetuned") and AutoTokenizer.from_pretrained(...), or
 PeftModel.from_pretrained(base_model, "adapters/mine").
@@ -44,8 +46,7 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     # A base's own settings go along where they still hold: its generation defaults, and, when the data
     # was made with its very tokenizer, its tokenizer_config.json (chat template, special tokens).
     names = ["generation_config.json"]
-    same_tokenizer = read_text(os.path.join(base, "tokenizer.json")) == tokenizer.hf_json
-    if tokenizer.kind == "huggingface" and same_tokenizer:
+    if bases_tokenizer(tokenizer, base):
         names += ["tokenizer_config.json", "special_tokens_map.json"]
     for name in names:
         if os.path.isfile(os.path.join(base, name)):
@@ -89,7 +90,7 @@ def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
     ids = run_special_ids(tokenizer, base)
     if chat:  # generation stops at the end of the assistant's turn, as in write_chat
         ids["eos_token_id"] = chat["end_of_turn_id"]
-    elif tokenizer.kind == "huggingface" and read_text(os.path.join(base, "tokenizer.json")) == tokenizer.hf_json:
+    elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
         config = os.path.join(base, "tokenizer_config.json")
         template = read_json(config).get("chat_template") if os.path.isfile(config) else None
     write_gguf(model, tokenizer, path, getattr(torch, "float32" if dtype == "auto" else dtype), ids, template)
@@ -113,6 +114,13 @@ def write_chat(folder, chat, eot_id):
     generation["eos_token_id"] = list(dict.fromkeys(generation["eos_token_id"]))
     write_json(os.path.join(folder, "tokenizer_config.json"), config)
     write_json(os.path.join(folder, "generation_config.json"), generation)
+
+
+def bases_tokenizer(tokenizer, base):
+    # whether the data was made with the very tokenizer.json of the folder the run began from
+    if tokenizer.kind != "huggingface":
+        return False
+    return read_text(os.path.join(base, "tokenizer.json")) == tokenizer.hf_json
 
 
 def read_text(path):
@@ -190,14 +198,16 @@ def export_gguf(args):
     except ImportError:
         sys.exit("export.py: writing GGUF needs llama.cpp's gguf package: pip install gguf")
     if args.adapter:
-        sys.exit("export.py: a peft adapter is a folder, not a GGUF file: drop --adapter or choose another --to")
+        sys.exit("export.py: a peft adapter is a folder, not a GGUF file: drop --adapter, or choose a --to "
+                 "without .gguf")
     if os.path.isdir(args.to):
         sys.exit(f"export.py: {args.to} is a folder, not a file; choose another --to")
     if os.path.exists(args.to) and not args.overwrite:
         sys.exit(f"export.py: {args.to} exists; pass --overwrite to replace it, or choose another --to")
     staging = args.to + ".export-tmp"
     try:
-        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
+        checkpoint_path = os.path.join(args.out_dir, args.ckpt)
+        model, tokenizer, checkpoint = load_run(checkpoint_path, torch.float32, args.data_dir)
         write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)
     except ValueError as e:
         if os.path.exists(staging):

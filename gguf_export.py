@@ -26,14 +26,16 @@ PRE_TOKENIZERS = {
     # tiktoken's gpt2, r50k_base and p50k_base
     r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s": "gpt-2",
     # tiktoken's cl100k_base
-    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]"
-    r"|\s+(?!\S)|\s": "llama-bpe",
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"
+    r"|\s++$|\s*[\r\n]|\s+(?!\S)|\s": "llama-bpe",
     # rustbpe's, which prepare.py's bpe:N learns with
-    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+":
-        "llama-bpe",
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]"
+    r"|\s+(?!\S)|\s+": "llama-bpe",
     # tiktoken's o200k_base
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+": "gpt-4o",
     # the tokenizer.json of Llama 3
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -129,34 +131,39 @@ def add_tensor(writer, gguf, name, tensor, dtype):
 # the tokenizer: tokens in id order, their types, the merges, and the pre-tokenizer's name
 
 def vocabulary(tokenizer, vocab_size, gguf):
-    """(tokens, types, merges, pre) of a byte-level BPE, padded with unused tokens to the model's vocab_size."""
-    refusal = (f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: export a Hugging "
-               f"Face folder and convert it with llama.cpp's convert_hf_to_gguf.py")
+    """(tokens, types, merges, pre) of a byte-level BPE, padded with unused tokens to the model's
+    vocab_size; ValueError in one line for a tokenizer GGUF cannot hold as one."""
+    instead = "export a Hugging Face folder and convert it with llama.cpp's convert_hf_to_gguf.py"
+    refusal = f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: {instead}"
     if tokenizer.kind == "huggingface":
-        vocab, specials, merges, pattern = hf_json_parts(json.loads(tokenizer.hf_json), refusal)
+        vocab, added, merges, pattern = hf_json_parts(json.loads(tokenizer.hf_json), refusal)
     elif tokenizer.kind in ("tiktoken", "bpe"):
         ranks, pattern, specials = bpe_parts(tokenizer)
         chars = byte_chars()
         spell = (lambda token: "".join(chars[b] for b in token))
         vocab = {spell(token): i for token, i in ranks.items()}
         merges = [f"{spell(a)} {spell(b)}" for a, b in bpe_merges(ranks)]
+        added = {token: (i, True) for token, i in specials.items()}
     else:
         raise ValueError(refusal)
     if pattern not in PRE_TOKENIZERS and pattern != GPT2_BYTELEVEL:
-        raise ValueError(f"llama.cpp knows no pre-tokenizer that splits as {pattern!r}: {refusal.split(': ')[1]}")
+        raise ValueError(f"llama.cpp knows no pre-tokenizer that splits as {pattern!r}: {instead}")
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.UNUSED] * vocab_size
-    for token, i in {**vocab, **specials}.items():
+    # Special tokens are control tokens; an added token that is not special is matched whole in text.
+    kinds = {True: gguf.TokenType.CONTROL, False: gguf.TokenType.USER_DEFINED}
+    entries = {**{t: (i, gguf.TokenType.NORMAL) for t, i in vocab.items()},
+               **{t: (i, kinds[special]) for t, (i, special) in added.items()}}
+    for token, (i, kind) in entries.items():
         if i >= vocab_size:
             raise ValueError(f"the tokenizer's token {i} is past the model's vocab_size {vocab_size}")
-        tokens[i] = token
-        types[i] = gguf.TokenType.CONTROL if token in specials else gguf.TokenType.NORMAL
+        tokens[i], types[i] = token, kind
     return tokens, types, merges, PRE_TOKENIZERS.get(pattern, pattern)
 
 
 def hf_json_parts(hf, refusal):
-    """A tokenizer.json -> (vocab, special tokens, merges as "a b", split pattern); ValueError unless it is a
-    byte-level BPE (a SentencePiece-style BPE, WordPiece and Unigram are not)."""
+    """A tokenizer.json -> (vocab, added tokens {text: (id, special)}, merges as "a b", split pattern);
+    ValueError unless it is a byte-level BPE (a SentencePiece-style BPE, WordPiece and Unigram are not)."""
     model, pre = hf.get("model", {}), hf.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     bytelevel = [s for s in steps if s.get("type") == "ByteLevel"]
@@ -170,5 +177,5 @@ def hf_json_parts(hf, refusal):
     else:
         raise ValueError(refusal)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    specials = {t["content"]: t["id"] for t in hf.get("added_tokens", [])}
-    return model["vocab"], specials, merges, pattern
+    added = {t["content"]: (t["id"], bool(t.get("special"))) for t in hf.get("added_tokens", [])}
+    return model["vocab"], added, merges, pattern
