@@ -190,7 +190,6 @@ def main(argv=None):
     print(f"wrote {what} to {args.to}" + (f" (tokenizer: {note})" if note else ""))
 
 
-
 def export_gguf(args):
     # --to=NAME.gguf: one file, written beside its name and renamed into place when whole
     try:
@@ -209,11 +208,12 @@ def export_gguf(args):
         checkpoint_path = os.path.join(args.out_dir, args.ckpt)
         model, tokenizer, checkpoint = load_run(checkpoint_path, torch.float32, args.data_dir)
         write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)
+        durable_replace(staging, args.to)
     except ValueError as e:
+        sys.exit(f"export.py: {e}")
+    finally:  # whatever stopped it, no half-written file stays behind
         if os.path.exists(staging):
             os.remove(staging)
-        sys.exit(f"export.py: {e}")
-    durable_replace(staging, args.to)
     print(f"wrote a GGUF model to {args.to}")
 
 

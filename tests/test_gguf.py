@@ -146,6 +146,17 @@ def test_char_tokenizer_is_refused_in_one_line():
     assert "\n" not in str(e.value) and "convert_hf_to_gguf.py" in str(e.value)
 
 
+def test_a_char_run_is_refused_in_one_line_and_leaves_no_file(tmp_path):
+    (tmp_path / "corpus.txt").write_text("to be or not to be, that is the question\n" * 300)
+    done = script("prepare.py", tmp_path / "corpus.txt", "--tokenizer=char", f"--out_dir={tmp_path / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run(*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1")
+    done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'model.gguf'}")
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("export.py: ") and "convert_hf_to_gguf.py" in done.stderr
+    assert not list(tmp_path.glob("model.gguf*"))
+
+
 def test_without_the_gguf_package_one_line_says_to_install_it(bpe_run, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # an import of it fails as if it were not installed
     with pytest.raises(SystemExit) as e:
