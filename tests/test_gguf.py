@@ -284,3 +284,21 @@ def test_wordpiece_and_sentencepiece_style_tokenizers_are_refused():
         with pytest.raises(ValueError) as e:
             vocabulary(tokenizer, 512, gguf)
         assert "\n" not in str(e.value) and "convert_hf_to_gguf.py" in str(e.value)
+
+
+def test_a_qwen2_shape_keeps_its_biases_and_halves(tmp_path):
+    from gguf_export import write_gguf
+    from model import GPT, GPTConfig
+    tokenizer = make_tokenizer("bpe:260", lambda: iter(["hello world, hello there"] * 50))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=320, n_layer=1, n_head=4, n_kv_head=2, n_embd=32, block_size=16,
+                          qkv_bias=True, family="qwen2"))
+    write_gguf(model, tokenizer, tmp_path / "m.gguf", torch.float32, {"eos_token_id": tokenizer.eot_id})
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    tensors = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
+    assert value(reader, "general.architecture") == "qwen2"
+    for x in "qkv":
+        written = tensors[f"blk.0.attn_{x}.bias"]
+        assert torch.equal(written, getattr(model.blocks[0].attn, x).bias.detach()), x
+    q = model.blocks[0].attn.q.weight.detach()
+    assert torch.equal(tensors["blk.0.attn_q.weight"].reshape(q.shape), q)  # no reordering for Qwen
