@@ -22,6 +22,7 @@ ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3"
 INTERLEAVED_ROTARY = {"LLAMA"}
 # The split patterns of every byte-level BPE we make or import -> the name llama.cpp knows each by
 # (tokenizer.ggml.pre). bpe:N (rustbpe's) and cl100k_base split the text exactly as Llama 3's does.
+BYTELEVEL_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 PRE_TOKENIZERS = {
     # tiktoken's gpt2, r50k_base and p50k_base
     r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s": "gpt-2",
@@ -43,8 +44,10 @@ PRE_TOKENIZERS = {
     # the tokenizer.json of Qwen2 and Qwen3: digits one at a time
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+": "qwen2",
+    # GPT-2's, which a tokenizer.json's ByteLevel step splits with when it has no Split before it
+    BYTELEVEL_SPLIT: "gpt-2",
 }
-GPT2_BYTELEVEL = "gpt-2"  # a tokenizer.json whose ByteLevel step splits with GPT-2's own pattern
+INSTEAD = "export a Hugging Face folder and convert it with llama.cpp's convert_hf_to_gguf.py"
 
 
 def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
@@ -54,7 +57,7 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
     import gguf
     c = model.config
     if c.rope_scaling:
-        raise ValueError("Llama 3.1's rope scaling is not written to GGUF here")
+        raise ValueError(f"Llama 3.1's rope scaling is not written to GGUF here: {INSTEAD}")
     tokens, types, merges, pre = vocabulary(tokenizer, c.vocab_size, gguf)
     arch = gguf.MODEL_ARCH[ARCHITECTURES[c.family]]
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
@@ -133,8 +136,7 @@ def add_tensor(writer, gguf, name, tensor, dtype):
 def vocabulary(tokenizer, vocab_size, gguf):
     """(tokens, types, merges, pre) of a byte-level BPE, padded with unused tokens to the model's
     vocab_size; ValueError in one line for a tokenizer GGUF cannot hold as one."""
-    instead = "export a Hugging Face folder and convert it with llama.cpp's convert_hf_to_gguf.py"
-    refusal = f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: {instead}"
+    refusal = f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: {INSTEAD}"
     if tokenizer.kind == "huggingface":
         vocab, added, merges, pattern = hf_json_parts(json.loads(tokenizer.hf_json), refusal)
     elif tokenizer.kind in ("tiktoken", "bpe"):
@@ -146,8 +148,8 @@ def vocabulary(tokenizer, vocab_size, gguf):
         added = {token: (i, True) for token, i in specials.items()}
     else:
         raise ValueError(refusal)
-    if pattern not in PRE_TOKENIZERS and pattern != GPT2_BYTELEVEL:
-        raise ValueError(f"llama.cpp knows no pre-tokenizer that splits as {pattern!r}: {instead}")
+    if pattern not in PRE_TOKENIZERS:
+        raise ValueError(f"llama.cpp knows no pre-tokenizer that splits as {pattern!r}: {INSTEAD}")
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.UNUSED] * vocab_size
     # Special tokens are control tokens; an added token that is not special is matched whole in text.
@@ -158,7 +160,7 @@ def vocabulary(tokenizer, vocab_size, gguf):
         if i >= vocab_size:
             raise ValueError(f"the tokenizer's token {i} is past the model's vocab_size {vocab_size}")
         tokens[i], types[i] = token, kind
-    return tokens, types, merges, PRE_TOKENIZERS.get(pattern, pattern)
+    return tokens, types, merges, PRE_TOKENIZERS[pattern]
 
 
 def hf_json_parts(hf, refusal):
@@ -173,7 +175,7 @@ def hf_json_parts(hf, refusal):
     if splits and len(steps) == 2 and not bytelevel[0].get("use_regex", True):
         pattern = splits[0]["pattern"]["Regex"]
     elif len(steps) == 1 and bytelevel[0].get("use_regex", True):
-        pattern = GPT2_BYTELEVEL
+        pattern = BYTELEVEL_SPLIT
     else:
         raise ValueError(refusal)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]

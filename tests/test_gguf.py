@@ -302,3 +302,18 @@ def test_a_qwen2_shape_keeps_its_biases_and_halves(tmp_path):
         assert torch.equal(written, getattr(model.blocks[0].attn, x).bias.detach()), x
     q = model.blocks[0].attn.q.weight.detach()
     assert torch.equal(tensors["blk.0.attn_q.weight"].reshape(q.shape), q)  # no reordering for Qwen
+
+
+def test_a_gpt2_style_tokenizer_json_is_named_gpt2():
+    # a tokenizer.json whose ByteLevel step splits on its own (GPT-2's, and the Hub's many copies of it)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizer import hf_tokenizer
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(["hello world, hello there"] * 50, trainer)
+    tokens, types, merges, pre = vocabulary(hf_tokenizer("gpt2-style", hf.to_str()), 320, gguf)
+    assert pre == "gpt-2" and tokens[0] == "<|endoftext|>" and types[0] == gguf.TokenType.CONTROL
+    assert len(merges) == hf.get_vocab_size() - 257  # one per token past the 256 bytes and <|endoftext|>
