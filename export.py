@@ -81,10 +81,12 @@ def write_json(path, content):
 
 
 def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
-    # the same model as write_model's folder, as one GGUF file; float32 unless asked
+    # the same model as write_model's folder, as one GGUF file, in the same dtype
     from gguf_export import write_gguf
     merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
     base = checkpoint.get("pretrained") or ""
+    if dtype == "auto":  # the dtype the run began from, else the checkpoint's own (float32)
+        dtype = folder_dtype(base) or "float32"
     chat = read_meta(checkpoint["data_dir"]).get("chat")
     template = chat["template"] if chat else None
     ids = run_special_ids(tokenizer, base)
@@ -93,7 +95,7 @@ def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
     elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
         config = os.path.join(base, "tokenizer_config.json")
         template = read_json(config).get("chat_template") if os.path.isfile(config) else None
-    write_gguf(model, tokenizer, path, getattr(torch, "float32" if dtype == "auto" else dtype), ids, template)
+    write_gguf(model, tokenizer, path, getattr(torch, dtype), ids, template)
 
 
 def write_chat(folder, chat, eot_id):
