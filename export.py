@@ -2,11 +2,13 @@
 Export a training run as a Hugging Face folder that transformers, vLLM and llama.cpp's converter read:
 config.json, model.safetensors (shards past 5 GB) and the tokenizer (tokenizer.json and
 tokenizer_config.json), which encodes exactly as the data the model was trained on. A LoRA run is
-merged into its base (W + alpha/rank B A, in fp32, then cast), or written alone as a peft adapter.
+merged into its base (W + alpha/rank B A, in fp32, then cast), or written alone as a peft adapter. A --to
+that ends in .gguf writes one GGUF file for llama.cpp and Ollama instead (gguf_export.py; pip install gguf).
 
     python export.py --out_dir=out-finetune --to=models/finetuned
     python export.py --out_dir=out-finetune --ckpt=ckpt_best.pt --to=models/finetuned --dtype=bfloat16
     python export.py --out_dir=out-lora --to=adapters/mine --adapter    # peft: adapter_config.json + weights
+    python export.py --out_dir=out --to=model.gguf --dtype=float16      # then: llama-cli -m model.gguf
 
 Then: AutoModelForCausalLM.from_pretrained("models/finetuned") and AutoTokenizer.from_pretrained(...), or
 PeftModel.from_pretrained(base_model, "adapters/mine").
@@ -21,7 +23,7 @@ import sys
 import torch
 
 from checkpoint import load_run
-from hf import read_json, save_pretrained
+from hf import read_json, save_pretrained, special_ids
 from lora import merge_lora, write_adapter
 from tokenizer import durable_replace, hf_tokenizer_files, read_meta
 
@@ -34,24 +36,66 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     if dtype == "auto":  # the dtype the run began from, else the checkpoint's own (float32)
         dtype = folder_dtype(checkpoint.get("pretrained")) or "float32"
     merge_lora(model).to(getattr(torch, dtype))
-    save_pretrained(model, folder, eos_token_id=tokenizer.eot_id)
+    base = checkpoint.get("pretrained") or ""
+    ids = run_special_ids(tokenizer, base)
+    save_pretrained(model, folder, ids=ids)
     files, note = hf_tokenizer_files(tokenizer)
     for name, text in files.items():
         with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
             f.write(text)
     # A base's own settings go along where they still hold: its generation defaults, and, when the data
     # was made with its very tokenizer, its tokenizer_config.json (chat template, special tokens).
-    base = checkpoint.get("pretrained") or ""
     names = ["generation_config.json"]
-    if tokenizer.kind == "huggingface" and read_text(os.path.join(base, "tokenizer.json")) == tokenizer.hf_json:
+    if bases_tokenizer(tokenizer, base):
         names += ["tokenizer_config.json", "special_tokens_map.json"]
     for name in names:
         if os.path.isfile(os.path.join(base, name)):
             shutil.copyfile(os.path.join(base, name), os.path.join(folder, name))
+    if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        write_json(os.path.join(folder, "generation_config.json"), ids)
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        # prepare.py put no BOS before a document and no EOS after one but its own end-of-text, whatever
+        # a base's tokenizer_config.json says: a runtime must encode a prompt as the data was.
+        config = read_json(os.path.join(folder, "tokenizer_config.json"))
+        write_json(os.path.join(folder, "tokenizer_config.json"),
+                   {**config, "add_bos_token": False, "add_eos_token": False})
     chat = read_meta(checkpoint["data_dir"]).get("chat")
     if chat and files:
         write_chat(folder, chat, tokenizer.eot_id)
     return note
+
+
+def run_special_ids(tokenizer, base):
+    """config.json's special token ids: a base's own, unchanged, for a model that began from one; for a
+    model trained here, no BOS (prepare.py puts none before a document) and end-of-text to end and pad."""
+    if base:
+        return special_ids(base)
+    if tokenizer.eot_id is None:  # nanoGPT's characters have no end-of-text
+        return {}
+    return {"eos_token_id": tokenizer.eot_id, "pad_token_id": tokenizer.eot_id}
+
+
+def write_json(path, content):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2, ensure_ascii=False)
+
+
+def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
+    # the same model as write_model's folder, as one GGUF file, in the same dtype
+    from gguf_export import write_gguf
+    merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
+    base = checkpoint.get("pretrained") or ""
+    if dtype == "auto":  # the dtype the run began from, else the checkpoint's own (float32)
+        dtype = folder_dtype(base) or "float32"
+    chat = read_meta(checkpoint["data_dir"]).get("chat")
+    template = chat["template"] if chat else None
+    ids = run_special_ids(tokenizer, base)
+    if chat:  # generation stops at the end of the assistant's turn, as in write_chat
+        ids["eos_token_id"] = chat["end_of_turn_id"]
+    elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
+        config = os.path.join(base, "tokenizer_config.json")
+        template = read_json(config).get("chat_template") if os.path.isfile(config) else None
+    write_gguf(model, tokenizer, path, getattr(torch, dtype), ids, template)
 
 
 def write_chat(folder, chat, eot_id):
@@ -70,9 +114,15 @@ def write_chat(folder, chat, eot_id):
     eos = [i for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
     generation["eos_token_id"] = [chat["end_of_turn_id"]] + [i for i in eos + [eot_id] if i != chat["end_of_turn_id"]]
     generation["eos_token_id"] = list(dict.fromkeys(generation["eos_token_id"]))
-    for name, content in (("tokenizer_config.json", config), ("generation_config.json", generation)):
-        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
-            json.dump(content, f, indent=2, ensure_ascii=False)
+    write_json(os.path.join(folder, "tokenizer_config.json"), config)
+    write_json(os.path.join(folder, "generation_config.json"), generation)
+
+
+def bases_tokenizer(tokenizer, base):
+    # whether the data was made with the very tokenizer.json of the folder the run began from
+    if tokenizer.kind != "huggingface":
+        return False
+    return read_text(os.path.join(base, "tokenizer.json")) == tokenizer.hf_json
 
 
 def read_text(path):
@@ -99,13 +149,15 @@ def main(argv=None):
     parser.add_argument("--out_dir", default="out", help="the run's folder")
     parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss; "
                         "the sharded folder of an FSDP run, ckpt/, is found by the same name)")
-    parser.add_argument("--to", required=True, help="the folder to write")
+    parser.add_argument("--to", required=True, help="the folder to write, or a file NAME.gguf for llama.cpp")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="the weights' dtype; auto: that of the folder the run began from, else float32")
     parser.add_argument("--adapter", action="store_true", help="a LoRA run's adapter alone, in peft's layout")
     parser.add_argument("--data_dir", default=None, help="the dataset whose tokenizer to write (default: the run's)")
     parser.add_argument("--overwrite", action="store_true", help="replace --to if it holds anything")
     args = parser.parse_args(argv)
+    if args.to.endswith(".gguf"):
+        return export_gguf(args)
     if os.path.exists(args.to) and not os.path.isdir(args.to):
         sys.exit(f"export.py: {args.to} is a file, not a folder; choose another --to")
     if os.path.isdir(args.to) and os.listdir(args.to) and not args.overwrite:
@@ -138,6 +190,33 @@ def main(argv=None):
     shutil.rmtree(old, ignore_errors=True)
     what = "a peft adapter" if args.adapter else "a Hugging Face model"
     print(f"wrote {what} to {args.to}" + (f" (tokenizer: {note})" if note else ""))
+
+
+def export_gguf(args):
+    # --to=NAME.gguf: one file, written beside its name and renamed into place when whole
+    try:
+        import gguf  # noqa: F401  (llama.cpp's library; optional, as GGUF is)
+    except ImportError:
+        sys.exit("export.py: writing GGUF needs llama.cpp's gguf package: pip install gguf")
+    if args.adapter:
+        sys.exit("export.py: a peft adapter is a folder, not a GGUF file: drop --adapter, or choose a --to "
+                 "without .gguf")
+    if os.path.isdir(args.to):
+        sys.exit(f"export.py: {args.to} is a folder, not a file; choose another --to")
+    if os.path.exists(args.to) and not args.overwrite:
+        sys.exit(f"export.py: {args.to} exists; pass --overwrite to replace it, or choose another --to")
+    staging = args.to + ".export-tmp"
+    try:
+        checkpoint_path = os.path.join(args.out_dir, args.ckpt)
+        model, tokenizer, checkpoint = load_run(checkpoint_path, torch.float32, args.data_dir)
+        write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)
+        durable_replace(staging, args.to)
+    except ValueError as e:
+        sys.exit(f"export.py: {e}")
+    finally:  # whatever stopped it, no half-written file stays behind
+        if os.path.exists(staging):
+            os.remove(staging)
+    print(f"wrote a GGUF model to {args.to}")
 
 
 if __name__ == "__main__":

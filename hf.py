@@ -116,9 +116,19 @@ def config_from_hf(hf, block_size=None):
         family=family)
 
 
-def hf_config(config, dtype, eos_token_id=None):
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_ids(folder):
+    """{bos_token_id, eos_token_id, pad_token_id} as a Hugging Face folder's config.json has them (only
+    those it has), so that a model exported from a fine-tune of it keeps its base's ids."""
+    hf = read_json(Path(folder) / "config.json")
+    return {name: hf[name] for name in SPECIAL_IDS if name in hf}
+
+
+def hf_config(config, dtype, ids=None):
     # GPTConfig -> config.json in the Hub's style (rope_theta and rope_scaling at the top level),
-    # which both transformers 4 and 5 and vLLM read
+    # which both transformers 4 and 5 and vLLM read; ids: its special token ids (see special_ids)
     c = config
     scaling = {**c.rope_scaling, "rope_type": "llama3"} if c.rope_scaling else None
     out = {"architectures": [HF_ARCHITECTURES[c.family]], "model_type": c.family, "vocab_size": c.vocab_size,
@@ -126,8 +136,7 @@ def hf_config(config, dtype, eos_token_id=None):
            "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_size,
            "hidden_act": "silu", "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps,
            "rope_theta": c.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": c.tie_embeddings,
-           "attention_dropout": 0.0, "torch_dtype": str(dtype).removeprefix("torch."),
-           "eos_token_id": eos_token_id}
+           "attention_dropout": 0.0, "torch_dtype": str(dtype).removeprefix("torch."), **(ids or {})}
     if c.family in ("llama", "qwen3"):
         out.update(attention_bias=False)
     if c.family in ("mistral", "qwen2", "qwen3"):
@@ -202,9 +211,10 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
     return model
 
 
-def save_pretrained(model, path, max_shard_bytes=5 * 2**30, eos_token_id=None):
+def save_pretrained(model, path, max_shard_bytes=5 * 2**30, ids=None):
     """Write config.json and model.safetensors (or shards with an index past max_shard_bytes, as the
-    Hub does) in the model's dtype, for transformers, vLLM and llama.cpp's converter."""
+    Hub does) in the model's dtype, for transformers, vLLM and llama.cpp's converter. ids: the special
+    token ids config.json states ({"eos_token_id": 2, ...}; see special_ids)."""
     from huggingface_hub import save_torch_state_dict
     if model.config.lora_rank or any(hasattr(p, "get_original_weight") for p in model.parameters()):
         raise ValueError("save_pretrained writes plain weights: merge_lora() first, and load a 4-bit base "
@@ -212,7 +222,7 @@ def save_pretrained(model, path, max_shard_bytes=5 * 2**30, eos_token_id=None):
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     with open(path / "config.json", "w") as f:
-        json.dump(hf_config(model.config, model.wte.weight.dtype, eos_token_id), f, indent=2)
+        json.dump(hf_config(model.config, model.wte.weight.dtype, ids), f, indent=2)
     params = dict(model.named_parameters())
     weights = {hf: params[ours].detach().to("cpu") for hf, ours in hf_layout(model.config).items()}
     save_torch_state_dict(weights, path, max_shard_size=max_shard_bytes)

@@ -399,9 +399,11 @@ def hf_tokenizer_files(tok):
 def tokenizer_config(eos):
     """tokenizer_config.json's text. Our encode reads a "<|endoftext|>" inside a document as plain
     text (prepare.py encodes ordinary text only), so transformers must too: split_special_tokens.
-    Nothing adds a BOS, and decode must not "clean up" the spaces before punctuation."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
-              "split_special_tokens": True, "clean_up_tokenization_spaces": False}
+    prepare.py puts nothing before a document and ends it with the end-of-text id itself, so no
+    runtime may add a BOS or an EOS to a prompt (llama.cpp adds a BOS unless told not to); and
+    decode must not "clean up" the spaces before punctuation."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "add_bos_token": False,
+              "add_eos_token": False, "split_special_tokens": True, "clean_up_tokenization_spaces": False}
     return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
 
 

@@ -231,6 +231,12 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert generation["eos_token_id"][0] == meta["chat"]["end_of_turn_id"]
     assert config["chat_template"] == meta["chat"]["template"] and config["split_special_tokens"] is False
+    gguf = pytest.importorskip("gguf")
+    done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'model.gguf'}")
+    assert done.returncode == 0, done.stderr
+    fields = gguf.GGUFReader(tmp_path / "model.gguf").fields
+    assert fields["tokenizer.chat_template"].contents() == meta["chat"]["template"]
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == meta["chat"]["end_of_turn_id"]
     transformers = pytest.importorskip("transformers")
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     messages = [{"role": "user", "content": "apple river"}, {"role": "assistant", "content": "river apple"}]

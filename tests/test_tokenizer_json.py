@@ -185,6 +185,7 @@ def test_tokenizer_config(exported):
     config = json.loads(files["tokenizer_config.json"])
     assert config == {"tokenizer_class": "PreTrainedTokenizerFast",
                       "eos_token": "</s>" if ours.kind == "huggingface" else "<|endoftext|>",
+                      "add_bos_token": False, "add_eos_token": False,  # prepare.py adds neither
                       "split_special_tokens": True, "clean_up_tokenization_spaces": False}
     if ours.kind == "huggingface":
         assert files["tokenizer.json"] == ours.hf_json

@@ -1,0 +1,183 @@
+"""
+A model as one GGUF file, the format llama.cpp and Ollama run: the weights, the hyperparameters
+llama.cpp reads and the tokenizer, written with the gguf package (llama.cpp's own Python library,
+pip install gguf) and its name tables. export.py calls it for a --to that ends in .gguf:
+
+    python export.py --out_dir=out --to=model.gguf --dtype=float16
+    llama-cli -m model.gguf
+"""
+
+import json
+
+import numpy as np
+import torch
+
+from hf import hf_layout
+from tokenizer import bpe_merges, bpe_parts, byte_chars
+
+# llama.cpp's architectures for the families model.py implements. Mistral is a Llama to llama.cpp.
+ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+# llama.cpp rotates the pairs (x[2i], x[2i + 1]) of a head for the llama architecture, and the halves
+# (x[i], x[i + D/2]) as model.py and transformers do for Qwen's: q and k are reordered for the first.
+INTERLEAVED_ROTARY = {"LLAMA"}
+# The split patterns of every byte-level BPE we make or import -> the name llama.cpp knows each by
+# (tokenizer.ggml.pre). bpe:N (rustbpe's) and cl100k_base split the text exactly as Llama 3's does.
+BYTELEVEL_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+PRE_TOKENIZERS = {
+    # tiktoken's gpt2, r50k_base and p50k_base
+    r"'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s": "gpt-2",
+    # tiktoken's cl100k_base
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"
+    r"|\s++$|\s*[\r\n]|\s+(?!\S)|\s": "llama-bpe",
+    # rustbpe's, which prepare.py's bpe:N learns with
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]"
+    r"|\s+(?!\S)|\s+": "llama-bpe",
+    # tiktoken's o200k_base
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+": "gpt-4o",
+    # the tokenizer.json of Llama 3
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "llama-bpe",
+    # the tokenizer.json of Qwen2 and Qwen3: digits one at a time
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": "qwen2",
+    # GPT-2's, which a tokenizer.json's ByteLevel step splits with when it has no Split before it
+    BYTELEVEL_SPLIT: "gpt-2",
+}
+INSTEAD = "export a Hugging Face folder and convert it with llama.cpp's convert_hf_to_gguf.py"
+
+
+def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
+    """model (float32) + its dataset's tokenizer -> a GGUF file at path, its matrices in dtype (torch's).
+    ids: the special token ids as config.json has them (export.run_special_ids). ValueError in one line
+    for what GGUF, or this writer, cannot express."""
+    import gguf
+    c = model.config
+    if c.rope_scaling:
+        raise ValueError(f"Llama 3.1's rope scaling is not written to GGUF here: {INSTEAD}")
+    tokens, types, merges, pre = vocabulary(tokenizer, c.vocab_size, gguf)
+    arch = gguf.MODEL_ARCH[ARCHITECTURES[c.family]]
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_context_length(c.block_size)
+    writer.add_embedding_length(c.n_embd)
+    writer.add_block_count(c.n_layer)
+    writer.add_feed_forward_length(c.mlp_hidden)
+    writer.add_head_count(c.n_head)
+    writer.add_head_count_kv(c.n_kv_head)
+    writer.add_key_length(c.head_size)
+    writer.add_value_length(c.head_size)
+    writer.add_rope_dimension_count(c.head_size)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_file_type(FILE_TYPES[dtype](gguf))
+    writer.add_tokenizer_model("gpt2")  # llama.cpp's name for a byte-level BPE
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    first = (lambda i: i[0] if isinstance(i, list) else i)  # Llama 3.1 lists several end ids: the first
+    for name, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                      ("pad_token_id", writer.add_pad_token_id)):
+        if ids.get(name) is not None:
+            add(first(ids[name]))
+    # prepare.py put nothing before a document and ended it with the end-of-text id: so must a prompt be.
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    names = gguf.get_tensor_name_map(arch, c.n_layer)
+    for hf_name, tensor in gguf_tensors(model, arch.name in INTERLEAVED_ROTARY):
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        add_tensor(writer, gguf, name, tensor, dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+FILE_TYPES = {torch.float32: lambda gguf: gguf.LlamaFileType.ALL_F32,
+              torch.float16: lambda gguf: gguf.LlamaFileType.MOSTLY_F16,
+              torch.bfloat16: lambda gguf: gguf.LlamaFileType.MOSTLY_BF16}
+
+
+def gguf_tensors(model, interleave):
+    """(transformers' name, tensor) for every weight, q and k reordered for an interleaved rotary."""
+    c = model.config
+    params = dict(model.named_parameters())
+    for hf_name, ours in hf_layout(c).items():
+        tensor = params[ours].detach()
+        if interleave and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = interleave_rotary(tensor, c.n_head if "q_proj" in hf_name else c.n_kv_head)
+        yield hf_name, tensor
+
+
+def interleave_rotary(weight, heads):
+    # Each head's rows hold the first halves of its rotated pairs, then the second halves; llama.cpp's
+    # llama architecture wants them alternating: row i of the first half, then row i of the second.
+    return weight.reshape(heads, 2, -1, weight.shape[-1]).transpose(1, 2).reshape(weight.shape)
+
+
+def add_tensor(writer, gguf, name, tensor, dtype):
+    # Norms' weights stay float32, as llama.cpp's converter writes them; bfloat16 goes as its raw bits.
+    tensor = tensor.float() if tensor.dim() == 1 else tensor.to(dtype)
+    if tensor.dtype == torch.bfloat16:
+        writer.add_tensor(name, tensor.view(torch.int16).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        writer.add_tensor(name, tensor.numpy())
+
+
+# -----------------------------------------------------------------------------
+# the tokenizer: tokens in id order, their types, the merges, and the pre-tokenizer's name
+
+def vocabulary(tokenizer, vocab_size, gguf):
+    """(tokens, types, merges, pre) of a byte-level BPE, padded with unused tokens to the model's
+    vocab_size; ValueError in one line for a tokenizer GGUF cannot hold as one."""
+    refusal = f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: {INSTEAD}"
+    if tokenizer.kind == "huggingface":
+        vocab, added, merges, pattern = hf_json_parts(json.loads(tokenizer.hf_json), refusal)
+    elif tokenizer.kind in ("tiktoken", "bpe"):
+        ranks, pattern, specials = bpe_parts(tokenizer)
+        chars = byte_chars()
+        spell = (lambda token: "".join(chars[b] for b in token))
+        vocab = {spell(token): i for token, i in ranks.items()}
+        merges = [f"{spell(a)} {spell(b)}" for a, b in bpe_merges(ranks)]
+        added = {token: (i, True) for token, i in specials.items()}
+    else:
+        raise ValueError(refusal)
+    if pattern not in PRE_TOKENIZERS:
+        raise ValueError(f"llama.cpp knows no pre-tokenizer that splits as {pattern!r}: {INSTEAD}")
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    # Special tokens are control tokens; an added token that is not special is matched whole in text.
+    kinds = {True: gguf.TokenType.CONTROL, False: gguf.TokenType.USER_DEFINED}
+    entries = {**{t: (i, gguf.TokenType.NORMAL) for t, i in vocab.items()},
+               **{t: (i, kinds[special]) for t, (i, special) in added.items()}}
+    for token, (i, kind) in entries.items():
+        if i >= vocab_size:
+            raise ValueError(f"the tokenizer's token {i} is past the model's vocab_size {vocab_size}")
+        tokens[i], types[i] = token, kind
+    return tokens, types, merges, PRE_TOKENIZERS[pattern]
+
+
+def hf_json_parts(hf, refusal):
+    """A tokenizer.json -> (vocab, added tokens {text: (id, special)}, merges as "a b", split pattern);
+    ValueError unless it is a byte-level BPE (a SentencePiece-style BPE, WordPiece and Unigram are not)."""
+    model, pre = hf.get("model", {}), hf.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    bytelevel = [s for s in steps if s.get("type") == "ByteLevel"]
+    splits = [s for s in steps if s.get("type") == "Split" and "Regex" in s.get("pattern", {})]
+    if model.get("type") != "BPE" or model.get("byte_fallback") or len(bytelevel) != 1:
+        raise ValueError(refusal)
+    if splits and len(steps) == 2 and not bytelevel[0].get("use_regex", True):
+        pattern = splits[0]["pattern"]["Regex"]
+    elif len(steps) == 1 and bytelevel[0].get("use_regex", True):
+        pattern = BYTELEVEL_SPLIT
+    else:
+        raise ValueError(refusal)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    added = {t["content"]: (t["id"], bool(t.get("special"))) for t in hf.get("added_tokens", [])}
+    return model["vocab"], added, merges, pattern

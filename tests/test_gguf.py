@@ -1,0 +1,319 @@
+"""export.py --to=NAME.gguf: one GGUF file, read back with the gguf package's own reader, holds every
+weight of the run in the layout llama.cpp wants, the hyperparameters it reads and the dataset's tokenizer.
+And the special tokens of both exports: as prepare.py made the data, or as an imported base has them.
+Run: python -m pytest -q tests/test_gguf.py"""
+
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import export
+from gguf_export import PRE_TOKENIZERS, interleave_rotary, vocabulary
+from hf import hf_layout
+from test_train import TINY, run, script
+from tokenizer import byte_chars, load_tokenizer, make_tokenizer
+
+gguf = pytest.importorskip("gguf")
+
+
+def write_run(folder):
+    # bpe:300 learned by prepare.py on some Python source, and a tiny GQA model trained on it for 3 steps
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-c]*.py"))
+    (folder / "corpus.txt").write_text("\n".join(f.read_text(errors="replace") for f in files)[:150_000])
+    done = script("prepare.py", folder / "corpus.txt", "--tokenizer=bpe:300", f"--out_dir={folder / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run(*TINY, f"--data_dir={folder / 'data'}", f"--out_dir={folder / 'run'}", "--max_iters=3")
+
+
+@pytest.fixture(scope="module")
+def bpe_run(shared):
+    return shared("gguf-bpe-run", write_run)
+
+
+def exported(folder, tmp_path, *args):
+    path = tmp_path / "model.gguf"
+    done = script("export.py", f"--out_dir={folder / 'run'}", f"--to={path}", *args)
+    assert done.returncode == 0, done.stderr
+    return gguf.GGUFReader(path)
+
+
+def run_model(folder):
+    from checkpoint import load_checkpoint, model_from_checkpoint
+    return model_from_checkpoint(load_checkpoint(folder / "run" / "ckpt.pt"))
+
+
+def value(reader, key):
+    return reader.fields[key].contents()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_tensor_is_the_models_in_llama_cpps_layout(bpe_run, tmp_path, dtype):
+    reader = exported(bpe_run, tmp_path, f"--dtype={dtype}")
+    model = run_model(bpe_run)
+    config, params = model.config, dict(model.named_parameters())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.n_layer)
+    tensors = {t.name: t for t in reader.tensors}
+    layout = hf_layout(config)
+    assert len(tensors) == len(layout) and "output.weight" not in tensors  # the head is tied: not written
+    for hf_name, ours in layout.items():
+        stored = tensors[names.get_name(hf_name, try_suffixes=(".weight",))]
+        expected = params[ours].detach()
+        if expected.dim() == 2:  # norms stay float32; the matrices take the dtype asked for
+            expected = expected.to(getattr(torch, dtype))
+        if stored.tensor_type == gguf.GGMLQuantizationType.BF16:
+            data = torch.from_numpy(np.array(stored.data).view(np.int16)).view(torch.bfloat16)
+        else:
+            data = torch.from_numpy(np.array(stored.data))
+        data = data.reshape(expected.shape)
+        for proj, heads in (("q_proj", config.n_head), ("k_proj", config.n_kv_head)):
+            if proj in hf_name:  # llama.cpp's llama rotates interleaved pairs: undo the reordering to compare
+                assert not torch.equal(data, expected)
+                data = uninterleave(data, heads)
+        assert data.dtype == expected.dtype and torch.equal(data, expected), hf_name
+
+
+def uninterleave(weight, heads):
+    # the inverse of gguf_export.interleave_rotary, written the other way round: alternating rows -> halves
+    rows = weight.reshape(heads, -1, 2, weight.shape[-1])
+    return torch.cat([rows[:, :, 0], rows[:, :, 1]], dim=1).reshape(weight.shape)
+
+
+def test_interleave_pairs_each_heads_halves():
+    weight = torch.arange(2 * 8, dtype=torch.float32)[:, None]  # two heads of 8 rows
+    out = interleave_rotary(weight, 2)[:, 0].tolist()
+    assert out == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    assert torch.equal(uninterleave(interleave_rotary(weight, 2), 2), weight)
+
+
+def test_metadata_and_tokenizer(bpe_run, tmp_path):
+    reader = exported(bpe_run, tmp_path)
+    config = run_model(bpe_run).config
+    tokenizer = load_tokenizer(bpe_run / "data")
+    assert value(reader, "general.architecture") == "llama"
+    expected = {"block_count": config.n_layer, "attention.head_count": config.n_head,
+                "attention.head_count_kv": config.n_kv_head, "context_length": config.block_size,
+                "embedding_length": config.n_embd, "feed_forward_length": config.mlp_hidden,
+                "rope.freq_base": config.rope_theta, "vocab_size": config.vocab_size}
+    for key, wanted in expected.items():
+        assert value(reader, f"llama.{key}") == wanted, key
+    assert value(reader, "llama.attention.layer_norm_rms_epsilon") == pytest.approx(config.norm_eps)
+    assert value(reader, "tokenizer.ggml.model") == "gpt2"  # llama.cpp's name for a byte-level BPE
+    assert value(reader, "tokenizer.ggml.pre") == "llama-bpe"
+    assert value(reader, "tokenizer.ggml.eos_token_id") == tokenizer.eot_id
+    assert "tokenizer.ggml.bos_token_id" not in reader.fields  # our documents have no start token
+    assert value(reader, "tokenizer.ggml.add_bos_token") is False
+    assert "tokenizer.chat_template" not in reader.fields
+    # every token's text is its bytes, spelled as byte-level BPE files spell them; the padding is unused
+    tokens, types = value(reader, "tokenizer.ggml.tokens"), value(reader, "tokenizer.ggml.token_type")
+    assert len(tokens) == config.vocab_size
+    byte_of = {c: b for b, c in byte_chars().items()}
+    for i in range(tokenizer.eot_id):
+        assert bytes(byte_of[c] for c in tokens[i]) == tokenizer.enc.decode_single_token_bytes(i)
+        assert types[i] == gguf.TokenType.NORMAL
+    assert tokens[tokenizer.eot_id] == "<|endoftext|>" and types[tokenizer.eot_id] == gguf.TokenType.CONTROL
+    assert set(types[tokenizer.eot_id + 1:]) == {gguf.TokenType.UNUSED}
+    assert len(value(reader, "tokenizer.ggml.merges")) == tokenizer.eot_id - 256
+
+
+def test_overwrite_and_adapter(bpe_run, tmp_path):
+    exported(bpe_run, tmp_path)
+    again = script("export.py", f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'model.gguf'}")
+    assert again.returncode != 0 and "pass --overwrite" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    exported(bpe_run, tmp_path, "--overwrite", "--dtype=float16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # nothing left beside it
+
+
+def test_every_tiktoken_pattern_has_llama_cpps_name():
+    import tiktoken
+    expected = {"gpt2": "gpt-2", "r50k_base": "gpt-2", "cl100k_base": "llama-bpe", "o200k_base": "gpt-4o"}
+    for name, pre in expected.items():
+        try:
+            pattern = tiktoken.get_encoding(name)._pat_str
+        except Exception as e:  # it would download: tests never do
+            pytest.skip(f"tiktoken encoding {name} does not load offline ({type(e).__name__})")
+        assert PRE_TOKENIZERS[pattern] == pre, name
+
+
+def test_char_tokenizer_is_refused_in_one_line():
+    tokenizer = make_tokenizer("char", lambda: iter(["hello world"]))
+    with pytest.raises(ValueError) as e:
+        vocabulary(tokenizer, 64, gguf)
+    assert "\n" not in str(e.value) and "convert_hf_to_gguf.py" in str(e.value)
+
+
+def test_a_char_run_is_refused_in_one_line_and_leaves_no_file(tmp_path):
+    (tmp_path / "corpus.txt").write_text("to be or not to be, that is the question\n" * 300)
+    done = script("prepare.py", tmp_path / "corpus.txt", "--tokenizer=char", f"--out_dir={tmp_path / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run(*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1")
+    done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'model.gguf'}")
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("export.py: ") and "convert_hf_to_gguf.py" in done.stderr
+    assert not list(tmp_path.glob("model.gguf*"))
+
+
+def test_without_the_gguf_package_one_line_says_to_install_it(bpe_run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # an import of it fails as if it were not installed
+    with pytest.raises(SystemExit) as e:
+        export.main([f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'model.gguf'}"])
+    assert str(e.value) == "export.py: writing GGUF needs llama.cpp's gguf package: pip install gguf"
+    assert not (tmp_path / "model.gguf").exists()
+
+
+# -----------------------------------------------------------------------------
+# a fine-tuned import: its base's special ids and generation defaults pass through to both exports
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+BASES = {  # family: (config class, split pattern, special tokens, ids in config.json)
+    "llama": ("LlamaConfig", LLAMA3_SPLIT, ["<|begin_of_text|>", "<|end_of_text|>"],
+              dict(bos_token_id=0, eos_token_id=1, pad_token_id=1)),
+    "qwen3": ("Qwen3Config", QWEN2_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+              dict(bos_token_id=None, eos_token_id=2, pad_token_id=0)),
+}
+
+
+def make_base(folder, family, text):
+    # a tiny random model of the family with a byte-level BPE split as its family's, as on the Hub
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    config_class, pattern, specials, ids = BASES[family]
+    tok = Tokenizer(models.BPE())
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                 use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text[i:i + 10_000] for i in range(0, len(text), 10_000)], trainer)
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(
+        vocab_size=416, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, **ids)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.generation_config = transformers.GenerationConfig(**ids, temperature=0.7, do_sample=True)
+    model.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.slow  # a base, a dataset with its tokenizer and a short fine-tune
+@pytest.mark.parametrize("family", list(BASES))
+def test_a_fine_tuned_import_keeps_its_bases_ids(family, tmp_path):
+    import json
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[d-f]*.py"))
+    text = "\n".join(f.read_text(errors="replace") for f in files)[:100_000]
+    make_base(tmp_path / "base", family, text)
+    (tmp_path / "corpus.txt").write_text(text)
+    done = script("prepare.py", tmp_path / "corpus.txt", f"--tokenizer={tmp_path / 'base'}",
+                  f"--out_dir={tmp_path / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run("--block_size=32", "--batch_size=2", "--eval_iters=1", "--max_iters=2",
+        f"--init_from={tmp_path / 'base'}", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}")
+    done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    base = json.loads((tmp_path / "base" / "config.json").read_text())
+    ours = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert ours.get(name) == base.get(name), name
+    generation = (tmp_path / "hf" / "generation_config.json").read_text()
+    assert generation == (tmp_path / "base" / "generation_config.json").read_text()
+    reader = exported(tmp_path, tmp_path)
+    assert value(reader, "general.architecture") == family
+    assert value(reader, "tokenizer.ggml.pre") == {"llama": "llama-bpe", "qwen3": "qwen2"}[family]
+    assert value(reader, "tokenizer.ggml.eos_token_id") == base["eos_token_id"]
+    assert value(reader, "tokenizer.ggml.padding_token_id") == base["pad_token_id"]
+    if base.get("bos_token_id") is not None:
+        assert value(reader, "tokenizer.ggml.bos_token_id") == base["bos_token_id"]
+    # Qwen rotates halves as model.py does: its q is written as it is
+    q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    weight = dict(run_model(tmp_path).named_parameters())["blocks.0.attn.q.weight"].detach()
+    written = torch.from_numpy(np.array(q.data)).reshape(weight.shape)
+    assert torch.equal(written, weight) == (family == "qwen3")
+
+
+# -----------------------------------------------------------------------------
+# the Hugging Face folder of a run trained here: transformers encodes a text as prepare.py did
+
+def write_gpt2_run(folder):
+    (folder / "corpus.txt").write_text(Path(sysconfig.get_paths()["stdlib"], "abc.py").read_text() * 3)
+    done = script("prepare.py", folder / "corpus.txt", "--tokenizer=gpt2", f"--out_dir={folder / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run(*TINY, f"--data_dir={folder / 'data'}", f"--out_dir={folder / 'run'}", "--max_iters=1")
+
+
+@pytest.mark.parametrize("kind", ["bpe", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_autotokenizer_encodes_as_prepare_did(kind, bpe_run, shared, tmp_path):
+    import json
+    transformers = pytest.importorskip("transformers")
+    if kind == "gpt2":
+        tiktoken = pytest.importorskip("tiktoken")
+        try:
+            tiktoken.get_encoding("gpt2")
+        except Exception as e:  # it would download: tests never do
+            pytest.skip(f"tiktoken encoding gpt2 does not load offline ({type(e).__name__})")
+    folder = bpe_run if kind == "bpe" else shared("gguf-gpt2-run", write_gpt2_run)
+    done = script("export.py", f"--out_dir={folder / 'run'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] is False and config["add_eos_token"] is False
+    ids = np.fromfile(folder / "data" / "train.bin", dtype=np.uint16)[:3000].tolist()
+    text = load_tokenizer(folder / "data").decode(ids)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    # nothing added in front; the last word, cut in the middle, may split otherwise
+    assert auto(text)["input_ids"][:2900] == ids[:2900]
+    eot = load_tokenizer(folder / "data").eot_id
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((tmp_path / "hf" / name).read_text())
+        assert written["eos_token_id"] == written["pad_token_id"] == eot and "bos_token_id" not in written
+
+
+def test_wordpiece_and_sentencepiece_style_tokenizers_are_refused():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    wordpiece = make_tokenizer("wordpiece:100", lambda: iter(["hello world, hello there"] * 50))
+    spm = Tokenizer(models.BPE(vocab={"<unk>": 0, "▁": 1, "a": 2, "<|endoftext|>": 3}, merges=[], byte_fallback=True))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace()
+    spm.decoder = decoders.Metaspace()
+    from tokenizer import hf_tokenizer
+    for tokenizer in (wordpiece, hf_tokenizer("spm", spm.to_str())):
+        with pytest.raises(ValueError) as e:
+            vocabulary(tokenizer, 512, gguf)
+        assert "\n" not in str(e.value) and "convert_hf_to_gguf.py" in str(e.value)
+
+
+def test_a_qwen2_shape_keeps_its_biases_and_halves(tmp_path):
+    from gguf_export import write_gguf
+    from model import GPT, GPTConfig
+    tokenizer = make_tokenizer("bpe:260", lambda: iter(["hello world, hello there"] * 50))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=320, n_layer=1, n_head=4, n_kv_head=2, n_embd=32, block_size=16,
+                          qkv_bias=True, family="qwen2"))
+    write_gguf(model, tokenizer, tmp_path / "m.gguf", torch.float32, {"eos_token_id": tokenizer.eot_id})
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    tensors = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
+    assert value(reader, "general.architecture") == "qwen2"
+    for x in "qkv":
+        written = tensors[f"blk.0.attn_{x}.bias"]
+        assert torch.equal(written, getattr(model.blocks[0].attn, x).bias.detach()), x
+    q = model.blocks[0].attn.q.weight.detach()
+    assert torch.equal(tensors["blk.0.attn_q.weight"].reshape(q.shape), q)  # no reordering for Qwen
+
+
+def test_a_gpt2_style_tokenizer_json_is_named_gpt2():
+    # a tokenizer.json whose ByteLevel step splits on its own (GPT-2's, and the Hub's many copies of it)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizer import hf_tokenizer
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(["hello world, hello there"] * 50, trainer)
+    tokens, types, merges, pre = vocabulary(hf_tokenizer("gpt2-style", hf.to_str()), 320, gguf)
+    assert pre == "gpt-2" and tokens[0] == "<|endoftext|>" and types[0] == gguf.TokenType.CONTROL
+    assert len(merges) == hf.get_vocab_size() - 257  # one per token past the 256 bytes and <|endoftext|>
