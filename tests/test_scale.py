@@ -16,8 +16,8 @@ import torch
 
 from checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
-from test_train import (ROOT, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port, kernel_counter,
-                        losses, run, script, weights)
+from test_train import (CPU_ENV, ROOT, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port,
+                        kernel_counter, losses, on_cpu, run, script, weights)
 
 pytestmark = pytest.mark.slow  # every test here starts torchrun
 TWO = ["--standalone", "--nproc_per_node=2"]
@@ -204,9 +204,9 @@ def test_fsdp_on_two_nodes(data_dir, tmp_path):
     for node in (0, 1):
         torchrun = ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d",
                     f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=fsdp"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *on_cpu(args)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                                      text=True, env={**os.environ, **CPU_ENV}))
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     records = (tmp_path / "metrics.jsonl").read_text().splitlines()
