@@ -548,8 +548,9 @@ def attempt(label, measure_fn, *a, **kw):
         print(f"| {label} | failed: {str(e.code).strip().splitlines()[-1][:200]} |")
 
 
-def documents(folder, vocab=50257, rng=np.random.default_rng(0)):
+def documents(folder, vocab=50257):
     # random GPT-2 tokens with an end-of-text every ~500 (what doc_mask cuts documents at), and their meta.json
+    rng = np.random.default_rng(0)
     for split in ("train", "val"):
         tokens = rng.integers(0, vocab - 1, size=2_000_000, dtype=np.uint16)
         tokens[rng.random(tokens.size) < 1 / 500] = vocab - 1
@@ -562,19 +563,14 @@ def gpu_header(cuda):
     import datetime
 
     import torch
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    def git(*a):
-        return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    if git("status", "--porcelain"):
-        commit += " with uncommitted changes"
+
+    import kernels
+    triton = kernels.triton.__version__ if kernels.HAS_TRITON else "not installed"
+    git = ["git", "describe", "--always", "--dirty"]  # the commit, and -dirty for uncommitted changes
+    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown"
     device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores, tiny shapes (--tiny)"
     print(f"## {datetime.date.today()}, GPU: {device} (python bench.py --mode=gpu)\n")
-    print(f"torch {torch.__version__}, Triton {triton_version}, CUDA {torch.version.cuda}, commit {commit}\n")
+    print(f"torch {torch.__version__}, Triton {triton}, CUDA {torch.version.cuda}, commit {commit}\n")
 
 
 def step_rows(shape, data, compile_):
@@ -633,9 +629,9 @@ def optimizer_rows(shape, data, steps):
         records = attempt(name, run_train, run_args, out, steps, evaluate=True, log_interval=every)
         if records:
             loss = [r for r in records if "val_loss" in r][-1]["val_loss"]
-            speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["iter"] > every]
-            speed = statistics.median(speeds)
-            print(f"| {name} | {loss:.4f} | {speed:,.0f} |")
+            first = min(every, steps - 1)  # the first log's steps hold the compile
+            warm = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["iter"] > first]
+            print(f"| {name} | {loss:.4f} | {statistics.median(warm):,.0f} |")
 
 
 def bench_gpu():
