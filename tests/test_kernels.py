@@ -392,7 +392,8 @@ def compile_for(arch, fn, params, dt, acc):
         with open(f"{tmp}/k.ptx", "w") as f:
             f.write(compiled.asm["ptx"])
         gpu = sm_arch_from_capability(arch)
-        cmd = [get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}", f"{tmp}/k.ptx", "-o", f"{tmp}/k.o"]
+        cmd = [get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}", f"{tmp}/k.ptx",
+               "-o", f"{tmp}/k.o"]  # as Triton runs it
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     regs = int(log.split("Used ")[1].split()[0])
     spills = int(log.split("bytes spill stores")[0].split()[-1])
@@ -413,15 +414,16 @@ for i, shape in enumerate(shapes):
                 print(arch, fn.__name__, dt, str(dict(sorted(params.items()))).replace(" ", ""), regs, spills,
                       shared, params["num_warps"])
 """
-# per block: the most shared memory a kernel may use, and the registers of the block's threads together
-SHARED_LIMIT = {90: 228 * 1024, 80: 164 * 1024}
+# per block: the most shared memory a kernel may use (an SM's 228 KB on an H100 and 164 KB on an A100, less
+# the 1 KB CUDA reserves per block), and the registers of the block's threads together
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 REGISTERS_PER_BLOCK = 65536
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not K.HAS_TRITON or torch.cuda.is_available(),
-                    reason="needs Triton; with a GPU the other tests compile the kernels for real")
+@pytest.mark.skipif(not K.HAS_TRITON, reason="needs Triton")
 def test_kernels_compile_for_cuda_at_the_models_shapes():
+    # (with a GPU too: the other tests launch the kernels at small shapes, on one architecture)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real JIT functions
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_CUDA], cwd=REPO, env=env,
