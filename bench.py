@@ -646,7 +646,11 @@ def bench_gpu():
     device = "cuda" if cuda else "cpu"
     print("### Fused kernels against eager and compiled references (bf16)\n")
     if kernels.HAS_TRITON:
-        sizes = {} if cuda else dict(tokens=(64,), widths=(256,), vocabs=(512,))
+        # the ends of the range --mode=kernels covers, to keep the whole within ~20 minutes: each reference
+        # compiles anew for every size
+        sizes = dict(tokens=(32768,), widths=(2048, 8192))
+        if not cuda:
+            sizes = dict(tokens=(64,), widths=(256,), vocabs=(512,))
         kernel_table(kernel_cases(device, **sizes), device, compiled=cuda)
     else:
         print("Triton is not installed (pip install triton): no kernels to measure")
