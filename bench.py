@@ -21,6 +21,7 @@ own learning rate):
     python bench.py --mode=lora      # memory of full fine-tuning, LoRA and QLoRA of a Qwen3-0.6B shape
     python bench.py --mode=memory config/train_gpt2.py   # memory per GPU on 1, 8 and 64 of them, estimated
     python bench.py --mode=sft --steps=300   # fine-tuning on answers only against every token; packing
+    python bench.py --mode=gpu > gpu.md       # all a GPU must show, a section for BENCHMARKS.md (--tiny: on CPU)
 
 --synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py.
 """
@@ -45,11 +46,14 @@ parser.add_argument("--seconds", type=float, default=60, help="--mode=race: trai
 parser.add_argument("--steps", type=int, default=50, help="training steps per run")
 parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
 parser.add_argument("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
-parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora", "memory", "sft"], default="train",
+parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora", "memory", "sft", "gpu"],
+                    default="train",
                     help="race: equal wall time per run; kernels: time kernels.py's ops; load: memory of "
                          "loading a Hugging Face folder; lora: memory of full, LoRA and QLoRA fine-tuning; "
                          "memory: a config's memory per GPU on 1, 8 and 64 GPUs, estimated without a GPU; "
-                         "sft: a task's exact match trained on answers only and on every token, and packing")
+                         "sft: a task's exact match trained on answers only and on every token, and packing; "
+                         "gpu: all a GPU must show, as Markdown for BENCHMARKS.md")
+parser.add_argument("--tiny", action="store_true", help="--mode=gpu at tiny shapes on a CPU: a smoke check")
 args, train_args = parser.parse_known_args()
 if args.warmup >= args.steps:
     sys.exit(f"bench.py: --warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
@@ -58,92 +62,118 @@ if args.warmup >= args.steps:
 # --mode=kernels: each fused op of kernels.py against its reference, eager and compiled
 
 
-def bench_kernels():
-    # bf16 at Llama-like sizes; forward, and forward+backward; median time and peak memory
+def kernel_cases(device, tokens=(8192, 32768), widths=(2048, 4096), vocabs=(50304, 128256), D=128):
+    # (op, size, inputs(), call(op, *inputs)) in bf16 at Llama-like sizes: tokens x width, D the head size
     import math
 
     import torch
 
-    import kernels
-
-    if not torch.cuda.is_available():
-        sys.exit("bench.py: --mode=kernels measures Triton kernels on a CUDA GPU, and none is visible here")
-    if not kernels.HAS_TRITON:
-        sys.exit("bench.py: --mode=kernels needs Triton: pip install triton")
-    import triton
-    from triton.testing import do_bench
-
-    torch._dynamo.config.recompile_limit = 64  # the compiled references recompile for every size
-
     def rand(*shape, std=1.0, grad=True):
-        return (std * torch.randn(*shape, device="cuda", dtype=torch.bfloat16)).requires_grad_(grad)
+        return (std * torch.randn(*shape, device=device, dtype=torch.bfloat16)).requires_grad_(grad)
 
-    def rotary_inputs(N, C, D=128, T=2048):  # q as a strided view into a wider tensor (the model's is contiguous)
-        angles = torch.outer(torch.arange(T, device="cuda").float(), torch.rand(D // 2, device="cuda"))
+    def rotary_inputs(N, C):  # q as a strided view into a wider tensor (the model's is contiguous)
+        T = min(N, 2048)
+        angles = torch.outer(torch.arange(T, device=device).float(), torch.rand(D // 2, device=device))
         return [rand(N // T, T, 3 * C), angles.cos(), angles.sin()]
 
-    def rotary_call(f, qkv, cos, sin, D=128):
+    def rotary_call(f, qkv, cos, sin):
         B, T, C3 = qkv.shape
         return f(qkv[..., :C3 // 3].view(B, T, C3 // 3 // D, D), cos, sin)
 
-    cases = []  # (op, size, inputs(), call(op, *inputs))
-    for N in (8192, 32768):
-        for C in (2048, 4096):
+    cases = []
+    for N in tokens:
+        for C in widths:
             H = 64 * math.ceil(8 * C / 3 / 64)  # the model's SwiGLU width
             cases += [
                 ("rms_norm", f"{N}x{C}", lambda N=N, C=C: [rand(N, C), rand(C)], lambda f, x, w: f(x, w, 1e-5)),
                 ("swiglu", f"{N}x{H}", lambda N=N, H=H: [rand(N, 2 * H)], lambda f, gu: f(*gu.chunk(2, -1))),
                 ("apply_rotary", f"{N}x{C}", lambda N=N, C=C: rotary_inputs(N, C), rotary_call),
             ]
-    for V in (50304, 128256):
-        for N in (8192, 32768):
-            for C in (2048, 4096):
+    for V in vocabs:
+        for N in tokens:
+            for C in widths:
                 inputs = lambda N=N, C=C, V=V: [rand(N, C), rand(V, C, std=0.02),
-                                                torch.randint(0, V, (N,), device="cuda")]
+                                                torch.randint(0, V, (N,), device=device)]
                 cases.append(("linear_cross_entropy", f"{N}x{C} V={V}", inputs, lambda f, *a: f(*a)))
+    return cases
 
-    def measure(fn, leaves):
-        # (median ms, peak MB above what was allocated before), or None when out of memory
-        try:
-            fn()  # warm up: compile, autotune, cache
-            for t in leaves:
-                t.grad = None
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fn()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            return do_bench(fn, warmup=50, rep=500, grad_to_none=leaves, return_mode="median"), peak
-        except torch.OutOfMemoryError:
-            return None
-        finally:
-            for t in leaves:
-                t.grad = None
+
+def measure(fn, leaves, device):
+    # (median ms, peak MB above what was allocated before, or None on a CPU), or None when out of memory
+    import torch
+    cuda = device.startswith("cuda")
+    try:
+        fn()  # warm up: compile, autotune, cache
+        for t in leaves:
+            t.grad = None
+        if not cuda:  # a CPU's timing, for the smoke check: the median of a few calls, no memory
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1000)
+            return statistics.median(times), None
+        from triton.testing import do_bench
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        return do_bench(fn, warmup=50, rep=500, grad_to_none=leaves, return_mode="median"), peak
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        for t in leaves:
+            t.grad = None
+        if cuda:
             torch.cuda.empty_cache()
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16")
-    print("linear_cross_entropy computes its gradients in forward: compare it on fwd+bwd")
+
+def kernel_table(cases, device, compiled=True):
+    # each case eager, compiled (unless not compiled) and fused, forward and forward+backward: a Markdown table
+    import torch
+
+    import kernels
+    torch._dynamo.config.recompile_limit = 64  # the compiled references recompile for every size
+    print("linear_cross_entropy computes its gradients in forward: compare it on fwd+bwd\n")
     print("| op | size | pass | eager ms | compiled ms | triton ms | speedup vs eager | vs compiled "
           "| eager MB | compiled MB | triton MB |\n" + "| --- " * 11 + "|")
     for name, size, make_inputs, call in cases:
         ref = getattr(kernels, name + "_ref")
-        impls = [ref, torch.compile(ref, dynamic=False), getattr(kernels, name)]
+        impls = [ref, torch.compile(ref, dynamic=False) if compiled else None, getattr(kernels, name)]
         inputs = make_inputs()
         leaves = [t for t in inputs if t.requires_grad]
         with torch.no_grad():  # the output's shape, from the op that needs the least memory
             dy = torch.randn_like(call(impls[2], *inputs))
         for pass_ in ("fwd", "fwd+bwd"):
             if pass_ == "fwd":
-                results = [measure(lambda f=f: call(f, *inputs), leaves) for f in impls]
+                results = [measure(lambda f=f: call(f, *inputs), leaves, device) if f else None for f in impls]
             else:
-                results = [measure(lambda f=f: call(f, *inputs).backward(dy), leaves) for f in impls]
-            ms = [f"{r[0]:.3f}" if r else "OOM" for r in results]
-            mb = [f"{r[1]:,.0f}" if r else "OOM" for r in results]
+                results = [measure(lambda f=f: call(f, *inputs).backward(dy), leaves, device) if f else None
+                           for f in impls]
+            ms = [f"{r[0]:.3f}" if r else "OOM" if f else "-" for r, f in zip(results, impls)]
+            mb = [f"{r[1]:,.0f}" if r and r[1] is not None else "OOM" if f and not r else "-"
+                  for r, f in zip(results, impls)]
             ratio = [f"{r[0] / results[2][0]:.2f}" if r and results[2] else "-" for r in results[:2]]
             print(f"| {name} | {size} | {pass_} | {' | '.join(ms)} | {' | '.join(ratio)} | {' | '.join(mb)} |")
         del inputs, leaves, dy
-        torch.cuda.empty_cache()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def bench_kernels():
+    # bf16 at Llama-like sizes; forward, and forward+backward; median time and peak memory
+    import torch
+
+    import kernels
+    if not torch.cuda.is_available():
+        sys.exit("bench.py: --mode=kernels measures Triton kernels on a CUDA GPU, and none is visible here")
+    if not kernels.HAS_TRITON:
+        sys.exit("bench.py: --mode=kernels needs Triton: pip install triton")
+    import triton
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16")
+    kernel_table(kernel_cases("cuda"), "cuda")
 
 
 if args.mode == "kernels":
@@ -170,18 +200,20 @@ def train_defaults():
     return config
 
 
-def bench_memory():
+def planned_model(overrides):
+    # (settings, model on the meta device, dtype) of a train.py run with these overrides: GPU settings (bf16
+    # where dtype is auto, the kernels on) unless it runs on a CPU
     import torch
     from configurator import configure
     from hf import config_from_hf, read_json
     from lora import add_lora
-    from memory import memory_estimate, memory_layout, memory_table
     from model import GPT, GPTConfig
     from tokenizer import read_meta
     config = train_defaults()
-    configure(config, train_args)
+    configure(config, overrides)
     g = argparse.Namespace(**config)
-    dtype = "bfloat16" if g.dtype == "auto" else g.dtype
+    on_cpu = g.device == "cpu"
+    dtype = ("float32" if on_cpu else "bfloat16") if g.dtype == "auto" else g.dtype
     if g.init_from not in ("scratch", "resume", "auto"):  # a Hugging Face folder: its shape
         try:
             shape = config_from_hf(read_json(os.path.join(g.init_from, "config.json")), g.block_size)
@@ -194,12 +226,19 @@ def bench_memory():
             vocab = 64 * -(-read_meta(g.data_dir)["vocab_size"] // 64) if have_data else 50304
         shape = GPTConfig(n_layer=g.n_layer, n_head=g.n_head, n_kv_head=g.n_kv_head, n_embd=g.n_embd,
                           block_size=g.block_size, vocab_size=vocab, tie_embeddings=g.tie_embeddings)
-    shape.use_kernels = True if g.use_kernels is None else g.use_kernels  # a GPU's default, with Triton
+    shape.use_kernels = not on_cpu if g.use_kernels is None else g.use_kernels  # a GPU's default, with Triton
     with torch.device("meta"):
         model = GPT(shape)
         if g.lora_rank:  # the frozen base in the dtype it computes in (nf4: counted at its size)
             base = dtype if g.lora_base_dtype in ("auto", "nf4", "int8") else g.lora_base_dtype
             add_lora(model.to(getattr(torch, base)), g.lora_rank, g.lora_alpha, g.lora_dropout, g.lora_targets)
+    return g, model, dtype
+
+
+def bench_memory():
+    from memory import memory_estimate, memory_layout, memory_table
+    g, model, dtype = planned_model(train_args)
+    shape = model.config
     layouts = [(1, dict()), (1, dict(checkpointing=True)),
                (1, dict(fsdp=True, checkpointing=True, offload=True))]
     for gpus in (8, 64):
@@ -282,38 +321,58 @@ if args.mode == "load":
 # -----------------------------------------------------------------------------
 # --mode=lora: a few steps of full fine-tuning, LoRA and QLoRA of the same random Qwen3-0.6B-shaped
 # folder, side by side, each a real train.py run: its optimizer state (from its checkpoint), the
-# frozen base's weights and the peak memory it logged. Any other --key=value goes to train.py.
+# frozen base's weights, the peak memory it logged and its tokens/s. Any other --key=value goes to train.py.
 
 FINETUNES = {"full": [], "LoRA": ["--lora_rank=16"], "LoRA, int8 base": ["--lora_rank=16", "--lora_base_dtype=int8"],
              "QLoRA": ["--lora_rank=16", "--lora_base_dtype=nf4"]}
+QWEN3_06B = dict(vocab_size=151936, block_size=4096, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024,
+                 head_size=128, mlp_hidden=3072, qk_norm=True, family="qwen3")
 
 
-def bench_lora():
+def random_folder(shape, folder):
+    # a Hugging Face folder of random bf16 weights (as the Hub holds them), built on the meta device and filled
+    # in place: no fp32 copy of a 7B model on the way
+    import torch
+    from hf import save_pretrained
+    from model import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**shape)).to(torch.bfloat16)
+    model = model.to_empty(device="cpu").materialize()
+    with torch.no_grad():
+        for p in model.parameters():  # norms' weights 1, the rest small: the scale of a trained model
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    save_pretrained(model, folder)
+
+
+def bench_lora(shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=()):
     import torch
     from checkpoint import model_from_checkpoint
-    from hf import save_pretrained
     from lora import quantize_base
     from memory import tensor_bytes
-    from model import GPT, GPTConfig
-    shape = dict(vocab_size=151936, block_size=4096, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024, head_size=128,
-                 mlp_hidden=3072, qk_norm=True, family="qwen3")
     with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(GPT(GPTConfig(**shape)).to(torch.bfloat16), f"{tmp}/model")  # as the Hub holds it: bf16
+        random_folder(shape, f"{tmp}/model")
+        vocab = shape["vocab_size"] - 1  # the last id is end-of-text
         rng = np.random.default_rng(0)
         for split in ("train", "val"):
-            rng.integers(0, 151643, size=200_000, dtype=np.uint32).tofile(f"{tmp}/{split}.bin")
+            rng.integers(0, vocab, size=200_000, dtype=np.uint32).tofile(f"{tmp}/{split}.bin")
         with open(f"{tmp}/meta.json", "w") as f:
-            json.dump({"dtype": "uint32", "vocab_size": 151643, "eot_id": 151643}, f)
-        print(f"Qwen3-0.6B shape, torch {torch.__version__}, {' '.join(train_args) or 'train.py defaults'}")
-        print("| fine-tune | trained parameters | optimizer state MB | frozen base MB | peak memory MB |\n"
-              "| --- | --- | --- | --- | --- |")
-        for name, extra in FINETUNES.items():
-            out = f"{tmp}/out_{name}"
+            json.dump({"dtype": "uint32", "vocab_size": vocab, "eot_id": vocab}, f)
+        settings = " ".join([*train_args, *extra_args]) or "train.py defaults"
+        print(f"{name} shape, torch {torch.__version__}, {settings}\n")
+        print("| fine-tune | trained parameters | optimizer state MB | frozen base MB | peak memory MB "
+              "| tokens/s |\n" + "| --- " * 6 + "|")
+        for label, extra in FINETUNES.items():
+            out = f"{tmp}/out_{label}"
             cmd = [sys.executable, "train.py", f"--init_from={tmp}/model", f"--data_dir={tmp}", f"--out_dir={out}",
-                   "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--log_interval=1", *train_args, *extra]
+                   "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--log_interval=1", *train_args,
+                   *extra_args, *extra]
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if done.returncode:
-                sys.exit(f"bench.py: train.py failed:\n{done.stdout[-3000:]}")
+            if done.returncode:  # out of memory, or torchao missing: one line, and the next goes on
+                print(f"| {label} | failed: {done.stdout.strip().splitlines()[-1][:200]} |")
+                continue
             ckpt = torch.load(f"{out}/ckpt.pt", weights_only=True, mmap=True)
             state = sum(tensor_bytes(t) for s in ckpt["optimizer"]["state"].values() for t in s.values()
                         if torch.is_tensor(t) and t.dim() > 0)
@@ -325,8 +384,10 @@ def bench_lora():
             trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
             frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
             with open(f"{out}/metrics.jsonl") as f:
-                peak = max(json.loads(line).get("mem_mb", 0) for line in f)
-            print(f"| {name} | {trained / 1e6:,.1f}M | {state / 2**20:,.0f} | {frozen / 2**20:,.0f} | {peak:,.0f} |")
+                records = [json.loads(line) for line in f if "tokens_per_s" in line]
+            peak, speed = max(r["mem_mb"] for r in records), records[-1]["tokens_per_s"]  # the last: warm
+            print(f"| {label} | {trained / 1e6:,.1f}M | {state / 2**20:,.0f} | {frozen / 2**20:,.0f} "
+                  f"| {peak:,.0f} | {speed:,.0f} |")
             del ckpt, model  # before the next run: the full fine-tune's weights alone are 2.4 GB
 
 
@@ -427,10 +488,12 @@ if args.mode == "sft":
 # train.py's throughput (or, racing, the loss it reaches in equal time), once per run
 
 
-def run_train(extra, out_dir, steps, evaluate=False):
+def run_train(extra, out_dir, steps, evaluate=False, log_interval=None):
     # train.py's own log records; without evaluate, only one at the start, on a single batch
-    evals = [f"--eval_interval={steps}", f"--lr_decay_iters={steps}", f"--log_interval={steps}"] if evaluate \
-        else [f"--eval_interval={steps + 1}", "--eval_iters=1", "--log_interval=1"]
+    evals = [f"--eval_interval={steps + 1}", "--eval_iters=1", "--log_interval=1"]
+    if evaluate:
+        evals = [f"--eval_interval={steps}", f"--lr_decay_iters={steps}",
+                 f"--log_interval={log_interval or steps}"]
     cmd = [sys.executable, "train.py", *train_args, *extra, f"--out_dir={out_dir}", f"--max_iters={steps}",
            *evals, "--always_save_checkpoint=False"]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -457,6 +520,162 @@ def race(extra, out_dir):
     return {"ms_per_iter": med["ms_per_iter"], "steps": steps, "seconds": seconds, "val_loss": last["val_loss"],
             "val_accuracy": last["val_accuracy"]}
 
+
+# -----------------------------------------------------------------------------
+# --mode=gpu: everything a GPU must show (BENCHMARKS.md, "GPU: owed") as one Markdown section for
+# BENCHMARKS.md, made of the modes above at a GPU's shapes. A row that cannot run (out of memory, flash-attn
+# or torchao not installed) is one line, and the rest go on. --tiny runs the same at tiny shapes on a CPU, a
+# smoke check of the command, without torch.compile (its first compile costs ~20 s a graph on a CPU).
+
+GPT2_124M = ["config/train_gpt2.py", "--batch_size=16", "--gradient_accumulation_steps=1", "--eval_iters=10"]
+NEAR_1B = [*GPT2_124M, "--n_layer=20", "--n_head=32", "--n_kv_head=8", "--n_embd=2048", "--batch_size=8"]
+LLAMA2_7B = dict(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008,
+                 tie_embeddings=False)
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=2", "--eval_iters=2",
+        "--gradient_accumulation_steps=1", "--device=cpu", "--compile=False"]
+TINY_QWEN3 = dict(QWEN3_06B, n_layer=2, n_head=2, n_kv_head=1, n_embd=64, head_size=32, mlp_hidden=128,
+                  vocab_size=512)
+# a config file for train.py that hides flash-attn from model.py, leaving attention to SDPA
+NO_FLASH = "import model as _model\n_model.flash_attn_func = None\n"
+
+
+def attempt(label, measure_fn, *a, **kw):
+    # one row's measurement, or one line saying why there is none; run_train stops bench.py when train.py
+    # fails, and that stop is caught here so that the rest go on
+    try:
+        return measure_fn(*a, **kw)
+    except SystemExit as e:
+        print(f"| {label} | failed: {str(e.code).strip().splitlines()[-1][:200]} |")
+
+
+def documents(folder, vocab=50257):
+    # random GPT-2 tokens with an end-of-text every ~500 (what doc_mask cuts documents at), and their meta.json
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        tokens = rng.integers(0, vocab - 1, size=2_000_000, dtype=np.uint16)
+        tokens[rng.random(tokens.size) < 1 / 500] = vocab - 1
+        tokens.tofile(os.path.join(folder, f"{split}.bin"))
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump({"dtype": "uint16", "vocab_size": vocab, "eot_id": vocab - 1}, f)
+
+
+def gpu_header(cuda):
+    import datetime
+
+    import torch
+
+    import kernels
+    triton = kernels.triton.__version__ if kernels.HAS_TRITON else "not installed"
+    git = ["git", "describe", "--always", "--dirty"]  # the commit, and -dirty for uncommitted changes
+    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown"
+    device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores, tiny shapes (--tiny)"
+    print(f"## {datetime.date.today()}, GPU: {device} (python bench.py --mode=gpu)\n")
+    print(f"torch {torch.__version__}, Triton {triton}, CUDA {torch.version.cuda}, commit {commit}\n")
+
+
+def step_rows(shape, data, compile_):
+    # tokens/s, MFU and peak memory of a step: the kernels and compile on and off, flash-attn against SDPA,
+    # doc_mask's FlexAttention against plain causal SDPA
+    import model
+    with open(os.path.join(data, "no_flash.py"), "w") as f:
+        f.write(NO_FLASH)
+    on = [f"--compile={compile_}", "--use_kernels=True"]
+    runs = [(f"kernels {k}, {'compiled' if c else 'eager'}", [f"--use_kernels={k == 'on'}", f"--compile={c}"])
+            for c in sorted({False, compile_}) for k in ("off", "on")]
+    if model.flash_attn_func is None:
+        print("flash-attn is not installed here (pip install flash-attn): its row is left out\n")
+    else:
+        runs.append(("flash-attn", on))
+    sdpa = [os.path.join(data, "no_flash.py"), *on]
+    runs += [("SDPA, causal", sdpa), ("SDPA or FlexAttention (CUDA), doc_mask", [*sdpa, "--doc_mask=True"])]
+    print("| run | tokens/s | ms/iter | MFU | peak memory MB |\n| --- | --- | --- | --- | --- |")
+    for i, (label, extra) in enumerate(runs):
+        result = attempt(label, throughput, [*shape, f"--data_dir={data}", *extra], f"{data}/step{i}")
+        if result:
+            (med, mem), mfu = result, f"{result[0]['mfu']:.1%}" if result[0]["mfu"] else "n/a"
+            print(f"| {label} | {med['tokens_per_s']:,.0f} | {med['ms_per_iter']:.1f} | {mfu} | {mem:,.0f} |")
+
+
+def memory_rows(shapes, data, device):
+    # memory.py's estimate against the peak train.py measures (CUDA's allocator; a CPU's peak RSS)
+    from memory import memory_estimate
+    layouts = [("one process", []), ("checkpointing", ["--gradient_checkpointing=True"]),
+               ("FSDP, CPU offload, checkpointing", ["--fsdp=True", "--fsdp_cpu_offload=True",
+                                                     "--gradient_checkpointing=True"])]
+    print("| model | layout | estimate MB | measured MB | measured / estimate | tokens/s |\n"
+          + "| --- " * 6 + "|")
+    for name, shape in shapes:
+        for i, (layout, extra) in enumerate(layouts):
+            run_args = [*shape, f"--data_dir={data}", *extra]
+            g, model, dtype = planned_model(run_args)
+            estimate = memory_estimate(model, g.batch_size, g.block_size, dtype, g.optimizer, fsdp=g.fsdp,
+                                       checkpointing=g.gradient_checkpointing, offload=g.fsdp_cpu_offload,
+                                       device=device)["device"] / 2**20
+            result = attempt(f"{name} | {layout}", throughput, run_args, os.path.join(data, f"mem_{name}{i}"))
+            if result:
+                (med, measured) = result
+                print(f"| {name} | {layout} | {estimate:,.0f} | {measured:,.0f} | {measured / estimate:.2f} "
+                      f"| {med['tokens_per_s']:,.0f} |")
+
+
+def optimizer_rows(shape, data, steps):
+    # AdamW against Muon for the same steps: the validation loss each reaches, and its tokens/s (median of its
+    # logs after the first tenth, which holds the compile)
+    print(f"{steps} steps each\n\n| optimizer | val loss | tokens/s |\n| --- | --- | --- |")
+    for name in ("adamw", "muon"):
+        out = os.path.join(data, f"opt_{name}")
+        run_args = [*shape, f"--data_dir={data}", f"--optimizer={name}", f"--warmup_iters={steps // 10}"]
+        every = max(1, steps // 10)
+        records = attempt(name, run_train, run_args, out, steps, evaluate=True, log_interval=every)
+        if records:
+            loss = [r for r in records if "val_loss" in r][-1]["val_loss"]
+            first = min(every, steps - 1)  # the first log's steps hold the compile
+            warm = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["iter"] > first]
+            print(f"| {name} | {loss:.4f} | {statistics.median(warm):,.0f} |")
+
+
+def bench_gpu():
+    import torch
+
+    import kernels
+    started, cuda = time.time(), not args.tiny
+    if cuda and not torch.cuda.is_available():
+        sys.exit("bench.py: --mode=gpu measures a CUDA GPU and none is visible here (add --tiny for a smoke "
+                 "check on CPU)")
+    gpu_header(cuda)
+    device = "cuda" if cuda else "cpu"
+    print("### Fused kernels against eager and compiled references (bf16)\n")
+    if kernels.HAS_TRITON:
+        # the ends of the range --mode=kernels covers, to keep the whole within ~20 minutes: each reference
+        # compiles anew for every size
+        sizes = dict(tokens=(32768,), widths=(2048, 8192))
+        if not cuda:
+            sizes = dict(tokens=(64,), widths=(256,), vocabs=(512,))
+        kernel_table(kernel_cases(device, **sizes), device, compiled=cuda)
+    else:
+        print("Triton is not installed (pip install triton): no kernels to measure")
+    gpt2 = GPT2_124M if cuda else TINY
+    with tempfile.TemporaryDirectory() as data:
+        documents(data)
+        print(f"\n### GPT-2 124M training step ({args.steps} steps, medians after {args.warmup})\n")
+        step_rows(gpt2, data, compile_=cuda)
+        print("\n### Memory estimate against the measured peak\n")
+        memory_rows([("124M", GPT2_124M), ("~1B", NEAR_1B)] if cuda else [("tiny", TINY)], data, device)
+        print("\n### AdamW against Muon at 124M\n")
+        optimizer_rows(gpt2, data, 300 if cuda else args.steps)
+    print("\n### Fine-tuning: full, LoRA and QLoRA at micro-batch 1\n")
+    if cuda:
+        bench_lora(QWEN3_06B, "Qwen3-0.6B", ["--batch_size=1", "--block_size=1024"])
+        print()
+        bench_lora(LLAMA2_7B, "Llama-2-7B", ["--batch_size=1", "--block_size=1024"])
+    else:
+        bench_lora(TINY_QWEN3, "tiny Qwen3", ["--batch_size=1", "--block_size=32", "--device=cpu"])
+    print(f"\n(all of it in {(time.time() - started) / 60:.1f} minutes)")
+
+
+if args.mode == "gpu":
+    bench_gpu()
+    sys.exit(0)
 
 if args.run:
     runs = [shlex.split(r) for r in args.run]

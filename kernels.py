@@ -284,15 +284,17 @@ if HAS_TRITON:
         tl.store(yp, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(yp + D2, (x1 * s + x2 * c).to(y_ptr.dtype.element_ty), mask=mask)
 
+    def _rotary_config(H, D):
+        block_h, block_d = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
+        return dict(BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d))
+
     @torch.library.custom_op("kernels::rotary", mutates_args=())
     def _rotary_op(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
         B, T, H, D = x.shape
         torch._check(cos.shape == (T, D // 2) and sin.shape == (T, D // 2) and D % 2 == 0)
         y = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
-        BLOCK_H, BLOCK_D = triton.next_power_of_2(H), triton.next_power_of_2(D // 2)
         _rotary_kernel[(B * T,)](x, cos.contiguous(), sin.contiguous(), y, T, H, D // 2, *x.stride(),
-                                 SIGN=-1.0 if inverse else 1.0, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                                 ACC=_tl(_acc(x)), num_warps=_warps(BLOCK_H * BLOCK_D))
+                                 SIGN=-1.0 if inverse else 1.0, ACC=_tl(_acc(x)), **_rotary_config(H, D))
         return y
 
     @_rotary_op.register_fake
@@ -343,6 +345,10 @@ if HAS_TRITON:
             tl.store(ptr + start + cols, g.to(logits_ptr.dtype.element_ty), mask=start + cols < V)
         tl.store(loss_ptr + row, tl.where(valid, lse - z_target, 0.0))
 
+    def _cross_entropy_config(V):
+        block = min(triton.next_power_of_2(V), 4096)
+        return dict(BLOCK=block, num_warps=_warps(block))
+
     @torch.library.custom_op("kernels::linear_cross_entropy", mutates_args=())
     def _lce_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
                 x_grad: bool, w_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -358,13 +364,12 @@ if HAS_TRITON:
         grad_w = None if w_grad else weight.new_empty(0)
         n_chunks = triton.cdiv(N * V, LCE_CHUNK_ELEMENTS)
         rows = triton.cdiv(N, n_chunks)
-        BLOCK = min(triton.next_power_of_2(V), 4096)
+        cfg = _cross_entropy_config(V)
         for s in range(0, N, rows):
             xc = x[s:s + rows]
             logits = xc @ weight.t()  # (rows, V), in x's dtype: the Triton kernel reads it in fp32
             _cross_entropy_kernel[(xc.shape[0],)](logits, targets[s:], loss_rows[s:], scale, V,
-                                                  logits.stride(0), ignore_index, BLOCK=BLOCK,
-                                                  ACC=_tl(acc), num_warps=_warps(BLOCK))
+                                                  logits.stride(0), ignore_index, ACC=_tl(acc), **cfg)
             if x_grad:  # logits now hold d(loss)/d(logits)
                 torch.mm(logits, weight, out=grad_x[s:s + rows])
             if w_grad:
@@ -403,3 +408,17 @@ if HAS_TRITON:
         with torch.autocast(dev, enabled=False):  # inputs are cast already: the op's matmuls keep them
             return _lce_op(x, weight, targets, ignore_index, grad and x.requires_grad,
                            grad and weight.requires_grad)[0]
+
+    # --- every launch at a model's shape ----------------------------------------------------
+
+    def launches(n_embd, mlp_hidden, n_head, n_kv_head, head_size, vocab_size):
+        """[(kernel, launch parameters)] of every kernel the model launches at this shape, the parameters
+        (constexpr block sizes and num_warps, ACC and SIGN aside) chosen as the wrappers above choose them:
+        tests/test_kernels.py compiles them for a GPU's architecture without one."""
+        found = []
+        for C in (n_embd, head_size):  # the blocks' norms, and qk_norm's over each head
+            found += [(k, _rms_norm_config(C)) for k in (_rms_norm_fwd_kernel, _rms_norm_bwd_kernel)]
+        found += [(k, _swiglu_grid(1, mlp_hidden)[1]) for k in (_swiglu_fwd_kernel, _swiglu_bwd_kernel)]
+        found += [(_rotary_kernel, _rotary_config(H, head_size)) for H in (n_head, n_kv_head)]
+        found.append((_cross_entropy_kernel, _cross_entropy_config(vocab_size)))
+        return found

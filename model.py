@@ -119,6 +119,16 @@ def attend(q, k, v, **kwargs):
                                           **kwargs).transpose(1, 2)
 
 
+def flash_dtype(q):
+    # The half precision flash-attn computes in, or None where it cannot run: it needs a GPU and bf16 or fp16.
+    # Under autocast that is autocast's dtype, as SDPA's would be; the inputs themselves may still be fp32 there
+    # (fp32 master weights, a norm's fp32 output), so their own dtype alone would never choose flash-attn.
+    if flash_attn_func is None or not q.is_cuda:
+        return None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
 class Attention(nn.Module):
     def __init__(self, config, ops):
         super().__init__()
@@ -161,8 +171,8 @@ class Attention(nn.Module):
                                enable_gqa=gqa).transpose(1, 2)
         elif mask is not None:  # documents elsewhere: a (B, 1, T, T) boolean mask, True where a query looks
             y = attend(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
-        elif flash_attn_func is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            y = flash_attn_func(q, k, v, dropout_p=dropout, causal=causal)  # (B, T, H, D), GQA built in
+        elif (half := flash_dtype(q)) is not None:  # (B, T, H, D), GQA built in
+            y = flash_attn_func(q.to(half), k.to(half), v.to(half), dropout_p=dropout, causal=causal)
         else:
             y = attend(q, k, v, dropout_p=dropout, is_causal=causal, enable_gqa=gqa)
         return self.resid_dropout(adapted(self.proj, y.reshape(B, T, -1)))

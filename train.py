@@ -175,7 +175,9 @@ try:
     device, dtype = pick_device(device, dtype)
 except ValueError as e:
     fail(str(e))
-if device == "cuda" and ddp:
+# Under torchrun, 'cuda' and 'cuda:N' both mean each process's own GPU, the one of its local rank: one index
+# for every process would put them all on one GPU.
+if device.startswith("cuda") and ddp:
     device = f"cuda:{local_rank}"
 device_type = device.split(":")[0]
 if device_type == "cuda":

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from processes import kill_marked, marked
-from test_train import ROOT, TINY, losses, run, script, weights
+from test_train import CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, weights
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -25,9 +25,9 @@ def assert_same_weights(a, b):
 
 
 def start(*args, launcher=(sys.executable,)):
-    return subprocess.Popen([*launcher, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                            start_new_session=True)
+    return subprocess.Popen([*launcher, "train.py", *on_cpu(args)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"})
 
 
 def kill(proc):

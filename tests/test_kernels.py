@@ -12,6 +12,7 @@ last block.
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -353,38 +354,91 @@ def test_model_training_matches_reference():
     assert rel_err(fused, ref) <= 1e-4, (fused, ref)
 
 
-# compiles every kernel for an H100 (sm_90) with Triton's own ptxas: no GPU needed, so type
-# and lowering errors that the interpreter cannot see show up on CPU too
+# Compiles every kernel for an H100 (sm_90) and an A100 (sm_80) with Triton's own ptxas, at the launch
+# parameters kernels.launches gives the model's real shapes: no GPU needed, so type and lowering errors
+# that the interpreter cannot see show up on CPU too, and so do kernels too big for the GPU, which would
+# only fail at launch. ptxas -v reports each compiled kernel's registers, spills and static shared memory;
+# the script prints one line per kernel: arch, name, dtype, launch parameters, registers, spill bytes,
+# shared bytes, warps.
 COMPILE_FOR_CUDA = """
+import subprocess, sys, tempfile
 import triton, triton.language as tl, kernels as K
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
-f32, f64 = tl.float32, tl.float64
-cases = [  # kernel, constexprs, num_warps
-    (K._rms_norm_fwd_kernel, dict(ROWS=1, BLOCK_C=4096), 8), (K._rms_norm_bwd_kernel, dict(ROWS=2, BLOCK_C=1024), 4),
-    (K._swiglu_fwd_kernel, dict(BLOCK=1024), 4), (K._swiglu_bwd_kernel, dict(BLOCK=1024), 4),
-    (K._rotary_kernel, dict(SIGN=-1.0, BLOCK_H=32, BLOCK_D=64), 4), (K._cross_entropy_kernel, dict(BLOCK=4096), 8),
+shapes = [  # n_embd, mlp_hidden, n_head, n_kv_head, head_size, vocab_size
+    (768, 3072, 12, 12, 64, 50304),  # GPT-2 124M
+    (1024, 3072, 16, 8, 128, 151936),  # Qwen3-0.6B
+    (2048, 8192, 32, 8, 64, 128256),  # Llama-3.2-1B
+    (4096, 14336, 32, 8, 128, 128256),  # Llama-3.1-8B
+    (8192, 28672, 64, 8, 128, 128256),  # Llama-3.1-70B
 ]
 special = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "targets_ptr": "*i64", "eps": "fp32"}
-for dt, acc in [("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")]:
-    for fn, consts, warps in cases:
-        consts = dict(consts, ACC=f64 if acc == "fp64" else f32)
-        sig = {n: "constexpr" if n in consts else special.get(n, f"*{acc}" if n in ("rstd_ptr", "dw_ptr", "loss_ptr", "scale_ptr")
-               else f"*{dt}" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
-        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["cubin"]
+accumulated = ("rstd_ptr", "dw_ptr", "loss_ptr", "scale_ptr")
+
+
+def compile_for(arch, fn, params, dt, acc):
+    consts = {k: v for k, v in params.items() if k != "num_warps"}
+    consts["ACC"] = tl.float64 if acc == "fp64" else tl.float32
+    if "SIGN" in fn.arg_names:
+        consts["SIGN"] = -1.0
+    sig = {n: "constexpr" if n in consts else special.get(n, f"*{acc}" if n in accumulated
+           else f"*{dt}" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+    options = dict(num_warps=params["num_warps"])
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    assert compiled.asm["cubin"]
+    with tempfile.TemporaryDirectory() as tmp:  # Triton's cache keeps no ptxas log: ask ptxas again
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(compiled.asm["ptx"])
+        gpu = sm_arch_from_capability(arch)
+        cmd = [get_ptxas(arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}", f"{tmp}/k.ptx",
+               "-o", f"{tmp}/k.o"]  # as Triton runs it
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = int(log.split("Used ")[1].split()[0])
+    spills = int(log.split("bytes spill stores")[0].split()[-1])
+    static = int(log.split("bytes smem")[0].split()[-1]) if "bytes smem" in log else 0
+    return regs, spills, static + compiled.metadata.shared
+
+
+# bf16 (a GPU run's) for both; fp32 for the H100; fp16 and fp64 (gradcheck's) at the smallest shape
+cases = [(90, "bf16", "fp32"), (80, "bf16", "fp32"), (90, "fp32", "fp32")]
+done = set()
+for i, shape in enumerate(shapes):
+    for fn, params in K.launches(*shape):
+        for arch, dt, acc in cases + ([(90, "fp16", "fp32"), (90, "fp64", "fp64")] if i == 0 else []):
+            key = (arch, fn.__name__, dt, tuple(sorted(params.items())))
+            if key not in done:
+                done.add(key)
+                regs, spills, shared = compile_for(arch, fn, params, dt, acc)
+                print(arch, fn.__name__, dt, str(dict(sorted(params.items()))).replace(" ", ""), regs, spills,
+                      shared, params["num_warps"])
 """
+# per block: the most shared memory a kernel may use (an SM's 228 KB on an H100 and 164 KB on an A100, less
+# the 1 KB CUDA reserves per block), and the registers of the block's threads together
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+REGISTERS_PER_BLOCK = 65536
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not K.HAS_TRITON or torch.cuda.is_available(),
-                    reason="needs Triton; with a GPU the other tests compile the kernels for real")
-def test_kernels_compile_for_cuda():
+@pytest.mark.skipif(not K.HAS_TRITON, reason="needs Triton")
+def test_kernels_compile_for_cuda_at_the_models_shapes():
+    # (with a GPU too: the other tests launch the kernels at small shapes, on one architecture)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real JIT functions
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_CUDA], cwd=REPO, env=env,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) >= 40  # every kernel, at several block sizes, for both architectures
+    for line in lines:
+        arch, name, dtype, *params = line.split(" ")
+        regs, spills, shared, warps = map(int, params[-4:])
+        assert shared <= SHARED_LIMIT[int(arch)], f"too much shared memory: {line}"
+        # registers are given out per warp in units of 256: a thread's count is rounded up to a multiple of 8
+        assert -(-regs // 8) * 8 * 32 * warps <= REGISTERS_PER_BLOCK, f"too many registers: {line}"
+        if spills:
+            warnings.warn(f"registers spilled to local memory: {line}")
 
 
 # -----------------------------------------------------------------------------

@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
+import model as M
 from lora import add_lora
-from model import GPT, GPTConfig, attend, filter_logits
+from model import GPT, GPTConfig, attend, document_mask, filter_logits
 
 
 def tiny(**kw):
@@ -182,6 +183,39 @@ def test_doc_mask_with_one_document_is_causal_attention():
     idx = torch.randint(1, 97, (2, 16))
     targets = torch.randint(0, 97, (2, 16))
     torch.testing.assert_close(model(idx, targets, doc_ids=torch.zeros_like(idx))[1], model(idx, targets)[1])
+
+
+@pytest.mark.slow  # FlexAttention is compiled (~20 s)
+def test_doc_mask_flex_attention_gives_the_sdpa_path_output():
+    # doc_mask's CUDA path (FlexAttention's block mask and mask function) run forward on CPU, where FlexAttention
+    # runs forward under compile, through the model's own attention with grouped-query heads: the boolean mask's
+    # output with SDPA. Documents of uneven lengths, one ending inside a 128-token block, one sequence whole.
+    model = tiny(block_size=160)
+    docs = torch.zeros(2, 160, dtype=torch.long)
+    docs[0, 50:], docs[0, 130:] = 1, 2
+    x = torch.randn(2, 160, 32)
+    cos, sin = model.cos[:160], model.sin[:160]
+    attention = model.blocks[0].attn
+    with torch.no_grad():
+        flex = attention(x, cos, sin, mask=document_mask(docs, flex=True))
+        sdpa = attention(x, cos, sin, mask=document_mask(docs))
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(sdpa, attention(x, cos, sin))  # the documents' mask is not causal attention's
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or M.flash_attn_func is None, reason="needs a GPU and flash-attn")
+def test_flash_attn_runs_in_training_under_autocast(monkeypatch):
+    # with fp32 master weights under bf16 autocast, as train.py runs: flash-attn is called, and gives SDPA's output
+    calls, flash_attn_func = [], M.flash_attn_func
+    monkeypatch.setattr(M, "flash_attn_func", lambda *a, **kw: calls.append(1) or flash_attn_func(*a, **kw))
+    model = tiny().cuda()
+    idx = torch.randint(0, 97, (2, 32), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        flash = model(idx, idx)[1]
+        monkeypatch.setattr(M, "flash_attn_func", None)
+        sdpa = model(idx, idx)[1]
+    assert len(calls) == 2  # once a layer
+    torch.testing.assert_close(flash, sdpa, rtol=1e-2, atol=0)
 
 
 @pytest.mark.parametrize("kwargs", [dict(is_causal=True), dict(attn_mask=torch.rand(1, 1, 24, 24) < 0.7)])

@@ -21,10 +21,23 @@ TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_si
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20", "--learning_rate=1e-2"]
 
 
+# The tests' runs are CPU runs, on a machine with a GPU too: without --device, train.py, sample.py and eval.py
+# would pick the GPU there (and bf16, and the kernels), and torchrun's processes one GPU each. Their Triton
+# kernels, where a test asks for them, run under the interpreter on CPU as they do without a GPU. A test that
+# means another device passes its own --device.
+CPU_ENV = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+ON_CPU = ("train.py", "sample.py", "eval.py")
+
+
+def on_cpu(args):
+    args = [str(a) for a in args]
+    return args if any(a.startswith("--device=") for a in args) else [*args, "--device=cpu"]
+
+
 def run(*args, torchrun=(), check=True, env=None):
     # train.py in a new process: forked from a server that has torch imported already (forkserver.py), or
     # under torchrun
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    env, args = {**os.environ, **CPU_ENV, **(env or {})}, on_cpu(args)
     if torchrun:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -37,8 +50,8 @@ def run(*args, torchrun=(), check=True, env=None):
 
 def script(*args, cwd=ROOT, env=None, timeout=300):
     # another of the project's scripts (sample.py, export.py, prepare.py, bench.py) in a new process, as run() does
-    return forkserver.run([*map(str, args)], cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          timeout=timeout)
+    args = on_cpu(args) if str(args[0]) in ON_CPU else [*map(str, args)]
+    return forkserver.run(args, cwd=cwd, env={**os.environ, **CPU_ENV, **(env or {})}, timeout=timeout)
 
 
 def losses(out_dir):
@@ -190,9 +203,9 @@ def test_two_nodes_on_one_machine(data_dir, tmp_path):
     for node in (0, 1):
         torchrun = ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d",
                     f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *on_cpu(args)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                                      env={**os.environ, **CPU_ENV}))
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     stdout = "".join(o[0] for o in outs)
