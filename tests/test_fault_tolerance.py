@@ -370,9 +370,9 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes_once_there_is_room(
     size = (tmp_path / "whole" / "ckpt.pt").stat().st_size
     out = tmp_path / "disk" / "out"
     out.parent.mkdir()
-    python = " ".join(map(shlex.quote, [sys.executable, "train.py", *args, f"--out_dir={out}"]))
+    python = " ".join(map(shlex.quote, [sys.executable, "train.py", *on_cpu([*args, f"--out_dir={out}"])]))
     logs = f"> {tmp_path / 'full.out'} 2> {tmp_path / 'full.err'}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **CPU_ENV}
     if tmpfs_available():  # room for the checkpoint of step 3, not for step 6's beside it; then a bigger disk
         script = (f"mount -t tmpfs -o size={size * 8 // 5 // 1024}k tmpfs {out.parent} && {python} {logs}; "
                   f"ls -a {out} > {tmp_path / 'listing'}; mount -o remount,size=16m {out.parent} && "
