@@ -8,7 +8,7 @@ any other layout, by parameter name. ckpt_best and ckpt_NNNNNNN follow the same 
 Nothing is ever half written: a file is written under a temporary name, flushed and renamed; a folder
 counts as a checkpoint only with its state.pt, written after every shard and deleted before any, and it
 takes its name by two renames (the old one steps aside as NAME.old first, see publish). Reading runs no
-code: only tensors and plain values are unpickled.
+code: only tensors and plain values are unpickled, and a folder's .metadata only as DCP's own types.
 
     from checkpoint import load_run
     model, tokenizer, checkpoint = load_run("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt
@@ -24,6 +24,8 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -39,39 +41,104 @@ NEEDED = {"model", "optimizer", "scaler", "model_args", "iter_num", "best_val_lo
 NAMES = r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?"  # the checkpoints of an out_dir, in either layout
 
 # -----------------------------------------------------------------------------
+# a sharded folder's .metadata: torch.distributed.checkpoint pickles it, and its own reader unpickles it with
+# pickle.load, which calls whatever the file names. Ours admits only the types DCP itself writes there.
+
+DCP_TYPES = {  # module -> names, as torch 2.13 pickles a checkpoint's metadata (torch's dtypes besides)
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
+                                              "TensorProperties", "BytesStorageMetadata", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name: torch.strided
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath"},  # where the checkpoint was written, kept as a note
+    "pathlib._local": {"PosixPath", "WindowsPath"},  # the same, as Python 3.13 names them
+    "collections": {"OrderedDict"},
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata types only. A pickle runs code only by calling the classes and functions it
+    names, and every name goes through find_class: these build plain records, nothing else is handed out."""
+
+    def find_class(self, module, name):
+        if name in DCP_TYPES.get(module, ()) or module == "torch" and isinstance(getattr(torch, name, None),
+                                                                               torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, not one of torch.distributed.checkpoint's "
+                                     f"metadata types")
+
+
+def read_metadata(folder):
+    """The Metadata in folder/.metadata, read without running anything in it and checked to be what this
+    project's sharded saves write: tensors only (DCP reads a "bytes" entry with torch.load(weights_only=False))
+    in files of the folder itself. ValueError in one line otherwise."""
+    path = os.path.join(folder, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} is refused: {e}; only load checkpoints you trust") from None
+    except Exception as e:  # a damaged pickle fails in many ways
+        raise ValueError(f"{path} is not a readable checkpoint's metadata ({type(e).__name__}: {e}); use another "
+                         f"checkpoint, e.g. ckpt_best or a ckpt_NNNNNNN") from None
+    entries = getattr(metadata, "state_dict_metadata", None)
+    files = getattr(metadata, "storage_data", None)
+    if not isinstance(metadata, Metadata) or not isinstance(entries, dict) or not isinstance(files, dict):
+        raise ValueError(f"{path} does not hold a sharded checkpoint's metadata; only load checkpoints you trust")
+    odd = [type(m).__name__ for m in entries.values() if not isinstance(m, TensorStorageMetadata)]
+    if odd:
+        raise ValueError(f"{path} lists a {odd[0]} entry, where this project's sharded checkpoints hold tensors "
+                         f"only (DCP would unpickle it); refusing it")
+    for info in files.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or os.path.basename(name) != name \
+                or name in ("", ".", ".."):
+            raise ValueError(f"{path} points at {name!r}, not a file of its own folder; refusing it")
+    return metadata
+
+
+class CheckedReader(dcp.FileSystemReader):
+    """torch.distributed.checkpoint's reader of a folder, handed the metadata read_metadata read and checked:
+    DCP's own read_metadata would unpickle .metadata with pickle.load."""
+
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.metadata = read_metadata(folder)
+
+    def read_metadata(self):
+        return self.metadata
+
+
+# -----------------------------------------------------------------------------
 # reading
 
 
-
-
 def find_checkpoint(path):
-    """The newest checkpoint of a name, as train.py writes them: 'out/ckpt.pt' (or 'out/ckpt') -> out/ckpt.pt
-    (a file), out/ckpt/ (a sharded folder: FSDP and tensor parallel write torch.distributed.checkpoint's) or
-    out/ckpt.old/ (the previous folder, where a save was killed between its two renames); of those that
-    exist, the one at the latest step. None if there is none. A folder counts only with its state.pt."""
+    """The checkpoint of a name, as train.py writes them: 'out/ckpt.pt' (or 'out/ckpt') -> out/ckpt.pt (a file),
+    out/ckpt/ (a sharded folder: FSDP and tensor parallel write torch.distributed.checkpoint's) or out/ckpt.old/
+    (the previous folder, where a save was killed between its two renames). None if there is none. A folder
+    counts only with its state.pt. Only what this project's own saves leave is taken, whatever step a folder
+    claims: an out_dir holds one layout, so a ckpt.pt wins over any folder, and ckpt.old/ counts only without a
+    ckpt/ (publish renames ckpt/ aside before the new one takes its name, and removes ckpt.old/ after)."""
     if os.path.isfile(path) and not path.endswith(".pt"):
         return path  # a file named otherwise: the caller's own
     stem = path.removesuffix(".pt").rstrip("/")
-    found = [p for p in (stem + ".pt", stem, stem + ".old")
-             if os.path.isfile(p if p.endswith(".pt") else os.path.join(p, "state.pt"))]
-    if len(found) > 1:  # a kill between the two renames of a save (or an out_dir written by an older train.py)
-        def written(p):
-            state = p if p.endswith(".pt") else os.path.join(p, "state.pt")
-            return load_checkpoint(state, mmap=True)["iter_num"], os.path.getmtime(state)
-        found.sort(key=written)
-    return found[-1] if found else None
+    if os.path.isfile(stem + ".pt"):
+        return stem + ".pt"
+    return next((p for p in (stem, stem + ".old") if os.path.isfile(os.path.join(p, "state.pt"))), None)
 
 
 def read_sharded(folder, device="cpu"):
     """The model's weights of a sharded checkpoint, whole, in one process (no process group needed):
     {name: tensor}, as a file checkpoint's "model" holds them."""
     try:
-        stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        reader = CheckedReader(folder)  # ValueError for metadata that is not DCP's own
         weights = {name.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype, device=device)
-                   for name, m in stored.items() if name.startswith("model.")}
+                   for name, m in reader.metadata.state_dict_metadata.items() if name.startswith("model.")}
         with warnings.catch_warnings():  # that it reads in one process is what we ask for
             warnings.simplefilter("ignore")
-            dcp.load({"model": weights}, checkpoint_id=folder, no_dist=True)
+            dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
     except (dcp.api.CheckpointException, RuntimeError, OSError, AttributeError) as e:
         raise ValueError(f"{folder} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); "
                          f"use another one, e.g. ckpt_best or a ckpt_NNNNNNN") from None
@@ -194,8 +261,8 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
 
 
 def load_model(path, base_dtype=None, data_dir=None):
-    """out_dir/ckpt.pt -> (model, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of an FSDP run,
-    whichever is newer (see find_checkpoint). A LoRA run's frozen base is read in base_dtype (None: its
+    """out_dir/ckpt.pt -> (model, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of an FSDP run
+    (see find_checkpoint). A LoRA run's frozen base is read in base_dtype (None: its
     folder's). checkpoint["data_dir"] becomes where the data the model was trained on is now: data_dir, else
     where that data was then, else where the run's config says. ValueError with one line for what is missing
     or damaged."""
@@ -440,10 +507,11 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
     whichever layout saved it. ValueError in one line for a damaged checkpoint."""
     if os.path.isdir(path):  # each process reads what its shards need, resharded from however they were saved
         model_state, optim_state = sharded_state(model, optimizers, lora)
+        reader = CheckedReader(path)  # ValueError for metadata that is not DCP's own
         try:
             with warnings.catch_warnings():  # without a process group it warns that it reads in one process
                 warnings.simplefilter("ignore")
-                dcp.load({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=path)
+                dcp.load({"model": model_state, "optimizer": optim_state["state"]}, storage_reader=reader)
         except (dcp.api.CheckpointException, RuntimeError, OSError) as e:
             raise ValueError(f"{path} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); resume "
                              f"from another (ckpt_best, ckpt_NNNNNNN)") from None

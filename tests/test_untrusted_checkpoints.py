@@ -1,0 +1,178 @@
+"""A checkpoint is data: reading one, in any layout, runs nothing in it, through every script (issue 30).
+
+Each attack plants a payload that writes a marker file if it ever runs; the scripts must either refuse the
+checkpoint in one line or pass it by, and the marker must never appear."""
+
+import pickle
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+import checkpoint as ckpt
+from test_train import TINY, run, script
+
+
+class Payload:
+    # pickled as a call of exec(code): what any pickle may name, and an unrestricted unpickler calls
+    def __init__(self, code):
+        self.code = code
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+class Stealthy:
+    # writes the marker, then hands back the genuine metadata: the script would go on as if nothing happened
+    def __init__(self, marker, genuine):
+        self.marker, self.genuine = marker, genuine
+
+    def __reduce__(self):
+        code = f"[open({self.marker!r}, 'w').write('ran'), __import__('pickle').loads({self.genuine!r})][1]"
+        return eval, (code,)
+
+
+def write_runs(folder):
+    # a character dataset made by prepare.py (sample.py and export.py need its tokenizer), one tiny run on it in
+    # files (out_dir/ckpt.pt), and the same state as a sharded folder (out_dir/ckpt/), written in this process
+    # by checkpoint.save as an FSDP run would write it
+    corpus, data_dir = folder / "corpus", folder / "data"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"doc{i}.txt").write_text(f"hello world number {i}.\n" * 50)
+    prepared = script("prepare.py", corpus, f"--out_dir={data_dir}", "--tokenizer=char")
+    assert prepared.returncode == 0, prepared.stderr
+    files, sharded = folder / "files", folder / "sharded"
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={files}", "--max_iters=2", "--eval_interval=2")
+    saved = ckpt.load_checkpoint(str(files / "ckpt.pt"))
+    model = ckpt.model_from_checkpoint(saved)
+    optimizers = model.configure_optimizers("adamw", 1e-2, 0.1, (0.9, 0.95), "cpu")
+    optimizers[0].load_state_dict(saved["optimizer"])
+    state = {k: v for k, v in saved.items() if k not in ("model", "optimizer", "muon")}
+    sharded.mkdir()
+    ckpt.save(str(sharded), state, model, optimizers, sharded=True, lora=False)
+
+
+@pytest.fixture(scope="session")
+def runs(shared):
+    return shared("untrusted-runs", write_runs)
+
+
+def copy_run(runs, name, tmp_path):
+    out = tmp_path / name
+    shutil.copytree(runs / name, out)
+    return out
+
+
+def run_script(which, out_dir, tmp_path, data_dir):
+    # the script reading out_dir's checkpoint, as a user would run it
+    if which == "train":
+        return run(*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=3", "--eval_interval=2",
+                   check=False)
+    if which == "export":
+        return script("export.py", f"--out_dir={out_dir}", f"--to={tmp_path / 'exported'}")
+    if which == "eval":
+        return script("eval.py", f"--out_dir={out_dir}", "--batch_size=2")
+    return script("sample.py", f"--out_dir={out_dir}", "--num_samples=1", "--max_new_tokens=4")
+
+
+def assert_refused_in_one_line(done, what):
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert what in last and "refus" in last, done.stderr[-2000:]
+
+
+SCRIPTS = ["sample", "eval", "export", "train"]
+
+
+def test_a_genuine_sharded_checkpoint_reads_through_the_checked_metadata(runs):
+    weights = ckpt.read_sharded(str(runs / "sharded" / "ckpt"))
+    files = ckpt.load_checkpoint(str(runs / "files" / "ckpt.pt"))["model"]
+    assert weights.keys() == files.keys() and all(torch.equal(weights[k], files[k]) for k in files)
+
+
+@pytest.mark.parametrize("which", SCRIPTS)
+def test_a_metadata_payload_never_runs(runs, tmp_path, which):
+    out = copy_run(runs, "sharded", tmp_path)
+    marker = tmp_path / "marker"
+    with open(out / "ckpt" / ".metadata", "wb") as f:
+        pickle.dump(Payload(f"open({str(marker)!r}, 'w').write('ran')"), f)
+    done = run_script(which, out, tmp_path, runs / "data")
+    assert not marker.exists()
+    assert_refused_in_one_line(done, "builtins.exec")
+
+
+@pytest.mark.parametrize("which", SCRIPTS)
+def test_a_stealthy_payload_that_returns_the_genuine_metadata_never_runs(runs, tmp_path, which):
+    out = copy_run(runs, "sharded", tmp_path)
+    marker = tmp_path / "marker"
+    genuine = (out / "ckpt" / ".metadata").read_bytes()
+    with open(out / "ckpt" / ".metadata", "wb") as f:
+        pickle.dump(Stealthy(str(marker), genuine), f)
+    done = run_script(which, out, tmp_path, runs / "data")
+    assert not marker.exists()
+    assert_refused_in_one_line(done, "builtins.eval")
+
+
+def test_a_bytes_entry_is_refused_where_dcp_would_unpickle_it_in_full(runs, tmp_path):
+    # DCP reads an entry its metadata calls bytes with torch.load(weights_only=False): a genuine-looking
+    # .metadata that turns one optimizer tensor into bytes, pointing at a pickled payload, would run it on resume
+    out = copy_run(runs, "sharded", tmp_path)
+    marker = tmp_path / "marker"
+    with open(out / "ckpt" / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    name = next(k for k in metadata.state_dict_metadata if k.startswith("optimizer."))
+    metadata.state_dict_metadata[name] = BytesStorageMetadata()
+    torch.save(Payload(f"open({str(marker)!r}, 'w').write('ran')"), out / "ckpt" / "evil.distcp")
+    size = (out / "ckpt" / "evil.distcp").stat().st_size
+    metadata.storage_data[MetadataIndex(name)] = _StorageInfo("evil.distcp", 0, size)
+    with open(out / "ckpt" / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    done = run_script("train", out, tmp_path, runs / "data")
+    assert not marker.exists()
+    assert_refused_in_one_line(done, "BytesStorageMetadata")
+
+
+def test_metadata_pointing_outside_its_folder_is_refused(runs, tmp_path):
+    out = copy_run(runs, "sharded", tmp_path)
+    with open(out / "ckpt" / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    key = next(iter(metadata.storage_data))
+    (tmp_path / "elsewhere.distcp").write_bytes((out / "ckpt" / "__0_0.distcp").read_bytes())
+    metadata.storage_data[key] = _StorageInfo("../../elsewhere.distcp", 0, 1)
+    with open(out / "ckpt" / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(ValueError, match=r"points at '../../elsewhere.distcp', not a file of its own folder"):
+        ckpt.read_sharded(str(out / "ckpt"))
+
+
+@pytest.mark.parametrize("which", SCRIPTS)
+def test_a_planted_old_folder_claiming_a_later_step_is_never_taken_over_ckpt_pt(runs, tmp_path, which):
+    # ckpt.old/ is what a sharded save killed between its two renames leaves; an out_dir of files never has
+    # one, and its claimed step is no reason to read it: the genuine ckpt.pt is read, the payload never
+    out = copy_run(runs, "files", tmp_path)
+    shutil.copytree(runs / "sharded" / "ckpt", out / "ckpt.old")
+    state = torch.load(out / "ckpt.old" / "state.pt", weights_only=True)
+    torch.save({**state, "iter_num": 10**6}, out / "ckpt.old" / "state.pt")
+    marker = tmp_path / "marker"
+    genuine = (out / "ckpt.old" / ".metadata").read_bytes()
+    with open(out / "ckpt.old" / ".metadata", "wb") as f:
+        pickle.dump(Stealthy(str(marker), genuine), f)
+    assert ckpt.find_checkpoint(str(out / "ckpt.pt")) == str(out / "ckpt.pt")
+    done = run_script(which, out, tmp_path, runs / "data")
+    assert not marker.exists()
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_old_folder_is_taken_only_without_its_newer_one(runs, tmp_path):
+    # beside a whole ckpt/, a ckpt.old/ is the one publish set aside (it removes it next), whatever it claims
+    out = copy_run(runs, "sharded", tmp_path)
+    shutil.copytree(out / "ckpt", out / "ckpt.old")
+    state = torch.load(out / "ckpt.old" / "state.pt", weights_only=True)
+    torch.save({**state, "iter_num": 10**6}, out / "ckpt.old" / "state.pt")
+    assert ckpt.find_checkpoint(str(out / "ckpt.pt")) == str(out / "ckpt")
+    shutil.rmtree(out / "ckpt")  # a kill between publish's two renames: the old one is all there is
+    assert ckpt.find_checkpoint(str(out / "ckpt.pt")) == str(out / "ckpt.old")
