@@ -39,6 +39,7 @@ from tokenizer import durable_replace, load_tokenizer
 NEEDED = {"model", "optimizer", "scaler", "model_args", "iter_num", "best_val_loss", "evals_without_gain",
           "skipped_in_a_row", "evaluated", "config", "world_size", "rng"}
 NAMES = r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?"  # the checkpoints of an out_dir, in either layout
+SHAPE = ("n_layer", "n_head", "n_kv_head", "n_embd", "tie_embeddings")  # what a resume cannot change
 
 # -----------------------------------------------------------------------------
 # a sharded folder's .metadata: torch.distributed.checkpoint pickles it, and its own reader unpickles it with
@@ -221,6 +222,11 @@ def check_resume(checkpoint, config, data_vocab, path):
     if checkpoint.get("pretrained") and config["block_size"] > args["block_size"]:
         raise ValueError(f"block_size={config['block_size']} is past the {args['block_size']} positions of the "
                          f"model {checkpoint['pretrained']}")
+    changed = [k for k in SHAPE if k in args and k in config and config[k] != args[k]]
+    if changed and not checkpoint.get("pretrained"):  # (a pretrained model's shape is its folder's)
+        raise ValueError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "
+                         f"{', '.join(f'{k}={config[k]}' for k in changed)}: resume with the checkpoint's shape, "
+                         f"or train the new one into another out_dir")
     trained_with = checkpoint["config"].get("optimizer", "adamw")
     if trained_with != config["optimizer"]:
         raise ValueError(f"{path} was trained with optimizer={trained_with!r}: resume with "
@@ -435,7 +441,7 @@ def check_room(out_dir, model, optimizer, lora):
     saved = [(name, p) for name, p in model.named_parameters() if p.requires_grad or not lora]
     weights, _, optimizer_state = state_bytes(saved, optimizer, 1, 1, False, None, False)
     size = weights + optimizer_state
-    probe = os.path.join(out_dir, f".write-test-{dist.get_rank() if dist.is_initialized() else 0}.tmp")
+    probe = os.path.join(out_dir, f".write-test-{os.getpid()}.tmp")  # a name no other process writes
     try:
         os.makedirs(out_dir, exist_ok=True)
         with open(probe, "wb") as f:

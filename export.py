@@ -17,6 +17,7 @@ PeftModel.from_pretrained(base_model, "adapters/mine").
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -144,6 +145,29 @@ def folder_dtype(pretrained):
     return config.get("torch_dtype") or config.get("dtype")
 
 
+# what this script writes in a folder: --overwrite replaces a folder that holds nothing else
+EXPORTED = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|adapter_config)"
+                      r"\.json|(model|adapter_model)\.safetensors|model-[0-9]+-of-[0-9]+\.safetensors|"
+                      r"model\.safetensors\.index\.json")
+
+
+def check_destination(args):
+    # --to: an empty or new folder, or (--overwrite) an earlier export; never one holding anything else
+    to = os.path.abspath(args.to)
+    if os.path.exists(to) and not os.path.isdir(to):
+        sys.exit(f"export.py: {args.to} is a file, not a folder; choose another --to")
+    names = os.listdir(to) if os.path.isdir(to) else []
+    if names and not args.overwrite:
+        sys.exit(f"export.py: {args.to} is not empty; pass --overwrite to replace it, or choose another --to")
+    if os.path.abspath(args.out_dir) == to or os.path.abspath(args.out_dir).startswith(to.rstrip("/") + "/"):
+        sys.exit(f"export.py: --to={args.to} would replace the run it exports; choose another --to")
+    foreign = [name for name in sorted(names) if not EXPORTED.fullmatch(name)
+               or not os.path.isfile(os.path.join(to, name)) or os.path.islink(os.path.join(to, name))]
+    if foreign:
+        sys.exit(f"export.py: {args.to} holds {foreign[0]}, which export.py does not write: --overwrite replaces "
+                 f"only an earlier export; choose another --to")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", default="out", help="the run's folder")
@@ -154,20 +178,16 @@ def main(argv=None):
                         help="the weights' dtype; auto: that of the folder the run began from, else float32")
     parser.add_argument("--adapter", action="store_true", help="a LoRA run's adapter alone, in peft's layout")
     parser.add_argument("--data_dir", default=None, help="the dataset whose tokenizer to write (default: the run's)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --to if it holds anything")
+    parser.add_argument("--overwrite", action="store_true", help="replace --to if it holds an earlier export "
+                        "(and nothing else)")
     args = parser.parse_args(argv)
     if args.to.endswith(".gguf"):
         return export_gguf(args)
-    if os.path.exists(args.to) and not os.path.isdir(args.to):
-        sys.exit(f"export.py: {args.to} is a file, not a folder; choose another --to")
-    if os.path.isdir(args.to) and os.listdir(args.to) and not args.overwrite:
-        sys.exit(f"export.py: {args.to} is not empty; pass --overwrite to replace it, or choose another --to")
-    if os.path.abspath(args.out_dir).startswith(os.path.abspath(args.to).rstrip("/") + "/") or \
-            os.path.abspath(args.out_dir) == os.path.abspath(args.to):
-        sys.exit(f"export.py: --to={args.to} would replace the run it exports; choose another --to")
+    check_destination(args)
     # Everything is written beside the destination first and renamed into place at the end, so that a
     # failure leaves no half-written folder and an --overwrite loses nothing until the new one is whole.
-    staging = args.to.rstrip("/") + ".export-tmp"
+    to = os.path.abspath(args.to)  # "." too: its temporary folders go beside it, not inside
+    staging = to + ".export-tmp"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         # a LoRA run's base in fp32, so that the adapters merge into it in fp32 before the cast
@@ -178,15 +198,15 @@ def main(argv=None):
         else:
             note = write_model(model, tokenizer, checkpoint, staging, args.dtype)
         base = checkpoint.get("pretrained")
-        if base and os.path.abspath(base) == os.path.abspath(args.to):
+        if base and os.path.abspath(base) == to:
             raise ValueError(f"--to={args.to} is the base model this run began from; choose another --to")
     except ValueError as e:
         shutil.rmtree(staging, ignore_errors=True)
         sys.exit(f"export.py: {e}")
-    old = args.to.rstrip("/") + ".export-old"  # the folder replaced, kept until the new one is in place
-    if os.path.exists(args.to):
-        os.replace(args.to, old)
-    durable_replace(staging, args.to)
+    old = to + ".export-old"  # the folder replaced, kept until the new one is in place
+    if os.path.exists(to):
+        os.replace(to, old)
+    durable_replace(staging, to)
     shutil.rmtree(old, ignore_errors=True)
     what = "a peft adapter" if args.adapter else "a Hugging Face model"
     print(f"wrote {what} to {args.to}" + (f" (tokenizer: {note})" if note else ""))

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 # The tokenizers live in tokenizer.py; read_meta and load_tokenizer are here too, as they always were.
 from chat import TRAIN_ON, Chat, ChatFormat, is_conversation
+from lock import lock_folder, unlock_folder
 from tokenizer import MARKER, die, durable_replace, load_tokenizer, make_tokenizer, read_meta  # noqa: F401
 
 FORMAT_VERSION = 1
@@ -554,10 +555,14 @@ def plan_split(args, inputs, docs, stats, log):
 
 @contextmanager
 def temporary_outputs(out):
-    """train.bin.tmp and val.bin.tmp, opened empty (what a killed run left there is truncated). After the
-    run, finished or stopped, no .tmp file stays, nor a folder it made and left empty."""
+    """train.bin.tmp and val.bin.tmp, opened empty (what a killed run left there is truncated), in out locked for
+    this run alone (lock.py: a second prepare.py into it is refused). After the run, finished or stopped, no .tmp
+    file stays, nor a folder it made and left empty."""
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        held = lock_folder(out, "prepare.py")
+    except ValueError as e:
+        die(str(e))
     files = {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val", "train.mask", "val.mask")}
     try:
         yield files
@@ -567,6 +572,7 @@ def temporary_outputs(out):
         for name in ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", "vocab.json", "tokenizer.json",
                      "meta.json"):
             (out / (name + ".tmp")).unlink(missing_ok=True)
+        unlock_folder(out, held)
         if created and not any(out.iterdir()):
             out.rmdir()
 

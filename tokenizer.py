@@ -536,8 +536,8 @@ def check_tokenizer(data_dir, meta, folder, model_vocab):
 
 def check_token_files(data_dir, meta, block_size):
     """The training split's length in tokens, once train.bin and val.bin are there, whole tokens of meta's
-    dtype, longer than block_size, with a mask of as many bytes where meta says there are masks; else ValueError
-    in one line with the fix."""
+    dtype, as many as meta counted (prepare.py's meta.json does), longer than block_size, with a mask of as
+    many bytes where meta says there are masks; else ValueError in one line with the fix."""
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in ("train", "val"):
         path = os.path.join(data_dir, f"{split}.bin")
@@ -549,6 +549,10 @@ def check_token_files(data_dir, meta, block_size):
         if size % itemsize:
             raise ValueError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
                              f"or meta.json's dtype is wrong (re-run prepare.py)")
+        counted = meta[split].get("tokens") if isinstance(meta.get(split), dict) else None
+        if isinstance(counted, int) and size // itemsize != counted:
+            raise ValueError(f"{path} holds {size // itemsize:,} {meta['dtype']} tokens where meta.json says "
+                             f"{counted:,}: they are not from one prepare.py run (re-run prepare.py)")
         if size // itemsize <= block_size:
             raise ValueError(f"{path} has {size // itemsize} tokens, too few for block_size={block_size} "
                              f"(lower block_size or prepare more data)")

@@ -17,6 +17,7 @@ Continue a run from out_dir/ckpt.pt (or an FSDP run's sharded out_dir/ckpt/) exa
 every preemption).
 """
 
+import atexit
 import gc
 import json
 import math
@@ -38,6 +39,7 @@ import checkpoint as ckpt
 from configurator import configure
 from data import Split
 from hf import fingerprint, load_pretrained, read_json
+from lock import lock_folder, unlock_folder
 from lora import add_lora, check_lora, quantize_base
 from memory import measured_mb, memory_estimate, memory_layout, memory_table
 from model import GPT, GPTConfig
@@ -220,11 +222,25 @@ autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, 
 if device_type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the float32 matmuls that remain
     torch.backends.cudnn.allow_tf32 = True
+# One run writes an out_dir at a time (lock.py): the master holds its lock until it exits, and a second run into
+# it stops here, every process with the master's one line, before it reads or writes anything there.
+refused = None
 if master:
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         fail(f"cannot make out_dir={out_dir} ({e.strerror}): choose a folder this user can write to")
+    try:
+        atexit.register(unlock_folder, out_dir, lock_folder(out_dir, "train.py"))
+    except ValueError as e:
+        refused = str(e)
+if ddp:
+    said = [refused]
+    dist.broadcast_object_list(said, src=0)
+    refused = said[0]
+if refused:
+    fail(refused)
+if master:
     print(f"{world_size} process(es) on {device_type}, {dtype}; tokens per update: {tokens_per_iter:,} "
           f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
 
@@ -499,8 +515,13 @@ def estimate_loss():
     return out
 
 
-def save_checkpoint(improved, finished_epoch=None):
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
+def rng_state():
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
+
+
+def save_checkpoint(improved, finished_epoch=None, rng=None):
+    # rng: this process's random state at the step saved (a save held back to the next step passes its own)
+    rng = rng or rng_state()
     rngs = [None] * world_size
     if ddp:
         dist.all_gather_object(rngs, rng)  # every process's dropout stream, for an exact resume
@@ -563,6 +584,11 @@ tensorboard = SummaryWriter(os.path.join(out_dir, "tb")) if tensorboard_log and 
 
 # preemption: SIGTERM or SIGINT finishes the current step, saves, and exits 0
 stop_requested, metrics_failed = False, False
+# A checkpoint of an evaluated step is held back until the next update has computed its gradient at those
+# weights: written then if the gradient is finite, dropped if not. So every checkpoint written along the way
+# is of weights that still gave a finite gradient, and a run that diverges (learning_rate=1e9: one finite
+# update, then nothing but NaN) stops with ckpt.pt from before the update that broke it.
+held_back = None  # (improved, the random state at that step) of the checkpoint held back
 
 
 def request_stop(signum, frame):
@@ -598,7 +624,10 @@ while True:
              "epoch": epoch()})
         early_stop = early_stop_patience > 0 and evals_without_gain >= early_stop_patience
         if iter_num > 0 and (improved or always_save_checkpoint or iter_num == max_iters or early_stop):
-            save_checkpoint(improved)
+            if iter_num >= max_iters or early_stop:
+                save_checkpoint(improved)  # the run ends here: nothing comes after to vouch for this state
+            else:  # saved in the next update, once its gradient is finite (see held_back)
+                held_back = (improved, rng_state())
         if early_stop:
             if master:
                 print(f"early stop: no better val loss in {early_stop_patience} evaluations")
@@ -648,10 +677,15 @@ while True:
     grad_norm = grad_norm.view(1).float().to(device)
     loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm, stop]).tolist()
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
+        if held_back:  # the weights are still the evaluated step's, and its gradient is finite: a good state
+            improved_then, rng_then = held_back
+            save_checkpoint(improved_then, rng=rng_then)
+        held_back = None
         for opt in optimizers:
             scaler.step(opt)
         skipped_in_a_row = 0
     else:  # a non-finite loss or gradient: apply nothing, not even to the optimizer's moments
+        held_back = None  # and keep no checkpoint of weights that gave it: ckpt.pt stays the last good state
         skipped_in_a_row += 1
         if master:
             print(f"iter {iter_num + 1}: skipped, loss {loss_value}, grad norm {grad_norm_value} "
@@ -661,9 +695,11 @@ while True:
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     if skipped_in_a_row >= max_skipped_steps:
-        fail(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped, and "
-             f"{os.path.join(out_dir, 'ckpt' if sharded else 'ckpt.pt')} is the last good state (lower "
-             f"learning_rate, or check the data)")
+        good = ckpt.find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+        good = f"{good}, from step {ckpt.load_checkpoint(good, mmap=True, weights=False)['iter_num']}, is the " \
+               f"last good state" if good else "no checkpoint was saved before it"
+        fail(f"{skipped_in_a_row} updates in a row had a non-finite loss or gradient; stopped, and {good} "
+             f"(lower learning_rate, or check the data)")
     iter_num += 1
     iters_since_log += 1
 

@@ -1,0 +1,57 @@
+"""
+One writer per folder: prepare.py (its dataset folder) and train.py (its out_dir, the master process) hold an
+exclusive lock on the folder they write, so that a second run into it is refused at once instead of mixing its
+files with the first's. The lock is fcntl.flock on FOLDER/.lock, which holds the writer's name and pid: the OS
+drops it when the process ends, however it ends, and a lock file a killed run left behind locks nothing.
+
+    from lock import lock_folder, unlock_folder
+    held = lock_folder("out", "train.py")        # ValueError if another process writes out/ now
+    ...
+    unlock_folder("out", held)                   # or let the process end
+"""
+
+import fcntl
+import os
+
+LOCK_NAME = ".lock"
+
+
+def lock_folder(folder, writer):
+    """Lock folder (made if missing) for this process; returns what unlock_folder takes. ValueError in one line,
+    naming the process that holds it, when another process does."""
+    path = os.path.join(folder, LOCK_NAME)
+    while True:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ValueError(f"cannot write in {folder} ({e.strerror}): choose a folder this user can write to, "
+                             f"on a disk that is mounted") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise ValueError(f"{folder} is being written by {holder}: wait for it to finish, or write into "
+                             f"another folder") from None
+        # The file may have been removed by the holder we waited for (unlock_folder) between our open and our
+        # lock: the lock is then on a file no one else can see, and we try again with the new one.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{writer} (pid {os.getpid()})\n".encode(), 0)
+    return fd
+
+
+def unlock_folder(folder, fd):
+    # the lock file goes first, while still held, so that no one locks it after we let go of it
+    try:
+        os.remove(os.path.join(folder, LOCK_NAME))
+    except FileNotFoundError:  # the folder went with it
+        pass
+    os.close(fd)

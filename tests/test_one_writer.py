@@ -1,0 +1,131 @@
+"""One writer per folder, files that agree with meta.json, and honest stops and resumes (issue 30).
+
+prepare.py and train.py lock the folder they write (lock.py); a second writer is refused in one line naming the
+first. export.py --overwrite replaces only an earlier export. A diverged run stops with a checkpoint from before
+the update that broke it, and a resume cannot change the model's shape."""
+
+import fcntl
+import json
+import os
+import shutil
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from test_train import ROOT, TINY, run, script
+from test_untrusted_checkpoints import runs  # noqa: F401 (a fixture: a prepared dataset and a tiny run on it)
+
+
+@contextmanager
+def held(folder, writer):
+    # another process's lock on folder, as lock.py takes it: flock on folder/.lock, which names the writer
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        f.write(f"{writer} (pid {os.getpid()})\n")
+        f.flush()
+        yield
+
+
+def assert_one_line(done, *parts):
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr[-3000:]
+    assert all(part in done.stderr for part in parts), done.stderr
+
+
+def corpus(folder):
+    folder.mkdir()
+    for i in range(10):
+        (folder / f"doc{i}.txt").write_text(f"hello world number {i}.\n" * 20)
+    return folder
+
+
+def test_a_second_prepare_into_a_folder_being_written_is_refused_naming_the_first(tmp_path):
+    data = tmp_path / "data"
+    with held(data, "prepare.py"):
+        done = script("prepare.py", corpus(tmp_path / "corpus"), f"--out_dir={data}", "--tokenizer=char")
+        assert_one_line(done, f"{data} is being written by prepare.py (pid {os.getpid()})")
+        assert sorted(os.listdir(data)) == [".lock"]  # nothing of its own was written there
+    done = script("prepare.py", tmp_path / "corpus", f"--out_dir={data}", "--tokenizer=char")
+    assert done.returncode == 0, done.stderr  # the lock file the first left behind locks nothing
+    assert sorted(os.listdir(data)) == ["meta.json", "train.bin", "val.bin", "vocab.json"]  # none left
+
+
+def test_a_second_train_into_an_out_dir_being_written_is_refused_naming_the_first(runs, tmp_path):
+    out = tmp_path / "out"
+    args = [*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"]
+    with held(out, "train.py"):
+        done = run(*args, check=False)
+        assert_one_line(done, f"{out} is being written by train.py (pid {os.getpid()})")
+        assert sorted(os.listdir(out)) == [".lock"]
+    run(*args)
+    assert ".lock" not in os.listdir(out)  # a run that ends removes its lock file
+
+
+def test_token_files_must_hold_as_many_tokens_as_meta_json_counts(runs, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(runs / "data", data)
+    args = [*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1"]
+    meta = json.loads((data / "meta.json").read_text())
+    with open(data / "train.bin", "ab") as f:  # another run's tokens appended: whole tokens, the right dtype
+        np.arange(100, dtype=np.uint16).tofile(f)
+    done = run(*args, check=False)
+    assert_one_line(done, f"{data / 'train.bin'} holds {meta['train']['tokens'] + 100:,} uint16 tokens where "
+                          f"meta.json says {meta['train']['tokens']:,}", "re-run prepare.py")
+    shutil.copy(runs / "data" / "train.bin", data / "train.bin")
+    (data / "meta.json").write_text(json.dumps({**meta, "dtype": "uint8"}))  # a uint16 file read as uint8
+    done = run(*args, check=False)
+    assert_one_line(done, f"{data / 'train.bin'} holds {2 * meta['train']['tokens']:,} uint8 tokens")
+
+
+def test_export_overwrite_replaces_only_an_earlier_export(runs, tmp_path):
+    out = runs / "files"
+    exported = tmp_path / "exported"
+    for _ in range(2):  # the second replaces the first
+        done = script("export.py", f"--out_dir={out}", f"--to={exported}", "--overwrite")
+        assert done.returncode == 0, done.stderr
+    data = tmp_path / "data"
+    shutil.copytree(runs / "data", data)
+    before = sorted(os.listdir(data))
+    done = script("export.py", f"--out_dir={out}", f"--to={data}", "--overwrite")
+    assert_one_line(done, f"{data} holds meta.json, which export.py does not write", "choose another --to")
+    assert sorted(os.listdir(data)) == before
+    (exported / "notes.txt").write_text("mine")  # an export a user added to is theirs now
+    done = script("export.py", f"--out_dir={out}", f"--to={exported}", "--overwrite")
+    assert_one_line(done, "holds notes.txt, which export.py does not write")
+    assert (exported / "notes.txt").read_text() == "mine"
+
+
+def test_export_to_the_current_folder_ends_in_one_line_and_leaves_nothing(runs, tmp_path):
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "train.py").write_text("# a project of the user's\n")
+    for overwrite in ([], ["--overwrite"]):
+        done = script(ROOT / "export.py", f"--out_dir={runs / 'files'}", "--to=.", *overwrite, cwd=here)
+        assert_one_line(done, "choose another --to")
+        assert sorted(os.listdir(here)) == ["train.py"] and sorted(os.listdir(tmp_path)) == ["here"]
+
+
+def test_a_diverged_run_stops_with_the_checkpoint_from_before_the_update_that_broke_it(runs, tmp_path):
+    # learning_rate=1e9 from step 2: update 3 is finite and wrecks the weights, every gradient after it is NaN
+    out = tmp_path / "out"
+    shutil.copytree(runs / "files", out)
+    before = torch.load(out / "ckpt.pt", weights_only=True)
+    assert before["iter_num"] == 2
+    done = run(*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--init_from=resume", "--max_iters=20",
+               "--eval_interval=1", "--max_skipped_steps=3", "--learning_rate=1e9", check=False)
+    assert_one_line(done, "3 updates in a row had a non-finite loss or gradient",
+                    f"{out / 'ckpt.pt'}, from step 2, is the last good state")
+    after = torch.load(out / "ckpt.pt", weights_only=True)
+    assert after["iter_num"] == 2
+    assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
+
+
+def test_a_resume_with_another_model_shape_is_refused(runs, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(runs / "files", out)
+    done = run(*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4",
+               "--n_embd=64", "--n_layer=3", check=False)
+    assert_one_line(done, "holds a model of n_layer=2, n_embd=32, not n_layer=3, n_embd=64",
+                    "resume with the checkpoint's shape")
