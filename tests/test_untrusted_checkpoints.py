@@ -69,8 +69,8 @@ def copy_run(runs, name, tmp_path):
 def run_script(which, out_dir, tmp_path, data_dir):
     # the script reading out_dir's checkpoint, as a user would run it
     if which == "train":
-        return run(*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=3", "--eval_interval=2",
-                   check=False)
+        return run(*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=3",
+                   "--eval_interval=2", check=False)
     if which == "export":
         return script("export.py", f"--out_dir={out_dir}", f"--to={tmp_path / 'exported'}")
     if which == "eval":
