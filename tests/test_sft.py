@@ -187,6 +187,36 @@ def test_val_loss_is_over_every_trained_token_of_the_val_split(chat_data, tmp_pa
     assert record["val_loss"] == pytest.approx(total / (y != -1).sum().item(), rel=1e-5)
 
 
+def logged_val_loss(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][-1]["val_loss"]
+
+
+def eval_py_loss(out_dir, *args):
+    done = script("eval.py", f"--out_dir={out_dir}", "--device=cpu", *args)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "each on its own" in lines[-2]  # it says what it scored
+    return float(lines[-1].split()[2])
+
+
+def test_eval_py_and_eval_full_score_conversations_as_training_does(chat_data, tmp_path):
+    # conversations are evaluated as they are trained: each val example on its own over its trained targets. eval.py
+    # gives the val loss train.py logged for the same checkpoint (not windows across examples over every token),
+    # in any batching, and so does eval_full, on a run of whole examples and on a run of windows alike
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'ex'}", "--max_iters=3", "--eval_interval=3")
+    logged = logged_val_loss(tmp_path / "ex")
+    assert eval_py_loss(tmp_path / "ex") == pytest.approx(logged, rel=1e-5)
+    assert eval_py_loss(tmp_path / "ex", "--batch_size=3") == pytest.approx(logged, rel=1e-5)
+    full = run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'full'}", "--max_iters=3",
+               "--eval_interval=3", "--eval_full=True", "--eval_stride=16")
+    assert "val loss: each val example on its own" in full.stdout
+    assert logged_val_loss(tmp_path / "full") == pytest.approx(logged, rel=1e-5)
+    windows = [a for a in SMALL if a != "--sequences=examples"]
+    run(*windows, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'win'}", "--max_iters=3", "--eval_interval=3",
+        "--eval_full=True", "--eval_stride=16")
+    assert eval_py_loss(tmp_path / "win") == pytest.approx(logged_val_loss(tmp_path / "win"), rel=1e-5)
+
+
 @pytest.mark.slow
 def test_examples_under_ddp_match_one_process_and_resume_exactly(chat_data, tmp_path):
     common = [*SMALL, f"--data_dir={chat_data}", "--batch_size=2", "--gradient_accumulation_steps=2",
