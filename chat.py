@@ -8,8 +8,9 @@ sample.py renders a conversation to continue; both with the same template.
     chat = fmt.record({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})
     chat.text, chat.spans   # '<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n', [(..)]
 
-Records: {"messages": [{"role", "content"}, ...]}, {"prompt", "completion"} (strings, or lists of messages), and
-Alpaca's {"instruction", "input", "output"}. A template is code from the internet: it runs in jinja2's sandbox,
+Records: {"messages": [{"role", "content"}, ...]}, ShareGPT's {"conversations": [{"from", "value"}, ...]} (from:
+human/user, gpt/assistant, system, tool), {"prompt", "completion"} (strings, or lists of messages), and Alpaca's
+{"instruction", "input", "output"}. A template is code from the internet: it runs in jinja2's sandbox,
 as transformers runs it, where it can reach neither files nor Python's internals.
 """
 
@@ -21,6 +22,9 @@ from pathlib import Path
 Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "completion", "all")
+# ShareGPT's "from" -> the template's role
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
 STAND_IN = "\ue000\ue001\ue000"  # stands for a reply while finding where a template writes it (private use)
 # For tokenizers that come without a template: a header per turn, and each assistant turn closed by the
 # end-of-text token, which the model learns to write and sample.py stops at.
@@ -34,8 +38,26 @@ DEFAULT_TEMPLATE = (
 
 def is_conversation(obj):
     """Whether a JSON record holds a conversation or an instruction rather than a text."""
-    return isinstance(obj, dict) and ("messages" in obj or {"prompt", "completion"} <= obj.keys()
-                                      or {"instruction", "output"} <= obj.keys())
+    keys = obj.keys() if isinstance(obj, dict) else set()
+    return "messages" in keys or "conversations" in keys or {"prompt", "completion"} <= keys or \
+        {"instruction", "output"} <= keys
+
+
+def sharegpt_messages(turns):
+    """ShareGPT's turns ([{"from": "human", "value": ...}, ...]) -> messages, or ValueError saying why not."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("'conversations' is not a list of turns")
+    messages = []
+    for i, turn in enumerate(turns, 1):
+        if isinstance(turn, dict) and {"role", "content"} <= turn.keys():  # already messages
+            messages.append(turn)
+            continue
+        role = turn.get("from") if isinstance(turn, dict) else None
+        if not isinstance(role, str) or role not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+            raise ValueError(f"conversations {i} is not a turn with a 'from' ({'/'.join(SHAREGPT_ROLES)}) and a "
+                             f"text 'value'")
+        messages.append({"role": SHAREGPT_ROLES[role], "content": turn["value"]})
+    return messages
 
 
 def compile_template(source):
@@ -144,6 +166,8 @@ class ChatFormat:
 
     def record(self, obj):
         """A JSON record -> Chat, or ValueError saying why it cannot be one."""
+        if "conversations" in obj and "messages" not in obj:  # ShareGPT's layout: its turns as messages
+            obj = {"messages": sharegpt_messages(obj["conversations"])}
         texts = [m.get("content") if isinstance(m, dict) else m for key in ("messages", "prompt", "completion")
                  for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
         texts += [obj.get(key) for key in ("instruction", "input", "output")]

@@ -293,6 +293,33 @@ def test_conversations_from_parquet_and_json_are_those_of_jsonl(tmp_path):
     assert made[0] == made[1] == made[2]
 
 
+def test_sharegpt_conversations_are_those_of_messages_in_files_and_hub_datasets(tmp_path, monkeypatch):
+    # ShareGPT's layout ({"conversations": [{"from": "human", "value": ...}]}, its roles mapped to the template's)
+    # makes the very tokens and masks of the same conversations as messages, from a file and from an hf: dataset;
+    # a turn of a role it does not know is a bad record that says what it wanted
+    from test_prepare import hub_folder
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    records = list(conversations(40, seed=5))
+    names = [{"system": "system", "user": "human", "assistant": "gpt"}, {"user": "user", "assistant": "assistant"}]
+    shared = [{"id": n, "conversations": [{"from": names[n % 2].get(m["role"], m["role"]), "value": m["content"]}
+                                          for m in r["messages"]]} for n, r in enumerate(records)]
+    (tmp_path / "messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shared) +
+                                             json.dumps({"conversations": [{"from": "bot", "value": "hi"}]}) + "\n")
+    made = []
+    for source in (tmp_path / "messages.jsonl", tmp_path / "sharegpt.jsonl",
+                   f"hf:{hub_folder(tmp_path / 'hub', {'train': shared})}"):
+        out = tmp_path / f"data-{len(made)}"
+        meta = prepare.main([str(source), "--tokenizer=bpe:300", f"--out_dir={out}", "--val_fraction=0"])
+        assert meta["masks"] and meta["train"]["documents"] == 40
+        made.append([(out / f).read_bytes() for f in ("train.bin", "train.mask.bin")])
+    assert made[0] == made[1] == made[2]
+    assert meta["bad_records"]["count"] == 0 and "conversations 1 is not a turn with a 'from' (human/user/gpt/" \
+        "assistant/system/tool) and a text 'value'" in json.loads((tmp_path / "data-1" / "meta.json").read_text())[
+        "bad_records"]["examples"][0]
+
+
 def test_a_template_that_hides_the_replies_selects_nothing_and_is_refused(tmp_path):
     # the mask must never silently select nothing: a template that does not write the assistant's replies is
     # refused in one line before anything is written
