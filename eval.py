@@ -19,7 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
-from checkpoint import load_model
+from checkpoint import check_run_tokenizer, load_model
 from data import Split
 from hf import load_pretrained
 from parallel import pick_device
@@ -57,6 +57,8 @@ try:
         data_dir = args.data_dir
     else:
         model, checkpoint = load_model(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype), args.data_dir)
+        if args.data_dir:  # another dataset than the run's must be made with its tokenizer
+            check_run_tokenizer(args.data_dir, checkpoint, model.config.vocab_size)
         data_dir = checkpoint["data_dir"]
     meta = read_meta(data_dir)
 except ValueError as e:

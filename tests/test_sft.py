@@ -275,6 +275,25 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
     assert hf_tokenizer(theirs, add_special_tokens=False)["input_ids"] == tokenizer.encode_chat(theirs, [])[0].tolist()
 
 
+def test_sample_and_export_refuse_another_tokenizers_data_in_one_line(chat_data, tmp_path):
+    # --data_dir made with another tokenizer (the same conversations, another vocabulary): its ids would mean other
+    # words, so sample.py, export.py and eval.py refuse it in one line, as train.py does; the run's own data is taken
+    data_dir = tmp_path / "other"
+    prepare.main([str(chat_data.parent / "chats.jsonl"), "--tokenizer=bpe:280", f"--out_dir={data_dir}"])
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1", "--eval_interval=1")
+    commands = [("sample.py", "--start=apple", "--max_new_tokens=2", "--num_samples=1"),
+                ("export.py", f"--to={tmp_path / 'hf'}"), ("export.py", f"--to={tmp_path / 'model.gguf'}"),
+                ("eval.py",)]
+    for command in commands:
+        done = script(*command, f"--out_dir={tmp_path / 'run'}", f"--data_dir={data_dir}")
+        assert done.returncode != 0 and done.stderr.count("\n") == 1, (command, done.stderr)
+        assert f"{data_dir} was not prepared with the tokenizer of {chat_data}: leave --data_dir out" in done.stderr
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "model.gguf").exists()
+    done = script("sample.py", "--start=apple", "--max_new_tokens=2", "--num_samples=1",
+                  f"--out_dir={tmp_path / 'run'}", f"--data_dir={chat_data}")
+    assert done.returncode == 0, done.stderr
+
+
 def test_conversations_from_parquet_and_json_are_those_of_jsonl(tmp_path):
     # the same records as JSON Lines, a JSON array and a parquet table (messages: a list of structs) make the
     # same tokens and masks
