@@ -381,6 +381,16 @@ def test_a_message_holding_the_end_of_text_marker_is_skipped(tmp_path):
     assert meta["train"]["documents"] + meta["val"]["documents"] == 9
 
 
+def test_an_empty_reply_is_skipped_as_the_records_fault_not_the_templates(tmp_path):
+    records = list(conversations(10, seed=4))
+    records[3]["messages"][-1]["content"] = " "
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare.main([str(tmp_path / "chats.jsonl"), "--tokenizer=bpe:300", f"--out_dir={tmp_path / 'data'}"])
+    n = len(records[3]["messages"])
+    assert meta["bad_records"]["examples"] == [f"{tmp_path / 'chats.jsonl'}:4: assistant message {n} is empty: there "
+                                               f"is no reply to learn from"]
+
+
 def test_examples_cut_to_nothing_trained_are_refused(chat_data, tmp_path):
     # block_size 6: every example is cut before its answer, and no target is left: refused, not a silent loss of 0;
     # at 8 a few training examples keep some, but no validation one does
