@@ -460,6 +460,10 @@ def prepare(args, quiet=False):
     report_run(meta, out, replacing, seconds, started, threads, log)
     if meta["masks"]:
         report_example(out, tokenizer, meta, log)
+    if meta["masks"] and meta["chat"]["template_from"] == "built-in" and os.path.exists(args.tokenizer):
+        log(f"warning: {args.tokenizer} has no chat template (chat_template.jinja, or chat_template in "
+            f"tokenizer_config.json): the built-in one was used, which that model never saw; give it its own with "
+            f"--chat_template=FILE")
     return meta
 
 

@@ -302,6 +302,11 @@ if checkpoint is not None:
     if any(checkpoint["config"].get(k) != globals()[k] for k in shaping) and master:
         print(f"warning: {', '.join(shaping)} changed since the checkpoint: training continues, "
               "but not on the batches the first run would have seen")
+    before = {k: checkpoint["config"].get(k) for k in ("max_iters", "lr_decay_iters")}
+    if before["max_iters"] != max_iters and master:  # the run's end moves, and with lr_decay_iters its schedule
+        was = f" (was {before['lr_decay_iters']})" if before["lr_decay_iters"] != lr_decay_iters else ""
+        print(f"note: max_iters is {max_iters}, not the checkpoint's {before['max_iters']}: the run ends at step "
+              f"{max_iters}; lr_decay_iters, the schedule's length, is {lr_decay_iters}{was}")
 
 # LoRA: this command's rank on a fresh start from a folder, the checkpoint's on a resume
 lora = lora_rank if from_folder else model_args.get("lora_rank", 0) if checkpoint is not None else 0
@@ -380,7 +385,11 @@ flops_per_token = raw_model.flops_per_token(block_size)
 peak = peak_flops(device, ptdtype)
 if master:
     trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
-    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {model_args}")
+    # the block_size trained at, and a pretrained model's own limit beside it where that is longer
+    shown = {**model_args, "block_size": block_size}
+    limit = f" (the model's limit: {model_args['block_size']})" if model_args["block_size"] != block_size else ""
+    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, "
+          f"{shown}{limit}")
 # what each process should hold, by kind, printed before the first step; on CUDA the first log line shows
 # the measured peak beside it
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)

@@ -437,6 +437,20 @@ def test_generation_template_masks_are_transformers(style, tmp_path):
     assert np.fromfile(tmp_path / "data" / "train.bin", dtype=meta["dtype"]).tolist() == want_ids
     assert np.fromfile(tmp_path / "data" / "train.mask.bin", dtype=np.uint8).tolist() == want_mask
 
+@pytest.mark.parametrize("style", ["qwen3"], indirect=True)
+def test_a_folder_without_a_template_gets_the_built_in_one_with_a_warning(style, tmp_path, capsys):
+    name, folder, theirs, ours = style
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": MESSAGES}) + "\n")
+    meta = prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={tmp_path / 'bare'}", "--val_fraction=0",
+                         f"--out_dir={tmp_path / 'data'}"])
+    assert meta["chat"]["template_from"] == "built-in"
+    assert f"warning: {tmp_path / 'bare'} has no chat template" in capsys.readouterr().out
+    prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={folder}", "--val_fraction=0",
+                  f"--out_dir={tmp_path / 'own'}"])
+    assert "warning" not in capsys.readouterr().out  # the folder's own template: nothing to say
+
 # -----------------------------------------------------------------------------
 # 3. prepare.py: a .jsonl of every record kind -> masked dataset
 
