@@ -69,7 +69,7 @@ stride = block_size // 2 if args.stride is None else args.stride
 if not 0 < block_size <= model.config.block_size or not 0 <= stride < block_size:
     fail(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit) and --stride={stride} "
          f"in 0..{block_size - 1}")
-by_example = bool(meta.get("masks")) or not args.model and checkpoint["config"].get("sequences") == "examples"
+by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")
 try:
     val = Split(data_dir, "val", meta, block_size, seed=0, examples=by_example, vocab_size=model.config.vocab_size)
 except (ValueError, OSError) as e:
@@ -80,7 +80,7 @@ if by_example and val.targets[0] == 0:
 model.eval().to(device)
 
 # -----------------------------------------------------------------------------
-# every window; the loss summed over the scored tokens
+# every window (or sequence of whole examples); the loss summed over the scored tokens
 
 windows = val.scored_count(stride)  # sequences of whole examples, or windows
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
@@ -91,7 +91,8 @@ for first in range(0, windows, args.batch_size):
     except ValueError as e:
         fail(str(e))
     with autocast:
-        loss, _ = model.loss_and_accuracy(x.to(device), y.to(device), None if doc_ids is None else doc_ids.to(device))
+        doc_ids = None if doc_ids is None else doc_ids.to(device)  # whole examples: each attends only to itself
+        loss, _ = model.loss_and_accuracy(x.to(device), y.to(device), doc_ids)
     scored = int((y != -1).sum())
     loss_sum += loss.item() * scored
     count += scored

@@ -218,6 +218,30 @@ def test_eval_py_and_eval_full_score_conversations_as_training_does(chat_data, t
 
 
 @pytest.mark.slow
+def test_the_logged_val_loss_of_conversations_is_transformers_example_by_example(chat_data, tmp_path):
+    # transformers on the export, example by example (each cut to block_size + 1 tokens as in training), over the
+    # trained targets: the val loss train.py logged
+    transformers = pytest.importorskip("transformers")
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'ex'}", "--max_iters=3", "--eval_interval=3")
+    logged = logged_val_loss(tmp_path / "ex")
+    done = script("export.py", f"--out_dir={tmp_path / 'ex'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    val = split(chat_data, "val", seed=1337)
+    tokens = np.fromfile(chat_data / "val.bin", dtype=np.uint16).astype(np.int64)
+    mask = np.fromfile(chat_data / "val.mask.bin", dtype=np.uint8)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start, length in zip(val.starts, np.minimum(val.lengths, 65)):
+            ids, trained = tokens[start:start + length], mask[start + 1:start + length] > 0
+            logits = theirs(torch.tensor(ids[None, :-1])).logits[0]
+            targets = torch.tensor(np.where(trained, ids[1:], -100))
+            total += F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
+            count += int(trained.sum())
+    assert total / count == pytest.approx(logged, rel=1e-4)
+
+
+@pytest.mark.slow
 def test_examples_under_ddp_match_one_process_and_resume_exactly(chat_data, tmp_path):
     common = [*SMALL, f"--data_dir={chat_data}", "--batch_size=2", "--gradient_accumulation_steps=2",
               "--max_epochs=1", "--eval_interval=4", "--max_iters=8"]
