@@ -8,12 +8,14 @@ sample.py renders a conversation to continue; both with the same template.
     chat = fmt.record({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})
     chat.text, chat.spans   # '<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n', [(..)]
 
-Records: {"messages": [{"role", "content"}, ...]}, {"prompt", "completion"} (strings, or lists of messages), and
-Alpaca's {"instruction", "input", "output"}. A template is code from the internet: it runs in jinja2's sandbox,
+Records: {"messages": [{"role", "content"}, ...]}, ShareGPT's {"conversations": [{"from", "value"}, ...]} (from:
+human/user, gpt/assistant, system, tool), {"prompt", "completion"} (strings, or lists of messages), and Alpaca's
+{"instruction", "input", "output"}. A template is code from the internet: it runs in jinja2's sandbox,
 as transformers runs it, where it can reach neither files nor Python's internals.
 """
 
 import json
+import re
 from collections import namedtuple
 from datetime import datetime
 from pathlib import Path
@@ -21,7 +23,11 @@ from pathlib import Path
 Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "completion", "all")
+# ShareGPT's "from" -> the template's role
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
 STAND_IN = "\ue000\ue001\ue000"  # stands for a reply while finding where a template writes it (private use)
+MARKS = ("\ue002", "\ue003")  # where a {% generation %} block's text begins and ends, until render() drops them
 # For tokenizers that come without a template: a header per turn, and each assistant turn closed by the
 # end-of-text token, which the model learns to write and sample.py stops at.
 DEFAULT_TEMPLATE = (
@@ -34,8 +40,26 @@ DEFAULT_TEMPLATE = (
 
 def is_conversation(obj):
     """Whether a JSON record holds a conversation or an instruction rather than a text."""
-    return isinstance(obj, dict) and ("messages" in obj or {"prompt", "completion"} <= obj.keys()
-                                      or {"instruction", "output"} <= obj.keys())
+    keys = obj.keys() if isinstance(obj, dict) else set()
+    return "messages" in keys or "conversations" in keys or {"prompt", "completion"} <= keys or \
+        {"instruction", "output"} <= keys
+
+
+def sharegpt_messages(turns):
+    """ShareGPT's turns ([{"from": "human", "value": ...}, ...]) -> messages, or ValueError saying why not."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("'conversations' is not a list of turns")
+    messages = []
+    for i, turn in enumerate(turns, 1):
+        if isinstance(turn, dict) and {"role", "content"} <= turn.keys():  # already messages
+            messages.append(turn)
+            continue
+        role = turn.get("from") if isinstance(turn, dict) else None
+        if not isinstance(role, str) or role not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+            raise ValueError(f"conversations {i} is not a turn with a 'from' ({'/'.join(SHAREGPT_ROLES)}) and a "
+                             f"text 'value'")
+        messages.append({"role": SHAREGPT_ROLES[role], "content": turn["value"]})
+    return messages
 
 
 def compile_template(source):
@@ -51,7 +75,8 @@ def compile_template(source):
         return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, generation_tags()])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -59,6 +84,41 @@ def compile_template(source):
         return env.from_string(source)
     except TemplateError as e:
         raise ValueError(f"the chat template does not compile ({e})") from None
+
+
+def generation_tags():
+    """jinja2's extension for {% generation %}...{% endgeneration %}, which TRL's assistant-only templates put
+    around what the model writes (transformers' return_assistant_tokens_mask): the text inside, between MARKS."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_marked"), [], [], body).set_lineno(lineno)
+
+        def _marked(self, caller):
+            return MARKS[0] + caller() + MARKS[1]
+
+    return Generation
+
+
+def generation_spans(marked):
+    """A text rendered with MARKS -> Chat: the text without them, and the spans they enclosed."""
+    text, spans, opened = [], [], []
+    at = 0
+    for piece in re.split(f"([{MARKS[0]}{MARKS[1]}])", marked):
+        if piece == MARKS[0]:
+            opened.append(at)
+        elif piece == MARKS[1]:
+            spans.append((opened.pop(), at))
+        else:
+            text.append(piece)
+            at += len(piece)
+    return Chat("".join(text), sorted(span for span in spans if span[1] > span[0]))
 
 
 def find_template(folder, template_file=None):
@@ -107,6 +167,8 @@ class ChatFormat:
         self.template = compile_template(source)
         # the token that closes an assistant's turn, which the model must learn to write to stop
         probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        marked = self.render(probe, marks=True)
+        self.tagged = MARKS[0] in marked  # the template's {% generation %} blocks say what is trained
         text = self.render(probe)
         if "Hello" not in text:
             raise ValueError(f"the chat template ({origin}) does not write an assistant's reply, so there would be "
@@ -129,13 +191,15 @@ class ChatFormat:
                 "end_of_turn": self.end_of_turn, "end_of_turn_id": tokenizer.special_tokens()[self.end_of_turn],
                 "bos_token": self.context["bos_token"], "eos_token": self.context["eos_token"]}
 
-    def render(self, messages, add_generation_prompt=False):
+    def render(self, messages, add_generation_prompt=False, marks=False):
+        # marks: with MARKS around what {% generation %} blocks wrote
         from jinja2.exceptions import TemplateError
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **self.context)
         except (TemplateError, TypeError) as e:  # its raise_exception, what the sandbox refused, an {% include %}
             raise ValueError(f"the chat template refused it ({e})") from None
+        return text if marks else text.replace(MARKS[0], "").replace(MARKS[1], "")
 
     def closing_token(self, text, end):
         # the special token right after end, past any whitespace, or None
@@ -144,11 +208,16 @@ class ChatFormat:
 
     def record(self, obj):
         """A JSON record -> Chat, or ValueError saying why it cannot be one."""
+        if "conversations" in obj and "messages" not in obj:  # ShareGPT's layout: its turns as messages
+            obj = {"messages": sharegpt_messages(obj["conversations"])}
         texts = [m.get("content") if isinstance(m, dict) else m for key in ("messages", "prompt", "completion")
                  for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
         texts += [obj.get(key) for key in ("instruction", "input", "output")]
         if self.separator and any(isinstance(t, str) and self.separator in t for t in texts):
             raise ValueError(f"it holds {self.separator}, which ends an example in the token files, as text")
+        if self.tagged and any(isinstance(t, str) and (MARKS[0] in t or MARKS[1] in t) for t in texts):
+            raise ValueError("it holds the private-use character U+E002 or U+E003, which marks what the template's "
+                             "{% generation %} blocks write")
         if "messages" in obj:
             messages = obj["messages"]
             check_messages(messages, "messages")
@@ -172,13 +241,18 @@ class ChatFormat:
         return self.chat(prompt + completion, len(prompt))
 
     def chat(self, messages, first_completion):
-        """messages -> Chat. Trained: each assistant turn, from its header (the generation prompt) where the
-        template writes the conversation before it as it writes it alone, else from its reply, to the token
-        closing it (train_on='assistant'); everything from messages[first_completion]'s turn on ('completion'); or
-        all of it."""
+        """messages -> Chat. Trained: each assistant turn after its header (the generation prompt, which is not
+        trained, as in TRL): its reply, with what the template writes before it in the turn (a think block), to
+        the token closing it (train_on='assistant'), or what a template's {% generation %} blocks write;
+        everything from messages[first_completion]'s reply on ('completion'); or all of it."""
         text = self.render(messages)
         if self.train_on == "all":
             return Chat(text, [(0, len(text))])
+        if self.tagged and self.train_on == "assistant":  # what its {% generation %} blocks write, as in TRL
+            found = generation_spans(self.render(messages, marks=True))
+            if not found.spans:
+                raise ValueError("the chat template's {% generation %} blocks write nothing of it to train on")
+            return found
         spans, at = [], 0  # at: where the last turn found ends
         for i, message in enumerate(messages):
             if message["role"] == "assistant" and (self.train_on == "assistant" or i >= first_completion):
@@ -205,11 +279,13 @@ class ChatFormat:
                                  f"otherwise with the reply there: cannot tell where the reply begins")
         close = text.find(self.end_of_turn, begin)
         content = messages[i]["content"].strip()
+        if not content:  # the record's fault, not the template's
+            raise ValueError(f"assistant message {i + 1} is empty: there is no reply to learn from")
         start = text.rfind(content, begin, close) if close >= 0 and content else -1
         if start < 0 and "</think>" in content:  # reasoning templates drop it from earlier turns
             content = content.split("</think>")[-1].strip()
             start = text.rfind(content, begin, close)
-        if start < 0 or not content or text[start + len(content):close].strip():
+        if start < 0 or text[start + len(content):close].strip():
             raise ValueError(f"the chat template does not write assistant message {i + 1} as it is, closed by "
                              f"{self.end_of_turn}")
         if self.end_of_turn not in text[begin:start]:

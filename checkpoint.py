@@ -33,7 +33,7 @@ from hf import fingerprint, load_pretrained
 from lora import add_lora, trained_only
 from memory import state_bytes
 from model import GPT, GPTConfig
-from tokenizer import durable_replace, load_tokenizer
+from tokenizer import check_tokenizer, durable_replace, load_tokenizer, read_meta
 
 # what a checkpoint of train.py holds (a sharded one: "param_groups" in state.pt, the tensors in its shards)
 NEEDED = {"model", "optimizer", "scaler", "model_args", "iter_num", "best_val_loss", "evals_without_gain",
@@ -285,8 +285,22 @@ def load_model(path, base_dtype=None, data_dir=None):
     if found is None:
         raise ValueError(f"the model was trained on {candidates[-1]}, which is not here: its data is needed "
                          f"(restore it, or pass --data_dir)")
+    checkpoint["trained_on"] = checkpoint.get("data_dir")  # where the run's own data was (check_run_tokenizer)
     checkpoint["data_dir"] = found  # where the data is now: its meta.json has the chat template, if any
     return model, checkpoint
+
+
+def check_run_tokenizer(data_dir, checkpoint, model_vocab):
+    """ValueError in one line unless another dataset than the run's (sample.py, export.py, eval.py --data_dir)
+    was made with the run's tokenizer: its ids would mean other words. Compared with the run's own data, else
+    with the folder it began from; with neither here, there is nothing to compare with."""
+    places = (checkpoint.get("trained_on"), checkpoint["config"]["data_dir"])
+    own = next((d for d in places if d and os.path.isdir(d)), None)
+    reference = own or checkpoint.get("pretrained")
+    if not reference or not os.path.isdir(reference) or os.path.abspath(reference) == os.path.abspath(data_dir):
+        return
+    fix = f"leave --data_dir out (the run's own data: {reference}), or prepare it with the run's tokenizer"
+    check_tokenizer(data_dir, read_meta(data_dir), reference, model_vocab, fix)
 
 
 def load_run(path, base_dtype=None, data_dir=None):
@@ -300,6 +314,8 @@ def load_run(path, base_dtype=None, data_dir=None):
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"{found}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                          f"{model.config.vocab_size}: it is not the data this model was trained on")
+    if data_dir:
+        check_run_tokenizer(data_dir, checkpoint, model.config.vocab_size)
     return model, tokenizer, checkpoint
 
 

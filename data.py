@@ -30,6 +30,7 @@ class Split:
         self.mask_path = os.path.join(data_dir, f"{split}.mask.bin") if meta.get("masks") else None
         self.dtype, self.eot_id = np.dtype(meta["dtype"]), meta.get("eot_id")
         self.block_size, self.seed, self.is_val, self.vocab_size = block_size, seed, split == "val", vocab_size
+        self.examples = examples
         self.epochs = {}  # epoch -> its sequences, each a list of example numbers (the first, the last two met)
         self.firsts = [0]  # the number of each epoch's first sequence, as far as epochs have been packed
         if examples:
@@ -56,6 +57,19 @@ class Split:
         first overlap tokens (the context) -> (x, y, doc_ids or None). Windows past the end are padding."""
         starts = np.array(numbers, dtype=np.int64) * (self.block_size - overlap)
         return self.rows(starts, np.where(starts > 0, overlap, 0), doc_mask)
+
+    def scored(self, numbers, overlap, doc_mask):
+        """Sequences numbers of the split scored whole, every target once -> (x, y, doc_ids or None). With
+        examples (conversations, fine-tuning), its whole examples packed in the file's order, each attending only
+        to itself and scored over its trained targets, as training sees them; else windows overlapping by overlap
+        tokens (whole()). train.py's evaluation and eval.py both score through this."""
+        if self.examples:
+            return self.packed(numbers)
+        return self.whole(numbers, overlap, doc_mask)
+
+    def scored_count(self, overlap):
+        """How many sequences scored() takes to score the whole split."""
+        return self.sequences_in(1) if self.examples else self.whole_windows(overlap)
 
     def whole_windows(self, overlap):
         """How many windows whole() takes to score every token of the split."""

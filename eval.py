@@ -1,7 +1,9 @@
 """
 The loss and perplexity of a model over every token of a dataset's validation split, scored once each in windows
 of block_size that overlap by --stride tokens (the overlap is context; only the tokens after it count), the way
-perplexity is measured for papers. Deterministic: two runs, or a run and transformers on the same tokens, compare.
+perplexity is measured for papers. Conversations (a dataset with masks) and a run trained on whole examples are
+scored as train.py evaluates them: each example on its own, over its trained targets, so that a run's val loss
+here is the one its log shows. Deterministic: two runs, or a run and transformers on the same tokens, compare.
 
     python eval.py --out_dir=out-small                                   # a run's checkpoint, on its own data
     python eval.py --model=models/Qwen3-0.6B --data_dir=data/finetune --block_size=1024 --stride=512
@@ -17,7 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
-from checkpoint import load_model
+from checkpoint import check_run_tokenizer, load_model
 from data import Split
 from hf import load_pretrained
 from parallel import pick_device
@@ -55,34 +57,49 @@ try:
         data_dir = args.data_dir
     else:
         model, checkpoint = load_model(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype), args.data_dir)
+        if args.data_dir:  # another dataset than the run's must be made with its tokenizer
+            check_run_tokenizer(args.data_dir, checkpoint, model.config.vocab_size)
         data_dir = checkpoint["data_dir"]
     meta = read_meta(data_dir)
 except ValueError as e:
     fail(str(e))
-block_size = args.block_size or model.config.block_size
+# a run's window is the block_size it trained at (a pretrained model's limit may be longer)
+block_size = args.block_size or (model.config.block_size if args.model else checkpoint["config"]["block_size"])
 stride = block_size // 2 if args.stride is None else args.stride
 if not 0 < block_size <= model.config.block_size or not 0 <= stride < block_size:
     fail(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit) and --stride={stride} "
          f"in 0..{block_size - 1}")
-val = Split(data_dir, "val", meta, block_size, seed=0, examples=False, vocab_size=model.config.vocab_size)
+by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")
+try:
+    val = Split(data_dir, "val", meta, block_size, seed=0, examples=by_example, vocab_size=model.config.vocab_size)
+except (ValueError, OSError) as e:
+    fail(str(e))
+if by_example and val.targets[0] == 0:
+    fail(f"no val example keeps a trained token within its first block_size + 1 = {block_size + 1} tokens: "
+         f"raise --block_size")
 model.eval().to(device)
 
 # -----------------------------------------------------------------------------
-# every window; the loss summed over the scored tokens
+# every window (or sequence of whole examples); the loss summed over the scored tokens
 
-windows = val.whole_windows(stride)
+windows = val.scored_count(stride)  # sequences of whole examples, or windows
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
 loss_sum, count = 0.0, 0
 for first in range(0, windows, args.batch_size):
     try:
-        x, y, _ = val.whole(range(first, min(first + args.batch_size, windows)), stride, doc_mask=False)
+        x, y, doc_ids = val.scored(range(first, min(first + args.batch_size, windows)), stride, doc_mask=False)
     except ValueError as e:
         fail(str(e))
     with autocast:
-        loss, _ = model.loss_and_accuracy(x.to(device), y.to(device))
+        doc_ids = None if doc_ids is None else doc_ids.to(device)  # whole examples: each attends only to itself
+        loss, _ = model.loss_and_accuracy(x.to(device), y.to(device), doc_ids)
     scored = int((y != -1).sum())
     loss_sum += loss.item() * scored
     count += scored
 loss = loss_sum / max(count, 1)
-print(f"{windows} windows of {block_size} tokens overlapping by {stride}, {data_dir}/val.bin")
+if by_example:
+    print(f"{len(val.lengths)} examples of {data_dir}/val.bin, each on its own (packed into {windows} sequences of "
+          f"{block_size} tokens, attending within their example), over their trained targets")
+else:
+    print(f"{windows} windows of {block_size} tokens overlapping by {stride}, {data_dir}/val.bin")
 print(f"val loss {loss:.6f} perplexity {math.exp(min(loss, 50)):.4f} over {count} tokens")

@@ -144,8 +144,9 @@ def record_text(obj, field, chat):
     names = [field] if field else TEXT_FIELDS
     name = next((key for key in names if key in obj), None)
     text = obj.get(name)
-    if name is None:
-        return None, f"no text field ({'/'.join(names)})"
+    if name is None:  # a shape of its own: what it has, and what would have been read
+        wanted = "" if field else ", or a conversation: messages, conversations, prompt+completion, instruction+output"
+        return None, f"no text field ({'/'.join(names)}{wanted}); it has {', '.join(map(str, obj))[:120] or 'none'}"
     if not isinstance(text, str):
         return None, f"field '{name}' is not a string ({type(text).__name__})"
     try:
@@ -460,6 +461,10 @@ def prepare(args, quiet=False):
     report_run(meta, out, replacing, seconds, started, threads, log)
     if meta["masks"]:
         report_example(out, tokenizer, meta, log)
+    if meta["masks"] and meta["chat"]["template_from"] == "built-in" and os.path.exists(args.tokenizer):
+        log(f"warning: {args.tokenizer} has no chat template (chat_template.jinja, or chat_template in "
+            f"tokenizer_config.json): the built-in one was used, which that model never saw; give it its own with "
+            f"--chat_template=FILE")
     return meta
 
 

@@ -505,15 +505,17 @@ def onig_pattern(pattern):
     return out
 
 
-def check_tokenizer(data_dir, meta, folder, model_vocab):
+def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     """ValueError, in one line with the fix, unless the dataset data_dir (meta: its read_meta) was made with
-    the tokenizer of the Hugging Face model folder, whose config.json says model_vocab. The same tokenizer
-    gives a document's ids back from its text: the first few are decoded and encoded again."""
-    fix = f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
+    the tokenizer of folder: a Hugging Face model folder, whose config.json says model_vocab, or a dataset (the
+    one a run was trained on). The same tokenizer gives a document's ids back from its text: the first few are
+    decoded and encoded again."""
+    fix = fix or f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
     if meta["vocab_size"] > model_vocab:
         raise ValueError(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: "
                          f"{fix}")
-    if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+    dataset = any(os.path.exists(os.path.join(folder, name)) for name in ("meta.json", "meta.pkl", "val.bin"))
+    if not dataset and not os.path.exists(os.path.join(folder, "tokenizer.json")):
         return  # nothing to compare with
     ids = np.array(np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.dtype(meta["dtype"]), mode="r")[:4096],
                    dtype=np.int64)
@@ -521,16 +523,19 @@ def check_tokenizer(data_dir, meta, folder, model_vocab):
     starts = np.concatenate([[0], ends[:-1] + 1]).astype(int)
     documents = [ids[a:b].tolist() for a, b in zip(starts, ends)][:8]  # whole ones, without end-of-text
     try:
-        ours, theirs = load_tokenizer(data_dir), make_tokenizer(folder, None)
+        ours, theirs = load_tokenizer(data_dir), load_tokenizer(folder) if dataset else make_tokenizer(folder, None)
     except (ValueError, KeyError, TypeError, SystemExit) as e:
         raise ValueError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
                          f"({type(e).__name__}: {e}): {fix}") from None
     # conversations' markers (<|im_start|>, ...) are special tokens: their text reads as those
     encode = (lambda text: theirs.encode_chat(text, [])[0].tolist()) if meta.get("masks") else theirs.encode
     for doc in documents or [ids[:512].tolist()]:
-        again = encode(ours.decode(doc))
+        try:
+            again = encode(ours.decode(doc))
+        except ValueError:  # a character the other vocabulary lacks, special tokens it has not
+            again = None
         compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
-        if again[:compared] != doc[:compared]:
+        if again is None or again[:compared] != doc[:compared]:
             raise ValueError(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")
 
 

@@ -318,6 +318,11 @@ if checkpoint is not None:
     if any(checkpoint["config"].get(k) != globals()[k] for k in shaping) and master:
         print(f"warning: {', '.join(shaping)} changed since the checkpoint: training continues, "
               "but not on the batches the first run would have seen")
+    before = {k: checkpoint["config"].get(k) for k in ("max_iters", "lr_decay_iters")}
+    if before["max_iters"] != max_iters and master:  # the run's end moves, and with lr_decay_iters its schedule
+        was = f" (was {before['lr_decay_iters']})" if before["lr_decay_iters"] != lr_decay_iters else ""
+        print(f"note: max_iters is {max_iters}, not the checkpoint's {before['max_iters']}: the run ends at step "
+              f"{max_iters}; lr_decay_iters, the schedule's length, is {lr_decay_iters}{was}")
 
 # LoRA: this command's rank on a fresh start from a folder, the checkpoint's on a resume
 lora = lora_rank if from_folder else model_args.get("lora_rank", 0) if checkpoint is not None else 0
@@ -396,7 +401,11 @@ flops_per_token = raw_model.flops_per_token(block_size)
 peak = peak_flops(device, ptdtype)
 if master:
     trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
-    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {model_args}")
+    # the block_size trained at, and a pretrained model's own limit beside it where that is longer
+    shown = {**model_args, "block_size": block_size}
+    limit = f" (the model's limit: {model_args['block_size']})" if model_args["block_size"] != block_size else ""
+    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, "
+          f"{shown}{limit}")
 # what each process should hold, by kind, printed before the first step; on CUDA the first log line shows
 # the measured peak beside it
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
@@ -417,7 +426,11 @@ if room_warning and master:
 # and attending only within itself. Sequence n of the run is the same however processes share the steps
 
 examples = sequences == "examples"
-splits = {split: Split(data_dir, split, meta, block_size, seed, examples, vocab_size) for split in ("train", "val")}
+# Conversations are evaluated as they are trained: eval_full on a masked dataset, as every evaluation of a run on
+# whole examples, scores each val example on its own over its trained targets; on text, eval_full's windows
+by_example = {"train": examples, "val": examples or bool(eval_full and meta.get("masks"))}
+splits = {split: Split(data_dir, split, meta, block_size, seed, by_example[split], vocab_size)
+          for split in ("train", "val")}
 sequences_per_step = gradient_accumulation_steps * batch_size
 weighted = examples or meta.get("masks", False)  # micro-batches hold different numbers of targets (the loop)
 end_of_epochs = None  # sequences in max_epochs epochs; past them, a step's sequences are empty
@@ -428,10 +441,14 @@ if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if t
     max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
 if warmup_ratio > 0:
     warmup_iters = math.ceil(warmup_ratio * max_iters)
-for split in splits.values() if examples else ():  # cut to block_size, examples may keep nothing to learn
+for split in (each for each in splits.values() if each.examples):  # cut to block_size, some may keep nothing
     if split.targets[0] == 0:
         fail(f"no {'val' if split.is_val else 'train'} example keeps a trained token within its first block_size + "
              f"1 = {block_size + 1} tokens ({split.cut} of {len(split.lengths)} are longer): raise block_size")
+if master:  # which val loss this run logs
+    print("val loss: " + ("each val example on its own, over its trained targets" if by_example["val"] else
+                          f"every token of val.bin once, in windows overlapping by {eval_stride}" if eval_full else
+                          f"{eval_iters} batches of random windows"))
 if examples and master:
     train = splits["train"]
     real = int(np.minimum(train.lengths, block_size + 1).sum())
@@ -447,8 +464,8 @@ def batch(split, step, index):
     # the index-th micro-batch of a step (evaluation's have step -1) -> x, y, doc_ids on the device; y is -1
     # where nothing is learned
     try:
-        if split == "val" and eval_full:  # every token once, in windows overlapping by eval_stride
-            tensors = splits[split].whole(range(index * batch_size, (index + 1) * batch_size), eval_stride, doc_mask)
+        if split == "val" and (eval_full or examples):  # every target once: whole examples, or strided windows
+            tensors = splits[split].scored(range(index * batch_size, (index + 1) * batch_size), eval_stride, doc_mask)
         elif examples:
             first = (max(step, 0) * gradient_accumulation_steps + index) * batch_size
             tensors = splits[split].packed(range(first, first + batch_size), end_of_epochs if step >= 0 else None)
@@ -499,7 +516,7 @@ def estimate_loss():
     for split in ("train", "val"):
         batches = eval_iters
         if split == "val" and (eval_full or examples):  # all of it, as many batches in every process
-            count = splits["val"].whole_windows(eval_stride) if eval_full else splits["val"].sequences_in(1)
+            count = splits["val"].scored_count(eval_stride)
             batches = math.ceil(count / (batch_size * dp_size))
         sums = torch.zeros(3, device=device)  # loss and accuracy, each times its targets; the targets
         for k in range(batches):

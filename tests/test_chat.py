@@ -392,6 +392,65 @@ def test_mistral_refuses_roles_that_do_not_alternate(tmp_path):
     with pytest.raises(ValueError, match="alternate"):
         fmt.record({"messages": bad})
 
+# TRL's assistant-only templates: ChatML, the assistant's reply and end-of-turn inside {% generation %}
+GENERATION = """{%- for message in messages %}
+    {%- if message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- generation %}{{- message.content + '<|im_end|>' }}{%- endgeneration %}
+        {{- '\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
+
+
+@pytest.mark.parametrize("style", ["qwen3"], indirect=True)
+def test_generation_template_masks_are_transformers(style, tmp_path):
+    # {% generation %} renders its text as it is (no tags in it) and says what is trained: the masks of
+    # --train_on=assistant equal transformers' return_assistant_tokens_mask, in chat.py and through prepare.py
+    name, folder, theirs, ours = style
+    fmt = chat.ChatFormat(GENERATION, "test", ours.special_tokens(), ours.decode([ours.eot_id]))
+    conversations = [MESSAGES, MESSAGES[1:], MESSAGES[1:3]]
+    for messages in conversations:
+        out = theirs.apply_chat_template(messages, chat_template=GENERATION, tokenize=True, return_dict=True,
+                                         return_assistant_tokens_mask=True)
+        record = fmt.record({"messages": messages})
+        assert record.text == theirs.apply_chat_template(messages, chat_template=GENERATION, tokenize=False)
+        assert fmt.render(messages, add_generation_prompt=True) == theirs.apply_chat_template(
+            messages, chat_template=GENERATION, tokenize=False, add_generation_prompt=True)
+        ids, mask = ours.encode_chat(record.text, record.spans)
+        assert ids.tolist() == list(out["input_ids"]) and mask.tolist() == list(out["assistant_masks"])
+        assert sum(mask) > 0
+    (tmp_path / "t.jinja").write_text(GENERATION)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    meta = prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
+                         f"--chat_template={tmp_path / 't.jinja'}", "--val_fraction=0"])
+    want_ids, want_mask = [], []
+    for messages in conversations:  # each example, then an untrained end-of-text
+        out = theirs.apply_chat_template(messages, chat_template=GENERATION, tokenize=True, return_dict=True,
+                                         return_assistant_tokens_mask=True)
+        want_ids += list(out["input_ids"]) + [meta["eot_id"]]
+        want_mask += list(out["assistant_masks"]) + [0]
+    assert np.fromfile(tmp_path / "data" / "train.bin", dtype=meta["dtype"]).tolist() == want_ids
+    assert np.fromfile(tmp_path / "data" / "train.mask.bin", dtype=np.uint8).tolist() == want_mask
+
+@pytest.mark.parametrize("style", ["qwen3"], indirect=True)
+def test_a_folder_without_a_template_gets_the_built_in_one_with_a_warning(style, tmp_path, capsys):
+    name, folder, theirs, ours = style
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": MESSAGES}) + "\n")
+    meta = prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={tmp_path / 'bare'}", "--val_fraction=0",
+                         f"--out_dir={tmp_path / 'data'}"])
+    assert meta["chat"]["template_from"] == "built-in"
+    assert f"warning: {tmp_path / 'bare'} has no chat template" in capsys.readouterr().out
+    prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={folder}", "--val_fraction=0",
+                  f"--out_dir={tmp_path / 'own'}"])
+    assert "warning" not in capsys.readouterr().out  # the folder's own template: nothing to say
+
 # -----------------------------------------------------------------------------
 # 3. prepare.py: a .jsonl of every record kind -> masked dataset
 

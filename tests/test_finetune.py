@@ -328,14 +328,19 @@ def test_lora_compiled_with_the_triton_kernels_matches_eager(pretrained, tmp_pat
     assert torch.load(tmp_path / "fused" / "ckpt.pt", weights_only=True)["model_args"]["use_kernels"] is True
 
 
-@pytest.mark.parametrize("config", ["config/finetune_qwen3.py", "config/lora_qwen3.py"])
+@pytest.mark.parametrize("config", ["config/finetune_qwen3.py", "config/lora_qwen3.py", "config/sft_qwen3_full.py"])
 def test_the_shipped_fine_tune_configs_run(pretrained, tmp_path, config):
     # the configs as a user runs them, on the tiny folder and for a few steps
     folder, data = pretrained
-    run(config, f"--init_from={folder}", f"--data_dir={data}", f"--out_dir={tmp_path}", "--block_size=32",
-        "--batch_size=2", "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", "--eval_iters=1")
+    out = run(config, f"--init_from={folder}", f"--data_dir={data}", f"--out_dir={tmp_path}", "--block_size=32",
+              "--batch_size=2", "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2",
+              "--eval_iters=1")
+    model_line = next(line for line in out.stdout.splitlines() if line.startswith("model: "))
+    assert "'block_size': 32" in model_line and "(the model's limit: " in model_line  # the length trained at
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["iter_num"] == 2 and ckpt["model_args"]["lora_rank"] == (16 if "lora" in config else 0)
+    if "sft" in config:  # a full fine-tune: every weight trains, at a full fine-tune's learning rate
+        assert ckpt["config"]["lora_rank"] == 0 and 1e-5 <= ckpt["config"]["learning_rate"] <= 2e-5
 
 
 def test_lora_on_a_bfloat16_folder_samples_on_a_cpu(pretrained, tmp_path):

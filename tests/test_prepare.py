@@ -411,7 +411,8 @@ def test_hidden_files_and_folders_are_left_out_and_counted(tmp_path):
 
 BAD_RECORDS = [
     ('{"text": "unclosed', "malformed JSON"),
-    ('{"title": "no text field"}', "no text field (text/content/body)"),
+    ('{"title": "no text field"}', "no text field (text/content/body, or a conversation: messages, conversations, "
+                                   "prompt+completion, instruction+output); it has title"),
     ('{"text": 42}', "field 'text' is not a string (int)"),
     ('["not", "an", "object"]', "not a JSON object (list)"),
     ('{"text": "\\ud800 lone surrogate"}', "lone surrogate"),

@@ -187,6 +187,60 @@ def test_val_loss_is_over_every_trained_token_of_the_val_split(chat_data, tmp_pa
     assert record["val_loss"] == pytest.approx(total / (y != -1).sum().item(), rel=1e-5)
 
 
+def logged_val_loss(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()][-1]["val_loss"]
+
+
+def eval_py_loss(out_dir, *args):
+    done = script("eval.py", f"--out_dir={out_dir}", "--device=cpu", *args)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "each on its own" in lines[-2]  # it says what it scored
+    return float(lines[-1].split()[2])
+
+
+def test_eval_py_and_eval_full_score_conversations_as_training_does(chat_data, tmp_path):
+    # conversations are evaluated as they are trained: each val example on its own over its trained targets. eval.py
+    # gives the val loss train.py logged for the same checkpoint (not windows across examples over every token),
+    # in any batching, and so does eval_full, on a run of whole examples and on a run of windows alike
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'ex'}", "--max_iters=3", "--eval_interval=3")
+    logged = logged_val_loss(tmp_path / "ex")
+    assert eval_py_loss(tmp_path / "ex") == pytest.approx(logged, rel=1e-5)
+    assert eval_py_loss(tmp_path / "ex", "--batch_size=3") == pytest.approx(logged, rel=1e-5)
+    full = run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'full'}", "--max_iters=3",
+               "--eval_interval=3", "--eval_full=True", "--eval_stride=16")
+    assert "val loss: each val example on its own" in full.stdout
+    assert logged_val_loss(tmp_path / "full") == pytest.approx(logged, rel=1e-5)
+    windows = [a for a in SMALL if a != "--sequences=examples"]
+    run(*windows, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'win'}", "--max_iters=3", "--eval_interval=3",
+        "--eval_full=True", "--eval_stride=16")
+    assert eval_py_loss(tmp_path / "win") == pytest.approx(logged_val_loss(tmp_path / "win"), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_logged_val_loss_of_conversations_is_transformers_example_by_example(chat_data, tmp_path):
+    # transformers on the export, example by example (each cut to block_size + 1 tokens as in training), over the
+    # trained targets: the val loss train.py logged
+    transformers = pytest.importorskip("transformers")
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'ex'}", "--max_iters=3", "--eval_interval=3")
+    logged = logged_val_loss(tmp_path / "ex")
+    done = script("export.py", f"--out_dir={tmp_path / 'ex'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    val = split(chat_data, "val", seed=1337)
+    tokens = np.fromfile(chat_data / "val.bin", dtype=np.uint16).astype(np.int64)
+    mask = np.fromfile(chat_data / "val.mask.bin", dtype=np.uint8)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start, length in zip(val.starts, np.minimum(val.lengths, 65)):
+            ids, trained = tokens[start:start + length], mask[start + 1:start + length] > 0
+            logits = theirs(torch.tensor(ids[None, :-1])).logits[0]
+            targets = torch.tensor(np.where(trained, ids[1:], -100))
+            total += F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
+            count += int(trained.sum())
+    assert total / count == pytest.approx(logged, rel=1e-4)
+
+
 @pytest.mark.slow
 def test_examples_under_ddp_match_one_process_and_resume_exactly(chat_data, tmp_path):
     common = [*SMALL, f"--data_dir={chat_data}", "--batch_size=2", "--gradient_accumulation_steps=2",
@@ -245,6 +299,25 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
     assert hf_tokenizer(theirs, add_special_tokens=False)["input_ids"] == tokenizer.encode_chat(theirs, [])[0].tolist()
 
 
+def test_sample_and_export_refuse_another_tokenizers_data_in_one_line(chat_data, tmp_path):
+    # --data_dir made with another tokenizer (the same conversations, another vocabulary): its ids would mean other
+    # words, so sample.py, export.py and eval.py refuse it in one line, as train.py does; the run's own data is taken
+    data_dir = tmp_path / "other"
+    prepare.main([str(chat_data.parent / "chats.jsonl"), "--tokenizer=bpe:280", f"--out_dir={data_dir}"])
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1", "--eval_interval=1")
+    commands = [("sample.py", "--start=apple", "--max_new_tokens=2", "--num_samples=1"),
+                ("export.py", f"--to={tmp_path / 'hf'}"), ("export.py", f"--to={tmp_path / 'model.gguf'}"),
+                ("eval.py",)]
+    for command in commands:
+        done = script(*command, f"--out_dir={tmp_path / 'run'}", f"--data_dir={data_dir}")
+        assert done.returncode != 0 and done.stderr.count("\n") == 1, (command, done.stderr)
+        assert f"{data_dir} was not prepared with the tokenizer of {chat_data}: leave --data_dir out" in done.stderr
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "model.gguf").exists()
+    done = script("sample.py", "--start=apple", "--max_new_tokens=2", "--num_samples=1",
+                  f"--out_dir={tmp_path / 'run'}", f"--data_dir={chat_data}")
+    assert done.returncode == 0, done.stderr
+
+
 def test_conversations_from_parquet_and_json_are_those_of_jsonl(tmp_path):
     # the same records as JSON Lines, a JSON array and a parquet table (messages: a list of structs) make the
     # same tokens and masks
@@ -261,6 +334,33 @@ def test_conversations_from_parquet_and_json_are_those_of_jsonl(tmp_path):
         assert meta["masks"] and meta["train"]["documents"] == 40 and meta["bad_records"]["count"] == 0
         made.append([(out / f).read_bytes() for f in ("train.bin", "train.mask.bin")])
     assert made[0] == made[1] == made[2]
+
+
+def test_sharegpt_conversations_are_those_of_messages_in_files_and_hub_datasets(tmp_path, monkeypatch):
+    # ShareGPT's layout ({"conversations": [{"from": "human", "value": ...}]}, its roles mapped to the template's)
+    # makes the very tokens and masks of the same conversations as messages, from a file and from an hf: dataset;
+    # a turn of a role it does not know is a bad record that says what it wanted
+    from test_prepare import hub_folder
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    records = list(conversations(40, seed=5))
+    names = [{"system": "system", "user": "human", "assistant": "gpt"}, {"user": "user", "assistant": "assistant"}]
+    shared = [{"id": n, "conversations": [{"from": names[n % 2].get(m["role"], m["role"]), "value": m["content"]}
+                                          for m in r["messages"]]} for n, r in enumerate(records)]
+    (tmp_path / "messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shared) +
+                                             json.dumps({"conversations": [{"from": "bot", "value": "hi"}]}) + "\n")
+    made = []
+    for source in (tmp_path / "messages.jsonl", tmp_path / "sharegpt.jsonl",
+                   f"hf:{hub_folder(tmp_path / 'hub', {'train': shared})}"):
+        out = tmp_path / f"data-{len(made)}"
+        meta = prepare.main([str(source), "--tokenizer=bpe:300", f"--out_dir={out}", "--val_fraction=0"])
+        assert meta["masks"] and meta["train"]["documents"] == 40
+        made.append([(out / f).read_bytes() for f in ("train.bin", "train.mask.bin")])
+    assert made[0] == made[1] == made[2]
+    assert meta["bad_records"]["count"] == 0 and "conversations 1 is not a turn with a 'from' (human/user/gpt/" \
+        "assistant/system/tool) and a text 'value'" in json.loads((tmp_path / "data-1" / "meta.json").read_text())[
+        "bad_records"]["examples"][0]
 
 
 def test_a_template_that_hides_the_replies_selects_nothing_and_is_refused(tmp_path):
@@ -303,6 +403,25 @@ def test_a_message_holding_the_end_of_text_marker_is_skipped(tmp_path):
     assert meta["bad_records"]["examples"] == [f"{tmp_path / 'chats.jsonl'}:4: it holds <|endoftext|>, which ends an "
                                                f"example in the token files, as text"]
     assert meta["train"]["documents"] + meta["val"]["documents"] == 9
+
+
+def test_a_resume_that_moves_the_end_says_so(chat_data, tmp_path):
+    common = [*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path}", "--eval_interval=2"]
+    run(*common, "--max_iters=2")
+    out = run(*common, "--max_iters=3", "--init_from=resume")
+    assert "note: max_iters is 3, not the checkpoint's 2: the run ends at step 3; lr_decay_iters, the schedule's " \
+        "length, is 40" in out.stdout
+    assert "note:" not in run(*common, "--max_iters=3", "--init_from=resume").stdout  # nothing moved
+
+
+def test_an_empty_reply_is_skipped_as_the_records_fault_not_the_templates(tmp_path):
+    records = list(conversations(10, seed=4))
+    records[3]["messages"][-1]["content"] = " "
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare.main([str(tmp_path / "chats.jsonl"), "--tokenizer=bpe:300", f"--out_dir={tmp_path / 'data'}"])
+    n = len(records[3]["messages"])
+    assert meta["bad_records"]["examples"] == [f"{tmp_path / 'chats.jsonl'}:4: assistant message {n} is empty: there "
+                                               f"is no reply to learn from"]
 
 
 def test_examples_cut_to_nothing_trained_are_refused(chat_data, tmp_path):
