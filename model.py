@@ -129,6 +129,14 @@ def flash_dtype(q):
     return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
+def flex_dtype(v):
+    # FlexAttention runs outside autocast and wants q, k and v in one dtype: autocast's where it is on, as SDPA
+    # would compute in. qk-norm with fp32 norm weights (a Qwen3 fully fine-tuned) makes q and k fp32 beside a
+    # bf16 v, which it refuses, or on newer builds runs wholly in fp32 with a much slower backward.
+    on = torch.is_autocast_enabled(v.device.type)
+    return torch.get_autocast_dtype(v.device.type) if on else v.dtype
+
+
 class Attention(nn.Module):
     def __init__(self, config, ops):
         super().__init__()
@@ -167,6 +175,7 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         gqa = n_kv_head != n_head
         if mask is not None and not isinstance(mask, torch.Tensor):  # documents on CUDA: FlexAttention
+            q, k, v = (t.to(flex_dtype(v)) for t in (q, k, v))
             y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                                enable_gqa=gqa).transpose(1, 2)
         elif mask is not None:  # documents elsewhere: a (B, 1, T, T) boolean mask, True where a query looks
