@@ -319,15 +319,18 @@ class GPT(nn.Module):
                 break
         return idx
 
-    def flops_per_token(self, seq_len=None):
-        # training FLOPs per token: 6N for the weights' matmuls plus attention's 12·L·H·Q·T (PaLM, B),
-        # T being the length trained on (by default the longest the model takes); a frozen weight (LoRA's
-        # base) costs 4, having no gradient of its own
+    def flops_per_token(self, seq_len=None, keys=None):
+        # Training FLOPs per token: 6N for the weights' matmuls (a frozen weight, LoRA's base, costs 4, having
+        # no gradient of its own) plus attention's 12·L·H·Q per key a query meets. PaLM's convention (appendix
+        # B), the one nanoGPT and nanochat report MFU in, counts every key of a T-token sequence (T being
+        # seq_len, by default block_size); keys: the keys a query meets on average where attention is run as
+        # masked (causal: (T + 1) / 2; fewer under doc_mask, attended_keys), for the FLOPs actually run.
         c = self.config
         n = self.num_params(non_embedding=not c.tie_embeddings)  # the embedding lookup is no matmul
         frozen = sum(p.numel() for name, p in self.named_parameters()
                      if not p.requires_grad and (c.tie_embeddings or name != "wte.weight"))
-        return 6 * n - 2 * frozen + 12 * c.n_layer * c.n_head * c.head_size * (seq_len or c.block_size)
+        keys = keys if keys is not None else seq_len or c.block_size
+        return 6 * n - 2 * frozen + 12 * c.n_layer * c.n_head * c.head_size * keys
 
     def configure_optimizers(self, kind, learning_rate, weight_decay, betas, device_type, momentum=0.9,
                              muon_lr=0.02, muon_momentum=0.95):
@@ -387,6 +390,15 @@ def document_mask(doc_ids, flex=False):
         return flex.create_block_mask(causal_in_document, B, None, T, T, device=doc_ids.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]  # (B, 1, T, T)
+
+
+def attended_keys(doc_ids):
+    """The keys a query attends to under doc_mask, summed over a batch's queries: in a document of n tokens,
+    1 + 2 + ... + n. doc_ids (B, T) never decrease along a row, so a token's document began at the first
+    position holding its number. A 0-d tensor on doc_ids' device, computed there without waiting for it."""
+    positions = torch.arange(doc_ids.size(1), device=doc_ids.device)
+    begins = torch.searchsorted(doc_ids, doc_ids)  # (B, T): where each token's document begins
+    return (positions - begins + 1).sum()
 
 
 def filter_logits(logits, top_k=None, top_p=None):
