@@ -116,8 +116,9 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
         # Each block is one FSDP unit, gathered whole only while it computes (forward and backward) and split
         # over the processes otherwise; the root unit holds the rest (embedding, final norm, head).
         mixed = MixedPrecisionPolicy()
-        if dtype == torch.bfloat16:
-            mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype == torch.bfloat16:  # a unit's inputs are left as they come: the rotary tables stay fp32, as
+            # DDP's autocast keeps them (cast to bf16, every block's rotation was rounded: a loss gap to DDP)
+            mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         offload = CPUOffloadPolicy() if offload else OffloadPolicy()
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
