@@ -249,19 +249,20 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, cache=None, doc_ids=None):
+    def forward(self, idx, targets=None, cache=None, doc_ids=None, mask=None):
         # idx: (B, T) token ids. With targets (B, T) it returns (None, mean loss) and never builds
         # the full logits; without, (logits (B, T, V), None). cache: list of n_layer lists, see generate.
         # doc_ids: (B, T) document numbers of packed sequences; a token then attends only to earlier
-        # tokens of its own document (for training and evaluation, not with a cache).
-        x = self.hidden(idx, cache, doc_ids)
+        # tokens of its own document (for training and evaluation, not with a cache). mask: instead of
+        # doc_ids, their document_mask made beforehand: outside a compiled model, as train.py makes it.
+        x = self.hidden(idx, cache, doc_ids, mask)
         if targets is None:
             return self.lm_head(x), None
         B, T = idx.shape
         loss = self.ops.linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
         return None, loss
 
-    def hidden(self, idx, cache=None, doc_ids=None):
+    def hidden(self, idx, cache=None, doc_ids=None, mask=None):
         # the final normed hidden states (B, T, C), on which the LM head computes the logits
         B, T = idx.shape
         start = cache[0][0].shape[1] if cache and cache[0] else 0  # positions already in the cache
@@ -269,10 +270,10 @@ class GPT(nn.Module):
             raise ValueError("with a filled cache, feed one token at a time")
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
-        if doc_ids is not None and cache is not None:
+        if (doc_ids is not None or mask is not None) and cache is not None:
             raise ValueError("doc_ids masks training and evaluation sequences; generation takes no doc_ids")
-        mask = None if doc_ids is None else document_mask(doc_ids, flex=idx.is_cuda and not (
-            self.training and self.config.dropout > 0))  # FlexAttention has no dropout
+        if doc_ids is not None and mask is None:
+            mask = document_mask(doc_ids, flex=idx.is_cuda and not (self.training and self.config.dropout > 0))
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
@@ -377,7 +378,9 @@ class GPT(nn.Module):
 
 def document_mask(doc_ids, flex=False):
     """doc_ids (B, T) -> the attention mask that lets a token see only itself and earlier tokens of its
-    own document: FlexAttention's block mask (flex, on CUDA), else a (B, 1, T, T) boolean mask for SDPA."""
+    own document: FlexAttention's block mask (flex, on CUDA; it has no dropout), else a (B, 1, T, T) boolean
+    mask for SDPA. Made inside a compiled model, the block mask's new function each batch recompiles it: a
+    compiled model takes it made outside (GPT.forward's mask)."""
     global flex_attention
     B, T = doc_ids.shape
     if flex:

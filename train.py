@@ -40,7 +40,7 @@ from data import Split
 from hf import fingerprint, load_pretrained, read_json
 from lora import add_lora, check_lora, quantize_base
 from memory import measured_mb, memory_estimate, memory_layout, memory_table
-from model import GPT, GPTConfig, attended_keys
+from model import GPT, GPTConfig, attended_keys, document_mask
 from parallel import check_layout, clip_gradients, parallelize, peak_flops, pick_device
 from tokenizer import check_token_files, check_tokenizer, read_meta
 
@@ -630,8 +630,11 @@ while True:
         last = micro == micro_steps - 1
         if fsdp:  # gradients summed unsharded on each process, reduced and split once, after the last
             raw_model.set_requires_gradient_sync(last)
+        # The documents' mask is made here, outside the model: FlexAttention's block mask (on CUDA; it has no
+        # dropout) made inside a compiled model would recompile it for every batch.
+        mask = None if doc_ids is None else document_mask(doc_ids, flex=device_type == "cuda" and dropout == 0)
         with (model.no_sync() if isinstance(model, DDP) and not last else nullcontext()), autocast:
-            _, loss = model(x, y, doc_ids=doc_ids)
+            _, loss = model(x, y, mask=mask)
             loss = loss * shares[micro] if weighted else loss / micro_steps
         scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
