@@ -87,7 +87,7 @@ class Split:
             tokens[row, :len(window)] = window
             kept[row, :len(window)] = mask[start:start + len(window)] > 0 if mask is not None else True
         self.check_ids(tokens, lambda b, t: int(starts[b]) + t)
-        x = tokens[:, :-1]
+        x = np.ascontiguousarray(tokens[:, :-1])  # a view would be pinned and copied to a GPU a row at a time
         y = np.where(kept[:, 1:] & (np.arange(T) >= context[:, None]), tokens[:, 1:], -1)
         doc_ids = None
         if doc_mask:
@@ -114,7 +114,9 @@ class Split:
                 at += length
         self.check_ids(tokens, lambda b, t: None)
         y = np.where(trained[:, 1:], tokens[:, 1:], -1)
-        return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(y), torch.from_numpy(doc_ids[:, :-1])
+        # contiguous copies, not views: a strided batch is pinned and copied to a GPU a row at a time
+        x, doc_ids = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(doc_ids[:, :-1])
+        return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(doc_ids)
 
     def check_ids(self, tokens, position):
         # a bad id would index past the embedding: name it instead

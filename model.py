@@ -129,6 +129,14 @@ def flash_dtype(q):
     return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
+def flex_dtype(v):
+    # FlexAttention runs outside autocast and wants q, k and v in one dtype: autocast's where it is on, as SDPA
+    # would compute in. qk-norm with fp32 norm weights (a Qwen3 fully fine-tuned) makes q and k fp32 beside a
+    # bf16 v, which it refuses, or on newer builds runs wholly in fp32 with a much slower backward.
+    on = torch.is_autocast_enabled(v.device.type)
+    return torch.get_autocast_dtype(v.device.type) if on else v.dtype
+
+
 class Attention(nn.Module):
     def __init__(self, config, ops):
         super().__init__()
@@ -167,6 +175,7 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         gqa = n_kv_head != n_head
         if mask is not None and not isinstance(mask, torch.Tensor):  # documents on CUDA: FlexAttention
+            q, k, v = (t.to(flex_dtype(v)) for t in (q, k, v))
             y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                                enable_gqa=gqa).transpose(1, 2)
         elif mask is not None:  # documents elsewhere: a (B, 1, T, T) boolean mask, True where a query looks
@@ -240,19 +249,20 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, cache=None, doc_ids=None):
+    def forward(self, idx, targets=None, cache=None, doc_ids=None, mask=None):
         # idx: (B, T) token ids. With targets (B, T) it returns (None, mean loss) and never builds
         # the full logits; without, (logits (B, T, V), None). cache: list of n_layer lists, see generate.
         # doc_ids: (B, T) document numbers of packed sequences; a token then attends only to earlier
-        # tokens of its own document (for training and evaluation, not with a cache).
-        x = self.hidden(idx, cache, doc_ids)
+        # tokens of its own document (for training and evaluation, not with a cache). mask: instead of
+        # doc_ids, their document_mask made beforehand: outside a compiled model, as train.py makes it.
+        x = self.hidden(idx, cache, doc_ids, mask)
         if targets is None:
             return self.lm_head(x), None
         B, T = idx.shape
         loss = self.ops.linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
         return None, loss
 
-    def hidden(self, idx, cache=None, doc_ids=None):
+    def hidden(self, idx, cache=None, doc_ids=None, mask=None):
         # the final normed hidden states (B, T, C), on which the LM head computes the logits
         B, T = idx.shape
         start = cache[0][0].shape[1] if cache and cache[0] else 0  # positions already in the cache
@@ -260,10 +270,10 @@ class GPT(nn.Module):
             raise ValueError("with a filled cache, feed one token at a time")
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
-        if doc_ids is not None and cache is not None:
+        if (doc_ids is not None or mask is not None) and cache is not None:
             raise ValueError("doc_ids masks training and evaluation sequences; generation takes no doc_ids")
-        mask = None if doc_ids is None else document_mask(doc_ids, flex=idx.is_cuda and not (
-            self.training and self.config.dropout > 0))  # FlexAttention has no dropout
+        if doc_ids is not None and mask is None:
+            mask = document_mask(doc_ids, flex=idx.is_cuda and not (self.training and self.config.dropout > 0))
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
@@ -310,15 +320,18 @@ class GPT(nn.Module):
                 break
         return idx
 
-    def flops_per_token(self, seq_len=None):
-        # training FLOPs per token: 6N for the weights' matmuls plus attention's 12·L·H·Q·T (PaLM, B),
-        # T being the length trained on (by default the longest the model takes); a frozen weight (LoRA's
-        # base) costs 4, having no gradient of its own
+    def flops_per_token(self, seq_len=None, keys=None):
+        # Training FLOPs per token: 6N for the weights' matmuls (a frozen weight, LoRA's base, costs 4, having
+        # no gradient of its own) plus attention's 12·L·H·Q per key a query meets. PaLM's convention (appendix
+        # B), the one nanoGPT and nanochat report MFU in, counts every key of a T-token sequence (T being
+        # seq_len, by default block_size); keys: the keys a query meets on average where attention is run as
+        # masked (causal: (T + 1) / 2; fewer under doc_mask, attended_keys), for the FLOPs actually run.
         c = self.config
         n = self.num_params(non_embedding=not c.tie_embeddings)  # the embedding lookup is no matmul
         frozen = sum(p.numel() for name, p in self.named_parameters()
                      if not p.requires_grad and (c.tie_embeddings or name != "wte.weight"))
-        return 6 * n - 2 * frozen + 12 * c.n_layer * c.n_head * c.head_size * (seq_len or c.block_size)
+        keys = keys if keys is not None else seq_len or c.block_size
+        return 6 * n - 2 * frozen + 12 * c.n_layer * c.n_head * c.head_size * keys
 
     def configure_optimizers(self, kind, learning_rate, weight_decay, betas, device_type, momentum=0.9,
                              muon_lr=0.02, muon_momentum=0.95):
@@ -365,7 +378,9 @@ class GPT(nn.Module):
 
 def document_mask(doc_ids, flex=False):
     """doc_ids (B, T) -> the attention mask that lets a token see only itself and earlier tokens of its
-    own document: FlexAttention's block mask (flex, on CUDA), else a (B, 1, T, T) boolean mask for SDPA."""
+    own document: FlexAttention's block mask (flex, on CUDA; it has no dropout), else a (B, 1, T, T) boolean
+    mask for SDPA. Made inside a compiled model, the block mask's new function each batch recompiles it: a
+    compiled model takes it made outside (GPT.forward's mask)."""
     global flex_attention
     B, T = doc_ids.shape
     if flex:
@@ -378,6 +393,15 @@ def document_mask(doc_ids, flex=False):
         return flex.create_block_mask(causal_in_document, B, None, T, T, device=doc_ids.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]  # (B, 1, T, T)
+
+
+def attended_keys(doc_ids):
+    """The keys a query attends to under doc_mask, summed over a batch's queries: in a document of n tokens,
+    1 + 2 + ... + n. doc_ids (B, T) never decrease along a row, so a token's document began at the first
+    position holding its number. A 0-d tensor on doc_ids' device, computed there without waiting for it."""
+    positions = torch.arange(doc_ids.size(1), device=doc_ids.device)
+    begins = torch.searchsorted(doc_ids, doc_ids)  # (B, T): where each token's document begins
+    return (positions - begins + 1).sum()
 
 
 def filter_logits(logits, top_k=None, top_p=None):

@@ -38,20 +38,32 @@ def pick_device(device="auto", dtype="auto"):
     return device, dtype
 
 
+# Dense matmul peaks from the vendors' datasheets, FLOP/s: (bf16/fp16 on tensor cores, tf32). The first key a
+# name holds wins, so the H100s and H200s that differ come before the plain names.
+GPU_PEAKS = {"H100 NVL": (835e12, 418e12), "H100 PCIe": (756e12, 378e12), "H100 SXM": (989e12, 494e12),
+             "H200 NVL": (835e12, 418e12), "H200": (989e12, 494e12), "B200": (2250e12, 1100e12),
+             "A100": (312e12, 156e12), "L40S": (362e12, 183e12), "A10G": (70e12, 35e12), "4090": (165e12, 83e12),
+             "3090": (71e12, 36e12)}
+
+
+def gpu_peak(name, sm_count, half):
+    """The datasheet's dense peak FLOP/s of a GPU by its name (torch.cuda.get_device_name) and SM count, in half
+    precision (half) or tf32; None for a GPU not in GPU_PEAKS. Every H100 is named "NVIDIA H100 ..." without
+    saying which: the NVL has "NVL" in its name, the PCIe card has 114 SMs where the SXM has 132."""
+    if "H100" in name and not any(form in name for form in ("NVL", "PCIe", "SXM")):
+        name = name.replace("H100", "H100 PCIe" if sm_count == 114 else "H100 SXM")
+    for key, (half_peak, tf32) in GPU_PEAKS.items():
+        if key in name:
+            return half_peak if half else tf32
+    return None
+
+
 def peak_flops(device, dtype):
     # dense matmul peak of one device in FLOP/s, for MFU; None where unknown
     device = torch.device(device)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        half = dtype in (torch.bfloat16, torch.float16)
-        # (bf16/fp16 tensor cores, tf32) from the vendors' data sheets, dense
-        table = {"H100 PCIe": (756e12, 378e12), "H100": (989e12, 494e12), "H200": (989e12, 494e12),
-                 "B200": (2250e12, 1100e12), "A100": (312e12, 156e12), "L40S": (362e12, 183e12),
-                 "A10G": (70e12, 35e12), "4090": (165e12, 83e12), "3090": (71e12, 36e12)}
-        for key, (bf16, tf32) in table.items():
-            if key in name:
-                return bf16 if half else tf32
-        return None
+        props = torch.cuda.get_device_properties(device)
+        return gpu_peak(props.name, props.multi_processor_count, dtype in (torch.bfloat16, torch.float16))
     if device.type == "cpu":
         # threads x clock x fp32 FLOPs per cycle of two FMA pipes: 64 with AVX-512, 32 with AVX2.
         # A nominal figure: boost clocks and double-pumped AVX-512 make the real one differ.
@@ -104,8 +116,9 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
         # Each block is one FSDP unit, gathered whole only while it computes (forward and backward) and split
         # over the processes otherwise; the root unit holds the rest (embedding, final norm, head).
         mixed = MixedPrecisionPolicy()
-        if dtype == torch.bfloat16:
-            mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype == torch.bfloat16:  # a unit's inputs are left as they come: the rotary tables stay fp32, as
+            # DDP's autocast keeps them (cast to bf16, every block's rotation was rounded: a loss gap to DDP)
+            mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         offload = CPUOffloadPolicy() if offload else OffloadPolicy()
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)

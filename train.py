@@ -42,7 +42,7 @@ from hf import fingerprint, load_pretrained, read_json
 from lock import lock_folder, unlock_folder
 from lora import add_lora, check_lora, quantize_base
 from memory import measured_mb, memory_estimate, memory_layout, memory_table
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, attended_keys, document_mask
 from parallel import check_layout, clip_gradients, parallelize, peak_flops, pick_device
 from tokenizer import check_token_files, check_tokenizer, read_meta
 
@@ -397,7 +397,6 @@ if checkpoint is not None and len(checkpoint["rng"]) == world_size:
     if device_type == "cuda" and checkpoint["rng"][rank]["cuda"] is not None:
         torch.cuda.set_rng_state(checkpoint["rng"][rank]["cuda"])
 checkpoint = None  # free it
-flops_per_token = raw_model.flops_per_token(block_size)
 peak = peak_flops(device, ptdtype)
 if master:
     trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
@@ -621,7 +620,7 @@ signal.signal(signal.SIGINT, request_stop)
 # -----------------------------------------------------------------------------
 # 8. the training loop
 
-t_log, iters_since_log, logged = time.time(), 0, False
+t_log, iters_since_log, keys_since_log, logged = time.time(), 0, 0.0, False
 while True:
     # evaluate (and checkpoint) every eval_interval steps and at the end
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != evaluated_at:
@@ -649,7 +648,7 @@ while True:
             if master:
                 print(f"early stop: no better val loss in {early_stop_patience} evaluations")
             break
-        t_log, iters_since_log = time.time(), 0  # evaluation time is not training time
+        t_log, iters_since_log, keys_since_log = time.time(), 0, 0.0  # evaluation time is not training time
     if iter_num >= max_iters:
         break
 
@@ -661,6 +660,7 @@ while True:
             group["lr"] = peak_lr * factor
     lr = learning_rate * factor
     loss_sum = torch.zeros((), device=device)
+    keys_run = torch.zeros((), device=device, dtype=torch.long)  # keys the queries attend to: the FLOPs run
     batches = [batch("train", iter_num, dp_rank * micro_steps + micro) for micro in range(micro_steps)]
     # With masks or packed examples, micro-batches hold different numbers of targets: each one's mean loss is
     # weighted by its share of the targets of the whole update (over every process), so that the update's
@@ -676,11 +676,16 @@ while True:
         last = micro == micro_steps - 1
         if fsdp:  # gradients summed unsharded on each process, reduced and split once, after the last
             raw_model.set_requires_gradient_sync(last)
+        # The documents' mask is made here, outside the model: FlexAttention's block mask (on CUDA; it has no
+        # dropout) made inside a compiled model would recompile it for every batch.
+        mask = None if doc_ids is None else document_mask(doc_ids, flex=device_type == "cuda" and dropout == 0)
         with (model.no_sync() if isinstance(model, DDP) and not last else nullcontext()), autocast:
-            _, loss = model(x, y, doc_ids=doc_ids)
+            _, loss = model(x, y, mask=mask)
             loss = loss * shares[micro] if weighted else loss / micro_steps
         scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
+        B, T = x.shape
+        keys_run += attended_keys(doc_ids) if doc_ids is not None else B * T * (T + 1) // 2  # causal
     stop = torch.tensor([float(stop_requested)], device=device)
     if ddp:  # every process agrees on the mean loss and on whether to stop
         both = torch.cat([loss_sum.view(1), stop])
@@ -692,7 +697,8 @@ while True:
     # one copy to the host per step: on a GPU each .item() waits for all the work queued before it
     # (the norm of gradients offloaded to the CPU is on the CPU)
     grad_norm = grad_norm.view(1).float().to(device)
-    loss_value, grad_norm_value, stop_value = torch.cat([loss_sum.view(1), grad_norm, stop]).tolist()
+    step_values = torch.cat([loss_sum.view(1), grad_norm, stop, keys_run.view(1).float()]).tolist()
+    loss_value, grad_norm_value, stop_value, keys_value = step_values
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
         if held_back:  # the weights are still the evaluated step's, and its gradient is finite: a good state
             improved_then, rng_then = held_back
@@ -719,6 +725,7 @@ while True:
              f"(lower learning_rate, or check the data)")
     iter_num += 1
     iters_since_log += 1
+    keys_since_log += keys_value
 
     if iter_num % log_interval == 0 and master and skipped_in_a_row == 0:
         dt = (time.time() - t_log) / iters_since_log
@@ -727,13 +734,19 @@ while True:
         first_on_cuda = device_type == "cuda" and not logged
         memory_note = f" (estimate {memory['device'] / 2**20:,.0f} MB)" if first_on_cuda else ""
         logged = True
-        mfu = flops_per_token * tokens_per_s / world_size / peak if peak else None  # None: peak unknown
+        # MFU in PaLM's convention (every query against all T keys, as nanoGPT and nanochat report it), and of
+        # the FLOPs run: attention as masked, causal and within documents (this process's keys per token)
+        keys = keys_since_log / (iters_since_log * micro_steps * batch_size * block_size)
+        flops = [raw_model.flops_per_token(block_size, k) * tokens_per_s / world_size for k in (None, keys)]
+        mfu, mfu_run = (f / peak if peak else None for f in flops)  # None: the peak is unknown
+        mfu_note = f"{mfu:.1%} PaLM, {mfu_run:.1%} run" if mfu else "n/a"
         print(f"iter {iter_num}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
-              f"epoch {epoch():.2f}, {dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, "
-              f"MFU {f'{mfu:.1%}' if mfu else 'n/a'}, mem {measured_mb(device):,.0f} MB{memory_note}")
+              f"epoch {epoch():.2f}, {dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU {mfu_note}, "
+              f"mem {measured_mb(device):,.0f} MB{memory_note}")
         log({"iter": iter_num, "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value, "ms_per_iter": dt * 1000,
-             "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_mb": measured_mb(device), "epoch": epoch()})
-        t_log, iters_since_log = time.time(), 0
+             "tokens_per_s": tokens_per_s, "mfu": mfu, "mfu_run": mfu_run, "mem_mb": measured_mb(device),
+             "epoch": epoch()})
+        t_log, iters_since_log, keys_since_log = time.time(), 0, 0.0
     if save_every_epoch and int(epoch()) > epoch_before:  # this step finished an epoch: kept as ckpt_epoch_N
         save_checkpoint(False, int(epoch()))
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step

@@ -273,3 +273,41 @@ def test_optimizers_cover_every_parameter_once(kind):
         assert len(optimizers) == 1
     with pytest.raises(ValueError, match="optimizer='lion' is not one of"):
         model.configure_optimizers("lion", 1e-3, 0.1, (0.9, 0.95), "cpu")
+
+
+@pytest.mark.slow  # FlexAttention is compiled (~20 s)
+def test_flex_attention_gets_one_dtype_from_a_qwen3_under_bf16_autocast(monkeypatch):
+    # Qwen3's qk-norm with fp32 norm weights (full fine-tuning) makes q and k fp32 beside a bf16 v under autocast;
+    # FlexAttention runs outside autocast and wants one dtype (mixed, it raises or runs all in fp32): it gets
+    # autocast's (forward only: on CPU it has no backward)
+    model = tiny(head_size=16, qk_norm=True, block_size=128)
+    docs = torch.zeros(2, 128, dtype=torch.long)
+    docs[:, 40:] = 1
+    x = torch.randn(2, 128, 32)
+    block_mask = document_mask(docs, flex=True)
+    seen, flex_attention = [], M.flex_attention
+    monkeypatch.setattr(M, "flex_attention", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or
+                        flex_attention(q, k, v, **kw))
+    attention = model.blocks[0].attn
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        flex = attention(x, model.cos[:128], model.sin[:128], mask=block_mask)
+        sdpa = attention(x, model.cos[:128], model.sin[:128], mask=document_mask(docs))
+    assert seen == [(torch.bfloat16,) * 3]
+    torch.testing.assert_close(flex.float(), sdpa.float(), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.slow  # the model and FlexAttention are compiled (~20-60 s)
+def test_a_compiled_model_takes_block_masks_made_outside_without_recompiling(monkeypatch):
+    # doc_mask's block mask made inside a compiled model is a new function each batch: a recompile each time.
+    # Made outside (as train.py does), two batches with different documents run the one compiled graph.
+    import torch._dynamo
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    model = tiny(block_size=128, n_layer=1)
+    compiled = torch.compile(model)
+    for cut in (40, 90):
+        idx = torch.randint(1, 97, (2, 128))
+        docs = (torch.arange(128) >= cut).long().expand(2, 128)
+        with torch.no_grad():  # FlexAttention has no backward on CPU
+            logits = compiled(idx, mask=document_mask(docs, flex=True))[0]
+            torch.testing.assert_close(logits, model(idx, doc_ids=docs)[0], rtol=1e-4, atol=1e-4)

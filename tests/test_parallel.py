@@ -53,3 +53,28 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
     out = run(*common, f"--out_dir={tmp_path / 'c'}", f"--init_from={folder}", "--lora_rank=2", "--tp_size=2",
               torchrun=TWO, check=False)
     assert out.returncode != 0 and "LoRA does not run under tensor parallel" in out.stderr
+
+
+def test_rotary_tables_stay_fp32_in_a_block_under_fsdp_bf16():
+    # FSDP's bf16 policy casts a unit's floating-point inputs to bf16 by default: the rotary tables passed to each
+    # block would be rounded (DDP's autocast keeps them fp32), a loss gap between the two. A gloo group of one.
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel import parallelize
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, use_kernels=False))
+        seen = []
+        model.blocks[1].attn.register_forward_pre_hook(lambda module, args: seen.append((args[1].dtype, args[2].dtype)))
+        parallelize(model, mesh, fsdp=True, dtype=torch.bfloat16)
+        idx = torch.randint(0, 64, (2, 16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        assert seen == [(torch.float32, torch.float32)]
+        assert model.blocks[1].attn.q.weight.grad.dtype == torch.float32  # the fp32 shards' gradients, as before
+    finally:
+        dist.destroy_process_group()

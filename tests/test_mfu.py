@@ -1,0 +1,61 @@
+"""MFU: the GPUs' datasheet peaks told apart (parallel.py), and the FLOPs of a step in PaLM's convention and as
+run (model.py), each labelled in train.py's log and metrics."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import parallel
+from model import GPT, GPTConfig, attended_keys
+from parallel import gpu_peak, peak_flops
+from test_train import TINY, run
+
+
+@pytest.mark.parametrize("name, sms, bf16, tf32", [
+    ("NVIDIA H100 80GB HBM3", 132, 989e12, 494e12),  # SXM
+    ("NVIDIA H100 PCIe", 114, 756e12, 378e12),
+    ("NVIDIA H100", 114, 756e12, 378e12),  # a PCIe card by its SMs alone
+    ("NVIDIA H100 NVL", 132, 835e12, 418e12),
+    ("NVIDIA H200", 132, 989e12, 494e12),
+    ("NVIDIA A100-SXM4-80GB", 108, 312e12, 156e12),
+])
+def test_the_datasheet_peak_tells_the_h100s_apart(name, sms, bf16, tf32):
+    assert gpu_peak(name, sms, half=True) == bf16
+    assert gpu_peak(name, sms, half=False) == tf32
+
+
+def test_peak_flops_reads_the_name_and_sms_of_the_device(monkeypatch):
+    props = SimpleNamespace(name="NVIDIA H100 NVL", multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: props.name)
+    assert peak_flops("cuda", torch.bfloat16) == 835e12
+    assert peak_flops("cuda", torch.float32) == 418e12
+    assert gpu_peak("NVIDIA Unknown", 80, True) is None and parallel.GPU_PEAKS["H200"][0] == 989e12
+
+
+def test_attended_keys_count_each_document_causally():
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0]])
+    assert attended_keys(docs).item() == (1 + 2 + 3) + (1 + 2 + 3 + 4 + 5) + 8 * 9 // 2
+
+
+def test_flops_run_are_palms_with_attention_as_masked():
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+    per_key = 12 * 2 * 4 * 8  # 12·L·H·Q a key
+    assert model.flops_per_token() - model.flops_per_token(keys=16.5) == per_key * (32 - 16.5)  # causal
+    assert model.flops_per_token(16) == model.flops_per_token(keys=16)
+
+
+@pytest.mark.parametrize("doc_mask", [False, True])
+def test_train_logs_mfu_in_both_conventions(data_dir, tmp_path, doc_mask):
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=100",
+              f"--doc_mask={doc_mask}")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "tokens_per_s" in r]
+    assert len(steps) == 3 and " PaLM, " in out.stdout and "% run, mem" in out.stdout
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+    for r in steps:
+        ratio = r["mfu_run"] / r["mfu"]
+        causal = model.flops_per_token(keys=33 / 2) / model.flops_per_token()
+        assert ratio < causal if doc_mask else ratio == pytest.approx(causal, rel=1e-9)
