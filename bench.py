@@ -21,20 +21,25 @@ own learning rate):
     python bench.py --mode=lora      # memory of full fine-tuning, LoRA and QLoRA of a Qwen3-0.6B shape
     python bench.py --mode=memory config/train_gpt2.py   # memory per GPU on 1, 8 and 64 of them, estimated
     python bench.py --mode=sft --steps=300   # fine-tuning on answers only against every token; packing
-    python bench.py --mode=gpu > gpu.md       # all a GPU must show, a section for BENCHMARKS.md (--tiny: on CPU)
+    python bench.py --mode=gpu --out=gpu      # all a GPU must show, for BENCHMARKS.md (--tiny: on CPU)
+    python bench.py --mode=gpu --section=step --out=gpu   # one part alone: gpu/step.md, line by line
 
 --synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py.
 """
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 
@@ -54,9 +59,26 @@ parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora
                          "sft: a task's exact match trained on answers only and on every token, and packing; "
                          "gpu: all a GPU must show, as Markdown for BENCHMARKS.md")
 parser.add_argument("--tiny", action="store_true", help="--mode=gpu at tiny shapes on a CPU: a smoke check")
+parser.add_argument("--section", default="all", help="--mode=gpu: the parts of the report to run, comma-separated: "
+                    "kernels, step, memory, optimizers, finetune, tests (README.md, 'Measuring on a GPU')")
+parser.add_argument("--out", help="--mode=gpu: a folder for each section's Markdown (SECTION.md), written as it goes")
+parser.add_argument("--commit", help="--mode=gpu: the commit the report names (default: git describe, else the "
+                                     "wheels/COMMIT that wheels.py writes)")
+parser.add_argument("--minutes", type=float, default=6.5,
+                    help="--mode=gpu: no row begins after this many minutes (a GPU machine's call may last 10)")
 args, train_args = parser.parse_known_args()
 if args.warmup >= args.steps:
     sys.exit(f"bench.py: --warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
+deadline = float("inf")  # --mode=gpu: the time after which no more rows begin
+
+
+def out_of_time(label):
+    # a row not begun once --minutes are spent (one line says so), so that a call on the GPU machine ends
+    # inside its limit with every row it began
+    if time.time() < deadline:
+        return False
+    print(f"| {label} | skipped: the {args.minutes:g} minutes (--minutes) are spent |")
+    return True
 
 # -----------------------------------------------------------------------------
 # --mode=kernels: each fused op of kernels.py against its reference, eager and compiled
@@ -140,6 +162,8 @@ def kernel_table(cases, device, compiled=True):
     print("| op | size | pass | eager ms | compiled ms | triton ms | speedup vs eager | vs compiled "
           "| eager MB | compiled MB | triton MB |\n" + "| --- " * 11 + "|")
     for name, size, make_inputs, call in cases:
+        if out_of_time(f"{name} | {size}"):
+            continue
         ref = getattr(kernels, name + "_ref")
         impls = [ref, torch.compile(ref, dynamic=False) if compiled else None, getattr(kernels, name)]
         inputs = make_inputs()
@@ -347,12 +371,11 @@ def random_folder(shape, folder):
     save_pretrained(model, folder)
 
 
-def bench_lora(shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=()):
+def bench_lora(shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=(), skip=(), scratch=None, steps=10):
+    # each of FINETUNES but those in skip, for steps steps (more than 3: the tokens/s of the steps after the
+    # first two), in a temporary folder under scratch
     import torch
-    from checkpoint import model_from_checkpoint
-    from lora import quantize_base
-    from memory import tensor_bytes
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         random_folder(shape, f"{tmp}/model")
         vocab = shape["vocab_size"] - 1  # the last id is end-of-text
         rng = np.random.default_rng(0)
@@ -361,34 +384,47 @@ def bench_lora(shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=()):
         with open(f"{tmp}/meta.json", "w") as f:
             json.dump({"dtype": "uint32", "vocab_size": vocab, "eot_id": vocab}, f)
         settings = " ".join([*train_args, *extra_args]) or "train.py defaults"
-        print(f"{name} shape, torch {torch.__version__}, {settings}\n")
+        print(f"{name} shape, torch {torch.__version__}, {settings}, {steps} steps\n")
         print("| fine-tune | trained parameters | optimizer state MB | frozen base MB | peak memory MB "
               "| tokens/s |\n" + "| --- " * 6 + "|")
         for label, extra in FINETUNES.items():
+            if label in skip or out_of_time(label):
+                continue
             out = f"{tmp}/out_{label}"
             cmd = [sys.executable, "train.py", f"--init_from={tmp}/model", f"--data_dir={tmp}", f"--out_dir={out}",
-                   "--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--log_interval=1", *train_args,
-                   *extra_args, *extra]
+                   f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=1", "--log_interval=1",
+                   *train_args, *extra_args, *extra]
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if done.returncode:  # out of memory, or torchao missing: one line, and the next goes on
                 print(f"| {label} | failed: {done.stdout.strip().splitlines()[-1][:200]} |")
-                continue
-            ckpt = torch.load(f"{out}/ckpt.pt", weights_only=True, mmap=True)
-            state = sum(tensor_bytes(t) for s in ckpt["optimizer"]["state"].values() for t in s.values()
-                        if torch.is_tensor(t) and t.dim() > 0)
-            ckpt["optimizer"] = None
-            model = model_from_checkpoint(ckpt, torch.bfloat16)  # a LoRA run's frozen base, in bf16 as it ran
-            quantized = [e.split("=")[1] for e in extra if e.startswith("--lora_base_dtype=")]
-            if quantized:
-                quantize_base(model, quantized[0])
-            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
-            with open(f"{out}/metrics.jsonl") as f:
-                records = [json.loads(line) for line in f if "tokens_per_s" in line]
-            peak, speed = max(r["mem_mb"] for r in records), records[-1]["tokens_per_s"]  # the last: warm
-            print(f"| {label} | {trained / 1e6:,.1f}M | {state / 2**20:,.0f} | {frozen / 2**20:,.0f} "
-                  f"| {peak:,.0f} | {speed:,.0f} |")
-            del ckpt, model  # before the next run: the full fine-tune's weights alone are 2.4 GB
+            else:
+                print(finetune_row(label, out, extra))
+            shutil.rmtree(out, ignore_errors=True)  # its checkpoint, read: a 7B one fills a disk
+
+
+def finetune_row(label, out, extra):
+    # a fine-tuning run's row: what its checkpoint holds (optimizer state, the frozen base as it ran) and what it
+    # logged (the peak memory, the median tokens/s after the first two steps, which hold the warm-up)
+    import torch
+    from checkpoint import model_from_checkpoint
+    from lora import quantize_base
+    from memory import tensor_bytes
+    ckpt = torch.load(f"{out}/ckpt.pt", weights_only=True, mmap=True)
+    state = sum(tensor_bytes(t) for s in ckpt["optimizer"]["state"].values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    ckpt["optimizer"] = None
+    model = model_from_checkpoint(ckpt, torch.bfloat16)  # a LoRA run's frozen base, in bf16 as it ran
+    quantized = [e.split("=")[1] for e in extra if e.startswith("--lora_base_dtype=")]
+    if quantized:
+        quantize_base(model, quantized[0])
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
+    with open(f"{out}/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if "tokens_per_s" in line]
+    peak = max(r["mem_mb"] for r in records)
+    speed = statistics.median(r["tokens_per_s"] for r in records if r["iter"] > 2)
+    return (f"| {label} | {trained / 1e6:,.1f}M | {state / 2**20:,.0f} | {frozen / 2**20:,.0f} | {peak:,.0f} "
+            f"| {speed:,.0f} |")
 
 
 if args.mode == "lora":
@@ -500,12 +536,15 @@ def run_train(extra, out_dir, steps, evaluate=False, log_interval=None):
     if done.returncode:
         sys.exit(f"bench.py: train.py failed:\n{done.stdout[-3000:]}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        records = [json.loads(line) for line in f]
+    shutil.rmtree(out_dir, ignore_errors=True)  # its checkpoint: a measurement keeps nothing of a run but its log
+    return records
 
 
-def throughput(extra, out_dir):
-    records = run_train(extra, out_dir, args.steps)
-    records = [r for r in records if "tokens_per_s" in r and r["iter"] > args.warmup]
+def throughput(extra, out_dir, steps=None, warmup=None):
+    steps, warmup = steps or args.steps, warmup or args.warmup
+    records = run_train(extra, out_dir, steps)
+    records = [r for r in records if "tokens_per_s" in r and r["iter"] > warmup]
     med = {k: statistics.median(r[k] or 0 for r in records) for k in ("tokens_per_s", "ms_per_iter", "mfu")}
     return med, max(r["mem_mb"] for r in records)
 
@@ -522,11 +561,14 @@ def race(extra, out_dir):
 
 
 # -----------------------------------------------------------------------------
-# --mode=gpu: everything a GPU must show (BENCHMARKS.md, "GPU: owed") as one Markdown section for
-# BENCHMARKS.md, made of the modes above at a GPU's shapes. A row that cannot run (out of memory, flash-attn
-# or torchao not installed) is one line, and the rest go on. --tiny runs the same at tiny shapes on a CPU, a
-# smoke check of the command, without torch.compile (its first compile costs ~20 s a graph on a CPU).
+# --mode=gpu: everything a GPU must show (BENCHMARKS.md, "GPU: owed"), made of the modes above at a GPU's
+# shapes, in sections that run alone (--section), each a few minutes long: a GPU machine is lent for 30
+# minutes at a time, in calls of at most 10. With --out=DIR each section writes DIR/SECTION.md line by line, so
+# that a call stopped at its limit still returns what it finished. A row that cannot run (out of memory,
+# flash-attn or torchao not installed) is one line, and the rest go on. --tiny runs the same at tiny shapes on a
+# CPU, a smoke check of the command, without torch.compile (its first compile costs ~20 s a graph on a CPU).
 
+GPU_SECTIONS = ("kernels", "step", "memory", "optimizers", "finetune", "tests")
 GPT2_124M = ["config/train_gpt2.py", "--batch_size=16", "--gradient_accumulation_steps=1", "--eval_iters=10"]
 NEAR_1B = [*GPT2_124M, "--n_layer=20", "--n_head=32", "--n_kv_head=8", "--n_embd=2048", "--batch_size=8"]
 LLAMA2_7B = dict(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008,
@@ -542,14 +584,47 @@ NO_FLASH = "import model as _model\n_model.flash_attn_func = None\n"
 def attempt(label, measure_fn, *a, **kw):
     # one row's measurement, or one line saying why there is none; run_train stops bench.py when train.py
     # fails, and that stop is caught here so that the rest go on
+    if out_of_time(label):
+        return None
     try:
         return measure_fn(*a, **kw)
     except SystemExit as e:
         print(f"| {label} | failed: {str(e.code).strip().splitlines()[-1][:200]} |")
 
 
+@contextlib.contextmanager
+def written_to(path):
+    # what print() writes goes to the terminal and, given a path, to that file too, each write flushed: a call
+    # stopped early still has every line written before it
+    if path is None:
+        yield
+        return
+    terminal = sys.stdout
+    with open(path, "w") as f:
+        def write(text):
+            for stream in (terminal, f):
+                stream.write(text)
+                stream.flush()
+        with contextlib.redirect_stdout(types.SimpleNamespace(write=write, flush=terminal.flush)):
+            yield
+
+
+@contextlib.contextmanager
+def scratch_folder(section):
+    # a section's temporary files, in a folder of a fixed name removed at its end and at its start: a call
+    # stopped at its limit leaves its files behind, and the warm machine's disk (64 GB) is the next call's
+    folder = os.path.join(tempfile.gettempdir(), f"bench-gpu-{section}")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def documents(folder, vocab=50257):
-    # random GPT-2 tokens with an end-of-text every ~500 (what doc_mask cuts documents at), and their meta.json
+    # random GPT-2 tokens with an end-of-text every ~500 (what doc_mask cuts documents at), and their meta.json:
+    # enough for speed and memory, where nothing needs to be learned
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
         tokens = rng.integers(0, vocab - 1, size=2_000_000, dtype=np.uint16)
@@ -559,118 +634,230 @@ def documents(folder, vocab=50257):
         json.dump({"dtype": "uint16", "vocab_size": vocab, "eot_id": vocab - 1}, f)
 
 
-def gpu_header(cuda):
+def stdlib_tokens(folder, tiny):
+    # learnable text: prepare.py's default corpus, the machine's own Python standard library, in a BPE learned
+    # from it (GPT-2's encoding is a download the GPU machine cannot make); --tiny: the json package alone
+    import sysconfig
+    data = os.path.join(folder, "stdlib")
+    corpus = [os.path.join(sysconfig.get_paths()["stdlib"], "json")] if tiny else []
+    cmd = [sys.executable, "prepare.py", *corpus, f"--tokenizer=bpe:{512 if tiny else 8192}", f"--out_dir={data}"]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode:
+        sys.exit(f"bench.py: prepare.py failed:\n{done.stdout[-3000:]}")
+    return data
+
+
+def report_commit():
+    # --commit, else git describe in a checkout, else the file wheels.py wrote beside the wheels carried along
+    here = os.path.dirname(os.path.abspath(__file__))
+    if args.commit:
+        return args.commit
+    if shutil.which("git") and os.path.exists(os.path.join(here, ".git")):
+        git = ["git", "describe", "--always", "--dirty"]  # the commit, and -dirty for uncommitted changes
+        return subprocess.run(git, capture_output=True, text=True, cwd=here).stdout.strip() or "unknown"
+    if os.path.exists(os.path.join(here, "wheels", "COMMIT")):
+        with open(os.path.join(here, "wheels", "COMMIT")) as f:
+            return f.read().strip() + " (wheels/COMMIT)"
+    return "unknown (pass --commit=)"
+
+
+def gpu_header(cuda, section):
     import datetime
 
     import torch
 
     import kernels
     triton = kernels.triton.__version__ if kernels.HAS_TRITON else "not installed"
-    git = ["git", "describe", "--always", "--dirty"]  # the commit, and -dirty for uncommitted changes
-    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip() or "unknown"
     device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores, tiny shapes (--tiny)"
-    print(f"## {datetime.date.today()}, GPU: {device} (python bench.py --mode=gpu)\n")
-    print(f"torch {torch.__version__}, Triton {triton}, CUDA {torch.version.cuda}, commit {commit}\n")
+    print(f"## {datetime.date.today()}, GPU: {device} (python bench.py --mode=gpu --section={section})\n")
+    print(f"torch {torch.__version__}, Triton {triton}, CUDA {torch.version.cuda}, commit {report_commit()}\n")
 
 
-def step_rows(shape, data, compile_):
+def section_kernels(cuda, scratch):
+    import kernels
+    print("### Fused kernels against eager and compiled references (bf16)\n")
+    if not kernels.HAS_TRITON:
+        print("Triton is not installed (pip install triton): no kernels to measure")
+        return
+    # one size of those --mode=kernels covers, and both vocabularies, to keep the section within its minutes:
+    # each reference compiles anew for every size
+    sizes = dict(tokens=(32768,), widths=(4096,))
+    if not cuda:
+        sizes = dict(tokens=(64,), widths=(256,), vocabs=(512,))
+    kernel_table(kernel_cases("cuda" if cuda else "cpu", **sizes), "cuda" if cuda else "cpu", compiled=cuda)
+
+
+def section_step(cuda, scratch):
     # tokens/s, MFU and peak memory of a step: the kernels and compile on and off, flash-attn against SDPA,
     # doc_mask's FlexAttention against plain causal SDPA
     import model
-    with open(os.path.join(data, "no_flash.py"), "w") as f:
+    print(f"### GPT-2 124M training step ({args.steps} steps, medians after {args.warmup})\n")
+    documents(scratch)
+    shape = [*(GPT2_124M if cuda else TINY), f"--data_dir={scratch}"]
+    with open(os.path.join(scratch, "no_flash.py"), "w") as f:
         f.write(NO_FLASH)
-    on = [f"--compile={compile_}", "--use_kernels=True"]
+    on = [f"--compile={cuda}", "--use_kernels=True"]
     runs = [(f"kernels {k}, {'compiled' if c else 'eager'}", [f"--use_kernels={k == 'on'}", f"--compile={c}"])
-            for c in sorted({False, compile_}) for k in ("off", "on")]
-    if model.flash_attn_func is None:
-        print("flash-attn is not installed here (pip install flash-attn): its row is left out\n")
+            for c in sorted({False, cuda}) for k in ("off", "on")]
+    sdpa = [os.path.join(scratch, "no_flash.py"), *on]
+    if model.flash_attn_func is None:  # the run with the kernels on is SDPA's already
+        print("flash-attn is not installed here (pip install flash-attn): attention is SDPA's in the runs above "
+              "doc_mask's\n")
     else:
-        runs.append(("flash-attn", on))
-    sdpa = [os.path.join(data, "no_flash.py"), *on]
-    runs += [("SDPA, causal", sdpa), ("SDPA or FlexAttention (CUDA), doc_mask", [*sdpa, "--doc_mask=True"])]
+        runs += [("flash-attn", on), ("SDPA, causal", sdpa)]
+    runs.append(("SDPA or FlexAttention (CUDA), doc_mask", [*sdpa, "--doc_mask=True"]))
     print("| run | tokens/s | ms/iter | MFU | peak memory MB |\n| --- | --- | --- | --- | --- |")
     for i, (label, extra) in enumerate(runs):
-        result = attempt(label, throughput, [*shape, f"--data_dir={data}", *extra], f"{data}/step{i}")
+        result = attempt(label, throughput, [*shape, *extra], f"{scratch}/step{i}")
         if result:
             (med, mem), mfu = result, f"{result[0]['mfu']:.1%}" if result[0]["mfu"] else "n/a"
             print(f"| {label} | {med['tokens_per_s']:,.0f} | {med['ms_per_iter']:.1f} | {mfu} | {mem:,.0f} |")
 
 
-def memory_rows(shapes, data, device):
-    # memory.py's estimate against the peak train.py measures (CUDA's allocator; a CPU's peak RSS)
+def section_memory(cuda, scratch):
+    # memory.py's estimate against the peak train.py measures (CUDA's allocator; a CPU's peak RSS), eager as the
+    # estimate is: 10 steps are enough for the peak, which the optimizer's first step reaches
     from memory import memory_estimate
+    print("### Memory estimate against the measured peak (eager: --compile=False)\n")
+    documents(scratch)
+    shapes = [("124M", GPT2_124M), ("~1B", NEAR_1B)] if cuda else [("tiny", TINY)]
     layouts = [("one process", []), ("checkpointing", ["--gradient_checkpointing=True"]),
                ("FSDP, CPU offload, checkpointing", ["--fsdp=True", "--fsdp_cpu_offload=True",
                                                      "--gradient_checkpointing=True"])]
-    print("| model | layout | estimate MB | measured MB | measured / estimate | tokens/s |\n"
-          + "| --- " * 6 + "|")
+    print("| model | layout | estimate MB | measured MB | measured / estimate | tokens/s |\n" + "| --- " * 6 + "|")
     for name, shape in shapes:
         for i, (layout, extra) in enumerate(layouts):
-            run_args = [*shape, f"--data_dir={data}", *extra]
+            run_args = [*shape, f"--data_dir={scratch}", "--compile=False", *extra]
             g, model, dtype = planned_model(run_args)
             estimate = memory_estimate(model, g.batch_size, g.block_size, dtype, g.optimizer, fsdp=g.fsdp,
                                        checkpointing=g.gradient_checkpointing, offload=g.fsdp_cpu_offload,
-                                       device=device)["device"] / 2**20
-            result = attempt(f"{name} | {layout}", throughput, run_args, os.path.join(data, f"mem_{name}{i}"))
+                                       device="cuda" if cuda else "cpu")["device"] / 2**20
+            result = attempt(f"{name} | {layout}", throughput, run_args, f"{scratch}/mem_{name}{i}",
+                             steps=min(args.steps, 10), warmup=min(args.warmup, 3))
             if result:
                 (med, measured) = result
                 print(f"| {name} | {layout} | {estimate:,.0f} | {measured:,.0f} | {measured / estimate:.2f} "
                       f"| {med['tokens_per_s']:,.0f} |")
 
 
-def optimizer_rows(shape, data, steps):
-    # AdamW against Muon for the same steps: the validation loss each reaches, and its tokens/s (median of its
-    # logs after the first tenth, which holds the compile)
+def section_optimizers(cuda, scratch):
+    # AdamW against Muon for the same steps on text that can be learned: the validation loss each reaches, and
+    # its tokens/s (eager: a compile would cost more than the steps; the median of its logs after the first)
+    steps = 300 if cuda else args.steps
+    every = max(1, steps // 10)
+    print(f"### AdamW against Muon at 124M, on this Python's standard library (prepare.py's default corpus, "
+          f"bpe:{8192 if cuda else 512})\n")
+    data = stdlib_tokens(scratch, tiny=not cuda)
     print(f"{steps} steps each\n\n| optimizer | val loss | tokens/s |\n| --- | --- | --- |")
     for name in ("adamw", "muon"):
-        out = os.path.join(data, f"opt_{name}")
-        run_args = [*shape, f"--data_dir={data}", f"--optimizer={name}", f"--warmup_iters={steps // 10}"]
-        every = max(1, steps // 10)
-        records = attempt(name, run_train, run_args, out, steps, evaluate=True, log_interval=every)
+        run_args = [*(GPT2_124M if cuda else TINY), f"--data_dir={data}", "--compile=False", f"--optimizer={name}",
+                    f"--warmup_iters={steps // 10}"]
+        records = attempt(name, run_train, run_args, f"{scratch}/opt_{name}", steps, evaluate=True,
+                          log_interval=every)
         if records:
             loss = [r for r in records if "val_loss" in r][-1]["val_loss"]
-            first = min(every, steps - 1)  # the first log's steps hold the compile
-            warm = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["iter"] > first]
+            warm = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["iter"] > min(every, steps - 1)]
             print(f"| {name} | {loss:.4f} | {statistics.median(warm):,.0f} |")
 
 
-def bench_gpu():
+def full_finetune_room(shape, folder, block_size=1024):
+    # why full fine-tuning of this shape cannot run on this GPU and disk, or None: its step's memory (memory.py's
+    # estimate, AdamW) against the GPU's, and the disk of its bf16 folder and its checkpoint (fp32 weights and
+    # AdamW's two moments, which train.py writes at its end) against what is free
     import torch
+    from memory import memory_estimate
+    from model import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**shape))
+    need = memory_estimate(model, 1, block_size, "bfloat16", "adamw")["device"]
+    gpu = torch.cuda.get_device_properties(0).total_memory
+    disk = sum(p.numel() for p in model.parameters()) * (2 + 4 + 8)
+    free = shutil.disk_usage(folder).free
+    if need > gpu:
+        return f"its step needs ~{need / 2**30:,.0f} GiB of GPU memory, and this GPU has {gpu / 2**30:,.0f}"
+    if disk > free:
+        return f"its folder and checkpoint need ~{disk / 2**30:,.0f} GiB of disk, and {free / 2**30:,.0f} are free"
+    return None
 
-    import kernels
-    started, cuda = time.time(), not args.tiny
+
+def section_finetune(cuda, scratch):
+    # full fine-tuning, LoRA and QLoRA of random Qwen3-0.6B- and Llama-2-7B-shaped folders, each row a train.py
+    # run of 10 steps; what cannot run here is said in one line before anything is built. At 7B the int8 base
+    # is left out: its row would quantize 7B weights on the CPU again to count them, a minute of the lease
+    print("### Fine-tuning: full, LoRA and QLoRA at micro-batch 1\n")
+    skip = []
+    if importlib.util.find_spec("torchao") is None:
+        print("torchao is not installed (python wheels.py here, and carry wheels/): the int8 and QLoRA rows are "
+              "left out\n")
+        skip = ["LoRA, int8 base", "QLoRA"]
+    if not cuda:
+        bench_lora(TINY_QWEN3, "tiny Qwen3", ["--batch_size=1", "--block_size=32", "--device=cpu"], skip, scratch)
+        return
+    bench_lora(QWEN3_06B, "Qwen3-0.6B", ["--batch_size=1", "--block_size=1024"], skip, scratch)
+    print()
+    reason = full_finetune_room(LLAMA2_7B, scratch)
+    if reason:
+        print(f"full fine-tuning of Llama-2-7B is left out: {reason}\n")
+    skip_7b = [*skip, "LoRA, int8 base", *["full"] * bool(reason)]
+    bench_lora(LLAMA2_7B, "Llama-2-7B", ["--batch_size=1", "--block_size=1024"], skip_7b, scratch)
+
+
+def pytest_summary(label, pytest_args, env):
+    # one tier of the tests in a process of its own session (its workers end with it at the deadline): its
+    # summary line and its failures' lines
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args]
+    started = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **env}, start_new_session=True)
+    try:
+        lines = proc.communicate(timeout=max(1.0, deadline - time.time()))[0].strip().splitlines()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        lines = [f"stopped: the {args.minutes:g} minutes (--minutes) were spent"]
+    summary = lines[-1] if lines else "no output"
+    if proc.returncode == 5:  # no test collected: a tier this commit does not have
+        summary = f"no test here is marked for it ({summary})"
+    print(f"| {label} | {summary} | {(time.time() - started) / 60:.1f} |")
+    for line in [line for line in lines if line.startswith(("FAILED", "ERROR"))][:20]:
+        print(f"| | {line[:200]} | |")
+
+
+def section_tests(cuda, scratch):
+    # the CUDA tier (pytest -m cuda), then the quick CPU tier with the GPU hidden, as CI runs it; --tiny: one
+    # small file stands for the whole suite
+    print("### The tests on this machine\n")
+    where = ["tests"] if cuda else ["tests/test_readme.py"]
+    print("| tier | summary | minutes |\n| --- | --- | --- |")
+    pytest_summary("CUDA tier (pytest -m cuda)", ["-m", "cuda", *where], {})
+    if not out_of_time("quick tier"):
+        workers = ["-n", "auto"] if cuda and importlib.util.find_spec("xdist") else []
+        pytest_summary("quick tier, on the CPU (CUDA_VISIBLE_DEVICES='')", ["-m", "not slow", *workers, *where],
+                       {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def bench_gpu():
+    global deadline
+    import torch
+    cuda = not args.tiny
     if cuda and not torch.cuda.is_available():
         sys.exit("bench.py: --mode=gpu measures a CUDA GPU and none is visible here (add --tiny for a smoke "
                  "check on CPU)")
-    gpu_header(cuda)
-    device = "cuda" if cuda else "cpu"
-    print("### Fused kernels against eager and compiled references (bf16)\n")
-    if kernels.HAS_TRITON:
-        # the ends of the range --mode=kernels covers, to keep the whole within ~20 minutes: each reference
-        # compiles anew for every size
-        sizes = dict(tokens=(32768,), widths=(2048, 8192))
-        if not cuda:
-            sizes = dict(tokens=(64,), widths=(256,), vocabs=(512,))
-        kernel_table(kernel_cases(device, **sizes), device, compiled=cuda)
-    else:
-        print("Triton is not installed (pip install triton): no kernels to measure")
-    gpt2 = GPT2_124M if cuda else TINY
-    with tempfile.TemporaryDirectory() as data:
-        documents(data)
-        print(f"\n### GPT-2 124M training step ({args.steps} steps, medians after {args.warmup})\n")
-        step_rows(gpt2, data, compile_=cuda)
-        print("\n### Memory estimate against the measured peak\n")
-        memory_rows([("124M", GPT2_124M), ("~1B", NEAR_1B)] if cuda else [("tiny", TINY)], data, device)
-        print("\n### AdamW against Muon at 124M\n")
-        optimizer_rows(gpt2, data, 300 if cuda else args.steps)
-    print("\n### Fine-tuning: full, LoRA and QLoRA at micro-batch 1\n")
-    if cuda:
-        bench_lora(QWEN3_06B, "Qwen3-0.6B", ["--batch_size=1", "--block_size=1024"])
-        print()
-        bench_lora(LLAMA2_7B, "Llama-2-7B", ["--batch_size=1", "--block_size=1024"])
-    else:
-        bench_lora(TINY_QWEN3, "tiny Qwen3", ["--batch_size=1", "--block_size=32", "--device=cpu"])
-    print(f"\n(all of it in {(time.time() - started) / 60:.1f} minutes)")
+    sections = GPU_SECTIONS if args.section == "all" else args.section.split(",")
+    if not set(sections) <= set(GPU_SECTIONS):
+        sys.exit(f"bench.py: --section={args.section}: choose among {', '.join(GPU_SECTIONS)} (comma-separated)")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    run = {"kernels": section_kernels, "step": section_step, "memory": section_memory,
+           "optimizers": section_optimizers, "finetune": section_finetune, "tests": section_tests}
+    deadline = time.time() + 60 * args.minutes
+    for name in sections:
+        started = time.time()
+        with written_to(os.path.join(args.out, f"{name}.md") if args.out else None), \
+                scratch_folder(name) as scratch:
+            gpu_header(cuda, name)
+            run[name](cuda, scratch)
+            print(f"\n({name}: {(time.time() - started) / 60:.1f} minutes)\n")
 
 
 if args.mode == "gpu":
