@@ -114,7 +114,11 @@ if HAS_TRITON:
         offs = rows.to(tl.int64) * C + cols
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(ACC)
         w = tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(ACC)
-        rstd = tl.rsqrt(tl.sum(x * x, 1) / C + eps)  # (ROWS,)
+        mean_square = tl.sum(x * x, 1) / C + eps  # (ROWS,)
+        if ACC == tl.float64:  # tl.rsqrt lowers to PTX's approximate rsqrt.approx.f64: too coarse for gradcheck
+            rstd = 1.0 / tl.sqrt(mean_square)
+        else:
+            rstd = tl.rsqrt(mean_square)
         tl.store(y_ptr + offs, (x * rstd[:, None] * w).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + r, rstd, mask=r < M)
 

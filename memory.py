@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import kernels
-from model import PROJECTIONS
+from model import PROJECTIONS, runs_fused
 from parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT
 
 # tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
@@ -70,13 +70,13 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     else:  # autocast's copies of the matmuls' weights, kept for the backward (recomputed under
         # checkpointing); the head's too, unless the fused loss makes its gradients in the forward
         head_name = "wte.weight" if c.tie_embeddings else "lm_head.weight"
-        head_weight = [] if c.use_kernels else [(n, p) for n, p in params if n.endswith(head_name)]
+        head_weight = [] if runs_fused(c, device) else [(n, p) for n, p in params if n.endswith(head_name)]
         matmuls = (one_block if checkpointing else blocks) + head_weight
         copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
 
     r = e if fsdp else model.wte.weight.element_size()  # the residual stream's dtype: the embedding's
     block, head, temporary = activation_bytes(c, batch_size * block_size, dtype, r, tp, device)
-    if not c.use_kernels:  # the reference rotary's (T, D) cos and sin tables, made and kept by q's and k's calls
+    if not runs_fused(c, device):  # the reference rotary's (T, D) cos and sin tables, made and kept by q's and k's calls
         block += 2 * 2 * block_size * c.head_size * model.cos.element_size()
     stored = c.n_layer * batch_size * block_size * c.n_embd * r if checkpointing else c.n_layer * block
     # the peak comes at the loss, with the gradients kept from earlier micro-steps (and DDP's buckets); or,
@@ -135,7 +135,7 @@ def activation_bytes(c, N, dtype, r, tp=1, device="cuda"):
     C, D, F, V = c.n_embd, c.head_size, c.mlp_hidden // tp, c.vocab_size
     H, Hkv = c.n_head // tp, c.n_kv_head // tp
     lora = set(c.lora_targets.split(",")) if c.lora_rank else set()  # the adapted projections
-    fused = c.use_kernels
+    fused = runs_fused(c, device)
     norm = (r if fused else 4) * C + 4  # a norm's input (the reference's in fp32) and 1/rms
     attn = (2 * H + 2 * Hkv) * D * a + 4 * H  # q and k rotated, v, output; logsumexp
     if a > e and not lora:  # the fp32 output's cast for attn.proj, kept by it

@@ -14,6 +14,7 @@ checkpoint.py's, and spreading it over processes parallel.py's.
 import inspect
 import math
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -41,7 +42,7 @@ class GPTConfig:
     tie_embeddings: bool = True  # LM head shares the token embedding's weight
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    use_kernels: bool | None = None  # Triton fused ops; None: on for CUDA with Triton, off elsewhere
+    use_kernels: bool | None = None  # Triton fused ops; None: by the device each call runs on (runs_fused)
     # What released models need beyond that (hf.load_pretrained sets them; the defaults are ours):
     head_size: int = 0  # width of one head; 0 means n_embd // n_head (Qwen3's is its own)
     mlp_hidden: int = 0  # SwiGLU width; 0 means 8/3 n_embd rounded up to a multiple of 64
@@ -74,9 +75,26 @@ PROJECTIONS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "g
 
 
 def pick_ops(fused):
-    # the memory-bound ops the model uses: kernels.py's fused ones, or their plain references
+    # the memory-bound ops the model uses: kernels.py's fused ones, their plain references, or with fused None
+    # either, by the device of each call's input: what the run's device decides, not the machine's GPU
     names = ("rms_norm", "swiglu", "apply_rotary", "linear_cross_entropy")
+    if fused is None:
+        return SimpleNamespace(**{n: partial(by_device, getattr(kernels, n), getattr(kernels, n + "_ref"))
+                                  for n in names})
     return SimpleNamespace(**{n: getattr(kernels, n if fused else n + "_ref") for n in names})
+
+
+def by_device(fused, reference, x, *args):
+    # use_kernels=None: the fused op on CUDA, where Triton compiles it; the reference elsewhere (a CPU run on a
+    # machine with a GPU too, where the fused op would run in Triton's interpreter if the tests switched it on)
+    return (fused if x.is_cuda else reference)(x, *args)
+
+
+def runs_fused(config, device_type):
+    """Whether a model of config runs kernels.py's fused ops on a device of device_type ('cuda', 'cpu')."""
+    if config.use_kernels is not None:
+        return config.use_kernels
+    return device_type == "cuda" and kernels.HAS_TRITON
 
 
 class RMSNorm(nn.Module):
@@ -218,8 +236,6 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        if config.use_kernels is None:
-            config.use_kernels = torch.cuda.is_available() and kernels.HAS_TRITON
         self.ops = pick_ops(config.use_kernels)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)

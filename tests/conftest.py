@@ -16,9 +16,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Without a GPU, Triton kernels can only run on CPU tensors under Triton's interpreter, which
-# must be switched on before anything imports triton.
+# must be switched on before anything imports triton. With one, the kernels run compiled (the CUDA tier,
+# test_cuda.py, needs them so), and an in-process test that needs the interpreter skips.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The environment of the processes the CPU tests start (train.py and the other scripts, with --device=cpu), on a
+# machine with a GPU too: the GPU hidden, so that nothing in them reaches for it, and Triton's interpreter only
+# where a test asks for it (env={"TRITON_INTERPRET": "1"}, to run the fused ops on CPU): switched on for all,
+# every run would pay for it and none could be forked from tests/forkserver.py's server. Without a GPU the
+# interpreter is on for all, as above, and the runs inherit it.
+CPU_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 # What only this team's machines have sits in ../shared beside the checkout; a user's clone has none of
 # it, and every test either works without it or skips with the reason. The project's own code never
@@ -34,6 +42,8 @@ if TIKTOKEN_CACHE.is_dir():
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out of the quick tier (-m \"not slow\"): torchrun, compile, "
                             "Triton's interpreter at length, kill tests, big tokenizers")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (tests/test_cuda.py; -m cuda runs them alone), "
+                            "skipped without one")
 
 
 @pytest.fixture(scope="session")

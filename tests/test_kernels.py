@@ -361,7 +361,7 @@ def test_model_training_matches_reference():
 # the script prints one line per kernel: arch, name, dtype, launch parameters, registers, spill bytes,
 # shared bytes, warps.
 COMPILE_FOR_CUDA = """
-import subprocess, sys, tempfile
+import re, subprocess, sys, tempfile
 import triton, triton.language as tl, kernels as K
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
@@ -388,6 +388,10 @@ def compile_for(arch, fn, params, dt, acc):
     options = dict(num_warps=params["num_warps"])
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     assert compiled.asm["cubin"]
+    # fp64 is gradcheck's precision: in fp64 tl.rsqrt lowers to PTX's approximate rsqrt.approx.f64, which
+    # would fail it on a GPU
+    approx = re.findall(r"rsqrt\\.approx(?:\\.ftz)?\\.f64", compiled.asm["ptx"])
+    assert not approx, f"{fn.__name__} computes fp64 with an approximate rsqrt: {sorted(set(approx))}"
     with tempfile.TemporaryDirectory() as tmp:  # Triton's cache keeps no ptxas log: ask ptxas again
         with open(f"{tmp}/k.ptx", "w") as f:
             f.write(compiled.asm["ptx"])

@@ -311,3 +311,19 @@ def test_a_compiled_model_takes_block_masks_made_outside_without_recompiling(mon
         with torch.no_grad():  # FlexAttention has no backward on CPU
             logits = compiled(idx, mask=document_mask(docs, flex=True))[0]
             torch.testing.assert_close(logits, model(idx, doc_ids=docs)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_use_kernels_none_follows_the_device_a_call_runs_on(monkeypatch):
+    # On a machine with a GPU, a CPU run (the tests', --device=cpu) must not put the fused ops in Triton's
+    # interpreter: use_kernels=None picks by the device of each call's input, not by the machine's GPU
+    import kernels
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("rms_norm", "swiglu", "apply_rotary", "linear_cross_entropy"):
+        monkeypatch.setattr(kernels, name, lambda *args, name=name: pytest.fail(f"the fused {name} ran on CPU"))
+    model = tiny().train()
+    idx = torch.randint(0, 97, (2, 16))
+    model(idx, idx)[1].backward()
+    assert model.config.use_kernels is None
+    from model import runs_fused
+    assert runs_fused(model.config, "cpu") is False and runs_fused(model.config, "cuda") == kernels.HAS_TRITON
+    assert runs_fused(tiny(use_kernels=True).config, "cpu") is True

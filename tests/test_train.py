@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import forkserver
+from conftest import CPU_ENV  # noqa: F401 (other test files take it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
@@ -22,10 +23,9 @@ TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_si
 
 
 # The tests' runs are CPU runs, on a machine with a GPU too: without --device, train.py, sample.py and eval.py
-# would pick the GPU there (and bf16, and the kernels), and torchrun's processes one GPU each. Their Triton
-# kernels, where a test asks for them, run under the interpreter on CPU as they do without a GPU. A test that
-# means another device passes its own --device.
-CPU_ENV = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+# would pick the GPU there (and bf16, and the kernels), and torchrun's processes one GPU each; and the GPU is
+# hidden from them (conftest.CPU_ENV). Their Triton kernels, where a test asks for them (and for the
+# interpreter), run under the interpreter on CPU as they do without a GPU.
 ON_CPU = ("train.py", "sample.py", "eval.py")
 
 

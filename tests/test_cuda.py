@@ -1,0 +1,198 @@
+"""The CUDA tier: what only a GPU can check, in one call of a few minutes on an H100 (`python -m pytest -m cuda
+tests`). The fused kernels compiled for real against their references in bf16 and fp16 at the models' shapes,
+FlexAttention's document mask against SDPA's, train.py in bf16 with compile, the kernels and doc_mask, FSDP on
+one GPU, the memory estimate against the measured peak, LoRA and QLoRA steps. Skipped without a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels as K
+from hf import load_pretrained, save_pretrained
+from lora import add_lora, quantize_base
+from memory import memory_estimate
+from model import GPT, GPTConfig, document_mask, rotary_tables
+from test_kernels import fwd_bwd, rel_err
+from test_train import ROOT
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available() or K.INTERPRET or not K.HAS_TRITON,
+    reason="needs a CUDA GPU, with Triton compiling (not TRITON_INTERPRET=1): the CUDA tier checks what only a "
+           "GPU can")]
+
+SHAPES = {  # n_embd, mlp_hidden, n_head, n_kv_head, head_size, vocab_size: those test_kernels.py compiles for
+    "gpt2-124M": (768, 3072, 12, 12, 64, 50304),
+    "qwen3-0.6B": (1024, 3072, 16, 8, 128, 151936),
+    "llama-3.2-1B": (2048, 8192, 32, 8, 64, 128256),
+    "llama-3.1-8B": (4096, 14336, 32, 8, 128, 128256),
+}
+HALF = [torch.bfloat16, torch.float16]
+FLOOR = {torch.bfloat16: 2**-7, torch.float16: 2**-10}  # where eager's own error is nearly nothing
+SMALL = ["--n_layer=2", "--n_head=4", "--n_embd=128", "--block_size=256", "--batch_size=8", "--eval_iters=4",
+         "--log_interval=5", "--warmup_iters=5", "--learning_rate=3e-3", "--device=cuda"]
+
+
+def cuda_randn(*shape, grad=True):
+    return torch.randn(*shape, device="cuda").requires_grad_(grad)
+
+
+def as_good_as_eager(op, ref, inputs, dtype):
+    # op in dtype, forward and backward, against the reference in fp32 on the same values: no further off
+    # than the reference itself run in dtype (what eager PyTorch gives), twice over, or FLOOR
+    cast = [t.detach().to(dtype).requires_grad_() if t.requires_grad else t for t in inputs]
+    upcast = [t.detach().float().requires_grad_() if t.requires_grad else t for t in cast]
+    out, grads = fwd_bwd(op, cast)
+    eager, eager_grads = fwd_bwd(ref, cast)
+    truth, truth_grads = fwd_bwd(ref, upcast)
+    assert out.dtype == eager.dtype
+    for name, a, b, c in [("output", out, eager, truth), *[(f"gradient {i}", *g) for i, g in
+                                                            enumerate(zip(grads, eager_grads, truth_grads))]]:
+        assert a.dtype == b.dtype, name
+        assert rel_err(a, c) <= 2 * rel_err(b, c) + FLOOR[dtype], (name, rel_err(a, c), rel_err(b, c))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_kernels_against_references_at_the_models_shapes(shape, dtype):
+    # every op the model calls, at the widths whose launch parameters kernels.launches() gives, 2,048 tokens
+    n_embd, hidden, n_head, n_kv_head, head_size, vocab = shape
+    assert len(K.launches(*shape)) == 9  # what these shapes launch: norms (two widths), swiglu, rotary, loss
+    torch.manual_seed(0)
+    B, T = 4, 512
+    for C in (n_embd, head_size):  # the blocks' norms, and qk-norm's over each head
+        weight = (1 + 0.1 * cuda_randn(C, grad=False)).requires_grad_()
+        as_good_as_eager(lambda x, w: K.rms_norm(x, w, 1e-5), lambda x, w: K.rms_norm_ref(x, w, 1e-5),
+                         [cuda_randn(B * T, C), weight], dtype)
+    as_good_as_eager(K.swiglu, K.swiglu_ref, [cuda_randn(B * T, hidden), cuda_randn(B * T, hidden)], dtype)
+    cos, sin = (t.cuda() for t in rotary_tables(head_size, T, 10000.0))  # fp32, as the model keeps them
+    for heads in (n_head, n_kv_head):
+        x = cuda_randn(B, T, heads, head_size)
+        as_good_as_eager(K.apply_rotary, K.apply_rotary_ref, [x, cos, sin], dtype)
+    N = 1024
+    targets = torch.randint(0, vocab, (N,), device="cuda")
+    targets[::7] = -1  # ignored, as padding and masked-out turns are
+    head = (0.02 * cuda_randn(vocab, n_embd, grad=False)).requires_grad_()
+    as_good_as_eager(K.linear_cross_entropy, K.linear_cross_entropy_ref, [cuda_randn(N, n_embd), head, targets],
+                     dtype)
+
+
+def test_flex_attention_doc_mask_matches_masked_sdpa():
+    # doc_mask's CUDA path through the model's attention (grouped-query heads, bf16 autocast): its output and
+    # gradients against SDPA with the boolean mask, each against the same in fp32
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=1024, n_layer=1, n_head=8, n_kv_head=2, n_embd=512)).cuda()
+    attention = model.blocks[0].attn
+    docs = torch.zeros(2, 1024, dtype=torch.long, device="cuda")
+    docs[0, 300:], docs[0, 700:], docs[1, 517:] = 1, 2, 1  # boundaries inside 128-token blocks
+    x, dy = torch.randn(2, 1024, 512, device="cuda"), torch.randn(2, 1024, 512, device="cuda")
+
+    def run(mask, half):
+        attention.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
+            y = attention(leaf, model.cos, model.sin, mask=mask)
+        y.float().backward(dy)
+        return [y.float(), leaf.grad, attention.q.weight.grad, attention.v.weight.grad]
+
+    flex, sdpa = run(document_mask(docs, flex=True), True), run(document_mask(docs), True)
+    truth = run(document_mask(docs), False)
+    for name, a, b, c in zip(("output", "x grad", "q grad", "v grad"), flex, sdpa, truth):
+        assert rel_err(a, c) <= 2 * rel_err(b, c) + 2**-7, (name, rel_err(a, c), rel_err(b, c))
+
+
+def gpu_train(*args, env=None):
+    # train.py on the GPU: the tests' CPU runs hide it (conftest.CPU_ENV), this one must see it
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
+    if env.get("CUDA_VISIBLE_DEVICES") == "":
+        del env["CUDA_VISIBLE_DEVICES"]
+    done = subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def records(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_bf16_run_with_compile_kernels_and_doc_mask(data_dir, tmp_path):
+    # the block mask made outside the compiled model: no recompile across batches (TORCH_LOGS says each one)
+    out = gpu_train(*SMALL, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--dtype=bfloat16",
+                    "--compile=True", "--use_kernels=True", "--doc_mask=True", "--max_iters=40",
+                    "--eval_interval=40", env={"TORCH_LOGS": "recompiles"})
+    assert "on cuda, bfloat16" in out.stdout and "skipped" not in out.stdout
+    assert "Recompiling" not in out.stderr, out.stderr[-3000:]
+    evals = [r["val_loss"] for r in records(tmp_path) if "val_loss" in r]
+    assert evals[-1] < evals[0] - 0.5
+    steps = [r for r in records(tmp_path) if "mfu" in r]
+    assert steps and all(r["mfu"] is None or 0 < r["mfu_run"] < r["mfu"] < 1 for r in steps)  # less run
+
+
+def test_fsdp_bf16_on_one_gpu_trains_as_without_it(data_dir, tmp_path):
+    common = [*SMALL, f"--data_dir={data_dir}", "--dtype=bfloat16", "--max_iters=10", "--eval_interval=10",
+              "--log_interval=1"]
+    gpu_train(*common, f"--out_dir={tmp_path / 'plain'}")
+    out = gpu_train(*common, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True")
+    assert "FSDP x1" in out.stdout
+    plain, fsdp = ({r["iter"]: r["loss"] for r in records(tmp_path / name) if "val_loss" not in r}
+                   for name in ("plain", "fsdp"))
+    assert plain.keys() == fsdp.keys() and len(plain) == 10
+    assert all(abs(fsdp[i] - plain[i]) <= 2e-2 * plain[i] for i in plain), (plain, fsdp)
+
+
+def test_the_memory_estimate_is_within_15_percent_of_the_peak():
+    # an eager bf16 step with AdamW (its state made by the first step, so the second is the peak) against
+    # memory.py's estimate of the same step
+    torch.manual_seed(0)
+    B, T = 8, 1024
+    config = GPTConfig(vocab_size=32768, block_size=T, n_layer=8, n_head=16, n_kv_head=4, n_embd=1024)
+    model = GPT(config).cuda()
+    optimizers = model.configure_optimizers("adamw", 1e-4, 0.1, (0.9, 0.95), "cuda")
+    idx = torch.randint(0, 32768, (B, T), device="cuda")
+    estimate = memory_estimate(model, B, T, "bfloat16", "adamw", device="cuda")["device"]
+    for _ in range(2):
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated()
+    assert abs(peak - estimate) <= 0.15 * peak, (peak / 2**20, estimate / 2**20)
+
+
+@pytest.mark.parametrize("base", ["bfloat16", "nf4"])
+def test_lora_and_qlora_steps(base, tmp_path):
+    # a folder's model with a bf16 base, or a 4-bit one (QLoRA), as train.py holds them: the adapters learn,
+    # the base stays as it was
+    if base == "nf4":
+        pytest.importorskip("torchao", reason="QLoRA's 4-bit base needs torchao (pip install torchao)")
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=4096, block_size=256, n_layer=4, n_head=8, n_kv_head=4, n_embd=512)
+    save_pretrained(GPT(config), tmp_path / "base")
+    model = add_lora(load_pretrained(str(tmp_path / "base"), torch.bfloat16), 8).cuda()
+    if base == "nf4":
+        quantize_base(model, "nf4")
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters()
+              if base != "nf4" and not p.requires_grad}
+    optimizers = model.configure_optimizers("adamw", 1e-2, 0.0, (0.9, 0.95), "cuda")
+    idx = torch.randint(0, 4096, (4, 256), device="cuda")
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert all(".lora." in n for n, p in model.named_parameters() if p.requires_grad)
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    if base == "nf4":
+        assert all(type(linear.weight).__name__ == "NF4Tensor" for _, _, linear in model.projections())
