@@ -145,8 +145,10 @@ def record_text(obj, field, chat):
     name = next((key for key in names if key in obj), None)
     text = obj.get(name)
     if name is None:  # a shape of its own: what it has, and what would have been read
-        wanted = "" if field else ", or a conversation: messages, conversations, prompt+completion, instruction+output"
-        return None, f"no text field ({'/'.join(names)}{wanted}); it has {', '.join(map(str, obj))[:120] or 'none'}"
+        wanted = "" if field else (", or a conversation: messages, conversations, prompt+completion, "
+                                   "instruction+output")
+        keys = ", ".join(map(str, obj))[:120] or "none"
+        return None, f"no text field ({'/'.join(names)}{wanted}); it has {keys}"
     if not isinstance(text, str):
         return None, f"field '{name}' is not a string ({type(text).__name__})"
     try:

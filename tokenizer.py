@@ -510,7 +510,8 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     the tokenizer of folder: a Hugging Face model folder, whose config.json says model_vocab, or a dataset (the
     one a run was trained on). The same tokenizer gives a document's ids back from its text: the first few are
     decoded and encoded again."""
-    fix = fix or f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
+    fix = fix or (f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} "
+                  f"--out_dir=DIR")
     if meta["vocab_size"] > model_vocab:
         raise ValueError(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: "
                          f"{fix}")
@@ -523,7 +524,8 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     starts = np.concatenate([[0], ends[:-1] + 1]).astype(int)
     documents = [ids[a:b].tolist() for a, b in zip(starts, ends)][:8]  # whole ones, without end-of-text
     try:
-        ours, theirs = load_tokenizer(data_dir), load_tokenizer(folder) if dataset else make_tokenizer(folder, None)
+        ours = load_tokenizer(data_dir)
+        theirs = load_tokenizer(folder) if dataset else make_tokenizer(folder, None)
     except (ValueError, KeyError, TypeError, SystemExit) as e:
         raise ValueError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
                          f"({type(e).__name__}: {e}): {fix}") from None

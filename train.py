@@ -464,7 +464,8 @@ def batch(split, step, index):
     # where nothing is learned
     try:
         if split == "val" and (eval_full or examples):  # every target once: whole examples, or strided windows
-            tensors = splits[split].scored(range(index * batch_size, (index + 1) * batch_size), eval_stride, doc_mask)
+            numbers = range(index * batch_size, (index + 1) * batch_size)
+            tensors = splits[split].scored(numbers, eval_stride, doc_mask)
         elif examples:
             first = (max(step, 0) * gradient_accumulation_steps + index) * batch_size
             tensors = splits[split].packed(range(first, first + batch_size), end_of_epochs if step >= 0 else None)

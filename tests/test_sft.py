@@ -199,20 +199,26 @@ def eval_py_loss(out_dir, *args):
     return float(lines[-1].split()[2])
 
 
-def test_eval_py_and_eval_full_score_conversations_as_training_does(chat_data, tmp_path):
+def test_eval_py_scores_conversations_as_training_does(chat_data, tmp_path):
     # conversations are evaluated as they are trained: each val example on its own over its trained targets. eval.py
     # gives the val loss train.py logged for the same checkpoint (not windows across examples over every token),
-    # in any batching, and so does eval_full, on a run of whole examples and on a run of windows alike
-    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'ex'}", "--max_iters=3", "--eval_interval=3")
-    logged = logged_val_loss(tmp_path / "ex")
-    assert eval_py_loss(tmp_path / "ex") == pytest.approx(logged, rel=1e-5)
-    assert eval_py_loss(tmp_path / "ex", "--batch_size=3") == pytest.approx(logged, rel=1e-5)
-    full = run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'full'}", "--max_iters=3",
-               "--eval_interval=3", "--eval_full=True", "--eval_stride=16")
+    # in any batching
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=3")
+    logged = logged_val_loss(tmp_path)
+    assert eval_py_loss(tmp_path) == pytest.approx(logged, rel=1e-5)
+    assert eval_py_loss(tmp_path, "--batch_size=3") == pytest.approx(logged, rel=1e-5)
+
+
+def test_eval_full_scores_conversations_as_training_does(chat_data, tmp_path):
+    # eval_full on conversations: each val example on its own, as without it, on a run of whole examples; on a run
+    # of windows, the loss eval.py gives for its checkpoint
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'ex'}", "--max_iters=2", "--eval_interval=2")
+    full = run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'full'}", "--max_iters=2",
+               "--eval_interval=2", "--eval_full=True", "--eval_stride=16")
     assert "val loss: each val example on its own" in full.stdout
-    assert logged_val_loss(tmp_path / "full") == pytest.approx(logged, rel=1e-5)
+    assert logged_val_loss(tmp_path / "full") == pytest.approx(logged_val_loss(tmp_path / "ex"), rel=1e-5)
     windows = [a for a in SMALL if a != "--sequences=examples"]
-    run(*windows, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'win'}", "--max_iters=3", "--eval_interval=3",
+    run(*windows, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'win'}", "--max_iters=2", "--eval_interval=2",
         "--eval_full=True", "--eval_stride=16")
     assert eval_py_loss(tmp_path / "win") == pytest.approx(logged_val_loss(tmp_path / "win"), rel=1e-5)
 
@@ -306,13 +312,12 @@ def test_sample_and_export_refuse_another_tokenizers_data_in_one_line(chat_data,
     prepare.main([str(chat_data.parent / "chats.jsonl"), "--tokenizer=bpe:280", f"--out_dir={data_dir}"])
     run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1", "--eval_interval=1")
     commands = [("sample.py", "--start=apple", "--max_new_tokens=2", "--num_samples=1"),
-                ("export.py", f"--to={tmp_path / 'hf'}"), ("export.py", f"--to={tmp_path / 'model.gguf'}"),
-                ("eval.py",)]
+                ("export.py", f"--to={tmp_path / 'hf'}"), ("eval.py",)]
     for command in commands:
         done = script(*command, f"--out_dir={tmp_path / 'run'}", f"--data_dir={data_dir}")
         assert done.returncode != 0 and done.stderr.count("\n") == 1, (command, done.stderr)
         assert f"{data_dir} was not prepared with the tokenizer of {chat_data}: leave --data_dir out" in done.stderr
-    assert not (tmp_path / "hf").exists() and not (tmp_path / "model.gguf").exists()
+    assert not (tmp_path / "hf").exists()
     done = script("sample.py", "--start=apple", "--max_new_tokens=2", "--num_samples=1",
                   f"--out_dir={tmp_path / 'run'}", f"--data_dir={chat_data}")
     assert done.returncode == 0, done.stderr
