@@ -6,19 +6,29 @@ one-line exit itself is what is tested.
     python -m pytest tests/test_hostile_input.py -q
 """
 
+import gzip
 import json
 import os
 import signal
 import struct
+import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import asdict
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import checkpoint as ckpt
 import hf
+import prepare
+from conftest import TIKTOKEN_CACHE
 from model import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parents[1]
+needs_tiktoken = pytest.mark.skipif(not TIKTOKEN_CACHE.is_dir(), reason="no tiktoken cache (tests never download)")
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -159,3 +169,54 @@ def test_an_empty_ckpt_pt_is_one_line(tmp_path):
     (tmp_path / "ckpt.pt").write_bytes(b"")
     with pytest.raises(ValueError, match="not a readable checkpoint"):
         ckpt.load_checkpoint(tmp_path / "ckpt.pt")
+
+# -----------------------------------------------------------------------------
+# prepare.py: text with no safe cut, --min_length on big files, nested JSON
+
+def capped(megabytes):
+    # for a child: its address space capped, so that a bomb ends it rather than the machine
+    import resource
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (megabytes << 20, megabytes << 20))
+
+
+@needs_tiktoken
+@pytest.mark.slow
+def test_text_without_a_safe_cut_is_encoded_in_bounded_pieces(tmp_path):
+    # 4 MB of one repeated byte, gzipped to 4 KB: held whole, tiktoken takes ~250 MB for it (30 GB for a 1 MiB
+    # gzip of 1 GB); cut every HARD_CUT characters, prepare.py runs in 400 MB of address space.
+    with gzip.open(tmp_path / "bomb.txt.gz", "wb") as f:
+        f.write(b"a" * (4 << 20))
+    r = subprocess.run([sys.executable, "prepare.py", tmp_path / "bomb.txt.gz", "--out_dir", tmp_path / "d",
+                        "--num_workers=1"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       preexec_fn=capped(400))
+    assert r.returncode == 0, r.stderr[-300:]
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["hard_cuts"] >= 3 and "no safe place to cut" in r.stdout
+    assert 0 <= meta["train"]["tokens"] + meta["val"]["tokens"] - (4 << 20) // 4 < 10  # 'aaaa' is one token
+
+
+def test_min_length_applies_to_documents_of_several_pieces(tmp_path):
+    # three files of over 64 KB, read in pieces: the middle one has fewer characters (tokens) than min_length
+    lines = lambda n, word: "".join(f"{word} {i}\n" for i in range(n))
+    texts = {"a.txt": lines(30000, "first"), "b.txt": lines(9000, "short"), "c.txt": lines(30000, "last")}
+    for name, text in texts.items():
+        (tmp_path / "in").mkdir(exist_ok=True)
+        (tmp_path / "in" / name).write_text(text)
+    assert 64 << 10 < len(texts["b.txt"]) < 100_000 < len(texts["a.txt"])
+    meta = prepare.main([str(tmp_path / "in"), "--tokenizer=char", "--out_dir", str(tmp_path / "d"),
+                         "--min_length=100000", "--val_fraction=0"])
+    assert meta["short_dropped"] == 1 and meta["train"]["documents"] == 2
+    ids = np.fromfile(tmp_path / "d" / "train.bin", dtype=meta["dtype"])
+    tokenizer = prepare.load_tokenizer(tmp_path / "d")
+    eot = tokenizer.decode([meta["eot_id"]])
+    assert tokenizer.decode(ids.tolist()) == texts["a.txt"] + eot + texts["c.txt"] + eot
+
+
+def test_json_nested_past_the_parsers_depth_is_skipped_and_listed(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text(json.dumps({"text": "kept"}) + "\n" + deep + "\n")
+    (tmp_path / "in" / "b.json").write_text(deep)
+    meta = prepare.main([str(tmp_path / "in"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
+    assert meta["bad_records"]["examples"] == [f"{tmp_path / 'in' / 'a.jsonl'}:2: JSON nested too deeply"]
+    assert meta["skipped_files"] == [{"path": str(tmp_path / "in" / "b.json"), "reason": "JSON nested too deeply"}]
