@@ -12,6 +12,7 @@ import os
 import signal
 import struct
 import subprocess
+import time
 import sys
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -220,3 +221,68 @@ def test_json_nested_past_the_parsers_depth_is_skipped_and_listed(tmp_path):
     meta = prepare.main([str(tmp_path / "in"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
     assert meta["bad_records"]["examples"] == [f"{tmp_path / 'in' / 'a.jsonl'}:2: JSON nested too deeply"]
     assert meta["skipped_files"] == [{"path": str(tmp_path / "in" / "b.json"), "reason": "JSON nested too deeply"}]
+
+# -----------------------------------------------------------------------------
+# chat templates: a step and output budget, and their own errors as one line
+
+PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}</s>{% endif %}{% endfor %}"
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "more than 1,000,000 steps"),
+    ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}", "steps"),
+    ("{{ 'a' * 1000000000 }}", "its \\* makes a value past the budget"),
+    ("{{ 2 ** 100000000 }}", "its \\*\\* makes a value past the budget"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(30) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "more than 16,777,216 characters"),
+    ("{% for i in range(20000) %}{{ 'x' * 1000 }}{% endfor %}", "writes more than"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ (1e308 * 10) | int }}", "OverflowError"),
+])
+def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, says):
+    import chat
+    started = time.time()
+    with deadline(20), pytest.raises(ValueError, match=says):
+        chat.ChatFormat(PROBE + template, "test", ["</s>"], "</s>")
+    assert time.time() - started < 20
+
+# -----------------------------------------------------------------------------
+# a dataset's meta.json names its tokenizer's file inside its folder; a pattern the regex engine refuses
+
+
+def char_dataset(folder):
+    (folder / "in.txt").write_text("hello world\n" * 10)
+    prepare.main([str(folder / "in.txt"), "--tokenizer=char", "--out_dir", str(folder / "d")])
+    return folder / "d"
+
+
+def name_tokenizer_file(dataset, name):
+    meta = json.loads((dataset / "meta.json").read_text())
+    meta["tokenizer"]["file"] = name
+    (dataset / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("name, says", [
+    ("/dev/zero", "not a file inside"),
+    ("../in.txt", "outside"),
+    ("fifo.json", "not a regular file"),
+    (None, "not a file inside"),
+])
+def test_the_tokenizer_file_is_a_regular_file_in_the_datasets_folder(tmp_path, name, says):
+    dataset = char_dataset(tmp_path)
+    os.mkfifo(dataset / "fifo.json")
+    name_tokenizer_file(dataset, name)
+    with deadline(5), pytest.raises(ValueError, match=says):
+        prepare.load_tokenizer(dataset)
+
+
+def test_a_tokenizer_pattern_the_regex_engine_refuses_is_one_line(tmp_path):
+    dataset = tmp_path / "bpe"
+    (tmp_path / "in.txt").write_text("hello world\n" * 10)
+    prepare.main([str(tmp_path / "in.txt"), "--tokenizer=bpe:260", "--out_dir", str(dataset)])
+    tokenizer_file = dataset / json.loads((dataset / "meta.json").read_text())["tokenizer"]["file"]
+    data = json.loads(tokenizer_file.read_text())
+    tokenizer_file.write_text(json.dumps({**data, "pattern": "(unclosed"}))
+    with pytest.raises(ValueError, match="cannot read the tokenizer in .*re-run prepare.py"):
+        prepare.load_tokenizer(dataset)
