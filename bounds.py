@@ -14,6 +14,8 @@ import re
 import stat
 from pathlib import Path
 
+import numpy as np
+
 # The most positions a model may hold rotary tables for: past every released model (Qwen2.5-1M has ~1M), and
 # small enough that the tables (positions x head size, twice) are not themselves the hostile input.
 MAX_POSITIONS = 1 << 21
@@ -67,3 +69,17 @@ def confined(folder, name, where):
     if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):
         raise ValueError(f"{where} names {name!r}, which is not a regular file: replace it with the folder's own")
     return Path(folder) / name
+
+
+def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
+    """ValueError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
+    (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has). It is
+    read in chunks of memory-mapped ids, about as fast as the disk reads."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
+    ids = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+    for start in range(0, len(ids), chunk):
+        top = int(ids[start:start + chunk].max())
+        if top >= vocab_size:
+            raise ValueError(f"{path} holds token id {top}, past meta.json's vocab_size {vocab_size}: it is not the "
+                             f"data meta.json describes (prepare it again)")

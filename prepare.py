@@ -849,7 +849,13 @@ def main(argv=None):
     arg("--bench", action="store_true", help="measure throughput against tiktoken's own batch encoder")
     p.error = lambda msg: die(f"{msg} (see python prepare.py --help)")  # one line, not usage + error
     args = p.parse_args(argv)
-    return bench(args) if args.bench else prepare(args)
+    try:
+        return bench(args) if args.bench else prepare(args)
+    except OSError as e:  # its .tmp files are gone by now, and the dataset there before is whole
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        die(f"the disk of {args.out_dir or 'data/stdlib'} is full ({e.strerror}); no dataset was written: make room, "
+            f"or choose another --out_dir")
 
 
 if __name__ == "__main__":

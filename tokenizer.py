@@ -278,12 +278,14 @@ def read_meta(data_dir):
             meta = json.loads(path.read_text(encoding="utf-8"))
             meta["dtype"] = np.dtype(meta["dtype"]).name
             vocab_size, eot_id = meta["vocab_size"], meta.get("eot_id")
-            if np.dtype(meta["dtype"]).kind not in "iu":
-                raise ValueError(f"dtype {meta['dtype']} does not hold token ids")
+            if meta["dtype"] not in ("uint16", "uint32"):  # uint8 over a uint16 file reads each id as two
+                raise ValueError(f"dtype {meta['dtype']} is not uint16 or uint32, what token files hold")
             if type(vocab_size) is not int or vocab_size < 1:
                 raise ValueError(f"vocab_size {vocab_size!r} is not a whole number above 0")
-            if eot_id is not None and type(eot_id) is not int:
-                raise ValueError(f"eot_id {eot_id!r} is not a token id")
+            if meta["dtype"] == "uint16" and vocab_size > 1 << 16:
+                raise ValueError(f"dtype uint16 cannot hold the ids of a vocab_size of {vocab_size}")
+            if eot_id is not None and (type(eot_id) is not int or not 0 <= eot_id < vocab_size):
+                raise ValueError(f"eot_id {eot_id!r} is not a token id below vocab_size {vocab_size}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             why = f"{type(e).__name__}: {e}"
             raise ValueError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None

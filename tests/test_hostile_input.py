@@ -286,3 +286,87 @@ def test_a_tokenizer_pattern_the_regex_engine_refuses_is_one_line(tmp_path):
     tokenizer_file.write_text(json.dumps({**data, "pattern": "(unclosed"}))
     with pytest.raises(ValueError, match="cannot read the tokenizer in .*re-run prepare.py"):
         prepare.load_tokenizer(dataset)
+
+# -----------------------------------------------------------------------------
+# silently wrong datasets, and one line, always: through the scripts, where the one-line exit is the point
+
+import forkserver  # noqa: E402  (the tests' own helper: train.py and sample.py without importing torch each time)
+
+TRAIN = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=2", "--max_iters=1",
+         "--eval_iters=1", "--device=cpu", "--compile=False"]
+
+
+def tiny_dataset(folder, dtype="uint16", vocab_size=62, top=None):
+    folder.mkdir()
+    ids = np.random.default_rng(0).integers(0, vocab_size, 3000).astype(np.uint16)
+    ids[100] = top if top is not None else ids[100]
+    ids[:2500].tofile(folder / "train.bin")
+    ids[2500:].tofile(folder / "val.bin")
+    (folder / "meta.json").write_text(json.dumps({"dtype": dtype, "vocab_size": vocab_size, "eot_id": 0}))
+    return folder
+
+
+def one_line(done, script, *words):
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1 and lines[0].startswith(f"{script}: "), done.stderr[-2000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("meta, says", [
+    ({"dtype": "uint8"}, "dtype uint8 is not uint16 or uint32"),
+    ({"dtype": "int16"}, "dtype int16 is not uint16 or uint32"),
+    ({"dtype": "uint16", "vocab_size": 100_000}, "cannot hold"),
+    ({"eot_id": -1}, "eot_id -1 is not a token id"),
+    ({"eot_id": 62}, "eot_id 62 is not a token id"),
+])
+def test_meta_json_that_would_read_the_tokens_wrong_is_refused(tmp_path, meta, says):
+    dataset = tiny_dataset(tmp_path / "d")
+    (dataset / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 62, "eot_id": 0, **meta}))
+    with pytest.raises(ValueError, match=says):
+        prepare.read_meta(dataset)
+
+
+@pytest.mark.parametrize("case, args, says", [
+    ("id past meta.json's vocab_size", [], "holds token id 63, past meta.json's vocab_size 62"),
+    ("train.bin a folder", [], "is not a file"),
+    ("negative width", ["--n_embd=-64"], "n_embd=-64, not a whole number above 0"),
+    ("unknown device", ["--device=tpu"], "device='tpu' is not one of"),
+])
+def test_train_py_refuses_in_one_line(tmp_path, case, args, says):
+    dataset = tiny_dataset(tmp_path / "d", top=63 if "vocab_size" in case else None)
+    if "folder" in case:
+        os.remove(dataset / "train.bin")
+        (dataset / "train.bin").mkdir()
+        (dataset / "train.bin" / "x").write_bytes(b"\0" * 5000)
+    done = forkserver.run(["train.py", *TRAIN, f"--data_dir={dataset}", f"--out_dir={tmp_path / 'out'}", *args],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    one_line(done, "train.py", says)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("0-byte ckpt.pt", "not a readable checkpoint (EOFError"),
+    ("tokenizer.json that does not load", "cannot load"),
+])
+def test_sample_py_says_its_own_name_in_one_line(tmp_path, folder, case, says):
+    if case.startswith("0-byte"):
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "ckpt.pt").write_bytes(b"")
+        args = [f"--out_dir={tmp_path / 'out'}"]
+    else:
+        (folder / "tokenizer.json").write_text('{"model": "broken"}')
+        args = [f"--model={folder}"]
+    done = forkserver.run(["sample.py", *args, "--device=cpu", "--max_new_tokens=2"], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    one_line(done, "sample.py", says)
+
+
+def test_prepare_py_on_a_full_disk_is_one_line_and_leaves_no_dataset(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here to fill a disk with")
+    (tmp_path / "in.txt").write_text("hello world\n" * 20000)
+    (tmp_path / "d").mkdir()
+    os.symlink("/dev/full", tmp_path / "d" / "train.bin.tmp")  # every write to it fails with ENOSPC
+    with pytest.raises(SystemExit, match="prepare.py: the disk of .* is full .*no dataset was written"):
+        prepare.main([str(tmp_path / "in.txt"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
+    assert sorted(os.listdir(tmp_path / "d")) == []
