@@ -37,7 +37,7 @@ def check_sizes(args, where, fix):
     for name, low, high in (("rope_theta", 0, math.inf), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
         value = args.get(name, 0.5)
         if type(value) not in (int, float) or not low < value < high:
-            raise ValueError(f"{where} says {name}={value!r}, not a number in ({max(low, 0)}, {high}): {fix}")
+            raise ValueError(f"{where} says {name}={value!r}, not a number in its range: {fix}")
 
 
 def layer_count(names, prefix):

@@ -658,18 +658,18 @@ def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length):
         at[is_val] += ntokens
         if is_last and doc["pieces"] > 1 and doc["tokens"] - 1 < min_length:  # its end-of-text not counted
             keep[is_val][doc["begin"] or 0:at[is_val]] = False
-            if doc["begin"] is None and files:
-                split = files["val" if is_val else "train"]
-                split.truncate(doc["file_start"])
-                split.seek(doc["file_start"])
+            if doc["begin"] is None and files:  # begun in an earlier batch: cut off what it wrote
+                written = files["val" if is_val else "train"]
+                written.truncate(doc["file_start"])
+                written.seek(doc["file_start"])
             dropped[i] = True
         if is_last:
             doc["pieces"] = 0
-    if doc["pieces"]:  # under way: where its pieces begin in the file once this batch is written
-        split = "val" if infos[-1][0] else "train"
-        kept_before = int(keep[infos[-1][0]][:doc["begin"] or 0].sum())
+    if doc["pieces"]:  # under way: where its pieces begin in its file once this batch is written
+        is_val = infos[-1][0]
         if files and doc["begin"] is not None:
-            doc["file_start"] = files[split].tell() + kept_before * ids[infos[-1][0]].itemsize
+            kept_before = int(keep[is_val][:doc["begin"]].sum())
+            doc["file_start"] = files["val" if is_val else "train"].tell() + kept_before * ids[is_val].itemsize
         doc["begin"] = None
     return [a[k] for a, k in zip(ids, keep)], dropped
 
