@@ -75,7 +75,7 @@ def compile_template(source):
 
     def render(**context):
         steps[0], out, size = 0, [], 0
-        for text in template.generate(**context):
+        for text in template.root_render_func(template.new_context(context)):  # what render() joins
             size += len(text)
             if size > MAX_OUTPUT:
                 raise TemplateError(f"it writes more than {MAX_OUTPUT:,} characters")
@@ -86,9 +86,9 @@ def compile_template(source):
 
 def budget(env):
     # Counts what a rendering does in env, raising TemplateError past MAX_STEPS: each loop step (loops take their
-    # items through env.counted), each call (as ten), each * + ** (a * or + may not make a value past MAX_OUTPUT, a **
-    # not raise to a power past 64). env.bounded refuses a value past MAX_OUTPUT (what ~ joined). Returns the
-    # count, for render to set to 0.
+    # items through env.counted) and each call (as ten). A * or + may not make a value past MAX_OUTPUT, nor a **
+    # raise to a power past 64, and env.bounded refuses such a value where ~ joins. Returns the count, for
+    # render to set to 0.
     from jinja2.exceptions import TemplateError
     steps, sandbox_call, sandbox_binop = [0], env.call, env.call_binop
 
@@ -106,22 +106,22 @@ def budget(env):
         step(10)  # a call takes about ten loop steps' time, a macro's more
         return sandbox_call(context, obj, *args, **kwargs)
 
-    def size(value):
-        return len(value) if isinstance(value, (str, list, tuple)) else 0
+    def bounded(value):
+        if isinstance(value, (str, list, tuple)) and len(value) > MAX_OUTPUT:
+            raise TemplateError(f"it makes a value of more than {MAX_OUTPUT:,} characters or items")
+        return value
 
     def binop(context, operator, left, right):
-        step()
-        times = [x for x in (left, right) if type(x) is int]
-        if operator == "*" and times and max(size(left), size(right)) * abs(times[-1]) > MAX_OUTPUT \
-                or operator == "+" and size(left) + size(right) > MAX_OUTPUT \
-                or operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+        if operator == "+":  # measured after: a value at most twice the budget, cheaper than measuring first
+            value = left + right
+            if type(value) is str and len(value) > MAX_OUTPUT:
+                raise TemplateError(f"it makes a text of more than {MAX_OUTPUT:,} characters")
+            return value
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64 or operator == "*" and \
+                any(type(x) is int and abs(x) > 1 and MAX_OUTPUT // abs(x) < len(y)
+                    for x, y in ((left, right), (right, left)) if isinstance(y, (str, list, tuple))):
             raise TemplateError(f"its {operator} makes a value past the budget of a chat template")
         return sandbox_binop(context, operator, left, right)
-
-    def bounded(value):
-        if size(value) > MAX_OUTPUT:
-            raise TemplateError(f"it makes a text of more than {MAX_OUTPUT:,} characters")
-        return value
 
     env.counted, env.bounded, env.call, env.call_binop = counted, bounded, call, binop
     env.intercepted_binops = frozenset({"*", "+", "**"})
