@@ -81,5 +81,5 @@ def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
     for start in range(0, len(ids), chunk):
         top = int(ids[start:start + chunk].max())
         if top >= vocab_size:
-            raise ValueError(f"{path} holds token id {top}, past meta.json's vocab_size {vocab_size}: it is not the "
-                             f"data meta.json describes (prepare it again)")
+            raise ValueError(f"{path} holds token id {top}, past meta.json's vocab_size {vocab_size}: it is "
+                             f"not the data meta.json describes (prepare it again)")

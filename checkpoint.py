@@ -190,8 +190,9 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
         try:
             model.load_state_dict(weights, assign=True)
         except RuntimeError as e:  # a tensor missing or left over: load_state_dict lists them all
-            raise ValueError(f"the checkpoint's weights do not fit its model_args ({str(e).splitlines()[-1].strip()[:200]}): "
-                             f"use another checkpoint") from None
+            why = str(e).splitlines()[-1].strip()[:200]
+            raise ValueError(f"the checkpoint's weights do not fit its model_args ({why}): use another checkpoint") \
+                from None
         return model.materialize()
     base = checkpoint["pretrained"]
     if not os.path.isdir(base):

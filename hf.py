@@ -128,7 +128,8 @@ def config_from_hf(hf, block_size=None):
                  n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
                  n_kv_head=hf.get("num_key_value_heads") or 0, n_embd=hf["hidden_size"],
                  head_size=hf.get("head_dim") or 0, mlp_hidden=hf["intermediate_size"],
-                 rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), norm_eps=hf.get("rms_norm_eps", 1e-6))
+                 rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+                 norm_eps=hf.get("rms_norm_eps", 1e-6))
     # config.json is data: its sizes are checked before GPTConfig divides one by another
     check_sizes(sizes, "config.json", "fix it, or download the model again")
     sizes["rope_theta"] = float(sizes["rope_theta"])

@@ -854,8 +854,8 @@ def main(argv=None):
     except OSError as e:  # its .tmp files are gone by now, and the dataset there before is whole
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        die(f"the disk of {args.out_dir or 'data/stdlib'} is full ({e.strerror}); no dataset was written: make room, "
-            f"or choose another --out_dir")
+        die(f"the disk of {args.out_dir or 'data/stdlib'} is full ({e.strerror}); no dataset was written: "
+            f"make room, or choose another --out_dir")
 
 
 if __name__ == "__main__":

@@ -229,7 +229,8 @@ PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant'
 
 
 @pytest.mark.parametrize("template, says", [
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "more than 1,000,000 steps"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "more than 1,000,000 steps"),
     ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}", "steps"),
     ("{{ 'a' * 1000000000 }}", "its \\* makes a value past the budget"),
     ("{{ 2 ** 100000000 }}", "its \\*\\* makes a value past the budget"),
