@@ -157,6 +157,14 @@ def check_resume(checkpoint, config, data_vocab, path):
     if not isinstance(args, dict):
         raise ValueError(f"{path}'s model_args is not a dict: use another checkpoint")
     check_sizes(args, f"{path}'s model_args", "use another checkpoint")
+    # a sharded checkpoint's weights are read once the model is built: its blocks are counted by name first
+    # (by the names its optimizer's param_groups hold; a file checkpoint's hold numbers, and model_from_checkpoint
+    # counts its weights' names)
+    names = [name for group in checkpoint.get("param_groups") or [] for name in group.get("params", [])
+             if isinstance(name, str)]
+    if names and not args.get("lora_rank") and layer_count(names, "blocks.") != args["n_layer"]:
+        raise ValueError(f"{path}'s model_args say n_layer={args['n_layer']}, but it holds the weights of "
+                         f"{layer_count(names, 'blocks.')} blocks: use another checkpoint")
     if data_vocab > args["vocab_size"]:
         raise ValueError(f"the checkpoint's vocab_size {args['vocab_size']} is smaller than the data's "
                          f"{data_vocab}: resume with the data it was trained on")

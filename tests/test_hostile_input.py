@@ -159,6 +159,17 @@ def test_model_args_are_checked_against_the_tensors_before_anything_is_built(mon
         ckpt.model_from_checkpoint(tiny_checkpoint(**args))
 
 
+@pytest.mark.parametrize("args, says", [({"n_layer": 10**9}, "n_layer=1000000000, but it holds the weights of 2"),
+                                         ({"n_layer": 1e9}, "n_layer=1000000000.0, not a whole number")])
+def test_a_sharded_checkpoint_is_checked_before_its_model_is_built_to_resume(args, says):
+    # a sharded checkpoint's state.pt names its parameters in its optimizer's param_groups; its tensors are read
+    # into the model later, once train.py has built it from model_args
+    names = list(GPT(TINY).state_dict())
+    state = {"model_args": {**asdict(TINY), **args}, "param_groups": [{"params": names}], "config": {}}
+    with pytest.raises(ValueError, match=says):
+        ckpt.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt")
+
+
 def test_a_checkpoint_with_tensors_its_model_lacks_is_one_line():
     checkpoint = tiny_checkpoint()
     checkpoint["model"]["blocks.0.extra"] = torch.zeros(3)
