@@ -12,8 +12,8 @@ import os
 import signal
 import struct
 import subprocess
-import time
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import checkpoint as ckpt
+import forkserver  # the tests' own: train.py and sample.py started without importing torch each time
 import hf
 import prepare
 from conftest import TIKTOKEN_CACHE
@@ -301,8 +302,6 @@ def test_a_tokenizer_pattern_the_regex_engine_refuses_is_one_line(tmp_path):
 
 # -----------------------------------------------------------------------------
 # silently wrong datasets, and one line, always: through the scripts, where the one-line exit is the point
-
-import forkserver  # noqa: E402  (the tests' own helper: train.py and sample.py without importing torch each time)
 
 TRAIN = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=2", "--max_iters=1",
          "--eval_iters=1", "--device=cpu", "--compile=False"]
