@@ -22,6 +22,10 @@ from pathlib import Path
 
 Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
 ROLES = ("system", "user", "assistant", "tool")
+# A template is code from the internet: one rendering may take so many loop steps and calls, and write so many
+# characters, far past what any conversation needs, and is refused past either instead of running on.
+MAX_STEPS = 1_000_000
+MAX_OUTPUT = 1 << 24
 TRAIN_ON = ("assistant", "completion", "all")
 # ShareGPT's "from" -> the template's role
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -63,7 +67,9 @@ def sharegpt_messages(turns):
 
 
 def compile_template(source):
-    """A chat template's text -> a jinja2 template run in the sandbox, with what transformers gives templates."""
+    """A chat template's text -> render(**context) -> str, run in the sandbox with what transformers gives
+    templates, under MAX_STEPS and MAX_OUTPUT (a TemplateError past them)."""
+    from jinja2 import nodes
     from jinja2.exceptions import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -80,10 +86,71 @@ def compile_template(source):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    steps = budget(env)
     try:
-        return env.from_string(source)
+        tree = env.parse(source)
+        for loop in list(tree.find_all(nodes.For)):  # every loop's items are counted as they are taken
+            loop.iter = nodes.Call(nodes.EnvironmentAttribute("counted"), [loop.iter], [], None, None)
+        for concat in list(tree.find_all(nodes.Concat)):  # and what ~ joins is measured
+            joined = nodes.Concat(concat.nodes)
+            concat.nodes = [nodes.Call(nodes.EnvironmentAttribute("bounded"), [joined], [], None, None)]
+        template = env.from_string(tree)
     except TemplateError as e:
         raise ValueError(f"the chat template does not compile ({e})") from None
+
+    def render(**context):
+        steps[0], out, size = 0, [], 0
+        for text in template.root_render_func(template.new_context(context)):  # what render() joins
+            size += len(text)
+            if size > MAX_OUTPUT:
+                raise TemplateError(f"it writes more than {MAX_OUTPUT:,} characters")
+            out.append(text)
+        return "".join(out)
+    return render
+
+
+def budget(env):
+    # Counts what a rendering does in env, raising TemplateError past MAX_STEPS: each loop step (loops take their
+    # items through env.counted) and each call (as ten). A * or + may not make a value past MAX_OUTPUT, nor a **
+    # raise to a power past 64, and env.bounded refuses such a value where ~ joins. Returns the count, for
+    # render to set to 0.
+    from jinja2.exceptions import TemplateError
+    steps, sandbox_call, sandbox_binop = [0], env.call, env.call_binop
+
+    def step(cost=1):
+        steps[0] += cost
+        if steps[0] > MAX_STEPS:
+            raise TemplateError(f"it takes more than {MAX_STEPS:,} steps")
+
+    def counted(items):
+        for item in items:
+            step()
+            yield item
+
+    def call(context, obj, *args, **kwargs):
+        step(10)  # a call takes about ten loop steps' time, a macro's more
+        return sandbox_call(context, obj, *args, **kwargs)
+
+    def bounded(value):
+        if isinstance(value, (str, list, tuple)) and len(value) > MAX_OUTPUT:
+            raise TemplateError(f"it makes a value of more than {MAX_OUTPUT:,} characters or items")
+        return value
+
+    def binop(context, operator, left, right):
+        if operator == "+":  # measured after: a value at most twice the budget, cheaper than measuring first
+            value = left + right
+            if type(value) is str and len(value) > MAX_OUTPUT:
+                raise TemplateError(f"it makes a text of more than {MAX_OUTPUT:,} characters")
+            return value
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64 or operator == "*" and \
+                any(type(x) is int and abs(x) > 1 and MAX_OUTPUT // abs(x) < len(y)
+                    for x, y in ((left, right), (right, left)) if isinstance(y, (str, list, tuple))):
+            raise TemplateError(f"its {operator} makes a value past the budget of a chat template")
+        return sandbox_binop(context, operator, left, right)
+
+    env.counted, env.bounded, env.call, env.call_binop = counted, bounded, call, binop
+    env.intercepted_binops = frozenset({"*", "+", "**"})
+    return steps
 
 
 def generation_tags():
@@ -195,10 +262,11 @@ class ChatFormat:
         # marks: with MARKS around what {% generation %} blocks wrote
         from jinja2.exceptions import TemplateError
         try:
-            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.context)
+            text = self.template(messages=messages, add_generation_prompt=add_generation_prompt, **self.context)
         except (TemplateError, TypeError) as e:  # its raise_exception, what the sandbox refused, an {% include %}
             raise ValueError(f"the chat template refused it ({e})") from None
+        except (ArithmeticError, RecursionError, LookupError, AttributeError, ValueError) as e:  # its own bugs
+            raise ValueError(f"the chat template failed ({type(e).__name__}: {e})") from None
         return text if marks else text.replace(MARKS[0], "").replace(MARKS[1], "")
 
     def closing_token(self, text, end):

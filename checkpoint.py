@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from bounds import check_shapes, check_sizes, layer_count
 from hf import fingerprint, load_pretrained
 from lora import add_lora, trained_only
 from memory import state_bytes
@@ -141,9 +142,14 @@ def read_sharded(folder, device="cpu"):
             warnings.simplefilter("ignore")
             dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
     except (dcp.api.CheckpointException, RuntimeError, OSError, AttributeError) as e:
-        raise ValueError(f"{folder} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); "
+        raise ValueError(f"{folder} is not a readable sharded checkpoint ({first_line(e)}); "
                          f"use another one, e.g. ckpt_best or a ckpt_NNNNNNN") from None
     return weights
+
+
+def first_line(error):
+    # an error's first line for a message of ours; an empty one (a 0-byte file's) by its kind
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def load_checkpoint(path, device="cpu", mmap=False, weights=True):
@@ -171,7 +177,7 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True):
         raise ValueError(f"{path} holds objects other than tensors and plain values; refusing to load it "
                          f"(only load checkpoints you trust, with code you have read)") from None
     except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"{path} is not a readable checkpoint ({str(e).splitlines()[0]}); "
+        raise ValueError(f"{path} is not a readable checkpoint ({first_line(e)}); "
                          f"use another one, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt") from None
 
 
@@ -216,6 +222,17 @@ def starting_point(out_dir, init_from, found):
 def check_resume(checkpoint, config, data_vocab, path):
     """ValueError, in one line, where this run's settings (config) cannot continue checkpoint (read from path)."""
     args = checkpoint["model_args"]
+    if not isinstance(args, dict):
+        raise ValueError(f"{path}'s model_args is not a dict: use another checkpoint")
+    check_sizes(args, f"{path}'s model_args", "use another checkpoint")
+    # a sharded checkpoint's weights are read once the model is built: its blocks are counted by name first
+    # (by the names its optimizer's param_groups hold; a file checkpoint's hold numbers, and model_from_checkpoint
+    # counts its weights' names)
+    names = [name for group in checkpoint.get("param_groups") or [] for name in group.get("params", [])
+             if isinstance(name, str)]
+    if names and not args.get("lora_rank") and layer_count(names, "blocks.") != args["n_layer"]:
+        raise ValueError(f"{path}'s model_args say n_layer={args['n_layer']}, but it holds the weights of "
+                         f"{layer_count(names, 'blocks.')} blocks: use another checkpoint")
     if data_vocab > args["vocab_size"]:
         raise ValueError(f"the checkpoint's vocab_size {args['vocab_size']} is smaller than the data's "
                          f"{data_vocab}: resume with the data it was trained on")
@@ -242,15 +259,21 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
     """A train.py checkpoint (as load_checkpoint returns it) -> GPT with its weights; overrides as in
     hf.load_pretrained. A LoRA run's checkpoint holds only the adapters: they go onto its base folder
     again, read in base_dtype, which must be the very model the run began from."""
+    if not isinstance(checkpoint["model_args"], dict) or not isinstance(checkpoint.get("model", {}), dict):
+        raise ValueError("the checkpoint's model_args or model is not a dict: use another checkpoint")
     args = {**checkpoint["model_args"], **overrides}
     weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
     if any(".qkv." in name or ".gate_up." in name for name in weights):
         raise ValueError("this checkpoint is from an older model.py (fused attn.qkv and mlp.gate_up, before "
                          "2026-11-22): sample, export or resume it with that version")
     if not args.get("lora_rank"):
-        with torch.device("meta"):  # the checkpoint's tensors become the weights: no second copy
-            model = GPT(GPTConfig(**args))
-        model.load_state_dict(weights, assign=True)
+        model = meta_model(args, weights)
+        try:
+            model.load_state_dict(weights, assign=True)
+        except RuntimeError as e:  # a tensor missing or left over: load_state_dict lists them all
+            why = str(e).splitlines()[-1].strip()[:200]
+            raise ValueError(f"the checkpoint's weights do not fit its model_args ({why}): use another checkpoint") \
+                from None
         return model.materialize()
     base = checkpoint["pretrained"]
     if not os.path.isdir(base):
@@ -263,6 +286,24 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or weights and any(p.requires_grad for name, p in model.named_parameters() if name in missing):
         raise ValueError("the checkpoint does not hold this model's adapters")
+    return model
+
+
+def meta_model(args, weights):
+    # GPT of model_args on the meta device (the checkpoint's tensors become its weights: no second copy), once
+    # its sizes are whole numbers and the tensors' own shapes (a sharded checkpoint's come later, in restore)
+    fix = "use another checkpoint"
+    check_sizes(args, "the checkpoint's model_args", fix)
+    if weights and layer_count(weights, "blocks.") != args["n_layer"]:
+        raise ValueError(f"the checkpoint's model_args say n_layer={args['n_layer']}, but its weights hold "
+                         f"{layer_count(weights, 'blocks.')} blocks: {fix}")
+    try:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**args))
+    except TypeError as e:  # a name GPTConfig does not know, or a value it cannot use
+        raise ValueError(f"the checkpoint's model_args do not make a model ({e}): {fix}") from None
+    shapes = {name: tensor.shape for name, tensor in weights.items() if isinstance(tensor, torch.Tensor)}
+    check_shapes(model, shapes, {name: name for name in shapes}, "the checkpoint", fix)
     return model
 
 
@@ -435,7 +476,7 @@ def failed_save(out_dir, step, sharded, error, needed):
         for name in os.listdir(out_dir) if os.path.isdir(out_dir) else ():
             if re.fullmatch(r"ckpt.*\.tmp", name):
                 retire(os.path.join(out_dir, name))
-    why = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+    why = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
     try:
         free = shutil.disk_usage(out_dir).free
         if free < needed or isinstance(error, OSError) and error.errno == errno.ENOSPC:
@@ -535,7 +576,7 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
                 warnings.simplefilter("ignore")
                 dcp.load({"model": model_state, "optimizer": optim_state["state"]}, storage_reader=reader)
         except (dcp.api.CheckpointException, RuntimeError, OSError) as e:
-            raise ValueError(f"{path} is not a readable sharded checkpoint ({str(e).splitlines()[0]}); resume "
+            raise ValueError(f"{path} is not a readable sharded checkpoint ({first_line(e)}); resume "
                              f"from another (ckpt_best, ckpt_NNNNNNN)") from None
         optim_state["param_groups"] = checkpoint["param_groups"]
         set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,

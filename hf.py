@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from bounds import check_shapes, check_sizes, confined, layer_count
 from model import GPT, PROJECTIONS, GPTConfig
 
 # ours -> transformers' names of a block's seven projections (model.PROJECTIONS), and of the families
@@ -44,17 +45,35 @@ def open_safetensors(file):
         raise ValueError(f"{file} is not a readable safetensors file ({e}); download it again") from None
 
 
+def header_shapes(files):
+    """({tensor name: shape} of every tensor in files, read from their headers alone, the first tensor's dtype);
+    a file without tensors, or a tensor that is not floating point (where every weight is), a ValueError."""
+    shapes, first = {}, None
+    for file in files:
+        with open_safetensors(file) as f:
+            if not f.keys():
+                raise ValueError(f"{file} holds no tensors: download it again")
+            for name in f.keys():
+                kind = f.get_slice(name).get_dtype()
+                if not name.endswith("rotary_emb.inv_freq") and not kind.startswith(("F", "BF")):
+                    raise ValueError(f"{name} in {file} holds {kind} values, not floating-point weights: "
+                                     f"download the model again")
+                shapes[name], first = f.get_slice(name).get_shape(), first or kind
+    return shapes, first
+
+
 def safetensors_files(path):
     # the weights: one model.safetensors, or the shards its index names, in order
     if (path / "model.safetensors.index.json").exists():
         index = read_json(path / "model.safetensors.index.json")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise ValueError(f"{path}/model.safetensors.index.json has no weight_map: download it again")
-        shards = sorted(set(index["weight_map"].values()))
-        absent = [s for s in shards if not (path / s).exists()]
+        where = path / "model.safetensors.index.json"  # its files are read only from inside the folder
+        shards = sorted({confined(path, name, where) for name in index["weight_map"].values()})
+        absent = [s for s in shards if not s.exists()]
         if absent:
-            raise ValueError(f"{path} lacks {absent[0]}, a shard its model.safetensors.index.json names")
-        return [path / s for s in shards]
+            raise ValueError(f"{path} lacks {absent[0].name}, a shard its model.safetensors.index.json names")
+        return shards
     if (path / "model.safetensors").exists():
         return [path / "model.safetensors"]
     raise ValueError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors "
@@ -105,15 +124,17 @@ def config_from_hf(hf, block_size=None):
     if block_size is not None and window and window < block_size:
         raise ValueError(f"the model attends within a sliding_window of {window} tokens, which is not "
                          f"implemented: use block_size <= {window}")
-    n_head = hf["num_attention_heads"]
-    return GPTConfig(
-        block_size=min(max_len, window or max_len), vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"], n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
-        n_embd=hf["hidden_size"], head_size=hf.get("head_dim") or hf["hidden_size"] // n_head,
-        mlp_hidden=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rope_scaling=scaling,
-        norm_eps=hf.get("rms_norm_eps", 1e-6), qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-        family=family)
+    sizes = dict(block_size=min(max_len, window or max_len), vocab_size=hf["vocab_size"],
+                 n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
+                 n_kv_head=hf.get("num_key_value_heads") or 0, n_embd=hf["hidden_size"],
+                 head_size=hf.get("head_dim") or 0, mlp_hidden=hf["intermediate_size"],
+                 rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+                 norm_eps=hf.get("rms_norm_eps", 1e-6))
+    # config.json is data: its sizes are checked before GPTConfig divides one by another
+    check_sizes(sizes, "config.json", "fix it, or download the model again")
+    sizes["rope_theta"] = float(sizes["rope_theta"])
+    return GPTConfig(**sizes, tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling,
+                     qkv_bias=family == "qwen2", qk_norm=family == "qwen3", family=family)
 
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -182,12 +203,21 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
         config = replace(config_from_hf(hf, block_size), **overrides)
     except KeyError as e:
         raise ValueError(f"{path / 'config.json'} lacks {e}, which a {hf.get('model_type')} model needs") from None
+    except (TypeError, AttributeError) as e:  # a list for a number, a string for the whole config, ...
+        raise ValueError(f"{path / 'config.json'} holds a value of the wrong kind ({e}): fix it, or download "
+                         f"the model again") from None
     files = safetensors_files(path)
-    with open_safetensors(files[0]) as f:  # the dtype of the first tensor is the folder's
-        stored = f.get_slice(next(iter(f.keys()))).get_dtype()
-    dtype = dtype or SAFETENSORS_DTYPES.get(stored, torch.float32)
-    with torch.device("meta"):  # no memory yet, and no time spent on a random init
+    shapes, stored = header_shapes(files)
+    dtype = dtype or SAFETENSORS_DTYPES.get(stored, torch.float32)  # the first tensor's is the folder's
+    # The sizes config.json states must be the weights' own before any memory is taken for them: a model of
+    # as many blocks as the files hold, built on the meta device (no memory yet, no time on a random init).
+    fix = "fix config.json, or download the model again"
+    if layer_count(shapes, "model.layers.") != config.n_layer:
+        raise ValueError(f"config.json says num_hidden_layers={config.n_layer}, but {path}'s weights hold "
+                         f"{layer_count(shapes, 'model.layers.')} layers: {fix}")
+    with torch.device("meta"):
         model = GPT(config)
+    check_shapes(model, shapes, hf_layout(config), path, fix)
     model = model.to(dtype).to_empty(device="cpu").materialize()
     params = dict(model.named_parameters())
     layout = hf_layout(config)

@@ -7,6 +7,7 @@ keep their names throughout, so checkpoints move between layouts.
     model = parallelize(model, mesh, tp=2, fsdp=True, checkpointing=True, compile=True, dtype=torch.bfloat16)
 """
 
+import re
 from functools import partial
 
 import torch
@@ -29,6 +30,10 @@ def pick_device(device="auto", dtype="auto"):
     Returns (device, dtype name); a CUDA device without a GPU or an unknown dtype is a one-line ValueError."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
+        raise ValueError(f"device={device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device=mps but no Apple GPU is visible (use --device=cpu)")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device} but no CUDA GPU is visible (use --device=cpu)")
     if dtype == "auto":

@@ -42,6 +42,9 @@ TEXT_FIELDS = ("text", "content", "body")
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
 MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)
 PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a time
+# Text with no safe cut (one 50 MB word, a gzip of one repeated byte) is cut here anyway, so that what is held
+# and what the encoder is given stay bounded for any input; the report counts those cuts.
+HARD_CUT = 1 << 20
 BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
 # Where a text can be cut and its pieces encoded apart with the same tokens as the whole, for the
 # regex pre-tokenizers of GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before
@@ -179,6 +182,8 @@ def read_documents(path, field, dedup, chat):
                     text, why = None, "not UTF-8"
                 except ValueError as e:
                     text, why = None, f"malformed JSON ({getattr(e, 'msg', e)})"
+                except RecursionError:  # json's parser recurses once per level
+                    text, why = None, "JSON nested too deeply"
                 yield str(n), text, why
     elif ext == ".parquet":
         yield from read_parquet(path, field, chat)
@@ -187,6 +192,8 @@ def read_documents(path, field, dedup, chat):
             obj = json.loads("".join(text for _, text in decoded(path)))
         except json.JSONDecodeError as e:
             raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
+        except RecursionError:
+            raise SkipFile("JSON nested too deeply")
         for i, item in enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]:
             yield (f"item {i}" if i else ""), *record_text(item, field, chat)
     else:
@@ -258,9 +265,10 @@ def read_text(path, dedup):
     return first if n <= 1 else BigText(path, nchars, blank, digest and digest.digest())
 
 
-def pieces(doc, start=0, stop=None, in_one_piece=False):
+def pieces(doc, start=0, stop=None, in_one_piece=False, stats=None):
     """Yield (text, is_last) for characters start:stop of a document: a str in one piece, a BigText in
-    pieces of about one read, cut at its last SAFE_CUT (none in it: held until one comes), or in one."""
+    pieces of about one read, cut at its last SAFE_CUT (none in it: held until one comes), or in one; either
+    way cut at HARD_CUT characters held, counted in stats["hard_cuts"]."""
     if isinstance(doc, (str, Chat)):  # a conversation is always whole
         yield doc[start:stop] if isinstance(doc, str) else doc, True
         return
@@ -277,6 +285,11 @@ def pieces(doc, start=0, stop=None, in_one_piece=False):
                 held = [text[cut.end():]]
             else:
                 held.append(text)
+            if sum(map(len, held)) >= HARD_CUT:
+                yield "".join(held), False
+                held = []
+                if stats is not None:
+                    stats["hard_cuts"] += 1
             if stop is not None and at >= stop:
                 break
     except (SkipFile, OSError, EOFError, zlib.error) as e:  # it was whole when read_text checked it
@@ -289,6 +302,7 @@ def new_stats():
     return {"files_read": 0, "extensions": {}, "skipped_files": [], "hidden_skipped": 0,
             "bad_records": {"count": 0, "examples": []}, "empty_documents": 0, "duplicates_dropped": 0,
             "short_dropped": 0,  # documents of fewer tokens than --min_length
+            "hard_cuts": 0,  # places text was cut off a safe cut, none being within HARD_CUT characters
             "conversations": None}  # whether the documents are conversations: the first one decides
 
 
@@ -379,11 +393,19 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=
             [len(t.encode("utf-8")) for t in texts], dropped)
 
 
-def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False, min_length=0):
+def document_pieces(docs, in_one_piece, stats):
+    # (text, is_last, is_val, ext, whole) for each piece of docs; whole: the document's only piece
+    for is_val, ext, doc, start, stop in docs:
+        first = True
+        for text, end in pieces(doc, start, stop, in_one_piece, stats):
+            yield text, end, is_val, ext, first and end
+            first = False
+
+
+def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False, min_length=0, stats=None):
     """docs: (is_val, ext, doc, start, stop) -> yields ([(is_val, is_last, ext)], encode_batch's result) per
     batch, one entry per piece. Batches don't depend on num_workers, so neither do the outputs."""
-    items = ((text, end, is_val, ext, not isinstance(doc, BigText)) for is_val, ext, doc, start, stop in docs
-             for text, end in pieces(doc, start, stop, in_one_piece))
+    items = document_pieces(docs, in_one_piece, stats)
     with ThreadPoolExecutor(num_workers) as pool:
         pending = deque()  # at most 2 batches per worker in flight, so that memory stays bounded
         batch, size = [], 0
@@ -595,8 +617,10 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet, min_l
     # SAFE_CUT is checked for these pre-tokenizers only; any other tokenizer gets whole documents.
     in_one_piece = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
                                                        and tokenizer.name not in SAFE_ENCODINGS)
+    doc = {"pieces": 0}  # the document under way, for drop_short_pieces
     for infos, (ids, masks, lens, sizes, dropped) in encoded(docs, tokenizer, dtype, threads, in_one_piece,
-                                                             min_length):
+                                                             min_length, stats):
+        ids, dropped = drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length)
         for split, i in (("train", 0), ("val", 1)):
             if files:
                 files[split].write(ids[i])
@@ -607,6 +631,7 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet, min_l
         for (is_val, is_last, ext), ntokens, nbytes, short in zip(infos, lens, sizes, dropped):
             if short:  # fewer tokens than --min_length: left out
                 stats["short_dropped"] += 1
+                doc_tokens = doc_bytes = 0
                 continue
             doc_tokens += ntokens
             doc_bytes += nbytes
@@ -626,6 +651,40 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet, min_l
         bar.set_postfix(files=stats["files_read"], tokens=human(ntokens_so_far), refresh=False)
     bar.close()
     return splits, last, histogram
+
+
+def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length):
+    """-> (ids, dropped) without a document of several pieces that ends in this batch shorter than min_length
+    tokens (encode_batch drops those of one piece), its last piece marked dropped. Documents come one after
+    another, so its pieces from earlier batches are at the end of its split's file: they are cut off there.
+    doc: {"pieces", "tokens", "begin" (in this batch's ids, or None), "file_start"} of the one under way."""
+    if not min_length:
+        return ids, dropped
+    keep, at, dropped = [np.ones(len(a), bool) for a in ids], [0, 0], list(dropped)
+    for i, ((is_val, is_last, _), ntokens, short) in enumerate(zip(infos, lens, dropped)):
+        if short:
+            continue
+        if doc["pieces"] == 0:
+            doc.update(tokens=0, begin=at[is_val])
+        doc["pieces"] += 1
+        doc["tokens"] += ntokens
+        at[is_val] += ntokens
+        if is_last and doc["pieces"] > 1 and doc["tokens"] - 1 < min_length:  # its end-of-text not counted
+            keep[is_val][doc["begin"] or 0:at[is_val]] = False
+            if doc["begin"] is None and files:  # begun in an earlier batch: cut off what it wrote
+                written = files["val" if is_val else "train"]
+                written.truncate(doc["file_start"])
+                written.seek(doc["file_start"])
+            dropped[i] = True
+        if is_last:
+            doc["pieces"] = 0
+    if doc["pieces"]:  # under way: where its pieces begin in its file once this batch is written
+        is_val = infos[-1][0]
+        if files and doc["begin"] is not None:
+            kept_before = int(keep[is_val][:doc["begin"]].sum())
+            doc["file_start"] = files["val" if is_val else "train"].tell() + kept_before * ids[is_val].itemsize
+        doc["begin"] = None
+    return [a[k] for a, k in zip(ids, keep)], dropped
 
 
 def balance_splits(splits, last, files, itemsize, masked):
@@ -723,6 +782,9 @@ def report_skips(report, log):
     short = f", {report['short_dropped']} shorter than --min_length" if report.get("short_dropped") else ""
     log(f"dropped {report['empty_documents']} empty documents, {report['duplicates_dropped']} duplicates{short}; "
         f"left out {report['hidden_skipped']} hidden files and folders")
+    if report.get("hard_cuts"):
+        log(f"cut text {report['hard_cuts']} times where {human(HARD_CUT)} characters held no safe place to cut "
+            f"(its tokens there may differ from those of the text whole)")
 
 
 def report_analyze(meta, log):
@@ -800,7 +862,13 @@ def main(argv=None):
     arg("--bench", action="store_true", help="measure throughput against tiktoken's own batch encoder")
     p.error = lambda msg: die(f"{msg} (see python prepare.py --help)")  # one line, not usage + error
     args = p.parse_args(argv)
-    return bench(args) if args.bench else prepare(args)
+    try:
+        return bench(args) if args.bench else prepare(args)
+    except OSError as e:  # its .tmp files are gone by now, and the dataset there before is whole
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        die(f"the disk of {args.out_dir or 'data/stdlib'} is full ({e.strerror}); no dataset was written: "
+            f"make room, or choose another --out_dir")
 
 
 if __name__ == "__main__":

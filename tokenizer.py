@@ -16,10 +16,13 @@ import json
 import os
 import pickle
 import re
+import sys
 from itertools import chain
 from pathlib import Path
 
 import numpy as np
+
+from bounds import confined
 
 # The end-of-text tokens of Hugging Face tokenizers, in order of preference.
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -27,8 +30,11 @@ MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py ren
 
 
 def die(msg):
-    """A user's mistake: one line naming the problem and the fix, non-zero exit."""
-    raise SystemExit(f"prepare.py: {msg}")
+    """A user's mistake: one line naming the problem and the fix, non-zero exit; labelled with the running
+    script's name (sample.py reads tokenizers too), prepare.py's where it is none of ours (a test)."""
+    main = os.path.abspath(getattr(sys.modules.get("__main__"), "__file__", None) or "")
+    ours = os.path.dirname(main) == os.path.dirname(os.path.abspath(__file__))
+    raise SystemExit(f"{os.path.basename(main) if ours else 'prepare.py'}: {msg}")
 
 
 def durable_replace(src, dst):
@@ -272,12 +278,14 @@ def read_meta(data_dir):
             meta = json.loads(path.read_text(encoding="utf-8"))
             meta["dtype"] = np.dtype(meta["dtype"]).name
             vocab_size, eot_id = meta["vocab_size"], meta.get("eot_id")
-            if np.dtype(meta["dtype"]).kind not in "iu":
-                raise ValueError(f"dtype {meta['dtype']} does not hold token ids")
+            if meta["dtype"] not in ("uint16", "uint32"):  # uint8 over a uint16 file reads each id as two
+                raise ValueError(f"dtype {meta['dtype']} is not uint16 or uint32, what token files hold")
             if type(vocab_size) is not int or vocab_size < 1:
                 raise ValueError(f"vocab_size {vocab_size!r} is not a whole number above 0")
-            if eot_id is not None and type(eot_id) is not int:
-                raise ValueError(f"eot_id {eot_id!r} is not a token id")
+            if meta["dtype"] == "uint16" and vocab_size > 1 << 16:
+                raise ValueError(f"dtype uint16 cannot hold the ids of a vocab_size of {vocab_size}")
+            if eot_id is not None and (type(eot_id) is not int or not 0 <= eot_id < vocab_size):
+                raise ValueError(f"eot_id {eot_id!r} is not a token id below vocab_size {vocab_size}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             why = f"{type(e).__name__}: {e}"
             raise ValueError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
@@ -302,9 +310,21 @@ def load_tokenizer(data_dir):
     spec = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))["tokenizer"]
     if spec["kind"] == "tiktoken":
         return tiktoken_tokenizer(spec["name"])
-    if not (data_dir / spec["file"]).exists():
-        die(f"{data_dir / spec['file']} is missing, and meta.json needs it (re-run prepare.py)")
-    data = (data_dir / spec["file"]).read_text(encoding="utf-8")
+    path = confined(data_dir, spec.get("file"), data_dir / "meta.json")  # no /dev/zero, no ../elsewhere
+    if not path.exists():
+        die(f"{path} is missing, and meta.json needs it (re-run prepare.py)")
+    try:
+        return tokenizer_from_file(spec, path.read_text(encoding="utf-8"))
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # a pattern the regex engine refuses; the Rust libraries' panics are BaseExceptions
+        why = (str(e).strip().splitlines() or [""])[0][:160]
+        raise ValueError(f"cannot read the tokenizer in {path} ({type(e).__name__}: {why}): re-run prepare.py") \
+            from None
+
+
+def tokenizer_from_file(spec, data):
+    # meta.json's tokenizer spec and the text of the file it names -> Tokenizer
     if spec["kind"] == "huggingface":
         return hf_tokenizer(spec["name"], data)
     data = json.loads(data)

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint as ckpt
+from bounds import check_sizes, check_token_ids
 from configurator import configure
 from data import Split
 from hf import fingerprint, load_pretrained, read_json
@@ -265,6 +266,8 @@ if meta["vocab_size"] > vocab_size:
          f"{vocab_size} (set vocab_size=0 to follow the data)")
 try:  # whole examples need no minimum length; windows need one longer than block_size
     train_tokens = check_token_files(data_dir, meta, block_size if sequences == "windows" else 0)
+    for split in ("train", "val"):  # and every id in them is one meta.json's vocabulary has
+        check_token_ids(os.path.join(data_dir, f"{split}.bin"), meta["dtype"], meta["vocab_size"])
 except ValueError as e:
     fail(str(e))
 
@@ -274,6 +277,10 @@ except ValueError as e:
 model_args = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, block_size=block_size,
                   vocab_size=vocab_size, dropout=dropout, tie_embeddings=tie_embeddings,
                   use_kernels=use_kernels)
+try:
+    check_sizes(model_args, "this run", "set it to a whole number above 0")
+except ValueError as e:
+    fail(str(e))
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 iter_num, best_val_loss, evals_without_gain, skipped_in_a_row = 0, float("inf"), 0, 0
 evaluated_at = None  # the step whose evaluation is done (a checkpoint saved on a signal may lack it)

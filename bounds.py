@@ -1,0 +1,85 @@
+"""
+Bounds on what comes from disk: a checkpoint, a dataset or a model folder is data, and data may lie. A model's
+sizes are checked to be whole numbers and then against its weights' own shapes before anything is allocated, and
+a file that a folder's index names is read only when it is a regular file inside that folder.
+
+    from bounds import check_sizes, confined
+    check_sizes({"n_layer": 2, "n_embd": 64}, "out/ckpt.pt", "use another checkpoint")
+    confined("data/mine", "tokenizer.json", "data/mine/meta.json")    # Path, or a one-line ValueError
+"""
+
+import math
+import os
+import re
+import stat
+from pathlib import Path
+
+import numpy as np
+
+# The most positions a model may hold rotary tables for: past every released model (Qwen2.5-1M has ~1M), and
+# small enough that the tables (positions x head size, twice) are not themselves the hostile input.
+MAX_POSITIONS = 1 << 21
+SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "head_size", "mlp_hidden")
+DERIVED = ("n_kv_head", "head_size", "mlp_hidden")  # 0 means "from the other sizes" (GPTConfig)
+
+
+def check_sizes(args, where, fix):
+    """ValueError in one line unless every model size in args (GPTConfig's names) is a whole number above 0 (0
+    allowed where it means derived), block_size at most MAX_POSITIONS, and rope_theta, norm_eps and dropout are
+    numbers in their range. where: the file that says them; fix: what to do about it."""
+    for name in SIZES:
+        value = args.get(name, 1)
+        if type(value) is not int or value < (0 if name in DERIVED else 1):
+            raise ValueError(f"{where} says {name}={value!r}, not a whole number above 0: {fix}")
+    if args.get("block_size", 1) > MAX_POSITIONS:
+        raise ValueError(f"{where} says block_size={args['block_size']}, past the {MAX_POSITIONS} positions this "
+                         f"model.py holds tables for: {fix}")
+    for name, low, high in (("rope_theta", 0, math.inf), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
+        value = args.get(name, 0.5)
+        if type(value) not in (int, float) or not low < value < high:
+            raise ValueError(f"{where} says {name}={value!r}, not a number in its range: {fix}")
+
+
+def layer_count(names, prefix):
+    """How many blocks a set of weight names holds: the distinct N of the names that begin with prefix + 'N.'."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    return len({m.group(1) for m in map(pattern.match, names) if m})
+
+
+def check_shapes(model, shapes, names, where, fix):
+    """ValueError in one line at the first tensor of shapes ({its name: shape}, read from a file's headers or
+    its tensors) whose shape differs from the parameter that names ({its name: our parameter's}) maps it to, in
+    model (built on the meta device, so that a lie costs no memory)."""
+    params = dict(model.named_parameters())
+    for theirs, ours in names.items():
+        if theirs in shapes and ours in params and tuple(shapes[theirs]) != tuple(params[ours].shape):
+            raise ValueError(f"{theirs} in {where} has shape {tuple(shapes[theirs])}, but the sizes it states "
+                             f"imply {tuple(params[ours].shape)}: {fix}")
+
+
+def confined(folder, name, where):
+    """folder/name, where name is a relative path that stays inside folder (links resolved) and, if it is
+    there, a regular file (not a FIFO or a device, which would hang or never end); else a one-line ValueError
+    saying that where (the file that named it) names it."""
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        raise ValueError(f"{where} names {name!r}, not a file inside {folder}: replace it with the folder's own")
+    root, real = os.path.realpath(folder), os.path.realpath(os.path.join(folder, name))
+    if os.path.commonpath([root, real]) != root:
+        raise ValueError(f"{where} names {name!r}, which is outside {folder}: replace it with the folder's own")
+    if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):
+        raise ValueError(f"{where} names {name!r}, which is not a regular file: replace it with the folder's own")
+    return Path(folder) / name
+
+
+def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
+    """ValueError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
+    (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has). It is
+    read in chunks of memory-mapped ids, about as fast as the disk reads."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
+    ids = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+    for start in range(0, len(ids), chunk):
+        top = int(ids[start:start + chunk].max())
+        if top >= vocab_size:
+            raise ValueError(f"{path} holds token id {top}, past meta.json's vocab_size {vocab_size}: it is "
+                             f"not the data meta.json describes (prepare it again)")

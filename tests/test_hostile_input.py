@@ -1,0 +1,383 @@
+"""
+Hostile and careless input (issue 30): each case either works correctly or ends in one line naming the problem
+and the fix, within bounded memory and time. Small crafted inputs, table-driven; a subprocess only where the
+one-line exit itself is what is tested.
+
+    python -m pytest tests/test_hostile_input.py -q
+"""
+
+import gzip
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint as ckpt
+import forkserver  # the tests' own: train.py and sample.py started without importing torch each time
+import hf
+import prepare
+from conftest import TIKTOKEN_CACHE
+from model import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parents[1]
+needs_tiktoken = pytest.mark.skipif(not TIKTOKEN_CACHE.is_dir(), reason="no tiktoken cache (tests never download)")
+
+TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+@contextmanager
+def deadline(seconds):
+    # What today's code would do forever (a FIFO's open, two nested loops) fails the test instead of hanging it:
+    # the alarm's exception interrupts the blocking call or the loop.
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def built_on_meta_only(monkeypatch, module):
+    # A model of the lying sizes would take memory (or, of 10**9 blocks, time) without bound: it may only be
+    # built on the meta device, as many blocks as the weights hold, to compare its shapes with theirs.
+    def checked(config):
+        assert torch.empty(0).device.type == "meta" and config.n_layer == TINY.n_layer, "built before checked"
+        return GPT(config)
+    monkeypatch.setattr(module, "GPT", checked)
+
+# -----------------------------------------------------------------------------
+# a Hugging Face folder's config.json against its safetensors headers, and its shard index
+
+
+@pytest.fixture
+def folder(tmp_path):
+    torch.manual_seed(0)
+    hf.save_pretrained(GPT(TINY), tmp_path / "model")
+    return tmp_path / "model"
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000"),
+    ({"hidden_size": 10**7}, "shape"),
+    ({"intermediate_size": 10**9}, "shape"),
+    ({"vocab_size": 10**9}, "shape"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers|n_layer=-1"),
+    ({"hidden_size": "32"}, "n_embd='32'"),
+    ({"num_attention_heads": 0}, "n_head=0"),
+    ({"rms_norm_eps": "tiny"}, "norm_eps='tiny'"),
+    ({"max_position_embeddings": 10**12}, "block_size=1000000000000"),
+])
+def test_config_json_is_checked_against_the_weights_before_anything_is_built(folder, monkeypatch, changes, says):
+    edit_config(folder, **changes)
+    built_on_meta_only(monkeypatch, hf)
+    with pytest.raises(ValueError, match=says):
+        hf.load_pretrained(folder)
+
+
+def test_the_checked_folder_still_loads(folder):
+    model = hf.load_pretrained(folder)
+    assert model.config.n_layer == 2 and model.config.n_embd == 32
+
+
+def write_index(folder, shard):
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": shard}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("shard, says", [
+    ("/etc/passwd", "not a file inside"),
+    ("../other/model.safetensors", "outside"),
+    ("link.safetensors", "outside"),
+    ("fifo.safetensors", "not a regular file"),
+    (7, "not a file inside"),
+])
+def test_a_shard_index_names_only_regular_files_inside_the_folder(folder, tmp_path, shard, says):
+    (tmp_path / "other").mkdir()
+    os.link(folder / "model.safetensors", tmp_path / "other" / "model.safetensors")
+    os.symlink(tmp_path / "other" / "model.safetensors", folder / "link.safetensors")
+    os.mkfifo(folder / "fifo.safetensors")
+    write_index(folder, shard)
+    with pytest.raises(ValueError, match=says):  # before any is opened: a FIFO's open would wait forever
+        hf.safetensors_files(folder)
+
+
+def test_integer_tensors_are_refused_where_floats_belong(folder):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones_like(tensors["model.norm.weight"], dtype=torch.int32)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="I32 values, not floating-point"):
+        hf.load_pretrained(folder)
+
+
+@pytest.mark.parametrize("header", [b"{}", b'{"__metadata__": {"format": "pt"}}'])
+def test_a_safetensors_file_without_tensors_is_one_line(folder, header):
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(ValueError, match="holds no tensors"):
+        hf.load_pretrained(folder)
+
+# -----------------------------------------------------------------------------
+# a checkpoint's model_args against its tensors
+
+
+def tiny_checkpoint(**args):
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    return {"model": model.state_dict(), "model_args": {**asdict(TINY), **args}, "config": {}}
+
+
+@pytest.mark.parametrize("args, says", [
+    ({"n_layer": 10**9}, "n_layer=1000000000, but its weights hold 2 blocks"),
+    ({"n_layer": 1e9}, "n_layer=1000000000.0"),
+    ({"n_embd": 10**8}, "shape"),
+    ({"vocab_size": 10**9}, "shape"),
+    ({"n_embd": -64}, "n_embd=-64"),
+    ({"n_head": 0}, "n_head=0"),
+    ({"n_embd": "32"}, "n_embd='32'"),
+    ({"block_size": 10**12}, "block_size=1000000000000"),
+])
+def test_model_args_are_checked_against_the_tensors_before_anything_is_built(monkeypatch, args, says):
+    built_on_meta_only(monkeypatch, ckpt)
+    with pytest.raises(ValueError, match=says):
+        ckpt.model_from_checkpoint(tiny_checkpoint(**args))
+
+
+@pytest.mark.parametrize("args, says", [({"n_layer": 10**9}, "n_layer=1000000000, but it holds the weights of 2"),
+                                         ({"n_layer": 1e9}, "n_layer=1000000000.0, not a whole number")])
+def test_a_sharded_checkpoint_is_checked_before_its_model_is_built_to_resume(args, says):
+    # a sharded checkpoint's state.pt names its parameters in its optimizer's param_groups; its tensors are read
+    # into the model later, once train.py has built it from model_args
+    names = list(GPT(TINY).state_dict())
+    state = {"model_args": {**asdict(TINY), **args}, "param_groups": [{"params": names}], "config": {}}
+    with pytest.raises(ValueError, match=says):
+        ckpt.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt")
+
+
+def test_a_checkpoint_with_tensors_its_model_lacks_is_one_line():
+    checkpoint = tiny_checkpoint()
+    checkpoint["model"]["blocks.0.extra"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="do not fit its model_args"):
+        ckpt.model_from_checkpoint(checkpoint)
+
+
+def test_an_empty_ckpt_pt_is_one_line(tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a readable checkpoint"):
+        ckpt.load_checkpoint(tmp_path / "ckpt.pt")
+
+# -----------------------------------------------------------------------------
+# prepare.py: text with no safe cut, --min_length on big files, nested JSON
+
+def capped(megabytes):
+    # for a child: its address space capped, so that a bomb ends it rather than the machine
+    import resource
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (megabytes << 20, megabytes << 20))
+
+
+@needs_tiktoken
+@pytest.mark.slow
+def test_text_without_a_safe_cut_is_encoded_in_bounded_pieces(tmp_path):
+    # 4 MB of one repeated byte, gzipped to 4 KB: held whole, tiktoken takes ~250 MB for it (30 GB for a 1 MiB
+    # gzip of 1 GB); cut every HARD_CUT characters, prepare.py runs in 400 MB of address space.
+    with gzip.open(tmp_path / "bomb.txt.gz", "wb") as f:
+        f.write(b"a" * (4 << 20))
+    r = subprocess.run([sys.executable, "prepare.py", tmp_path / "bomb.txt.gz", "--out_dir", tmp_path / "d",
+                        "--num_workers=1"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       preexec_fn=capped(400))
+    assert r.returncode == 0, r.stderr[-300:]
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["hard_cuts"] >= 3 and "no safe place to cut" in r.stdout
+    assert 0 <= meta["train"]["tokens"] + meta["val"]["tokens"] - (4 << 20) // 4 < 10  # 'aaaa' is one token
+
+
+def test_min_length_applies_to_documents_of_several_pieces(tmp_path):
+    # three files of over 64 KB, read in pieces: the middle one has fewer characters (tokens) than min_length
+    lines = lambda n, word: "".join(f"{word} {i}\n" for i in range(n))
+    texts = {"a.txt": lines(30000, "first"), "b.txt": lines(9000, "short"), "c.txt": lines(30000, "last")}
+    for name, text in texts.items():
+        (tmp_path / "in").mkdir(exist_ok=True)
+        (tmp_path / "in" / name).write_text(text)
+    assert 64 << 10 < len(texts["b.txt"]) < 100_000 < len(texts["a.txt"])
+    meta = prepare.main([str(tmp_path / "in"), "--tokenizer=char", "--out_dir", str(tmp_path / "d"),
+                         "--min_length=100000", "--val_fraction=0"])
+    assert meta["short_dropped"] == 1 and meta["train"]["documents"] == 2
+    ids = np.fromfile(tmp_path / "d" / "train.bin", dtype=meta["dtype"])
+    tokenizer = prepare.load_tokenizer(tmp_path / "d")
+    eot = tokenizer.decode([meta["eot_id"]])
+    assert tokenizer.decode(ids.tolist()) == texts["a.txt"] + eot + texts["c.txt"] + eot
+
+
+def test_json_nested_past_the_parsers_depth_is_skipped_and_listed(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text(json.dumps({"text": "kept"}) + "\n" + deep + "\n")
+    (tmp_path / "in" / "b.json").write_text(deep)
+    meta = prepare.main([str(tmp_path / "in"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
+    assert meta["bad_records"]["examples"] == [f"{tmp_path / 'in' / 'a.jsonl'}:2: JSON nested too deeply"]
+    assert meta["skipped_files"] == [{"path": str(tmp_path / "in" / "b.json"), "reason": "JSON nested too deeply"}]
+
+# -----------------------------------------------------------------------------
+# chat templates: a step and output budget, and their own errors as one line
+
+PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}</s>{% endif %}{% endfor %}"
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "more than 1,000,000 steps"),
+    ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}", "steps"),
+    ("{{ 'a' * 1000000000 }}", "its \\* makes a value past the budget"),
+    ("{{ 2 ** 100000000 }}", "its \\*\\* makes a value past the budget"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(30) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "more than 16,777,216 characters"),
+    ("{% for i in range(20000) %}{{ 'x' * 1000 }}{% endfor %}", "writes more than"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ (1e308 * 10) | int }}", "OverflowError"),
+])
+def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, says):
+    import chat
+    started = time.time()
+    with deadline(20), pytest.raises(ValueError, match=says):
+        chat.ChatFormat(PROBE + template, "test", ["</s>"], "</s>")
+    assert time.time() - started < 20
+
+# -----------------------------------------------------------------------------
+# a dataset's meta.json names its tokenizer's file inside its folder; a pattern the regex engine refuses
+
+
+def char_dataset(folder):
+    (folder / "in.txt").write_text("hello world\n" * 10)
+    prepare.main([str(folder / "in.txt"), "--tokenizer=char", "--out_dir", str(folder / "d")])
+    return folder / "d"
+
+
+def name_tokenizer_file(dataset, name):
+    meta = json.loads((dataset / "meta.json").read_text())
+    meta["tokenizer"]["file"] = name
+    (dataset / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("name, says", [
+    ("/dev/zero", "not a file inside"),
+    ("../in.txt", "outside"),
+    ("fifo.json", "not a regular file"),
+    (None, "not a file inside"),
+])
+def test_the_tokenizer_file_is_a_regular_file_in_the_datasets_folder(tmp_path, name, says):
+    dataset = char_dataset(tmp_path)
+    os.mkfifo(dataset / "fifo.json")
+    name_tokenizer_file(dataset, name)
+    with deadline(5), pytest.raises(ValueError, match=says):
+        prepare.load_tokenizer(dataset)
+
+
+def test_a_tokenizer_pattern_the_regex_engine_refuses_is_one_line(tmp_path):
+    dataset = tmp_path / "bpe"
+    (tmp_path / "in.txt").write_text("hello world\n" * 10)
+    prepare.main([str(tmp_path / "in.txt"), "--tokenizer=bpe:260", "--out_dir", str(dataset)])
+    tokenizer_file = dataset / json.loads((dataset / "meta.json").read_text())["tokenizer"]["file"]
+    data = json.loads(tokenizer_file.read_text())
+    tokenizer_file.write_text(json.dumps({**data, "pattern": "(unclosed"}))
+    with pytest.raises(ValueError, match="cannot read the tokenizer in .*re-run prepare.py"):
+        prepare.load_tokenizer(dataset)
+
+# -----------------------------------------------------------------------------
+# silently wrong datasets, and one line, always: through the scripts, where the one-line exit is the point
+
+TRAIN = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=2", "--max_iters=1",
+         "--eval_iters=1", "--device=cpu", "--compile=False"]
+
+
+def tiny_dataset(folder, dtype="uint16", vocab_size=62, top=None):
+    folder.mkdir()
+    ids = np.random.default_rng(0).integers(0, vocab_size, 3000).astype(np.uint16)
+    ids[100] = top if top is not None else ids[100]
+    ids[:2500].tofile(folder / "train.bin")
+    ids[2500:].tofile(folder / "val.bin")
+    (folder / "meta.json").write_text(json.dumps({"dtype": dtype, "vocab_size": vocab_size, "eot_id": 0}))
+    return folder
+
+
+def one_line(done, script, *words):
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1 and lines[0].startswith(f"{script}: "), done.stderr[-2000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("meta, says", [
+    ({"dtype": "uint8"}, "dtype uint8 is not uint16 or uint32"),
+    ({"dtype": "int16"}, "dtype int16 is not uint16 or uint32"),
+    ({"dtype": "uint16", "vocab_size": 100_000}, "cannot hold"),
+    ({"eot_id": -1}, "eot_id -1 is not a token id"),
+    ({"eot_id": 62}, "eot_id 62 is not a token id"),
+])
+def test_meta_json_that_would_read_the_tokens_wrong_is_refused(tmp_path, meta, says):
+    dataset = tiny_dataset(tmp_path / "d")
+    (dataset / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 62, "eot_id": 0, **meta}))
+    with pytest.raises(ValueError, match=says):
+        prepare.read_meta(dataset)
+
+
+@pytest.mark.parametrize("case, args, says", [
+    ("id past meta.json's vocab_size", [], "holds token id 63, past meta.json's vocab_size 62"),
+    ("train.bin a folder", [], "is not a file"),
+    ("negative width", ["--n_embd=-64"], "n_embd=-64, not a whole number above 0"),
+    ("unknown device", ["--device=tpu"], "device='tpu' is not one of"),
+])
+def test_train_py_refuses_in_one_line(tmp_path, case, args, says):
+    dataset = tiny_dataset(tmp_path / "d", top=63 if "vocab_size" in case else None)
+    if "folder" in case:
+        os.remove(dataset / "train.bin")
+        (dataset / "train.bin").mkdir()
+        (dataset / "train.bin" / "x").write_bytes(b"\0" * 5000)
+    done = forkserver.run(["train.py", *TRAIN, f"--data_dir={dataset}", f"--out_dir={tmp_path / 'out'}", *args],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    one_line(done, "train.py", says)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("0-byte ckpt.pt", "not a readable checkpoint (EOFError"),
+    ("tokenizer.json that does not load", "cannot load"),
+])
+def test_sample_py_says_its_own_name_in_one_line(tmp_path, folder, case, says):
+    if case.startswith("0-byte"):
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "ckpt.pt").write_bytes(b"")
+        args = [f"--out_dir={tmp_path / 'out'}"]
+    else:
+        (folder / "tokenizer.json").write_text('{"model": "broken"}')
+        args = [f"--model={folder}"]
+    done = forkserver.run(["sample.py", *args, "--device=cpu", "--max_new_tokens=2"], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    one_line(done, "sample.py", says)
+
+
+def test_prepare_py_on_a_full_disk_is_one_line_and_leaves_no_dataset(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here to fill a disk with")
+    (tmp_path / "in.txt").write_text("hello world\n" * 20000)
+    (tmp_path / "d").mkdir()
+    os.symlink("/dev/full", tmp_path / "d" / "train.bin.tmp")  # every write to it fails with ENOSPC
+    with pytest.raises(SystemExit, match="prepare.py: the disk of .* is full .*no dataset was written"):
+        prepare.main([str(tmp_path / "in.txt"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
+    assert sorted(os.listdir(tmp_path / "d")) == []
