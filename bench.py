@@ -59,9 +59,11 @@ parser.add_argument("--mode", choices=["train", "race", "kernels", "load", "lora
                          "sft: a task's exact match trained on answers only and on every token, and packing; "
                          "gpu: all a GPU must show, as Markdown for BENCHMARKS.md")
 parser.add_argument("--tiny", action="store_true", help="--mode=gpu at tiny shapes on a CPU: a smoke check")
-parser.add_argument("--section", default="all", help="--mode=gpu: the parts of the report to run, comma-separated: "
-                    "kernels, step, memory, optimizers, finetune, tests (README.md, 'Measuring on a GPU')")
-parser.add_argument("--out", help="--mode=gpu: a folder for each section's Markdown (SECTION.md), written as it goes")
+parser.add_argument("--section", default="all",
+                    help="--mode=gpu: the parts of the report to run, comma-separated: kernels, step, memory, "
+                         "optimizers, finetune, tests (README.md, 'Measuring on a GPU')")
+parser.add_argument("--out", help="--mode=gpu: a folder for each section's Markdown (SECTION.md), "
+                                  "written as it goes")
 parser.add_argument("--commit", help="--mode=gpu: the commit the report names (default: git describe, else the "
                                      "wheels/COMMIT that wheels.py writes)")
 parser.add_argument("--minutes", type=float, default=6.5,
@@ -724,7 +726,8 @@ def section_memory(cuda, scratch):
     layouts = [("one process", []), ("checkpointing", ["--gradient_checkpointing=True"]),
                ("FSDP, CPU offload, checkpointing", ["--fsdp=True", "--fsdp_cpu_offload=True",
                                                      "--gradient_checkpointing=True"])]
-    print("| model | layout | estimate MB | measured MB | measured / estimate | tokens/s |\n" + "| --- " * 6 + "|")
+    print("| model | layout | estimate MB | measured MB | measured / estimate | tokens/s |\n"
+          + "| --- " * 6 + "|")
     for name, shape in shapes:
         for i, (layout, extra) in enumerate(layouts):
             run_args = [*shape, f"--data_dir={scratch}", "--compile=False", *extra]
@@ -750,13 +753,14 @@ def section_optimizers(cuda, scratch):
     data = stdlib_tokens(scratch, tiny=not cuda)
     print(f"{steps} steps each\n\n| optimizer | val loss | tokens/s |\n| --- | --- | --- |")
     for name in ("adamw", "muon"):
-        run_args = [*(GPT2_124M if cuda else TINY), f"--data_dir={data}", "--compile=False", f"--optimizer={name}",
-                    f"--warmup_iters={steps // 10}"]
+        run_args = [*(GPT2_124M if cuda else TINY), f"--data_dir={data}", "--compile=False",
+                    f"--optimizer={name}", f"--warmup_iters={steps // 10}"]
         records = attempt(name, run_train, run_args, f"{scratch}/opt_{name}", steps, evaluate=True,
                           log_interval=every)
         if records:
             loss = [r for r in records if "val_loss" in r][-1]["val_loss"]
-            warm = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["iter"] > min(every, steps - 1)]
+            first = min(every, steps - 1)  # the first log's steps hold the start
+            warm = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["iter"] > first]
             print(f"| {name} | {loss:.4f} | {statistics.median(warm):,.0f} |")
 
 
@@ -776,7 +780,8 @@ def full_finetune_room(shape, folder, block_size=1024):
     if need > gpu:
         return f"its step needs ~{need / 2**30:,.0f} GiB of GPU memory, and this GPU has {gpu / 2**30:,.0f}"
     if disk > free:
-        return f"its folder and checkpoint need ~{disk / 2**30:,.0f} GiB of disk, and {free / 2**30:,.0f} are free"
+        return (f"its folder and checkpoint need ~{disk / 2**30:,.0f} GiB of disk, and {free / 2**30:,.0f} "
+                f"are free")
     return None
 
 
