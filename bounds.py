@@ -79,7 +79,8 @@ def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
         raise ValueError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
     ids = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
     for start in range(0, len(ids), chunk):
-        top = int(ids[start:start + chunk].max())
-        if top >= vocab_size:
-            raise ValueError(f"{path} holds token id {top}, past meta.json's vocab_size {vocab_size}: it is "
-                             f"not the data meta.json describes (prepare it again)")
+        piece = ids[start:start + chunk]
+        if int(piece.max()) >= vocab_size:
+            at = int(np.argmax(piece >= vocab_size))  # the first one, to name where the file goes wrong
+            raise ValueError(f"{path} holds token id {int(piece[at])} at position {start + at}, past meta.json's "
+                             f"vocab_size {vocab_size}: it is not the data meta.json describes (prepare it again)")

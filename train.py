@@ -710,7 +710,9 @@ while True:
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
         if held_back:  # the weights are still the evaluated step's, and its gradient is finite: a good state
             improved_then, rng_then = held_back
+            saving = time.time()
             save_checkpoint(improved_then, rng=rng_then)
+            t_log += time.time() - saving  # saving time is not training time either
         held_back = None
         for opt in optimizers:
             scaler.step(opt)

@@ -339,7 +339,7 @@ def test_meta_json_that_would_read_the_tokens_wrong_is_refused(tmp_path, meta, s
 
 
 @pytest.mark.parametrize("case, args, says", [
-    ("id past meta.json's vocab_size", [], "holds token id 63, past meta.json's vocab_size 62"),
+    ("id past meta.json's vocab_size", [], "holds token id 63 at position 100, past meta.json's vocab_size 62"),
     ("train.bin a folder", [], "is not a file"),
     ("negative width", ["--n_embd=-64"], "n_embd=-64, not a whole number above 0"),
     ("unknown device", ["--device=tpu"], "device='tpu' is not one of"),
