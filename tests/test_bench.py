@@ -71,7 +71,7 @@ def check_step(text):
     steps = {r[0]: r for r in rows(text)}
     assert {"kernels off, eager", "kernels on, eager"} <= steps.keys()
     assert any("doc_mask" in name for name in steps)
-    assert all(len(r) == 5 and all(map(number, r[1:])) for r in steps.values())
+    assert all(len(r) == 7 and all(map(number, r[1:])) for r in steps.values())
 
 
 def check_memory(text):
