@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from errors import UserError
+
 # The most positions a model may hold rotary tables for: past every released model (Qwen2.5-1M has ~1M), and
 # small enough that the tables (positions x head size, twice) are not themselves the hostile input.
 MAX_POSITIONS = 1 << 21
@@ -30,14 +32,14 @@ def check_sizes(args, where, fix):
     for name in SIZES:
         value = args.get(name, 1)
         if type(value) is not int or value < (0 if name in DERIVED else 1):
-            raise ValueError(f"{where} says {name}={value!r}, not a whole number above 0: {fix}")
+            raise UserError(f"{where} says {name}={value!r}, not a whole number above 0: {fix}")
     if args.get("block_size", 1) > MAX_POSITIONS:
-        raise ValueError(f"{where} says block_size={args['block_size']}, past the {MAX_POSITIONS} positions this "
+        raise UserError(f"{where} says block_size={args['block_size']}, past the {MAX_POSITIONS} positions this "
                          f"model.py holds tables for: {fix}")
     for name, low, high in (("rope_theta", 0, math.inf), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
         value = args.get(name, 0.5)
         if type(value) not in (int, float) or not low < value < high:
-            raise ValueError(f"{where} says {name}={value!r}, not a number in its range: {fix}")
+            raise UserError(f"{where} says {name}={value!r}, not a number in its range: {fix}")
 
 
 def layer_count(names, prefix):
@@ -53,7 +55,7 @@ def check_shapes(model, shapes, names, where, fix):
     params = dict(model.named_parameters())
     for theirs, ours in names.items():
         if theirs in shapes and ours in params and tuple(shapes[theirs]) != tuple(params[ours].shape):
-            raise ValueError(f"{theirs} in {where} has shape {tuple(shapes[theirs])}, but the sizes it states "
+            raise UserError(f"{theirs} in {where} has shape {tuple(shapes[theirs])}, but the sizes it states "
                              f"imply {tuple(params[ours].shape)}: {fix}")
 
 
@@ -62,12 +64,12 @@ def confined(folder, name, where):
     there, a regular file (not a FIFO or a device, which would hang or never end); else a one-line ValueError
     saying that where (the file that named it) names it."""
     if not isinstance(name, str) or not name or os.path.isabs(name):
-        raise ValueError(f"{where} names {name!r}, not a file inside {folder}: replace it with the folder's own")
+        raise UserError(f"{where} names {name!r}, not a file inside {folder}: replace it with the folder's own")
     root, real = os.path.realpath(folder), os.path.realpath(os.path.join(folder, name))
     if os.path.commonpath([root, real]) != root:
-        raise ValueError(f"{where} names {name!r}, which is outside {folder}: replace it with the folder's own")
+        raise UserError(f"{where} names {name!r}, which is outside {folder}: replace it with the folder's own")
     if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):
-        raise ValueError(f"{where} names {name!r}, which is not a regular file: replace it with the folder's own")
+        raise UserError(f"{where} names {name!r}, which is not a regular file: replace it with the folder's own")
     return Path(folder) / name
 
 
@@ -76,11 +78,11 @@ def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
     (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has). It is
     read in chunks of memory-mapped ids, about as fast as the disk reads."""
     if not os.path.isfile(path):
-        raise ValueError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
+        raise UserError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
     ids = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
         if int(piece.max()) >= vocab_size:
             at = int(np.argmax(piece >= vocab_size))  # the first one, to name where the file goes wrong
-            raise ValueError(f"{path} holds token id {int(piece[at])} at position {start + at}, past meta.json's "
+            raise UserError(f"{path} holds token id {int(piece[at])} at position {start + at}, past meta.json's "
                              f"vocab_size {vocab_size}: it is not the data meta.json describes (prepare it again)")

@@ -20,6 +20,8 @@ from collections import namedtuple
 from datetime import datetime
 from pathlib import Path
 
+from errors import UserError
+
 Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
 ROLES = ("system", "user", "assistant", "tool")
 # A template is code from the internet: one rendering may take so many loop steps and calls, and write so many
@@ -52,7 +54,7 @@ def is_conversation(obj):
 def sharegpt_messages(turns):
     """ShareGPT's turns ([{"from": "human", "value": ...}, ...]) -> messages, or ValueError saying why not."""
     if not isinstance(turns, list) or not turns:
-        raise ValueError("'conversations' is not a list of turns")
+        raise UserError("'conversations' is not a list of turns")
     messages = []
     for i, turn in enumerate(turns, 1):
         if isinstance(turn, dict) and {"role", "content"} <= turn.keys():  # already messages
@@ -60,7 +62,7 @@ def sharegpt_messages(turns):
             continue
         role = turn.get("from") if isinstance(turn, dict) else None
         if not isinstance(role, str) or role not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
-            raise ValueError(f"conversations {i} is not a turn with a 'from' ({'/'.join(SHAREGPT_ROLES)}) and a "
+            raise UserError(f"conversations {i} is not a turn with a 'from' ({'/'.join(SHAREGPT_ROLES)}) and a "
                              f"text 'value'")
         messages.append({"role": SHAREGPT_ROLES[role], "content": turn["value"]})
     return messages
@@ -96,7 +98,7 @@ def compile_template(source):
             concat.nodes = [nodes.Call(nodes.EnvironmentAttribute("bounded"), [joined], [], None, None)]
         template = env.from_string(tree)
     except TemplateError as e:
-        raise ValueError(f"the chat template does not compile ({e})") from None
+        raise UserError(f"the chat template does not compile ({e})") from None
 
     def render(**context):
         steps[0], out, size = 0, [], 0
@@ -226,7 +228,7 @@ class ChatFormat:
     def __init__(self, source, origin, special_tokens, eos_token, train_on="assistant", bos_token=None,
                  separator=None):
         if train_on not in TRAIN_ON:
-            raise ValueError(f"--train_on={train_on} is not one of {', '.join(TRAIN_ON)}")
+            raise UserError(f"--train_on={train_on} is not one of {', '.join(TRAIN_ON)}")
         self.source, self.origin, self.train_on = source, origin, train_on
         self.separator = separator  # what ends an example in the token files: no message may hold it
         self.specials = sorted(special_tokens, key=len, reverse=True)  # the longest first: "</s>" before "<"
@@ -238,11 +240,11 @@ class ChatFormat:
         self.tagged = MARKS[0] in marked  # the template's {% generation %} blocks say what is trained
         text = self.render(probe)
         if "Hello" not in text:
-            raise ValueError(f"the chat template ({origin}) does not write an assistant's reply, so there would be "
+            raise UserError(f"the chat template ({origin}) does not write an assistant's reply, so there would be "
                              f"nothing to train on: use one that does (--chat_template)")
         self.end_of_turn = self.closing_token(text, text.rfind("Hello") + len("Hello"))
         if self.end_of_turn is None:
-            raise ValueError(f"the chat template ({origin}) closes an assistant's turn with no special token, so "
+            raise UserError(f"the chat template ({origin}) closes an assistant's turn with no special token, so "
                              f"a model could not learn where to stop: use a template that does (--chat_template)")
 
     @classmethod
@@ -264,9 +266,9 @@ class ChatFormat:
         try:
             text = self.template(messages=messages, add_generation_prompt=add_generation_prompt, **self.context)
         except (TemplateError, TypeError) as e:  # its raise_exception, what the sandbox refused, an {% include %}
-            raise ValueError(f"the chat template refused it ({e})") from None
+            raise UserError(f"the chat template refused it ({e})") from None
         except (ArithmeticError, RecursionError, LookupError, AttributeError, ValueError) as e:  # its own bugs
-            raise ValueError(f"the chat template failed ({type(e).__name__}: {e})") from None
+            raise UserError(f"the chat template failed ({type(e).__name__}: {e})") from None
         return text if marks else text.replace(MARKS[0], "").replace(MARKS[1], "")
 
     def closing_token(self, text, end):
@@ -282,21 +284,21 @@ class ChatFormat:
                  for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
         texts += [obj.get(key) for key in ("instruction", "input", "output")]
         if self.separator and any(isinstance(t, str) and self.separator in t for t in texts):
-            raise ValueError(f"it holds {self.separator}, which ends an example in the token files, as text")
+            raise UserError(f"it holds {self.separator}, which ends an example in the token files, as text")
         if self.tagged and any(isinstance(t, str) and (MARKS[0] in t or MARKS[1] in t) for t in texts):
-            raise ValueError("it holds the private-use character U+E002 or U+E003, which marks what the template's "
+            raise UserError("it holds the private-use character U+E002 or U+E003, which marks what the template's "
                              "{% generation %} blocks write")
         if "messages" in obj:
             messages = obj["messages"]
             check_messages(messages, "messages")
             last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
             if last is None:
-                raise ValueError("no assistant message to learn from")
+                raise UserError("no assistant message to learn from")
             return self.chat(messages, last)
         if "instruction" in obj:
             instruction, given, output = obj["instruction"], obj.get("input") or "", obj["output"]
             if not all(isinstance(s, str) for s in (instruction, given, output)):
-                raise ValueError("instruction, input and output must be strings")
+                raise UserError("instruction, input and output must be strings")
             user = instruction + ("\n\n" + given if given else "")
             return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}], 1)
         prompt, completion = obj["prompt"], obj["completion"]
@@ -319,7 +321,7 @@ class ChatFormat:
         if self.tagged and self.train_on == "assistant":  # what its {% generation %} blocks write, as in TRL
             found = generation_spans(self.render(messages, marks=True))
             if not found.spans:
-                raise ValueError("the chat template's {% generation %} blocks write nothing of it to train on")
+                raise UserError("the chat template's {% generation %} blocks write nothing of it to train on")
             return found
         spans, at = [], 0  # at: where the last turn found ends
         for i, message in enumerate(messages):
@@ -343,18 +345,18 @@ class ChatFormat:
             marked = self.render(messages[:i] + [{**messages[i], "content": STAND_IN}] + messages[i + 1:])
             begin = marked.find(STAND_IN)
             if begin < at or not text.startswith(marked[:begin]):
-                raise ValueError(f"the chat template writes the conversation before assistant message {i + 1} "
+                raise UserError(f"the chat template writes the conversation before assistant message {i + 1} "
                                  f"otherwise with the reply there: cannot tell where the reply begins")
         close = text.find(self.end_of_turn, begin)
         content = messages[i]["content"].strip()
         if not content:  # the record's fault, not the template's
-            raise ValueError(f"assistant message {i + 1} is empty: there is no reply to learn from")
+            raise UserError(f"assistant message {i + 1} is empty: there is no reply to learn from")
         start = text.rfind(content, begin, close) if close >= 0 and content else -1
         if start < 0 and "</think>" in content:  # reasoning templates drop it from earlier turns
             content = content.split("</think>")[-1].strip()
             start = text.rfind(content, begin, close)
         if start < 0 or text[start + len(content):close].strip():
-            raise ValueError(f"the chat template does not write assistant message {i + 1} as it is, closed by "
+            raise UserError(f"the chat template does not write assistant message {i + 1} as it is, closed by "
                              f"{self.end_of_turn}")
         if self.end_of_turn not in text[begin:start]:
             start = begin  # what the template writes in the turn before the reply (a think block) is the model's
@@ -363,7 +365,7 @@ class ChatFormat:
 
 def check_messages(messages, field):
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"'{field}' is not a list of messages")
+        raise UserError(f"'{field}' is not a list of messages")
     for i, m in enumerate(messages, 1):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-            raise ValueError(f"{field} {i} is not a message with a role ({'/'.join(ROLES)}) and text content")
+            raise UserError(f"{field} {i} is not a message with a role ({'/'.join(ROLES)}) and text content")

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from bounds import check_shapes, check_sizes, layer_count
+from errors import UserError
 from hf import fingerprint, load_pretrained
 from lora import add_lora, trained_only
 from memory import state_bytes
@@ -80,23 +81,23 @@ def read_metadata(folder):
         with open(path, "rb") as f:
             metadata = MetadataUnpickler(f).load()
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{path} is refused: {e}; only load checkpoints you trust") from None
+        raise UserError(f"{path} is refused: {e}; only load checkpoints you trust") from None
     except Exception as e:  # a damaged pickle fails in many ways
-        raise ValueError(f"{path} is not a readable checkpoint's metadata ({type(e).__name__}: {e}); use another "
+        raise UserError(f"{path} is not a readable checkpoint's metadata ({type(e).__name__}: {e}); use another "
                          f"checkpoint, e.g. ckpt_best or a ckpt_NNNNNNN") from None
     entries = getattr(metadata, "state_dict_metadata", None)
     files = getattr(metadata, "storage_data", None)
     if not isinstance(metadata, Metadata) or not isinstance(entries, dict) or not isinstance(files, dict):
-        raise ValueError(f"{path} does not hold a sharded checkpoint's metadata; only load checkpoints you trust")
+        raise UserError(f"{path} does not hold a sharded checkpoint's metadata; only load checkpoints you trust")
     odd = [type(m).__name__ for m in entries.values() if not isinstance(m, TensorStorageMetadata)]
     if odd:
-        raise ValueError(f"{path} lists a {odd[0]} entry, where this project's sharded checkpoints hold tensors "
+        raise UserError(f"{path} lists a {odd[0]} entry, where this project's sharded checkpoints hold tensors "
                          f"only (DCP would unpickle it); refusing it")
     for info in files.values():
         name = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not isinstance(name, str) or os.path.basename(name) != name \
                 or name in ("", ".", ".."):
-            raise ValueError(f"{path} points at {name!r}, not a file of its own folder; refusing it")
+            raise UserError(f"{path} points at {name!r}, not a file of its own folder; refusing it")
     return metadata
 
 
@@ -142,7 +143,7 @@ def read_sharded(folder, device="cpu"):
             warnings.simplefilter("ignore")
             dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
     except (dcp.api.CheckpointException, RuntimeError, OSError, AttributeError) as e:
-        raise ValueError(f"{folder} is not a readable sharded checkpoint ({first_line(e)}); "
+        raise UserError(f"{folder} is not a readable sharded checkpoint ({first_line(e)}); "
                          f"use another one, e.g. ckpt_best or a ckpt_NNNNNNN") from None
     return weights
 
@@ -174,10 +175,10 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True):
                 # weights_only refusal of anything foreign happens there)
                 return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError:
-        raise ValueError(f"{path} holds objects other than tensors and plain values; refusing to load it "
+        raise UserError(f"{path} holds objects other than tensors and plain values; refusing to load it "
                          f"(only load checkpoints you trust, with code you have read)") from None
     except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"{path} is not a readable checkpoint ({first_line(e)}); "
+        raise UserError(f"{path} is not a readable checkpoint ({first_line(e)}); "
                          f"use another one, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt") from None
 
 
@@ -187,7 +188,7 @@ def load_resume_state(path):
     checkpoint = load_checkpoint(path, weights=False)
     needed = NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(path) else NEEDED
     if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
-        raise ValueError(f"{path} is not a checkpoint of this train.py (it lacks "
+        raise UserError(f"{path} is not a checkpoint of this train.py (it lacks "
                          f"{', '.join(sorted(needed - set(checkpoint)))})")
     return checkpoint
 
@@ -202,19 +203,19 @@ def starting_point(out_dir, init_from, found):
         init_from = "resume" if found else "scratch"
     if init_from not in ("scratch", "resume"):  # a Hugging Face model folder to fine-tune
         if not os.path.isfile(os.path.join(init_from, "config.json")):
-            raise ValueError(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model "
+            raise UserError(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model "
                              f"folder (it has no config.json)")
         if found:
             began_from = load_checkpoint(found, mmap=True, weights=False).get("pretrained")
             if began_from != os.path.abspath(init_from):
-                raise ValueError(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not "
+                raise UserError(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not "
                                  f"{os.path.abspath(init_from)}: train into another out_dir")
             init_from = "resume"
     if init_from != "resume" and existing(out_dir):
-        raise ValueError(f"{out_dir} holds a run already ({', '.join(existing(out_dir))}): continue it with "
+        raise UserError(f"{out_dir} holds a run already ({', '.join(existing(out_dir))}): continue it with "
                          f"--init_from=resume, or train into another out_dir")
     if init_from == "resume" and not found:
-        raise ValueError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
+        raise UserError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
                          f"set init_from='scratch')")
     return init_from, load_resume_state(found) if init_from == "resume" else None
 
@@ -223,7 +224,7 @@ def check_resume(checkpoint, config, data_vocab, path):
     """ValueError, in one line, where this run's settings (config) cannot continue checkpoint (read from path)."""
     args = checkpoint["model_args"]
     if not isinstance(args, dict):
-        raise ValueError(f"{path}'s model_args is not a dict: use another checkpoint")
+        raise UserError(f"{path}'s model_args is not a dict: use another checkpoint")
     check_sizes(args, f"{path}'s model_args", "use another checkpoint")
     # a sharded checkpoint's weights are read once the model is built: its blocks are counted by name first
     # (by the names its optimizer's param_groups hold; a file checkpoint's hold numbers, and model_from_checkpoint
@@ -231,22 +232,22 @@ def check_resume(checkpoint, config, data_vocab, path):
     names = [name for group in checkpoint.get("param_groups") or [] for name in group.get("params", [])
              if isinstance(name, str)]
     if names and not args.get("lora_rank") and layer_count(names, "blocks.") != args["n_layer"]:
-        raise ValueError(f"{path}'s model_args say n_layer={args['n_layer']}, but it holds the weights of "
+        raise UserError(f"{path}'s model_args say n_layer={args['n_layer']}, but it holds the weights of "
                          f"{layer_count(names, 'blocks.')} blocks: use another checkpoint")
     if data_vocab > args["vocab_size"]:
-        raise ValueError(f"the checkpoint's vocab_size {args['vocab_size']} is smaller than the data's "
+        raise UserError(f"the checkpoint's vocab_size {args['vocab_size']} is smaller than the data's "
                          f"{data_vocab}: resume with the data it was trained on")
     if checkpoint.get("pretrained") and config["block_size"] > args["block_size"]:
-        raise ValueError(f"block_size={config['block_size']} is past the {args['block_size']} positions of the "
+        raise UserError(f"block_size={config['block_size']} is past the {args['block_size']} positions of the "
                          f"model {checkpoint['pretrained']}")
     changed = [k for k in SHAPE if k in args and k in config and config[k] != args[k]]
     if changed and not checkpoint.get("pretrained"):  # (a pretrained model's shape is its folder's)
-        raise ValueError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "
+        raise UserError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "
                          f"{', '.join(f'{k}={config[k]}' for k in changed)}: resume with the checkpoint's shape, "
                          f"or train the new one into another out_dir")
     trained_with = checkpoint["config"].get("optimizer", "adamw")
     if trained_with != config["optimizer"]:
-        raise ValueError(f"{path} was trained with optimizer={trained_with!r}: resume with "
+        raise UserError(f"{path} was trained with optimizer={trained_with!r}: resume with "
                          f"--optimizer={trained_with}")
 
 
@@ -260,11 +261,11 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
     hf.load_pretrained. A LoRA run's checkpoint holds only the adapters: they go onto its base folder
     again, read in base_dtype, which must be the very model the run began from."""
     if not isinstance(checkpoint["model_args"], dict) or not isinstance(checkpoint.get("model", {}), dict):
-        raise ValueError("the checkpoint's model_args or model is not a dict: use another checkpoint")
+        raise UserError("the checkpoint's model_args or model is not a dict: use another checkpoint")
     args = {**checkpoint["model_args"], **overrides}
     weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
     if any(".qkv." in name or ".gate_up." in name for name in weights):
-        raise ValueError("this checkpoint is from an older model.py (fused attn.qkv and mlp.gate_up, before "
+        raise UserError("this checkpoint is from an older model.py (fused attn.qkv and mlp.gate_up, before "
                          "2026-11-22): sample, export or resume it with that version")
     if not args.get("lora_rank"):
         model = meta_model(args, weights)
@@ -272,20 +273,20 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
             model.load_state_dict(weights, assign=True)
         except RuntimeError as e:  # a tensor missing or left over: load_state_dict lists them all
             why = str(e).splitlines()[-1].strip()[:200]
-            raise ValueError(f"the checkpoint's weights do not fit its model_args ({why}): use another checkpoint") \
+            raise UserError(f"the checkpoint's weights do not fit its model_args ({why}): use another checkpoint") \
                 from None
         return model.materialize()
     base = checkpoint["pretrained"]
     if not os.path.isdir(base):
-        raise ValueError(f"the base model this LoRA run began from is not at {base}: put it back there")
+        raise UserError(f"the base model this LoRA run began from is not at {base}: put it back there")
     if fingerprint(base) != checkpoint["base_fingerprint"]:
-        raise ValueError(f"the base model at {base} is not the one this LoRA run began from (its weights "
+        raise UserError(f"the base model at {base} is not the one this LoRA run began from (its weights "
                          f"differ): put that model back there")
     model = load_pretrained(base, base_dtype, dropout=args["dropout"], use_kernels=args["use_kernels"])
     add_lora(model, args["lora_rank"], args["lora_alpha"], args["lora_dropout"], args["lora_targets"])
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or weights and any(p.requires_grad for name, p in model.named_parameters() if name in missing):
-        raise ValueError("the checkpoint does not hold this model's adapters")
+        raise UserError("the checkpoint does not hold this model's adapters")
     return model
 
 
@@ -295,13 +296,13 @@ def meta_model(args, weights):
     fix = "use another checkpoint"
     check_sizes(args, "the checkpoint's model_args", fix)
     if weights and layer_count(weights, "blocks.") != args["n_layer"]:
-        raise ValueError(f"the checkpoint's model_args say n_layer={args['n_layer']}, but its weights hold "
+        raise UserError(f"the checkpoint's model_args say n_layer={args['n_layer']}, but its weights hold "
                          f"{layer_count(weights, 'blocks.')} blocks: {fix}")
     try:
         with torch.device("meta"):
             model = GPT(GPTConfig(**args))
     except TypeError as e:  # a name GPTConfig does not know, or a value it cannot use
-        raise ValueError(f"the checkpoint's model_args do not make a model ({e}): {fix}") from None
+        raise UserError(f"the checkpoint's model_args do not make a model ({e}): {fix}") from None
     shapes = {name: tensor.shape for name, tensor in weights.items() if isinstance(tensor, torch.Tensor)}
     check_shapes(model, shapes, {name: name for name in shapes}, "the checkpoint", fix)
     return model
@@ -315,16 +316,16 @@ def load_model(path, base_dtype=None, data_dir=None):
     or damaged."""
     found = find_checkpoint(path)
     if found is None:
-        raise ValueError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
+        raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
     path = found
     checkpoint = load_checkpoint(path, mmap=True)  # the weights are read, the optimizer's moments never
     if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
-        raise ValueError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
+        raise UserError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
     model = model_from_checkpoint(checkpoint, base_dtype)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
     if found is None:
-        raise ValueError(f"the model was trained on {candidates[-1]}, which is not here: its data is needed "
+        raise UserError(f"the model was trained on {candidates[-1]}, which is not here: its data is needed "
                          f"(restore it, or pass --data_dir)")
     checkpoint["trained_on"] = checkpoint.get("data_dir")  # where the run's own data was (check_run_tokenizer)
     checkpoint["data_dir"] = found  # where the data is now: its meta.json has the chat template, if any
@@ -351,9 +352,9 @@ def load_run(path, base_dtype=None, data_dir=None):
     try:
         tokenizer = load_tokenizer(found)
     except (KeyError, TypeError) as e:
-        raise ValueError(f"cannot read the tokenizer in {found} ({type(e).__name__}: {e}); re-run prepare.py")
+        raise UserError(f"cannot read the tokenizer in {found} ({type(e).__name__}: {e}); re-run prepare.py")
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"{found}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+        raise UserError(f"{found}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                          f"{model.config.vocab_size}: it is not the data this model was trained on")
     if data_dir:
         check_run_tokenizer(data_dir, checkpoint, model.config.vocab_size)
@@ -458,7 +459,7 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
         # torch.save reports a full disk as "unexpected pos": the free space against the checkpoint's size says
         model_state = trained_only(model, model.state_dict()) if lora else model.state_dict()
         needed = nested_bytes([model_state] + [opt.state_dict()["state"] for opt in optimizers])
-        raise ValueError(failed_save(out_dir, state["iter_num"], sharded, e, needed)) from None
+        raise UserError(failed_save(out_dir, state["iter_num"], sharded, e, needed)) from None
 
 
 def nested_bytes(tree):
@@ -508,11 +509,11 @@ def check_room(out_dir, model, optimizer, lora):
         os.remove(probe)
         free = shutil.disk_usage(out_dir).free
     except OSError as e:
-        raise ValueError(f"cannot write in out_dir={out_dir} ({e.strerror}): choose a folder this user can write "
+        raise UserError(f"cannot write in out_dir={out_dir} ({e.strerror}): choose a folder this user can write "
                          f"to, on a disk that is mounted") from None
     room = f"{free / 2**20:,.1f} MB free in {out_dir}, and a checkpoint takes about {size / 2**20:,.1f} MB"
     if free < size:
-        raise ValueError(f"{room}: make room, or choose another out_dir")
+        raise UserError(f"{room}: make room, or choose another out_dir")
     return f"warning: {room}: a second checkpoint will not fit beside the first" if free < 2 * size else None
 
 
@@ -576,7 +577,7 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
                 warnings.simplefilter("ignore")
                 dcp.load({"model": model_state, "optimizer": optim_state["state"]}, storage_reader=reader)
         except (dcp.api.CheckpointException, RuntimeError, OSError) as e:
-            raise ValueError(f"{path} is not a readable sharded checkpoint ({first_line(e)}); resume "
+            raise UserError(f"{path} is not a readable sharded checkpoint ({first_line(e)}); resume "
                              f"from another (ckpt_best, ckpt_NNNNNNN)") from None
         optim_state["param_groups"] = checkpoint["param_groups"]
         set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,

@@ -18,6 +18,8 @@ import os
 import numpy as np
 import torch
 
+from errors import UserError
+
 CHUNK = 1 << 26  # tokens scanned at a time for the examples' ends
 
 
@@ -123,7 +125,7 @@ class Split:
         if tokens.max() >= self.vocab_size:
             b, t = np.argwhere(tokens >= self.vocab_size)[0]
             at = position(b, t)
-            raise ValueError(f"token id {tokens[b, t]}{'' if at is None else f' at position {at}'} of {self.path} "
+            raise UserError(f"token id {tokens[b, t]}{'' if at is None else f' at position {at}'} of {self.path} "
                              f"is not below the model's vocab_size {self.vocab_size}: the file does not match "
                              f"meta.json (re-run prepare.py)")
 

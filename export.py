@@ -24,6 +24,7 @@ import sys
 import torch
 
 from checkpoint import load_run
+from errors import UserError
 from hf import read_json, save_pretrained, special_ids
 from lora import merge_lora, write_adapter
 from tokenizer import durable_replace, hf_tokenizer_files, read_meta
@@ -199,7 +200,7 @@ def main(argv=None):
             note = write_model(model, tokenizer, checkpoint, staging, args.dtype)
         base = checkpoint.get("pretrained")
         if base and os.path.abspath(base) == to:
-            raise ValueError(f"--to={args.to} is the base model this run began from; choose another --to")
+            raise UserError(f"--to={args.to} is the base model this run began from; choose another --to")
     except ValueError as e:
         shutil.rmtree(staging, ignore_errors=True)
         sys.exit(f"export.py: {e}")

@@ -12,6 +12,7 @@ import json
 import numpy as np
 import torch
 
+from errors import UserError
 from hf import hf_layout
 from tokenizer import bpe_merges, bpe_parts, byte_chars
 
@@ -57,7 +58,7 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
     import gguf
     c = model.config
     if c.rope_scaling:
-        raise ValueError(f"Llama 3.1's rope scaling is not written to GGUF here: {INSTEAD}")
+        raise UserError(f"Llama 3.1's rope scaling is not written to GGUF here: {INSTEAD}")
     tokens, types, merges, pre = vocabulary(tokenizer, c.vocab_size, gguf)
     arch = gguf.MODEL_ARCH[ARCHITECTURES[c.family]]
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
@@ -147,9 +148,9 @@ def vocabulary(tokenizer, vocab_size, gguf):
         merges = [f"{spell(a)} {spell(b)}" for a, b in bpe_merges(ranks)]
         added = {token: (i, True) for token, i in specials.items()}
     else:
-        raise ValueError(refusal)
+        raise UserError(refusal)
     if pattern not in PRE_TOKENIZERS:
-        raise ValueError(f"llama.cpp knows no pre-tokenizer that splits as {pattern!r}: {INSTEAD}")
+        raise UserError(f"llama.cpp knows no pre-tokenizer that splits as {pattern!r}: {INSTEAD}")
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.UNUSED] * vocab_size
     # Special tokens are control tokens; an added token that is not special is matched whole in text.
@@ -158,7 +159,7 @@ def vocabulary(tokenizer, vocab_size, gguf):
                **{t: (i, kinds[special]) for t, (i, special) in added.items()}}
     for token, (i, kind) in entries.items():
         if i >= vocab_size:
-            raise ValueError(f"the tokenizer's token {i} is past the model's vocab_size {vocab_size}")
+            raise UserError(f"the tokenizer's token {i} is past the model's vocab_size {vocab_size}")
         tokens[i], types[i] = token, kind
     return tokens, types, merges, PRE_TOKENIZERS[pattern]
 
@@ -171,13 +172,13 @@ def hf_json_parts(hf, refusal):
     bytelevel = [s for s in steps if s.get("type") == "ByteLevel"]
     splits = [s for s in steps if s.get("type") == "Split" and "Regex" in s.get("pattern", {})]
     if model.get("type") != "BPE" or model.get("byte_fallback") or len(bytelevel) != 1:
-        raise ValueError(refusal)
+        raise UserError(refusal)
     if splits and len(steps) == 2 and not bytelevel[0].get("use_regex", True):
         pattern = splits[0]["pattern"]["Regex"]
     elif len(steps) == 1 and bytelevel[0].get("use_regex", True):
         pattern = BYTELEVEL_SPLIT
     else:
-        raise ValueError(refusal)
+        raise UserError(refusal)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     added = {t["content"]: (t["id"], bool(t.get("special"))) for t in hf.get("added_tokens", [])}
     return model["vocab"], added, merges, pattern

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from bounds import check_shapes, check_sizes, confined, layer_count
+from errors import UserError
 from model import GPT, PROJECTIONS, GPTConfig
 
 # ours -> transformers' names of a block's seven projections (model.PROJECTIONS), and of the families
@@ -32,9 +33,9 @@ def read_json(path):
         with open(path) as f:
             return json.load(f)
     except OSError as e:
-        raise ValueError(f"cannot read {path} ({e.strerror}): a Hugging Face model folder needs it") from None
+        raise UserError(f"cannot read {path} ({e.strerror}): a Hugging Face model folder needs it") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
+        raise UserError(f"{path} is not valid JSON ({e})") from None
 
 
 def open_safetensors(file):
@@ -42,7 +43,7 @@ def open_safetensors(file):
     try:
         return safe_open(file, "pt")
     except SafetensorError as e:
-        raise ValueError(f"{file} is not a readable safetensors file ({e}); download it again") from None
+        raise UserError(f"{file} is not a readable safetensors file ({e}); download it again") from None
 
 
 def header_shapes(files):
@@ -52,11 +53,11 @@ def header_shapes(files):
     for file in files:
         with open_safetensors(file) as f:
             if not f.keys():
-                raise ValueError(f"{file} holds no tensors: download it again")
+                raise UserError(f"{file} holds no tensors: download it again")
             for name in f.keys():
                 kind = f.get_slice(name).get_dtype()
                 if not name.endswith("rotary_emb.inv_freq") and not kind.startswith(("F", "BF")):
-                    raise ValueError(f"{name} in {file} holds {kind} values, not floating-point weights: "
+                    raise UserError(f"{name} in {file} holds {kind} values, not floating-point weights: "
                                      f"download the model again")
                 shapes[name], first = f.get_slice(name).get_shape(), first or kind
     return shapes, first
@@ -67,16 +68,16 @@ def safetensors_files(path):
     if (path / "model.safetensors.index.json").exists():
         index = read_json(path / "model.safetensors.index.json")
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-            raise ValueError(f"{path}/model.safetensors.index.json has no weight_map: download it again")
+            raise UserError(f"{path}/model.safetensors.index.json has no weight_map: download it again")
         where = path / "model.safetensors.index.json"  # its files are read only from inside the folder
         shards = sorted({confined(path, name, where) for name in index["weight_map"].values()})
         absent = [s for s in shards if not s.exists()]
         if absent:
-            raise ValueError(f"{path} lacks {absent[0].name}, a shard its model.safetensors.index.json names")
+            raise UserError(f"{path} lacks {absent[0].name}, a shard its model.safetensors.index.json names")
         return shards
     if (path / "model.safetensors").exists():
         return [path / "model.safetensors"]
-    raise ValueError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors "
+    raise UserError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors "
                      f"weights are read: convert .bin weights first)")
 
 
@@ -102,17 +103,17 @@ def config_from_hf(hf, block_size=None):
     """config.json as a dict -> GPTConfig, refusing in one line what GPT does not implement."""
     family = hf.get("model_type")
     if family not in HF_ARCHITECTURES:
-        raise ValueError(f"model_type {family!r} is not supported (only {', '.join(HF_ARCHITECTURES)})")
+        raise UserError(f"model_type {family!r} is not supported (only {', '.join(HF_ARCHITECTURES)})")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     if hf.get("mlp_bias") or (family != "qwen2" and hf.get("attention_bias")):
-        raise ValueError("biases on the attention output or the MLP (attention_bias/mlp_bias) are not supported")
+        raise UserError("biases on the attention output or the MLP (attention_bias/mlp_bias) are not supported")
     # The Hub's released models hold rope_theta and rope_scaling at the top level; transformers 5
     # writes both into rope_parameters. Either way, only the llama3 scaling (or none) is implemented.
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope scaling {rope_type!r} is not supported (only llama3, or none)")
+        raise UserError(f"rope scaling {rope_type!r} is not supported (only llama3, or none)")
     scaling = None
     if rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -120,9 +121,9 @@ def config_from_hf(hf, block_size=None):
     max_len = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window") if family == "mistral" or hf.get("use_sliding_window") else None
     if block_size is not None and block_size > max_len:
-        raise ValueError(f"block_size={block_size} is past the model's max_position_embeddings={max_len}")
+        raise UserError(f"block_size={block_size} is past the model's max_position_embeddings={max_len}")
     if block_size is not None and window and window < block_size:
-        raise ValueError(f"the model attends within a sliding_window of {window} tokens, which is not "
+        raise UserError(f"the model attends within a sliding_window of {window} tokens, which is not "
                          f"implemented: use block_size <= {window}")
     sizes = dict(block_size=min(max_len, window or max_len), vocab_size=hf["vocab_size"],
                  n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
@@ -197,14 +198,14 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
     so loading takes about one copy of the weights. What GPT lacks is a one-line ValueError."""
     path = Path(path)
     if set(overrides) - {"dropout", "use_kernels"}:
-        raise ValueError(f"load_pretrained takes dropout and use_kernels, not {sorted(overrides)} (LoRA: add_lora)")
+        raise UserError(f"load_pretrained takes dropout and use_kernels, not {sorted(overrides)} (LoRA: add_lora)")
     hf = read_json(path / "config.json")
     try:
         config = replace(config_from_hf(hf, block_size), **overrides)
     except KeyError as e:
-        raise ValueError(f"{path / 'config.json'} lacks {e}, which a {hf.get('model_type')} model needs") from None
+        raise UserError(f"{path / 'config.json'} lacks {e}, which a {hf.get('model_type')} model needs") from None
     except (TypeError, AttributeError) as e:  # a list for a number, a string for the whole config, ...
-        raise ValueError(f"{path / 'config.json'} holds a value of the wrong kind ({e}): fix it, or download "
+        raise UserError(f"{path / 'config.json'} holds a value of the wrong kind ({e}): fix it, or download "
                          f"the model again") from None
     files = safetensors_files(path)
     shapes, stored = header_shapes(files)
@@ -213,7 +214,7 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
     # as many blocks as the files hold, built on the meta device (no memory yet, no time on a random init).
     fix = "fix config.json, or download the model again"
     if layer_count(shapes, "model.layers.") != config.n_layer:
-        raise ValueError(f"config.json says num_hidden_layers={config.n_layer}, but {path}'s weights hold "
+        raise UserError(f"config.json says num_hidden_layers={config.n_layer}, but {path}'s weights hold "
                          f"{layer_count(shapes, 'model.layers.')} layers: {fix}")
     with torch.device("meta"):
         model = GPT(config)
@@ -228,16 +229,16 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_embeddings):
                     continue  # derived from the config, or the tied embedding stored twice
                 if name not in layout:
-                    raise ValueError(f"{file} holds {name}, which this model.py does not implement")
+                    raise UserError(f"{file} holds {name}, which this model.py does not implement")
                 target = params[layout[name]]
                 tensor = f.get_tensor(name)
                 if tensor.shape != target.shape:
-                    raise ValueError(f"{name} in {file} has shape {tuple(tensor.shape)}, but config.json "
+                    raise UserError(f"{name} in {file} has shape {tuple(tensor.shape)}, but config.json "
                                      f"implies {tuple(target.shape)}")
                 target.copy_(tensor)
                 missing.discard(name)
     if missing:
-        raise ValueError(f"{path} lacks {len(missing)} tensor(s) the config needs, e.g. {sorted(missing)[0]}")
+        raise UserError(f"{path} lacks {len(missing)} tensor(s) the config needs, e.g. {sorted(missing)[0]}")
     return model
 
 
@@ -247,7 +248,7 @@ def save_pretrained(model, path, max_shard_bytes=5 * 2**30, ids=None):
     token ids config.json states ({"eos_token_id": 2, ...}; see special_ids)."""
     from huggingface_hub import save_torch_state_dict
     if model.config.lora_rank or any(hasattr(p, "get_original_weight") for p in model.parameters()):
-        raise ValueError("save_pretrained writes plain weights: merge_lora() first, and load a 4-bit base "
+        raise UserError("save_pretrained writes plain weights: merge_lora() first, and load a 4-bit base "
                          "again unquantized (export.py does both)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ drops it when the process ends, however it ends, and a lock file a killed run le
 import fcntl
 import os
 
+from errors import UserError
+
 LOCK_NAME = ".lock"
 
 
@@ -25,14 +27,14 @@ def lock_folder(folder, writer):
             os.makedirs(folder, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise ValueError(f"cannot write in {folder} ({e.strerror}): choose a folder this user can write to, "
+            raise UserError(f"cannot write in {folder} ({e.strerror}): choose a folder this user can write to, "
                              f"on a disk that is mounted") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
             os.close(fd)
-            raise ValueError(f"{folder} is being written by {holder}: wait for it to finish, or write into "
+            raise UserError(f"{folder} is being written by {holder}: wait for it to finish, or write into "
                              f"another folder") from None
         # The file may have been removed by the holder we waited for (unlock_folder) between our open and our
         # lock: the lock is then on a file no one else can see, and we try again with the new one.

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.nn as nn
 
+from errors import UserError
 from hf import HF_PROJECTIONS
 from model import PROJECTIONS
 
@@ -47,16 +48,16 @@ def check_lora(asked, rank, base_dtype, tp, fsdp):
     """ValueError, in one line with the fix, for LoRA settings that cannot run: asked, the lora_rank set; rank,
     the run's (the checkpoint's on a resume, 0 without a pretrained folder); base_dtype, lora_base_dtype."""
     if asked and not rank:
-        raise ValueError("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of "
+        raise UserError("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of "
                          "yours to one with export.py)")
     if base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4", "int8"):
-        raise ValueError(f"lora_base_dtype={base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16', 'nf4' "
+        raise UserError(f"lora_base_dtype={base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16', 'nf4' "
                          f"or 'int8'")
     if rank and tp > 1:
-        raise ValueError("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model "
+        raise UserError("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model "
                          "(tp_size=1)")
     if fsdp and rank and base_dtype in ("nf4", "int8"):
-        raise ValueError(f"lora_base_dtype={base_dtype!r} cannot be sharded by fsdp=True (FSDP does not split "
+        raise UserError(f"lora_base_dtype={base_dtype!r} cannot be sharded by fsdp=True (FSDP does not split "
                          f"quantized tensors): use lora_base_dtype='bfloat16' with fsdp, or {base_dtype} without it")
 
 
@@ -65,7 +66,7 @@ def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down
     o, gate, up, down) fp32 low-rank adapters: afterwards only the adapters get gradients."""
     chosen = set(targets.split(","))
     if chosen - set(PROJECTIONS) or rank < 1:
-        raise ValueError(f"lora_targets={targets!r} and lora_rank={rank} must name some of "
+        raise UserError(f"lora_targets={targets!r} and lora_rank={rank} must name some of "
                          f"{','.join(PROJECTIONS)} and be at least 1")
     model.config.lora_rank, model.config.lora_alpha, model.config.lora_dropout = rank, alpha, dropout
     model.config.lora_targets = targets
@@ -102,7 +103,7 @@ def quantize_base(model, kind="nf4"):
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError:
-        raise ValueError(f"{kind} base weights need torchao: pip install torchao") from None
+        raise UserError(f"{kind} base weights need torchao: pip install torchao") from None
     if kind == "int8":
         projections = {id(linear) for _, _, linear in model.projections()}
         quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, name: id(module) in projections)
@@ -110,7 +111,7 @@ def quantize_base(model, kind="nf4"):
     for _, _, linear in model.projections():
         n = linear.weight.numel()
         if n % 64:
-            raise ValueError(f"a {tuple(linear.weight.shape)} weight cannot be held in nf4 (blocks of 64 values)")
+            raise UserError(f"a {tuple(linear.weight.shape)} weight cannot be held in nf4 (blocks of 64 values)")
         # QLoRA's blocks: 64 values per scale, 256 scales per second-level scale (fewer in tiny models)
         quantized = to_nf4(linear.weight.detach(), 64, math.gcd(256, n // 64))
         linear.weight = nn.Parameter(quantized, requires_grad=False)
@@ -130,7 +131,7 @@ def write_adapter(model, base, folder):
     from safetensors.torch import save_file
     c = model.config
     if not c.lora_rank:
-        raise ValueError("--adapter exports a LoRA run's adapters, and this run trained every weight (leave it out)")
+        raise UserError("--adapter exports a LoRA run's adapters, and this run trained every weight (leave it out)")
     tensors = {}
     for i, name, linear in model.projections():
         if getattr(linear, "lora", None) is not None:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from errors import UserError
 from model import PROJECTIONS
 
 # Tensor parallel splits q, k, v, gate and up by their outputs (heads, hidden units) and their consumers by
@@ -31,15 +32,15 @@ def pick_device(device="auto", dtype="auto"):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
-        raise ValueError(f"device={device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'")
+        raise UserError(f"device={device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'")
     if device == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("device=mps but no Apple GPU is visible (use --device=cpu)")
+        raise UserError("device=mps but no Apple GPU is visible (use --device=cpu)")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device} but no CUDA GPU is visible (use --device=cpu)")
+        raise UserError(f"device={device} but no CUDA GPU is visible (use --device=cpu)")
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype={dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
+        raise UserError(f"dtype={dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
     return device, dtype
 
 
@@ -87,15 +88,15 @@ def peak_flops(device, dtype):
 def check_layout(tp, fsdp, offload, device_type, dtype, optimizer):
     """ValueError, in one line with the fix, for a layout that cannot run (tensor parallel brings FSDP)."""
     if tp > 1 and optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
-        raise ValueError("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
+        raise UserError("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
     if (fsdp or tp > 1) and dtype == "float16":
-        raise ValueError("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
+        raise UserError("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
                          "gradients): use dtype='bfloat16' or 'float32'")
     if fsdp and optimizer == "muon":
-        raise ValueError("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
+        raise UserError("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
                          "use optimizer='adamw' with fsdp")
     if offload and not ((fsdp or tp > 1) and device_type == "cuda"):
-        raise ValueError("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True "
+        raise UserError("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True "
                          "and a CUDA device")
 
 

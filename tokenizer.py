@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from bounds import confined
+from errors import UserError
 
 # The end-of-text tokens of Hugging Face tokenizers, in order of preference.
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -97,7 +98,7 @@ class Tokenizer:
         if not any(ends):
             return out
         if self.eot_id is None:
-            raise ValueError(f"tokenizer {self.name} has no end-of-text token to end documents with")
+            raise UserError(f"tokenizer {self.name} has no end-of-text token to end documents with")
         eot = np.array([self.eot_id], dtype=np.uint32)
         return [np.concatenate([ids, eot]) if end else ids for ids, end in zip(out, ends)]
 
@@ -123,7 +124,7 @@ class Tokenizer:
             encoding = self.hf_chat.encode(text, add_special_tokens=False)
             ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
         else:
-            raise ValueError(f"a {self.kind} tokenizer has no special tokens for a chat template: use bpe:N, "
+            raise UserError(f"a {self.kind} tokenizer has no special tokens for a chat template: use bpe:N, "
                              f"a tiktoken encoding or a model's tokenizer.json")
         starts = np.array(starts, dtype=np.int64)
         ends = np.append(starts[1:], len(text))
@@ -137,7 +138,7 @@ class Tokenizer:
         at = np.searchsorted(self.codes, code_points)
         unknown = self.codes[np.minimum(at, len(self.codes) - 1)] != code_points
         if unknown.any():
-            raise ValueError(f"character {chr(code_points[unknown.argmax()])!r} is not in the vocabulary")
+            raise UserError(f"character {chr(code_points[unknown.argmax()])!r} is not in the vocabulary")
         return self.code_ids[at]
 
     def save(self, out_dir):
@@ -153,7 +154,7 @@ class Tokenizer:
             ranks = [base64.b64encode(token).decode() for token in tokens]
             name, data = "vocab.json", json.dumps({"kind": "bpe", "pattern": self.pattern, "ranks": ranks})
         else:  # nanoGPT's characters have no end-of-text, so no dataset of ours is made with them
-            raise ValueError(f"a {self.kind} tokenizer is not saved with a dataset")
+            raise UserError(f"a {self.kind} tokenizer is not saved with a dataset")
         (Path(out_dir) / (name + ".tmp")).write_text(data, encoding="utf-8")
         return {"kind": self.kind, "name": self.name, "file": name}, name
 
@@ -263,7 +264,7 @@ def make_tokenizer(spec, texts):
 
 def refuse_unfinished(data_dir):
     if (Path(data_dir) / MARKER).exists():
-        raise ValueError(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
+        raise UserError(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
 
 
 def read_meta(data_dir):
@@ -279,16 +280,16 @@ def read_meta(data_dir):
             meta["dtype"] = np.dtype(meta["dtype"]).name
             vocab_size, eot_id = meta["vocab_size"], meta.get("eot_id")
             if meta["dtype"] not in ("uint16", "uint32"):  # uint8 over a uint16 file reads each id as two
-                raise ValueError(f"dtype {meta['dtype']} is not uint16 or uint32, what token files hold")
+                raise UserError(f"dtype {meta['dtype']} is not uint16 or uint32, what token files hold")
             if type(vocab_size) is not int or vocab_size < 1:
-                raise ValueError(f"vocab_size {vocab_size!r} is not a whole number above 0")
+                raise UserError(f"vocab_size {vocab_size!r} is not a whole number above 0")
             if meta["dtype"] == "uint16" and vocab_size > 1 << 16:
-                raise ValueError(f"dtype uint16 cannot hold the ids of a vocab_size of {vocab_size}")
+                raise UserError(f"dtype uint16 cannot hold the ids of a vocab_size of {vocab_size}")
             if eot_id is not None and (type(eot_id) is not int or not 0 <= eot_id < vocab_size):
-                raise ValueError(f"eot_id {eot_id!r} is not a token id below vocab_size {vocab_size}")
+                raise UserError(f"eot_id {eot_id!r} is not a token id below vocab_size {vocab_size}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             why = f"{type(e).__name__}: {e}"
-            raise ValueError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
+            raise UserError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
         return meta
     if (Path(data_dir) / "meta.pkl").exists():
         chars = nanogpt_chars(Path(data_dir) / "meta.pkl")
@@ -319,7 +320,7 @@ def load_tokenizer(data_dir):
         raise
     except BaseException as e:  # a pattern the regex engine refuses; the Rust libraries' panics are BaseExceptions
         why = (str(e).strip().splitlines() or [""])[0][:160]
-        raise ValueError(f"cannot read the tokenizer in {path} ({type(e).__name__}: {why}): re-run prepare.py") \
+        raise UserError(f"cannot read the tokenizer in {path} ({type(e).__name__}: {why}): re-run prepare.py") \
             from None
 
 
@@ -359,7 +360,7 @@ def read_plain_pickle(path):
     except NotPlain as e:
         raise refused(e) from None
     except Exception as e:  # a damaged pickle fails in many ways
-        raise ValueError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
+        raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
     seen, todo = set(), [value]
     while todo:  # a loop, not recursion: the nesting may be deep, and a list may hold itself
         item = todo.pop()
@@ -380,7 +381,7 @@ def nanogpt_chars(path):
     characters = chars and all(isinstance(c, str) and len(c) == 1 for c in chars)
     stoi = {c: i for i, c in enumerate(chars)} if characters else None  # also what makes them distinct
     if not (characters and meta.get("stoi") == stoi and len(stoi) == meta.get("vocab_size") == len(chars)):
-        raise ValueError(f"{path} is not nanoGPT's meta.pkl of a character dataset (it needs vocab_size, "
+        raise UserError(f"{path} is not nanoGPT's meta.pkl of a character dataset (it needs vocab_size, "
                          f"and itos and stoi between the ids 0..vocab_size-1 and single characters)")
     return chars
 
@@ -451,7 +452,7 @@ def bytelevel_tokenizer_json(ranks, pattern, specials):
     # No merge makes one, so the model never produces one from text.
     vocab.update(specials)
     if len(vocab) != len(ranks) + len(specials) or len(set(vocab.values())) != len(vocab):
-        raise ValueError("a special token repeats a token or an id of the vocabulary")
+        raise UserError("a special token repeats a token or an id of the vocabulary")
     merges = [(spell(left), spell(right)) for left, right in bpe_merges(ranks)]
     hf = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     hf.pre_tokenizer = pre_tokenizers.Sequence([
@@ -485,7 +486,7 @@ def bpe_merges(ranks):
             continue
         parts = merge_below(ranks, token, rank)
         if len(parts) != 2:
-            raise ValueError(f"token {rank} ({token!r}) cannot be made by merging two tokens below it")
+            raise UserError(f"token {rank} ({token!r}) cannot be made by merging two tokens below it")
         merges.append(parts)
     return merges
 
@@ -521,7 +522,7 @@ def onig_pattern(pattern):
         return m.group(0)
     out = PATTERN_PIECE.sub(rewrite, pattern)
     if re.search(r"\)\{\d+(?:,\d*)?\}\+", out):
-        raise ValueError("its split pattern repeats a group possessively, which this rewrite does not handle")
+        raise UserError("its split pattern repeats a group possessively, which this rewrite does not handle")
     return out
 
 
@@ -533,7 +534,7 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     fix = fix or (f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} "
                   f"--out_dir=DIR")
     if meta["vocab_size"] > model_vocab:
-        raise ValueError(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: "
+        raise UserError(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: "
                          f"{fix}")
     dataset = any(os.path.exists(os.path.join(folder, name)) for name in ("meta.json", "meta.pkl", "val.bin"))
     if not dataset and not os.path.exists(os.path.join(folder, "tokenizer.json")):
@@ -547,7 +548,7 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
         ours = load_tokenizer(data_dir)
         theirs = load_tokenizer(folder) if dataset else make_tokenizer(folder, None)
     except (ValueError, KeyError, TypeError, SystemExit) as e:
-        raise ValueError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
+        raise UserError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
                          f"({type(e).__name__}: {e}): {fix}") from None
     # conversations' markers (<|im_start|>, ...) are special tokens: their text reads as those
     encode = (lambda text: theirs.encode_chat(text, [])[0].tolist()) if meta.get("masks") else theirs.encode
@@ -558,7 +559,7 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
             again = None
         compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
         if again is None or again[:compared] != doc[:compared]:
-            raise ValueError(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")
+            raise UserError(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")
 
 
 def check_token_files(data_dir, meta, block_size):
@@ -569,21 +570,21 @@ def check_token_files(data_dir, meta, block_size):
     for split in ("train", "val"):
         path = os.path.join(data_dir, f"{split}.bin")
         if not os.path.exists(path):
-            raise ValueError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
+            raise UserError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
         size = os.path.getsize(path)
         if size == 0:
-            raise ValueError(f"{path} is empty: prepare the data with --val_fraction above 0 or --val_input")
+            raise UserError(f"{path} is empty: prepare the data with --val_fraction above 0 or --val_input")
         if size % itemsize:
-            raise ValueError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
+            raise UserError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
                              f"or meta.json's dtype is wrong (re-run prepare.py)")
         counted = meta[split].get("tokens") if isinstance(meta.get(split), dict) else None
         if isinstance(counted, int) and size // itemsize != counted:
-            raise ValueError(f"{path} holds {size // itemsize:,} {meta['dtype']} tokens where meta.json says "
+            raise UserError(f"{path} holds {size // itemsize:,} {meta['dtype']} tokens where meta.json says "
                              f"{counted:,}: they are not from one prepare.py run (re-run prepare.py)")
         if size // itemsize <= block_size:
-            raise ValueError(f"{path} has {size // itemsize} tokens, too few for block_size={block_size} "
+            raise UserError(f"{path} has {size // itemsize} tokens, too few for block_size={block_size} "
                              f"(lower block_size or prepare more data)")
         mask = os.path.join(data_dir, f"{split}.mask.bin")
         if meta.get("masks") and (not os.path.exists(mask) or os.path.getsize(mask) != size // itemsize):
-            raise ValueError(f"{mask} is missing or does not hold one byte per token of {path} (re-run prepare.py)")
+            raise UserError(f"{mask} is missing or does not hold one byte per token of {path} (re-run prepare.py)")
     return os.path.getsize(os.path.join(data_dir, "train.bin")) // itemsize

@@ -1,0 +1,25 @@
+"""
+One way for every script to stop on a user's mistake. Library code raises UserError with one sentence that
+names the problem and the fix; the script that runs installs one_line_errors once, and an uncaught UserError
+is then printed as 'script.py: message' (exit status 1), with no traceback. Any other exception is a bug and
+keeps its traceback.
+"""
+
+import sys
+
+
+class UserError(ValueError):
+    """A mistake in what the user gave (a setting, a file, a folder); the message says what and how to fix it."""
+
+
+def one_line_errors(script):
+    """Print an uncaught UserError as one line labelled with the running script's name (train.py, ...)."""
+    default = sys.excepthook
+
+    def hook(kind, error, traceback):
+        if issubclass(kind, UserError):
+            print(f"{script}: {error}", file=sys.stderr, flush=True)
+        else:
+            default(kind, error, traceback)
+
+    sys.excepthook = hook
