@@ -6,7 +6,6 @@ import re
 import shutil
 import sys
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,26 +14,15 @@ import torch
 # the tests import the project's modules (model, kernels, ...) from the repository root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from helpers import SHAKESPEARE, TIKTOKEN_CACHE  # noqa: E402 (after the path)
+
 # Without a GPU, Triton kernels can only run on CPU tensors under Triton's interpreter, which
 # must be switched on before anything imports triton. With one, the kernels run compiled (the CUDA tier,
 # test_cuda.py, needs them so), and an in-process test that needs the interpreter skips.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The environment of the processes the CPU tests start (train.py and the other scripts, with --device=cpu), on a
-# machine with a GPU too: the GPU hidden, so that nothing in them reaches for it, and Triton's interpreter only
-# where a test asks for it (env={"TRITON_INTERPRET": "1"}, to run the fused ops on CPU): switched on for all,
-# every run would pay for it and none could be forked from tests/forkserver.py's server. Without a GPU the
-# interpreter is on for all, as above, and the runs inherit it.
-CPU_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-
-# What only this team's machines have sits in ../shared beside the checkout; a user's clone has none of
-# it, and every test either works without it or skips with the reason. The project's own code never
-# looks there: the tests point tiktoken at the shared cache of its encodings (it downloads them
-# otherwise), and the training tests' dataset reads tinyshakespeare when it is there.
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
-TIKTOKEN_CACHE = SHARED / "tiktoken_cache"
+# The tests never download: tiktoken reads the encodings from this team's shared cache where it is there.
 if TIKTOKEN_CACHE.is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
 
@@ -42,6 +30,8 @@ if TIKTOKEN_CACHE.is_dir():
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out of the quick tier (-m \"not slow\"): torchrun, compile, "
                             "Triton's interpreter at length, kill tests, big tokenizers")
+    config.addinivalue_line("markers", "kills: kills or restarts processes; runs inside process tracking "
+                            "(conftest.own_processes), so that none outlives the test")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (tests/test_cuda.py; -m cuda runs them alone), "
                             "skipped without one")
 
@@ -85,7 +75,10 @@ def generated_text(n):
 
 
 # -----------------------------------------------------------------------------
-# no test leaves a process behind, and torchrun's scratch folders stay with the test's files
+# The tests that kill or restart processes (marked `kills`) run inside process tracking: none of their processes
+# may outlive them, and torchrun's scratch folders stay with the test's files. The other tests start processes
+# with subprocess.run or forkserver.run only, which wait for them. Tracking reads Linux's /proc: elsewhere the
+# tests run without it.
 
 _marks = iter(range(10**9))
 
@@ -112,7 +105,10 @@ def own_processes(name, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def processes_end_with_their_test(request, tmp_path_factory):
-    with own_processes(request.node.name, tmp_path_factory):
+    if request.node.get_closest_marker("kills") and os.path.isdir("/proc"):
+        with own_processes(request.node.name, tmp_path_factory):
+            yield
+    else:
         yield
 
 
@@ -136,8 +132,7 @@ def shared(tmp_path_factory):
                 if folder.exists():
                     shutil.rmtree(folder)  # a build that failed part way
                 folder.mkdir()
-                with own_processes(f"shared-{name}", tmp_path_factory):
-                    build(folder)
+                build(folder)
                 (root / f"shared-{name}.done").touch()
         return folder
     return get

@@ -1,14 +1,20 @@
 """Run a script of the project (train.py) in a new process, without paying for `import torch` each time.
 
-A new Python spends ~3 s of CPU importing torch and its distributed packages before train.py reads its first
-argument, and the tests start train.py a few hundred times. So, as multiprocessing's forkserver does, one
-server process per pytest process imports those libraries once and forks a child for each run. The child is
-a new process as before: its own pid and session, default signal handlers, its own standard streams,
-environment and working folder, and whatever the script or a config file patches dies with it. It only finds
-torch already imported. The server never imports the project's own modules, so each child reads them from
-disk as a new Python would. A run whose environment the server cannot honour (see `FIXED`) starts a new
-Python as before, and so does every run if importing the libraries printed anything (a child would not
-print it again).
+A new Python spends ~3-4 s of CPU importing torch and its distributed packages before train.py reads its first
+argument, and the tests start the project's scripts about 350 times: ~20 minutes of CPU, more than the whole
+suite's budget on 2 cores. So, as multiprocessing's forkserver does, a server process imports those libraries
+once and forks a child for each run. The child is a new process as before: its own pid and session, default
+signal handlers, its own standard streams, environment and working folder, and whatever the script or a config
+file patches dies with it. It only finds torch already imported. The server never imports the project's own
+modules, so each child reads them from disk as a new Python would.
+
+The child leaves the way any Python script does: the script's SystemExit or exception, or the end of the script,
+unwinds out of the server's code to the interpreter, which prints it, joins the threads left running and runs the
+atexit functions; the last of these, registered by the server first of all, flushes the streams and ends the
+child with the script's status, skipping only the teardown of the modules. Nothing private is called.
+
+A few environment variables are read only when Python starts or a library is imported (`FIXED`): a child keeps
+its server's values, so a run that asks for other values gets a server of its own for them.
 
     done = run(["train.py", "--max_iters=2"], cwd=ROOT, env=env, timeout=300)  # a CompletedProcess
 """
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 # What train.py and kernels.py import from outside the project; triton only where the tests run it under its
 # interpreter (TRITON_INTERPRET must be set before triton is imported).
@@ -29,24 +36,43 @@ PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.checkpoint"
            "torch.distributed.checkpoint.state_dict", "torch.distributed.device_mesh", "torch.distributed.fsdp",
            "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.nn.parallel",
            "torch.utils.checkpoint"]
-# read when Python starts, a library is imported or a thread pool starts: a child keeps the server's values
+# read when Python starts, a library is imported or a thread pool starts: a child keeps its server's values
 FIXED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_INTERPRET", "PYTHONHASHSEED",
          "PYTHONPATH", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING",
          "LD_PRELOAD", "LD_LIBRARY_PATH")
-# the variable by which conftest.py finds the processes a test started: the server, shared, must not carry it
+# the variable by which conftest.py finds the processes a test started: a server, shared, must not carry it
 MARK = "PYTEST_PROCESS_MARK"
 
 SERVER = r'''
-import atexit, importlib, os, pickle, random, runpy, struct, sys, tempfile, threading, traceback
+import atexit, gc, importlib, os, pickle, random, runpy, struct, sys, tempfile
+exit_code = 0
+
+
+def leave():
+    # Registered before anything else, so the last of the functions a child runs on its way out (atexit runs
+    # them in reverse order, after the interpreter has joined the threads left running): the streams flushed,
+    # the child ends there, without tearing down the modules it shares with the server (~4 s of copied pages).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+atexit.register(leave)
 for name in sys.argv[1:]:
     importlib.import_module(name)
+sys.stdout.flush()  # nothing of the imports' output may wait in a buffer that the children would inherit
+sys.stderr.flush()
+gc.freeze()  # the children's garbage collector leaves the server's objects alone (and their pages shared)
 replies = int(os.environ.pop("FORKSERVER_REPLIES"))
 
 
 def read(n):
-    data = sys.stdin.buffer.read(n)
-    if len(data) < n:
-        os._exit(0)  # the pytest process is gone: so is the server
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            os._exit(0)  # the pytest process is gone: so is the server
+        data += chunk
     return data
 
 
@@ -72,25 +98,15 @@ def child(request):
     tempfile.tempdir = None  # TMPDIR is the child's
     sys.argv = request["argv"]
     sys.path[0] = os.path.dirname(request["path"])
-    code = 0
+    global exit_code
     try:
         runpy.run_path(request["path"], run_name="__main__")
-    except SystemExit as e:  # as the interpreter reads sys.exit's argument
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
+    except SystemExit as e:  # the status the interpreter will exit with, as it reads sys.exit's argument
+        exit_code = (e.code or 0) if e.code is None or isinstance(e.code, int) else 1
+        raise
     except BaseException:
-        traceback.print_exc()
-        code = 1
-    try:  # then what the interpreter does on its way out: join the threads left running, run atexit's functions
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code & 0xFF)
+        exit_code = 1
+        raise
 
 
 reply(0)  # ready
@@ -98,19 +114,21 @@ while True:
     request = pickle.loads(read(struct.unpack("q", read(8))[0]))
     pid = os.fork()
     if pid == 0:
+        # The script's SystemExit or exception goes up to the interpreter, as in `python SCRIPT`, and so does
+        # the script's end, by sys.exit: the interpreter prints it, joins the threads, runs atexit's functions.
         child(request)
+        sys.exit(0)
     reply(pid)
     reply(os.waitpid(pid, 0)[1])
 '''
 
 
 class Server:
-    def __init__(self):
+    def __init__(self, env):
         replies_read, replies_write = os.pipe()
-        env = {k: v for k, v in os.environ.items() if k != MARK}
-        env.update(OMP_NUM_THREADS="1", FORKSERVER_REPLIES=str(replies_write))
-        self.env = env
-        preload = [*PRELOAD, *(["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])]
+        env = {k: v for k, v in env.items() if k != MARK}
+        env["FORKSERVER_REPLIES"] = str(replies_write)
+        preload = [*PRELOAD, *(["triton"] if env.get("TRITON_INTERPRET") == "1" else [])]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER, *preload], stdin=subprocess.PIPE, env=env,
                                      stdout=self.log, stderr=self.log, pass_fds=[replies_write], cwd="/",
@@ -119,10 +137,12 @@ class Server:
         self.replies = replies_read
         self.read_reply()
         self.log.seek(0)
-        self.quiet = not self.log.read()  # the imports printed nothing that a child would not print again
-
-    def serves(self, env):
-        return self.quiet and all(env.get(k) == self.env.get(k) for k in FIXED)
+        printed = self.log.read()
+        # A child would not print again what the imports printed (a warning, say): then runs start a new Python.
+        self.quiet = not printed
+        if printed:
+            warnings.warn(f"importing {', '.join(preload)} printed something, so each run of a script starts a "
+                          f"new Python (slower): {printed[:300]!r}")
 
     def read_reply(self, timeout=None):
         # the server's next 8-byte integer, or None after timeout seconds
@@ -162,23 +182,23 @@ class Server:
         self.log.close()
 
 
-_server = None
+_servers = {}  # one per set of values of FIXED that the runs asked for
 
 
 def run(args, cwd, env, timeout=None):
     """subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout),
-    in a child of the fork server where it can be."""
-    global _server
-    if _server is None or _server.proc.poll() is not None:
-        _server = Server()
-    if not _server.serves(env):
+    in a child of a fork server that has the same values of FIXED."""
+    key = tuple(env.get(k) for k in FIXED)
+    server = _servers.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _servers[key] = Server(env)
+    if not server.quiet:
         return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
-    return _server.run(args, cwd, env, timeout)
+    return server.run(args, cwd, env, timeout)
 
 
 def close():
-    global _server
-    if _server is not None:
-        _server.close()
-        _server = None
+    for server in _servers.values():
+        server.close()
+    _servers.clear()

@@ -15,7 +15,7 @@ MARK = "PYTEST_PROCESS_MARK"
 def marked(value=None):
     # {pid: command line} of the live processes whose environment holds MARK=value (this test's by default)
     value = os.environ.get(MARK) if value is None else value
-    if not value:
+    if not value or not os.path.isdir("/proc"):  # conftest.py tracks processes only where /proc is
         return {}
     needle = f"{MARK}={value}".encode()
     found = {}

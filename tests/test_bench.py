@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train import CPU_ENV
+from helpers import CPU_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["kernels", "step", "memory", "optimizers", "finetune", "tests"]
@@ -124,6 +124,7 @@ def test_each_section_alone_writes_its_file_as_it_goes(section, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.kills
 def test_a_section_stopped_early_keeps_the_rows_it_finished(tmp_path):
     # killed (with the train.py under way) once its first row is written, as at the end of a call's time
     returncode, seen, _ = run_section("memory", tmp_path, stop_at=r"\| tiny \| one process \| [\d,]+ \|.*\|\n")

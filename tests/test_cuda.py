@@ -17,7 +17,7 @@ from lora import add_lora, quantize_base
 from memory import memory_estimate
 from model import GPT, GPTConfig, document_mask, rotary_tables
 from test_kernels import fwd_bwd, rel_err
-from test_train import ROOT
+from helpers import ROOT
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available() or K.INTERPRET or not K.HAS_TRITON,

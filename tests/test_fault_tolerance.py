@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from processes import kill_marked, marked
-from test_train import CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, weights
+from helpers import CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, weights
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -105,6 +105,7 @@ def test_bitwise_resume_ddp(data_dir, tmp_path, stop_at, shared):
 
 
 @pytest.mark.slow
+@pytest.mark.kills
 def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_weights(data_dir, tmp_path):
     args = [*COMMON, f"--data_dir={data_dir}", "--max_iters=300", "--eval_interval=5", "--log_interval=10"]
     run(*args, f"--out_dir={tmp_path / 'whole'}")
@@ -128,6 +129,7 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_weights(d
 
 
 @pytest.mark.slow
+@pytest.mark.kills
 def test_sigkill_during_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path):
     # a config that makes the save at step 6 write half its bytes, then hang there
     slow = tmp_path / "slow_save.py"
@@ -157,6 +159,7 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(data_dir, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.kills
 def test_signal_finishes_the_step_saves_and_exits_zero(data_dir, tmp_path, sig):
     proc = start(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000",
                  "--eval_interval=100000")
@@ -170,6 +173,7 @@ def test_signal_finishes_the_step_saves_and_exits_zero(data_dir, tmp_path, sig):
 
 
 @pytest.mark.slow
+@pytest.mark.kills
 def test_a_stop_at_an_evaluation_step_evaluates_on_resume(data_dir, tmp_path):
     # eval_interval=1: every stop lands on a step whose evaluation has not run yet
     args = [*TINY, f"--data_dir={data_dir}", "--eval_interval=1", "--eval_iters=1", "--max_iters=60"]
@@ -189,6 +193,7 @@ def test_a_stop_at_an_evaluation_step_evaluates_on_resume(data_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.kills
 def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_path):
     launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
     proc = start(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000",
@@ -330,6 +335,8 @@ def final_weights(out_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+@pytest.mark.kills
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers to kill in /proc")
 def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(data_dir, tmp_path, layout):
     # kill -9 one worker (as the out-of-memory killer or a lost node does) at a random step, three times in the
     # run's life: torchrun restarts the group, which resumes from its last checkpoint (--init_from=auto)

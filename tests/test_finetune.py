@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from test_train import assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run, script, weights
+from helpers import assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run, script, weights
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

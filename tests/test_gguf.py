@@ -14,7 +14,7 @@ import torch
 import export
 from gguf_export import PRE_TOKENIZERS, interleave_rotary, vocabulary
 from hf import hf_layout
-from test_train import TINY, run, script
+from helpers import TINY, run, script
 from tokenizer import byte_chars, load_tokenizer, make_tokenizer
 
 gguf = pytest.importorskip("gguf")

@@ -26,7 +26,7 @@ import checkpoint as ckpt
 import forkserver  # the tests' own: train.py and sample.py started without importing torch each time
 import hf
 import prepare
-from conftest import TIKTOKEN_CACHE
+from helpers import TIKTOKEN_CACHE
 from model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import torch
 from memory import memory_estimate, nf4_bytes, tensor_bytes
 from lora import add_lora, quantize_base
 from model import GPT, GPTConfig
-from test_train import script
+from helpers import script
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)

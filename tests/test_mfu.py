@@ -11,7 +11,7 @@ import torch
 import parallel
 from model import GPT, GPTConfig, attended_keys
 from parallel import gpu_peak, peak_flops
-from test_train import TINY, run
+from helpers import TINY, run
 
 
 @pytest.mark.parametrize("name, sms, bf16, tf32", [

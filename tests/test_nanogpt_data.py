@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import prepare
-from conftest import SHAKESPEARE
+from helpers import SHAKESPEARE
 
 # Used when tinyshakespeare is not beside the checkout: a few lines in its manner.
 OWN_TEXT = """First Citizen:
@@ -213,7 +213,7 @@ def test_no_meta_at_all_is_gpt2(tmp_path):
 
 def test_a_nanogpt_folder_trains_and_samples_its_characters(tmp_path, text):
     import torch
-    from test_train import TINY, run, script
+    from helpers import TINY, run, script
     chars, _ = nanogpt_char_folder(tmp_path / "data", text)
     run(*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--max_iters=10",
         "--eval_interval=10")

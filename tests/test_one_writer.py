@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from test_train import ROOT, TINY, run, script
+from helpers import ROOT, TINY, run, script
 from test_untrusted_checkpoints import runs  # noqa: F401 (a fixture: a prepared dataset and a tiny run on it)
 
 

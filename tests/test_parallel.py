@@ -2,7 +2,7 @@
 
 import pytest
 
-from test_train import TINY, losses, run
+from helpers import TINY, losses, run
 
 from hf import save_pretrained
 from model import GPT, GPTConfig

@@ -580,6 +580,7 @@ def test_memory_does_not_grow_with_corpus_size(tmp_path, shape):
 
 
 @pytest.mark.slow
+@pytest.mark.kills
 def test_killed_run_leaves_nothing_finished(tmp_path):
     src = words_corpus(tmp_path / "src", 20, nfiles=4)
     out = tmp_path / "out"
@@ -625,6 +626,7 @@ prepare.main(sys.argv[2:])
 
 
 @pytest.mark.parametrize("before", ["nothing", "a finished dataset"])
+@pytest.mark.kills
 def test_killed_while_renaming_leaves_a_marker_and_a_rerun_replaces_it(tmp_path, before):
     out = tmp_path / "out"
     if before != "nothing":

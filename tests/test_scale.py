@@ -16,7 +16,7 @@ import torch
 
 from checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
-from test_train import (CPU_ENV, ROOT, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port,
+from helpers import (CPU_ENV, ROOT, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port,
                         kernel_counter, losses, on_cpu, run, script, weights)
 
 pytestmark = pytest.mark.slow  # every test here starts torchrun
@@ -144,6 +144,7 @@ def test_bitwise_resume_under_fsdp(data_dir, fsdp_run, tmp_path):
     assert all(torch.equal(read[k], whole["model"][k]) for k in read)
 
 
+@pytest.mark.kills
 def test_sigkill_between_the_renames_of_a_sharded_save_keeps_the_previous_one(data_dir, fsdp_run, tmp_path):
     # a config that hangs the save of step 6 after ckpt/ stepped aside as ckpt.old/ and before ckpt.tmp/
     # took its name: the one moment when no folder is called ckpt
@@ -174,6 +175,7 @@ def test_sigkill_between_the_renames_of_a_sharded_save_keeps_the_previous_one(da
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.kills
 def test_sigkill_at_random_moments_of_sharded_saves_loses_nothing(data_dir, fsdp_run, tmp_path):
     # a save at every step, so that kills often land in one; evaluations change nothing in training
     args = [*EXACT, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=1", "--keep_last_n=2"]
@@ -196,6 +198,7 @@ def test_sigkill_at_random_moments_of_sharded_saves_loses_nothing(data_dir, fsdp
 # layouts: two nodes, one process, compile and the kernels
 
 
+@pytest.mark.kills
 def test_fsdp_on_two_nodes(data_dir, tmp_path):
     port = free_port()
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=6", "--eval_interval=6",

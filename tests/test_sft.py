@@ -12,7 +12,7 @@ import prepare
 from data import Split, best_fit
 from kernels import linear_cross_entropy_ref
 from model import GPT, GPTConfig
-from test_train import assert_weights_close, losses, run, script, weights
+from helpers import assert_weights_close, losses, run, script, weights
 
 WORDS = "apple river stone cloud seven orange lamp tiger music paper green window silver forest quiet".split()
 SMALL = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--batch_size=4", "--eval_iters=2",

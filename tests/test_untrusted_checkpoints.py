@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import checkpoint as ckpt
-from test_train import TINY, run, script
+from helpers import TINY, run, script
 
 
 class Payload:

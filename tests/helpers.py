@@ -1,0 +1,153 @@
+"""What the test modules share: starting train.py and the project's other scripts in a new process, reading a
+run's losses and weights, counting Triton kernel launches, a free port, and where this team's shared files are.
+Fixtures live in conftest.py; this is plain functions and names, imported as `from helpers import run, TINY`.
+"""
+
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import forkserver
+
+# The environment of the processes the CPU tests start (train.py and the other scripts, with --device=cpu), on a
+# machine with a GPU too: the GPU hidden, so that nothing in them reaches for it, and Triton's interpreter only
+# where a test asks for it (env={"TRITON_INTERPRET": "1"}, to run the fused ops on CPU): switched on for all,
+# every run would pay for it. Without a GPU the interpreter is on for all (conftest.py), and the runs inherit it.
+CPU_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+# What only this team's machines have sits in ../shared beside the checkout; a user's clone has none of
+# it, and every test either works without it or skips with the reason. The project's own code never
+# looks there: conftest.py points tiktoken at the shared cache of its encodings (it downloads them
+# otherwise), and the training tests' dataset reads tinyshakespeare when it is there.
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
+TIKTOKEN_CACHE = SHARED / "tiktoken_cache"
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20", "--learning_rate=1e-2"]
+
+
+# The tests' runs are CPU runs, on a machine with a GPU too: without --device, train.py, sample.py and eval.py
+# would pick the GPU there (and bf16, and the kernels), and torchrun's processes one GPU each; and the GPU is
+# hidden from them (CPU_ENV above). Their Triton kernels, where a test asks for them (and for the
+# interpreter), run under the interpreter on CPU as they do without a GPU.
+ON_CPU = ("train.py", "sample.py", "eval.py")
+
+
+def on_cpu(args):
+    args = [str(a) for a in args]
+    return args if any(a.startswith("--device=") for a in args) else [*args, "--device=cpu"]
+
+
+def run(*args, torchrun=(), check=True, env=None):
+    # train.py in a new process: forked from a server that has torch imported already (forkserver.py), or
+    # under torchrun
+    env, args = {**os.environ, **CPU_ENV, **(env or {})}, on_cpu(args)
+    if torchrun:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    else:
+        done = forkserver.run(["train.py", *args], cwd=ROOT, env=env, timeout=300)
+    if check and done.returncode != 0:
+        raise AssertionError(f"train.py failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def script(*args, cwd=ROOT, env=None, timeout=300):
+    # another of the project's scripts (sample.py, export.py, prepare.py, bench.py) in a new process, as run() does
+    args = on_cpu(args) if str(args[0]) in ON_CPU else [*map(str, args)]
+    return forkserver.run(args, cwd=cwd, env={**os.environ, **CPU_ENV, **(env or {})}, timeout=timeout)
+
+
+def losses(out_dir):
+    # the last loss recorded for each step (a resumed run records the steps it repeats again)
+    records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["iter"]: r["loss"] for r in records if "val_loss" not in r}
+
+
+def weights(out_dir, name="ckpt.pt"):
+    return torch.load(Path(out_dir) / name, weights_only=True)["model"]
+
+
+def assert_weights_close(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+# A config file for train.py that counts the launches of each Triton kernel in kernels.py and prints them as the
+# process exits. Equal losses alone cannot show that the fused ops ran: the plain ops give the same losses.
+KERNEL_COUNTER = """
+import atexit as _atexit, json as _json, os as _os, sys as _sys
+import kernels as _kernels
+
+
+def _counted(name, kernel):
+    class _Counted:  # kernel[grid](...) is how kernels.py launches one
+        def __getitem__(self, grid):
+            _launches[name] += 1
+            return kernel[grid]
+    return _Counted()
+
+
+_launches = {_name: 0 for _name, _value in vars(_kernels).items()
+             if _name.endswith("_kernel") and type(_value).__module__.startswith("triton")}
+for _name in _launches:
+    setattr(_kernels, _name, _counted(_name, getattr(_kernels, _name)))
+
+
+def _report():  # one write of the whole line: torchrun's workers share the pipe, and print's pieces interleave
+    _sys.stdout.flush()
+    _os.write(1, ("TRITON LAUNCHES " + _json.dumps(_launches) + "\\n").encode())
+
+
+_atexit.register(_report)
+"""
+
+
+def kernel_counter(folder):
+    path = Path(folder) / "count_kernel_launches.py"
+    path.write_text(KERNEL_COUNTER)
+    return str(path)
+
+
+def kernel_launches(stdout):
+    # {kernel: launches} of each process that ran with kernel_counter's config
+    counts = [json.loads(m) for m in re.findall(r"TRITON LAUNCHES (\{[^{}]*\})", stdout)]
+    assert counts, "no process printed its kernel launches"
+    for op in ("rms_norm", "swiglu", "rotary", "cross_entropy"):  # every fused op has its kernels counted
+        assert all(any(op in name for name in count) for count in counts), (op, counts)
+    return counts
+
+
+def assert_every_kernel_ran(stdout):
+    for count in kernel_launches(stdout):
+        assert all(n > 0 for n in count.values()), count
+
+
+def assert_no_kernel_ran(stdout):
+    for count in kernel_launches(stdout):
+        assert not any(count.values()), count
+
+
+def free_port():
+    # A port no other test takes meanwhile: below Linux's ephemeral range (32768-60999, where torchrun
+    # --standalone and every client socket get theirs), in a range of its own for each pytest-xdist worker.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    start = 20000 + 1000 * (worker % 12)
+    for port in random.sample(range(start, start + 1000), 1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {start}-{start + 999}")
