@@ -30,12 +30,14 @@ import tempfile
 import time
 import warnings
 
-# What train.py and kernels.py import from outside the project; triton only where the tests run it under its
-# interpreter (TRITON_INTERPRET must be set before triton is imported).
+# What the project's scripts import from outside the project; triton only where the tests run it under its
+# interpreter (TRITON_INTERPRET must be set before triton is imported). torch._dynamo is the costliest: torch's
+# optimizers import it when the first is made (~2-3 s of CPU in every train.py run otherwise).
 PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "torch.distributed.device_mesh", "torch.distributed.fsdp",
            "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.nn.parallel",
-           "torch.utils.checkpoint"]
+           "torch.utils.checkpoint", "torch._dynamo", "torch.profiler", "safetensors.torch", "tiktoken", "tokenizers",
+           "jinja2"]
 # read when Python starts, a library is imported or a thread pool starts: a child keeps its server's values
 FIXED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_INTERPRET", "PYTHONHASHSEED",
          "PYTHONPATH", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING",

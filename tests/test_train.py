@@ -13,6 +13,15 @@ import torch
 from helpers import (CPU_ENV, ROOT, TINY, assert_every_kernel_ran, assert_weights_close, free_port, kernel_counter,
                      kernel_launches, losses, on_cpu, run, script, weights)
 
+
+def copy_dataset(data_dir, to, val_tokens):
+    # the tests' dataset with its validation split cut to its first val_tokens tokens
+    to.mkdir()
+    for name in ("meta.json", "train.bin"):
+        (to / name).write_bytes((data_dir / name).read_bytes())
+    (to / "val.bin").write_bytes((data_dir / "val.bin").read_bytes()[:2 * val_tokens])
+    return to
+
 # -----------------------------------------------------------------------------
 
 
@@ -359,7 +368,9 @@ def test_bench_races_optimizers_on_equal_time(data_dir):
 
 def test_eval_full_scores_the_whole_val_split_as_eval_py_does(data_dir, tmp_path):
     # eval_full: every token of val.bin once, in windows of 32 overlapping by 8; the same loss eval.py reports
-    # for the checkpoint, and again the same on a second evaluation of the same weights
+    # for the checkpoint, and again the same on a second evaluation of the same weights. The validation split
+    # cut to 3,001 tokens (not a whole number of windows) keeps the four evaluations of every token short.
+    data_dir = copy_dataset(data_dir, tmp_path / "data", val_tokens=3001)
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=4",
         "--eval_full=True", "--eval_stride=8")
     val = [json.loads(line)["val_loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
