@@ -36,8 +36,8 @@ import warnings
 PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "torch.distributed.device_mesh", "torch.distributed.fsdp",
            "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.nn.parallel",
-           "torch.utils.checkpoint", "torch._dynamo", "torch.profiler", "safetensors.torch", "tiktoken", "tokenizers",
-           "jinja2"]
+           "torch.utils.checkpoint", "torch._dynamo", "torch.profiler", "safetensors.torch", "tiktoken",
+           "tokenizers", "jinja2"]
 # read when Python starts, a library is imported or a thread pool starts: a child keeps its server's values
 FIXED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_INTERPRET", "PYTHONHASHSEED",
          "PYTHONPATH", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING",

@@ -1,9 +1,9 @@
 """The processes a test started, found by a mark in their environment, whoever their parent is now.
 
-conftest.py gives every test its own value of PYTEST_PROCESS_MARK; every process the test starts inherits it,
-and so do the processes those start: torchrun's workers too, which run in sessions of their own and outlive a
-killed launcher (its group never reaches them). /proc/PID/environ is the environment a process was started
-with, so the pytest process itself, which only set the variable later, never matches."""
+conftest.py gives every test marked `kills` its own value of PYTEST_PROCESS_MARK; every process it starts
+inherits it, and so do the processes those start: torchrun's workers too, which run in sessions of their own and
+outlive a killed launcher (its group never reaches them). /proc/PID/environ is the environment a process was
+started with, so the pytest process itself, which only set the variable later, never matches."""
 
 import os
 import signal
