@@ -7,7 +7,6 @@ out. What they hold, what is read, held in memory or skipped, and the tokenizers
     python prepare.py notes/ docs.jsonl.gz --out_dir=data/mine      # GPT-2 tokens, 10% of documents to val
     python prepare.py train.parquet --val_input=val.parquet --tokenizer=hf/tokenizer.json --out_dir=data/ft
     python prepare.py notes/ --analyze              # what would be read, skipped, and how long documents are
-    python prepare.py --bench                       # our throughput against tiktoken's own batch encoder
 """
 
 import argparse
@@ -19,7 +18,6 @@ import os
 import re
 import stat
 import sysconfig
-import tempfile
 import time
 import zlib
 from collections import deque, namedtuple
@@ -803,36 +801,6 @@ def report_analyze(meta, log):
     report_skips(meta, log)
 
 # -----------------------------------------------------------------------------
-# --bench: our whole run (read, encode, write) against tiktoken's encode_ordinary_batch alone
-
-def bench(args):
-    tokenizer = make_tokenizer(args.tokenizer, lambda: iter(()))
-    args.chat = chat_maker(args, tokenizer)
-    if tokenizer.kind != "tiktoken":
-        die("--bench compares against tiktoken: pass a tiktoken encoding, e.g. --tokenizer=gpt2")
-    docs = corpus(args.input or [sysconfig.get_paths()["stdlib"]], args, new_stats(), only_py=not args.input)
-    texts = ["".join(text for text, _ in pieces(doc)) for _, _, doc in docs]
-    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    threads = max(1, args.num_workers or cpu_count())
-    with tempfile.TemporaryDirectory() as tmp:
-        run_args = argparse.Namespace(**{**vars(args), "out_dir": tmp, "overwrite": True, "analyze": False})
-        runs = {"tiktoken": lambda: tokenizer.enc.encode_ordinary_batch(texts, num_threads=threads),
-                "prepare": lambda: prepare(run_args, quiet=True)}
-        seconds = {name: [] for name in runs}  # (wall, CPU of all threads) per run
-        for _ in range(5):  # side by side, alternating, the best of each: CPU timings are noisy
-            for name, run in runs.items():
-                wall, cpu = time.time(), time.process_time()
-                run()
-                seconds[name].append((time.time() - wall, time.process_time() - cpu))
-    # The best wall time and the best CPU time of each, for tiktoken (c) and for prepare.py (o).
-    (cw, cc), (ow, oc) = ([min(column) for column in zip(*seconds[name])] for name in runs)
-    print(f"bench: {mb:.1f} MB in {len(texts)} documents, {tokenizer.name}, {threads} threads, best of 5")
-    print(f"  tiktoken encode_ordinary_batch (text in memory): {mb / cw:6.1f} MB/s, {cc:.2f} s CPU")
-    print(f"  prepare.py (read, encode, write the dataset):    {mb / ow:6.1f} MB/s, {oc:.2f} s CPU")
-    print(f"  ratio: {cw / ow:.2f} of tiktoken's throughput ({cc / oc:.2f} by CPU time)")
-    return {"ceiling_mb_s": mb / cw, "prepare_mb_s": mb / ow, "ratio": cw / ow, "cpu_ratio": cc / oc}
-
-# -----------------------------------------------------------------------------
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Files and folders -> train.bin, val.bin, meta.json. "
@@ -859,11 +827,10 @@ def main(argv=None):
     arg("--strict", action="store_true", help="stop at the first bad file or record instead of skipping it")
     arg("--overwrite", action="store_true", help="replace a dataset already in --out_dir")
     arg("--analyze", action="store_true", help="report files, documents, tokens and lengths; write nothing")
-    arg("--bench", action="store_true", help="measure throughput against tiktoken's own batch encoder")
     p.error = lambda msg: die(f"{msg} (see python prepare.py --help)")  # one line, not usage + error
     args = p.parse_args(argv)
     try:
-        return bench(args) if args.bench else prepare(args)
+        return prepare(args)
     except OSError as e:  # its .tmp files are gone by now, and the dataset there before is whole
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

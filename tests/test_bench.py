@@ -1,7 +1,7 @@
 """bench.py --mode=gpu, everything a GPU must show, in sections that run alone at tiny shapes on CPU (--tiny):
 each writes its Markdown file as it goes, holds numbers, and leaves no checkpoint behind; a section stopped
 early keeps the rows it finished; the README's budget for a GPU lease fits it. Timings are a CPU's and are
-not checked."""
+not checked. And bench.py --mode=encode, prepare.py's throughput against tiktoken's."""
 
 import math
 import os
@@ -18,6 +18,8 @@ from helpers import CPU_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["kernels", "step", "memory", "optimizers", "finetune", "tests"]
+needs_tiktoken = pytest.mark.skipif("TIKTOKEN_CACHE_DIR" not in os.environ,
+                                    reason="no tiktoken cache (tests never download)")
 
 
 def rows(text):
@@ -152,3 +154,25 @@ def test_readme_gpu_budget_fits_the_lease():
     for row in budget:
         calls[row[1]] = calls.get(row[1], 0) + float(row[-1])
     assert max(calls.values()) <= 8 and sum(calls.values()) <= 25, calls
+
+
+@needs_tiktoken
+def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path):
+    # what prepare.py --bench was: prepare.py's run against tiktoken's batch encoder, on the documents it encoded;
+    # a tokenizer that is not tiktoken's is refused in one line
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [f"document {i}: " + f"the quick brown fox {i} jumps over the lazy dog. " * 2000 for i in range(3)]
+    for i, text in enumerate(texts):
+        (src / f"doc{i}.txt").write_text(text)
+    cmd = [sys.executable, "bench.py", "--mode=encode", str(src), "--num_workers=2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **CPU_ENV})
+    assert done.returncode == 0, done.stderr[-3000:]
+    head = re.search(r"bench: ([\d.]+) MB in (\d+) documents, gpt2, 2 threads, best of 5", done.stdout)
+    assert head and head[2] == "3" and float(head[1]) == round(sum(map(len, texts)) / 1e6, 1), done.stdout
+    ratio = re.search(r"ratio: ([\d.]+) of tiktoken's throughput \(([\d.]+) by CPU time\)", done.stdout)
+    assert ratio and 0.1 < float(ratio[1]) < 10, done.stdout
+    done = subprocess.run([*cmd, "--tokenizer=char"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **CPU_ENV})
+    assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
+    assert "bench.py: --mode=encode compares against tiktoken" in done.stderr

@@ -657,14 +657,6 @@ def test_out_dir_inside_the_input_is_not_read(tmp_path):
         assert meta["files_read"] == len(DOCS) and meta["skipped_files"] == [] and meta["bad_records"]["count"] == 0
 
 
-@needs_tiktoken
-def test_bench_reports_a_ratio(tmp_path, capsys):
-    words_corpus(tmp_path / "src", 0.3, nfiles=2)
-    result = run(tmp_path / "src", "--bench", "--num_workers", 2)
-    assert 0.1 < result["ratio"] < 10 and result["prepare_mb_s"] > 0 and result["ceiling_mb_s"] > 0
-    assert "of tiktoken's throughput" in capsys.readouterr().out
-
-
 def test_wordpiece_is_learned_saved_as_tokenizer_json_and_exported(tmp_path):
     # wordpiece:N: a WordPiece model in tokenizer.json; text comes back with its characters, whitespace
     # normalized as WordPiece does; transformers reads the exported folder's tokenizer to the same ids

@@ -1,0 +1,317 @@
+"""
+How bench.py measures, shared by its modes and by the GPU report (gpu_bench.py): train.py run as a user runs it
+and the medians of its logged steps; one call's time and peak memory; each fused kernel against its references;
+the model a planned run would build, on the meta device (memory.py's estimate reads it); and full, LoRA and QLoRA
+fine-tuning side by side. A train.py that fails raises UserError with the end of its output.
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import kernels
+from checkpoint import model_from_checkpoint
+from configurator import configure
+from errors import UserError
+from hf import config_from_hf, read_json, save_pretrained
+from lora import add_lora, quantize_base
+from memory import tensor_bytes
+from model import GPT, GPTConfig
+from tokenizer import read_meta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# --mode=gpu: the time after which no more rows begin, and the --minutes it was set from (set_deadline)
+deadline, minutes = float("inf"), None
+
+
+def set_deadline(limit_minutes):
+    global deadline, minutes
+    deadline, minutes = time.time() + 60 * limit_minutes, limit_minutes
+
+
+def out_of_time(label):
+    # A row is not begun once --minutes are spent (one line says so), so that a call on the GPU machine ends
+    # inside its limit with every row it began.
+    if time.time() < deadline:
+        return False
+    print(f"| {label} | skipped: the {minutes:g} minutes (--minutes) are spent |")
+    return True
+
+# -----------------------------------------------------------------------------
+# train.py, run as a user runs it: its log records, and the medians of its steps
+
+
+def run_train(run_args, out_dir, steps, evaluate=False, log_interval=None, env=None):
+    # train.py's own log records; without evaluate, only one evaluation at the start, on a single batch. env:
+    # variables added to this process's for the run.
+    evals = [f"--eval_interval={steps + 1}", "--eval_iters=1", "--log_interval=1"]
+    if evaluate:
+        evals = [f"--eval_interval={steps}", f"--lr_decay_iters={steps}",
+                 f"--log_interval={log_interval or steps}"]
+    cmd = [sys.executable, "train.py", *run_args, f"--out_dir={out_dir}", f"--max_iters={steps}", *evals,
+           "--always_save_checkpoint=False"]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, **env} if env else None)
+    if done.returncode:
+        raise UserError(f"train.py failed:\n{done.stdout[-3000:]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    shutil.rmtree(out_dir, ignore_errors=True)  # its checkpoint: a measurement keeps nothing of a run but its log
+    return records
+
+
+def throughput(run_args, out_dir, steps, warmup, env=None):
+    # (the medians of tokens/s, ms/iter and both MFUs over the steps after warmup, the peak memory in MB)
+    records = run_train(run_args, out_dir, steps, env=env)
+    records = [r for r in records if "tokens_per_s" in r and r["iter"] > warmup]
+    keys = ("tokens_per_s", "ms_per_iter", "mfu", "mfu_run")
+    med = {k: statistics.median(r.get(k) or 0 for r in records) for k in keys}
+    return med, max(r["mem_mb"] for r in records)
+
+# -----------------------------------------------------------------------------
+# the fused ops of kernels.py against their references, eager and compiled
+
+
+def kernel_cases(device, tokens=(8192, 32768), widths=(2048, 4096), vocabs=(50304, 128256), D=128):
+    # (op, size, inputs(), call(op, *inputs)) in bf16 at Llama-like sizes: tokens x width, D the head size
+
+    def rand(*shape, std=1.0, grad=True):
+        return (std * torch.randn(*shape, device=device, dtype=torch.bfloat16)).requires_grad_(grad)
+
+    def rotary_inputs(N, C):  # q as a strided view into a wider tensor (the model's is contiguous)
+        T = min(N, 2048)
+        angles = torch.outer(torch.arange(T, device=device).float(), torch.rand(D // 2, device=device))
+        return [rand(N // T, T, 3 * C), angles.cos(), angles.sin()]
+
+    def rotary_call(f, qkv, cos, sin):
+        B, T, C3 = qkv.shape
+        return f(qkv[..., :C3 // 3].view(B, T, C3 // 3 // D, D), cos, sin)
+
+    cases = []
+    for N in tokens:
+        for C in widths:
+            H = 64 * math.ceil(8 * C / 3 / 64)  # the model's SwiGLU width
+            cases += [
+                ("rms_norm", f"{N}x{C}", lambda N=N, C=C: [rand(N, C), rand(C)], lambda f, x, w: f(x, w, 1e-5)),
+                ("swiglu", f"{N}x{H}", lambda N=N, H=H: [rand(N, 2 * H)], lambda f, gu: f(*gu.chunk(2, -1))),
+                ("apply_rotary", f"{N}x{C}", lambda N=N, C=C: rotary_inputs(N, C), rotary_call),
+            ]
+    for V in vocabs:
+        for N in tokens:
+            for C in widths:
+                inputs = lambda N=N, C=C, V=V: [rand(N, C), rand(V, C, std=0.02),
+                                                torch.randint(0, V, (N,), device=device)]
+                cases.append(("linear_cross_entropy", f"{N}x{C} V={V}", inputs, lambda f, *a: f(*a)))
+    return cases
+
+
+def time_call(fn, leaves, device):
+    # (median ms, peak MB above what was allocated before, or None on a CPU), or None when out of memory
+    cuda = device.startswith("cuda")
+    try:
+        fn()  # warm up: compile, autotune, cache
+        for t in leaves:
+            t.grad = None
+        if not cuda:  # a CPU's timing, for the smoke check: the median of a few calls, no memory
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1000)
+            return statistics.median(times), None
+        from triton.testing import do_bench  # Triton is optional, and there is no CUDA timing without it
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        return do_bench(fn, warmup=50, rep=500, grad_to_none=leaves, return_mode="median"), peak
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        for t in leaves:
+            t.grad = None
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def kernel_rows(name, size, call, impls, inputs, device):
+    # one case's two rows, forward and forward+backward: each of impls (None: not run) timed on inputs
+    leaves = [t for t in inputs if t.requires_grad]
+    with torch.no_grad():  # the output's shape, from the op that needs the least memory
+        dy = torch.randn_like(call(impls[2], *inputs))
+    for pass_ in ("fwd", "fwd+bwd"):
+        if pass_ == "fwd":
+            results = [time_call(lambda f=f: call(f, *inputs), leaves, device) if f else None for f in impls]
+        else:
+            results = [time_call(lambda f=f: call(f, *inputs).backward(dy), leaves, device) if f else None
+                       for f in impls]
+        ms = [f"{r[0]:.3f}" if r else "OOM" if f else "-" for r, f in zip(results, impls)]
+        mb = [f"{r[1]:,.0f}" if r and r[1] is not None else "OOM" if f and not r else "-"
+              for r, f in zip(results, impls)]
+        ratio = [f"{r[0] / results[2][0]:.2f}" if r and results[2] else "-" for r in results[:2]]
+        print(f"| {name} | {size} | {pass_} | {' | '.join(ms)} | {' | '.join(ratio)} | {' | '.join(mb)} |")
+
+
+def kernel_table(cases, device, compiled=True):
+    # each case eager, compiled (unless not compiled) and fused, forward and forward+backward: a Markdown table
+    torch._dynamo.config.recompile_limit = 64  # the compiled references recompile for every size
+    print("linear_cross_entropy computes its gradients in forward: compare it on fwd+bwd\n")
+    print("| op | size | pass | eager ms | compiled ms | triton ms | speedup vs eager | vs compiled "
+          "| eager MB | compiled MB | triton MB |\n" + "| --- " * 11 + "|")
+    for name, size, make_inputs, call in cases:
+        if out_of_time(f"{name} | {size}"):
+            continue
+        ref = getattr(kernels, name + "_ref")
+        impls = [ref, torch.compile(ref, dynamic=False) if compiled else None, getattr(kernels, name)]
+        kernel_rows(name, size, call, impls, make_inputs(), device)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def matmul_peak(cuda):
+    # The FLOP/s one large matmul reaches here (bf16 on a GPU, fp32 on a CPU): the ceiling a training step can
+    # really approach, beside the datasheet's (an H100 SXM's bf16 matmul reaches ~80% of its 989 TFLOP/s).
+    n, dtype, device = (8192, torch.bfloat16, "cuda") if cuda else (512, torch.float32, "cpu")
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    ms, _ = time_call(lambda: a @ b, [], device)
+    return 2 * n ** 3 / (ms / 1000)
+
+# -----------------------------------------------------------------------------
+# a planned train.py run: its settings and its model on the meta device, nothing allocated
+
+
+def train_defaults():
+    # train.py's settings and their defaults. Running train.py would start a run, so its lines before
+    # config_keys (its imports and its block of settings) are run here alone, and a setting is what train.py
+    # counts as one: a global of a plain type whose name does not begin with an underscore.
+    with open(os.path.join(HERE, "train.py")) as f:
+        source = f.read()
+    scope = {}
+    exec(compile(source[:source.index("\nconfig_keys = ")], "train.py", "exec"), scope)
+    return {k: v for k, v in scope.items()
+            if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))}
+
+
+def planned_shape(g):
+    # the GPTConfig of a run's settings: a Hugging Face folder's, or the settings' own
+    if g.init_from not in ("scratch", "resume", "auto"):  # a Hugging Face folder: its shape
+        try:
+            return config_from_hf(read_json(os.path.join(g.init_from, "config.json")), g.block_size)
+        except (ValueError, KeyError) as e:
+            raise UserError(str(e)) from e
+    vocab = g.vocab_size
+    if not vocab:  # the dataset's, padded as train.py pads it; GPT-2's without one
+        have_data = os.path.exists(os.path.join(g.data_dir, "meta.json"))
+        vocab = 64 * -(-read_meta(g.data_dir)["vocab_size"] // 64) if have_data else 50304
+    return GPTConfig(n_layer=g.n_layer, n_head=g.n_head, n_kv_head=g.n_kv_head, n_embd=g.n_embd,
+                     block_size=g.block_size, vocab_size=vocab, tie_embeddings=g.tie_embeddings)
+
+
+def planned_model(overrides):
+    # (settings, model on the meta device, dtype) of a train.py run with these overrides: GPU settings (bf16
+    # where dtype is auto, the kernels on) unless it runs on a CPU
+    config = train_defaults()
+    configure(config, overrides)
+    g = argparse.Namespace(**config)
+    on_cpu = g.device == "cpu"
+    dtype = ("float32" if on_cpu else "bfloat16") if g.dtype == "auto" else g.dtype
+    shape = planned_shape(g)
+    shape.use_kernels = not on_cpu if g.use_kernels is None else g.use_kernels  # a GPU's default, with Triton
+    with torch.device("meta"):
+        model = GPT(shape)
+        if g.lora_rank:  # the frozen base in the dtype it computes in (nf4: counted at its size)
+            base = dtype if g.lora_base_dtype in ("auto", "nf4", "int8") else g.lora_base_dtype
+            add_lora(model.to(getattr(torch, base)), g.lora_rank, g.lora_alpha, g.lora_dropout, g.lora_targets)
+    return g, model, dtype
+
+# -----------------------------------------------------------------------------
+# a few steps of full fine-tuning, LoRA and QLoRA of the same random folder, side by side, each a real train.py
+# run: its optimizer state (from its checkpoint), the frozen base's weights, the peak memory it logged and its
+# tokens/s
+
+FINETUNES = {"full": [], "LoRA": ["--lora_rank=16"], "LoRA, int8 base": ["--lora_rank=16", "--lora_base_dtype=int8"],
+             "QLoRA": ["--lora_rank=16", "--lora_base_dtype=nf4"]}
+QWEN3_06B = dict(vocab_size=151936, block_size=4096, n_layer=28, n_head=16, n_kv_head=8, n_embd=1024,
+                 head_size=128, mlp_hidden=3072, qk_norm=True, family="qwen3")
+
+
+def random_folder(shape, folder):
+    # a Hugging Face folder of random bf16 weights (as the Hub holds them), built on the meta device and filled
+    # in place: no fp32 copy of a 7B model on the way
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**shape)).to(torch.bfloat16)
+    model = model.to_empty(device="cpu").materialize()
+    with torch.no_grad():
+        for p in model.parameters():  # norms' weights 1, the rest small: the scale of a trained model
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    save_pretrained(model, folder)
+
+
+def random_tokens(folder, vocab):
+    # train.bin and val.bin of random ids below vocab, which is the end-of-text id, and their meta.json
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, vocab, size=200_000, dtype=np.uint32).tofile(f"{folder}/{split}.bin")
+    with open(f"{folder}/meta.json", "w") as f:
+        json.dump({"dtype": "uint32", "vocab_size": vocab, "eot_id": vocab}, f)
+
+
+def bench_lora(train_args, shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=(), skip=(), scratch=None, steps=10):
+    # each of FINETUNES but those in skip, for steps steps (more than 3: the tokens/s of the steps after the
+    # first two), in a temporary folder under scratch
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        random_folder(shape, f"{tmp}/model")
+        random_tokens(tmp, shape["vocab_size"] - 1)  # the last id is end-of-text
+        settings = " ".join([*train_args, *extra_args]) or "train.py defaults"
+        print(f"{name} shape, torch {torch.__version__}, {settings}, {steps} steps\n")
+        print("| fine-tune | trained parameters | optimizer state MB | frozen base MB | peak memory MB "
+              "| tokens/s |\n" + "| --- " * 6 + "|")
+        for label, extra in FINETUNES.items():
+            if label in skip or out_of_time(label):
+                continue
+            out = f"{tmp}/out_{label}"
+            cmd = [sys.executable, "train.py", f"--init_from={tmp}/model", f"--data_dir={tmp}", f"--out_dir={out}",
+                   f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=1", "--log_interval=1",
+                   *train_args, *extra_args, *extra]
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode:  # out of memory, or torchao missing: one line, and the next goes on
+                print(f"| {label} | failed: {done.stdout.strip().splitlines()[-1][:200]} |")
+            else:
+                print(finetune_row(label, out, extra))
+            shutil.rmtree(out, ignore_errors=True)  # its checkpoint, read: a 7B one fills a disk
+
+
+def finetune_row(label, out, extra):
+    # a fine-tuning run's row: what its checkpoint holds (optimizer state, the frozen base as it ran) and what it
+    # logged (the peak memory, the median tokens/s after the first two steps, which hold the warm-up)
+    ckpt = torch.load(f"{out}/ckpt.pt", weights_only=True, mmap=True)
+    state = sum(tensor_bytes(t) for s in ckpt["optimizer"]["state"].values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    ckpt["optimizer"] = None
+    model = model_from_checkpoint(ckpt, torch.bfloat16)  # a LoRA run's frozen base, in bf16 as it ran
+    quantized = [e.split("=")[1] for e in extra if e.startswith("--lora_base_dtype=")]
+    if quantized:
+        quantize_base(model, quantized[0])
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
+    with open(f"{out}/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if "tokens_per_s" in line]
+    peak = max(r["mem_mb"] for r in records)
+    speed = statistics.median(r["tokens_per_s"] for r in records if r["iter"] > 2)
+    return (f"| {label} | {trained / 1e6:,.1f}M | {state / 2**20:,.0f} | {frozen / 2**20:,.0f} | {peak:,.0f} "
+            f"| {speed:,.0f} |")
