@@ -234,7 +234,7 @@ def planned_model(overrides):
     from hf import config_from_hf, read_json
     from lora import add_lora
     from model import GPT, GPTConfig
-    from tokenizer import read_meta
+    from meta import read_meta
     config = train_defaults()
     configure(config, overrides)
     g = argparse.Namespace(**config)
@@ -476,7 +476,7 @@ def exact_match(out_dir, prompts):
 
 def bench_sft():
     from data import Split
-    from tokenizer import read_meta
+    from meta import read_meta
     rng, seen = np.random.default_rng(0), set()
     shape = ["--n_layer=4", "--n_head=4", "--n_embd=128", "--block_size=128", "--batch_size=16", "--device=cpu",
              "--learning_rate=1e-3", "--min_lr=1e-4", "--warmup_iters=50", f"--lr_decay_iters={args.steps}",

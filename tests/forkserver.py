@@ -81,8 +81,8 @@ def child(request):
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException:  # as the interpreter does: through sys.excepthook, a script's one_line_errors
+        sys.excepthook(*sys.exc_info())
         code = 1
     try:  # then what the interpreter does on its way out: join the threads left running, run atexit's functions
         threading._shutdown()
