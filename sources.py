@@ -127,8 +127,9 @@ def record_text(obj, field, chat):
     if not isinstance(obj, dict):
         return None, f"not a JSON object ({type(obj).__name__})"
     if not field and is_conversation(obj):
+        chat_format = chat()  # a template that cannot be used stops the run (UserError): no record is to blame
         try:
-            return chat().record(obj), None
+            return chat_format.record(obj), None
         except ValueError as e:
             return None, str(e)
     names = [field] if field else TEXT_FIELDS
@@ -163,15 +164,16 @@ def read_documents(path, field, dedup, chat):
                 line = line.removeprefix(codecs.BOM_UTF8) if n == 1 else line
                 if not line.strip():
                     continue
+                record, why = None, None
                 try:
-                    text, why = record_text(json.loads(line), field, chat)
+                    record = json.loads(line)
                 except UnicodeDecodeError:
-                    text, why = None, "not UTF-8"
+                    why = "not UTF-8"
                 except ValueError as e:
-                    text, why = None, f"malformed JSON ({getattr(e, 'msg', e)})"
+                    why = f"malformed JSON ({getattr(e, 'msg', e)})"
                 except RecursionError:  # json's parser recurses once per level
-                    text, why = None, "JSON nested too deeply"
-                yield str(n), text, why
+                    why = "JSON nested too deeply"
+                yield str(n), *(record_text(record, field, chat) if why is None else (None, why))
     elif ext == ".parquet":
         yield from read_parquet(path, field, chat)
     elif ext == ".json":
