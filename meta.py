@@ -23,7 +23,6 @@ MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py ren
 # -----------------------------------------------------------------------------
 # what a dataset's folder says about itself
 
-
 def refuse_unfinished(data_dir):
     if (Path(data_dir) / MARKER).exists():
         raise UserError(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")

@@ -264,7 +264,7 @@ def plan_split(args, inputs, docs, stats, log):
 @contextmanager
 def temporary_outputs(out):
     """train.bin.tmp and val.bin.tmp, opened empty (what a killed run left there is truncated), in out locked for
-    this run alone (lock.py: a second prepare.py into it is refused). After the run, finished or stopped, no .tmp
+    this run alone (files.py: a second prepare.py into it is refused). After the run, finished or stopped, no .tmp
     file stays, nor a folder it made and left empty."""
     created = not out.exists()
     held = lock_folder(out, "prepare.py")
