@@ -30,8 +30,8 @@ measure.py.
 """
 
 import argparse
-import contextlib
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -42,16 +42,14 @@ import numpy as np
 import torch
 
 import kernels
-# --mode=encode times prepare.py's own run in this process, as prepare.py --bench did: a process of its own would
-# add Python's start-up (about a second) to a run of about as long. Nothing else here imports a script.
-import prepare
 from errors import UserError, one_line_errors
 from gpu_bench import bench_gpu
 from hf import save_pretrained
 from measure import bench_lora, kernel_cases, kernel_table, planned_model, run_train, throughput
 from memory import memory_estimate, memory_layout, memory_table
 from model import GPT, GPTConfig
-from tokenizer import make_tokenizer, read_meta
+from meta import read_meta
+from tokenizer import make_tokenizer
 
 
 def parse_args():
@@ -240,14 +238,20 @@ def bench_finetunes(args, train_args):
     bench_lora(train_args)
 
 # -----------------------------------------------------------------------------
-# --mode=encode: prepare.py's whole run (read, encode, write) against tiktoken's encode_ordinary_batch alone, on
-# the texts that run encoded; the other arguments are prepare.py's (inputs, --tokenizer, --num_workers, ...)
+# --mode=encode: prepare.py's whole run (read, encode, write; its start-up, timed on --help, taken off) against
+# tiktoken's encode_ordinary_batch alone, on the texts that run encoded; the other arguments are prepare.py's
+# (inputs, --tokenizer, --num_workers, ...)
 
 
-def prepare_quietly(argv):
-    # prepare.py's run, its report and progress bar thrown away (tqdm turns itself off away from a terminal)
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        prepare.main(argv)
+def prepare_run(argv):
+    # prepare.py as a user runs it, its report thrown away -> (wall, CPU) seconds, start-up included
+    wall, cpu = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, "prepare.py", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    if done.returncode:
+        raise UserError(f"prepare.py failed: {done.stderr.strip()[-500:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.time() - wall, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
 
 
 def encoded_texts(folder, tokenizer):
@@ -274,16 +278,22 @@ def bench_encode(args, train_args):
     threads = max(1, given.num_workers or cores)
     with tempfile.TemporaryDirectory() as tmp:
         argv = [*train_args, f"--out_dir={tmp}", "--overwrite"]
-        prepare_quietly(argv)  # a first run, not timed: the texts it encodes, and the files read into the cache
+        prepare_run(argv)  # a first run, not timed: the texts it encodes, and the files read into the cache
         texts = encoded_texts(tmp, tokenizer)
-        runs = {"tiktoken": lambda: tokenizer.enc.encode_ordinary_batch(texts, num_threads=threads),
-                "prepare": lambda: prepare_quietly(argv)}
+
+        def tiktoken_run():
+            wall, cpu = time.time(), time.process_time()
+            tokenizer.enc.encode_ordinary_batch(texts, num_threads=threads)
+            return time.time() - wall, time.process_time() - cpu
+
+        runs = {"tiktoken": tiktoken_run, "prepare": lambda: prepare_run(argv)}
         seconds = {name: [] for name in runs}  # (wall, CPU of all threads) per run
         for _ in range(5):  # side by side, alternating, the best of each: CPU timings are noisy
             for name, run in runs.items():
-                wall, cpu = time.time(), time.process_time()
-                run()
-                seconds[name].append((time.time() - wall, time.process_time() - cpu))
+                seconds[name].append(run())
+        # prepare.py's own start-up (Python, its imports), taken off its runs: what is left reads, encodes, writes
+        start_up = [min(column) for column in zip(*(prepare_run(["--help"]) for _ in range(3)))]
+        seconds["prepare"] = [(w - start_up[0], c - start_up[1]) for w, c in seconds["prepare"]]
     # The best wall time and the best CPU time of each, for tiktoken (c) and for prepare.py (o).
     (cw, cc), (ow, oc) = ([min(column) for column in zip(*seconds[name])] for name in runs)
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6

@@ -31,11 +31,13 @@ from torch.distributed.tensor import DTensor
 
 from bounds import check_shapes, check_sizes, layer_count
 from errors import UserError
+from files import durable_replace
 from hf import fingerprint, load_pretrained
 from lora import add_lora, trained_only
 from memory import state_bytes
+from meta import read_meta
 from model import GPT, GPTConfig
-from tokenizer import check_tokenizer, durable_replace, load_tokenizer, read_meta
+from tokenizer import check_tokenizer, load_tokenizer
 
 # what a checkpoint of train.py holds (a sharded one: "param_groups" in state.pt, the tensors in its shards)
 NEEDED = {"model", "optimizer", "scaler", "model_args", "iter_num", "best_val_loss", "evals_without_gain",

@@ -22,8 +22,9 @@ import torch
 from checkpoint import check_run_tokenizer, load_model
 from data import Split
 from hf import load_pretrained
+from meta import read_meta
 from parallel import pick_device
-from tokenizer import check_tokenizer, read_meta
+from tokenizer import check_tokenizer
 
 
 def fail(msg):

@@ -19,15 +19,16 @@ import json
 import os
 import re
 import shutil
-import sys
 
 import torch
 
 from checkpoint import load_run
-from errors import UserError
+from errors import UserError, one_line_errors
+from files import durable_replace
 from hf import read_json, save_pretrained, special_ids
 from lora import merge_lora, write_adapter
-from tokenizer import durable_replace, hf_tokenizer_files, read_meta
+from meta import read_meta
+from tokenizer_json import hf_tokenizer_files
 
 # -----------------------------------------------------------------------------
 # the folders: a whole model, or a LoRA adapter in peft's layout
@@ -156,20 +157,21 @@ def check_destination(args):
     # --to: an empty or new folder, or (--overwrite) an earlier export; never one holding anything else
     to = os.path.abspath(args.to)
     if os.path.exists(to) and not os.path.isdir(to):
-        sys.exit(f"export.py: {args.to} is a file, not a folder; choose another --to")
+        raise UserError(f"{args.to} is a file, not a folder; choose another --to")
     names = os.listdir(to) if os.path.isdir(to) else []
     if names and not args.overwrite:
-        sys.exit(f"export.py: {args.to} is not empty; pass --overwrite to replace it, or choose another --to")
+        raise UserError(f"{args.to} is not empty; pass --overwrite to replace it, or choose another --to")
     if os.path.abspath(args.out_dir) == to or os.path.abspath(args.out_dir).startswith(to.rstrip("/") + "/"):
-        sys.exit(f"export.py: --to={args.to} would replace the run it exports; choose another --to")
+        raise UserError(f"--to={args.to} would replace the run it exports; choose another --to")
     foreign = [name for name in sorted(names) if not EXPORTED.fullmatch(name)
                or not os.path.isfile(os.path.join(to, name)) or os.path.islink(os.path.join(to, name))]
     if foreign:
-        sys.exit(f"export.py: {args.to} holds {foreign[0]}, which export.py does not write: --overwrite replaces "
-                 f"only an earlier export; choose another --to")
+        raise UserError(f"{args.to} holds {foreign[0]}, which export.py does not write: --overwrite replaces "
+                        f"only an earlier export; choose another --to")
 
 
 def main(argv=None):
+    one_line_errors("export.py")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", default="out", help="the run's folder")
     parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss; "
@@ -201,9 +203,9 @@ def main(argv=None):
         base = checkpoint.get("pretrained")
         if base and os.path.abspath(base) == to:
             raise UserError(f"--to={args.to} is the base model this run began from; choose another --to")
-    except ValueError as e:
+    except ValueError as e:  # model.py's plain ValueError too (sizes that make no model): one line all the same
         shutil.rmtree(staging, ignore_errors=True)
-        sys.exit(f"export.py: {e}")
+        raise UserError(str(e)) from None
     old = to + ".export-old"  # the folder replaced, kept until the new one is in place
     if os.path.exists(to):
         os.replace(to, old)
@@ -218,22 +220,22 @@ def export_gguf(args):
     try:
         import gguf  # noqa: F401  (llama.cpp's library; optional, as GGUF is)
     except ImportError:
-        sys.exit("export.py: writing GGUF needs llama.cpp's gguf package: pip install gguf")
+        raise UserError("writing GGUF needs llama.cpp's gguf package: pip install gguf") from None
     if args.adapter:
-        sys.exit("export.py: a peft adapter is a folder, not a GGUF file: drop --adapter, or choose a --to "
-                 "without .gguf")
+        raise UserError("a peft adapter is a folder, not a GGUF file: drop --adapter, or choose a --to "
+                        "without .gguf")
     if os.path.isdir(args.to):
-        sys.exit(f"export.py: {args.to} is a folder, not a file; choose another --to")
+        raise UserError(f"{args.to} is a folder, not a file; choose another --to")
     if os.path.exists(args.to) and not args.overwrite:
-        sys.exit(f"export.py: {args.to} exists; pass --overwrite to replace it, or choose another --to")
+        raise UserError(f"{args.to} exists; pass --overwrite to replace it, or choose another --to")
     staging = args.to + ".export-tmp"
     try:
         checkpoint_path = os.path.join(args.out_dir, args.ckpt)
         model, tokenizer, checkpoint = load_run(checkpoint_path, torch.float32, args.data_dir)
         write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)
         durable_replace(staging, args.to)
-    except ValueError as e:
-        sys.exit(f"export.py: {e}")
+    except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same
+        raise UserError(str(e)) from None
     finally:  # whatever stopped it, no half-written file stays behind
         if os.path.exists(staging):
             os.remove(staging)

@@ -9,12 +9,11 @@ pip install gguf) and its name tables. export.py calls it for a --to that ends i
 
 import json
 
-import numpy as np
 import torch
 
 from errors import UserError
 from hf import hf_layout
-from tokenizer import bpe_merges, bpe_parts, byte_chars
+from tokenizer_json import bpe_merges, bpe_parts, byte_chars
 
 # llama.cpp's architectures for the families model.py implements. Mistral is a Llama to llama.cpp.
 ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}

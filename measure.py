@@ -27,7 +27,7 @@ from hf import config_from_hf, read_json, save_pretrained
 from lora import add_lora, quantize_base
 from memory import tensor_bytes
 from model import GPT, GPTConfig
-from tokenizer import read_meta
+from meta import read_meta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # --mode=gpu: the time after which no more rows begin, and the --minutes it was set from (set_deadline)

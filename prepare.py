@@ -1,6 +1,7 @@
 """
 Prepare a text corpus for training: files and folders in, DIR/train.bin, DIR/val.bin and DIR/meta.json
 out. What they hold, what is read, held in memory or skipped, and the tokenizers: README.md, "Your own data".
+The inputs are read by sources.py, encoded by tokenizer.py's tokenizers; this script runs the two and writes.
 
     python prepare.py --tokenizer=bpe:4096          # default corpus: this Python's stdlib -> data/stdlib
     python prepare.py input.txt --tokenizer=char --out_dir=data/shakespeare_char
@@ -10,17 +11,12 @@ out. What they hold, what is read, held in memory or skipped, and the tokenizers
 """
 
 import argparse
-import codecs
 import errno
-import gzip
 import json
 import os
-import re
-import stat
 import sysconfig
 import time
-import zlib
-from collections import deque, namedtuple
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from hashlib import blake2b
@@ -30,339 +26,22 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-# The tokenizers live in tokenizer.py; read_meta and load_tokenizer are here too, as they always were.
-from chat import TRAIN_ON, Chat, ChatFormat, is_conversation
-from lock import lock_folder, unlock_folder
-from tokenizer import MARKER, die, durable_replace, load_tokenizer, make_tokenizer, read_meta  # noqa: F401
+from chat import TRAIN_ON, Chat, ChatFormat
+from errors import UserError, one_line_errors
+from files import durable_replace, lock_folder, unlock_folder
+from meta import MARKER
+from sources import HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces
+from tokenizer import make_tokenizer
 
 FORMAT_VERSION = 1
-TEXT_FIELDS = ("text", "content", "body")
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
-MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)
-PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a time
-# Text with no safe cut (one 50 MB word, a gzip of one repeated byte) is cut here anyway, so that what is held
-# and what the encoder is given stay bounded for any input; the report counts those cuts.
-HARD_CUT = 1 << 20
-BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
-# Where a text can be cut and its pieces encoded apart with the same tokens as the whole, for the
-# regex pre-tokenizers of GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before
-# a space or newline between two letters or digits, or after a newline between a non-space and a
-# letter or digit. (After any newline is not enough: "Z\n\n|X" and " \n|X" change GPT-2's tokens.)
-SAFE_CUT = re.compile(r"(?<=[^\W_])(?=[ \n][^\W_])|(?<=\S\n)(?=[^\W_])")
-# The last SAFE_CUT in a text: the greedy .* backtracks from the end, so the first match is the last cut.
-LAST_CUT = re.compile(r"(?s:.*)(?:" + SAFE_CUT.pattern + ")")
 SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")  # and bpe:N
 
-# -----------------------------------------------------------------------------
-# reading: files and folders -> documents, with everything skipped counted and listed
 
-class SkipFile(Exception):
-    """A file that cannot be read as documents; its message is the reason."""
+def die(msg):
+    """Stop on a user's mistake: main prints it as one line, 'prepare.py: msg', and exits with status 1."""
+    raise UserError(msg)
 
-
-class HubSplit(namedtuple("HubSplit", "name config split")):
-    """A Hugging Face dataset's split (hf:NAME), read as a file of records is."""
-    def __str__(self):
-        return f"hf:{self.name}:{self.split}"
-
-
-def hub_split(spec, config):
-    """'hf:NAME' or 'hf:NAME:SPLIT' (NAME: on the Hub, or a local folder laid out as a Hub dataset) -> HubSplit."""
-    name, _, split = spec[3:].partition(":")
-    return HubSplit(name, config, split or "train")
-
-
-def hub_splits(name, config):
-    try:
-        import datasets
-    except ImportError:
-        die("hf:NAME reads Hugging Face datasets through the datasets library: pip install datasets")
-    try:
-        return datasets.get_dataset_split_names(name, config)
-    except Exception as e:  # not found, offline, a config needed: the library says which
-        die(f"cannot read the dataset hf:{name} ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
-
-
-def read_hub(hub, field, chat):
-    """A Hugging Face dataset's split, streamed: its rows as JSON records are (see record_text)."""
-    import datasets
-    rows = datasets.load_dataset(hub.name, hub.config, split=hub.split, streaming=True)
-    for row, record in enumerate(rows, 1):
-        yield f"row {row}", *record_text(record, field, chat)
-
-
-def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
-    """Yield (path, path relative to the INPUT) for every file under folder (or folder, a file), sorted."""
-    if isinstance(folder, HubSplit):
-        yield folder, f"hf:{folder.name}:{folder.split}"
-        return
-    folder = Path(folder)
-    if not folder.is_dir():
-        yield folder, folder.name
-        return
-    try:
-        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
-    except OSError as e:
-        stats["skipped_files"].append({"path": str(folder), "reason": f"unreadable folder: {e.strerror}"})
-        return
-    for entry in entries:
-        path, rel = Path(entry.path), f"{rel_folder}{entry.name}"
-        try:  # a symlink to a file is read; one to a folder, broken or looping, is listed as skipped
-            to_folder = entry.is_symlink() and stat.S_ISDIR(os.stat(path).st_mode)
-            why = "symlink to a folder, not followed (pass it as an INPUT)" if to_folder else None
-        except OSError as e:
-            why = "symlink loop" if e.errno == errno.ELOOP else "broken symlink"
-        if entry.name.startswith("."):
-            stats["hidden_skipped"] += 1  # .git, .venv, .DS_Store: counted, not listed
-        elif why:
-            stats["skipped_files"].append({"path": str(path), "reason": why})
-        elif entry.is_dir(follow_symlinks=False):
-            # Installed packages are not the stdlib, and a dataset we write must not be read back in.
-            if not (only_py and entry.name == "site-packages") and path.resolve() != exclude:
-                yield from input_files(path, stats, only_py, exclude, rel + "/")
-        elif not only_py or entry.name.endswith(".py"):
-            yield path, rel
-
-
-def file_ext(path):
-    """'.jsonl.gz' -> '.jsonl.gz', 'README' -> '' (for the per-extension report)."""
-    if isinstance(path, HubSplit):
-        return "(hf dataset)"
-    name = path.name.lower()
-    return Path(name.removesuffix(".gz")).suffix + (".gz" if name.endswith(".gz") else "")
-
-
-def record_text(obj, field, chat):
-    """(text, None) from a JSON record, (Chat, None) from a conversation's (chat: the ChatFormat's maker), or
-    (None, why not)."""
-    if not isinstance(obj, dict):
-        return None, f"not a JSON object ({type(obj).__name__})"
-    if not field and is_conversation(obj):
-        try:
-            return chat().record(obj), None
-        except ValueError as e:
-            return None, str(e)
-    names = [field] if field else TEXT_FIELDS
-    name = next((key for key in names if key in obj), None)
-    text = obj.get(name)
-    if name is None:  # a shape of its own: what it has, and what would have been read
-        wanted = "" if field else (", or a conversation: messages, conversations, prompt+completion, "
-                                   "instruction+output")
-        keys = ", ".join(map(str, obj))[:120] or "none"
-        return None, f"no text field ({'/'.join(names)}{wanted}); it has {keys}"
-    if not isinstance(text, str):
-        return None, f"field '{name}' is not a string ({type(text).__name__})"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # from a JSON \ud800 escape
-        return None, "invalid unicode (lone surrogate)"
-    return text, None
-
-
-def read_documents(path, field, dedup, chat):
-    """Yield (position, text or BigText, None) per document, or (position, None, why) per bad record.
-    Raises SkipFile for a file that cannot be read at all."""
-    if isinstance(path, HubSplit):
-        yield from read_hub(path, field, chat)
-        return
-    if not path.is_file():
-        raise SkipFile("not a regular file")
-    ext = file_ext(path).removesuffix(".gz")
-    if ext in (".jsonl", ".ndjson"):
-        with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
-            for n, line in enumerate(f, 1):  # bytes: split on \n only, as JSON Lines says
-                line = line.removeprefix(codecs.BOM_UTF8) if n == 1 else line
-                if not line.strip():
-                    continue
-                try:
-                    text, why = record_text(json.loads(line), field, chat)
-                except UnicodeDecodeError:
-                    text, why = None, "not UTF-8"
-                except ValueError as e:
-                    text, why = None, f"malformed JSON ({getattr(e, 'msg', e)})"
-                except RecursionError:  # json's parser recurses once per level
-                    text, why = None, "JSON nested too deeply"
-                yield str(n), text, why
-    elif ext == ".parquet":
-        yield from read_parquet(path, field, chat)
-    elif ext == ".json":
-        try:
-            obj = json.loads("".join(text for _, text in decoded(path)))
-        except json.JSONDecodeError as e:
-            raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
-        except RecursionError:
-            raise SkipFile("JSON nested too deeply")
-        for i, item in enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]:
-            yield (f"item {i}" if i else ""), *record_text(item, field, chat)
-    else:
-        yield "", read_text(path, dedup), None
-
-
-def read_parquet(path, field, chat):
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise SkipFile("needs pyarrow (pip install pyarrow)")
-    try:
-        parquet = pq.ParquetFile(path)
-    except pa.ArrowException as e:
-        raise SkipFile(f"not a readable parquet file ({str(e)[:80]})")
-    names = parquet.schema_arrow.names
-    if not field and is_conversation(dict.fromkeys(names)):  # conversations: each row as a record
-        rows = chain.from_iterable(batch.to_pylist() for batch in parquet.iter_batches(batch_size=1024))
-        for row, record in enumerate(rows, 1):
-            yield f"row {row}", *record_text(record, None, chat)
-        return
-    column = field if field else next((c for c in TEXT_FIELDS if c in names), None)
-    if column not in names:
-        raise SkipFile(f"no text column ({field or '/'.join(TEXT_FIELDS)}); it has {', '.join(names)[:80]}")
-    kind = parquet.schema_arrow.field(column).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise SkipFile(f"column '{column}' holds {kind}, not text")
-    batches = parquet.iter_batches(columns=[column], batch_size=1024)  # streams, one batch at a time
-    for row, text in enumerate(chain.from_iterable(batch.column(0).to_pylist() for batch in batches), 1):
-        yield f"row {row}", text, None if text is not None else f"'{column}' is null"
-
-
-def decoded(path):
-    """Yield (bytes, text) of a UTF-8 file PIECE bytes at a time (gunzipped, byte-order mark removed);
-    raise SkipFile at a NUL byte (binary) or at bytes that are not UTF-8."""
-    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0  # a character may span two reads
-    with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
-        while True:
-            data = f.read(PIECE)
-            if offset == 0 and data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-                raise SkipFile("UTF-16 text (convert it to UTF-8)")
-            if offset == 0 and data.startswith(codecs.BOM_UTF8):
-                data, offset = data[3:], 3
-            if b"\0" in data:
-                raise SkipFile("binary (contains NUL bytes)")
-            first_byte = offset - len(decoder.getstate()[0])  # the decoder holds a cut character's bytes
-            try:
-                text = decoder.decode(data, final=not data)  # from bytes: line endings stay as they are
-            except UnicodeDecodeError as e:
-                raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {first_byte + e.start})")
-            if not data:
-                return
-            yield data, text
-            offset += len(data)
-
-
-def read_text(path, dedup):
-    """A plain-text file: its text when it fits in one read, else a BigText that this pass has checked
-    whole, so that a bad byte late in a big file skips all of it before any of it is used."""
-    first, n, nchars, blank = "", 0, 0, True
-    digest = blake2b(digest_size=16) if dedup else None
-    for n, (data, text) in enumerate(decoded(path), 1):
-        first = text  # the whole text if there is one read
-        nchars += len(text)
-        blank = blank and (not text or text.isspace())
-        if digest:
-            digest.update(data)
-    return first if n <= 1 else BigText(path, nchars, blank, digest and digest.digest())
-
-
-def pieces(doc, start=0, stop=None, in_one_piece=False, stats=None):
-    """Yield (text, is_last) for characters start:stop of a document: a str in one piece, a BigText in
-    pieces of about one read, cut at its last SAFE_CUT (none in it: held until one comes), or in one; either
-    way cut at HARD_CUT characters held, counted in stats["hard_cuts"]."""
-    if isinstance(doc, (str, Chat)):  # a conversation is always whole
-        yield doc[start:stop] if isinstance(doc, str) else doc, True
-        return
-    held, at = [], 0  # text read but not yet given out; characters read
-    try:
-        for _, text in decoded(doc.path):
-            read_from, at = at, at + len(text)
-            if at <= start:
-                continue
-            text = text[max(start - read_from, 0):None if stop is None else max(stop - read_from, 0)]
-            cut = None if in_one_piece else LAST_CUT.match(text)
-            if cut:  # 0 < cut.end() < len(text): SAFE_CUT looks one character back and one ahead
-                yield "".join(held) + text[:cut.end()], False
-                held = [text[cut.end():]]
-            else:
-                held.append(text)
-            if sum(map(len, held)) >= HARD_CUT:
-                yield "".join(held), False
-                held = []
-                if stats is not None:
-                    stats["hard_cuts"] += 1
-            if stop is not None and at >= stop:
-                break
-    except (SkipFile, OSError, EOFError, zlib.error) as e:  # it was whole when read_text checked it
-        die(f"{doc.path} changed while it was read ({e}); run again")
-    yield "".join(held), True
-
-
-def new_stats():
-    """What was read and skipped, in meta.json's own words and order (meta.json takes it whole)."""
-    return {"files_read": 0, "extensions": {}, "skipped_files": [], "hidden_skipped": 0,
-            "bad_records": {"count": 0, "examples": []}, "empty_documents": 0, "duplicates_dropped": 0,
-            "short_dropped": 0,  # documents of fewer tokens than --min_length
-            "hard_cuts": 0,  # places text was cut off a safe cut, none being within HARD_CUT characters
-            "conversations": None}  # whether the documents are conversations: the first one decides
-
-
-def ext_stats(stats, ext):
-    counts = {"files": 0, "documents": 0, "bytes": 0, "tokens": 0}
-    return stats["extensions"].setdefault(ext or "(none)", counts)
-
-
-def corpus(inputs, args, stats, only_py=False, exclude=None):
-    """Yield (key, ext, text or BigText) for every accepted document of inputs, in a fixed order.
-    key names the document (path within its INPUT, position) for the train/val split."""
-    seen = set()  # 16-byte digests of the documents kept, for --dedup
-
-    def reject(where, why, whole_file):
-        if args.strict:
-            die(f"{where}: {why} (fix or remove it, or run without --strict to skip it)")
-        if whole_file:
-            stats["skipped_files"].append({"path": where, "reason": why})
-            return
-        stats["bad_records"]["count"] += 1
-        if len(stats["bad_records"]["examples"]) < MAX_EXAMPLES:
-            stats["bad_records"]["examples"].append(f"{where}: {why}")
-
-    for root in inputs:
-        for path, rel in input_files(root, stats, only_py, exclude):
-            ext, kept = file_ext(path), 0
-            where = str(path).encode("utf-8", "backslashreplace").decode()  # a file name that isn't UTF-8
-            try:
-                for pos, doc, why in read_documents(path, args.field, args.dedup, args.chat):
-                    chat = isinstance(doc, Chat)
-                    if why is None and stats["conversations"] not in (None, chat):
-                        why = "a conversation among texts" if chat else "a text among conversations"
-                        why += " (prepare the two kinds apart)"
-                        if not pos:  # a plain-text file among conversations
-                            raise SkipFile(why)
-                    if why is not None:
-                        reject(f"{where}:{pos}" if pos else where, why, whole_file=False)
-                        continue
-                    big = isinstance(doc, BigText)
-                    text = doc.text if chat else doc
-                    if doc.blank if big else not text.strip():
-                        stats["empty_documents"] += 1  # empty or whitespace only: nothing to learn from
-                        continue
-                    if args.dedup:
-                        digest = doc.digest if big else blake2b(text.encode("utf-8"), digest_size=16).digest()
-                        if digest in seen:
-                            stats["duplicates_dropped"] += 1
-                            continue
-                        seen.add(digest)
-                    stats["conversations"] = chat
-                    kept += 1
-                    yield f"{rel}:{pos}", ext, doc
-            except SkipFile as e:
-                reject(where, str(e), whole_file=True)
-            except (OSError, EOFError, zlib.error) as e:  # permissions, broken links, corrupt gzip, ...
-                why = {errno.ELOOP: "symlink loop", errno.ENOENT: "broken symlink"}.get(
-                    getattr(e, "errno", None), f"unreadable ({getattr(e, 'strerror', None) or e})")
-                why += f" after {kept} documents (those are kept)" if kept else ""
-                reject(where, why, whole_file=True)
-            else:
-                stats["files_read"] += 1
-                ext_stats(stats, ext)["files"] += 1
 
 # -----------------------------------------------------------------------------
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
@@ -583,13 +262,10 @@ def plan_split(args, inputs, docs, stats, log):
 @contextmanager
 def temporary_outputs(out):
     """train.bin.tmp and val.bin.tmp, opened empty (what a killed run left there is truncated), in out locked for
-    this run alone (lock.py: a second prepare.py into it is refused). After the run, finished or stopped, no .tmp
+    this run alone (files.py: a second prepare.py into it is refused). After the run, finished or stopped, no .tmp
     file stays, nor a folder it made and left empty."""
     created = not out.exists()
-    try:
-        held = lock_folder(out, "prepare.py")
-    except ValueError as e:
-        die(str(e))
+    held = lock_folder(out, "prepare.py")
     files = {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val", "train.mask", "val.mask")}
     try:
         yield files
@@ -612,7 +288,7 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet, min_l
     histogram = {}  # log2(document length in tokens) -> documents
     doc_tokens = doc_bytes = 0  # of the document so far: a big one comes in pieces
     bar = tqdm(unit="B", unit_scale=True, disable=True if quiet else None, desc="prepare")  # on stderr
-    # SAFE_CUT is checked for these pre-tokenizers only; any other tokenizer gets whole documents.
+    # sources.SAFE_CUT is checked for these pre-tokenizers only; any other tokenizer gets whole documents.
     in_one_piece = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
                                                        and tokenizer.name not in SAFE_ENCODINGS)
     doc = {"pieces": 0}  # the document under way, for drop_short_pieces
@@ -803,6 +479,7 @@ def report_analyze(meta, log):
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
+    one_line_errors("prepare.py")
     p = argparse.ArgumentParser(description="Files and folders -> train.bin, val.bin, meta.json. "
                                             "Examples: see the top of prepare.py.")
     arg = p.add_argument

@@ -22,10 +22,12 @@ import torch
 
 from chat import ChatFormat
 from checkpoint import load_run
+from errors import UserError, one_line_errors
 from hf import load_pretrained
 from parallel import pick_device
 from tokenizer import make_tokenizer
 
+one_line_errors("sample.py")
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out_dir", default="out", help="folder holding the checkpoint")
 parser.add_argument("--ckpt", default="ckpt.pt",
@@ -50,25 +52,21 @@ args = parser.parse_args()
 # -----------------------------------------------------------------------------
 # the checkpoint, the model and the tokenizer
 
-def fail(msg):
-    sys.exit(f"sample.py: {msg}")
-
-
-try:
-    device, dtype = pick_device(args.device, args.dtype)
-except ValueError as e:
-    fail(str(e))
+device, dtype = pick_device(args.device, args.dtype)
 if args.top_k is not None and args.top_k < 1:
-    fail(f"--top_k={args.top_k} must be at least 1 (or leave it out)")
+    raise UserError(f"--top_k={args.top_k} must be at least 1 (or leave it out)")
+
+# A folder's or a checkpoint's sizes that make no model are a plain ValueError of model.py's (GPTConfig): the
+# user's mistake too, so it is said in one line as the loaders' own UserErrors are.
 
 
 if args.model:  # a Hugging Face folder: its weights in the dtype we sample in, and its tokenizer.json
     if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
-        fail(f"{args.model} has no tokenizer.json to encode the prompt with")
+        raise UserError(f"{args.model} has no tokenizer.json to encode the prompt with")
     try:
         model = load_pretrained(args.model, dtype=getattr(torch, dtype))
     except ValueError as e:
-        fail(str(e))
+        raise UserError(str(e)) from None
     tokenizer = make_tokenizer(args.model, None)
     folder = args.model
 else:  # a run's checkpoint, and the tokenizer of the data it was trained on
@@ -76,7 +74,7 @@ else:  # a run's checkpoint, and the tokenizer of the data it was trained on
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype),
                                                 args.data_dir)
     except ValueError as e:
-        fail(str(e))
+        raise UserError(str(e)) from None
     folder = checkpoint["data_dir"]  # its meta.json holds the chat template of conversations
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
@@ -88,7 +86,7 @@ if start is not None and start.startswith("FILE:"):
         with open(start[5:], encoding="utf-8") as f:
             start = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        fail(f"cannot read the prompt file {start[5:]} ({e})")
+        raise UserError(f"cannot read the prompt file {start[5:]} ({e})") from None
 
 
 def reply(messages):
@@ -106,10 +104,10 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
         chat = ChatFormat.for_tokenizer(folder, tokenizer.special_tokens(), tokenizer.decode([tokenizer.eot_id]))
         end_of_turn = tokenizer.special_tokens()[chat.end_of_turn]
     except (ValueError, OSError, KeyError) as e:
-        fail(f"cannot chat with this model's template ({e})")
+        raise UserError(f"cannot chat with this model's template ({e})") from None
     if chat.origin == "built-in":  # it never learned one: a template of ours would only confuse it
-        fail(f"--chat needs a model trained on conversations: {folder} has no chat template (its data was prepared "
-             f"from text, or the folder has none); sample without --chat")
+        raise UserError(f"--chat needs a model trained on conversations: {folder} has no chat template (its data "
+                        f"was prepared from text, or the folder has none); sample without --chat")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:
@@ -119,10 +117,10 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
         if not text.strip():
             break
         messages.append({"role": "user", "content": text})
-        try:
+        try:  # a conversation past block_size is model.py's plain ValueError
             messages.append({"role": "assistant", "content": reply(messages)})
         except ValueError as e:
-            fail(str(e))
+            raise UserError(str(e)) from None
         print(messages[-1]["content"], flush=True)
         if start is not None:
             break
@@ -131,9 +129,9 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
 try:
     ids = tokenizer.encode(start)
 except ValueError as e:  # e.g. a character the char vocabulary lacks
-    fail(f"the prompt cannot be encoded: {e}")
+    raise UserError(f"the prompt cannot be encoded: {e}") from None
 if not ids:
-    fail("the prompt encodes to no tokens (give a non-empty --start)")
+    raise UserError("the prompt encodes to no tokens (give a non-empty --start)")
 
 # -----------------------------------------------------------------------------
 # generate

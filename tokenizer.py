@@ -1,56 +1,31 @@
 """
 Tokenizers, for every kind prepare.py makes: tiktoken's encodings (gpt2, cl100k_base, o200k_base, ...),
-char (a corpus's characters), bpe:N (a byte-level BPE trained here with rustbpe), a Hugging Face
+char (a corpus's characters), bpe:N (a byte-level BPE trained here with rustbpe), wordpiece:N, a Hugging Face
 tokenizer.json, and nanoGPT's character datasets (meta.pkl). One Tokenizer object with encode,
-decode, vocab_size and eot_id, whatever the kind; the dataset folder says which (read_meta); and
-the tokenizer.json that encodes the same way, for an exported model (hf_tokenizer_files).
+decode, vocab_size and eot_id, whatever the kind; a prepared dataset's own (load_tokenizer), and whether it
+is another folder's (check_tokenizer). What a dataset's folder says about itself is meta.py's (read_meta); the
+tokenizer.json of an exported model is tokenizer_json.py's.
 
-    from tokenizer import load_tokenizer, read_meta
-    meta = read_meta("data/stdlib")  # {"dtype": "uint16", "vocab_size": 4097, "eot_id": 4096, ...}
+    from tokenizer import load_tokenizer, make_tokenizer
     tokenizer = load_tokenizer("data/stdlib")
     print(tokenizer.decode(tokenizer.encode("import os")))
+    tokenizer = make_tokenizer("cl100k_base", None)
 """
 
 import base64
 import json
 import os
-import pickle
-import re
-import sys
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
 from bounds import confined
 from errors import UserError
+from meta import nanogpt_chars, refuse_unfinished
 
 # The end-of-text tokens of Hugging Face tokenizers, in order of preference.
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
-MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
 
-
-def die(msg):
-    """A user's mistake: one line naming the problem and the fix, non-zero exit; labelled with the running
-    script's name (sample.py reads tokenizers too), prepare.py's where it is none of ours (a test)."""
-    main = os.path.abspath(getattr(sys.modules.get("__main__"), "__file__", None) or "")
-    ours = os.path.dirname(main) == os.path.dirname(os.path.abspath(__file__))
-    raise SystemExit(f"{os.path.basename(main) if ours else 'prepare.py'}: {msg}")
-
-
-def durable_replace(src, dst):
-    """Rename src to dst (a file or a folder, replacing a file) and make the rename itself survive a power cut:
-    the folder that holds the name is synced too. Every finished output (datasets, checkpoints, exports)
-    takes its name this way, after its bytes have reached the disk."""
-    os.replace(src, dst)
-    try:
-        folder = os.open(os.path.dirname(os.path.abspath(dst)), os.O_RDONLY)
-    except OSError:  # a platform that cannot open folders (Windows): the rename is all there is
-        return
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 # -----------------------------------------------------------------------------
 # tokenizers: one object for every kind, made by the small constructors below it
@@ -164,8 +139,8 @@ def tiktoken_tokenizer(name):
     try:
         enc = tiktoken.get_encoding(name)
     except Exception as e:  # it downloads on first use
-        die(f"cannot load tiktoken encoding '{name}' ({type(e).__name__}); it downloads on first use: "
-            f"go online once or set TIKTOKEN_CACHE_DIR to a folder holding it")
+        raise UserError(f"cannot load tiktoken encoding '{name}' ({type(e).__name__}); it downloads on first use: "
+                        f"go online once or set TIKTOKEN_CACHE_DIR to a folder holding it") from None
     return Tokenizer("tiktoken", name, enc.n_vocab, enc.eot_token, enc=enc)
 
 
@@ -187,13 +162,14 @@ def hf_tokenizer(name, hf_json):
     try:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
-        die("a tokenizer.json needs the tokenizers library (pip install tokenizers)")
+        raise UserError("a tokenizer.json needs the tokenizers library (pip install tokenizers)") from None
     hf = HFTokenizer.from_str(hf_json)
     hf.encode_special_tokens = True  # a literal "</s>" in a document is text, not a token
     vocab = hf.get_vocab(with_added_tokens=True)
     eot_id = next((vocab[t] for t in EOT_NAMES if t in vocab), None)
     if eot_id is None:
-        die(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} (add one to it)")
+        raise UserError(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} "
+                        f"(add one to it)")
     return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json)
 
 
@@ -205,7 +181,7 @@ def wordpiece_tokenizer(name, size, texts):
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
     except ImportError:
-        die("wordpiece:N needs the tokenizers library (pip install tokenizers)")
+        raise UserError("wordpiece:N needs the tokenizers library (pip install tokenizers)") from None
     learner = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
     learner.normalizer = normalizers.BertNormalizer(lowercase=False)
     learner.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -225,7 +201,7 @@ def make_tokenizer(spec, texts):
     if spec.startswith("bpe:"):
         size = spec[4:]
         if not size.isdigit() or int(size) < 256:
-            die(f"bad tokenizer '{spec}' (bpe:N needs a whole number N >= 256, e.g. bpe:4096)")
+            raise UserError(f"bad tokenizer '{spec}' (bpe:N needs a whole number N >= 256, e.g. bpe:4096)")
         import rustbpe
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(texts(), int(size))
@@ -234,7 +210,8 @@ def make_tokenizer(spec, texts):
     if spec.startswith("wordpiece:"):
         size = spec[10:]
         if not size.isdigit() or int(size) < 100:
-            die(f"bad tokenizer '{spec}' (wordpiece:N needs a whole number N >= 100, e.g. wordpiece:8192)")
+            raise UserError(f"bad tokenizer '{spec}' (wordpiece:N needs a whole number N >= 100, "
+                            f"e.g. wordpiece:8192)")
         return wordpiece_tokenizer(spec, int(size), texts)
     import tiktoken
     if spec in tiktoken.list_encoding_names():
@@ -243,65 +220,29 @@ def make_tokenizer(spec, texts):
     if path.is_dir() and (path / "meta.json").exists():  # a prepared dataset: reuse its tokenizer
         try:
             return load_tokenizer(path)
-        except ValueError as e:
-            die(str(e))
+        except ValueError as e:  # a damaged meta.json too
+            raise UserError(str(e)) from None
     if path.is_dir():
         path = path / "tokenizer.json"
     if path.is_file():
         try:
             return hf_tokenizer(str(path), path.read_text(encoding="utf-8"))
-        except SystemExit:
+        except UserError:
             raise
         except Exception as e:
-            die(f"cannot load {path} as a Hugging Face tokenizer.json ({type(e).__name__}: {str(e)[:80]})")
+            raise UserError(f"cannot load {path} as a Hugging Face tokenizer.json "
+                            f"({type(e).__name__}: {str(e)[:80]})") from None
     if path.exists() or "/" in spec or spec.endswith(".json"):
-        die(f"no tokenizer.json at {spec} (check the path)")
-    die(f"unknown tokenizer '{spec}' (use char, bpe:N, a path to a tokenizer.json, "
-        f"or one of {', '.join(tiktoken.list_encoding_names())})")
+        raise UserError(f"no tokenizer.json at {spec} (check the path)")
+    raise UserError(f"unknown tokenizer '{spec}' (use char, bpe:N, a path to a tokenizer.json, "
+                    f"or one of {', '.join(tiktoken.list_encoding_names())})")
 
 # -----------------------------------------------------------------------------
-# reading a dataset back: what its folder says about itself (read_meta), and its tokenizer
-
-def refuse_unfinished(data_dir):
-    if (Path(data_dir) / MARKER).exists():
-        raise UserError(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
-
-
-def read_meta(data_dir):
-    """What a data folder says about itself: its meta.json, with dtype as numpy's name and vocab_size an
-    int (ours also hold eot_id, the tokenizer and counts); else, from nanoGPT's meta.pkl (a character
-    vocabulary), {dtype, vocab_size, eot_id: None, tokenizer}; else nanoGPT's default, GPT-2 tokens.
-    Every problem is a ValueError of one line."""
-    refuse_unfinished(data_dir)
-    path = Path(data_dir) / "meta.json"
-    if path.exists():
-        try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-            meta["dtype"] = np.dtype(meta["dtype"]).name
-            vocab_size, eot_id = meta["vocab_size"], meta.get("eot_id")
-            if meta["dtype"] not in ("uint16", "uint32"):  # uint8 over a uint16 file reads each id as two
-                raise UserError(f"dtype {meta['dtype']} is not uint16 or uint32, what token files hold")
-            if type(vocab_size) is not int or vocab_size < 1:
-                raise UserError(f"vocab_size {vocab_size!r} is not a whole number above 0")
-            if meta["dtype"] == "uint16" and vocab_size > 1 << 16:
-                raise UserError(f"dtype uint16 cannot hold the ids of a vocab_size of {vocab_size}")
-            if eot_id is not None and (type(eot_id) is not int or not 0 <= eot_id < vocab_size):
-                raise UserError(f"eot_id {eot_id!r} is not a token id below vocab_size {vocab_size}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            why = f"{type(e).__name__}: {e}"
-            raise UserError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
-        return meta
-    if (Path(data_dir) / "meta.pkl").exists():
-        chars = nanogpt_chars(Path(data_dir) / "meta.pkl")
-        return {"dtype": "uint16", "vocab_size": len(chars), "eot_id": None,
-                "tokenizer": {"kind": "nanogpt_char", "file": "meta.pkl"}}
-    return {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
-            "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}
-
+# a prepared dataset's tokenizer, and whether it is that of another folder
 
 def load_tokenizer(data_dir):
     """The tokenizer a dataset was made with: meta.json's, nanoGPT's meta.pkl's characters, or GPT-2 with
-    neither (nanoGPT's convention). An unfinished dataset is a ValueError, as in read_meta."""
+    neither (nanoGPT's convention). An unfinished dataset is a UserError, as in read_meta."""
     refuse_unfinished(data_dir)
     data_dir = Path(data_dir)
     if not (data_dir / "meta.json").exists():
@@ -313,10 +254,10 @@ def load_tokenizer(data_dir):
         return tiktoken_tokenizer(spec["name"])
     path = confined(data_dir, spec.get("file"), data_dir / "meta.json")  # no /dev/zero, no ../elsewhere
     if not path.exists():
-        die(f"{path} is missing, and meta.json needs it (re-run prepare.py)")
+        raise UserError(f"{path} is missing, and meta.json needs it (re-run prepare.py)")
     try:
         return tokenizer_from_file(spec, path.read_text(encoding="utf-8"))
-    except (SystemExit, KeyboardInterrupt):
+    except (UserError, KeyboardInterrupt):  # UserError: hf_tokenizer's own one line
         raise
     except BaseException as e:  # a pattern the regex engine refuses; the Rust libraries' panics are BaseExceptions
         why = (str(e).strip().splitlines() or [""])[0][:160]
@@ -334,196 +275,6 @@ def tokenizer_from_file(spec, data):
     ranks = {base64.b64decode(token): rank for rank, token in enumerate(data["ranks"])}
     return bpe_tokenizer(spec["name"], ranks, data["pattern"])
 
-
-class NotPlain(pickle.UnpicklingError):
-    """A pickle names a class or a function: what it would call to build its objects."""
-
-
-class PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain values only. A pickle runs code only by calling the classes and functions it names,
-    and every name goes through find_class, which refuses them all."""
-
-    def find_class(self, module, name):
-        raise NotPlain(f"{module}.{name}")
-
-
-def read_plain_pickle(path):
-    """The value pickled in path if it holds only dicts, lists, tuples, strings, numbers, booleans and None;
-    else a ValueError of one line. Nothing in the file is ever run."""
-    def refused(what):
-        return ValueError(f"{path} holds objects other than plain values ({what}) and is not loaded; "
-                          f"nanoGPT's meta.pkl holds only dicts, strings and integers")
-
-    try:
-        with open(path, "rb") as f:
-            value = PlainUnpickler(f).load()
-    except NotPlain as e:
-        raise refused(e) from None
-    except Exception as e:  # a damaged pickle fails in many ways
-        raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
-    seen, todo = set(), [value]
-    while todo:  # a loop, not recursion: the nesting may be deep, and a list may hold itself
-        item = todo.pop()
-        if type(item) not in (dict, list, tuple, str, int, float, bool, type(None)):
-            raise refused(f"a {type(item).__name__}")
-        if isinstance(item, (dict, list, tuple)) and id(item) not in seen:
-            seen.add(id(item))
-            todo.extend(chain(item.keys(), item.values()) if isinstance(item, dict) else item)
-    return value
-
-
-def nanogpt_chars(path):
-    """The characters of nanoGPT's meta.pkl, in id order: {'vocab_size': n, 'itos': {id: char},
-    'stoi': {char: id}} for the ids 0..n-1, as its data/shakespeare_char/prepare.py writes it."""
-    meta = read_plain_pickle(path)
-    itos = meta.get("itos") if isinstance(meta, dict) else None
-    chars = [itos.get(i) for i in range(len(itos))] if isinstance(itos, dict) else []
-    characters = chars and all(isinstance(c, str) and len(c) == 1 for c in chars)
-    stoi = {c: i for i, c in enumerate(chars)} if characters else None  # also what makes them distinct
-    if not (characters and meta.get("stoi") == stoi and len(stoi) == meta.get("vocab_size") == len(chars)):
-        raise UserError(f"{path} is not nanoGPT's meta.pkl of a character dataset (it needs vocab_size, "
-                         f"and itos and stoi between the ids 0..vocab_size-1 and single characters)")
-    return chars
-
-
-# -----------------------------------------------------------------------------
-# the tokenizer: a prepared dataset's tokenizer -> tokenizer.json + tokenizer_config.json
-
-# Oniguruma, the regex engine of the tokenizers library, reads two things in tiktoken's patterns
-# differently from tiktoken's own engine: `X{1,3}+` is a repeat of `X{1,3}` there (possessive
-# only in tiktoken), and `$` is any end of line there (the end of the text only in tiktoken).
-# PATTERN_PIECE matches one atom with an optional `{n,m}+` after it, or a bare `$`.
-ATOM = r"\\[pP]\{\w+\}|\\.|\[(?:\\.|[^\]\\])*\]|[^\\\[\](){}|$]"
-PATTERN_PIECE = re.compile(rf"({ATOM})(\{{\d+(?:,\d*)?\}}\+)?|\$")
-
-
-def hf_tokenizer_files(tok):
-    """prepare.Tokenizer -> ({file name: text} to write beside the model, None), or ({}, why not)
-    when no tokenizer.json can encode exactly as tok.encode does."""
-    if tok.kind in ("char", "nanogpt_char"):
-        return {}, ("a character vocabulary has no faithful tokenizer.json; "
-                    "the rest of the folder is written without one")
-    if tok.kind == "huggingface":
-        from tokenizers import Tokenizer as HFTokenizer
-        eos = HFTokenizer.from_str(tok.hf_json).id_to_token(tok.eot_id)
-        return {"tokenizer.json": tok.hf_json, "tokenizer_config.json": tokenizer_config(eos)}, None
-    ranks, pattern, specials = bpe_parts(tok)
-    try:
-        tokenizer_json = bytelevel_tokenizer_json(ranks, pattern, specials)
-    except ValueError as e:
-        return {}, (f"no faithful tokenizer.json for {tok.name} ({e}); "
-                    "the rest of the folder is written without one")
-    eos = next(s for s, i in specials.items() if i == tok.eot_id)
-    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tokenizer_config(eos)}, None
-
-
-def tokenizer_config(eos):
-    """tokenizer_config.json's text. Our encode reads a "<|endoftext|>" inside a document as plain
-    text (prepare.py encodes ordinary text only), so transformers must too: split_special_tokens.
-    prepare.py puts nothing before a document and ends it with the end-of-text id itself, so no
-    runtime may add a BOS or an EOS to a prompt (llama.cpp adds a BOS unless told not to); and
-    decode must not "clean up" the spaces before punctuation."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "add_bos_token": False,
-              "add_eos_token": False, "split_special_tokens": True, "clean_up_tokenization_spaces": False}
-    return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
-
-
-def bpe_parts(tok):
-    """A byte-level BPE's (ranks {bytes: id}, split pattern, special tokens {str: id})."""
-    if tok.kind == "bpe":
-        return tok.ranks, tok.pattern, {"<|endoftext|>": tok.eot_id}
-    # tiktoken keeps these in private attributes, read here and nowhere else
-    enc = tok.enc
-    return enc._mergeable_ranks, enc._pat_str, dict(enc._special_tokens)
-
-
-def bytelevel_tokenizer_json(ranks, pattern, specials):
-    """tokenizer.json text of the byte-level BPE that tiktoken runs with these ranks and pattern:
-    split on the pattern, each piece as bytes, merged in rank order; special tokens kept whole."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    chars = byte_chars()
-
-    def spell(token):  # bytes -> the string a byte-level tokenizer.json names the token by
-        return "".join(chars[b] for b in token)
-
-    vocab = {spell(token): i for token, i in ranks.items()}
-    # tokenizers gives an added token the next free id, wrong where tiktoken's ids have holes
-    # (cl100k's end-of-text is 100257, one past a gap): in the model's vocabulary it keeps its id.
-    # No merge makes one, so the model never produces one from text.
-    vocab.update(specials)
-    if len(vocab) != len(ranks) + len(specials) or len(set(vocab.values())) != len(vocab):
-        raise UserError("a special token repeats a token or an id of the vocabulary")
-    merges = [(spell(left), spell(right)) for left, right in bpe_merges(ranks)]
-    hf = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(onig_pattern(pattern)), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    return hf.to_str(pretty=True)
-
-
-def byte_chars():
-    """GPT-2's table of byte -> character that byte-level tokenizer.json files spell tokens in:
-    the printable bytes stand for themselves, the other 68 take the characters from U+0100 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
-
-
-def bpe_merges(ranks):
-    """The merge rules, in rank order, that rebuild tiktoken's encoding from its ranks: for each
-    token of two bytes or more, the two tokens that merging its own bytes in rank order, with the
-    tokens ranked below it only, leaves. tiktoken joins the adjacent pair that makes the
-    lowest-ranked token, any such pair; these rules join only the pair recorded for each token, in
-    the same order. The two agree where tiktoken never makes a token from another pair, which the
-    tests check on real text and on every code point, for gpt2, cl100k, o200k and bpe:N."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) == 1:
-            continue
-        parts = merge_below(ranks, token, rank)
-        if len(parts) != 2:
-            raise UserError(f"token {rank} ({token!r}) cannot be made by merging two tokens below it")
-        merges.append(parts)
-    return merges
-
-
-def merge_below(ranks, token, rank):
-    """token's bytes merged as tiktoken does, lowest rank first, with tokens ranked below rank only."""
-    parts = [token[i:i + 1] for i in range(len(token))]
-    pairs = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]  # each adjacent pair's rank
-    while pairs:
-        best = min(pairs)
-        if best >= rank:
-            break
-        i = pairs.index(best)  # the leftmost of the lowest, as tiktoken takes
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-        del pairs[i]
-        # only the pairs beside the merged part change
-        if i > 0:
-            pairs[i - 1] = ranks.get(parts[i - 1] + parts[i], rank)
-        if i < len(pairs):
-            pairs[i] = ranks.get(parts[i] + parts[i + 1], rank)
-    return parts
-
-
-def onig_pattern(pattern):
-    """tiktoken's split pattern, rewritten to split the same under Oniguruma: `X{n,m}+` becomes the
-    atomic group `(?>X{n,m})`, `$` becomes `\\z`. (tiktoken's own patterns have `$` only in `\\s++$`,
-    where the possessive `++` already makes the two readings agree.)"""
-    def rewrite(m):
-        if m.group(0) == "$":
-            return r"\z"
-        if m.group(2):
-            return f"(?>{m.group(1)}{m.group(2)[:-1]})"
-        return m.group(0)
-    out = PATTERN_PIECE.sub(rewrite, pattern)
-    if re.search(r"\)\{\d+(?:,\d*)?\}\+", out):
-        raise UserError("its split pattern repeats a group possessively, which this rewrite does not handle")
-    return out
 
 
 def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
@@ -547,7 +298,7 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     try:
         ours = load_tokenizer(data_dir)
         theirs = load_tokenizer(folder) if dataset else make_tokenizer(folder, None)
-    except (ValueError, KeyError, TypeError, SystemExit) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
                          f"({type(e).__name__}: {e}): {fix}") from None
     # conversations' markers (<|im_start|>, ...) are special tokens: their text reads as those
@@ -560,31 +311,3 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
         compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
         if again is None or again[:compared] != doc[:compared]:
             raise UserError(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")
-
-
-def check_token_files(data_dir, meta, block_size):
-    """The training split's length in tokens, once train.bin and val.bin are there, whole tokens of meta's
-    dtype, as many as meta counted (prepare.py's meta.json does), longer than block_size, with a mask of as
-    many bytes where meta says there are masks; else ValueError in one line with the fix."""
-    itemsize = np.dtype(meta["dtype"]).itemsize
-    for split in ("train", "val"):
-        path = os.path.join(data_dir, f"{split}.bin")
-        if not os.path.exists(path):
-            raise UserError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
-        size = os.path.getsize(path)
-        if size == 0:
-            raise UserError(f"{path} is empty: prepare the data with --val_fraction above 0 or --val_input")
-        if size % itemsize:
-            raise UserError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
-                             f"or meta.json's dtype is wrong (re-run prepare.py)")
-        counted = meta[split].get("tokens") if isinstance(meta.get(split), dict) else None
-        if isinstance(counted, int) and size // itemsize != counted:
-            raise UserError(f"{path} holds {size // itemsize:,} {meta['dtype']} tokens where meta.json says "
-                             f"{counted:,}: they are not from one prepare.py run (re-run prepare.py)")
-        if size // itemsize <= block_size:
-            raise UserError(f"{path} has {size // itemsize} tokens, too few for block_size={block_size} "
-                             f"(lower block_size or prepare more data)")
-        mask = os.path.join(data_dir, f"{split}.mask.bin")
-        if meta.get("masks") and (not os.path.exists(mask) or os.path.getsize(mask) != size // itemsize):
-            raise UserError(f"{mask} is missing or does not hold one byte per token of {path} (re-run prepare.py)")
-    return os.path.getsize(os.path.join(data_dir, "train.bin")) // itemsize

@@ -39,13 +39,14 @@ import checkpoint as ckpt
 from bounds import check_sizes, check_token_ids
 from configurator import configure
 from data import Split
+from files import lock_folder, unlock_folder
 from hf import fingerprint, load_pretrained, read_json
-from lock import lock_folder, unlock_folder
 from lora import add_lora, check_lora, quantize_base
 from memory import measured_mb, memory_estimate, memory_layout, memory_table
+from meta import check_token_files, read_meta
 from model import GPT, GPTConfig, attended_keys, document_mask
 from parallel import check_layout, clip_gradients, parallelize, peak_flops, pick_device
-from tokenizer import check_token_files, check_tokenizer, read_meta
+from tokenizer import check_tokenizer
 
 # -----------------------------------------------------------------------------
 # 1. settings: every one is a global here; config files and --key=value override them

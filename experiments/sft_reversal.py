@@ -21,7 +21,7 @@ import torch
 from checkpoint import load_run
 from data import Split
 from errors import UserError, one_line_errors
-from tokenizer import read_meta
+from meta import read_meta
 
 WORDS = ("ant bee cat dog eel fox gnu hen ibis jay kite lynx mole newt owl pig quail rat seal toad urchin vole wasp "
          "yak zebra crab dove frog goat hare").split()  # about one bpe:512 token each

@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 import chat  # noqa: E402
 import prepare  # noqa: E402
-from tokenizer import make_tokenizer  # noqa: E402
+from errors import UserError  # noqa: E402
+from tokenizer import load_tokenizer, make_tokenizer  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # three templates, after the ones their models' tokenizer_config.json hold
@@ -484,7 +485,7 @@ def test_prepare_masked_dataset(tmp_path, name):
     assert any(":4: malformed JSON" in e for e in bad["examples"]), bad
     assert any(":8: no assistant message" in e for e in bad["examples"]), bad
 
-    ours = prepare.load_tokenizer(out)
+    ours = load_tokenizer(out)
     runs, documents, bos_counts = [], 0, []
     for split in ("train", "val"):
         ids = np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])
@@ -570,7 +571,7 @@ def test_prepare_refuses_a_template_that_loads_a_file(tmp_path):
     template.write_text(LOADS[0] + QWEN3, encoding="utf-8")
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": MESSAGES}) + "\n", encoding="utf-8")
-    with pytest.raises(SystemExit, match="prepare.py: .*template"):
+    with pytest.raises(UserError, match="template"):
         prepare.main([str(path), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
                       f"--chat_template={template}"])
 

@@ -8,7 +8,7 @@ import torch
 
 import checkpoint as ckpt
 from model import GPT, GPTConfig
-from tokenizer import durable_replace
+from files import durable_replace
 
 SHAPE = dict(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=8)
 

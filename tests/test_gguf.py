@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import export
+from errors import UserError
 from gguf_export import PRE_TOKENIZERS, interleave_rotary, vocabulary
 from hf import hf_layout
 from helpers import TINY, run, script
-from tokenizer import byte_chars, load_tokenizer, make_tokenizer
+from tokenizer import load_tokenizer, make_tokenizer
+from tokenizer_json import byte_chars
 
 gguf = pytest.importorskip("gguf")
 
@@ -159,9 +161,9 @@ def test_a_char_run_is_refused_in_one_line_and_leaves_no_file(tmp_path):
 
 def test_without_the_gguf_package_one_line_says_to_install_it(bpe_run, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # an import of it fails as if it were not installed
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UserError) as e:  # printed as 'export.py: ' and this, in one line
         export.main([f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'model.gguf'}"])
-    assert str(e.value) == "export.py: writing GGUF needs llama.cpp's gguf package: pip install gguf"
+    assert str(e.value) == "writing GGUF needs llama.cpp's gguf package: pip install gguf"
     assert not (tmp_path / "model.gguf").exists()
 
 

@@ -26,8 +26,11 @@ import checkpoint as ckpt
 import forkserver  # the tests' own: train.py and sample.py started without importing torch each time
 import hf
 import prepare
+from errors import UserError
 from helpers import TIKTOKEN_CACHE
+from meta import read_meta
 from model import GPT, GPTConfig
+from tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 needs_tiktoken = pytest.mark.skipif(not TIKTOKEN_CACHE.is_dir(), reason="no tiktoken cache (tests never download)")
@@ -220,7 +223,7 @@ def test_min_length_applies_to_documents_of_several_pieces(tmp_path):
                          "--min_length=100000", "--val_fraction=0"])
     assert meta["short_dropped"] == 1 and meta["train"]["documents"] == 2
     ids = np.fromfile(tmp_path / "d" / "train.bin", dtype=meta["dtype"])
-    tokenizer = prepare.load_tokenizer(tmp_path / "d")
+    tokenizer = load_tokenizer(tmp_path / "d")
     eot = tokenizer.decode([meta["eot_id"]])
     assert tokenizer.decode(ids.tolist()) == texts["a.txt"] + eot + texts["c.txt"] + eot
 
@@ -287,7 +290,7 @@ def test_the_tokenizer_file_is_a_regular_file_in_the_datasets_folder(tmp_path, n
     os.mkfifo(dataset / "fifo.json")
     name_tokenizer_file(dataset, name)
     with deadline(5), pytest.raises(ValueError, match=says):
-        prepare.load_tokenizer(dataset)
+        load_tokenizer(dataset)
 
 
 def test_a_tokenizer_pattern_the_regex_engine_refuses_is_one_line(tmp_path):
@@ -298,7 +301,7 @@ def test_a_tokenizer_pattern_the_regex_engine_refuses_is_one_line(tmp_path):
     data = json.loads(tokenizer_file.read_text())
     tokenizer_file.write_text(json.dumps({**data, "pattern": "(unclosed"}))
     with pytest.raises(ValueError, match="cannot read the tokenizer in .*re-run prepare.py"):
-        prepare.load_tokenizer(dataset)
+        load_tokenizer(dataset)
 
 # -----------------------------------------------------------------------------
 # silently wrong datasets, and one line, always: through the scripts, where the one-line exit is the point
@@ -335,7 +338,7 @@ def test_meta_json_that_would_read_the_tokens_wrong_is_refused(tmp_path, meta, s
     dataset = tiny_dataset(tmp_path / "d")
     (dataset / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 62, "eot_id": 0, **meta}))
     with pytest.raises(ValueError, match=says):
-        prepare.read_meta(dataset)
+        read_meta(dataset)
 
 
 @pytest.mark.parametrize("case, args, says", [
@@ -378,6 +381,6 @@ def test_prepare_py_on_a_full_disk_is_one_line_and_leaves_no_dataset(tmp_path):
     (tmp_path / "in.txt").write_text("hello world\n" * 20000)
     (tmp_path / "d").mkdir()
     os.symlink("/dev/full", tmp_path / "d" / "train.bin.tmp")  # every write to it fails with ENOSPC
-    with pytest.raises(SystemExit, match="prepare.py: the disk of .* is full .*no dataset was written"):
+    with pytest.raises(UserError, match="^the disk of .* is full .*no dataset was written"):
         prepare.main([str(tmp_path / "in.txt"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
     assert sorted(os.listdir(tmp_path / "d")) == []

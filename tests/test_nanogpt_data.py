@@ -13,6 +13,8 @@ import pytest
 
 import prepare
 from helpers import SHAKESPEARE
+from meta import read_meta
+from tokenizer import load_tokenizer
 
 # Used when tinyshakespeare is not beside the checkout: a few lines in its manner.
 OWN_TEXT = """First Citizen:
@@ -62,7 +64,7 @@ def assert_one_line_error(call, *words):
 
 def test_read_meta_takes_the_vocabulary_of_meta_pkl(tmp_path, text):
     chars, _ = nanogpt_char_folder(tmp_path / "shakespeare_char", text)
-    meta = prepare.read_meta(tmp_path / "shakespeare_char")
+    meta = read_meta(tmp_path / "shakespeare_char")
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == len(chars) and meta["eot_id"] is None
     assert meta["tokenizer"]["kind"] == "nanogpt_char"
     if SHAKESPEARE.exists():
@@ -73,7 +75,7 @@ def test_read_meta_takes_the_vocabulary_of_meta_pkl(tmp_path, text):
 
 def test_load_tokenizer_uses_nanogpts_ids(tmp_path, text):
     chars, stoi = nanogpt_char_folder(tmp_path / "shakespeare_char", text)
-    tokenizer = prepare.load_tokenizer(tmp_path / "shakespeare_char")
+    tokenizer = load_tokenizer(tmp_path / "shakespeare_char")
     assert (tokenizer.vocab_size, tokenizer.eot_id) == (len(chars), None)
     sample = text[:5000]
     assert tokenizer.encode(sample) == [stoi[c] for c in sample]
@@ -92,7 +94,7 @@ def test_ids_follow_meta_pkl_in_any_order(tmp_path):
     (tmp_path / "d").mkdir()
     meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}
     (tmp_path / "d" / "meta.pkl").write_bytes(pickle.dumps(meta))
-    tokenizer = prepare.load_tokenizer(tmp_path / "d")
+    tokenizer = load_tokenizer(tmp_path / "d")
     assert tokenizer.encode("a\nzx y") == [5, 2, 0, 4, 3, 1]
     assert tokenizer.decode([5, 2, 0, 4, 3, 1]) == "a\nzx y"
 
@@ -100,7 +102,7 @@ def test_ids_follow_meta_pkl_in_any_order(tmp_path):
 def test_meta_json_comes_before_meta_pkl(tmp_path, text):
     nanogpt_char_folder(tmp_path / "d", text[:1000])
     (tmp_path / "d" / "meta.json").write_text(json.dumps({"dtype": "uint32", "vocab_size": 300, "eot_id": 299}))
-    meta = prepare.read_meta(tmp_path / "d")
+    meta = read_meta(tmp_path / "d")
     assert (meta["dtype"], meta["vocab_size"], meta["eot_id"]) == ("uint32", 300, 299)
 
 # -----------------------------------------------------------------------------
@@ -120,8 +122,8 @@ def write_pickle(folder, value, protocol=None):
 
 
 def refused_by_both(folder, *words):
-    message = assert_one_line_error(lambda: prepare.read_meta(folder), str(folder / "meta.pkl"), *words)
-    assert assert_one_line_error(lambda: prepare.load_tokenizer(folder)) == message
+    message = assert_one_line_error(lambda: read_meta(folder), str(folder / "meta.pkl"), *words)
+    assert assert_one_line_error(lambda: load_tokenizer(folder)) == message
     return message
 
 
@@ -165,7 +167,7 @@ def test_damaged_or_self_referencing_pickle(tmp_path):
     loop = []
     loop.append(loop)  # plain values, but the check of them must not go round forever
     write_pickle(folder, {"vocab_size": 1, "itos": {0: "a"}, "stoi": {"a": 0}, "loop": loop})
-    assert prepare.read_meta(folder)["vocab_size"] == 1
+    assert read_meta(folder)["vocab_size"] == 1
 
 # -----------------------------------------------------------------------------
 # read_meta for everything else: our meta.json, a damaged one, an unfinished dataset, nothing at all
@@ -173,7 +175,7 @@ def test_damaged_or_self_referencing_pickle(tmp_path):
 def test_meta_json_is_read_and_normalised(tmp_path):
     meta = {"format_version": 1, "dtype": "<u2", "vocab_size": 65, "eot_id": 64, "tokenizer": {"kind": "char"}}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    assert prepare.read_meta(tmp_path) == {**meta, "dtype": "uint16"}
+    assert read_meta(tmp_path) == {**meta, "dtype": "uint16"}
 
 
 @pytest.mark.parametrize("content", [
@@ -189,7 +191,7 @@ def test_meta_json_is_read_and_normalised(tmp_path):
 ])
 def test_damaged_meta_json(tmp_path, content):
     (tmp_path / "meta.json").write_text(content)
-    assert_one_line_error(lambda: prepare.read_meta(tmp_path), f"{tmp_path / 'meta.json'} is damaged (",
+    assert_one_line_error(lambda: read_meta(tmp_path), f"{tmp_path / 'meta.json'} is damaged (",
                           "); re-run prepare.py to write it again")
 
 
@@ -198,12 +200,12 @@ def test_unfinished_dataset_is_refused(tmp_path, text):
     (tmp_path / "d" / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 65}))
     (tmp_path / "d" / "prepare.incomplete").write_text("prepare.py was killed here\n")
     expected = f"{tmp_path / 'd'} is a dataset prepare.py did not finish (re-run prepare.py)"
-    for read in (prepare.read_meta, prepare.load_tokenizer):
+    for read in (read_meta, load_tokenizer):
         assert assert_one_line_error(lambda: read(tmp_path / "d")) == expected
 
 
 def test_no_meta_at_all_is_gpt2(tmp_path):
-    assert prepare.read_meta(tmp_path) == {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
+    assert read_meta(tmp_path) == {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
                                            "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}
 
 

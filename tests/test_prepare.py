@@ -23,6 +23,10 @@ if CACHE.is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(CACHE))  # tiktoken offline; never download
 
 import prepare  # noqa: E402  (after TIKTOKEN_CACHE_DIR)
+import sources  # noqa: E402
+from errors import UserError  # noqa: E402
+from tokenizer import load_tokenizer, make_tokenizer  # noqa: E402
+from tokenizer_json import hf_tokenizer_files  # noqa: E402
 
 needs_tiktoken = pytest.mark.skipif(not CACHE.is_dir(), reason=f"no tiktoken cache at {CACHE} (tests never download)")
 
@@ -80,7 +84,7 @@ def one_line_error(r, *words):
 def read_split(out, split):
     """Decode a split back into its documents (split on end-of-text)."""
     meta = json.loads((Path(out) / "meta.json").read_text())
-    tok = prepare.load_tokenizer(out)
+    tok = load_tokenizer(out)
     ids = np.fromfile(Path(out) / f"{split}.bin", dtype=meta["dtype"])
     assert ids.size == meta[split]["tokens"]
     assert ids.size == 0 or (ids.max() < meta["vocab_size"] and ids[-1] == meta["eot_id"])
@@ -153,7 +157,7 @@ def test_roundtrip_every_tokenizer(tmp_path, kind):
     assert meta["train"]["documents"] >= 1 and meta["val"]["documents"] >= 1
     assert meta["format_version"] == 1 and meta["dtype"] == "uint16"
     assert meta["files_read"] == len(DOCS) and meta["skipped_files"] == []
-    tok = prepare.load_tokenizer(out)
+    tok = load_tokenizer(out)
     assert (tok.vocab_size, tok.eot_id) == (meta["vocab_size"], meta["eot_id"])
     if kind == "gpt2":
         assert (meta["vocab_size"], meta["eot_id"], meta["tokenizer"]) == (50257, 50256, {"kind": "tiktoken", "name": "gpt2"})
@@ -167,7 +171,7 @@ def test_roundtrip_every_tokenizer(tmp_path, kind):
     if kind == "hf":  # copied: the dataset works without the original tokenizer.json
         assert (out / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
         (tmp_path / "hf" / "tokenizer.json").unlink()
-        assert prepare.load_tokenizer(out).decode(prepare.load_tokenizer(out).encode(DOCS[2])) == DOCS[2]
+        assert load_tokenizer(out).decode(load_tokenizer(out).encode(DOCS[2])) == DOCS[2]
         assert meta["eot_id"] == tok.hf.token_to_id("<|endoftext|>")
     # each split keeps corpus order
     train = read_split(out, "train")
@@ -190,7 +194,7 @@ def test_uint32_for_big_vocab(tmp_path):
 
 @needs_tiktoken
 def test_load_tokenizer_without_meta_is_gpt2(tmp_path):
-    tok = prepare.load_tokenizer(tmp_path)  # nanoGPT's convention
+    tok = load_tokenizer(tmp_path)  # nanoGPT's convention
     assert (tok.name, tok.vocab_size, tok.eot_id) == ("gpt2", 50257, 50256)
     assert tok.decode(tok.encode("hello world")) == "hello world"
 
@@ -287,14 +291,14 @@ def old_tail_cut(text, val_fraction):
 def test_big_file_in_pieces_encodes_like_the_whole(tmp_path, monkeypatch, kind):
     text = "".join(random.Random(0).choices(TRICKY, k=20000))  # ~50 KB of what regex pre-tokenizers trip on
     path = write(tmp_path / "big.txt.gz", "\ufeff" + text)  # gzipped, with a byte-order mark
-    monkeypatch.setattr(prepare, "PIECE", 512)  # ~100 reads, characters split between them
-    doc = prepare.read_text(path, dedup=True)
-    assert isinstance(doc, prepare.BigText) and doc.nchars == len(text) and not doc.blank
+    monkeypatch.setattr(sources, "PIECE", 512)  # ~100 reads, characters split between them
+    doc = sources.read_text(path, dedup=True)
+    assert isinstance(doc, sources.BigText) and doc.nchars == len(text) and not doc.blank
     assert doc.digest == hashlib.blake2b(text.encode(), digest_size=16).digest()
-    parts = list(prepare.pieces(doc))
+    parts = list(sources.pieces(doc))
     assert "".join(p for p, _ in parts) == text and len(parts) > 50
     assert [end for _, end in parts] == [False] * (len(parts) - 1) + [True]
-    tok = prepare.make_tokenizer(str(hf_tokenizer_json(tmp_path / "hf")) if kind == "hf" else kind, lambda: [text])
+    tok = make_tokenizer(str(hf_tokenizer_json(tmp_path / "hf")) if kind == "hf" else kind, lambda: [text])
     if kind != "hf":  # a tokenizer.json gets whole documents: its pre-tokenizer could be anything
         assert sum((tok.encode(p) for p, _ in parts), []) == tok.encode(text)
     if kind == "gpt2":  # why SAFE_CUT is narrower than "after a newline before a non-space"
@@ -307,11 +311,11 @@ def test_big_file_in_pieces_encodes_like_the_whole(tmp_path, monkeypatch, kind):
     for split, part in (("train", train), ("val", val)):
         assert np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])[:-1].tolist() == tok.encode(part)
     if kind == "bpe:300":  # learned from the pieces, the same as from the whole text
-        assert prepare.load_tokenizer(out).ranks == tok.ranks
+        assert load_tokenizer(out).ranks == tok.ranks
 
 
 def test_bad_byte_late_in_a_big_file_skips_all_of_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "PIECE", 256)
+    monkeypatch.setattr(sources, "PIECE", 256)
     src = tmp_path / "src"
     make_good(src)
     body = "Ωmega line of text\n" * 200  # Ω: in no accepted document
@@ -328,7 +332,7 @@ def test_bad_byte_late_in_a_big_file_skips_all_of_it(tmp_path, monkeypatch):
 
 
 def test_big_files_dedup_and_blank(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "PIECE", 256)
+    monkeypatch.setattr(sources, "PIECE", 256)
     text = "the same long document\n" * 100
     write(tmp_path / "src" / "a.txt", text)
     write(tmp_path / "src" / "b.txt.gz", "\ufeff" + text)
@@ -359,7 +363,7 @@ def unreadable(src, monkeypatch):
         path.chmod(0)
     else:  # root reads anything: simulate the permission error where prepare.py opens files
         real_open = open
-        monkeypatch.setattr(prepare, "open", lambda p, *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+        monkeypatch.setattr(sources, "open", lambda p, *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
                             if Path(p).name == "secret.txt" else real_open(p, *a, **k), raising=False)
     return path
 
@@ -492,7 +496,7 @@ def test_user_errors_are_one_line(tmp_path):
 def test_identical_output_for_any_worker_count(tmp_path, monkeypatch):
     words_corpus(tmp_path / "src", 1.0, nfiles=3)  # ~15 batches
     text_tree(tmp_path / "src" / "txt")
-    monkeypatch.setattr(prepare, "PIECE", 4096)
+    monkeypatch.setattr(sources, "PIECE", 4096)
     text_file(tmp_path / "src" / "big.txt", 0.2)  # ~50 pieces
     outs = []
     for i, workers in enumerate([1, 3, 2, 1]):
@@ -668,16 +672,16 @@ def test_wordpiece_is_learned_saved_as_tokenizer_json_and_exported(tmp_path):
     meta = prepare.main([str(tmp_path / "in.txt"), "--tokenizer=wordpiece:200", f"--out_dir={tmp_path / 'data'}"])
     assert meta["tokenizer"] == {"kind": "huggingface", "name": "wordpiece:200", "file": "tokenizer.json"}
     assert json.loads((tmp_path / "data" / "tokenizer.json").read_text())["model"]["type"] == "WordPiece"
-    tok = prepare.load_tokenizer(tmp_path / "data")
+    tok = load_tokenizer(tmp_path / "data")
     sample = "the quick fox, 12 dogs!\nLine   over"  # characters of the corpus (any other is [UNK])
     ids = tok.encode(sample)
     assert tok.decode([tok.eot_id]) == "<|endoftext|>" and tok.eot_id not in ids
     assert re.sub(r"\s", "", tok.decode(ids)) == re.sub(r"\s", "", sample)  # only whitespace changes
     assert tok.encode(tok.decode(ids)) == ids
-    with pytest.raises(SystemExit, match="wordpiece:N needs a whole number N >= 100"):
+    with pytest.raises(UserError, match="wordpiece:N needs a whole number N >= 100"):
         prepare.main([str(tmp_path / "in.txt"), "--tokenizer=wordpiece:x", f"--out_dir={tmp_path / 'bad'}"])
     transformers = pytest.importorskip("transformers")
-    files, note = __import__("tokenizer").hf_tokenizer_files(tok)
+    files, note = hf_tokenizer_files(tok)
     (tmp_path / "hf").mkdir()
     for name, content in files.items():
         (tmp_path / "hf" / name).write_text(content)
@@ -708,7 +712,7 @@ def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, mon
     meta = prepare.main([f"hf:{folder}", "--tokenizer=char", f"--out_dir={tmp_path / 'all'}"])
     assert meta["train"]["documents"] == 30 and meta["val"]["documents"] == 6 and meta["split"]["method"] == "val_input"
     val = np.fromfile(tmp_path / "all" / "val.bin", dtype=np.uint16)
-    tok = prepare.load_tokenizer(tmp_path / "all")
+    tok = load_tokenizer(tmp_path / "all")
     assert tok.decode(val.tolist()).split("<|endoftext|>")[:2] == ["validation 0 ", "validation 1 ab"]
     # --min_length=20 tokens (characters here): "train 6 " + 12 is 20, "train 5 " + 10 only 18: 6 dropped;
     # "validation 4 " + 8 is 21, "validation 3 " + 6 only 19: 4 dropped
@@ -720,5 +724,5 @@ def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, mon
     meta = prepare.main([f"hf:{hub_folder(tmp_path / 'chats', {'train': chats})}", "--tokenizer=bpe:260",
                          f"--out_dir={tmp_path / 'chat'}"])
     assert meta["masks"] and meta["train"]["documents"] + meta["val"]["documents"] == 12
-    with pytest.raises(SystemExit, match=r"^prepare.py: cannot read the dataset hf:"):
+    with pytest.raises(UserError, match=r"^cannot read the dataset hf:"):
         prepare.main([f"hf:{tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'none'}"])

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import prepare
+from errors import UserError
 from data import Split, best_fit
 from kernels import linear_cross_entropy_ref
 from model import GPT, GPTConfig
@@ -375,7 +376,7 @@ def test_a_template_that_hides_the_replies_selects_nothing_and_is_refused(tmp_pa
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
                         "<|endoftext|>{% endfor %}")
-    with pytest.raises(SystemExit, match="does not write an assistant's reply") as stopped:
+    with pytest.raises(UserError, match="does not write an assistant's reply") as stopped:
         prepare.main([str(tmp_path / "chats.jsonl"), "--tokenizer=bpe:300", f"--out_dir={tmp_path / 'data'}",
                       f"--chat_template={template}"])
     assert "\n" not in str(stopped.value) and not (tmp_path / "data").exists()

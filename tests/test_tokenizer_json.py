@@ -1,4 +1,4 @@
-"""tokenizer.py's tokenizer.json, written beside an exported model, gives, through
+"""tokenizer_json.py's tokenizer.json, written beside an exported model, gives, through
 transformers' AutoTokenizer and through the tokenizers library, exactly the ids of the dataset's
 own tokenizer, for tiktoken encodings, bpe:N, and a dataset made with a tokenizer.json.
 Run: python -m pytest -q tests/test_tokenizer_json.py"""
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import tokenizer
+import tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402  (after the skip)
@@ -99,7 +100,7 @@ def exported(request, tmp_path_factory, corpus):
         ours = huggingface_case(tmp, corpus)
     else:
         ours = tiktoken_case(request.param)
-    files, note = tokenizer.hf_tokenizer_files(ours)
+    files, note = tokenizer_json.hf_tokenizer_files(ours)
     assert note is None and sorted(files) == ["tokenizer.json", "tokenizer_config.json"]
     folder = tmp / "export"
     folder.mkdir()
@@ -193,7 +194,7 @@ def test_tokenizer_config(exported):
 
 def test_char_has_no_tokenizer_json():
     tok = tokenizer.make_tokenizer("char", lambda: iter(["hello world"]))
-    files, note = tokenizer.hf_tokenizer_files(tok)
+    files, note = tokenizer_json.hf_tokenizer_files(tok)
     assert files == {} and "character vocabulary" in note and "\n" not in note
 
 
@@ -207,12 +208,12 @@ def test_pattern_rewrite_for_oniguruma():
         return [piece for piece, _ in splitter.pre_tokenize_str(text)]
 
     pattern = r"\p{N}{1,3}+|\s+$|\s+|."
-    assert tokenizer.onig_pattern(pattern) == r"(?>\p{N}{1,3})|\s+\z|\s+|."
+    assert tokenizer_json.onig_pattern(pattern) == r"(?>\p{N}{1,3})|\s+\z|\s+|."
     assert split(pattern, "1234567 a  \nb") == ["1234567", " ", "a", "  ", "\n", "b"]
-    assert split(tokenizer.onig_pattern(pattern), "1234567 a  \nb") == ["123", "456", "7", " ", "a", "  \n", "b"]
-    assert tokenizer.onig_pattern(r"[$]|\$|\p{L}++|x{2}") == r"[$]|\$|\p{L}++|x{2}"
+    assert split(tokenizer_json.onig_pattern(pattern), "1234567 a  \nb") == ["123", "456", "7", " ", "a", "  \n", "b"]
+    assert tokenizer_json.onig_pattern(r"[$]|\$|\p{L}++|x{2}") == r"[$]|\$|\p{L}++|x{2}"
 
 
 def test_byte_chars_are_gpt2s():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
-    assert tokenizer.byte_chars() == bytes_to_unicode()
+    assert tokenizer_json.byte_chars() == bytes_to_unicode()

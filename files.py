@@ -1,12 +1,15 @@
 """
-One writer per folder: prepare.py (its dataset folder) and train.py (its out_dir, the master process) hold an
-exclusive lock on the folder they write, so that a second run into it is refused at once instead of mixing its
-files with the first's. The lock is fcntl.flock on FOLDER/.lock, which holds the writer's name and pid: the OS
-drops it when the process ends, however it ends, and a lock file a killed run left behind locks nothing.
+How our outputs reach the disk safely. One writer per folder: prepare.py (its dataset folder) and train.py (its
+out_dir, the master process) hold an exclusive lock on the folder they write, so that a second run into it is
+refused at once instead of mixing its files with the first's. The lock is fcntl.flock on FOLDER/.lock, which holds
+the writer's name and pid: the OS drops it when the process ends, however it ends, and a lock file a killed run
+left behind locks nothing. And every finished output (datasets, checkpoints, exports) takes its name with
+durable_replace, once its bytes are on the disk, so that a crash leaves the old one or the new one, whole.
 
-    from lock import lock_folder, unlock_folder
+    from files import durable_replace, lock_folder, unlock_folder
     held = lock_folder("out", "train.py")        # ValueError if another process writes out/ now
     ...
+    durable_replace("out/ckpt.pt.tmp", "out/ckpt.pt")
     unlock_folder("out", held)                   # or let the process end
 """
 
@@ -57,3 +60,18 @@ def unlock_folder(folder, fd):
     except FileNotFoundError:  # the folder went with it
         pass
     os.close(fd)
+
+
+def durable_replace(src, dst):
+    """Rename src to dst (a file or a folder, replacing a file) and make the rename itself survive a power cut:
+    the folder that holds the name is synced too. Every finished output (datasets, checkpoints, exports)
+    takes its name this way, after its bytes have reached the disk."""
+    os.replace(src, dst)
+    try:
+        folder = os.open(os.path.dirname(os.path.abspath(dst)), os.O_RDONLY)
+    except OSError:  # a platform that cannot open folders (Windows): the rename is all there is
+        return
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)

@@ -1,0 +1,142 @@
+"""
+A prepared dataset read back: what its folder says about itself (meta.json, or nanoGPT's meta.pkl read as plain
+values only, or nanoGPT's default: GPT-2 tokens), whether prepare.py finished it, and its token files checked
+against what meta.json says before training reads them. Every problem is a UserError of one line.
+
+    from meta import check_token_files, read_meta
+    meta = read_meta("data/stdlib")  # {"dtype": "uint16", "vocab_size": 4097, "eot_id": 4096, ...}
+    ntokens = check_token_files("data/stdlib", meta, block_size=1024)
+"""
+
+import json
+import os
+import pickle
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+
+from errors import UserError
+
+MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
+
+# -----------------------------------------------------------------------------
+# what a dataset's folder says about itself
+
+def refuse_unfinished(data_dir):
+    if (Path(data_dir) / MARKER).exists():
+        raise UserError(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
+
+
+def read_meta(data_dir):
+    """What a data folder says about itself: its meta.json, with dtype as numpy's name and vocab_size an
+    int (ours also hold eot_id, the tokenizer and counts); else, from nanoGPT's meta.pkl (a character
+    vocabulary), {dtype, vocab_size, eot_id: None, tokenizer}; else nanoGPT's default, GPT-2 tokens.
+    Every problem is a ValueError of one line."""
+    refuse_unfinished(data_dir)
+    path = Path(data_dir) / "meta.json"
+    if path.exists():
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+            meta["dtype"] = np.dtype(meta["dtype"]).name
+            vocab_size, eot_id = meta["vocab_size"], meta.get("eot_id")
+            if meta["dtype"] not in ("uint16", "uint32"):  # uint8 over a uint16 file reads each id as two
+                raise UserError(f"dtype {meta['dtype']} is not uint16 or uint32, what token files hold")
+            if type(vocab_size) is not int or vocab_size < 1:
+                raise UserError(f"vocab_size {vocab_size!r} is not a whole number above 0")
+            if meta["dtype"] == "uint16" and vocab_size > 1 << 16:
+                raise UserError(f"dtype uint16 cannot hold the ids of a vocab_size of {vocab_size}")
+            if eot_id is not None and (type(eot_id) is not int or not 0 <= eot_id < vocab_size):
+                raise UserError(f"eot_id {eot_id!r} is not a token id below vocab_size {vocab_size}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            why = f"{type(e).__name__}: {e}"
+            raise UserError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
+        return meta
+    if (Path(data_dir) / "meta.pkl").exists():
+        chars = nanogpt_chars(Path(data_dir) / "meta.pkl")
+        return {"dtype": "uint16", "vocab_size": len(chars), "eot_id": None,
+                "tokenizer": {"kind": "nanogpt_char", "file": "meta.pkl"}}
+    return {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
+            "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}
+
+
+class NotPlain(pickle.UnpicklingError):
+    """A pickle names a class or a function: what it would call to build its objects."""
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain values only. A pickle runs code only by calling the classes and functions it names,
+    and every name goes through find_class, which refuses them all."""
+
+    def find_class(self, module, name):
+        raise NotPlain(f"{module}.{name}")
+
+
+def read_plain_pickle(path):
+    """The value pickled in path if it holds only dicts, lists, tuples, strings, numbers, booleans and None;
+    else a UserError of one line. Nothing in the file is ever run."""
+    def refused(what):
+        return UserError(f"{path} holds objects other than plain values ({what}) and is not loaded; "
+                          f"nanoGPT's meta.pkl holds only dicts, strings and integers")
+
+    try:
+        with open(path, "rb") as f:
+            value = PlainUnpickler(f).load()
+    except NotPlain as e:
+        raise refused(e) from None
+    except Exception as e:  # a damaged pickle fails in many ways
+        raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
+    seen, todo = set(), [value]
+    while todo:  # a loop, not recursion: the nesting may be deep, and a list may hold itself
+        item = todo.pop()
+        if type(item) not in (dict, list, tuple, str, int, float, bool, type(None)):
+            raise refused(f"a {type(item).__name__}")
+        if isinstance(item, (dict, list, tuple)) and id(item) not in seen:
+            seen.add(id(item))
+            todo.extend(chain(item.keys(), item.values()) if isinstance(item, dict) else item)
+    return value
+
+
+def nanogpt_chars(path):
+    """The characters of nanoGPT's meta.pkl, in id order: {'vocab_size': n, 'itos': {id: char},
+    'stoi': {char: id}} for the ids 0..n-1, as its data/shakespeare_char/prepare.py writes it."""
+    meta = read_plain_pickle(path)
+    itos = meta.get("itos") if isinstance(meta, dict) else None
+    chars = [itos.get(i) for i in range(len(itos))] if isinstance(itos, dict) else []
+    characters = chars and all(isinstance(c, str) and len(c) == 1 for c in chars)
+    stoi = {c: i for i, c in enumerate(chars)} if characters else None  # also what makes them distinct
+    if not (characters and meta.get("stoi") == stoi and len(stoi) == meta.get("vocab_size") == len(chars)):
+        raise UserError(f"{path} is not nanoGPT's meta.pkl of a character dataset (it needs vocab_size, "
+                         f"and itos and stoi between the ids 0..vocab_size-1 and single characters)")
+    return chars
+
+
+# -----------------------------------------------------------------------------
+# its token files
+
+def check_token_files(data_dir, meta, block_size):
+    """The training split's length in tokens, once train.bin and val.bin are there, whole tokens of meta's
+    dtype, as many as meta counted (prepare.py's meta.json does), longer than block_size, with a mask of as
+    many bytes where meta says there are masks; else ValueError in one line with the fix."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in ("train", "val"):
+        path = os.path.join(data_dir, f"{split}.bin")
+        if not os.path.exists(path):
+            raise UserError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
+        size = os.path.getsize(path)
+        if size == 0:
+            raise UserError(f"{path} is empty: prepare the data with --val_fraction above 0 or --val_input")
+        if size % itemsize:
+            raise UserError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
+                             f"or meta.json's dtype is wrong (re-run prepare.py)")
+        counted = meta[split].get("tokens") if isinstance(meta.get(split), dict) else None
+        if isinstance(counted, int) and size // itemsize != counted:
+            raise UserError(f"{path} holds {size // itemsize:,} {meta['dtype']} tokens where meta.json says "
+                             f"{counted:,}: they are not from one prepare.py run (re-run prepare.py)")
+        if size // itemsize <= block_size:
+            raise UserError(f"{path} has {size // itemsize} tokens, too few for block_size={block_size} "
+                             f"(lower block_size or prepare more data)")
+        mask = os.path.join(data_dir, f"{split}.mask.bin")
+        if meta.get("masks") and (not os.path.exists(mask) or os.path.getsize(mask) != size // itemsize):
+            raise UserError(f"{mask} is missing or does not hold one byte per token of {path} (re-run prepare.py)")
+    return os.path.getsize(os.path.join(data_dir, "train.bin")) // itemsize

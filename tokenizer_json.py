@@ -1,0 +1,149 @@
+"""
+The tokenizer.json (and tokenizer_config.json) that encodes exactly as a prepared dataset's tokenizer does, for
+an exported model: a Hugging Face tokenizer.json as it is, and a byte-level BPE (tiktoken's encodings, bpe:N)
+rebuilt as merges, which gguf_export.py writes into a GGUF file too.
+
+    from tokenizer_json import hf_tokenizer_files
+    files, note = hf_tokenizer_files(tokenizer)   # {"tokenizer.json": ..., "tokenizer_config.json": ...}, None
+"""
+
+import json
+import re
+
+from errors import UserError
+
+# Oniguruma, the regex engine of the tokenizers library, reads two things in tiktoken's patterns
+# differently from tiktoken's own engine: `X{1,3}+` is a repeat of `X{1,3}` there (possessive
+# only in tiktoken), and `$` is any end of line there (the end of the text only in tiktoken).
+# PATTERN_PIECE matches one atom with an optional `{n,m}+` after it, or a bare `$`.
+ATOM = r"\\[pP]\{\w+\}|\\.|\[(?:\\.|[^\]\\])*\]|[^\\\[\](){}|$]"
+PATTERN_PIECE = re.compile(rf"({ATOM})(\{{\d+(?:,\d*)?\}}\+)?|\$")
+
+
+def hf_tokenizer_files(tok):
+    """prepare.Tokenizer -> ({file name: text} to write beside the model, None), or ({}, why not)
+    when no tokenizer.json can encode exactly as tok.encode does."""
+    if tok.kind in ("char", "nanogpt_char"):
+        return {}, ("a character vocabulary has no faithful tokenizer.json; "
+                    "the rest of the folder is written without one")
+    if tok.kind == "huggingface":
+        from tokenizers import Tokenizer as HFTokenizer
+        eos = HFTokenizer.from_str(tok.hf_json).id_to_token(tok.eot_id)
+        return {"tokenizer.json": tok.hf_json, "tokenizer_config.json": tokenizer_config(eos)}, None
+    ranks, pattern, specials = bpe_parts(tok)
+    try:
+        tokenizer_json = bytelevel_tokenizer_json(ranks, pattern, specials)
+    except ValueError as e:
+        return {}, (f"no faithful tokenizer.json for {tok.name} ({e}); "
+                    "the rest of the folder is written without one")
+    eos = next(s for s, i in specials.items() if i == tok.eot_id)
+    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tokenizer_config(eos)}, None
+
+
+def tokenizer_config(eos):
+    """tokenizer_config.json's text. Our encode reads a "<|endoftext|>" inside a document as plain
+    text (prepare.py encodes ordinary text only), so transformers must too: split_special_tokens.
+    prepare.py puts nothing before a document and ends it with the end-of-text id itself, so no
+    runtime may add a BOS or an EOS to a prompt (llama.cpp adds a BOS unless told not to); and
+    decode must not "clean up" the spaces before punctuation."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "add_bos_token": False,
+              "add_eos_token": False, "split_special_tokens": True, "clean_up_tokenization_spaces": False}
+    return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+
+
+def bpe_parts(tok):
+    """A byte-level BPE's (ranks {bytes: id}, split pattern, special tokens {str: id})."""
+    if tok.kind == "bpe":
+        return tok.ranks, tok.pattern, {"<|endoftext|>": tok.eot_id}
+    # tiktoken keeps these in private attributes, read here and nowhere else
+    enc = tok.enc
+    return enc._mergeable_ranks, enc._pat_str, dict(enc._special_tokens)
+
+
+def bytelevel_tokenizer_json(ranks, pattern, specials):
+    """tokenizer.json text of the byte-level BPE that tiktoken runs with these ranks and pattern:
+    split on the pattern, each piece as bytes, merged in rank order; special tokens kept whole."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    chars = byte_chars()
+
+    def spell(token):  # bytes -> the string a byte-level tokenizer.json names the token by
+        return "".join(chars[b] for b in token)
+
+    vocab = {spell(token): i for token, i in ranks.items()}
+    # tokenizers gives an added token the next free id, wrong where tiktoken's ids have holes
+    # (cl100k's end-of-text is 100257, one past a gap): in the model's vocabulary it keeps its id.
+    # No merge makes one, so the model never produces one from text.
+    vocab.update(specials)
+    if len(vocab) != len(ranks) + len(specials) or len(set(vocab.values())) != len(vocab):
+        raise UserError("a special token repeats a token or an id of the vocabulary")
+    merges = [(spell(left), spell(right)) for left, right in bpe_merges(ranks)]
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(onig_pattern(pattern)), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return hf.to_str(pretty=True)
+
+
+def byte_chars():
+    """GPT-2's table of byte -> character that byte-level tokenizer.json files spell tokens in:
+    the printable bytes stand for themselves, the other 68 take the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def bpe_merges(ranks):
+    """The merge rules, in rank order, that rebuild tiktoken's encoding from its ranks: for each
+    token of two bytes or more, the two tokens that merging its own bytes in rank order, with the
+    tokens ranked below it only, leaves. tiktoken joins the adjacent pair that makes the
+    lowest-ranked token, any such pair; these rules join only the pair recorded for each token, in
+    the same order. The two agree where tiktoken never makes a token from another pair, which the
+    tests check on real text and on every code point, for gpt2, cl100k, o200k and bpe:N."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) == 1:
+            continue
+        parts = merge_below(ranks, token, rank)
+        if len(parts) != 2:
+            raise UserError(f"token {rank} ({token!r}) cannot be made by merging two tokens below it")
+        merges.append(parts)
+    return merges
+
+
+def merge_below(ranks, token, rank):
+    """token's bytes merged as tiktoken does, lowest rank first, with tokens ranked below rank only."""
+    parts = [token[i:i + 1] for i in range(len(token))]
+    pairs = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]  # each adjacent pair's rank
+    while pairs:
+        best = min(pairs)
+        if best >= rank:
+            break
+        i = pairs.index(best)  # the leftmost of the lowest, as tiktoken takes
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        del pairs[i]
+        # only the pairs beside the merged part change
+        if i > 0:
+            pairs[i - 1] = ranks.get(parts[i - 1] + parts[i], rank)
+        if i < len(pairs):
+            pairs[i] = ranks.get(parts[i] + parts[i + 1], rank)
+    return parts
+
+
+def onig_pattern(pattern):
+    """tiktoken's split pattern, rewritten to split the same under Oniguruma: `X{n,m}+` becomes the
+    atomic group `(?>X{n,m})`, `$` becomes `\\z`. (tiktoken's own patterns have `$` only in `\\s++$`,
+    where the possessive `++` already makes the two readings agree.)"""
+    def rewrite(m):
+        if m.group(0) == "$":
+            return r"\z"
+        if m.group(2):
+            return f"(?>{m.group(1)}{m.group(2)[:-1]})"
+        return m.group(0)
+    out = PATTERN_PIECE.sub(rewrite, pattern)
+    if re.search(r"\)\{\d+(?:,\d*)?\}\+", out):
+        raise UserError("its split pattern repeats a group possessively, which this rewrite does not handle")
+    return out
