@@ -186,12 +186,15 @@ def load_tasks(names, include_path=None):
     return manager, wanted
 
 
-def run_tasks(lm, manager, names, limit=None, num_fewshot=None, apply_chat_template=False, log_samples=False):
-    """lm_eval's simple_evaluate on our model: its results dict (results, samples if asked, configs, ...)."""
+def run_tasks(lm, manager, names, limit=None, num_fewshot=None, apply_chat_template=False, log_samples=False,
+              stderr=True):
+    """lm_eval's simple_evaluate on our model: its results dict (results, samples if asked, configs, ...), with
+    the metrics' standard errors unless stderr=False (their bootstrap can take longer than the tasks)."""
     from lm_eval.evaluator import simple_evaluate
     lm.model.eval()
     return simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                           apply_chat_template=apply_chat_template, log_samples=log_samples, bootstrap_iters=0,
+                           apply_chat_template=apply_chat_template, log_samples=log_samples,
+                           bootstrap_iters=100_000 if stderr else 0,
                            verbosity="WARNING")
 
 
@@ -221,7 +224,7 @@ def task_metrics(lm, manager, names, limit=None):
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     training = lm.model.training
     try:
-        return main_metrics(run_tasks(lm, manager, names, limit=limit or None))
+        return main_metrics(run_tasks(lm, manager, names, limit=limit or None, stderr=False))
     finally:
         lm.model.train(training)
         random.setstate(states[0])

@@ -111,7 +111,7 @@ def ours(out_dir, tasks_dir, batch_size=4):
     model, tokenizer, checkpoint = load_run(str(out_dir / "ckpt.pt"), torch.float32)
     lm = harness.Model(model.eval(), tokenizer, batch_size=batch_size, chat_folder=checkpoint["data_dir"])
     manager, names = harness.load_tasks(",".join(ROOT_TASKS), str(tasks_dir))
-    return harness.run_tasks(lm, manager, names, log_samples=True)
+    return harness.run_tasks(lm, manager, names, log_samples=True, stderr=False)
 
 
 def theirs(folder, tasks_dir):
