@@ -226,6 +226,7 @@ def task_records(out_dir):
     return {r["iter"]: r["tiny_hellaswag/acc"] for r in records if "val_loss" in r}
 
 
+@pytest.mark.slow  # four training runs, three of them with the tasks at each evaluation
 def test_training_logs_the_task_metric_and_resumes_exactly(run_here, tasks, tmp_path):
     needs_lm_eval()
     data = run_here[0].parent / "data"
