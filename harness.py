@@ -43,7 +43,7 @@ def import_lm_eval():
 
 
 class Model(TemplateLM):
-    """Our GPT and tokenizer as an lm_eval model (TemplateLM: lm_eval's LM with HFLM's tokenization of requests)."""
+    """Our GPT and tokenizer as an lm_eval model (TemplateLM: lm_eval's LM, tokenizing requests as HFLM does)."""
 
     def __init__(self, model, tokenizer, device="cpu", autocast=None, batch_size=8, chat_folder=None, name="gpt"):
         # chat_folder: where the model's chat template is (its data's meta.json, or its Hugging Face folder)
@@ -81,10 +81,11 @@ class Model(TemplateLM):
     def apply_chat_template(self, chat_history, add_generation_prompt=True):
         if getattr(self, "chat", None) is None:
             special = self.tokenizer.special_tokens()
-            self.chat = ChatFormat.for_tokenizer(self.chat_folder, special, self.tokenizer.decode([self.eot_token_id]))
+            eot_text = self.tokenizer.decode([self.eot_token_id])
+            self.chat = ChatFormat.for_tokenizer(self.chat_folder, special, eot_text)
             if self.chat.origin == "built-in":
-                raise UserError(f"--apply_chat_template needs a model trained on conversations: {self.chat_folder} "
-                                f"has no chat template")
+                raise UserError(f"--apply_chat_template needs a model trained on conversations: "
+                                f"{self.chat_folder} has no chat template")
         return self.chat.render(chat_history, add_generation_prompt=add_generation_prompt)
 
     # -- the three kinds of request
@@ -213,7 +214,8 @@ def for_training(model, data_dir, device, autocast, batch_size, tasks, include_p
     """train.py's (Model, TaskManager, task names): the model being trained with the tokenizer of its data, and the
     tasks, checked and their data loaded before the first step."""
     manager, names = load_tasks(tasks, include_path or None)
-    return Model(model, load_tokenizer(data_dir), device, autocast, batch_size, data_dir, "training"), manager, names
+    lm = Model(model, load_tokenizer(data_dir), device, autocast, batch_size, data_dir, "training")
+    return lm, manager, names
 
 
 def task_metrics(lm, manager, names, limit=None):

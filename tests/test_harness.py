@@ -62,7 +62,8 @@ def write_tasks(folder):
             ("bits_per_byte", "bits_per_byte"))))
     (folder / "tiny_generate.yaml").write_text(
         "task: tiny_generate\n" + data("qa.jsonl") + "output_type: generate_until\ndoc_to_text: '{{question}}'\n"
-        "doc_to_target: '{{answer}}'\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
+        "doc_to_target: '{{answer}}'\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n"
+        "  do_sample: false\n"
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
     return folder
 
