@@ -9,6 +9,13 @@ here is the one its log shows. Deterministic: two runs, or a run and transformer
     python eval.py --model=models/Qwen3-0.6B --data_dir=data/finetune --block_size=1024 --stride=512
 
 Its last line: `val loss L perplexity P over N tokens`.
+
+With --tasks, lm-evaluation-harness's tasks instead (pip install lm_eval), on the model in this process: its
+table, and its results as JSON in out_dir/eval_tasks.json (--output). Local task files (a YAML pointing at a
+jsonl) work offline with --include_path; the harness's own tasks need their data downloaded once.
+
+    python eval.py --out_dir=out-small --tasks=hellaswag,arc_easy --limit=500
+    python eval.py --model=models/Qwen3-0.6B --tasks=my_task --include_path=tasks/ --num_fewshot=5
 """
 
 import argparse
@@ -19,12 +26,16 @@ from contextlib import nullcontext
 
 import torch
 
-from checkpoint import check_run_tokenizer, load_model
+import harness
+from checkpoint import check_run_tokenizer, load_model, load_run
 from data import Split
+from errors import UserError, one_line_errors
 from hf import load_pretrained
 from meta import read_meta
 from parallel import pick_device
-from tokenizer import check_tokenizer
+from tokenizer import check_tokenizer, make_tokenizer
+
+one_line_errors("eval.py")
 
 
 def fail(msg):
@@ -40,10 +51,50 @@ parser.add_argument("--block_size", type=int, default=None, help="the window (de
                     "the folder's max_position_embeddings)")
 parser.add_argument("--stride", type=int, default=None, help="tokens a window shares with the one before, its "
                     "context (default: half the window)")
-parser.add_argument("--batch_size", type=int, default=8, help="windows at a time")
+parser.add_argument("--batch_size", type=int, default=8, help="windows (or a task's requests) at a time")
 parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'mps'")
 parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: bf16 on CUDA")
+parser.add_argument("--tasks", default=None, help="lm-evaluation-harness tasks to run instead, comma-separated")
+parser.add_argument("--limit", type=float, default=None, help="--tasks: at most this many items of each task "
+                    "(below 1: this share of them)")
+parser.add_argument("--num_fewshot", type=int, default=None, help="--tasks: examples in each prompt (default: "
+                    "the task's own)")
+parser.add_argument("--include_path", default=None, help="--tasks: a folder of task files (YAML) of your own")
+parser.add_argument("--apply_chat_template", action="store_true", help="--tasks: prompts through the model's "
+                    "chat template (a model trained on conversations)")
+parser.add_argument("--output", default=None, help="--tasks: where to write the results (default: "
+                    "out_dir/eval_tasks.json, or the folder's)")
 args = parser.parse_args()
+
+
+def run_tasks():
+    # the harness's tasks on the run's checkpoint (or the folder), printed as its table and written as JSON
+    manager, names = harness.load_tasks(args.tasks, args.include_path)
+    device, dtype = pick_device(args.device, args.dtype)
+    if args.model:  # a Hugging Face folder: its weights and its tokenizer.json (chat template beside it)
+        if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+            raise UserError(f"{args.model} has no tokenizer.json to encode the tasks' text with")
+        model, tokenizer = load_pretrained(args.model, getattr(torch, dtype)), make_tokenizer(args.model, None)
+        chat_folder, name = args.model, args.model
+    else:  # a run's checkpoint, and the tokenizer of its data (whose meta.json holds a chat template, if any)
+        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype),
+                                                args.data_dir)
+        chat_folder, name = checkpoint["data_dir"], os.path.join(args.out_dir, args.ckpt)
+    model.eval().to(device)
+    autocast = None if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
+    lm = harness.Model(model, tokenizer, device, autocast, args.batch_size, chat_folder, name)
+    limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
+    results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
+    from lm_eval.utils import make_table
+    print(make_table(results))
+    output = args.output or os.path.join(args.model or args.out_dir, "eval_tasks.json")
+    harness.write_results(results, output)
+    print(f"results written to {output}")
+
+
+if args.tasks is not None:
+    run_tasks()
+    sys.exit(0)
 
 # -----------------------------------------------------------------------------
 # the model and the data

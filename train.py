@@ -57,6 +57,9 @@ log_interval = 10  # print and record training metrics every this many steps
 eval_iters = 50  # batches per loss estimate, per process
 eval_full = False  # the val loss over every token of val.bin once, in overlapping windows (as perplexity in papers)
 eval_stride = 128  # eval_full: tokens each window shares with the one before, its context (only the rest count)
+eval_tasks = ""  # lm-evaluation-harness tasks to score at each evaluation, comma-separated (pip install lm_eval)
+eval_tasks_limit = 0  # at most this many items of each task (0: all of them)
+eval_tasks_path = ""  # a folder of task files of your own (lm_eval's --include_path)
 always_save_checkpoint = True  # save at every evaluation, not only when val loss improves
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one), or a HF model folder
 keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
@@ -626,6 +629,16 @@ def request_stop(signum, frame):
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 
+if eval_tasks and (fsdp or tp_size > 1):
+    fail("eval_tasks runs on the master process alone, which holds the whole model only without fsdp and tp_size")
+if eval_tasks and master:  # the tasks are checked, and their data loaded, before the first step (README: Evaluating)
+    import harness
+    try:
+        task_model = harness.for_training(raw_model, data_dir, device, autocast, batch_size, eval_tasks,
+                                          eval_tasks_path)
+    except ValueError as e:
+        fail(str(e))
+
 # -----------------------------------------------------------------------------
 # 8. the training loop
 
@@ -635,6 +648,7 @@ while True:
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and iter_num != evaluated_at:
         losses = estimate_loss()
         evaluated_at = iter_num
+        task_scores = harness.task_metrics(*task_model, eval_tasks_limit) if eval_tasks and master else {}
         improved = losses["val"] < best_val_loss - early_stop_min_delta
         if improved:
             best_val_loss = losses["val"]
@@ -643,10 +657,12 @@ while True:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
                   f"val perplexity {math.exp(min(losses['val'], 50)):.2f}, "
                   f"val accuracy {losses['val_accuracy']:.1%}, epoch {epoch():.2f}")
+            if task_scores:
+                print(f"step {iter_num}: " + ", ".join(f"{name} {value:.4f}" for name, value in task_scores.items()))
         log({"iter": iter_num, "loss": losses["train"], "val_loss": losses["val"],
              "val_ppl": math.exp(min(losses["val"], 50)), "accuracy": losses["train_accuracy"],
              "val_accuracy": losses["val_accuracy"], "lr": learning_rate * lr_factor(iter_num),
-             "epoch": epoch()})
+             "epoch": epoch(), **task_scores})
         early_stop = early_stop_patience > 0 and evals_without_gain >= early_stop_patience
         if iter_num > 0 and (improved or always_save_checkpoint or iter_num == max_iters or early_stop):
             if iter_num >= max_iters or early_stop:

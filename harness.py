@@ -1,0 +1,244 @@
+"""
+lm-evaluation-harness on our own model, in this process: Model gives the harness what it asks of a model
+(log-likelihoods of continuations, rolling log-likelihoods, greedy generation until a stop string, the chat
+template of a chat model) with our GPT, its KV cache and our tokenizer; run_tasks runs tasks by name, as
+`lm_eval --tasks` does, and task_metrics is what train.py logs at each evaluation. lm_eval is optional
+(pip install lm_eval): without it this module imports, and running a task says how to install it.
+
+The requests are tokenized as lm_eval's Hugging Face model (HFLM) tokenizes them, through the same code
+(TemplateLM's context/continuation split, its rolling windows, its truncation), so that a checkpoint scores
+here what its export scores under `lm_eval --model hf`, item by item.
+"""
+
+import json
+import random
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from chat import ChatFormat
+from errors import UserError
+from tokenizer import load_tokenizer
+
+try:
+    from lm_eval.api.model import TemplateLM
+except ImportError:  # optional: a script that runs a task says how to install it (import_lm_eval)
+    TemplateLM = object
+
+INSTALL = "the evaluation harness is not installed: pip install lm_eval"
+
+
+def import_lm_eval():
+    """The lm_eval package, or a UserError saying how to install it."""
+    try:
+        import lm_eval
+        import lm_eval.api.model  # noqa: F401 (the submodules this file uses)
+        import lm_eval.models.utils  # noqa: F401
+        import lm_eval.tasks  # noqa: F401
+    except ImportError:
+        raise UserError(INSTALL) from None
+    return lm_eval
+
+
+class Model(TemplateLM):
+    """Our GPT and tokenizer as an lm_eval model (TemplateLM: lm_eval's LM, tokenizing requests as HFLM does)."""
+
+    def __init__(self, model, tokenizer, device="cpu", autocast=None, batch_size=8, chat_folder=None, name="gpt"):
+        # chat_folder: where the model's chat template is (its data's meta.json, or its Hugging Face folder)
+        super().__init__()
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self._device, self.autocast, self.batch_size = torch.device(device), autocast or nullcontext(), batch_size
+        self.chat_folder = chat_folder
+        self.specials = set(tokenizer.special_tokens().values())
+
+    # -- what the harness reads of a model
+
+    @property
+    def eot_token_id(self):
+        return self.tokenizer.eot_id
+
+    @property
+    def max_length(self):  # as HFLM reads it from config.json's max_position_embeddings: the model's limit
+        return self.model.config.block_size
+
+    @property
+    def max_gen_toks(self):
+        return 256  # HFLM's default
+
+    @property
+    def tokenizer_name(self):
+        return self.name
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+        # As a Hugging Face tokenizer reads text: a special token written in it (<|im_end|>) is that token.
+        # No BOS is added: prepare.py puts none before a document, and export.py's folders add none either.
+        if self.specials:
+            return self.tokenizer.encode_chat(string, [])[0].tolist()
+        return self.tokenizer.encode(string)
+
+    def apply_chat_template(self, chat_history, add_generation_prompt=True):
+        if getattr(self, "chat", None) is None:
+            special = self.tokenizer.special_tokens()
+            eot_text = self.tokenizer.decode([self.eot_token_id])
+            self.chat = ChatFormat.for_tokenizer(self.chat_folder, special, eot_text)
+            if self.chat.origin == "built-in":
+                raise UserError(f"--apply_chat_template needs a model trained on conversations: "
+                                f"{self.chat_folder} has no chat template")
+        return self.chat.render(chat_history, add_generation_prompt=add_generation_prompt)
+
+    # -- the three kinds of request
+
+    @torch.no_grad()
+    def log_probs(self, inputs):
+        # inputs: lists of ids, at most max_length each -> their log-softmax (B, T, V) in float32, right-padded
+        width = max(len(ids) for ids in inputs)
+        x = torch.zeros(len(inputs), width, dtype=torch.long)
+        for i, ids in enumerate(inputs):
+            x[i, :len(ids)] = torch.tensor(ids)
+        with self.autocast:
+            logits, _ = self.model(x.to(self.device))
+        return F.log_softmax(logits.float(), dim=-1)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+        # requests: (strings, context ids, continuation ids) -> (log-likelihood of the continuation, whether greedy
+        # decoding writes it), with HFLM's truncation: the last max_length + 1 tokens, less the last one
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        results = [None] * len(requests)
+        for first in range(0, len(order), self.batch_size):
+            chunk = order[first:first + self.batch_size]
+            inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1] for i in chunk]
+            log_probs = self.log_probs(inputs)
+            for i, ids, row in zip(chunk, inputs, log_probs):
+                continuation = torch.tensor(requests[i][2], device=row.device)
+                scored = row[len(ids) - len(continuation):len(ids)]  # (len(continuation), V)
+                greedy = bool((scored.argmax(dim=-1) == continuation).all())
+                results[i] = (float(scored.gather(1, continuation[:, None]).sum()), greedy)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        # each text scored whole, in windows of max_length that predict every token once (HFLM's windows)
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+        totals = []
+        for (text,) in [request.args for request in requests]:
+            windows = get_rolling_token_windows(self.tok_encode(text), self.eot_token_id, self.max_length, 1)
+            pieces = [(None, *make_disjoint_window(window)) for window in windows]
+            totals.append(sum(ll for ll, _ in self._loglikelihood_tokens(pieces)))
+        return totals
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm=False):
+        # greedy, one request at a time with the KV cache, until a stop string (or end-of-text) is written
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+        eos = self.tokenizer.decode([self.eot_token_id])
+        out = []
+        for context, gen_kwargs in [request.args for request in requests]:
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            if kwargs.get("do_sample") or kwargs.get("temperature", 0) > 0:
+                raise UserError("this model generates greedily only: the task asks for sampling (do_sample)")
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_new = kwargs.pop("max_gen_toks")
+            if max_new >= self.max_length:
+                raise UserError(f"the task generates up to {max_new} tokens, as many as the model's block_size="
+                                f"{self.max_length}: give it a smaller max_gen_toks")
+            ids = self.tok_encode(context)[-(self.max_length - max_new):]
+            new = self.greedy(ids, max_new, until)
+            text = self.tokenizer.decode([i for i in new if i not in self.specials and i != self.eot_token_id])
+            out.append(postprocess_generated_text(text, until, None))
+        return out
+
+    def greedy(self, ids, max_new, until):
+        # the new ids, stopped once their text holds a stop string or end-of-text is written
+        cache = [[] for _ in self.model.blocks]
+        x, new = torch.tensor([ids], device=self.device), []
+        for _ in range(max_new):
+            with self.autocast:
+                logits, _ = self.model(x, cache=cache)
+            new.append(int(logits[0, -1].float().argmax()))
+            if new[-1] == self.eot_token_id or any(stop in self.tokenizer.decode(new) for stop in until):
+                break
+            x = torch.tensor([new[-1:]], device=self.device)
+        return new
+
+
+# -----------------------------------------------------------------------------
+# running tasks
+
+def load_tasks(names, include_path=None):
+    """A TaskManager that knows every task named (a comma-separated string), their data loaded once to fail
+    early; UserError in one line for a name the harness does not know or data it cannot reach."""
+    lm_eval = import_lm_eval()
+    from lm_eval.tasks import TaskManager
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    if not wanted:
+        raise UserError("no task named: give --tasks=NAME[,NAME...] (hellaswag, arc_easy, or a local task file's)")
+    manager = TaskManager(include_path=include_path)
+    unknown = [name for name in wanted if name not in manager.all_tasks]
+    if unknown:
+        where = f" nor in {include_path}" if include_path else " (a local task: --include_path=DIR)"
+        raise UserError(f"lm_eval {lm_eval.__version__} has no task {', '.join(unknown)}{where}")
+    try:
+        manager.load(wanted)
+    except Exception as e:  # no network, a missing file, a dataset the Hub does not have: the harness's own errors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"cannot load the data of {', '.join(wanted)} ({type(e).__name__}: {first[:300]}); "
+                        f"offline, a task needs its data in the Hugging Face cache or a local task file") from None
+    return manager, wanted
+
+
+def run_tasks(lm, manager, names, limit=None, num_fewshot=None, apply_chat_template=False, log_samples=False,
+              stderr=True):
+    """lm_eval's simple_evaluate on our model: its results dict (results, samples if asked, configs, ...), with
+    the metrics' standard errors unless stderr=False (their bootstrap can take longer than the tasks)."""
+    from lm_eval.evaluator import simple_evaluate
+    lm.model.eval()
+    return simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                           apply_chat_template=apply_chat_template, log_samples=log_samples,
+                           bootstrap_iters=100_000 if stderr else 0,
+                           verbosity="WARNING")
+
+
+def main_metrics(results):
+    """{task/metric: value} of each task's first metric (its metric_list's first), as train.py logs them."""
+    out = {}
+    for task, values in results["results"].items():
+        metric = next(iter(results["higher_is_better"].get(task, {})), None)
+        key = next((k for k in values if metric and k.split(",")[0] == metric), None)
+        if key is not None and isinstance(values[key], (int, float)):
+            out[f"{task}/{metric}"] = float(values[key])
+    return out
+
+
+def for_training(model, data_dir, device, autocast, batch_size, tasks, include_path):
+    """train.py's (Model, TaskManager, task names): the model being trained with the tokenizer of its data, and the
+    tasks, checked and their data loaded before the first step."""
+    manager, names = load_tasks(tasks, include_path or None)
+    lm = Model(model, load_tokenizer(data_dir), device, autocast, batch_size, data_dir, "training")
+    return lm, manager, names
+
+
+def task_metrics(lm, manager, names, limit=None):
+    """During training: main_metrics of the tasks on the model as it is now, leaving every random state (Python's,
+    numpy's, torch's) and the model's train/eval mode as it found them, so that the run goes on as it would have
+    without them (an exact resume)."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    training = lm.model.training
+    try:
+        return main_metrics(run_tasks(lm, manager, names, limit=limit or None, stderr=False))
+    finally:
+        lm.model.train(training)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def write_results(results, path):
+    """The results as JSON (lm_eval's own, less the per-item samples)."""
+    from lm_eval.utils import handle_non_serializable
+    kept = {k: v for k, v in results.items() if k != "samples"}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(kept, f, indent=2, default=handle_non_serializable, ensure_ascii=False)

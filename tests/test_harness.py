@@ -1,0 +1,254 @@
+"""lm-evaluation-harness on our checkpoints (harness.py, eval.py --tasks, train.py's eval_tasks): item by item the
+same as `lm_eval --model hf` on the run's export, on three local tasks the tests write (multiple choice in
+HellaSwag's format, a rolling log-likelihood, a generation scored by exact match), offline."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import CPU_ENV, ROOT, losses, run, script
+
+ROOT_TASKS = ("tiny_hellaswag", "tiny_perplexity", "tiny_generate")
+SHAPE = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64", "--block_size=64", "--batch_size=4",
+         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20", "--learning_rate=3e-3"]
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+
+
+def needs_lm_eval():
+    return pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install lm_eval")
+
+
+def corpus_lines():
+    from test_finetune import corpus_text
+    return [line for line in corpus_text().splitlines() if 30 <= len(line.strip()) <= 70]
+
+
+def write_tasks(folder):
+    # three tasks over text like the corpus the models saw: YAML files pointing at jsonl files beside them
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [line.strip() for line in corpus_lines()[:400:10]]
+    cut = [len(line) // 2 for line in lines]
+    choices = [{"ctx": line[:c], "endings": [line[c:], *(lines[(i + k) % len(lines)][c:] for k in (1, 2, 3))],
+                "label": i % 4} for i, (line, c) in enumerate(zip(lines[:8], cut))]
+    for item in choices:  # the right ending at the label's place
+        item["endings"][0], item["endings"][item["label"]] = item["endings"][item["label"]], item["endings"][0]
+    texts = [{"text": "\n".join(lines[i:i + 6])} for i in range(0, 24, 6)]  # longer than a window: several
+    questions = [{"question": line[:c], "answer": line[c:]} for line, c in zip(lines[10:16], cut[10:16])]
+    for name, items in (("hs", choices), ("text", texts), ("qa", questions)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+
+    def data(name):
+        return f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / name}\ntest_split: test\n"
+    (folder / "tiny_hellaswag.yaml").write_text(
+        "task: tiny_hellaswag\n" + data("hs.jsonl") + "output_type: multiple_choice\ndoc_to_text: '{{ctx}}'\n"
+        "doc_to_target: '{{label}}'\ndoc_to_choice: '{{endings}}'\nmetric_list:\n"
+        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+    (folder / "tiny_perplexity.yaml").write_text(
+        "task: tiny_perplexity\n" + data("text.jsonl") + "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+        "doc_to_target: '{{text}}'\nmetric_list:\n"
+        + "".join(f"  - metric: {m}\n    aggregation: {a}\n    higher_is_better: false\n" for m, a in (
+            ("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
+            ("bits_per_byte", "bits_per_byte"))))
+    (folder / "tiny_generate.yaml").write_text(
+        "task: tiny_generate\n" + data("qa.jsonl") + "output_type: generate_until\ndoc_to_text: '{{question}}'\n"
+        "doc_to_target: '{{answer}}'\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n"
+        "  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tasks(shared):
+    return shared("harness-tasks", write_tasks)
+
+
+def make_run_here(root):
+    # a model trained here from scratch on a byte-level BPE of the corpus, and its export
+    from test_finetune import corpus_text
+    (root / "corpus").mkdir()
+    (root / "corpus" / "text.txt").write_text(corpus_text())
+    done = script("prepare.py", root / "corpus", "--tokenizer=bpe:300", f"--out_dir={root / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run(*SHAPE, f"--data_dir={root / 'data'}", f"--out_dir={root / 'run'}", "--max_iters=10", "--eval_interval=10")
+    done = script("export.py", f"--out_dir={root / 'run'}", f"--to={root / 'hf'}")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def run_here(shared):
+    root = shared("harness-run", make_run_here)
+    return root / "run", root / "hf"
+
+
+def make_lora_run(root):
+    # an imported Qwen3-shaped model (test_finetune's tiny one) fine-tuned with LoRA, and its merged export
+    from test_finetune import LORA, make_pretrained
+    make_pretrained(root)
+    run(*LORA, f"--data_dir={root / 'data'}", f"--init_from={root / 'qwen'}", f"--out_dir={root / 'run'}",
+        "--max_iters=6")
+    done = script("export.py", f"--out_dir={root / 'run'}", f"--to={root / 'hf'}")
+    assert done.returncode == 0, done.stderr
+
+
+# -----------------------------------------------------------------------------
+# ours against lm_eval's Hugging Face model, item by item
+
+
+def ours(out_dir, tasks_dir, batch_size=4):
+    import torch
+    import harness
+    from checkpoint import load_run
+    model, tokenizer, checkpoint = load_run(str(out_dir / "ckpt.pt"), torch.float32)
+    lm = harness.Model(model.eval(), tokenizer, batch_size=batch_size, chat_folder=checkpoint["data_dir"])
+    manager, names = harness.load_tasks(",".join(ROOT_TASKS), str(tasks_dir))
+    return harness.run_tasks(lm, manager, names, log_samples=True, stderr=False)
+
+
+def theirs(folder, tasks_dir):
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    return simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=list(ROOT_TASKS),
+                           task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True,
+                           bootstrap_iters=0, device="cpu", batch_size=8)
+
+
+def assert_same(a, b, where):
+    # per item: log-likelihoods within 1e-4, greedy flags and generated text identical
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert abs(a - b) <= 1e-4, (where, a, b)
+    else:
+        assert a == b, (where, a, b)
+
+
+def assert_same_results(mine, hf):
+    for task in ROOT_TASKS:
+        items, their_items = mine["samples"][task], hf["samples"][task]
+        assert [s["doc_id"] for s in items] == [s["doc_id"] for s in their_items]
+        for item, their in zip(items, their_items):
+            assert_same(item["filtered_resps"], their["filtered_resps"], f"{task} item {item['doc_id']}")
+        for key, value in hf["results"][task].items():
+            if not isinstance(value, float) or "stderr" in key:  # the name, the alias, the count of items
+                continue
+            if key.startswith(("acc", "exact_match")):
+                assert mine["results"][task][key] == value, (task, key)  # accuracy identical
+            else:
+                assert mine["results"][task][key] == pytest.approx(value, rel=1e-4), (task, key)
+
+
+def test_a_run_trained_here_scores_as_its_export_under_lm_eval_hf(run_here, tasks):
+    needs_lm_eval()
+    pytest.importorskip("transformers")
+    out_dir, folder = run_here
+    mine, hf = ours(out_dir, tasks), theirs(folder, tasks)
+    assert_same_results(mine, hf)
+    generated = [s["filtered_resps"][0] for s in mine["samples"]["tiny_generate"]]
+    assert any(generated), generated  # the comparison saw text, not only empty strings
+
+
+@pytest.mark.slow  # a tokenizer to train, a LoRA run and transformers' model: ~30 s
+def test_an_imported_qwen3_with_lora_scores_as_its_export_under_lm_eval_hf(shared, tasks):
+    needs_lm_eval()
+    pytest.importorskip("transformers")
+    root = shared("harness-lora", make_lora_run)
+    assert_same_results(ours(root / "run", tasks, batch_size=3), theirs(root / "hf", tasks))
+
+
+# -----------------------------------------------------------------------------
+# the script: the table, the JSON, and one line for each thing a user can get wrong
+
+
+def test_eval_py_tasks_prints_the_table_and_writes_json(run_here, tasks, tmp_path):
+    needs_lm_eval()
+    out_dir, _ = run_here
+    output = tmp_path / "results.json"
+    done = script("eval.py", f"--out_dir={out_dir}", f"--tasks={','.join(ROOT_TASKS)}", f"--include_path={tasks}",
+                  "--limit=3", "--batch_size=2", f"--output={output}", env=OFFLINE)
+    assert done.returncode == 0, done.stderr
+    assert all(f"|{task}" in done.stdout.replace(" ", "") for task in ROOT_TASKS), done.stdout
+    results = json.loads(output.read_text())["results"]
+    assert set(ROOT_TASKS) <= results.keys() and 0 <= results["tiny_hellaswag"]["acc,none"] <= 1
+    assert math.isfinite(results["tiny_perplexity"]["word_perplexity,none"])
+
+
+def eval_py(*args, env=None):
+    # eval.py started by the interpreter itself, whose uncaught UserError goes through the script's one_line_errors
+    env = {**os.environ, **CPU_ENV, **OFFLINE, **(env or {})}
+    return subprocess.run([sys.executable, "eval.py", *map(str, args), "--device=cpu"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def one_line(done, *words):
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("eval.py: "), done.stderr
+    assert all(word in lines[0] for word in words), lines[0]
+
+
+def test_without_lm_eval_one_line_says_how_to_install_it(tmp_path):
+    # a package named lm_eval that cannot be imported hides the real one, if any
+    (tmp_path / "hide" / "lm_eval").mkdir(parents=True)
+    (tmp_path / "hide" / "lm_eval" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    env = {**OFFLINE, "PYTHONPATH": f"{tmp_path / 'hide'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = eval_py(f"--out_dir={tmp_path}", "--tasks=hellaswag", env=env)
+    one_line(done, "pip install lm_eval")
+
+
+def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
+    needs_lm_eval()
+    done = eval_py(f"--out_dir={tmp_path}", "--tasks=no_such_task", f"--include_path={tasks}")
+    one_line(done, "no task no_such_task")
+    (tmp_path / "remote.yaml").write_text(
+        "task: remote_task\ndataset_path: nobody-here/no-such-dataset\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_target: 0\ndoc_to_choice: ['a', 'b']\n")
+    done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--include_path={tmp_path}")
+    one_line(done, "cannot load the data of remote_task")
+
+
+# -----------------------------------------------------------------------------
+# during training
+
+
+def task_records(out_dir):
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iter"]: r["tiny_hellaswag/acc"] for r in records if "val_loss" in r}
+
+
+@pytest.mark.slow  # four training runs, three of them with the tasks at each evaluation
+def test_training_logs_the_task_metric_and_resumes_exactly(run_here, tasks, tmp_path):
+    needs_lm_eval()
+    data = run_here[0].parent / "data"
+    args = [*SHAPE, f"--data_dir={data}", "--eval_interval=4", "--eval_tasks=tiny_hellaswag",
+            f"--eval_tasks_path={tasks}", "--eval_tasks_limit=4", "--dropout=0.1"]
+    whole = run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=8", env=OFFLINE)
+    assert "tiny_hellaswag/acc" in whole.stdout
+    scores = task_records(tmp_path / "whole")
+    assert sorted(scores) == [0, 4, 8] and all(0 <= s <= 1 for s in scores.values())
+    plain = [a for a in args if not a.startswith("--eval_tasks")]
+    run(*plain, f"--out_dir={tmp_path / 'plain'}", "--max_iters=8")
+    assert losses(tmp_path / "whole") == losses(tmp_path / "plain")  # the tasks took nothing from training's RNG
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=4", env=OFFLINE)
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=8", "--init_from=resume", env=OFFLINE)
+    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")  # dropout's stream went on untouched
+    assert task_records(tmp_path / "whole") == task_records(tmp_path / "parts")
+
+
+def test_training_refuses_an_unknown_task_before_the_first_step(run_here, tmp_path):
+    needs_lm_eval()
+    data = run_here[0].parent / "data"
+    done = run(*SHAPE, f"--data_dir={data}", f"--out_dir={tmp_path}", "--eval_tasks=no_such_task", "--max_iters=2",
+               check=False, env=OFFLINE)
+    assert done.returncode != 0 and "no task no_such_task" in done.stderr and "iter 1" not in done.stdout
