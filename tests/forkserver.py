@@ -37,7 +37,7 @@ FIXED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_I
 MARK = "PYTEST_PROCESS_MARK"
 
 SERVER = r'''
-import atexit, importlib, os, pickle, random, runpy, struct, sys, tempfile, threading, traceback
+import atexit, importlib, os, pickle, random, runpy, struct, sys, tempfile, threading
 for name in sys.argv[1:]:
     importlib.import_module(name)
 replies = int(os.environ.pop("FORKSERVER_REPLIES"))
@@ -82,7 +82,7 @@ def child(request):
             print(e.code, file=sys.stderr)
             code = 1
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter does: a script may have installed its own
         code = 1
     try:  # then what the interpreter does on its way out: join the threads left running, run atexit's functions
         threading._shutdown()
