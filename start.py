@@ -68,9 +68,10 @@ def begin(config, vocab_size, meta, fsdp):
                             f"processes: out_dir must be on storage every node shares")
     init_from, checkpoint = ckpt.starting_point(out_dir, config["init_from"], found)
     # an out_dir keeps the layout it began with: sharded folders (FSDP, tensor parallel) or files
-    start = dict(init_from=init_from, checkpoint=checkpoint, found=found, sharded=os.path.isdir(found) if found
-                 else fsdp, pretrained=None, base_fingerprint=None, model_args=model_args, loop=dict(ckpt.LOOP),
-                 lora=0, lora_base_dtype=config["lora_base_dtype"], notes=[], stopped=False)
+    sharded = os.path.isdir(found) if found else fsdp
+    start = dict(init_from=init_from, checkpoint=checkpoint, found=found, sharded=sharded, pretrained=None,
+                 base_fingerprint=None, model_args=model_args, loop=dict(ckpt.LOOP), lora=0,
+                 lora_base_dtype=config["lora_base_dtype"], notes=[], stopped=False)
     if checkpoint is not None:
         resume(start, config, meta)
         if start["stopped"]:
