@@ -39,9 +39,13 @@ from meta import read_meta
 from model import GPT, GPTConfig
 from tokenizer import check_tokenizer, load_tokenizer
 
+# The training loop's own state as a run begins: the step, the best val loss so far, the evaluations since it
+# improved, the updates skipped in a row for a non-finite loss, and whether the step's evaluation is done (a
+# checkpoint saved on a signal may lack it). A checkpoint holds it whole, beside everything else.
+LOOP = {"iter_num": 0, "best_val_loss": float("inf"), "evals_without_gain": 0, "skipped_in_a_row": 0,
+        "evaluated": False}
 # what a checkpoint of train.py holds (a sharded one: "param_groups" in state.pt, the tensors in its shards)
-NEEDED = {"model", "optimizer", "scaler", "model_args", "iter_num", "best_val_loss", "evals_without_gain",
-          "skipped_in_a_row", "evaluated", "config", "world_size", "rng"}
+NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", "rng", *LOOP}
 NAMES = r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?"  # the checkpoints of an out_dir, in either layout
 SHAPE = ("n_layer", "n_head", "n_kv_head", "n_embd", "tie_embeddings")  # what a resume cannot change
 
@@ -132,6 +136,13 @@ def find_checkpoint(path):
     if os.path.isfile(stem + ".pt"):
         return stem + ".pt"
     return next((p for p in (stem, stem + ".old") if os.path.isfile(os.path.join(p, "state.pt"))), None)
+
+
+def latest(out_dir, sharded=False):
+    """(path, step) of out_dir's latest checkpoint, ckpt.pt or the sharded ckpt/ (sharded: that one first), or
+    None where there is none."""
+    found = find_checkpoint(os.path.join(out_dir, "ckpt" + ("" if sharded else ".pt")))
+    return (found, load_checkpoint(found, mmap=True, weights=False)["iter_num"]) if found else None
 
 
 def read_sharded(folder, device="cpu"):
@@ -454,14 +465,23 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
     one layout, the one it began with, whatever the layout of the run that continues it: sharded folders (ckpt/,
     each process writing its own part) or files (ckpt.pt, the master's, gathered from any shards).
     A save that cannot be written (a full disk, a quota, permissions, a vanished mount) removes what it began
-    and raises ValueError in one line: what, why, and which checkpoint is intact."""
+    and raises ValueError in one line: what, why, and which checkpoint is intact; in every process, or the
+    others would wait for this one at the next step."""
+    failed = None
     try:
         write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch)
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         # torch.save reports a full disk as "unexpected pos": the free space against the checkpoint's size says
         model_state = trained_only(model, model.state_dict()) if lora else model.state_dict()
         needed = nested_bytes([model_state] + [opt.state_dict()["state"] for opt in optimizers])
-        raise UserError(failed_save(out_dir, state["iter_num"], sharded, e, needed)) from None
+        failed = failed_save(out_dir, state["iter_num"], sharded, e, needed)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failed)
+        if any(failures) and failed is None:
+            failed = "another process could not write the checkpoint (its error is above)"
+    if failed:
+        raise UserError(failed)
 
 
 def nested_bytes(tree):
@@ -486,9 +506,8 @@ def failed_save(out_dir, step, sharded, error, needed):
             why = f"No space left on device: about {needed / 2**20:,.1f} MB needed, {free / 2**20:,.1f} MB free"
     except OSError:  # the folder itself is gone: the error says why
         pass
-    latest = find_checkpoint(os.path.join(out_dir, "ckpt" + ("" if sharded else ".pt")))
-    kept = f"{latest} from step {load_checkpoint(latest, mmap=True, weights=False)['iter_num']} is intact" \
-        if latest else "no earlier checkpoint was written"
+    last = latest(out_dir, sharded)
+    kept = f"{last[0]} from step {last[1]} is intact" if last else "no earlier checkpoint was written"
     return (f"could not write the checkpoint of step {step} in {out_dir} ({why}); {kept}: make room (or move "
             f"out_dir), then resume with --init_from=auto")
 

@@ -7,7 +7,8 @@ A config file is Python whose top-level assignments replace the defaults (names 
 an underscore, modules and functions are its own helpers and are left alone). A --key=value is
 read with ast.literal_eval, falling back to a plain string. Every key must already exist, and every
 value must have its default's type (an int where a float is expected is fine): anything else stops
-with one line that names the closest key or the expected type.
+with one line that names the closest key or the expected type. check_settings then refuses values that no
+run can use, in one line.
 """
 
 import ast
@@ -15,6 +16,11 @@ import difflib
 import sys
 import traceback
 import types
+
+from errors import UserError
+
+AT_LEAST_ONE = ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size",
+                "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout")
 
 
 def _check(config, key, value, source):
@@ -62,3 +68,21 @@ def configure(config, args):
             if isinstance(config.get(key), str) and not isinstance(value, str):
                 value = text  # --out_dir=123 means the string '123'
             config[key] = _check(config, key, value, arg)
+
+
+def check_settings(config):
+    """UserError, in one line with the fix, for a setting of train.py's (config) that no run can use (the
+    optimizer's and the schedule's: optim.check_optimizer)."""
+    for key in AT_LEAST_ONE:
+        if config[key] < 1:
+            raise UserError(f"{key}={config[key]} must be at least 1")
+    if config["use_kernels"] not in (None, True, False):
+        raise UserError(f"use_kernels={config['use_kernels']!r} must be True, False or None (auto)")
+    if config["eval_full"] and not 0 <= config["eval_stride"] < config["block_size"]:
+        raise UserError(f"eval_stride={config['eval_stride']} must be at least 0 and below block_size="
+                        f"{config['block_size']} (the windows' overlap)")
+    if config["sequences"] not in ("windows", "examples"):
+        raise UserError(f"sequences={config['sequences']!r} is not 'windows' or 'examples'")
+    if config["max_epochs"] < 0 or not 0 <= config["warmup_ratio"] < 1:
+        raise UserError(f"max_epochs={config['max_epochs']} must be at least 0 and warmup_ratio="
+                        f"{config['warmup_ratio']} in [0, 1)")

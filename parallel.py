@@ -7,11 +7,15 @@ keep their names throughout, so checkpoints move between layouts.
     model = parallelize(model, mesh, tp=2, fsdp=True, checkpointing=True, compile=True, dtype=torch.bfloat16)
 """
 
+import os
 import re
+from datetime import timedelta
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
@@ -84,7 +88,6 @@ def peak_flops(device, dtype):
     return None
 
 
-
 def check_layout(tp, fsdp, offload, device_type, dtype, optimizer):
     """ValueError, in one line with the fix, for a layout that cannot run (tensor parallel brings FSDP)."""
     if tp > 1 and optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
@@ -98,6 +101,53 @@ def check_layout(tp, fsdp, offload, device_type, dtype, optimizer):
     if offload and not ((fsdp or tp > 1) and device_type == "cuda"):
         raise UserError("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True "
                          "and a CUDA device")
+
+
+def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, timeout):
+    """The processes of this run, as torchrun started them (or one alone), in a (data parallel, tensor
+    parallel) mesh. Resolves the 'auto' settings and joins the process group; returns a dict: ddp (started by
+    torchrun), rank, local_rank, world_size, master, device, device_type, dtype, backend, fsdp (tensor parallel
+    brings it), mesh (None without a process group), dp_size, dp_rank."""
+    env = os.environ
+    ddp, rank, world_size = "RANK" in env, int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    device, dtype = pick_device(device, dtype)
+    # Under torchrun, 'cuda' and 'cuda:N' both mean each process's own GPU, the one of its local rank: one index
+    # for every process would put them all on one GPU.
+    if device.startswith("cuda") and ddp:
+        device = f"cuda:{local_rank}"
+    device_type = device.split(":")[0]
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the float32 matmuls that remain
+        torch.backends.cudnn.allow_tf32 = True
+    # Tensor parallel shards the rest of each replica with FSDP too (over a mesh of one replica, if so): every
+    # parameter is then a DTensor on the one mesh, which the fused optimizer step and the clipping need.
+    check_layout(tp_size, fsdp, offload, device_type, dtype, optimizer)
+    fsdp = fsdp or tp_size > 1
+    if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
+        backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if offload else "nccl"
+    if ddp:
+        # torchrun's store outlives a restart of its workers, and so would the addresses the last group wrote
+        # there: each restart of the group keeps its keys apart, or the new workers would dial their dead peers.
+        # Joining waits timeout seconds at most, so a group that cannot form fails, and torchrun tries again.
+        store = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))[0]
+        store = dist.PrefixStore(f"restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+    elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to offload a model past a GPU
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    # The tp_size processes of one model replica are neighbours (one node) and share their batches; the
+    # replicas split the data between them.
+    if tp_size < 1 or world_size % tp_size:
+        raise UserError(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, "
+                        f"N a multiple)")
+    dp_size = world_size // tp_size
+    mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp")) \
+        if dist.is_initialized() else None
+    return dict(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, master=rank == 0, device=device,
+                device_type=device_type, dtype=dtype, backend=backend, fsdp=fsdp, mesh=mesh, dp_size=dp_size,
+                dp_rank=mesh["dp"].get_local_rank() if mesh is not None else 0)
 
 
 def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile=False, dtype=torch.float32,

@@ -1,6 +1,6 @@
 """One writer per folder, files that agree with meta.json, and honest stops and resumes (issue 30).
 
-prepare.py and train.py lock the folder they write (lock.py); a second writer is refused in one line naming the
+prepare.py and train.py lock the folder they write (files.py); a second writer is refused in one line naming the
 first. export.py --overwrite replaces only an earlier export. A diverged run stops with a checkpoint from before
 the update that broke it, and a resume cannot change the model's shape."""
 

@@ -1,7 +1,6 @@
 """train.py end to end, in subprocesses, on a tiny character-level dataset the tests write themselves."""
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -284,35 +283,7 @@ def test_sample_finds_the_tokenizer_or_says_why_not(data_dir, tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# the recipe: schedules, document masking, TensorBoard
-
-
-@pytest.mark.parametrize("schedule,factors", [
-    # the factor of step s (recorded at iter s + 1): warmup (s + 1) / 3 for s < 2, then from 1 down to
-    # min_lr / learning_rate = 0.1 at step 10 (lr_decay_iters), and 0.1 after it
-    ("cosine", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 4: 0.1 + 0.45 * (1 + math.cos(math.pi / 4)), 6: 0.55, 10: 0.1, 11: 0.1}),
-    ("linear", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 0.55, 8: 0.325, 10: 0.1, 11: 0.1}),
-    ("constant", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 1.0, 11: 1.0}),
-    # wsd, decaying over the last 40% of lr_decay_iters: stable to step 6, then 0.9 lower over 4 steps
-    ("wsd", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 1.0, 7: 0.775, 8: 0.55, 9: 0.325, 10: 0.1, 11: 0.1}),
-    # polynomial of power 2: 0.1 + 0.9 (1 - (s - 2) / 8)^2
-    ("polynomial", {0: 1 / 3, 2: 1.0, 4: 0.1 + 0.9 * 0.75**2, 6: 0.325, 9: 0.1 + 0.9 / 64, 10: 0.1, 11: 0.1}),
-    # cosine restarts every 4 steps after warmup: down toward 0.1, back to the peak at step 6; 0.1 from step 10
-    ("cosine_restarts", {0: 1 / 3, 2: 1.0, 3: 0.1 + 0.45 * (1 + math.cos(math.pi / 4)), 4: 0.55, 6: 1.0,
-                         7: 0.1 + 0.45 * (1 + math.cos(math.pi / 4)), 9: 0.1 + 0.45 * (1 + math.cos(3 * math.pi / 4)),
-                         10: 0.1, 11: 0.1}),
-])
-def test_lr_schedules(data_dir, tmp_path, schedule, factors):
-    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=12", "--eval_interval=100",
-        "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=1e-2", "--min_lr=1e-3", "--optimizer=muon",
-        "--muon_lr=0.05", "--lr_decay_fraction=0.4", f"--lr_schedule={schedule}", "--lr_cycle_iters=4",
-        "--lr_power=2")
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    lrs = {r["iter"] - 1: r["lr"] for r in records if "tokens_per_s" in r}  # the step's rate, logged after it
-    for step, factor in factors.items():
-        assert lrs[step] == pytest.approx(1e-2 * factor, rel=1e-9, abs=0), step
-    muon = torch.load(tmp_path / "ckpt.pt", weights_only=True)["muon"]  # the other rate: the same factor
-    assert muon["param_groups"][0]["lr"] == pytest.approx(0.05 * factors[11], rel=1e-9)
+# the recipe: document masking, TensorBoard (the schedules: test_schedule.py)
 
 
 def test_doc_mask_trains_and_needs_an_end_of_text_id(data_dir, tmp_path):

@@ -1,0 +1,166 @@
+"""
+Where a training run begins: from scratch, from a Hugging Face model folder, or from its own checkpoint in
+out_dir (a resume, or a run that already stopped early). train.py asks once and gets every fact the rest of
+the run needs, decided here from its settings and what out_dir holds.
+
+    start = begin(config, vocab_size=128, meta=read_meta("data/stdlib"), fsdp=False)
+"""
+
+import atexit
+import os
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+import checkpoint as ckpt
+from bounds import check_sizes
+from errors import UserError
+from hf import fingerprint, load_pretrained, read_json
+from files import lock_folder, unlock_folder
+from lora import add_lora, check_lora
+from model import GPT, GPTConfig
+from tokenizer import check_tokenizer
+
+MODEL_SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size")
+
+
+def claim(out_dir, master):
+    """One run writes an out_dir at a time (files.py): the master makes out_dir and holds its lock until it exits,
+    and a second run into it stops here, every process with the master's one line (a UserError), before it reads
+    or writes anything there. Every process calls it."""
+    refused = None
+    if master:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            atexit.register(unlock_folder, out_dir, lock_folder(out_dir, "train.py"))
+        except OSError as e:
+            refused = f"cannot make out_dir={out_dir} ({e.strerror}): choose a folder this user can write to"
+        except UserError as e:
+            refused = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        said = [refused]
+        dist.broadcast_object_list(said, src=0)
+        refused = said[0]
+    if refused:
+        raise UserError(refused)
+
+
+def begin(config, vocab_size, meta, fsdp):
+    """Where the run of settings config (train.py's, as given) begins, on the data of meta with the model's
+    vocab_size, fsdp resolved (tensor parallel brings it). Every process calls it. Returns a dict: init_from
+    ('scratch', 'resume' or a folder), checkpoint (its state on a resume, else None), found (the checkpoint's
+    path), sharded (the layout of out_dir's checkpoints), pretrained (the folder the weights began from),
+    base_fingerprint, model_args, loop (the training loop's state, checkpoint.LOOP's keys), lora (the rank,
+    0: off), lora_base_dtype, notes (for the master to print) and stopped (True where the run stopped early
+    before, there is nothing to do: notes say why). A UserError in one line for a run that cannot begin."""
+    model_args = {**{k: config[k] for k in MODEL_SIZES}, "vocab_size": vocab_size, "dropout": config["dropout"],
+                  "tie_embeddings": config["tie_embeddings"], "use_kernels": config["use_kernels"]}
+    check_sizes(model_args, "this run", "set it to a whole number above 0")
+    out_dir = config["out_dir"]
+    # ckpt.pt, or the sharded folder ckpt/ of a run begun under FSDP or tensor parallel (find_checkpoint)
+    found = ckpt.find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    if dist.is_initialized() and dist.get_world_size() > 1:  # or the processes would start from different states
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, found is not None)
+        if 0 < sum(seen) < len(seen):
+            raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is visible to {sum(seen)} of {len(seen)} "
+                            f"processes: out_dir must be on storage every node shares")
+    init_from, checkpoint = ckpt.starting_point(out_dir, config["init_from"], found)
+    # an out_dir keeps the layout it began with: sharded folders (FSDP, tensor parallel) or files
+    sharded = os.path.isdir(found) if found else fsdp
+    start = dict(init_from=init_from, checkpoint=checkpoint, found=found, sharded=sharded, pretrained=None,
+                 base_fingerprint=None, model_args=model_args, loop=dict(ckpt.LOOP), lora=0,
+                 lora_base_dtype=config["lora_base_dtype"], notes=[], stopped=False)
+    if checkpoint is not None:
+        resume(start, config, meta)
+        if start["stopped"]:
+            return start
+    elif init_from != "scratch":  # a Hugging Face model folder to fine-tune, with this command's LoRA rank
+        start.update(pretrained=os.path.abspath(init_from), lora=config["lora_rank"])
+    check_lora(config["lora_rank"], start["lora"], start["lora_base_dtype"], config["tp_size"], fsdp)
+    if checkpoint is None and init_from != "scratch":
+        # data for a pretrained model must be made with its own tokenizer, or its ids mean other words
+        try:
+            model_vocab = int(read_json(os.path.join(init_from, "config.json"))["vocab_size"])
+        except (KeyError, TypeError) as e:
+            raise UserError(f"cannot read the vocab_size in {init_from}/config.json ({type(e).__name__}: {e})") \
+                from None
+        check_tokenizer(config["data_dir"], meta, init_from, model_vocab)
+        try:  # the base is known again by it when a LoRA run resumes
+            start["base_fingerprint"] = fingerprint(init_from)
+        except OSError as e:
+            raise UserError(str(e)) from None
+    return start
+
+
+def first_model(start, config, dtype):
+    """The model the run begins with, on the CPU, from where begin found it: the checkpoint's (a sharded one's
+    weights are read into it once it is laid out, ckpt.restore), a Hugging Face folder's with this run's LoRA
+    adapters on it, or a new one; and its model_args. Full fine-tuning keeps fp32 master weights whatever the
+    folder holds (autocast computes in dtype); a frozen LoRA base needs only the dtype it computes in, and nf4 or
+    int8 is quantized from that (lora.quantize_base)."""
+    checkpoint, model_args = start["checkpoint"], start["model_args"]
+    lora, base = start["lora"], start["lora_base_dtype"]
+    base_dtype = getattr(torch, dtype if base in ("auto", "nf4", "int8") else base) if lora else torch.float32
+    torch.manual_seed(config["seed"])  # the same initial weights in every process
+    if checkpoint is not None and (lora or not os.path.isdir(start["found"])):
+        run_settings = {k: model_args[k] for k in ("dropout", "use_kernels", "block_size")}
+        return ckpt.model_from_checkpoint(checkpoint, base_dtype, **run_settings), model_args
+    if checkpoint is None and start["pretrained"]:
+        model = load_pretrained(start["init_from"], base_dtype, config["block_size"], dropout=config["dropout"],
+                                use_kernels=config["use_kernels"])
+        if lora:
+            add_lora(model, lora, config["lora_alpha"], config["lora_dropout"], config["lora_targets"])
+        return model, asdict(model.config)
+    return GPT(GPTConfig(**model_args)), model_args
+
+
+def rng_state(device_type):
+    # this process's random state, as a checkpoint keeps it for each process (dropout's stream)
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
+
+
+def resume_rng(rngs, rank, world_size, device_type):
+    # this process's random state as the checkpoint holds it (rngs: every process's), where the processes are
+    # as many as when it was saved; otherwise the streams begin afresh from the seed
+    if len(rngs) == world_size:
+        torch.set_rng_state(rngs[rank]["cpu"])
+        if device_type == "cuda" and rngs[rank]["cuda"] is not None:
+            torch.cuda.set_rng_state(rngs[rank]["cuda"])
+
+
+def resume(start, config, meta):
+    # start (begin's) from its checkpoint: the weights decide the model's shape, the checkpoint holds the loop's
+    # state, and a LoRA run's base is held as it was (4 bits stay 4 bits); notes on what this command changed
+    checkpoint, found = start["checkpoint"], start["found"]
+    ckpt.check_resume(checkpoint, config, meta["vocab_size"], found)
+    pretrained = checkpoint.get("pretrained")
+    # dropout, the kernels and (from scratch) block_size are this run's; a pretrained model's block_size is its
+    # own limit, not the length trained on
+    model_args = {**checkpoint["model_args"], "dropout": config["dropout"], "use_kernels": config["use_kernels"]}
+    if not pretrained:
+        model_args["block_size"] = config["block_size"]
+    loop = {k: checkpoint[k] for k in ckpt.LOOP}
+    lora = model_args.get("lora_rank", 0)
+    before = checkpoint["config"]
+    start.update(pretrained=pretrained, base_fingerprint=checkpoint.get("base_fingerprint"), model_args=model_args,
+                 loop=loop, lora=lora, lora_base_dtype=before.get("lora_base_dtype", config["lora_base_dtype"])
+                 if lora else config["lora_base_dtype"])
+    if 0 < config["early_stop_patience"] <= loop["evals_without_gain"]:
+        start["stopped"] = True
+        start["notes"].append(f"this run stopped early at step {loop['iter_num']} (no better val loss in "
+                              f"{loop['evals_without_gain']} evaluations): nothing to do; raise early_stop_patience "
+                              f"to train on")
+        return
+    # the batches of a step depend on these alone, not on how many processes share them
+    shaping = ("seed", "batch_size", "gradient_accumulation_steps", "sequences")
+    if any(before.get(k) != config[k] for k in shaping):
+        start["notes"].append(f"warning: {', '.join(shaping)} changed since the checkpoint: training continues, "
+                              "but not on the batches the first run would have seen")
+    if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
+        was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
+            else ""
+        start["notes"].append(f"note: max_iters is {config['max_iters']}, not the checkpoint's "
+                              f"{before.get('max_iters')}: the run ends at step {config['max_iters']}; "
+                              f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{was}")

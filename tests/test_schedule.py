@@ -1,0 +1,76 @@
+"""The learning rate schedule (optim.py), in process: each schedule's factor at chosen steps, the settings
+refused, and the factor on every optimizer's own peak; one train.py run checks that the loop logs and applies it."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from optim import check_optimizer, lr_factor, set_lr
+from helpers import TINY, run
+
+# warmup over 2 steps, then from the peak down to min_lr / learning_rate = 0.1 at step 10 (lr_decay_iters)
+SETTINGS = dict(warmup_iters=2, lr_decay_iters=10, learning_rate=1e-2, min_lr=1e-3, lr_decay_fraction=0.4,
+                lr_cycle_iters=4, lr_power=2)
+COSINE_QUARTER = 0.1 + 0.45 * (1 + math.cos(math.pi / 4))  # a quarter of the way down a cosine to 0.1
+COSINE_THREE_QUARTERS = 0.1 + 0.45 * (1 + math.cos(3 * math.pi / 4))
+
+
+@pytest.mark.parametrize("schedule,factors", [
+    # warmup (s + 1) / 3 for s < 2, then from 1 down to 0.1 at step 10, and 0.1 after it
+    ("cosine", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 4: COSINE_QUARTER, 6: 0.55, 10: 0.1, 11: 0.1}),
+    ("linear", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 0.55, 8: 0.325, 10: 0.1, 11: 0.1}),
+    ("constant", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 1.0, 11: 1.0}),
+    # wsd, decaying over the last 40% of lr_decay_iters: stable to step 6, then 0.9 lower over 4 steps
+    ("wsd", {0: 1 / 3, 1: 2 / 3, 2: 1.0, 6: 1.0, 7: 0.775, 8: 0.55, 9: 0.325, 10: 0.1, 11: 0.1}),
+    # polynomial of power 2: 0.1 + 0.9 (1 - (s - 2) / 8)^2
+    ("polynomial", {0: 1 / 3, 2: 1.0, 4: 0.1 + 0.9 * 0.75**2, 6: 0.325, 9: 0.1 + 0.9 / 64, 10: 0.1, 11: 0.1}),
+    # cosine restarts every 4 steps after warmup: down toward 0.1, back to the peak at step 6; 0.1 from step 10
+    ("cosine_restarts", {0: 1 / 3, 2: 1.0, 3: COSINE_QUARTER, 4: 0.55, 6: 1.0, 7: COSINE_QUARTER,
+                         9: COSINE_THREE_QUARTERS, 10: 0.1, 11: 0.1}),
+])
+def test_each_schedule_at_its_steps(schedule, factors):
+    for step, factor in factors.items():
+        assert lr_factor(step, lr_schedule=schedule, **SETTINGS) == pytest.approx(factor, rel=1e-12, abs=0), step
+
+
+def test_no_decay_is_the_peak_throughout_and_a_zero_peak_has_a_zero_floor():
+    assert all(lr_factor(step, decay_lr=False, **SETTINGS) == 1.0 for step in (0, 1, 5, 50))
+    assert lr_factor(11, **{**SETTINGS, "learning_rate": 0.0}) == 0.0
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(optimizer="lion"), "optimizer='lion' is not one of 'adamw', 'muon', 'adam', 'sgd'"),
+    (dict(lr_schedule="step"), "lr_schedule='step' is not one of 'cosine', 'linear', 'polynomial', 'constant', "
+                               "'wsd', 'cosine_restarts'"),
+    (dict(lr_cycle_iters=0), "lr_cycle_iters=0 must be at least 1 and lr_power=1.0 above 0"),
+    (dict(lr_power=0.0), "lr_cycle_iters=1000 must be at least 1 and lr_power=0.0 above 0"),
+    (dict(lr_decay_fraction=1.5), "lr_decay_fraction=1.5 must be between 0 and 1"),
+])
+def test_settings_no_schedule_can_use_are_refused(settings, message):
+    given = {**dict(optimizer="adamw", lr_schedule="cosine", lr_cycle_iters=1000, lr_power=1.0,
+                    lr_decay_fraction=0.2), **settings}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_optimizer(**given)
+
+
+def test_every_optimizer_gets_the_factor_of_its_own_peak():
+    weights = [torch.nn.Parameter(torch.zeros(2))]
+    optimizers = [torch.optim.AdamW(weights, lr=1.0), torch.optim.SGD(weights, lr=1.0)]
+    set_lr(optimizers, [1e-2, 0.05], 0.5)
+    assert [opt.param_groups[0]["lr"] for opt in optimizers] == [1e-2 * 0.5, 0.05 * 0.5]
+
+
+def test_the_loop_logs_and_applies_the_schedule(data_dir, tmp_path):
+    # end to end: the rate logged for each step is the schedule's, and Muon's own peak is scaled by the same factor
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=12", "--eval_interval=100",
+        "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=1e-2", "--min_lr=1e-3", "--optimizer=muon",
+        "--muon_lr=0.05", "--lr_schedule=wsd", "--lr_decay_fraction=0.4")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["iter"] - 1: r["lr"] for r in records if "tokens_per_s" in r}  # the step's rate, logged after it
+    assert sorted(lrs) == list(range(12))
+    for step, lr in lrs.items():
+        assert lr == 1e-2 * lr_factor(step, lr_schedule="wsd", **{**SETTINGS, "lr_decay_fraction": 0.4}), step
+    muon = torch.load(tmp_path / "ckpt.pt", weights_only=True)["muon"]
+    assert muon["param_groups"][0]["lr"] == pytest.approx(0.05 * 0.1, rel=1e-9)
