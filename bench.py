@@ -31,7 +31,7 @@ measure.py.
 
 import argparse
 import os
-import resource
+import re
 import shlex
 import subprocess
 import sys
@@ -238,20 +238,18 @@ def bench_finetunes(args, train_args):
     bench_lora(train_args)
 
 # -----------------------------------------------------------------------------
-# --mode=encode: prepare.py's whole run (read, encode, write; its start-up, timed on --help, taken off) against
+# --mode=encode: prepare.py's reading, cutting and encoding, timed as it reports them, against
 # tiktoken's encode_ordinary_batch alone, on the texts that run encoded; the other arguments are prepare.py's
 # (inputs, --tokenizer, --num_workers, ...)
 
 
 def prepare_run(argv):
-    # prepare.py as a user runs it, its report thrown away -> (wall, CPU) seconds, start-up included
-    wall, cpu = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([sys.executable, "prepare.py", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
+    # prepare.py as a user runs it -> the seconds it reports it took to read, cut and encode the text (its
+    # start-up, the tokenizer's loading and the writing of the files left out, as they are for tiktoken)
+    done = subprocess.run([sys.executable, "prepare.py", *argv], capture_output=True, text=True)
     if done.returncode:
         raise UserError(f"prepare.py failed: {done.stderr.strip()[-500:]}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.time() - wall, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
+    return float(re.search(r"tokenized .* in ([\d.]+) s with", done.stdout)[1])
 
 
 def encoded_texts(folder, tokenizer):
@@ -282,25 +280,21 @@ def bench_encode(args, train_args):
         texts = encoded_texts(tmp, tokenizer)
 
         def tiktoken_run():
-            wall, cpu = time.time(), time.process_time()
+            started = time.time()
             tokenizer.enc.encode_ordinary_batch(texts, num_threads=threads)
-            return time.time() - wall, time.process_time() - cpu
+            return time.time() - started
 
         runs = {"tiktoken": tiktoken_run, "prepare": lambda: prepare_run(argv)}
-        seconds = {name: [] for name in runs}  # (wall, CPU of all threads) per run
+        seconds = {name: [] for name in runs}
         for _ in range(5):  # side by side, alternating, the best of each: CPU timings are noisy
             for name, run in runs.items():
                 seconds[name].append(run())
-        # prepare.py's own start-up (Python, its imports), taken off its runs: what is left reads, encodes, writes
-        start_up = [min(column) for column in zip(*(prepare_run(["--help"]) for _ in range(3)))]
-        seconds["prepare"] = [(w - start_up[0], c - start_up[1]) for w, c in seconds["prepare"]]
-    # The best wall time and the best CPU time of each, for tiktoken (c) and for prepare.py (o).
-    (cw, cc), (ow, oc) = ([min(column) for column in zip(*seconds[name])] for name in runs)
+    tiktoken_s, prepare_s = (min(seconds[name]) for name in runs)
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
     print(f"bench: {mb:.1f} MB in {len(texts)} documents, {tokenizer.name}, {threads} threads, best of 5")
-    print(f"  tiktoken encode_ordinary_batch (text in memory): {mb / cw:6.1f} MB/s, {cc:.2f} s CPU")
-    print(f"  prepare.py (read, encode, write the dataset):    {mb / ow:6.1f} MB/s, {oc:.2f} s CPU")
-    print(f"  ratio: {cw / ow:.2f} of tiktoken's throughput ({cc / oc:.2f} by CPU time)")
+    print(f"  tiktoken encode_ordinary_batch (text in memory):  {mb / tiktoken_s:6.1f} MB/s")
+    print(f"  prepare.py (read, cut and encode, as it reports): {mb / prepare_s:6.1f} MB/s")
+    print(f"  ratio: {tiktoken_s / prepare_s:.2f} of tiktoken's throughput")
 
 # -----------------------------------------------------------------------------
 

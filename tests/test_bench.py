@@ -170,7 +170,7 @@ def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     head = re.search(r"bench: ([\d.]+) MB in (\d+) documents, gpt2, 2 threads, best of 5", done.stdout)
     assert head and head[2] == "3" and float(head[1]) == round(sum(map(len, texts)) / 1e6, 1), done.stdout
-    ratio = re.search(r"ratio: ([\d.]+) of tiktoken's throughput \(([\d.]+) by CPU time\)", done.stdout)
+    ratio = re.search(r"ratio: ([\d.]+) of tiktoken's throughput", done.stdout)
     assert ratio and 0.1 < float(ratio[1]) < 10, done.stdout
     done = subprocess.run([*cmd, "--tokenizer=char"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **CPU_ENV})
