@@ -150,6 +150,7 @@ def assert_same_results(mine, hf):
                 assert mine["results"][task][key] == pytest.approx(value, rel=1e-4), (task, key)
 
 
+@pytest.mark.slow  # lm_eval's own Hugging Face model on the export beside ours: ~25 s
 def test_a_run_trained_here_scores_as_its_export_under_lm_eval_hf(run_here, tasks):
     needs_lm_eval()
     pytest.importorskip("transformers")
@@ -207,6 +208,7 @@ def test_without_lm_eval_one_line_says_how_to_install_it(tmp_path):
     one_line(done, "pip install lm_eval")
 
 
+@pytest.mark.slow  # an unknown name is looked for in the harness's whole index of tasks: ~15 s each time
 def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
     needs_lm_eval()
     done = eval_py(f"--out_dir={tmp_path}", "--tasks=no_such_task", f"--include_path={tasks}")
@@ -246,6 +248,7 @@ def test_training_logs_the_task_metric_and_resumes_exactly(run_here, tasks, tmp_
     assert task_records(tmp_path / "whole") == task_records(tmp_path / "parts")
 
 
+@pytest.mark.slow  # the harness's whole index of tasks, searched for the unknown name: ~15 s
 def test_training_refuses_an_unknown_task_before_the_first_step(run_here, tmp_path):
     needs_lm_eval()
     data = run_here[0].parent / "data"
