@@ -83,6 +83,9 @@ def check_settings(config):
                         f"{config['block_size']} (the windows' overlap)")
     if config["sequences"] not in ("windows", "examples"):
         raise UserError(f"sequences={config['sequences']!r} is not 'windows' or 'examples'")
+    if config["eval_tasks"] and (config["fsdp"] or config["tp_size"] > 1):
+        raise UserError("eval_tasks runs on the master process alone, which holds the whole model only without fsdp "
+                        "and tp_size")
     if config["max_epochs"] < 0 or not 0 <= config["warmup_ratio"] < 1:
         raise UserError(f"max_epochs={config['max_epochs']} must be at least 0 and warmup_ratio="
                         f"{config['warmup_ratio']} in [0, 1)")

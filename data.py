@@ -120,6 +120,15 @@ class Split:
         x, doc_ids = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(doc_ids[:, :-1])
         return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(doc_ids)
 
+    def packing(self):
+        """How this split's examples pack into sequences, in one line for the log."""
+        T, per_epoch = self.block_size, self.sequences_in(1)
+        real = int(np.minimum(self.lengths, T + 1).sum())
+        return (f"examples: {len(self.lengths):,} in training, packed into {per_epoch:,} sequences per epoch, "
+                f"{real / (per_epoch * (T + 1)):.1%} of their tokens real; {self.cut} longer than block_size + 1 = "
+                f"{T + 1} tokens, cut to it, keeping {self.targets[0] / max(self.targets[1], 1):.1%} of the trained "
+                f"tokens")
+
     def check_ids(self, tokens, position):
         # a bad id would index past the embedding: name it instead
         if tokens.max() >= self.vocab_size:

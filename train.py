@@ -25,7 +25,6 @@ import sys
 import time
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -272,12 +271,7 @@ if master:  # which val loss this run logs
                           f"every token of val.bin once, in windows overlapping by {eval_stride}" if eval_full else
                           f"{eval_iters} batches of random windows"))
 if examples and master:
-    train = splits["train"]
-    real = int(np.minimum(train.lengths, block_size + 1).sum())
-    print(f"examples: {len(train.lengths):,} in training, packed into {train.sequences_in(1):,} sequences per "
-          f"epoch, {real / (train.sequences_in(1) * (block_size + 1)):.1%} of their tokens real; {train.cut} "
-          f"longer than block_size + 1 = {block_size + 1} tokens, cut to it, keeping "
-          f"{train.targets[0] / max(train.targets[1], 1):.1%} of the trained tokens")
+    print(splits["train"].packing())
 if max_epochs > 0 and master:
     print(f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})")
 # the learning rate's schedule (optim.py), with the steps as max_epochs and warmup_ratio made them
@@ -375,9 +369,6 @@ def request_stop(signum, frame):
 for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, request_stop)
 
-if eval_tasks and (fsdp or tp_size > 1):
-    raise UserError("eval_tasks runs on the master process alone, which holds the whole model only without fsdp and "
-                    "tp_size")
 if eval_tasks and master:  # the tasks are checked, and their data loaded, before the first step (README: Evaluating)
     import harness  # here, not on top: lm-evaluation-harness adds half a second to every run's start
     task_model = harness.for_training(raw_model, data_dir, device, autocast, batch_size, eval_tasks, eval_tasks_path)

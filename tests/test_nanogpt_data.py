@@ -11,7 +11,6 @@ import pickle
 import numpy as np
 import pytest
 
-import prepare
 from helpers import SHAKESPEARE
 from meta import read_meta
 from tokenizer import load_tokenizer

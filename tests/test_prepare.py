@@ -665,8 +665,6 @@ def test_wordpiece_is_learned_saved_as_tokenizer_json_and_exported(tmp_path):
     # wordpiece:N: a WordPiece model in tokenizer.json; text comes back with its characters, whitespace
     # normalized as WordPiece does; transformers reads the exported folder's tokenizer to the same ids
     import re
-    import subprocess
-    import sys
     text = "".join(f"Line {i}: the quick brown fox, jumping over {i * 7} lazy dogs!\n" for i in range(400))
     (tmp_path / "in.txt").write_text(text)
     meta = prepare.main([str(tmp_path / "in.txt"), "--tokenizer=wordpiece:200", f"--out_dir={tmp_path / 'data'}"])
