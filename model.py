@@ -314,11 +314,12 @@ class GPT(nn.Module):
         return loss_sum / n, correct / n
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop=None, vocab=None):
         # idx: (B, T). Appends max_new_tokens sampled tokens (fewer once every row has written the token id
         # stop), reusing keys and values of earlier positions (a KV cache). Past block_size, the window
         # slides: the cache is rebuilt from the last block_size tokens, so every step sees exactly what a
-        # full forward pass would.
+        # full forward pass would. vocab: the tokenizer's size; the ids past it, the rows vocab_size is
+        # padded with, are never drawn (they decode to nothing).
         cache, start = None, idx.shape[1]
         for _ in range(max_new_tokens):
             if cache is None or idx.shape[1] > self.config.block_size:
@@ -326,7 +327,7 @@ class GPT(nn.Module):
                 logits, _ = self(idx[:, -self.config.block_size:], cache=cache)
             else:
                 logits, _ = self(idx[:, -1:], cache=cache)
-            logits = logits[:, -1, :].float()  # (B, V)
+            logits = logits[:, -1, :vocab].float()  # (B, V)
             if temperature == 0:  # greedy
                 idx_next = logits.argmax(dim=-1, keepdim=True)
             else:

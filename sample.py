@@ -95,7 +95,7 @@ def reply(messages):
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]
     with autocast:
         y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, stop=end_of_turn)[0, len(ids):].tolist()
+                           top_p=args.top_p, stop=end_of_turn, vocab=tokenizer.vocab_size)[0, len(ids):].tolist()
     return tokenizer.decode(y[:y.index(end_of_turn)] if end_of_turn in y else y).strip()
 
 
@@ -139,6 +139,7 @@ if not ids:
 x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]  # (1, T)
 with autocast:
     for _ in range(args.num_samples):
-        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           vocab=tokenizer.vocab_size)
         print(tokenizer.decode(y[0].tolist()))
         print("---------------")

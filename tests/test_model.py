@@ -327,3 +327,17 @@ def test_use_kernels_none_follows_the_device_a_call_runs_on(monkeypatch):
     from model import runs_fused
     assert runs_fused(model.config, "cpu") is False and runs_fused(model.config, "cuda") == kernels.HAS_TRITON
     assert runs_fused(tiny(use_kernels=True).config, "cpu") is True
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generate_never_draws_the_padding_rows_past_the_tokenizers_vocabulary(temperature):
+    # vocab_size is the tokenizer's rounded up to a multiple of 64: the rows past it decode to nothing (sample.py
+    # died on such an id), so generate(vocab=) leaves them out, however likely the model makes them
+    model = tiny(vocab_size=128, tie_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight[97:] = 5 * model.lm_head.weight[:31].abs().max()  # the padding rows: likely
+    prompt = torch.randint(0, 97, (2, 5))
+    torch.manual_seed(0)
+    assert (model.generate(prompt, 20, temperature=temperature)[:, 5:] >= 97).any()
+    torch.manual_seed(0)
+    assert (model.generate(prompt, 20, temperature=temperature, vocab=97)[:, 5:] < 97).all()
