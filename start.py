@@ -16,8 +16,8 @@ import torch.distributed as dist
 import checkpoint as ckpt
 from bounds import check_sizes
 from errors import UserError
-from hf import fingerprint, load_pretrained, read_json
 from files import lock_folder, unlock_folder
+from hf import fingerprint, load_pretrained, read_json
 from lora import add_lora, check_lora
 from model import GPT, GPTConfig
 from tokenizer import check_tokenizer
