@@ -81,8 +81,8 @@ def check_settings(config):
     if config["eval_full"] and not 0 <= config["eval_stride"] < config["block_size"]:
         raise UserError(f"eval_stride={config['eval_stride']} must be at least 0 and below block_size="
                         f"{config['block_size']} (the windows' overlap)")
-    if config["sequences"] not in ("windows", "examples"):
-        raise UserError(f"sequences={config['sequences']!r} is not 'windows' or 'examples'")
+    if config["sequences"] not in ("windows", "random", "examples"):
+        raise UserError(f"sequences={config['sequences']!r} is not 'windows', 'random' or 'examples'")
     if config["eval_tasks"] and (config["fsdp"] or config["tp_size"] > 1):
         raise UserError("eval_tasks runs on the master process alone, which holds the whole model only without fsdp "
                         "and tp_size")

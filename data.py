@@ -1,8 +1,9 @@
 """
-What train.py trains and evaluates on, read from prepare.py's token files (and masks, for conversations): random
-windows of the token stream (pretraining, as nanoGPT), or whole examples packed best-fit into sequences, every
-example once per epoch in an order drawn from the seed (fine-tuning). A batch is a pure function of the seed and
-its number, so a resumed run sees exactly the batches it would have seen.
+What train.py trains and evaluates on, read from prepare.py's token files (and masks, for conversations): windows
+of the token stream (pretraining), every token once per epoch in an order drawn from the seed, or drawn at random
+places with replacement (as nanoGPT); or whole examples packed best-fit into sequences, every example once per
+epoch in an order drawn from the seed (fine-tuning). A batch is a pure function of the seed and its number, so a
+resumed run sees exactly the batches it would have seen.
 
     from data import Split
     train = Split("data/chat", "train", meta, 1024, seed=1337, examples=True, vocab_size=meta["vocab_size"])
@@ -48,10 +49,19 @@ class Split:
 
     def windows(self, step, index, batch_size, doc_mask):
         """The index-th micro-batch of a step (evaluation uses step -1): batch_size windows of block_size + 1
-        tokens at random places -> (x, y, doc_ids or None)."""
+        tokens at random places, drawn with replacement (sequences='random') -> (x, y, doc_ids or None)."""
         draws = np.random.PCG64([self.seed, self.is_val, step + 1]).random_raw((index + 1) * batch_size)
         starts = draws[-batch_size:] % np.uint64(len(self.tokens()) - self.block_size)  # this micro-batch's
         return self.rows(starts.astype(np.int64), np.zeros(batch_size, dtype=np.int64), doc_mask)
+
+    def shuffled(self, numbers, doc_mask, limit=None):
+        """Windows numbers of the run drawn without replacement (sequences='windows'), epoch after epoch: an epoch
+        is every target of the split once, in windows of block_size targets on a grid shifted by an offset and
+        taken in an order both drawn from (seed, epoch) (epoch()) -> (x, y, doc_ids or None). Numbers from
+        limit on are padding, as are the tokens a window reaches before the split's start or past its end."""
+        end = len(self.tokens())
+        starts = np.array([self.sequence(n) if limit is None or n < limit else end for n in numbers], dtype=np.int64)
+        return self.rows(starts, np.zeros(len(numbers), dtype=np.int64), doc_mask)
 
     def whole(self, numbers, overlap, doc_mask):
         """Windows numbers of the split scored whole: each after the first begins block_size - overlap tokens
@@ -78,16 +88,18 @@ class Split:
         return 1 + -(-max(0, len(self.tokens()) - 1 - self.block_size) // (self.block_size - overlap))
 
     def rows(self, starts, context, doc_mask):
-        # block_size + 1 tokens from each start (end-of-text past the split's end) -> x, y (-1 for the first
+        # block_size + 1 tokens from each start (end-of-text outside the split) -> x, y (-1 for the first
         # context[b] targets, past the end, and where the mask says so). With doc_mask a document begins after
         # each end-of-text (in conversations, one that is not a target: that one closes an assistant's turn).
         T, data, mask = self.block_size, self.tokens(), self.mask()
         tokens = np.full((len(starts), T + 1), self.eot_id or 0, dtype=np.int64)
         kept = np.zeros((len(starts), T + 1), dtype=bool)  # the mask file's, where there is one
         for row, start in enumerate(starts):
-            window = data[start:start + T + 1]
-            tokens[row, :len(window)] = window
-            kept[row, :len(window)] = mask[start:start + len(window)] > 0 if mask is not None else True
+            at = max(0, -start)  # a shuffled window may begin before the split: padding up to its first token
+            window = data[start + at:start + T + 1]
+            tokens[row, at:at + len(window)] = window
+            kept[row, at:at + len(window)] = mask[start + at:start + at + len(window)] > 0 if mask is not None else True
+            kept[row, at] &= at == 0  # the split's first token follows nothing: no target
         self.check_ids(tokens, lambda b, t: int(starts[b]) + t)
         x = np.ascontiguousarray(tokens[:, :-1])  # a view would be pinned and copied to a GPU a row at a time
         y = np.where(kept[:, 1:] & (np.arange(T) >= context[:, None]), tokens[:, 1:], -1)
@@ -139,7 +151,7 @@ class Split:
                              f"meta.json (re-run prepare.py)")
 
     def sequence(self, n):
-        # the example numbers packed into sequence n of the run
+        # sequence n of the run: the example numbers packed into it, or (windows) where its window starts
         while n >= self.firsts[-1] and not (self.is_val and len(self.firsts) > 1):  # pack up to n's epoch
             self.firsts.append(self.firsts[-1] + len(self.epoch(len(self.firsts) - 1)))
         if n >= self.firsts[-1]:
@@ -148,7 +160,16 @@ class Split:
         return self.epoch(epoch)[n - self.firsts[epoch]]
 
     def epoch(self, epoch):
-        # one epoch's sequences: the examples in an order drawn from (seed, epoch), packed best-fit
+        # one epoch's sequences: the examples in an order drawn from (seed, epoch), packed best-fit; or (windows)
+        # where each window starts: every block_size-th token from an offset in [1, block_size] drawn from (seed,
+        # epoch), less block_size, so that the windows' targets are every token after the first once (a window
+        # may begin before the split or end past it), in an order drawn from them too
+        if epoch not in self.epochs and not self.examples:
+            rng = np.random.default_rng([self.seed, epoch])
+            T, offset = self.block_size, 1 + int(rng.integers(self.block_size))
+            count = 1 + -(-(len(self.tokens()) - 1 - offset) // T)
+            self.epochs = {e: s for e, s in self.epochs.items() if e in (0, epoch - 1)}
+            self.epochs[epoch] = offset - T + T * rng.permutation(count)
         if epoch not in self.epochs:
             order = np.arange(len(self.lengths))
             if not self.is_val:

@@ -72,7 +72,8 @@ data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
 gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
 batch_size = 12  # sequences per micro-step per process
 block_size = 256  # tokens per sequence (from a pretrained folder: at most its max_position_embeddings)
-sequences = "windows"  # 'windows': random windows (pretraining); 'examples': whole examples packed (fine-tuning)
+sequences = "windows"  # 'windows': every token once an epoch, in windows in a shuffled order (pretraining); 'random':
+# windows at random places, drawn with replacement (nanoGPT's); 'examples': whole examples packed (fine-tuning)
 max_epochs = 0  # also end the run after this many passes over the training split (0: max_iters alone)
 # model (from a pretrained folder, its config.json sets the shape and these are ignored)
 n_layer = 6
@@ -178,7 +179,7 @@ if meta["vocab_size"] > vocab_size:
     raise UserError(f"{os.path.join(data_dir, 'meta.json')} says the data has {meta['vocab_size']} token ids but "
                     f"the model's vocab_size is {vocab_size} (set vocab_size=0 to follow the data)")
 # windows need files longer than block_size (whole examples need no minimum), and ids of meta.json's vocabulary
-train_tokens = check_token_files(data_dir, meta, block_size if sequences == "windows" else 0)
+train_tokens = check_token_files(data_dir, meta, 0 if sequences == "examples" else block_size)
 for split in ("train", "val"):
     check_token_ids(os.path.join(data_dir, f"{split}.bin"), meta["dtype"], meta["vocab_size"])
 
@@ -242,8 +243,9 @@ if room_warning and master:
     print(room_warning)
 
 # -----------------------------------------------------------------------------
-# 6. the sequences (data.py): random windows, or whole examples packed best-fit, every one once per epoch
-# and attending only within itself. Sequence n of the run is the same however processes share the steps
+# 6. the sequences (data.py): windows in a shuffled order, or whole examples packed best-fit attending only within
+# themselves, every one once per epoch; or random windows. Sequence n of the run is the same however processes
+# share the steps
 
 examples = sequences == "examples"
 # Conversations are evaluated as they are trained: eval_full on a masked dataset, as every evaluation of a run on
@@ -255,8 +257,8 @@ sequences_per_step = gradient_accumulation_steps * batch_size
 weighted = examples or meta.get("masks", False)  # micro-batches hold different numbers of targets (the loop)
 end_of_epochs = None  # sequences in max_epochs epochs; past them, a step's sequences are empty
 if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
-    end_of_epochs = splits["train"].sequences_in(max_epochs) if examples else None
-    epoch_steps = math.ceil(end_of_epochs / sequences_per_step if examples else
+    end_of_epochs = splits["train"].sequences_in(max_epochs) if sequences != "random" else None
+    epoch_steps = math.ceil(end_of_epochs / sequences_per_step if end_of_epochs else
                             max_epochs * train_tokens / tokens_per_iter)
     max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
 if warmup_ratio > 0:
@@ -288,9 +290,10 @@ def batch(split, step, index):
     # the device; y is -1 where nothing is learned
     if split.is_val and scored_val:
         tensors = split.scored(range(index * batch_size, (index + 1) * batch_size), eval_stride, doc_mask)
-    elif examples:
+    elif examples or (sequences == "windows" and step >= 0):  # the run's sequences, epoch after epoch
         first = max(step, 0) * sequences_per_step + index * batch_size
-        tensors = split.packed(range(first, first + batch_size), end_of_epochs if step >= 0 else None)
+        numbers, limit = range(first, first + batch_size), end_of_epochs if step >= 0 else None
+        tensors = split.packed(numbers, limit) if examples else split.shuffled(numbers, doc_mask, limit)
     else:
         tensors = split.windows(step, index, batch_size, doc_mask)
     pinned = device_type == "cuda"  # copied from pinned memory while the GPU works on
@@ -298,8 +301,8 @@ def batch(split, step, index):
 
 
 def epoch(step):
-    # passes over the training split by the end of step: sequences (examples) or tokens (windows) over the split's
-    if examples:  # (a last step partly past max_epochs holds padding, not the next epoch)
+    # passes over the training split by the end of step: sequences over the split's, or tokens ('random')
+    if sequences != "random":  # (a last step partly past max_epochs holds padding, not the next epoch)
         return splits["train"].epoch_at(min(step * sequences_per_step, end_of_epochs or math.inf))
     return step * tokens_per_iter / train_tokens
 

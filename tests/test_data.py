@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from data import Split
 
@@ -22,3 +23,51 @@ def test_batches_are_contiguous(tmp_path, kind):
              "packed": lambda: split.packed(range(4))}[kind]()
     assert all(t.is_contiguous() for t in batch)
     assert batch[0].shape == batch[1].shape == batch[2].shape == (4, 64)
+
+
+def shakespeare_like(tmp_path, n=5003, vocab=50):
+    ids = np.random.default_rng(1).integers(1, vocab, n).astype(np.uint16)
+    ids[::41] = 0
+    ids.tofile(tmp_path / "train.bin")
+    return {"dtype": "uint16", "vocab_size": vocab, "eot_id": 0}, ids
+
+
+@pytest.mark.parametrize("block_size", [64, 100])
+def test_an_epoch_of_windows_has_every_target_once_however_processes_and_micro_steps_share_it(tmp_path, block_size):
+    # train.py's numbering: sequence (step * gradient_accumulation_steps + index) * batch_size + b, where index is
+    # dp_rank * micro_steps + micro; two processes of three micro-steps each take the micro-batches of a step
+    meta, ids = shakespeare_like(tmp_path)
+    split = Split(str(tmp_path), "train", meta, block_size, seed=3, examples=False, vocab_size=50)
+    batch_size, dp, micro_steps = 4, 2, 3
+    per_epoch = split.sequences_in(1)
+    assert split.sequences_in(2) - per_epoch in (per_epoch - 1, per_epoch, per_epoch + 1)
+    seen = {0: np.zeros(len(ids), dtype=int), 1: np.zeros(len(ids), dtype=int)}
+    for step in range(-(-split.sequences_in(2) // (batch_size * dp * micro_steps))):
+        for rank in range(dp):
+            for micro in range(micro_steps):
+                first = (step * dp * micro_steps + rank * micro_steps + micro) * batch_size
+                numbers = range(first, first + batch_size)
+                x, y, _ = split.shuffled(numbers, doc_mask=False, limit=split.sequences_in(2))
+                for n, row_x, row_y in zip(numbers, x.numpy(), y.numpy()):
+                    if n >= split.sequences_in(2):
+                        assert (row_y == -1).all()  # past the last epoch: padding
+                        continue
+                    start = split.sequence(n)
+                    targets = np.flatnonzero(row_y != -1)
+                    assert (row_y[targets] == ids[start + 1 + targets]).all()  # the tokens that follow
+                    assert (row_x[targets] == ids[start + targets]).all()
+                    seen[int(n >= per_epoch)][start + 1 + targets] += 1
+    for epoch in (0, 1):  # every token but the first (no token before it to predict it from) once an epoch
+        assert seen[epoch][0] == 0 and (seen[epoch][1:] == 1).all()
+    assert not np.array_equal(split.epoch(0), split.epoch(1))  # another order and another grid each epoch
+
+
+def test_shuffled_windows_are_a_pure_function_of_seed_and_number(tmp_path):
+    meta, _ = shakespeare_like(tmp_path)
+    a = Split(str(tmp_path), "train", meta, 64, seed=3, examples=False, vocab_size=50)
+    b = Split(str(tmp_path), "train", meta, 64, seed=3, examples=False, vocab_size=50)
+    later = range(a.sequences_in(3) + 5, a.sequences_in(3) + 9)  # a resumed run asks for epoch 3 first
+    for x, y in zip(b.shuffled(later, doc_mask=True), [*a.shuffled(range(4), True), *a.shuffled(later, True)][3:]):
+        assert x is y or x is None or torch.equal(x, y)
+    other = Split(str(tmp_path), "train", meta, 64, seed=4, examples=False, vocab_size=50)
+    assert not torch.equal(other.shuffled(range(8), False)[0], a.shuffled(range(8), False)[0])

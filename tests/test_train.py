@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from data import Split
 from helpers import (CPU_ENV, ROOT, TINY, assert_every_kernel_ran, assert_weights_close, free_port, kernel_counter,
                      kernel_launches, losses, on_cpu, run, script, weights)
 
@@ -34,7 +35,8 @@ def test_trains_and_records_metrics(data_dir, tmp_path):
     assert all(0 <= r["val_accuracy"] <= 1 and 0 <= r["accuracy"] <= 1 for r in evals)
     assert evals[-1]["val_accuracy"] > evals[0]["val_accuracy"]
     train_tokens = (data_dir / "train.bin").stat().st_size // 2
-    assert evals[-1]["epoch"] == pytest.approx(20 * 128 / train_tokens)  # tokens seen over the split's
+    # sequences trained over the split's windows, within a window of the tokens seen over the split's tokens
+    assert evals[-1]["epoch"] == pytest.approx(20 * 128 / train_tokens, rel=1e-3)
     assert f"epoch {20 * 128 / train_tokens:.2f}" in out.stdout
     steps = [r for r in records if "tokens_per_s" in r]
     assert [r["iter"] for r in steps] == list(range(1, 21))
@@ -105,6 +107,32 @@ def test_resume_continues_from_saved_step(data_dir, tmp_path):
     out = run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=12", "--init_from=resume")
     assert "iter 8:" in out.stdout and "iter 7:" not in out.stdout  # continues after step 7
     assert losses(tmp_path / "whole") == losses(tmp_path / "parts")  # bit for bit, dropout included
+    assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
+
+
+def test_windows_epochs_end_the_run_and_a_resume_in_mid_epoch_is_exact(data_dir, tmp_path):
+    # sequences='windows' (the default) on a split of 600 tokens: an epoch is 19 or 20 windows of 32, about 5 steps
+    # of 4; max_epochs=2 ends the run at the step that holds the last window of epoch 2
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "meta.json").write_bytes((data_dir / "meta.json").read_bytes())
+    (small / "train.bin").write_bytes((data_dir / "train.bin").read_bytes()[:2 * 600])
+    (small / "val.bin").write_bytes((data_dir / "val.bin").read_bytes()[:2 * 2000])
+    common = [*TINY, f"--data_dir={small}", "--eval_interval=5", "--dropout=0.1", "--max_epochs=2"]
+    out = run(*common, f"--out_dir={tmp_path / 'whole'}", "--max_iters=100")
+    meta = json.loads((small / "meta.json").read_text())
+    windows = Split(str(small), "train", meta, 32, seed=1337, examples=False, vocab_size=64)
+    steps = -(-windows.sequences_in(2) // 4)
+    assert windows.sequences_in(1) in (19, 20) and steps in (10, 11)
+    assert f"max_epochs=2: {steps} steps" in out.stdout
+    assert torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)["iter_num"] == steps
+    evals = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert evals[-1]["iter"] == steps and evals[-1]["epoch"] == 2.0
+    # stopped at step 7, in the middle of epoch 2 (a step before it held windows of both epochs), and resumed:
+    # the uninterrupted run's losses and weights, bit for bit, dropout included
+    run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=7")
+    run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=100", "--init_from=resume")
+    assert losses(tmp_path / "whole") == losses(tmp_path / "parts") and len(losses(tmp_path / "whole")) == steps
     assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
 
 
