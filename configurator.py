@@ -7,7 +7,9 @@ A config file is Python whose top-level assignments replace the defaults (names 
 an underscore, modules and functions are its own helpers and are left alone). A --key=value is
 read with ast.literal_eval, falling back to a plain string. Every key must already exist, and every
 value must have its default's type (an int where a float is expected is fine): anything else stops
-with one line that names the closest key or the expected type. check_settings then refuses values that no
+with one line that names the closest key or the expected type. batch_size='auto' is the one value of another
+type: it sets batch_size_auto and leaves batch_size the number it was (with gradient_accumulation_steps, the
+sequences of an update, which train.py keeps). check_settings then refuses values that no
 run can use, in one line.
 """
 
@@ -45,7 +47,7 @@ def configure(config, args):
                     code = f.read()
             except OSError as e:
                 sys.exit(f"config file {arg}: {e.strerror} (give a path like config/train_small.py)")
-            scope = dict(config)
+            scope, before = dict(config), dict(config)  # (before: batch_size='auto' changes batch_size_auto)
             try:
                 exec(compile(code, arg, "exec"), scope)
             except Exception as e:  # a mistake in the user's file: name it, no traceback
@@ -55,8 +57,8 @@ def configure(config, args):
             for key, value in scope.items():
                 helper = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)
                 own = key.startswith("_") or isinstance(value, helper)
-                if not own and (key not in config or value is not config[key]):
-                    config[key] = _check(config, key, value, arg)
+                if not own and (key not in before or value is not before[key]):
+                    _set(config, key, value, arg)
         else:
             key, eq, text = arg[2:].partition("=")
             if not eq:
@@ -67,7 +69,15 @@ def configure(config, args):
                 value = {"true": True, "false": False}.get(text.lower(), text)  # a bare string
             if isinstance(config.get(key), str) and not isinstance(value, str):
                 value = text  # --out_dir=123 means the string '123'
-            config[key] = _check(config, key, value, arg)
+            _set(config, key, value, arg)
+
+
+def _set(config, key, value, source):
+    if key == "batch_size" and "batch_size_auto" in config:  # 'auto', or a number that turns 'auto' off
+        config["batch_size_auto"] = value == "auto"
+        if value == "auto":
+            return
+    config[key] = _check(config, key, value, source)
 
 
 def check_settings(config):
@@ -76,6 +86,14 @@ def check_settings(config):
     for key in AT_LEAST_ONE:
         if config[key] < 1:
             raise UserError(f"{key}={config[key]} must be at least 1")
+    if config.get("memory_budget", 0) < 0:
+        raise UserError(f"memory_budget={config['memory_budget']} must be at least 0 (GiB; 0: what the device has "
+                        f"free)")
+    if config["tensorboard_log"]:  # found out now, not at the first record
+        try:
+            import torch.utils.tensorboard  # noqa: F401 (metrics.py writes with it)
+        except ImportError:
+            raise UserError("tensorboard_log=True needs TensorBoard: pip install tensorboard") from None
     if config["use_kernels"] not in (None, True, False):
         raise UserError(f"use_kernels={config['use_kernels']!r} must be True, False or None (auto)")
     if config["eval_full"] and not 0 <= config["eval_stride"] < config["block_size"]:

@@ -141,6 +141,14 @@ class Split:
                 f"{T + 1} tokens, cut to it, keeping {self.targets[0] / max(self.targets[1], 1):.1%} of the trained "
                 f"tokens")
 
+    def check_targets(self):
+        """UserError where no example keeps a trained target within its first block_size + 1 tokens (examples=True;
+        longer ones are cut to that)."""
+        if self.examples and self.targets[0] == 0:
+            raise UserError(f"no {'val' if self.is_val else 'train'} example keeps a trained token within its first "
+                            f"block_size + 1 = {self.block_size + 1} tokens ({self.cut} of {len(self.lengths)} are "
+                            f"longer): raise block_size")
+
     def check_ids(self, tokens, position):
         # a bad id would index past the embedding: name it instead
         if tokens.max() >= self.vocab_size:

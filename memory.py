@@ -5,14 +5,17 @@ torch.cuda.max_memory_allocated (train.py prints it before the first step).
 """
 
 import math
+import os
 import resource
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import kernels
+from errors import UserError
 from model import PROJECTIONS, runs_fused
 from parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT
 
@@ -20,6 +23,7 @@ from parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT
 # projections after them by input columns; embeddings, norms and the head stay whole
 COLUMN_PARALLEL = tuple(f"{PROJECTIONS[n]}.{kind}" for n in SPLIT_BY_OUTPUT for kind in ("weight", "bias"))
 ROW_PARALLEL = tuple(f"{PROJECTIONS[n]}.weight" for n in SPLIT_BY_INPUT)
+LAYOUT = ("dp", "tp", "fsdp", "checkpointing", "offload")  # memory_estimate's layout arguments
 MEMORY_KINDS = ("weights", "grads", "optimizer", "activations", "copies", "temporary", "device", "host")
 
 
@@ -193,3 +197,150 @@ def measured_mb(device):
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
+
+
+def available_memory(device):
+    """Bytes a training process on device may hold at most, counting what it holds now: on CUDA the free memory
+    and this process's own; on an Apple chip its recommended maximum; on a CPU the memory available to the
+    process (what the kernel could give it, under its cgroup's limit), its resident memory included."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+    if kind == "mps":
+        return torch.mps.recommended_max_memory()
+    resident = resident_bytes()
+    room = []
+    v1 = "/sys/fs/cgroup/memory/memory."
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, then v1
+                         (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
+        try:
+            with open(limit) as a, open(usage) as b:
+                room.append(int(a.read()) - int(b.read()) + resident)
+        except (OSError, ValueError):  # no such cgroup, or 'max': no limit
+            pass
+    try:
+        with open("/proc/meminfo") as f:
+            room.append(next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")) + resident)
+    except (OSError, StopIteration):
+        room.append(torch.iinfo(torch.int64).max)
+    return min(room)
+
+
+def resident_bytes():
+    # this process's resident memory now (0 where /proc is not there to say)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+    except (OSError, StopIteration):
+        return 0
+
+
+def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1):
+    """batch_size='auto': the largest micro-batch b, a divisor of the sequences of an update each of the replicas
+    (data-parallel processes) trains, whose peak(b) (bytes a process holds, estimated) fits in budget bytes less
+    a margin -> (b, peak(b)). UserError when not even one sequence fits."""
+    share = sequences // replicas
+    room = budget * (1 - margin)
+    for b in sorted((d for d in range(1, share + 1) if share % d == 0), reverse=True):
+        if peak(b) <= room:
+            return b, peak(b)
+    need = peak(1)
+    raise UserError(f"batch_size='auto': one sequence needs {need / 2**30:.2f} GiB where {room / 2**30:.2f} GiB may "
+                    f"be used ({1 - margin:.0%} of {budget / 2**30:.2f} GiB), {(need - room) / 2**30:.2f} GiB short; "
+                    f"turn on gradient_checkpointing, train LoRA adapters (lora_rank, with lora_base_dtype='nf4' for a "
+                    f"4-bit base), lower block_size, or spread the model over more processes (fsdp=True)")
+
+
+def device_name(device):
+    """What a micro-batch is chosen for: a GPU's name and memory, or the kind of device (a CPU's with the
+    machine's memory)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return f"{properties.name}, {properties.total_memory / 2**30:.1f} GiB"
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return f"cpu, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB"
+    return device.type
+
+
+def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before, autocast, **estimate):
+    """batch_size='auto': each process's micro-batch for updates of `sequences` sequences of block_size tokens,
+    shared by layout's dp data-parallel replicas -> (micro-batch, a line saying how it was chosen). A resumed run
+    keeps the one it began with (before: its checkpoint) where the device, the budget and the processes are the
+    same. Else the largest whose peak, memory_estimate's for layout and estimate's dtype,
+    optimizer, quantized and device, fits in memory_budget GiB (0: the device's free memory, available_memory)
+    less a 10% margin (fit_micro_batch), tried once and halved if it runs out of memory (tried_micro_batch; not
+    under FSDP or tensor parallel, which rely on the estimate). On a CPU, what the process holds beside the model's
+    weights (Python, torch's libraries) counts too. The line ends with how the update is shared out."""
+    device, share = estimate["device"], sequences // layout["dp"]
+    where = device_name(device)
+    config = before["config"] if before else {}
+    kept = config.get("batch_size_auto") and config["batch_size"]
+    shared = (f"micro-batch {{}} x {{}} accumulation x {layout['dp']} processes x {block_size} tokens = "
+              f"{sequences * block_size:,} tokens per update")
+    if kept and share % kept == 0 and (before.get("memory_device"), config.get("memory_budget"), before["world_size"]) \
+            == (where, memory_budget, layout["dp"] * layout["tp"]):
+        return kept, (f"batch_size='auto': micro-batch {kept}, the one the run began with on {where}\n"
+                      + shared.format(kept, share // kept))
+    budget = memory_budget * 2**30 if memory_budget > 0 else available_memory(device)
+    estimate = {**estimate, "device": torch.device(device).type, **{k: layout[k] for k in LAYOUT}}
+    weights = memory_estimate(model, 1, block_size, **estimate)["weights"]
+    besides = max(0, resident_bytes() - weights) if torch.device(device).type == "cpu" else 0
+
+    def peak(b):
+        return besides + memory_estimate(model, b, block_size, micro_steps=share // b, **estimate)["device"]
+    b, need = fit_micro_batch(peak, sequences, layout["dp"], budget)
+    b = smallest(b, device)  # every process takes the same micro-batch (their free memory may differ)
+    note = (f"batch_size='auto': micro-batch {b} of {share} sequences a process, estimated peak {need / 2**30:.2f} "
+            f"GiB of {budget / 2**30:.2f} GiB ({'memory_budget' if memory_budget > 0 else where})")
+    if not (layout["fsdp"] or layout["tp"] > 1):
+        b, halved = tried_micro_batch(model, b, share, block_size, device, autocast)
+        note += f"\n{halved}" if halved else ""
+    return b, f"{note}\n{shared.format(b, share // b)}"
+
+
+def micro_batch_fits(model, batch_size, block_size, device, autocast):
+    """Whether one micro-step of batch_size sequences, forward and backward through model, fits in the device's
+    memory: False on torch.OutOfMemoryError. Its gradients are dropped and the random state kept, so the run
+    goes on as if it had not been tried. model must run without other processes (not under FSDP or tensor
+    parallel: one process out of memory would leave the others waiting)."""
+    x = torch.zeros((batch_size, block_size), dtype=torch.long, device=device)
+    cuda = torch.device(device).type == "cuda"
+    try:
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            with autocast:
+                loss = model(x, x)[1]
+            loss.backward()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        loss = None
+        for p in model.parameters():
+            p.grad = None
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+
+
+def tried_micro_batch(model, b, share, block_size, device, autocast):
+    """batch_size='auto': micro-batch b tried once before the first step (micro_batch_fits, in every process);
+    where it runs out of memory in any of them, halved once, to the largest divisor of share (the sequences of a
+    process's update) at most b / 2 -> (micro-batch, a line saying so, or None). Never a second try: a run that
+    still does not fit stops at its first step."""
+    if smallest(int(micro_batch_fits(model, b, block_size, device, autocast)), device):  # fits in every process
+        return b, None
+    if b == 1:
+        raise UserError("batch_size='auto': one sequence ran out of memory in a first try although the estimate "
+                        "let it fit; turn on gradient_checkpointing, lower block_size, or set memory_budget lower")
+    half = max(d for d in range(1, b // 2 + 1) if share % d == 0)
+    return half, f"batch_size='auto': micro-batch {b} ran out of memory in a first try: halved to {half}"
+
+
+def smallest(value, device):
+    # the smallest of every process's value (an int), this process's own where it runs alone
+    if not dist.is_initialized():
+        return value
+    value = torch.tensor([value], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())

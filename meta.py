@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bounds import check_token_ids
 from errors import UserError
 
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
@@ -117,7 +118,8 @@ def nanogpt_chars(path):
 def check_token_files(data_dir, meta, block_size):
     """The training split's length in tokens, once train.bin and val.bin are there, whole tokens of meta's
     dtype, as many as meta counted (prepare.py's meta.json does), longer than block_size, with a mask of as
-    many bytes where meta says there are masks; else ValueError in one line with the fix."""
+    many bytes where meta says there are masks, and every id one of meta's vocabulary (bounds.check_token_ids);
+    else ValueError in one line with the fix."""
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in ("train", "val"):
         path = os.path.join(data_dir, f"{split}.bin")
@@ -139,4 +141,6 @@ def check_token_files(data_dir, meta, block_size):
         mask = os.path.join(data_dir, f"{split}.mask.bin")
         if meta.get("masks") and (not os.path.exists(mask) or os.path.getsize(mask) != size // itemsize):
             raise UserError(f"{mask} is missing or does not hold one byte per token of {path} (re-run prepare.py)")
+    for split in ("train", "val"):
+        check_token_ids(os.path.join(data_dir, f"{split}.bin"), meta["dtype"], meta["vocab_size"])
     return os.path.getsize(os.path.join(data_dir, "train.bin")) // itemsize

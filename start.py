@@ -116,6 +116,16 @@ def first_model(start, config, dtype):
     return GPT(GPTConfig(**model_args)), model_args
 
 
+def described(model, model_args, block_size):
+    """The model in one line for the log: its parameters, those trained, its shape with the block_size trained at,
+    and a pretrained model's own limit beside it where that is longer."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shown = {**model_args, "block_size": block_size}
+    limit = f" (the model's limit: {model_args['block_size']})" if model_args["block_size"] != block_size else ""
+    return (f"model: {model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, "
+            f"{shown}{limit}")
+
+
 def rng_state(device_type):
     # this process's random state, as a checkpoint keeps it for each process (dropout's stream)
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
@@ -153,11 +163,14 @@ def resume(start, config, meta):
                               f"{loop['evals_without_gain']} evaluations): nothing to do; raise early_stop_patience "
                               f"to train on")
         return
-    # the batches of a step depend on these alone, not on how many processes share them
-    shaping = ("seed", "batch_size", "gradient_accumulation_steps", "sequences")
-    if any(before.get(k) != config[k] for k in shaping):
-        start["notes"].append(f"warning: {', '.join(shaping)} changed since the checkpoint: training continues, "
-                              "but not on the batches the first run would have seen")
+    # the batches of a step depend on these alone, not on how many processes and micro-steps share an update's
+    # sequences (batch_size='auto' may share them otherwise than the command says)
+    def shaping(c):
+        return c.get("seed"), c.get("sequences"), c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0)
+    if shaping(before) != shaping(config):
+        start["notes"].append("warning: seed, sequences or the sequences of an update (batch_size x "
+                              "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
+                              "not on the batches the first run would have seen")
     if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""

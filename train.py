@@ -30,18 +30,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint as ckpt
-from bounds import check_token_ids
 from configurator import check_settings, configure
 from data import Split
 from errors import UserError, one_line_errors
 from lora import quantize_base
-from memory import measured_mb, memory_estimate, memory_layout, memory_table
+from memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
 from meta import check_token_files, read_meta
 from metrics import open_log
 from model import attended_keys, document_mask
 from optim import check_optimizer, lr_factor, set_lr
 from parallel import clip_gradients, init_distributed, parallelize, peak_flops
-from start import begin, claim, first_model, resume_rng, rng_state
+from start import begin, claim, described, first_model, resume_rng, rng_state
 
 # -----------------------------------------------------------------------------
 # 1. settings: every one is a global here; config files and --key=value override them
@@ -70,7 +69,9 @@ tensorboard_log = False  # also write metrics.jsonl's records as TensorBoard eve
 # data
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
 gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
-batch_size = 12  # sequences per micro-step per process
+batch_size = 12  # sequences per micro-step per process; 'auto': the largest that fits, the update kept (README)
+batch_size_auto = False  # set by batch_size='auto': batch_size then only counts an update's sequences (with the above)
+memory_budget = 0.0  # GiB a process may hold under batch_size='auto' (0: what its device has free)
 block_size = 256  # tokens per sequence (from a pretrained folder: at most its max_position_embeddings)
 sequences = "windows"  # 'windows': every token once an epoch, in windows in a shuffled order (pretraining); 'random':
 # windows at random places, drawn with replacement (nanoGPT's); 'examples': whole examples packed (fine-tuning)
@@ -137,11 +138,6 @@ one_line_errors("train.py")  # a UserError, ours or a library's, stops the run w
 
 check_settings(config)
 check_optimizer(optimizer, lr_schedule, lr_cycle_iters, lr_power, lr_decay_fraction)
-if tensorboard_log:  # found out now, not at the first record
-    try:
-        import torch.utils.tensorboard  # noqa: F401 (metrics.py writes with it)
-    except ImportError:
-        raise UserError("tensorboard_log=True needs TensorBoard: pip install tensorboard") from None
 
 # -----------------------------------------------------------------------------
 # 2. devices and processes: torchrun's (or this one alone) in a (data parallel, tensor parallel) mesh
@@ -158,7 +154,7 @@ tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 ptdtype = getattr(torch, dtype)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
 claim(out_dir, master)  # one run at a time writes an out_dir (files.py); a second one stops here
-if master:
+if master:  # (under batch_size='auto' the sequences of an update, shared out once the model is there)
     print(f"{world_size} process(es) on {device_type}, {dtype}; tokens per update: {tokens_per_iter:,} "
           f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
 
@@ -180,8 +176,6 @@ if meta["vocab_size"] > vocab_size:
                     f"the model's vocab_size is {vocab_size} (set vocab_size=0 to follow the data)")
 # windows need files longer than block_size (whole examples need no minimum), and ids of meta.json's vocabulary
 train_tokens = check_token_files(data_dir, meta, 0 if sequences == "examples" else block_size)
-for split in ("train", "val"):
-    check_token_ids(os.path.join(data_dir, f"{split}.bin"), meta["dtype"], meta["vocab_size"])
 
 # -----------------------------------------------------------------------------
 # 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint (start.py)
@@ -223,17 +217,21 @@ if checkpoint is not None:
 torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None:  # each process's own random stream again, where the processes are as many
     resume_rng(checkpoint["rng"], rank, world_size, device_type)
+layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
+if batch_size_auto:  # the largest micro-batch that fits, for the same updates (memory.py; README: batch_size='auto')
+    sequences_per_step = gradient_accumulation_steps * batch_size
+    batch_size, note = auto_micro_batch(raw_model, sequences_per_step, block_size, memory_budget, layout, checkpoint,
+                                        autocast, dtype=dtype, optimizer=optimizer, quantized=quantized, device=device)
+    gradient_accumulation_steps = sequences_per_step // batch_size
+    micro_steps = gradient_accumulation_steps // dp_size
+    config.update(batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps)  # for a resume
+    if master:
+        print(note)
 checkpoint = start["checkpoint"] = None  # free it
 peak = peak_flops(device, ptdtype)
 if master:
-    trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad)
-    # the block_size trained at, and a pretrained model's own limit beside it where that is longer
-    shown = {**model_args, "block_size": block_size}
-    limit = f" (the model's limit: {model_args['block_size']})" if model_args["block_size"] != block_size else ""
-    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, "
-          f"{shown}{limit}")
+    print(described(raw_model, model_args, block_size))
 # what each process should hold, by kind, before the first step (on CUDA the first log line adds the measured)
-layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
 memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, quantized=quantized,
                          micro_steps=micro_steps, device=device_type, **layout)
 if master:
@@ -263,11 +261,8 @@ if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if t
     max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
 if warmup_ratio > 0:
     warmup_iters = math.ceil(warmup_ratio * max_iters)
-for split in (each for each in splits.values() if each.examples):  # cut to block_size, some may keep nothing
-    if split.targets[0] == 0:
-        raise UserError(f"no {'val' if split.is_val else 'train'} example keeps a trained token within its "
-                        f"first block_size + 1 = {block_size + 1} tokens ({split.cut} of {len(split.lengths)} are "
-                        f"longer): raise block_size")
+for split in splits.values():  # whole examples are cut to block_size: some may keep nothing to train
+    split.check_targets()
 if master:  # which val loss this run logs
     print("val loss: " + ("each val example on its own, over its trained targets" if by_example["val"] else
                           f"every token of val.bin once, in windows overlapping by {eval_stride}" if eval_full else
@@ -349,7 +344,7 @@ config.update(device=device, dtype=dtype, backend=processes["backend"], vocab_si
 about_run = {"model_args": model_args, "config": config, "world_size": world_size,
              "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
              "pretrained": start["pretrained"],  # the Hugging Face folder the run began from, if any
-             "base_fingerprint": start["base_fingerprint"]}
+             "base_fingerprint": start["base_fingerprint"], "memory_device": device_name(device)}
 saving = dict(sharded=start["sharded"], lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master, wandb_log, wandb_project, wandb_run_name, tensorboard_log)
 

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import memory
+from configurator import configure
+from errors import UserError
 from memory import memory_estimate, nf4_bytes, tensor_bytes
 from lora import add_lora, quantize_base
 from model import GPT, GPTConfig
@@ -245,3 +248,100 @@ def test_train_prints_the_estimate_before_the_first_step(data_dir, tmp_path):
     weights = sum(p.numel() for p in GPT(shape).parameters()) * 4
     assert lines[table + 2].startswith(f"| 1 process | {weights / 2**20:.2f} | {weights / 2**20:.2f} |")
     assert table < min(i for i, line in enumerate(lines) if line.startswith("iter 1:"))
+
+
+# -----------------------------------------------------------------------------
+# batch_size='auto': the largest micro-batch that fits a budget, the update's sequences kept
+
+
+def accumulated_peak(model, batch_size, block_size, micro_steps):
+    # the most memory an update of micro_steps micro-batches holds at any moment: in its last micro-step, after a
+    # first update made the optimizer's state, as MemTracker counts the tensors alive, on fake tensors
+    from torch.distributed._tools.mem_tracker import MemTracker
+    optimizer = model.configure_optimizers("adamw", 1e-3, 0.1, (0.9, 0.95), "cpu")[0]
+    x = torch.randint(0, model.config.vocab_size, (batch_size, block_size))
+
+    def last_micro_step():
+        model(x, x)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    last_micro_step()
+    if micro_steps > 1:  # the gradients the earlier micro-steps leave (MemTracker follows one pass only)
+        model(x, x)[1].backward()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        last_micro_step()
+    return sum(by_kind["Total"] for by_kind in tracker.get_tracker_snapshot("peak").values())
+
+
+def test_auto_micro_batch_is_the_largest_whose_peak_fits_the_budget(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)  # the process's own memory left out, for a fixed figure
+    fake = FakeTensorMode()
+    with fake:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
+                              use_kernels=False))
+    layout = dict(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False)
+    settings = dict(dtype="float32", optimizer="adamw", quantized=None, device="cpu")
+    sizes = [1, 2, 4, 8, 16, 32]  # the divisors of the update's 32 sequences
+    chosen = []
+    for gib in (0.012, 0.025, 0.05):
+        with fake:  # (its first try, a micro-step, on fake tensors too)
+            b, note = memory.auto_micro_batch(model, 32, 64, gib, layout, None, contextlib.nullcontext(), **settings)
+        assert note.startswith(f"batch_size='auto': micro-batch {b} of 32 sequences a process, estimated peak ")
+        assert note.endswith(f" of {gib:.2f} GiB (memory_budget)\nmicro-batch {b} x {32 // b} accumulation x 1 "
+                             f"processes x 64 tokens = 2,048 tokens per update")
+        room = 0.9 * gib * 2**30  # less the 10% margin
+        with fake:  # measured: this micro-batch's update fits, the next size up's does not
+            assert accumulated_peak(model, b, 64, 32 // b) <= room
+            bigger = sizes[sizes.index(b) + 1]
+            assert accumulated_peak(model, bigger, 64, 32 // bigger) > room
+        chosen.append(b)
+    assert chosen == sorted(chosen) and chosen[0] < chosen[-1]  # a larger budget, a larger micro-batch
+    with pytest.raises(UserError, match=r"^batch_size='auto': one sequence needs .* GiB short; turn on "
+                                        r"gradient_checkpointing"):
+        memory.auto_micro_batch(model, 32, 64, 0.001, layout, None, None, **settings)
+    # a resumed run keeps its micro-batch on the same device, budget and processes; on another, chooses again
+    before = {"config": {"batch_size_auto": True, "batch_size": 2, "memory_budget": 0.05}, "world_size": 1,
+              "memory_device": memory.device_name("cpu")}
+    assert memory.auto_micro_batch(model, 32, 64, 0.05, layout, before, None, **settings)[0] == 2
+    with fake:
+        again = memory.auto_micro_batch(model, 32, 64, 0.05, layout, {**before, "memory_device": "another"},
+                                        contextlib.nullcontext(), **settings)
+    assert again[0] == chosen[-1]
+
+
+def test_a_micro_batch_out_of_memory_in_its_first_try_is_halved_once():
+    class OutOfMemoryPast(torch.nn.Module):  # a model that runs out of memory past `fits` sequences
+        def __init__(self, fits):
+            super().__init__()
+            self.fits, self.w = fits, torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x, y):
+            if len(x) > self.fits:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return None, torch.nn.functional.dropout(self.w * x.float(), 0.5).sum()
+    state = torch.get_rng_state()
+    assert memory.tried_micro_batch(OutOfMemoryPast(12), 12, 48, 8, "cpu", contextlib.nullcontext()) == (12, None)
+    assert torch.equal(torch.get_rng_state(), state)  # dropout's stream as if nothing had run
+    model = OutOfMemoryPast(5)
+    b, note = memory.tried_micro_batch(model, 12, 48, 8, "cpu", contextlib.nullcontext())
+    assert (b, note) == (6, "batch_size='auto': micro-batch 12 ran out of memory in a first try: halved to 6")
+    assert model.w.grad is None  # once: 6 is not tried, the run goes on with it
+    assert memory.tried_micro_batch(model, 9, 27, 8, "cpu", contextlib.nullcontext())[0] == 3  # divides 27
+    with pytest.raises(UserError, match="one sequence ran out of memory"):
+        memory.tried_micro_batch(OutOfMemoryPast(0), 1, 4, 8, "cpu", contextlib.nullcontext())
+
+
+def test_batch_size_auto_keeps_the_number_it_replaces(tmp_path):
+    config = {"batch_size": 12, "batch_size_auto": False, "gradient_accumulation_steps": 1}
+    (tmp_path / "c.py").write_text("batch_size = 16\ngradient_accumulation_steps = 4\n")
+    configure(config, [str(tmp_path / "c.py"), "--batch_size=auto"])
+    assert config == {"batch_size": 16, "batch_size_auto": True, "gradient_accumulation_steps": 4}
+    configure(config, ["--batch_size=8"])  # a number after it: a micro-batch of that number again
+    assert config["batch_size"] == 8 and not config["batch_size_auto"]
+    (tmp_path / "auto.py").write_text("batch_size = 'auto'\n")
+    configure(config, [str(tmp_path / "auto.py")])
+    assert config["batch_size"] == 8 and config["batch_size_auto"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -134,6 +135,30 @@ def test_windows_epochs_end_the_run_and_a_resume_in_mid_epoch_is_exact(data_dir,
     run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=100", "--init_from=resume")
     assert losses(tmp_path / "whole") == losses(tmp_path / "parts") and len(losses(tmp_path / "whole")) == steps
     assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
+
+
+def test_batch_size_auto_keeps_the_update_and_its_micro_batch_on_resume(data_dir, tmp_path):
+    # TINY's batch_size=4 x 2 micro-steps: 8 sequences an update, which a budget of 4 GiB holds in one micro-batch
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=3", "--dropout=0.1"]
+    auto = [*common, "--gradient_accumulation_steps=2", "--batch_size=auto", "--memory_budget=4"]
+    out = run(*auto, f"--out_dir={tmp_path / 'auto'}")
+    assert "\nmicro-batch 8 x 1 accumulation x 1 processes x 32 tokens = 256 tokens per update\n" in out.stdout
+    assert "estimated peak" in out.stdout and "of 4.00 GiB (memory_budget)" in out.stdout
+    saved = torch.load(tmp_path / "auto" / "ckpt.pt", weights_only=True)["config"]
+    assert (saved["batch_size"], saved["gradient_accumulation_steps"], saved["batch_size_auto"]) == (8, 1, True)
+    run(*common, f"--out_dir={tmp_path / 'eight'}", "--batch_size=8")  # the same update, as a number
+    assert losses(tmp_path / "auto") == losses(tmp_path / "eight")  # bit for bit
+    # stopped and resumed with the same command: the micro-batch the run began with, the same losses
+    run(*auto, f"--out_dir={tmp_path / 'parts'}", "--max_iters=3")
+    out = run(*auto, f"--out_dir={tmp_path / 'parts'}", "--init_from=resume")
+    assert "batch_size='auto': micro-batch 8, the one the run began with on cpu" in out.stdout
+    assert "warning" not in out.stdout
+    assert losses(tmp_path / "parts") == losses(tmp_path / "auto")
+    # a budget that cannot hold one sequence: one line naming the shortfall and what would help, exit status 1
+    out = run(*auto, f"--out_dir={tmp_path / 'small'}", "--memory_budget=0.01", check=False)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert re.match(r"train.py: batch_size='auto': one sequence needs [0-9.]+ GiB where 0.01 GiB may be used \(90% of "
+                    r"0.01 GiB\), [0-9.]+ GiB short; turn on gradient_checkpointing", out.stderr)
 
 
 # -----------------------------------------------------------------------------
