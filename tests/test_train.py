@@ -112,19 +112,20 @@ def test_resume_continues_from_saved_step(data_dir, tmp_path):
 
 
 def test_windows_epochs_end_the_run_and_a_resume_in_mid_epoch_is_exact(data_dir, tmp_path):
-    # sequences='windows' (the default) on a split of 600 tokens: an epoch is 19 or 20 windows of 32, about 5 steps
-    # of 4; max_epochs=2 ends the run at the step that holds the last window of epoch 2
+    # sequences='windows' (the default) on a split of 640 tokens: an epoch is 21 windows of 32 (their grid's offset
+    # leaves a part window at each end), 5.25 steps of 4; max_epochs=2 ends the run at the step that holds the last
+    # window of epoch 2, the 11th (the tokens alone, 2 x 640 / 128, would make it 10)
     small = tmp_path / "small"
     small.mkdir()
     (small / "meta.json").write_bytes((data_dir / "meta.json").read_bytes())
-    (small / "train.bin").write_bytes((data_dir / "train.bin").read_bytes()[:2 * 600])
+    (small / "train.bin").write_bytes((data_dir / "train.bin").read_bytes()[:2 * 640])
     (small / "val.bin").write_bytes((data_dir / "val.bin").read_bytes()[:2 * 2000])
     common = [*TINY, f"--data_dir={small}", "--eval_interval=5", "--dropout=0.1", "--max_epochs=2"]
     out = run(*common, f"--out_dir={tmp_path / 'whole'}", "--max_iters=100")
     meta = json.loads((small / "meta.json").read_text())
     windows = Split(str(small), "train", meta, 32, seed=1337, examples=False, vocab_size=64)
     steps = -(-windows.sequences_in(2) // 4)
-    assert windows.sequences_in(1) in (19, 20) and steps in (10, 11)
+    assert (windows.sequences_in(1), windows.sequences_in(2), steps) == (21, 42, 11)
     assert f"max_epochs=2: {steps} steps" in out.stdout
     assert torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=True)["iter_num"] == steps
     evals = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
