@@ -1,13 +1,24 @@
 """
 A run's records: out_dir/metrics.jsonl, one JSON object a line, and the same records in Weights & Biases and
-TensorBoard where the run asks for them. Only the master process records anything.
+TensorBoard where the run asks for them. Only the master process records anything. And the run's clock: the
+time left, the finish time and the wall time its log lines give.
 
     log, close = open_log("out", {"learning_rate": 6e-4}, master=True)
     log({"iter": 10, "loss": 2.5})
+    clock = start_clock()
+    seconds, note = time_left(clock, 20, max_iters=5000, eval_interval=250, step_seconds=0.12, steps=10)
 """
 
 import json
 import os
+import time
+
+# train.py imports this module at its top, so the run's wall time (its last line) counts from here: from the
+# script's start, less the second or two its imports of torch take before this one
+STARTED = time.time()
+WARMUP_STEPS = 3  # a process's first steps (compiling, caches, the allocator) are slow: the estimate skips them
+RECENT_STEPS = 50  # the time left follows the mean step time over about this many of the latest steps
+FINISH_SHOWN = 3  # the first this many estimates also give the finish time on the clock
 
 
 def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wandb_run_name="run",
@@ -46,3 +57,68 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
             tensorboard.close()
 
     return log, close
+
+
+def evaluations_left(steps_done, max_iters, eval_interval):
+    # the evaluations still to come after steps_done updates: at every multiple of eval_interval from steps_done
+    # (the loop evaluates a step before it updates it) to max_iters, and at max_iters itself
+    multiples = max_iters // eval_interval - (steps_done - 1) // eval_interval
+    return max(0, multiples + (max_iters % eval_interval != 0))
+
+
+def seconds_left(intervals, eval_seconds, steps_done, max_iters, eval_interval):
+    """The seconds a run has left after steps_done updates: each update to max_iters at the mean step time of
+    intervals, a list of (steps, seconds) of recent log intervals, and each evaluation still to come at
+    eval_seconds, the last one's time with the checkpoint it saved (None: none timed yet, counted as nothing)."""
+    step_seconds = sum(seconds for _, seconds in intervals) / sum(steps for steps, _ in intervals)
+    evaluations = evaluations_left(steps_done, max_iters, eval_interval) * (eval_seconds or 0.0)
+    return (max_iters - steps_done) * step_seconds + evaluations
+
+
+def duration(seconds):
+    """A time span as a person reads it: '45s', '12m05s', '2h03m', '3d04h'."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def finish_time(seconds, now=None):
+    """The local clock time seconds from now: '14:32' today, '2026-11-27 14:32' on another day."""
+    now = time.time() if now is None else now
+    end = time.localtime(now + seconds)
+    return time.strftime("%H:%M" if end[:3] == time.localtime(now)[:3] else "%Y-%m-%d %H:%M", end)
+
+
+def start_clock():
+    """What the time left is estimated from, measured in this process only (a resumed run's too): eval_seconds
+    is the last evaluation's time, set by the loop (with the time of the checkpoint saved after it added)."""
+    return {"steps": 0, "intervals": [], "eval_seconds": None, "estimates": 0}
+
+
+def time_left(clock, steps_done, max_iters, eval_interval, step_seconds, steps):
+    """After a log interval of steps updates, step_seconds each (evaluations and saves left out), that ended at
+    steps_done: (the seconds left, None in the warm-up; the log line's note: ', 12m05s left', and on the first
+    lines after the warm-up ', ends ~14:32' too)."""
+    warm = clock["steps"] >= WARMUP_STEPS  # the interval began after this process's first steps
+    clock["steps"] += steps
+    if not warm:
+        return None, ""
+    intervals = clock["intervals"] = [*clock["intervals"], (steps, step_seconds * steps)]
+    while sum(n for n, _ in intervals[1:]) >= RECENT_STEPS:  # the oldest goes while the rest are enough
+        intervals.pop(0)
+    left = seconds_left(intervals, clock["eval_seconds"], steps_done, max_iters, eval_interval)
+    clock["estimates"] += 1
+    untimed = clock["eval_seconds"] is None and evaluations_left(steps_done, max_iters, eval_interval) > 0
+    untimed = " (evaluations not timed yet)" if untimed else ""
+    finish = f", ends ~{finish_time(left)}" if clock["estimates"] <= FINISH_SHOWN else ""
+    return left, f", {duration(left)} left{untimed}{finish}"
+
+
+def wall_time(steps_done):
+    """The run's last line: its wall time, counted from train.py's start (this process's, after a resume)."""
+    return f"run ended at step {steps_done}: wall time {duration(time.time() - STARTED)} since train.py started"

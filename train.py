@@ -36,7 +36,7 @@ from errors import UserError, one_line_errors
 from lora import quantize_base
 from memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
 from meta import check_token_files, read_meta
-from metrics import open_log
+from metrics import open_log, start_clock, time_left, wall_time
 from model import attended_keys, document_mask
 from optim import check_optimizer, lr_factor, set_lr
 from parallel import clip_gradients, init_distributed, parallelize, peak_flops
@@ -375,10 +375,12 @@ if eval_tasks and master:  # the tasks are checked, and their data loaded, befor
 # 8. the training loop
 
 t_log, iters_since_log, keys_since_log, logged = time.time(), 0, 0.0, False
+clock = start_clock()  # the time left (metrics.py), from the step and evaluation times of this process
 while True:
     step = loop["iter_num"]  # the step this pass evaluates, then updates
     # evaluate (and checkpoint) every eval_interval steps and at the end
     if (step % eval_interval == 0 or step == max_iters) and not loop["evaluated"]:
+        eval_began = time.time()
         losses = estimate_loss(model, raw_model)
         loop["evaluated"] = True
         task_scores = harness.task_metrics(*task_model, eval_tasks_limit) if eval_tasks and master else {}
@@ -406,6 +408,7 @@ while True:
                 print(f"early stop: no better val loss in {early_stop_patience} evaluations")
             break
         t_log, iters_since_log, keys_since_log = time.time(), 0, 0.0  # evaluation time is not training time
+        clock["eval_seconds"] = t_log - eval_began
     if step >= max_iters:
         break
 
@@ -459,7 +462,8 @@ while True:
             improved_then, rng_then = held_back
             saving_since = time.time()
             save_checkpoint(loop, improved_then, rng=rng_then)
-            t_log += time.time() - saving_since  # saving time is not training time either
+            saved = time.time() - saving_since  # saving time is not training time either: the evaluation's
+            t_log, clock["eval_seconds"] = t_log + saved, clock["eval_seconds"] + saved
         held_back = None
         for opt in optimizers:
             scaler.step(opt)
@@ -498,12 +502,13 @@ while True:
         flops = [raw_model.flops_per_token(block_size, k) * tokens_per_s / world_size for k in (None, keys)]
         mfu, mfu_run = (f / peak if peak else None for f in flops)  # None: the peak is unknown
         mfu_note = f"{mfu:.1%} PaLM, {mfu_run:.1%} run" if mfu else "n/a"
+        left, left_note = time_left(clock, loop["iter_num"], max_iters, eval_interval, dt, iters_since_log)
         print(f"iter {loop['iter_num']}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
               f"epoch {epoch(loop['iter_num']):.2f}, {dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU "
-              f"{mfu_note}, mem {measured_mb(device):,.0f} MB{memory_note}")
+              f"{mfu_note}, mem {measured_mb(device):,.0f} MB{memory_note}{left_note}")
         log({"iter": loop["iter_num"], "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
              "ms_per_iter": dt * 1000, "tokens_per_s": tokens_per_s, "mfu": mfu, "mfu_run": mfu_run,
-             "mem_mb": measured_mb(device), "epoch": epoch(loop["iter_num"])})
+             "mem_mb": measured_mb(device), "epoch": epoch(loop["iter_num"]), "time_left_s": left})
         t_log, iters_since_log, keys_since_log = time.time(), 0, 0.0
     if save_every_epoch and int(epoch(loop["iter_num"])) > epoch_before:  # this step finished an epoch: kept as
         save_checkpoint(loop, False, int(epoch(loop["iter_num"])))  # ckpt_epoch_N
@@ -513,6 +518,8 @@ while True:
         break
 
 close_log()  # TensorBoard writes out what it buffers
+if master:
+    print(wall_time(loop["iter_num"]))
 if dist.is_initialized():
     # free DDP's reducer (it holds gloo's pending work) now: freed at interpreter exit instead, it
     # sometimes aborted a process ("terminate called without an active exception"), 1 run in ~12 here

@@ -1,0 +1,103 @@
+"""The run's clock (metrics.py): the time left from the steps' and evaluations' times, its format, and train.py's
+log lines giving it, the finish time and the wall time."""
+
+import json
+import re
+import time
+
+import pytest
+
+from helpers import TINY, run
+from metrics import (RECENT_STEPS, WARMUP_STEPS, duration, evaluations_left, finish_time, seconds_left, start_clock,
+                     time_left)
+
+
+def test_evaluations_left_counts_every_interval_and_the_end():
+    # the evaluation of the step reached is still to come: the loop evaluates a step before it updates it
+    assert evaluations_left(20, 100, 50) == 2  # 50, 100
+    assert evaluations_left(50, 100, 50) == 2  # 50 itself, 100
+    assert evaluations_left(51, 100, 50) == 1
+    assert evaluations_left(20, 110, 50) == 3  # 50, 100, and the end at 110
+    assert evaluations_left(101, 110, 50) == 1  # the end alone
+    assert evaluations_left(110, 110, 50) == 1
+    assert evaluations_left(1, 1, 250) == 1
+
+
+def test_seconds_left_from_step_and_evaluation_times():
+    intervals = [(10, 2.0), (10, 3.0)]  # 20 steps in 5 s: 0.25 s a step
+    assert seconds_left(intervals, 4.0, 20, 100, 50) == pytest.approx(80 * 0.25 + 2 * 4.0)
+    assert seconds_left(intervals, 4.0, 20, 110, 50) == pytest.approx(90 * 0.25 + 3 * 4.0)
+    assert seconds_left(intervals, None, 20, 100, 50) == pytest.approx(80 * 0.25)  # no evaluation timed yet
+    assert seconds_left(intervals, 4.0, 100, 100, 50) == pytest.approx(4.0)  # the last evaluation only
+
+
+def test_time_left_skips_the_warm_up_and_follows_the_recent_steps():
+    clock = start_clock()
+    # log_interval=1: the first WARMUP_STEPS steps give no estimate, however slow they were
+    for step in range(1, WARMUP_STEPS + 1):
+        assert time_left(clock, step, 1000, 100, 60.0, 1) == (None, "")
+    clock["eval_seconds"] = 10.0
+    left, note = time_left(clock, WARMUP_STEPS + 1, 1000, 100, 0.5, 1)
+    assert left == pytest.approx((1000 - WARMUP_STEPS - 1) * 0.5 + 10 * 10.0)  # evaluations at 100, ..., 1000
+    assert re.fullmatch(r", \d+m\d\ds left, ends ~(\d{4}-\d\d-\d\d )?\d\d:\d\d", note), note
+
+    # log_interval=10: the first interval is the warm-up; then the mean over the latest RECENT_STEPS steps
+    clock, step = start_clock(), 10
+    assert time_left(clock, step, 1000, 1000, 100.0, 10) == (None, "")
+    clock["eval_seconds"] = 0.0
+    per_step = [1.0] * (RECENT_STEPS // 10) + [2.0] * (RECENT_STEPS // 10)
+    notes = []
+    for seconds in per_step:
+        step += 10
+        left, note = time_left(clock, step, 1000, 1000, seconds, 10)
+        notes.append(note)
+    assert left == pytest.approx((1000 - step) * 2.0)  # the 1 s steps have left the window
+    step += 10
+    left, _ = time_left(clock, step, 1000, 1000, 4.0, 10)
+    assert left == pytest.approx((1000 - step) * (4 * 2.0 + 4.0) / 5)
+    # the finish time on the first lines with an estimate, then the time left alone
+    assert all(", ends ~" in note for note in notes[:3]) and not any(", ends ~" in note for note in notes[3:])
+    assert all(" left" in note for note in notes)
+
+
+def test_time_left_says_when_no_evaluation_was_timed():
+    clock = start_clock()
+    for step in range(1, WARMUP_STEPS + 2):
+        left, note = time_left(clock, step, 10, 5, 1.0, 1)
+    assert left == pytest.approx(10 - WARMUP_STEPS - 1)
+    assert note.startswith(f", {10 - WARMUP_STEPS - 1}s left (evaluations not timed yet), ends ~")
+
+
+def test_duration_reads_as_a_person_would():
+    assert [duration(s) for s in (0, 45.4, 59.6, 725, 3599.6, 7380, 86399, 86400 + 4 * 3600 + 59)] == \
+        ["0s", "45s", "1m00s", "12m05s", "1h00m", "2h03m", "23h59m", "1d04h"]
+
+
+def test_finish_time_on_the_local_clock():
+    now = time.mktime((2026, 11, 26, 14, 0, 0, 0, 0, -1))  # 14:00 local time
+    assert finish_time(32 * 60 + 5, now) == "14:32"
+    assert finish_time(11 * 3600, now) == "2026-11-27 01:00"  # another day: with its date
+    assert finish_time(3 * 86400, now) == "2026-11-29 14:00"
+
+
+def test_log_lines_give_the_time_left_and_the_last_line_the_wall_time(data_dir, tmp_path):
+    common = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=4"]
+    out = run(*common, "--max_iters=8").stdout  # TINY logs every step
+    lines = {int(m[1]): m[0] for m in re.finditer(r"^iter (\d+): .*$", out, re.MULTILINE)}
+    assert sorted(lines) == list(range(1, 9))
+    assert not any(" left" in lines[i] for i in range(1, WARMUP_STEPS + 1))  # the warm-up
+    assert all(re.search(r"MB, [0-9dhms]+ left", lines[i]) for i in range(WARMUP_STEPS + 1, 9))
+    assert [i for i in lines if re.search(r"left, ends ~\d\d:\d\d$", lines[i])] == [4, 5, 6]  # the first three
+    assert re.fullmatch(r"run ended at step 8: wall time [0-9dhms]+ since train.py started", out.strip().splitlines()[-1])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    left = {r["iter"]: r["time_left_s"] for r in records if "tokens_per_s" in r}
+    assert [left[i] for i in range(1, WARMUP_STEPS + 1)] == [None] * WARMUP_STEPS
+    assert left[8] > 0  # the last evaluation and its checkpoint are still to come
+
+    # a resume measures its own process: the warm-up again, and no evaluation timed before step 12's
+    out = run(*common, "--max_iters=12", "--init_from=resume").stdout
+    assert "iter 11:" in out and " left" not in out.split("iter 12:")[0]
+    assert re.search(r"^iter 12: .*MB, 0s left \(evaluations not timed yet\), ends ~", out, re.MULTILINE)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["time_left_s"] for r in records if "tokens_per_s" in r][-1] == 0.0  # no steps, evaluation untimed
+    assert out.strip().splitlines()[-1].startswith("run ended at step 12: wall time ")
