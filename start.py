@@ -167,10 +167,14 @@ def resume(start, config, meta):
     # sequences (batch_size='auto' may share them otherwise than the command says)
     def shaping(c):
         return c.get("seed"), c.get("sequences"), c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0)
+    old = before.get("sequences") == "windows" and "memory_budget" not in before  # saved before windows were shuffled:
+    before = {**before, "sequences": "random"} if old else before  # its windows were drawn as 'random' draws them now
     if shaping(before) != shaping(config):
         start["notes"].append("warning: seed, sequences or the sequences of an update (batch_size x "
                               "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
-                              "not on the batches the first run would have seen")
+                              "not on the batches the first run would have seen" + (
+                                  " (this checkpoint's windows were drawn with replacement, as sequences='random' "
+                                  "draws them now)" if old else ""))
     if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -136,6 +137,25 @@ def test_windows_epochs_end_the_run_and_a_resume_in_mid_epoch_is_exact(data_dir,
     run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=100", "--init_from=resume")
     assert losses(tmp_path / "whole") == losses(tmp_path / "parts") and len(losses(tmp_path / "whole")) == steps
     assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
+
+
+def test_a_checkpoint_from_before_shuffled_windows_is_resumed_as_random_windows(data_dir, tmp_path):
+    # before windows were drawn without replacement, sequences='windows' drew them as 'random' does now: a checkpoint
+    # of then (its config has no memory_budget) resumes exactly with --sequences=random, and the default warns
+    common = [*TINY, f"--data_dir={data_dir}", "--eval_interval=3", "--sequences=random"]
+    run(*common, f"--out_dir={tmp_path / 'whole'}", "--max_iters=6")
+    run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=3")
+    checkpoint = torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)
+    checkpoint["config"]["sequences"] = "windows"
+    del checkpoint["config"]["memory_budget"], checkpoint["config"]["batch_size_auto"]
+    torch.save(checkpoint, tmp_path / "parts" / "ckpt.pt")
+    shutil.copytree(tmp_path / "parts", tmp_path / "default")
+    out = run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=6", "--init_from=resume")
+    assert "warning" not in out.stdout + out.stderr
+    assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
+    out = run(*common[:-1], f"--out_dir={tmp_path / 'default'}", "--max_iters=4", "--init_from=resume")
+    assert "not on the batches the first run would have seen (this checkpoint's windows were drawn with " \
+           "replacement, as sequences='random' draws them now)" in out.stdout + out.stderr
 
 
 def test_batch_size_auto_keeps_the_update_and_its_micro_batch_on_resume(data_dir, tmp_path):
