@@ -241,9 +241,8 @@ if room_warning and master:
     print(room_warning)
 
 # -----------------------------------------------------------------------------
-# 6. the sequences (data.py): windows in a shuffled order, or whole examples packed best-fit attending only within
-# themselves, every one once per epoch; or random windows. Sequence n of the run is the same however processes
-# share the steps
+# 6. the sequences (data.py): shuffled windows, or whole examples packed best-fit attending only within themselves,
+# every one once per epoch (or random windows). Sequence n of the run is the same however processes share steps
 
 examples = sequences == "examples"
 # Conversations are evaluated as they are trained: eval_full on a masked dataset, as every evaluation of a run on
