@@ -4,10 +4,10 @@ import pytest
 
 from helpers import STANDARD, TINY, losses, run, standard_run
 
-from meta import read_meta
 from errors import UserError
 from hf import save_pretrained
 from measure import train_defaults
+from meta import read_meta
 from model import GPT, GPTConfig
 from start import begin
 
@@ -24,8 +24,8 @@ def assert_losses_close(a, b, rel=1e-5):
 def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path, shared):
     # 2 processes splitting every block (tp 2), and 4 as 2 replicas of 2 with gradient checkpointing: the
     # same tokens per update, the same losses (no dropout: its masks are drawn per process) as the standard run
-    # in one process (helpers.standard_run, made once). Its first 4 steps: each of them a step of every layout;
-    # no evaluations here, which change nothing in training.
+    # in one process (helpers.standard_run, made once), over the first 4 of its steps, which are run here without
+    # its evaluations (they change nothing in training)
     one = {i: loss for i, loss in losses(standard_run(shared, data_dir, "one")).items() if i <= 4}
     common = [*STANDARD, f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=100"]
     out = run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO)
