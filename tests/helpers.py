@@ -47,6 +47,23 @@ def on_cpu(args):
     return args if any(a.startswith("--device=") for a in args) else [*args, "--device=cpu"]
 
 
+# The distributed tests' standard run: 8 updates of 8 sequences of the tiny model (2 a micro-step, 4 micro-steps),
+# evaluated (and saved) every 2 steps. Made once per session (conftest.py's shared fixture) in one process and
+# under DDP on 2 processes, keeping the last two checkpoints; tests that compare another layout with it only read
+# them (test_train, test_parallel, test_scale). The DDP run's stdout is kept beside it in stdout.txt.
+STANDARD = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--eval_interval=2", "--max_iters=8",
+            "--keep_last_n=2"]
+
+
+def standard_run(shared, data_dir, layout):
+    # layout: "one" (one process) or "ddp" (torchrun, 2 processes); the run's out_dir, read only
+    def build(out):
+        torchrun = ["--standalone", "--nproc_per_node=2"] if layout == "ddp" else ()
+        done = run(*STANDARD, f"--data_dir={data_dir}", f"--out_dir={out}", torchrun=torchrun)
+        (out / "stdout.txt").write_text(done.stdout)
+    return shared(f"standard_{layout}", build)
+
+
 def run(*args, torchrun=(), check=True, env=None):
     # train.py in a new process: forked from a server that has torch imported already (forkserver.py), or
     # under torchrun

@@ -91,15 +91,25 @@ def test_resuming_with_another_optimizer_is_refused(data_dir, tmp_path):
     assert "was trained with optimizer='muon': resume with --optimizer=muon" in out.stderr
 
 
+DDP = [*COMMON, "--gradient_accumulation_steps=2", "--max_iters=40"]
+
+
+def whole_ddp(shared, data_dir):
+    # 40 steps under DDP on 2 processes, never stopped: made once, only read by the tests that stop, kill and
+    # resume the same run
+    return shared("whole_ddp", lambda out: run(*DDP, f"--data_dir={data_dir}", f"--out_dir={out}",
+                                               torchrun=["--standalone", "--nproc_per_node=2"]))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stop_at", [2, 5])
-def test_bitwise_resume_ddp(data_dir, tmp_path, stop_at, shared):
-    args = [*COMMON, f"--data_dir={data_dir}", "--gradient_accumulation_steps=2"]
+def test_bitwise_resume_ddp(data_dir, tmp_path, shared):
+    # One stop, at step 5, between two evaluations: test_bitwise_resume_one_process tries stops before, after
+    # and on them, and what DDP adds (every rank's RNG and data position, restored) is the same at any step.
+    args = [*DDP, f"--data_dir={data_dir}"]
     ddp = ["--standalone", "--nproc_per_node=2"]
-    # the uninterrupted run, the same for every stop_at: made once, only read
-    uninterrupted = shared("whole_ddp", lambda out: run(*args, f"--out_dir={out}", "--max_iters=8", torchrun=ddp))
-    run(*args, f"--out_dir={tmp_path / 'parts'}", f"--max_iters={stop_at}", torchrun=ddp)
-    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=8", "--init_from=resume", torchrun=ddp)
+    uninterrupted = whole_ddp(shared, data_dir)
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=5", torchrun=ddp)
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--init_from=resume", torchrun=ddp)
     assert losses(uninterrupted) == losses(tmp_path / "parts")
     assert_same_weights(weights(uninterrupted), weights(tmp_path / "parts"))
 
@@ -337,13 +347,18 @@ def final_weights(out_dir):
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 @pytest.mark.kills
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers to kill in /proc")
-def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(data_dir, tmp_path, layout):
+def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(data_dir, tmp_path, layout, shared):
     # kill -9 one worker (as the out-of-memory killer or a lost node does) at a random step, three times in the
-    # run's life: torchrun restarts the group, which resumes from its last checkpoint (--init_from=auto)
-    args = [*COMMON, f"--data_dir={data_dir}", "--gradient_accumulation_steps=2", "--max_iters=40",
-            "--eval_interval=4", "--init_from=auto", "--dist_timeout=15", *(["--fsdp=True"] * (layout == "fsdp"))]
+    # run's life: torchrun restarts the group, which resumes from its last checkpoint (--init_from=auto). The
+    # run never killed: under DDP the one test_bitwise_resume_ddp reads too (the same settings but the two
+    # below, which change no step), made once.
+    args = [*DDP, f"--data_dir={data_dir}", "--init_from=auto", "--dist_timeout=15",
+            *(["--fsdp=True"] * (layout == "fsdp"))]
     two = ["--standalone", "--nproc_per_node=2"]
-    run(*args, f"--out_dir={tmp_path / 'whole'}", torchrun=two)
+    if layout == "ddp":
+        (tmp_path / "whole").symlink_to(whole_ddp(shared, data_dir))
+    else:
+        run(*args, f"--out_dir={tmp_path / 'whole'}", torchrun=two)
     launcher = (sys.executable, "-m", "torch.distributed.run", *two, "--max-restarts=9")
     proc = start(*args, f"--out_dir={tmp_path / 'killed'}", launcher=launcher)
     rng = random.Random(layout)

@@ -2,10 +2,14 @@
 
 import pytest
 
-from helpers import TINY, losses, run
+from helpers import STANDARD, TINY, losses, run, standard_run
 
+from errors import UserError
 from hf import save_pretrained
+from measure import train_defaults
+from meta import read_meta
 from model import GPT, GPTConfig
+from start import begin
 
 pytestmark = pytest.mark.slow  # torchrun, mostly
 TWO, FOUR = ["--standalone", "--nproc_per_node=2"], ["--standalone", "--nproc_per_node=4"]
@@ -17,17 +21,17 @@ def assert_losses_close(a, b, rel=1e-5):
         assert abs(a[step] - b[step]) <= rel * abs(a[step]), (step, a[step], b[step])
 
 
-def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path):
+def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path, shared):
     # 2 processes splitting every block (tp 2), and 4 as 2 replicas of 2 with gradient checkpointing: the
-    # same tokens per update, the same losses (no dropout: its masks are drawn per process)
-    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=100", "--batch_size=2",
-              "--gradient_accumulation_steps=4"]
-    run(*common, f"--out_dir={tmp_path / 'one'}")
+    # same tokens per update, the same losses (no dropout: its masks are drawn per process) as the standard run
+    # in one process (helpers.standard_run, made once), over the first 4 of its steps, which are run here without
+    # its evaluations (they change nothing in training)
+    one = {i: loss for i, loss in losses(standard_run(shared, data_dir, "one")).items() if i <= 4}
+    common = [*STANDARD, f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=100"]
     out = run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO)
     assert "2 process(es) on cpu" in out.stdout
     assert "| FSDP x1 + TP x2 |" in out.stdout  # every parameter on the one mesh: FSDP over the single replica
     run(*common, f"--out_dir={tmp_path / 'dp_tp'}", "--tp_size=2", "--gradient_checkpointing=True", torchrun=FOUR)
-    one = losses(tmp_path / "one")
     assert_losses_close(one, losses(tmp_path / "tp"))
     assert_losses_close(one, losses(tmp_path / "dp_tp"))
 
@@ -46,13 +50,19 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
     assert out.returncode != 0 and "tp_size=2 must divide the 1 processes" in out.stderr
     out = run(*common, f"--out_dir={tmp_path / 'b'}", "--tp_size=2", "--n_kv_head=1", torchrun=TWO, check=False)
     assert out.returncode != 0 and "tp_size=2 must divide n_head=4 and n_kv_head=1" in out.stderr
-    out = run(*common, f"--out_dir={tmp_path / 'm'}", "--tp_size=2", "--optimizer=muon", torchrun=TWO, check=False)
+    # The layout's checks run before the process group forms (parallel.check_layout, in init_distributed), so
+    # one process shows muon's refusal end to end; a torchrun launch (~10 s) would add nothing.
+    out = run(*common, f"--out_dir={tmp_path / 'm'}", "--tp_size=2", "--optimizer=muon", check=False)
     assert out.returncode != 0 and "optimizer='muon' does not run under tensor parallel" in out.stderr
+    # LoRA's refusal comes after the process group forms (start.begin, which every process calls): called here
+    # in process with the run's settings, as train.py's processes would call it (the lines above show
+    # train.py printing such a refusal in one line and exiting 1)
     folder = tmp_path / "folder"
     save_pretrained(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32)), folder)
-    out = run(*common, f"--out_dir={tmp_path / 'c'}", f"--init_from={folder}", "--lora_rank=2", "--tp_size=2",
-              torchrun=TWO, check=False)
-    assert out.returncode != 0 and "LoRA does not run under tensor parallel" in out.stderr
+    config = {**train_defaults(), "data_dir": str(data_dir), "out_dir": str(tmp_path / "c"),
+              "init_from": str(folder), "lora_rank": 2, "tp_size": 2}
+    with pytest.raises(UserError, match="LoRA does not run under tensor parallel"):
+        begin(config, 64, read_meta(str(data_dir)), fsdp=True)
 
 
 def test_rotary_tables_stay_fp32_in_a_block_under_fsdp_bf16():

@@ -16,8 +16,8 @@ import torch
 
 from checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
-from helpers import (CPU_ENV, ROOT, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port,
-                        kernel_counter, losses, on_cpu, run, script, weights)
+from helpers import (CPU_ENV, ROOT, STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port,
+                     kernel_counter, losses, on_cpu, run, script, standard_run, weights)
 
 pytestmark = pytest.mark.slow  # every test here starts torchrun
 TWO = ["--standalone", "--nproc_per_node=2"]
@@ -43,13 +43,13 @@ def whole_checkpoint(path):
 # FSDP gives DDP's losses, and its checkpoints load into other layouts
 
 
-def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, tmp_path):
-    args = [*TINY, f"--data_dir={data_dir}", "--batch_size=2", "--gradient_accumulation_steps=4",
-            "--eval_interval=2"]
-    run(*args, f"--out_dir={tmp_path / 'ddp'}", "--max_iters=8", "--keep_last_n=2", torchrun=TWO)
+def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, tmp_path, shared):
+    # DDP's run is the standard one (helpers.standard_run: 8 steps on 2 processes, made once, read only)
+    args = [*STANDARD, f"--data_dir={data_dir}"]
+    ddp_dir = standard_run(shared, data_dir, "ddp")
     out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=4", "--fsdp=True", "--keep_last_n=1",
               torchrun=TWO)
-    ddp, fsdp = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
+    ddp, fsdp = losses(ddp_dir), losses(tmp_path / "fsdp")
     assert_close_losses(fsdp, ddp, range(1, 5))
     # on disk: a folder in place of ckpt.pt, one file of shards per process, each about half of the whole;
     # the best and the last step beside it, older steps pruned
@@ -70,24 +70,22 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, 
     assert_close_losses(losses(one), ddp, [5, 6])
     assert (one / "ckpt" / "state.pt").exists() and not (one / "ckpt.pt").exists()
     assert load_checkpoint(str(one / "ckpt"), weights=False)["iter_num"] == 6
-    out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=6", "--fsdp=True", "--init_from=resume",
-              torchrun=FOUR)
+    # and into 4 processes as FSDP x tensor parallel (2 replicas of 2): the shards of 2 processes loaded into 4,
+    # each holding parts of other shapes (one launch of 4 processes for both changes: ~30 s each here)
+    out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=6", "--fsdp=True", "--tp_size=2",
+              "--init_from=resume", torchrun=FOUR)
     assert "4 process(es)" in out.stdout and "warning" not in out.stdout
     assert_close_losses(losses(tmp_path / "fsdp"), ddp, [5, 6])
     assert len(list((tmp_path / "fsdp" / "ckpt").glob("*.distcp"))) == 4
-    # and on as FSDP x tensor parallel (2 replicas of 2)
-    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=8", "--fsdp=True", "--tp_size=2",
-        "--init_from=resume", torchrun=FOUR)
-    assert_close_losses(losses(tmp_path / "fsdp"), ddp, [7, 8])
     # and a single file into shards: DDP's ckpt.pt of step 6, resumed under FSDP on 2, which gathers its shards
     # into ckpt.pt again (the out_dir's layout), the checkpoint a plain run resumes from
     files = tmp_path / "files"
     files.mkdir()
-    shutil.copy(tmp_path / "ddp" / "ckpt_0000006.pt", files / "ckpt.pt")
+    shutil.copy(ddp_dir / "ckpt_0000006.pt", files / "ckpt.pt")
     run(*args, f"--out_dir={files}", "--max_iters=8", "--fsdp=True", "--init_from=auto", torchrun=TWO)
     assert_close_losses(losses(files), ddp, [7, 8])
     assert find_checkpoint(str(files / "ckpt.pt")) == str(files / "ckpt.pt") and not (files / "ckpt").exists()
-    gathered, plain = torch.load(files / "ckpt.pt", weights_only=True), torch.load(tmp_path / "ddp" / "ckpt.pt",
+    gathered, plain = torch.load(files / "ckpt.pt", weights_only=True), torch.load(ddp_dir / "ckpt.pt",
                                                                                   weights_only=True)
     assert gathered["iter_num"] == 8 and gathered["model"].keys() == plain["model"].keys()
     assert all(torch.allclose(gathered["model"][k], plain["model"][k], atol=1e-5) for k in plain["model"])

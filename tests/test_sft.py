@@ -45,6 +45,14 @@ def chat_data(shared):
     return shared("sft", write_chat_data) / "data"
 
 
+@pytest.fixture(scope="session")
+def scored_run(chat_data, shared):
+    # 3 steps on the conversations, evaluated at the last: made once, only read by the tests that score its
+    # checkpoint again (in process, with eval.py, with transformers) and compare with the val loss it logged
+    return shared("sft_scored", lambda out: run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={out}",
+                                                "--max_iters=3", "--eval_interval=3"))
+
+
 def split(chat_data, name="train", block_size=64, seed=1):
     meta = json.loads((chat_data / "meta.json").read_text())
     return Split(str(chat_data), name, meta, block_size, seed, examples=True, vocab_size=meta["vocab_size"])
@@ -175,11 +183,10 @@ def test_examples_accumulated_match_one_big_batch_and_epochs_end_the_run(chat_da
     assert evals[-1]["epoch"] == pytest.approx(2.0, abs=16 / per_epoch)
 
 
-def test_val_loss_is_over_every_trained_token_of_the_val_split(chat_data, tmp_path):
-    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=3")
-    record = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+def test_val_loss_is_over_every_trained_token_of_the_val_split(chat_data, scored_run):
+    record = [json.loads(line) for line in (scored_run / "metrics.jsonl").read_text().splitlines()][-1]
     from checkpoint import load_run
-    model = load_run(str(tmp_path / "ckpt.pt"))[0].eval()
+    model = load_run(str(scored_run / "ckpt.pt"))[0].eval()
     val = split(chat_data, "val", seed=1337)
     x, y, doc_ids = val.packed(range(val.sequences_in(1)))
     with torch.no_grad():
@@ -200,24 +207,22 @@ def eval_py_loss(out_dir, *args):
     return float(lines[-1].split()[2])
 
 
-def test_eval_py_scores_conversations_as_training_does(chat_data, tmp_path):
+def test_eval_py_scores_conversations_as_training_does(scored_run):
     # conversations are evaluated as they are trained: each val example on its own over its trained targets. eval.py
     # gives the val loss train.py logged for the same checkpoint (not windows across examples over every token),
     # in any batching
-    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=3")
-    logged = logged_val_loss(tmp_path)
-    assert eval_py_loss(tmp_path) == pytest.approx(logged, rel=1e-5)
-    assert eval_py_loss(tmp_path, "--batch_size=3") == pytest.approx(logged, rel=1e-5)
+    logged = logged_val_loss(scored_run)
+    assert eval_py_loss(scored_run) == pytest.approx(logged, rel=1e-5)
+    assert eval_py_loss(scored_run, "--batch_size=3") == pytest.approx(logged, rel=1e-5)
 
 
-def test_eval_full_scores_conversations_as_training_does(chat_data, tmp_path):
-    # eval_full on conversations: each val example on its own, as without it, on a run of whole examples; on a run
-    # of windows, the loss eval.py gives for its checkpoint
-    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'ex'}", "--max_iters=2", "--eval_interval=2")
-    full = run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'full'}", "--max_iters=2",
-               "--eval_interval=2", "--eval_full=True", "--eval_stride=16")
+def test_eval_full_scores_conversations_as_training_does(chat_data, scored_run, tmp_path):
+    # eval_full on conversations: each val example on its own, as without it, on a run of whole examples (the
+    # shared run's settings); on a run of windows, the loss eval.py gives for its checkpoint
+    full = run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'full'}", "--max_iters=3",
+               "--eval_interval=3", "--eval_full=True", "--eval_stride=16")
     assert "val loss: each val example on its own" in full.stdout
-    assert logged_val_loss(tmp_path / "full") == pytest.approx(logged_val_loss(tmp_path / "ex"), rel=1e-5)
+    assert logged_val_loss(tmp_path / "full") == pytest.approx(logged_val_loss(scored_run), rel=1e-5)
     windows = [a for a in SMALL if a != "--sequences=examples"]
     run(*windows, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'win'}", "--max_iters=2", "--eval_interval=2",
         "--eval_full=True", "--eval_stride=16")
@@ -225,13 +230,12 @@ def test_eval_full_scores_conversations_as_training_does(chat_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_logged_val_loss_of_conversations_is_transformers_example_by_example(chat_data, tmp_path):
+def test_the_logged_val_loss_of_conversations_is_transformers_example_by_example(chat_data, scored_run, tmp_path):
     # transformers on the export, example by example (each cut to block_size + 1 tokens as in training), over the
     # trained targets: the val loss train.py logged
     transformers = pytest.importorskip("transformers")
-    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'ex'}", "--max_iters=3", "--eval_interval=3")
-    logged = logged_val_loss(tmp_path / "ex")
-    done = script("export.py", f"--out_dir={tmp_path / 'ex'}", f"--to={tmp_path / 'hf'}")
+    logged = logged_val_loss(scored_run)
+    done = script("export.py", f"--out_dir={scored_run}", f"--to={tmp_path / 'hf'}")
     assert done.returncode == 0, done.stderr
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     val = split(chat_data, "val", seed=1337)

@@ -13,7 +13,7 @@ import torch
 
 from data import Split
 from helpers import (CPU_ENV, ROOT, TINY, assert_every_kernel_ran, assert_weights_close, free_port, kernel_counter,
-                     kernel_launches, losses, on_cpu, run, script, weights)
+                     kernel_launches, losses, on_cpu, run, script, standard_run, weights)
 
 
 def copy_dataset(data_dir, to, val_tokens):
@@ -60,15 +60,13 @@ def test_gradient_accumulation_matches_one_big_batch(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_match_one_process(data_dir, tmp_path):
-    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=100", "--batch_size=2",
-              "--gradient_accumulation_steps=4"]
-    run(*common, f"--out_dir={tmp_path / 'one'}")
-    out = run(*common, f"--out_dir={tmp_path / 'ddp'}", torchrun=["--standalone", "--nproc_per_node=2"])
-    assert "2 process(es) on cpu" in out.stdout
-    one, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
-    assert one.keys() == ddp.keys() and all(abs(one[i] - ddp[i]) < 1e-5 for i in one)
-    assert_weights_close(weights(tmp_path / "one"), weights(tmp_path / "ddp"))
+def test_ddp_two_processes_match_one_process(data_dir, shared):
+    # the standard run in one process and under DDP on 2 (helpers.standard_run: made once, read by other tests too)
+    one, ddp = standard_run(shared, data_dir, "one"), standard_run(shared, data_dir, "ddp")
+    assert "2 process(es) on cpu" in (ddp / "stdout.txt").read_text()
+    a, b = losses(one), losses(ddp)
+    assert a.keys() == b.keys() and all(abs(a[i] - b[i]) < 1e-5 for i in a)
+    assert_weights_close(weights(one), weights(ddp))
 
 
 @pytest.mark.slow
