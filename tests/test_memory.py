@@ -153,8 +153,14 @@ def test_activations_are_what_autograd_saves(shape, batch_size, block_size, dtyp
     assert (estimate["copies"] > 0) == (dtype == "bfloat16")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("shape", [SHAPE, dict(SHAPE, head_size=16, qk_norm=True, qkv_bias=True)])
+# The quick tier keeps the case that takes every branch (Qwen3's heads, bf16's copies); the other three run the
+# same code under Triton's interpreter (~5-10 s each) and are in the slow tier.
+@pytest.mark.parametrize("shape, dtype", [
+    pytest.param(SHAPE, "float32", marks=pytest.mark.slow),
+    pytest.param(SHAPE, "bfloat16", marks=pytest.mark.slow),
+    pytest.param(dict(SHAPE, head_size=16, qk_norm=True, qkv_bias=True), "float32", marks=pytest.mark.slow),
+    (dict(SHAPE, head_size=16, qk_norm=True, qkv_bias=True), "bfloat16"),
+])
 def test_activations_with_the_fused_kernels_are_what_autograd_saves(shape, dtype):
     # the estimate's other branch: the Triton ops (under Triton's interpreter on a CPU) keep what their
     # backward needs, which is not what the plain ops keep
@@ -192,8 +198,10 @@ def peak_of_a_step(model, batch_size, block_size, dtype):
     return sum(by_kind["Total"] for by_kind in tracker.get_tracker_snapshot("peak").values())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fused", [False, True])
+# The quick tier keeps bf16 (the estimate's copies) with and without the fused ops; fp32 runs the same branches
+# and is in the slow tier.
+@pytest.mark.parametrize("fused, dtype", [pytest.param(False, "float32", marks=pytest.mark.slow), (False, "bfloat16"),
+                                          pytest.param(True, "float32", marks=pytest.mark.slow), (True, "bfloat16")])
 def test_device_is_the_peak_of_a_step(fused, dtype):
     # The estimate's device figure against the peak of a real step (MemTracker on fake tensors). The fused ops'
     # peak comes in the backward, which the estimate does not model: 2.9-3.0% under it at this shape (and the

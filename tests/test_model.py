@@ -52,7 +52,8 @@ def naive_generate(model, idx, n, temperature, top_k):
     return idx
 
 
-@pytest.mark.parametrize("temperature,top_k", [(0, None), (1.0, 10)])
+# sampling with top_k goes through the same cache as greedy decoding: the quick tier keeps greedy
+@pytest.mark.parametrize("temperature,top_k", [(0, None), pytest.param(1.0, 10, marks=pytest.mark.slow)])
 def test_kv_cache_generation_equals_full_forward(temperature, top_k):
     model = tiny()
     prompt = torch.randint(0, 97, (2, 5))
@@ -109,7 +110,11 @@ def counted_flops_per_token(model, T):
     return counter.get_total_flops() / idx.numel() + elementwise
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=False), dict(n_kv_head=1),
+# FlopCounterMode costs seconds a case: the quick tier keeps Qwen3's heads (head_size, q/k norms, biases: the
+# most terms), the slow tier the others
+@pytest.mark.parametrize("kw", [pytest.param(dict(), marks=pytest.mark.slow),
+                                pytest.param(dict(tie_embeddings=False), marks=pytest.mark.slow),
+                                pytest.param(dict(n_kv_head=1), marks=pytest.mark.slow),
                                 dict(head_size=16, qk_norm=True, qkv_bias=True)])  # Qwen3's heads: 4 x 16 != 32
 def test_flops_per_token(kw):
     # counted, not restated: 6 FLOPs a weight trained, 4 frozen (LoRA's base: no weight gradient), attention's
@@ -329,7 +334,8 @@ def test_use_kernels_none_follows_the_device_a_call_runs_on(monkeypatch):
     assert runs_fused(tiny(use_kernels=True).config, "cpu") is True
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+# greedy decoding and sampling both choose from logits cut at vocab= first: the quick tier keeps sampling
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_generate_never_draws_the_padding_rows_past_the_tokenizers_vocabulary(temperature):
     # vocab_size is the tokenizer's rounded up to a multiple of 64: the rows past it decode to nothing (sample.py
     # died on such an id), so generate(vocab=) leaves them out, however likely the model makes them
