@@ -156,7 +156,7 @@ def test_readme_gpu_budget_fits_the_lease():
     assert max(calls.values()) <= 8 and sum(calls.values()) <= 25, calls
 
 
-@pytest.mark.slow  # eleven prepare.py runs
+@pytest.mark.slow  # six prepare.py runs, new Pythons each
 @needs_tiktoken
 def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path):
     # what prepare.py --bench was: prepare.py's run against tiktoken's batch encoder, on the documents it encoded;

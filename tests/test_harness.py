@@ -160,7 +160,7 @@ def test_a_run_trained_here_scores_as_its_export_under_lm_eval_hf(run_here, task
     assert any(generated), generated  # the comparison saw text, not only empty strings
 
 
-@pytest.mark.slow  # a tokenizer to train, a LoRA run and transformers' model: ~30 s
+@pytest.mark.slow  # a LoRA run on test_finetune's shared tiny Qwen3, and transformers' model: ~25 s
 def test_an_imported_qwen3_with_lora_scores_as_its_export_under_lm_eval_hf(shared, tasks):
     needs_lm_eval()
     pytest.importorskip("transformers")
