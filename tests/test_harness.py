@@ -71,21 +71,25 @@ def tasks(shared):
 
 
 def make_run_here(root):
-    # a model trained here from scratch on a byte-level BPE of the corpus, and its export
+    # a model trained here from scratch on a byte-level BPE of the corpus (its export apart: the quick tier's
+    # test reads the run alone)
     from test_finetune import corpus_text
     (root / "corpus").mkdir()
     (root / "corpus" / "text.txt").write_text(corpus_text())
     done = script("prepare.py", root / "corpus", "--tokenizer=bpe:300", f"--out_dir={root / 'data'}")
     assert done.returncode == 0, done.stderr
     run(*SHAPE, f"--data_dir={root / 'data'}", f"--out_dir={root / 'run'}", "--max_iters=10", "--eval_interval=10")
-    done = script("export.py", f"--out_dir={root / 'run'}", f"--to={root / 'hf'}")
-    assert done.returncode == 0, done.stderr
 
 
 @pytest.fixture(scope="module")
 def run_here(shared):
     root = shared("harness-run", make_run_here)
-    return root / "run", root / "hf"
+    return root / "run", root / "data"
+
+
+def export(out_dir, folder):
+    done = script("export.py", f"--out_dir={out_dir}", f"--to={folder / 'hf'}")
+    assert done.returncode == 0, done.stderr
 
 
 def make_lora_run(root, pretrained):
@@ -94,8 +98,7 @@ def make_lora_run(root, pretrained):
     from test_finetune import LORA
     run(*LORA, f"--data_dir={pretrained / 'data'}", f"--init_from={pretrained / 'qwen'}",
         f"--out_dir={root / 'run'}", "--max_iters=6")
-    done = script("export.py", f"--out_dir={root / 'run'}", f"--to={root / 'hf'}")
-    assert done.returncode == 0, done.stderr
+    export(root / "run", root)
 
 
 # -----------------------------------------------------------------------------
@@ -150,10 +153,11 @@ def assert_same_results(mine, hf):
 
 
 @pytest.mark.slow  # lm_eval's own Hugging Face model on the export beside ours: ~25 s
-def test_a_run_trained_here_scores_as_its_export_under_lm_eval_hf(run_here, tasks):
+def test_a_run_trained_here_scores_as_its_export_under_lm_eval_hf(shared, run_here, tasks):
     needs_lm_eval()
     pytest.importorskip("transformers")
-    out_dir, folder = run_here
+    out_dir = run_here[0]
+    folder = shared("harness-run-export", lambda root: export(out_dir, root)) / "hf"
     mine, hf = ours(out_dir, tasks), theirs(folder, tasks)
     assert_same_results(mine, hf)
     generated = [s["filtered_resps"][0] for s in mine["samples"]["tiny_generate"]]
@@ -244,7 +248,7 @@ def task_records(out_dir):
 @pytest.mark.slow  # four training runs, three of them with the tasks at each evaluation
 def test_training_logs_the_task_metric_and_resumes_exactly(run_here, tasks, tmp_path):
     needs_lm_eval()
-    data = run_here[0].parent / "data"
+    data = run_here[1]
     args = [*SHAPE, f"--data_dir={data}", "--eval_interval=4", "--eval_tasks=tiny_hellaswag",
             f"--eval_tasks_path={tasks}", "--eval_tasks_limit=4", "--dropout=0.1"]
     whole = run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=8", env=OFFLINE)
@@ -265,7 +269,7 @@ def test_training_refuses_a_task_it_cannot_load_before_the_first_step(run_here, 
     # load_tasks's refusal, the one for data that cannot be reached: an unknown name (the same UserError from the
     # same call, test_an_unknown_task_and_unreachable_data_are_one_line) would cost the harness's whole index
     needs_lm_eval()
-    data = run_here[0].parent / "data"
+    data = run_here[1]
     done = run(*SHAPE, f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--eval_tasks=remote_task",
                f"--eval_tasks_path={remote_task(tmp_path / 'tasks')}", "--max_iters=2", check=False, env=OFFLINE)
     assert done.returncode != 0 and "cannot load the data of remote_task" in done.stderr
