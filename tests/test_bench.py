@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CPU_ENV
+from helpers import CPU_ENV, script
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["kernels", "step", "memory", "optimizers", "finetune", "tests"]
@@ -137,8 +137,8 @@ def test_a_section_stopped_early_keeps_the_rows_it_finished(tmp_path):
 
 
 def test_a_section_name_not_known_is_refused_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "bench.py", "--mode=gpu", "--tiny", "--section=kernels,speed"],
-                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, **CPU_ENV})
+    # forked from the tests' server, torch imported already: a new Python would spend seconds importing it
+    done = script("bench.py", "--mode=gpu", "--tiny", "--section=kernels,speed")
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
     assert "--section=kernels,speed: choose among kernels, step" in done.stderr
 
@@ -156,7 +156,7 @@ def test_readme_gpu_budget_fits_the_lease():
     assert max(calls.values()) <= 8 and sum(calls.values()) <= 25, calls
 
 
-@pytest.mark.slow  # eleven prepare.py runs
+@pytest.mark.slow  # six prepare.py runs, new Pythons each
 @needs_tiktoken
 def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path):
     # what prepare.py --bench was: prepare.py's run against tiktoken's batch encoder, on the documents it encoded;
@@ -166,14 +166,14 @@ def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path
     texts = [f"document {i}: " + f"the quick brown fox {i} jumps over the lazy dog. " * 2000 for i in range(3)]
     for i, text in enumerate(texts):
         (src / f"doc{i}.txt").write_text(text)
-    cmd = [sys.executable, "bench.py", "--mode=encode", str(src), "--num_workers=2"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **CPU_ENV})
+    # bench.py forked from the tests' server (torch imported already); the prepare.py runs it times are new Pythons
+    cmd = ["bench.py", "--mode=encode", src, "--num_workers=2"]
+    done = script(*cmd)
     assert done.returncode == 0, done.stderr[-3000:]
     head = re.search(r"bench: ([\d.]+) MB in (\d+) documents, gpt2, 2 threads, best of 5", done.stdout)
     assert head and head[2] == "3" and float(head[1]) == round(sum(map(len, texts)) / 1e6, 1), done.stdout
     ratio = re.search(r"ratio: ([\d.]+) of tiktoken's throughput", done.stdout)
     assert ratio and 0.1 < float(ratio[1]) < 10, done.stdout
-    done = subprocess.run([*cmd, "--tokenizer=char"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **CPU_ENV})
+    done = script(*cmd, "--tokenizer=char")
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
     assert "bench.py: --mode=encode compares against tiktoken" in done.stderr

@@ -4,13 +4,10 @@ HellaSwag's format, a rolling log-likelihood, a generation scored by exact match
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from helpers import CPU_ENV, ROOT, losses, run, script
+from helpers import ROOT, losses, run, script
 
 ROOT_TASKS = ("tiny_hellaswag", "tiny_perplexity", "tiny_generate")
 SHAPE = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64", "--block_size=64", "--batch_size=4",
@@ -74,31 +71,34 @@ def tasks(shared):
 
 
 def make_run_here(root):
-    # a model trained here from scratch on a byte-level BPE of the corpus, and its export
+    # a model trained here from scratch on a byte-level BPE of the corpus (its export apart: the quick tier's
+    # test reads the run alone)
     from test_finetune import corpus_text
     (root / "corpus").mkdir()
     (root / "corpus" / "text.txt").write_text(corpus_text())
     done = script("prepare.py", root / "corpus", "--tokenizer=bpe:300", f"--out_dir={root / 'data'}")
     assert done.returncode == 0, done.stderr
     run(*SHAPE, f"--data_dir={root / 'data'}", f"--out_dir={root / 'run'}", "--max_iters=10", "--eval_interval=10")
-    done = script("export.py", f"--out_dir={root / 'run'}", f"--to={root / 'hf'}")
-    assert done.returncode == 0, done.stderr
 
 
 @pytest.fixture(scope="module")
 def run_here(shared):
     root = shared("harness-run", make_run_here)
-    return root / "run", root / "hf"
+    return root / "run", root / "data"
 
 
-def make_lora_run(root):
-    # an imported Qwen3-shaped model (test_finetune's tiny one) fine-tuned with LoRA, and its merged export
-    from test_finetune import LORA, make_pretrained
-    make_pretrained(root)
-    run(*LORA, f"--data_dir={root / 'data'}", f"--init_from={root / 'qwen'}", f"--out_dir={root / 'run'}",
-        "--max_iters=6")
-    done = script("export.py", f"--out_dir={root / 'run'}", f"--to={root / 'hf'}")
+def export(out_dir, folder):
+    done = script("export.py", f"--out_dir={out_dir}", f"--to={folder / 'hf'}")
     assert done.returncode == 0, done.stderr
+
+
+def make_lora_run(root, pretrained):
+    # an imported Qwen3-shaped model (test_finetune's tiny one, the session's shared folder) fine-tuned with LoRA,
+    # and its merged export
+    from test_finetune import LORA
+    run(*LORA, f"--data_dir={pretrained / 'data'}", f"--init_from={pretrained / 'qwen'}",
+        f"--out_dir={root / 'run'}", "--max_iters=6")
+    export(root / "run", root)
 
 
 # -----------------------------------------------------------------------------
@@ -118,8 +118,10 @@ def ours(out_dir, tasks_dir, batch_size=4):
 def theirs(folder, tasks_dir):
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.tasks import TaskManager
+    # the local tasks alone: the harness's own index of its hundreds of tasks (~15 s to build) is not needed
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=False)
     return simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=list(ROOT_TASKS),
-                           task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True,
+                           task_manager=manager, log_samples=True,
                            bootstrap_iters=0, device="cpu", batch_size=8)
 
 
@@ -151,21 +153,24 @@ def assert_same_results(mine, hf):
 
 
 @pytest.mark.slow  # lm_eval's own Hugging Face model on the export beside ours: ~25 s
-def test_a_run_trained_here_scores_as_its_export_under_lm_eval_hf(run_here, tasks):
+def test_a_run_trained_here_scores_as_its_export_under_lm_eval_hf(shared, run_here, tasks):
     needs_lm_eval()
     pytest.importorskip("transformers")
-    out_dir, folder = run_here
+    out_dir = run_here[0]
+    folder = shared("harness-run-export", lambda root: export(out_dir, root)) / "hf"
     mine, hf = ours(out_dir, tasks), theirs(folder, tasks)
     assert_same_results(mine, hf)
     generated = [s["filtered_resps"][0] for s in mine["samples"]["tiny_generate"]]
     assert any(generated), generated  # the comparison saw text, not only empty strings
 
 
-@pytest.mark.slow  # a tokenizer to train, a LoRA run and transformers' model: ~30 s
+@pytest.mark.slow  # a LoRA run on test_finetune's shared tiny Qwen3, and transformers' model: ~25 s
 def test_an_imported_qwen3_with_lora_scores_as_its_export_under_lm_eval_hf(shared, tasks):
     needs_lm_eval()
     pytest.importorskip("transformers")
-    root = shared("harness-lora", make_lora_run)
+    from test_finetune import make_pretrained
+    pretrained = shared("pretrained", make_pretrained)  # test_finetune's, built once for both files
+    root = shared("harness-lora", lambda folder: make_lora_run(folder, pretrained))
     assert_same_results(ours(root / "run", tasks, batch_size=3), theirs(root / "hf", tasks))
 
 
@@ -186,11 +191,10 @@ def test_eval_py_tasks_prints_the_table_and_writes_json(run_here, tasks, tmp_pat
     assert math.isfinite(results["tiny_perplexity"]["word_perplexity,none"])
 
 
-def eval_py(*args, env=None):
-    # eval.py started by the interpreter itself, whose uncaught UserError goes through the script's one_line_errors
-    env = {**os.environ, **CPU_ENV, **OFFLINE, **(env or {})}
-    return subprocess.run([sys.executable, "eval.py", *map(str, args), "--device=cpu"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+def eval_py(*args, path="eval.py"):
+    # eval.py in a new process (forked from the test's server, torch imported), whose uncaught UserError goes up
+    # to the interpreter and through the script's one_line_errors
+    return script(path, *args, "--device=cpu", env=OFFLINE)
 
 
 def one_line(done, *words):
@@ -200,23 +204,35 @@ def one_line(done, *words):
 
 
 def test_without_lm_eval_one_line_says_how_to_install_it(tmp_path):
-    # a package named lm_eval that cannot be imported hides the real one, if any
-    (tmp_path / "hide" / "lm_eval").mkdir(parents=True)
-    (tmp_path / "hide" / "lm_eval" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
-    env = {**OFFLINE, "PYTHONPATH": f"{tmp_path / 'hide'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = eval_py(f"--out_dir={tmp_path}", "--tasks=hellaswag", env=env)
+    # eval.py run as __main__ by a script that first hides lm_eval, if installed: importing it fails as if it were
+    # not (a PYTHONPATH hiding it would cost a new Python, torch's import included, instead of a fork)
+    hide = tmp_path / "without_lm_eval.py"
+    hide.write_text(f"import runpy, sys\nsys.modules['lm_eval'] = None\nsys.path[0] = {str(ROOT)!r}\n"
+                    f"runpy.run_path({str(ROOT / 'eval.py')!r}, run_name='__main__')\n")
+    done = eval_py(f"--out_dir={tmp_path}", "--tasks=hellaswag", path=hide)
     one_line(done, "pip install lm_eval")
 
 
-@pytest.mark.slow  # an unknown name is looked for in the harness's whole index of tasks: ~15 s each time
-def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
-    needs_lm_eval()
-    done = eval_py(f"--out_dir={tmp_path}", "--tasks=no_such_task", f"--include_path={tasks}")
-    one_line(done, "no task no_such_task")
-    (tmp_path / "remote.yaml").write_text(
+def remote_task(folder):
+    # a task file whose data is on the Hub alone: offline, it cannot be loaded
+    folder.mkdir(exist_ok=True)
+    (folder / "remote.yaml").write_text(
         "task: remote_task\ndataset_path: nobody-here/no-such-dataset\ntest_split: test\n"
         "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_target: 0\ndoc_to_choice: ['a', 'b']\n")
-    done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--include_path={tmp_path}")
+    return folder
+
+
+@pytest.mark.slow  # an unknown name is looked for in the harness's whole index of tasks: ~15 s
+def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
+    needs_lm_eval()
+    import harness
+    from errors import UserError
+    # The unknown name in this process (the index built once, not in a script each time): eval.py and train.py
+    # raise load_tasks's UserError uncaught, and their one_line_errors print it, as the data below shows end to end
+    with pytest.raises(UserError, match="no task no_such_task") as refused:
+        harness.load_tasks("no_such_task", str(tasks))
+    assert "\n" not in str(refused.value)
+    done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--include_path={remote_task(tmp_path)}")
     one_line(done, "cannot load the data of remote_task")
 
 
@@ -232,7 +248,7 @@ def task_records(out_dir):
 @pytest.mark.slow  # four training runs, three of them with the tasks at each evaluation
 def test_training_logs_the_task_metric_and_resumes_exactly(run_here, tasks, tmp_path):
     needs_lm_eval()
-    data = run_here[0].parent / "data"
+    data = run_here[1]
     args = [*SHAPE, f"--data_dir={data}", "--eval_interval=4", "--eval_tasks=tiny_hellaswag",
             f"--eval_tasks_path={tasks}", "--eval_tasks_limit=4", "--dropout=0.1"]
     whole = run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=8", env=OFFLINE)
@@ -248,10 +264,13 @@ def test_training_logs_the_task_metric_and_resumes_exactly(run_here, tasks, tmp_
     assert task_records(tmp_path / "whole") == task_records(tmp_path / "parts")
 
 
-@pytest.mark.slow  # the harness's whole index of tasks, searched for the unknown name: ~15 s
-def test_training_refuses_an_unknown_task_before_the_first_step(run_here, tmp_path):
+@pytest.mark.slow
+def test_training_refuses_a_task_it_cannot_load_before_the_first_step(run_here, tmp_path):
+    # load_tasks's refusal, the one for data that cannot be reached: an unknown name (the same UserError from the
+    # same call, test_an_unknown_task_and_unreachable_data_are_one_line) would cost the harness's whole index
     needs_lm_eval()
-    data = run_here[0].parent / "data"
-    done = run(*SHAPE, f"--data_dir={data}", f"--out_dir={tmp_path}", "--eval_tasks=no_such_task", "--max_iters=2",
-               check=False, env=OFFLINE)
-    assert done.returncode != 0 and "no task no_such_task" in done.stderr and "iter 1" not in done.stdout
+    data = run_here[1]
+    done = run(*SHAPE, f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--eval_tasks=remote_task",
+               f"--eval_tasks_path={remote_task(tmp_path / 'tasks')}", "--max_iters=2", check=False, env=OFFLINE)
+    assert done.returncode != 0 and "cannot load the data of remote_task" in done.stderr
+    assert "iter 1" not in done.stdout
