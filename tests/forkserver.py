@@ -16,9 +16,14 @@ child with the script's status, skipping only the teardown of the modules. Nothi
 A few environment variables are read only when Python starts or a library is imported (`FIXED`): a child keeps
 its server's values, so a run that asks for other values gets a server of its own for them.
 
+Several runs can start together, as the workers of one distributed run do (run_together): when one of them
+fails, the others are killed, as torchrun does with its workers.
+
     done = run(["train.py", "--max_iters=2"], cwd=ROOT, env=env, timeout=300)  # a CompletedProcess
+    ranks = run_together([(["train.py"], {**env, "RANK": "0", ...}), ...], cwd=ROOT, timeout=300)  # a list
 """
 
+import contextlib
 import os
 import pickle
 import select
@@ -113,15 +118,24 @@ def child(request):
 
 reply(0)  # ready
 while True:
-    request = pickle.loads(read(struct.unpack("q", read(8))[0]))
-    pid = os.fork()
-    if pid == 0:
-        # The script's SystemExit or exception goes up to the interpreter, as in `python SCRIPT`, and so does
-        # the script's end, by sys.exit: the interpreter prints it, joins the threads, runs atexit's functions.
-        child(request)
-        sys.exit(0)
-    reply(pid)
-    reply(os.waitpid(pid, 0)[1])
+    # A request is a list of runs that go together (the processes of one distributed run): each forked at once,
+    # their pids sent back, then each (pid, status) as it ends.
+    requests = pickle.loads(read(struct.unpack("q", read(8))[0]))
+    pids = []
+    for request in requests:
+        pid = os.fork()
+        if pid == 0:
+            # The script's SystemExit or exception goes up to the interpreter, as in `python SCRIPT`, and so does
+            # the script's end, by sys.exit: the interpreter prints it, joins the threads, runs atexit's functions.
+            child(request)
+            sys.exit(0)
+        pids.append(pid)
+    for pid in pids:
+        reply(pid)
+    for _ in pids:
+        pid, status = os.wait()
+        reply(pid)
+        reply(status)
 '''
 
 
@@ -160,22 +174,43 @@ class Server:
             data += chunk
         return struct.unpack("q", data)[0]
 
-    def run(self, args, cwd, env, timeout):
-        with tempfile.NamedTemporaryFile() as out, tempfile.NamedTemporaryFile() as err:
-            path = os.path.abspath(os.path.join(cwd, args[0]))
-            request = pickle.dumps(dict(path=path, argv=[str(a) for a in args], cwd=str(cwd), env=dict(env),
-                                        out=out.name, err=err.name))
-            self.proc.stdin.write(struct.pack("q", len(request)) + request)
-            self.proc.stdin.flush()
-            pid = self.read_reply()
-            status = self.read_reply(timeout)
-            if status is None:  # as subprocess.run does on a timeout: kill, then raise
-                os.killpg(pid, signal.SIGKILL)
-                self.read_reply()
-                raise subprocess.TimeoutExpired(args, timeout)
+    def run(self, runs, cwd, timeout):
+        # runs: [(args, env)], started together; their CompletedProcesses, in order. When one fails, the others
+        # are killed, as torchrun stops the workers left when one of them fails.
+        outs = [(tempfile.NamedTemporaryFile(), tempfile.NamedTemporaryFile()) for _ in runs]
+        requests = [dict(path=os.path.abspath(os.path.join(cwd, args[0])), argv=[str(a) for a in args],
+                         cwd=str(cwd), env=dict(env), out=out.name, err=err.name)
+                    for (args, env), (out, err) in zip(runs, outs)]
+        request = pickle.dumps(requests)
+        self.proc.stdin.write(struct.pack("q", len(request)) + request)
+        self.proc.stdin.flush()
+        pids = [self.read_reply() for _ in runs]
+        statuses, deadline = {}, None if timeout is None else time.monotonic() + timeout
+        while len(statuses) < len(pids):
+            pid = self.read_reply(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if pid is None:  # as subprocess.run does on a timeout: kill, then raise
+                self.kill(set(pids) - set(statuses))
+                while len(statuses) < len(pids):
+                    statuses[self.read_reply()] = self.read_reply()
+                for out, err in outs:
+                    out.close(), err.close()
+                raise subprocess.TimeoutExpired(runs[0][0], timeout)
+            statuses[pid] = self.read_reply()
+            if statuses[pid]:
+                self.kill(set(pids) - set(statuses))
+        done = []
+        for (args, _), (out, err), pid in zip(runs, outs, pids):
             stdout, stderr = (f.read().decode(errors="replace") for f in (out, err))
-        code = os.waitstatus_to_exitcode(status)
-        return subprocess.CompletedProcess([sys.executable, *args], code, stdout, stderr)
+            out.close(), err.close()
+            code = os.waitstatus_to_exitcode(statuses[pid])
+            done.append(subprocess.CompletedProcess([sys.executable, *args], code, stdout, stderr))
+        return done
+
+    @staticmethod
+    def kill(pids):
+        for pid in pids:  # each child leads a session of its own, with whatever it started
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
     def close(self):
         self.proc.stdin.close()
@@ -190,14 +225,23 @@ _servers = {}  # one per set of values of FIXED that the runs asked for
 def run(args, cwd, env, timeout=None):
     """subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout),
     in a child of a fork server that has the same values of FIXED."""
-    key = tuple(env.get(k) for k in FIXED)
+    return run_together([(args, env)], cwd, timeout)[0]
+
+
+def run_together(runs, cwd, timeout=None):
+    """run() of each (args, env) in runs, all started at once (they must agree on FIXED's values): their
+    CompletedProcesses. When one fails, those still running are killed."""
+    key = tuple(runs[0][1].get(k) for k in FIXED)
+    assert all(tuple(env.get(k) for k in FIXED) == key for _, env in runs), "runs that differ in FIXED"
     server = _servers.get(key)
     if server is None or server.proc.poll() is not None:
-        server = _servers[key] = Server(env)
+        server = _servers[key] = Server(runs[0][1])
     if not server.quiet:
-        return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    return server.run(args, cwd, env, timeout)
+        procs = [subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for args, env in runs]
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
+    return server.run(runs, cwd, timeout)
 
 
 def close():

@@ -58,17 +58,29 @@ STANDARD = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--eval_
 def standard_run(shared, data_dir, layout):
     # layout: "one" (one process) or "ddp" (torchrun, 2 processes); the run's out_dir, read only
     def build(out):
-        torchrun = ["--standalone", "--nproc_per_node=2"] if layout == "ddp" else ()
+        # under torchrun itself (an argument beyond the two of a forked launch, run() below): the suite's one plain
+        # launch through torchrun's agent
+        torchrun = ["--standalone", "--nproc_per_node=2", "--max-restarts=0"] if layout == "ddp" else ()
         done = run(*STANDARD, f"--data_dir={data_dir}", f"--out_dir={out}", torchrun=torchrun)
         (out / "stdout.txt").write_text(done.stdout)
     return shared(f"standard_{layout}", build)
 
 
 def run(*args, torchrun=(), check=True, env=None):
-    # train.py in a new process: forked from a server that has torch imported already (forkserver.py), or
-    # under torchrun
+    # train.py in a new process, forked from a server that has torch imported already (forkserver.py). With
+    # torchrun's arguments: a launch on one machine (--standalone --nproc_per_node=N) is its N workers, forked
+    # likewise, each with the environment torchrun gives it (a new Python each, and torchrun's, would cost ~12 s
+    # of CPU a launch); any other launch runs under torchrun itself, as do the standard run and the tests of
+    # torchrun's own part (its restarts, its signals).
     env, args = {**os.environ, **CPU_ENV, **(env or {})}, on_cpu(args)
-    if torchrun:
+    workers = re.fullmatch(r"--standalone --nproc_per_node=(\d+)", " ".join(torchrun))
+    if workers:
+        ranks = forkserver.run_together([(["train.py", *args], {**env, **rank}) for rank in
+                                         torchrun_env(int(workers[1]))], cwd=ROOT, timeout=300)
+        # as torchrun: its workers' output on its own, and status 1 when one of them failed
+        done = subprocess.CompletedProcess(ranks[0].args, int(any(r.returncode for r in ranks)),
+                                           "".join(r.stdout for r in ranks), "".join(r.stderr for r in ranks))
+    elif torchrun:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     else:
@@ -76,6 +88,15 @@ def run(*args, torchrun=(), check=True, env=None):
     if check and done.returncode != 0:
         raise AssertionError(f"train.py failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return done
+
+
+def torchrun_env(n):
+    # what torchrun --standalone --nproc_per_node=n sets for each of its n workers, rank 0 serving the store
+    port = free_port()
+    return [dict(RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", ROLE_RANK=str(r), ROLE_NAME="default",
+                 WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(n),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+                 TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none") for r in range(n)]
 
 
 def script(*args, cwd=ROOT, env=None, timeout=300):
