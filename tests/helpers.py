@@ -75,11 +75,7 @@ def run(*args, torchrun=(), check=True, env=None):
     env, args = {**os.environ, **CPU_ENV, **(env or {})}, on_cpu(args)
     workers = re.fullmatch(r"--standalone --nproc_per_node=(\d+)", " ".join(torchrun))
     if workers:
-        ranks = forkserver.run_together([(["train.py", *args], {**env, **rank}) for rank in
-                                         torchrun_env(int(workers[1]))], cwd=ROOT, timeout=300)
-        # as torchrun: its workers' output on its own, and status 1 when one of them failed
-        done = subprocess.CompletedProcess(ranks[0].args, int(any(r.returncode for r in ranks)),
-                                           "".join(r.stdout for r in ranks), "".join(r.stderr for r in ranks))
+        done = torchrun_forked(["train.py", *args], int(workers[1]), env)
     elif torchrun:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
@@ -90,13 +86,18 @@ def run(*args, torchrun=(), check=True, env=None):
     return done
 
 
-def torchrun_env(n):
-    # what torchrun --standalone --nproc_per_node=n sets for each of its n workers, rank 0 serving the store
+def torchrun_forked(args, n, env, timeout=300):
+    # `torchrun --standalone --nproc_per_node=n SCRIPT ARGS` (args: [SCRIPT, *ARGS]) as its n workers, forked from
+    # the tests' server, each with the environment torchrun gives it, rank 0 serving the store; as torchrun
+    # gives them: the workers' output together, and status 1 when one of them failed
     port = free_port()
-    return [dict(RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", ROLE_RANK=str(r), ROLE_NAME="default",
-                 WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(n),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
-                 TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none") for r in range(n)]
+    ranks = [dict(RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", ROLE_RANK=str(r), ROLE_NAME="default",
+                  WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(n),
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+                  TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none") for r in range(n)]
+    done = forkserver.run_together([(args, {**env, **rank}) for rank in ranks], cwd=ROOT, timeout=timeout)
+    return subprocess.CompletedProcess(done[0].args, int(any(d.returncode for d in done)),
+                                       "".join(d.stdout for d in done), "".join(d.stderr for d in done))
 
 
 def script(*args, cwd=ROOT, env=None, timeout=300):

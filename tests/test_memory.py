@@ -5,8 +5,6 @@ saves, and bench.py --mode=memory."""
 import contextlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from errors import UserError
 from memory import memory_estimate, nf4_bytes, tensor_bytes
 from lora import add_lora, quantize_base
 from model import GPT, GPTConfig
-from helpers import script
+from helpers import CPU_ENV, script, torchrun_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)
@@ -80,12 +78,12 @@ def test_quantized_base_is_counted_at_its_size(kind):
 
 PARALLEL_WORKER = """
 import json, sys
+sys.path[:0] = [ROOT, ROOT + "/tests"]  # the project's modules and the tests'
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from memory import memory_estimate
 from model import GPT, GPTConfig
 from parallel import parallelize
-sys.path.insert(0, "tests")
 from test_memory import SHAPE, one_step
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -108,10 +106,8 @@ def test_fsdp_and_tensor_parallel_on_two_processes_are_rank_0s_parts(layout, tmp
     # FSDP: vocab_size 67 is odd, so rank 0 holds 34 rows of the embedding (torch.chunk's split), rank 1 33.
     # TP: half of q, k, v, gate and up by rows, of attn.proj and mlp.down by columns, the rest whole
     script = tmp_path / "worker.py"
-    script.write_text(PARALLEL_WORKER)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run([*torchrun, str(script), layout], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    script.write_text(f"ROOT = {str(ROOT)!r}\n" + PARALLEL_WORKER)
+    done = torchrun_forked([script, layout], 2, {**os.environ, **CPU_ENV})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["real"] == result["estimate"]
