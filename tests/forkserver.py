@@ -151,6 +151,7 @@ class Server:
                                      start_new_session=True)
         os.close(replies_write)
         self.replies = replies_read
+        self.busy = False  # a child started by start() is running: its end is the server's next reply
         self.read_reply()
         self.log.seek(0)
         printed = self.log.read()
@@ -178,13 +179,7 @@ class Server:
         # runs: [(args, env)], started together; their CompletedProcesses, in order. When one fails, the others
         # are killed, as torchrun stops the workers left when one of them fails.
         outs = [(tempfile.NamedTemporaryFile(), tempfile.NamedTemporaryFile()) for _ in runs]
-        requests = [dict(path=os.path.abspath(os.path.join(cwd, args[0])), argv=[str(a) for a in args],
-                         cwd=str(cwd), env=dict(env), out=out.name, err=err.name)
-                    for (args, env), (out, err) in zip(runs, outs)]
-        request = pickle.dumps(requests)
-        self.proc.stdin.write(struct.pack("q", len(request)) + request)
-        self.proc.stdin.flush()
-        pids = [self.read_reply() for _ in runs]
+        pids = self.fork([(args, env, out.name, err.name) for (args, env), (out, err) in zip(runs, outs)], cwd)
         statuses, deadline = {}, None if timeout is None else time.monotonic() + timeout
         while len(statuses) < len(pids):
             pid = self.read_reply(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -205,6 +200,16 @@ class Server:
             code = os.waitstatus_to_exitcode(statuses[pid])
             done.append(subprocess.CompletedProcess([sys.executable, *args], code, stdout, stderr))
         return done
+
+    def fork(self, runs, cwd):
+        # runs: [(args, env, stdout's path, stderr's path)], forked at once: their pids
+        assert not self.busy, "a run of this server started by start() has not been waited for"
+        requests = [dict(path=os.path.abspath(os.path.join(cwd, args[0])), argv=[str(a) for a in args],
+                         cwd=str(cwd), env=dict(env), out=out, err=err) for args, env, out, err in runs]
+        request = pickle.dumps(requests)
+        self.proc.stdin.write(struct.pack("q", len(request)) + request)
+        self.proc.stdin.flush()
+        return [self.read_reply() for _ in runs]
 
     @staticmethod
     def kill(pids):
@@ -228,20 +233,90 @@ def run(args, cwd, env, timeout=None):
     return run_together([(args, env)], cwd, timeout)[0]
 
 
+def server_for(env):
+    # the server whose values of FIXED are env's, started if there is none yet
+    key = tuple(env.get(k) for k in FIXED)
+    server = _servers.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _servers[key] = Server(env)
+    return server
+
+
 def run_together(runs, cwd, timeout=None):
     """run() of each (args, env) in runs, all started at once (they must agree on FIXED's values): their
     CompletedProcesses. When one fails, those still running are killed."""
     key = tuple(runs[0][1].get(k) for k in FIXED)
     assert all(tuple(env.get(k) for k in FIXED) == key for _, env in runs), "runs that differ in FIXED"
-    server = _servers.get(key)
-    if server is None or server.proc.poll() is not None:
-        server = _servers[key] = Server(runs[0][1])
+    server = server_for(runs[0][1])
     if not server.quiet:
         procs = [subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for args, env in runs]
         outputs = [p.communicate(timeout=timeout) for p in procs]
         return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
     return server.run(runs, cwd, timeout)
+
+
+class Started:
+    """A run started by start(), as subprocess.Popen(..., stdout=PIPE, stderr=STDOUT, text=True) returns one: its
+    pid (which leads a session of its own), its output read as it is written, send_signal, poll, wait and
+    communicate. The server forks nothing else until it has been waited for."""
+
+    def __init__(self, server, args, cwd, env):
+        self.server, self.args, self.returncode = server, args, None
+        self.out = tempfile.NamedTemporaryFile()
+        self.pid = server.fork([(args, env, self.out.name, self.out.name)], cwd)[0]
+        server.busy = True
+        self.reader = open(self.out.name, errors="replace")
+        self.stdout = self.lines()
+
+    def lines(self):
+        # the output's lines as they are written (the child writes to a file, read here as it grows), to its end
+        line = ""
+        while True:
+            line += self.reader.readline()
+            if line.endswith("\n"):
+                yield line
+                line = ""
+            elif self.poll() is None:
+                time.sleep(0.02)
+            elif not (more := self.reader.read()):
+                break
+            else:
+                line += more
+        if line:
+            yield line
+
+    def poll(self):
+        return self.wait(0)
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            pid = self.server.read_reply(timeout)
+            if pid is None:
+                if timeout:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                return None
+            self.returncode = os.waitstatus_to_exitcode(self.server.read_reply())
+            self.server.busy = False
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        return "".join(self.stdout), None
+
+    def send_signal(self, sig):
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+
+def start(args, cwd, env):
+    """subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=PIPE, stderr=STDOUT, text=True,
+    start_new_session=True), in a child of a fork server that has the same values of FIXED: a Started."""
+    server = server_for(env)
+    if not server.quiet:
+        return subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return Started(server, args, cwd, env)
 
 
 def close():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import forkserver
 from processes import kill_marked, marked
 from helpers import CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, weights
 
@@ -24,10 +25,14 @@ def assert_same_weights(a, b):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def start(*args, launcher=(sys.executable,)):
+def start(*args, launcher=None):
+    # train.py started, its output (stdout and stderr together) read as it goes: forked from the tests' server
+    # (forkserver.start), or under launcher, e.g. torchrun
+    env = {**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"}
+    if launcher is None:
+        return forkserver.start(["train.py", *on_cpu(args)], ROOT, env)
     return subprocess.Popen([*launcher, "train.py", *on_cpu(args)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
 
 
 def kill(proc):
