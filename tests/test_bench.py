@@ -7,13 +7,12 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import forkserver
 from helpers import CPU_ENV, script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,18 +34,16 @@ def number(cell):
 
 
 def run_section(section, tmp_path, *extra, stop_at=None):
-    # bench.py --mode=gpu --tiny --section=SECTION --out=tmp_path/out, in a session of its own, its file read
-    # every 0.1 s while it runs: (return code, the file's contents as seen while it ran, the log). stop_at: a
-    # pattern at which it is killed with every process it started, as a call at the GPU machine's limit is
+    # bench.py --mode=gpu --tiny --section=SECTION --out=tmp_path/out, forked from the tests' server in a session of
+    # its own, its file read every 0.1 s while it runs: (return code, the file's contents as seen while it ran,
+    # the log). stop_at: a pattern at which it is killed with every process it started, as a call at the GPU
+    # machine's limit is
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     tmp.mkdir()
-    cmd = [sys.executable, "bench.py", "--mode=gpu", "--tiny", f"--section={section}", f"--out={out}",
-           "--steps=3", "--warmup=1", *extra]
+    cmd = ["bench.py", "--mode=gpu", "--tiny", f"--section={section}", f"--out={out}", "--steps=3", "--warmup=1",
+           *extra]
     # the kernels under Triton's interpreter would take minutes: their references stand in on CPU
-    env = {**os.environ, **CPU_ENV, "TRITON_INTERPRET": "0", "TMPDIR": str(tmp)}
-    with open(tmp_path / "log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = forkserver.start(cmd, ROOT, {**os.environ, **CPU_ENV, "TRITON_INTERPRET": "0", "TMPDIR": str(tmp)})
     seen, path, give_up = [], out / f"{section}.md", time.time() + 600
     try:
         while proc.poll() is None and time.time() < give_up:
@@ -59,8 +56,8 @@ def run_section(section, tmp_path, *extra, stop_at=None):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return proc.returncode, seen, (tmp_path / "log").read_text()
+        log = proc.communicate()[0]
+    return proc.returncode, seen, log
 
 
 def check_kernels(text):
@@ -117,8 +114,11 @@ def test_each_section_alone_writes_its_file_as_it_goes(section, tmp_path):
     assert re.match(rf"## \d{{4}}-\d\d-\d\d, GPU: CPU.*--section={section}\)", text)
     assert re.search(r"torch \S+, Triton \S+, CUDA \S+, commit \w+", text)
     assert re.search(rf"\n\({section}: [\d.]+ minutes\)\n", text)
-    # the file held its header before the section ended: written as it went, not at the end
-    assert any("\n### " in s and "minutes)" not in s for s in seen[:-1]), seen
+    # the file held its header before the section ended: written as it went, not at the end (seen by polling, so
+    # only where the section takes seconds: the kernels' at tiny shapes can take less than one poll; the file they
+    # are written to is the same, and a section killed part way keeps its rows: the test below)
+    if section != "kernels":
+        assert any("\n### " in s and "minutes)" not in s for s in seen[:-1]), seen
     globals()[f"check_{section}"](text)
     # nothing is left behind: no checkpoint, no scratch folder
     left = [p for p in (tmp_path / "tmp").rglob("*") if p.name.startswith(("ckpt", "bench-gpu"))]
