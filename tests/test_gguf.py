@@ -130,6 +130,7 @@ def test_overwrite_and_adapter(bpe_run, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # nothing left beside it
 
 
+@pytest.mark.slow  # tiktoken's three encodings, read whole
 def test_every_tiktoken_pattern_has_llama_cpps_name():
     import tiktoken
     expected = {"gpt2": "gpt-2", "r50k_base": "gpt-2", "cl100k_base": "llama-bpe", "o200k_base": "gpt-4o"}

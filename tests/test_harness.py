@@ -178,6 +178,7 @@ def test_an_imported_qwen3_with_lora_scores_as_its_export_under_lm_eval_hf(share
 # the script: the table, the JSON, and one line for each thing a user can get wrong
 
 
+@pytest.mark.slow  # lm_eval's import alone is seconds
 def test_eval_py_tasks_prints_the_table_and_writes_json(run_here, tasks, tmp_path):
     needs_lm_eval()
     out_dir, _ = run_here

@@ -279,6 +279,7 @@ def accumulated_peak(model, batch_size, block_size, micro_steps):
     return sum(by_kind["Total"] for by_kind in tracker.get_tracker_snapshot("peak").values())
 
 
+@pytest.mark.slow  # the quick tier's check of batch_size='auto': test_train.py's run with it
 def test_auto_micro_batch_is_the_largest_whose_peak_fits_the_budget(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0)  # the process's own memory left out, for a fixed figure

@@ -79,6 +79,7 @@ def test_token_files_must_hold_as_many_tokens_as_meta_json_counts(runs, tmp_path
     assert_one_line(done, "dtype uint8 is not uint16 or uint32")  # refused before the lengths are compared
 
 
+@pytest.mark.slow
 def test_export_overwrite_replaces_only_an_earlier_export(runs, tmp_path):
     out = runs / "files"
     exported = tmp_path / "exported"

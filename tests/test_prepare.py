@@ -493,6 +493,7 @@ def test_user_errors_are_one_line(tmp_path):
 # -----------------------------------------------------------------------------
 # options
 
+@pytest.mark.slow
 def test_identical_output_for_any_worker_count(tmp_path, monkeypatch):
     words_corpus(tmp_path / "src", 1.0, nfiles=3)  # ~15 batches
     text_tree(tmp_path / "src" / "txt")
@@ -629,7 +630,7 @@ prepare.main(sys.argv[2:])
 """
 
 
-@pytest.mark.parametrize("before", ["nothing", "a finished dataset"])
+@pytest.mark.parametrize("before", ["nothing", pytest.param("a finished dataset", marks=pytest.mark.slow)])
 @pytest.mark.kills
 def test_killed_while_renaming_leaves_a_marker_and_a_rerun_replaces_it(tmp_path, before):
     out = tmp_path / "out"
@@ -698,6 +699,7 @@ def hub_folder(folder, splits):
     return folder
 
 
+@pytest.mark.slow  # the datasets library's import alone is seconds
 def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, monkeypatch):
     # hf:PATH reads a local folder laid out as a Hub dataset through the datasets library, as a download would
     # be read: its train split is ours, its validation split our val; --min_length drops short documents

@@ -162,6 +162,7 @@ def test_ignored_targets_change_no_gradient(op):
 # train.py on conversations
 
 
+@pytest.mark.slow  # SFT's quick checks: the chat sample and export, eval_full, a resume that moves the end
 def test_examples_accumulated_match_one_big_batch_and_epochs_end_the_run(chat_data, tmp_path):
     # micro-batches hold different numbers of targets: each is weighted by its share of the update's, so that 4
     # micro-steps of 2 sequences give the update of one batch of 8
@@ -207,6 +208,7 @@ def eval_py_loss(out_dir, *args):
     return float(lines[-1].split()[2])
 
 
+@pytest.mark.slow  # eval_full's scoring of conversations stays in the quick tier
 def test_eval_py_scores_conversations_as_training_does(scored_run):
     # conversations are evaluated as they are trained: each val example on its own over its trained targets. eval.py
     # gives the val loss train.py logged for the same checkpoint (not windows across examples over every token),
@@ -310,6 +312,7 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
     assert hf_tokenizer(theirs, add_special_tokens=False)["input_ids"] == tokenizer.encode_chat(theirs, [])[0].tolist()
 
 
+@pytest.mark.slow
 def test_sample_and_export_refuse_another_tokenizers_data_in_one_line(chat_data, tmp_path):
     # --data_dir made with another tokenizer (the same conversations, another vocabulary): its ids would mean other
     # words, so sample.py, export.py and eval.py refuse it in one line, as train.py does; the run's own data is taken
@@ -328,6 +331,7 @@ def test_sample_and_export_refuse_another_tokenizers_data_in_one_line(chat_data,
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_conversations_from_parquet_and_json_are_those_of_jsonl(tmp_path):
     # the same records as JSON Lines, a JSON array and a parquet table (messages: a list of structs) make the
     # same tokens and masks
@@ -386,6 +390,7 @@ def test_a_template_that_hides_the_replies_selects_nothing_and_is_refused(tmp_pa
     assert "\n" not in str(stopped.value) and not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow
 def test_every_epoch_kept_and_a_run_resumed_from_one_ends_the_same(chat_data, tmp_path):
     # save_every_epoch: ckpt_epoch_N.pt at the step that finishes epoch N; copied into a fresh out_dir as
     # ckpt.pt, it continues to the very weights of the run that never stopped
@@ -415,6 +420,7 @@ def test_a_message_holding_the_end_of_text_marker_is_skipped(tmp_path):
     assert meta["train"]["documents"] + meta["val"]["documents"] == 9
 
 
+@pytest.mark.slow
 def test_a_resume_that_moves_the_end_says_so(chat_data, tmp_path):
     common = [*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path}", "--eval_interval=2"]
     run(*common, "--max_iters=2")

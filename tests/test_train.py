@@ -137,6 +137,7 @@ def test_windows_epochs_end_the_run_and_a_resume_in_mid_epoch_is_exact(data_dir,
     assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_before_shuffled_windows_is_resumed_as_random_windows(data_dir, tmp_path):
     # before windows were drawn without replacement, sequences='windows' drew them as 'random' does now: a checkpoint
     # of then (its config has no memory_budget) resumes exactly with --sequences=random, and the default warns
@@ -298,6 +299,7 @@ def test_bench_runs_train_both_ways_and_reports_a_table():
     assert "speedup of tie_embeddings=True:" in done.stdout
 
 
+@pytest.mark.slow  # wandb's import alone is seconds
 def test_wandb_logging_offline(data_dir, tmp_path):
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=3",
         "--wandb_log=True", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
@@ -339,6 +341,7 @@ def test_float16_with_the_triton_kernels_trains(data_dir, tmp_path):
     assert all(np.isfinite(v) for v in losses(tmp_path).values()) and len(losses(tmp_path)) == 3
 
 
+@pytest.mark.slow  # sample.py in the quick tier: the raw folder's run to its sample
 def test_sample_finds_the_tokenizer_or_says_why_not(data_dir, tmp_path):
     # data_dir is a char dataset without a vocabulary file (meta.json only): copy what sample.py needs
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2")
@@ -409,6 +412,7 @@ def test_bench_races_optimizers_on_equal_time(data_dir):
         assert int(steps) >= 1 and float(seconds) > 0 and 0 < float(loss) < 10 and accuracy.strip().endswith("%")
 
 
+@pytest.mark.slow  # eval_full in the quick tier: test_sft.py's, on conversations
 def test_eval_full_scores_the_whole_val_split_as_eval_py_does(data_dir, tmp_path):
     # eval_full: every token of val.bin once, in windows of 32 overlapping by 8; the same loss eval.py reports
     # for the checkpoint, and again the same on a second evaluation of the same weights. The validation split
