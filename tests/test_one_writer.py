@@ -11,6 +11,7 @@ import shutil
 from contextlib import contextmanager
 
 import numpy as np
+import pytest
 import torch
 
 from helpers import ROOT, TINY, run, script
