@@ -192,11 +192,19 @@ def measured_mb(device):
     process's peak resident memory."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:  # this process's peak RSS; ru_maxrss would start from the parent's when a big process launched us
+    peak = proc_status_kib("VmHWM")  # ru_maxrss would start from the parent's when a big process launched us
+    if peak is not None:
+        return peak / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
+
+
+def proc_status_kib(field):
+    # a field of Linux's /proc/self/status in KiB (VmRSS: resident now, VmHWM: its peak), or None without /proc
+    try:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
     except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
+        return None
 
 
 def available_memory(device):
@@ -228,11 +236,7 @@ def available_memory(device):
 
 def resident_bytes():
     # this process's resident memory now (0 where /proc is not there to say)
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
-    except (OSError, StopIteration):
-        return 0
+    return (proc_status_kib("VmRSS") or 0) * 1024
 
 
 def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1):

@@ -233,20 +233,22 @@ def run(args, cwd, env, timeout=None):
     return run_together([(args, env)], cwd, timeout)[0]
 
 
+def fixed(env):
+    return tuple(env.get(k) for k in FIXED)
+
+
 def server_for(env):
     # the server whose values of FIXED are env's, started if there is none yet
-    key = tuple(env.get(k) for k in FIXED)
-    server = _servers.get(key)
+    server = _servers.get(fixed(env))
     if server is None or server.proc.poll() is not None:
-        server = _servers[key] = Server(env)
+        server = _servers[fixed(env)] = Server(env)
     return server
 
 
 def run_together(runs, cwd, timeout=None):
     """run() of each (args, env) in runs, all started at once (they must agree on FIXED's values): their
     CompletedProcesses. When one fails, those still running are killed."""
-    key = tuple(runs[0][1].get(k) for k in FIXED)
-    assert all(tuple(env.get(k) for k in FIXED) == key for _, env in runs), "runs that differ in FIXED"
+    assert len({fixed(env) for _, env in runs}) == 1, "runs that differ in FIXED"
     server = server_for(runs[0][1])
     if not server.quiet:
         procs = [subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -302,7 +304,10 @@ class Started:
 
     def communicate(self, timeout=None):
         self.wait(timeout)
-        return "".join(self.stdout), None
+        output = "".join(self.stdout)
+        self.reader.close()
+        self.out.close()
+        return output, None
 
     def send_signal(self, sig):
         if self.returncode is None:
