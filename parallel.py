@@ -118,7 +118,8 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, 
         device = f"cuda:{local_rank}"
     device_type = device.split(":")[0]
     if device_type == "cuda":
-        torch.cuda.set_device(device)
+        if ":" in device:  # 'cuda' alone is the current GPU already, and set_device wants an index
+            torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the float32 matmuls that remain
         torch.backends.cudnn.allow_tf32 = True
     # Tensor parallel shards the rest of each replica with FSDP too (over a mesh of one replica, if so): every

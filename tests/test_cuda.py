@@ -180,7 +180,8 @@ def test_lora_and_qlora_steps(base, tmp_path):
         quantize_base(model, "nf4")
     frozen = {n: p.detach().clone() for n, p in model.named_parameters()
               if base != "nf4" and not p.requires_grad}
-    optimizers = model.configure_optimizers("adamw", 1e-2, 0.0, (0.9, 0.95), "cuda")
+    # 1e-3: at 1e-2 these adapters diverge on a CPU too (6.27 to 7.98 in 8 steps, as on the H100)
+    optimizers = model.configure_optimizers("adamw", 1e-3, 0.0, (0.9, 0.95), "cuda")
     idx = torch.randint(0, 4096, (4, 256), device="cuda")
     losses = []
     for _ in range(8):

@@ -73,3 +73,27 @@ def test_train_logs_mfu_in_both_conventions(tmp_path, doc_mask):
         ratio = r["mfu_run"] / r["mfu"]
         causal = model.flops_per_token(keys=33 / 2) / model.flops_per_token()
         assert ratio < causal if doc_mask else ratio == pytest.approx(causal, rel=1e-9)
+
+
+@pytest.mark.parametrize("device, chosen", [("cuda", []), ("cuda:1", ["cuda:1"])])
+def test_one_process_on_cuda_sets_its_gpu_only_when_named(monkeypatch, device, chosen):
+    # torch.cuda.set_device refuses 'cuda' without an index (a ValueError: every train.py alone on a GPU failed so
+    # on an H100): one process on 'cuda' keeps the current GPU, one on 'cuda:N' sets it
+    seen = []
+
+    def set_device(d):
+        if torch.device(d).index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{d}")
+        seen.append(d)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # which it sets
+    try:
+        processes = parallel.init_distributed(device, "auto", "auto", 1, False, False, "adamw", 60)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert seen == chosen
+    assert (processes["device"], processes["dtype"], processes["mesh"]) == (device, "bfloat16", None)
