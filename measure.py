@@ -263,12 +263,13 @@ def random_folder(shape, folder):
 
 
 def random_tokens(folder, vocab):
-    # train.bin and val.bin of random ids below vocab, which is the end-of-text id, and their meta.json
+    # train.bin and val.bin of random ids below vocab, which is the end-of-text id, and their meta.json (whose
+    # vocabulary holds that id too)
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
         rng.integers(0, vocab, size=200_000, dtype=np.uint32).tofile(f"{folder}/{split}.bin")
     with open(f"{folder}/meta.json", "w") as f:
-        json.dump({"dtype": "uint32", "vocab_size": vocab, "eot_id": vocab}, f)
+        json.dump({"dtype": "uint32", "vocab_size": vocab + 1, "eot_id": vocab}, f)
 
 
 def bench_lora(train_args, shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=(), skip=(), scratch=None, steps=10):
