@@ -9,6 +9,7 @@ against what meta.json says before training reads them. Every problem is a UserE
 """
 
 import json
+import math
 import os
 import pickle
 from itertools import chain
@@ -144,3 +145,19 @@ def check_token_files(data_dir, meta, block_size):
     for split in ("train", "val"):
         check_token_ids(os.path.join(data_dir, f"{split}.bin"), meta["dtype"], meta["vocab_size"])
     return os.path.getsize(os.path.join(data_dir, "train.bin")) // itemsize
+
+
+def check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_size):
+    """train.py's checks of its data: (the model's vocab_size, the training split's tokens). vocab_size 0 is the
+    data's, padded up to a multiple of 64; documents (doc_mask) and whole examples need meta's end-of-text id,
+    which is where one ends and the next begins; windows need token files longer than block_size (whole examples
+    need no minimum). Else a UserError in one line with the fix."""
+    if (doc_mask or sequences == "examples") and meta.get("eot_id") is None:
+        raise UserError(f"{'doc_mask=True' if doc_mask else 'sequences=examples'} needs the end-of-text id, and "
+                        f"{os.path.join(data_dir, 'meta.json')} gives none (prepare the data with prepare.py, or "
+                        f"set doc_mask=False and sequences='windows')")
+    vocab_size = vocab_size or 64 * math.ceil(meta["vocab_size"] / 64)
+    if meta["vocab_size"] > vocab_size:
+        raise UserError(f"{os.path.join(data_dir, 'meta.json')} says the data has {meta['vocab_size']} token ids "
+                        f"but the model's vocab_size is {vocab_size} (set vocab_size=0 to follow the data)")
+    return vocab_size, check_token_files(data_dir, meta, 0 if sequences == "examples" else block_size)

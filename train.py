@@ -35,7 +35,7 @@ from data import Split
 from errors import UserError, one_line_errors
 from lora import quantize_base
 from memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
-from meta import check_token_files, read_meta
+from meta import check_data_for_run, read_meta
 from metrics import open_log, start_clock, time_left, wall_time
 from model import attended_keys, document_mask
 from optim import check_optimizer, lr_factor, set_lr
@@ -164,18 +164,8 @@ if master:  # (under batch_size='auto' the sequences of an update, shared out on
 # per update give the same sequences however they are split into processes and micro-steps
 
 meta = read_meta(data_dir)  # meta.json, or nanoGPT's meta.pkl, or GPT-2 tokens with neither
-# the end-of-text id, meta.json's eot_id, is where one document ends and the next begins
-if (doc_mask or sequences == "examples") and meta.get("eot_id") is None:
-    raise UserError(f"{'doc_mask=True' if doc_mask else 'sequences=examples'} needs the end-of-text id, and "
-                    f"{os.path.join(data_dir, 'meta.json')} gives none (prepare the data with prepare.py, or set "
-                    f"doc_mask=False and sequences='windows')")
-if vocab_size == 0:
-    vocab_size = 64 * math.ceil(meta["vocab_size"] / 64)
-if meta["vocab_size"] > vocab_size:
-    raise UserError(f"{os.path.join(data_dir, 'meta.json')} says the data has {meta['vocab_size']} token ids but "
-                    f"the model's vocab_size is {vocab_size} (set vocab_size=0 to follow the data)")
-# windows need files longer than block_size (whole examples need no minimum), and ids of meta.json's vocabulary
-train_tokens = check_token_files(data_dir, meta, 0 if sequences == "examples" else block_size)
+# the model's vocabulary (0: the data's, padded to a multiple of 64), and the token files checked for this run
+vocab_size, train_tokens = check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_size)
 
 # -----------------------------------------------------------------------------
 # 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint (start.py)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from data import Split
+from errors import UserError
+from meta import check_data_for_run
 
 
 @pytest.mark.parametrize("kind", ["windows", "whole", "packed"])
@@ -71,3 +73,23 @@ def test_shuffled_windows_are_a_pure_function_of_seed_and_number(tmp_path):
         assert x is y or x is None or torch.equal(x, y)
     other = Split(str(tmp_path), "train", meta, 64, seed=4, examples=False, vocab_size=50)
     assert not torch.equal(other.shuffled(range(8), False)[0], a.shuffled(range(8), False)[0])
+
+
+def test_the_data_is_checked_for_the_run(tmp_path):
+    # train.py's checks of its data (meta.check_data_for_run), in process: the model's vocabulary is the data's
+    # padded to a multiple of 64, or refused below it; documents and examples need the end-of-text id; windows
+    # need files longer than block_size, whole examples do not
+    for split in ("train", "val"):
+        (np.arange(100, dtype=np.uint16) % 70).tofile(tmp_path / f"{split}.bin")
+    meta = {"dtype": "uint16", "vocab_size": 70}
+    assert check_data_for_run(str(tmp_path), meta, 0, False, "windows", 32) == (128, 100)
+    assert check_data_for_run(str(tmp_path), {**meta, "eot_id": 69}, 70, True, "examples", 500) == (70, 100)
+    with pytest.raises(UserError, match="has 70 token ids but the model's vocab_size is 64 "):
+        check_data_for_run(str(tmp_path), meta, 64, False, "windows", 32)
+    for doc_mask, sequences in [(True, "windows"), (False, "examples")]:
+        with pytest.raises(UserError, match=f"{'doc_mask=True' if doc_mask else 'sequences=examples'} needs the "
+                                            "end-of-text id"):
+            check_data_for_run(str(tmp_path), meta, 0, doc_mask, sequences, 32)
+    with pytest.raises(UserError, match="has 100 tokens, too few for block_size=100"):
+        check_data_for_run(str(tmp_path), meta, 0, False, "windows", 100)
+
