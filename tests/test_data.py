@@ -92,4 +92,3 @@ def test_the_data_is_checked_for_the_run(tmp_path):
             check_data_for_run(str(tmp_path), meta, 0, doc_mask, sequences, 32)
     with pytest.raises(UserError, match="has 100 tokens, too few for block_size=100"):
         check_data_for_run(str(tmp_path), meta, 0, False, "windows", 100)
-
