@@ -1,5 +1,5 @@
 """MFU: the GPUs' datasheet peaks told apart (parallel.py), and the FLOPs of a step in PaLM's convention and as
-run (model.py), each labelled in train.py's log and metrics."""
+run (model.py), each labelled in train.py's log and metrics. And the GPU a process alone takes (parallel.py)."""
 
 import json
 from types import SimpleNamespace
