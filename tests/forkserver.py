@@ -94,8 +94,9 @@ def child(request):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY),
-                            (2, request["err"], os.O_WRONLY)):
+    # appended to: stdout and stderr may be one file (as stderr=STDOUT), and each write must land at its end
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY | os.O_APPEND),
+                            (2, request["err"], os.O_WRONLY | os.O_APPEND)):
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
@@ -151,7 +152,7 @@ class Server:
                                      start_new_session=True)
         os.close(replies_write)
         self.replies = replies_read
-        self.busy = False  # a child started by start() is running: its end is the server's next reply
+        self.started = None  # the Started running, if any: its end is the server's next reply
         self.read_reply()
         self.log.seek(0)
         printed = self.log.read()
@@ -203,13 +204,18 @@ class Server:
 
     def fork(self, runs, cwd):
         # runs: [(args, env, stdout's path, stderr's path)], forked at once: their pids
-        assert not self.busy, "a run of this server started by start() has not been waited for"
+        if self.started is not None:  # left running by a test that failed before it waited for it: ended
+            self.started.end()          # here, so that the tests after it do not fail too
         requests = [dict(path=os.path.abspath(os.path.join(cwd, args[0])), argv=[str(a) for a in args],
                          cwd=str(cwd), env=dict(env), out=out, err=err) for args, env, out, err in runs]
         request = pickle.dumps(requests)
         self.proc.stdin.write(struct.pack("q", len(request)) + request)
         self.proc.stdin.flush()
-        return [self.read_reply() for _ in runs]
+        pids = [self.read_reply() for _ in runs]
+        for (_, env, _, _), pid in zip(runs, pids):  # a child's /proc environ is the server's, without the mark
+            if env.get(MARK):
+                sessions.setdefault(env[MARK], set()).add(pid)
+        return pids
 
     @staticmethod
     def kill(pids):
@@ -225,6 +231,8 @@ class Server:
 
 
 _servers = {}  # one per set of values of FIXED that the runs asked for
+# {mark: the sessions its children lead}: processes.py finds the processes of a test's forked runs by these
+sessions = {}
 
 
 def run(args, cwd, env, timeout=None):
@@ -261,13 +269,14 @@ def run_together(runs, cwd, timeout=None):
 class Started:
     """A run started by start(), as subprocess.Popen(..., stdout=PIPE, stderr=STDOUT, text=True) returns one: its
     pid (which leads a session of its own), its output read as it is written, send_signal, poll, wait and
-    communicate. The server forks nothing else until it has been waited for."""
+    communicate. Waited for before the server forks the next run: one left running (its test failed) is killed
+    then."""
 
     def __init__(self, server, args, cwd, env):
         self.server, self.args, self.returncode = server, args, None
         self.out = tempfile.NamedTemporaryFile()
         self.pid = server.fork([(args, env, self.out.name, self.out.name)], cwd)[0]
-        server.busy = True
+        server.started = self
         self.reader = open(self.out.name, errors="replace")
         self.stdout = self.lines()
 
@@ -299,7 +308,7 @@ class Started:
                     raise subprocess.TimeoutExpired(self.args, timeout)
                 return None
             self.returncode = os.waitstatus_to_exitcode(self.server.read_reply())
-            self.server.busy = False
+            self.server.started = None
         return self.returncode
 
     def communicate(self, timeout=None):
@@ -308,6 +317,13 @@ class Started:
         self.reader.close()
         self.out.close()
         return output, None
+
+    def end(self):
+        # SIGKILL it, with whatever it started, wait for it, and drop its output
+        self.server.kill([self.pid])
+        self.wait()
+        self.reader.close()
+        self.out.close()
 
     def send_signal(self, sig):
         if self.returncode is None:

@@ -7,8 +7,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,8 +14,8 @@ import torch
 
 from checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
-from helpers import (CPU_ENV, ROOT, STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, free_port,
-                     kernel_counter, losses, on_cpu, run, script, standard_run, weights)
+from helpers import (STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run,
+                     script, standard_run, two_nodes, weights)
 
 pytestmark = pytest.mark.slow  # every test here starts torchrun
 TWO = ["--standalone", "--nproc_per_node=2"]
@@ -158,8 +156,7 @@ def test_sigkill_between_the_renames_of_a_sharded_save_keeps_the_previous_one(da
         "_os.replace = _hang\n"
     )
     out = tmp_path / "out"
-    launcher = (sys.executable, "-m", "torch.distributed.run", *TWO)
-    proc = start(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", str(hang), launcher=launcher)
+    proc = start(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", str(hang), torchrun=TWO)
     wait_for(proc, "BETWEEN RENAMES", timeout=240)
     kill(proc)  # the launcher and its workers: a worker left asleep would rename files here later
     assert not (out / "ckpt").exists() and (out / "ckpt.tmp" / "state.pt").exists()
@@ -177,10 +174,9 @@ def test_sigkill_between_the_renames_of_a_sharded_save_keeps_the_previous_one(da
 def test_sigkill_at_random_moments_of_sharded_saves_loses_nothing(data_dir, fsdp_run, tmp_path):
     # a save at every step, so that kills often land in one; evaluations change nothing in training
     args = [*EXACT, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=1", "--keep_last_n=2"]
-    launcher = (sys.executable, "-m", "torch.distributed.run", *TWO)
     rng = random.Random(0)
     for attempt in range(3):
-        proc = start(*args, "--init_from=auto", launcher=launcher)
+        proc = start(*args, "--init_from=auto", torchrun=TWO)
         wait_for(proc, "saved ", timeout=240)
         time.sleep(rng.uniform(0.0, 0.3))
         kill(proc)
@@ -198,18 +194,9 @@ def test_sigkill_at_random_moments_of_sharded_saves_loses_nothing(data_dir, fsdp
 
 @pytest.mark.kills
 def test_fsdp_on_two_nodes(data_dir, tmp_path):
-    port = free_port()
-    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=6", "--eval_interval=6",
-            "--gradient_accumulation_steps=2", "--fsdp=True"]
-    procs = []
-    for node in (0, 1):
-        torchrun = ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                    f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=fsdp"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *on_cpu(args)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env={**os.environ, **CPU_ENV}))
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    nodes = two_nodes(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=6",
+                      "--eval_interval=6", "--gradient_accumulation_steps=2", "--fsdp=True")
+    assert [p.returncode for p in nodes] == [0, 0], nodes
     records = (tmp_path / "metrics.jsonl").read_text().splitlines()
     evals = [json.loads(line) for line in records if "val_loss" in line]
     assert [r["iter"] for r in evals] == [0, 6] and evals[1]["val_loss"] < evals[0]["val_loss"]

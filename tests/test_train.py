@@ -1,19 +1,16 @@
 """train.py end to end, in subprocesses, on a tiny character-level dataset the tests write themselves."""
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from data import Split
-from helpers import (CPU_ENV, ROOT, TINY, assert_every_kernel_ran, assert_weights_close, free_port, kernel_counter,
-                     kernel_launches, losses, on_cpu, run, script, standard_run, weights)
+from helpers import (ROOT, TINY, assert_every_kernel_ran, assert_weights_close, kernel_counter, kernel_launches,
+                     losses, run, script, standard_run, two_nodes, weights)
 
 
 def copy_dataset(data_dir, to, val_tokens):
@@ -80,19 +77,10 @@ def test_accumulation_steps_must_divide_among_processes(data_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.kills
 def test_two_nodes_on_one_machine(data_dir, tmp_path):
-    port = free_port()
-    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=10", "--eval_interval=10",
-            "--gradient_accumulation_steps=2"]
-    procs = []
-    for node in (0, 1):
-        torchrun = ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d",
-                    f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *on_cpu(args)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**os.environ, **CPU_ENV}))
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    stdout = "".join(o[0] for o in outs)
+    nodes = two_nodes(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=10",
+                      "--eval_interval=10", "--gradient_accumulation_steps=2")
+    assert [p.returncode for p in nodes] == [0, 0], nodes
+    stdout = "".join(p.stdout for p in nodes)
     assert "2 process(es) on cpu" in stdout
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
     assert [r["iter"] for r in evals] == [0, 10] and evals[1]["val_loss"] < evals[0]["val_loss"]
