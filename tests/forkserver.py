@@ -24,6 +24,7 @@ fails, the others are killed, as torchrun does with its workers.
 """
 
 import contextlib
+import importlib.util
 import os
 import pickle
 import select
@@ -35,23 +36,22 @@ import tempfile
 import time
 import warnings
 
-# What the project's scripts import from outside the project; triton only where the tests run it under its
-# interpreter (TRITON_INTERPRET must be set before triton is imported). torch._dynamo is the costliest: torch's
-# optimizers import it when the first is made (~2-3 s of CPU in every train.py run otherwise).
+# What the project's scripts import from outside the project, and triton where it is installed. torch._dynamo is
+# the costliest: torch's optimizers import it when the first is made (~2-3 s of CPU in every train.py run otherwise).
 PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "torch.distributed.device_mesh", "torch.distributed.fsdp",
            "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.nn.parallel",
            "torch.utils.checkpoint", "torch._dynamo", "torch.profiler", "safetensors.torch", "tiktoken",
            "tokenizers", "jinja2"]
 # read when Python starts, a library is imported or a thread pool starts: a child keeps its server's values
-FIXED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TRITON_INTERPRET", "PYTHONHASHSEED",
-         "PYTHONPATH", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING",
-         "LD_PRELOAD", "LD_LIBRARY_PATH")
+# (Triton reads TRITON_INTERPRET when a kernel is defined, in the child; PYTHONUNBUFFERED the child applies itself)
+FIXED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONHASHSEED", "PYTHONPATH",
+         "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING", "LD_PRELOAD", "LD_LIBRARY_PATH")
 # the variable by which conftest.py finds the processes a test started: a server, shared, must not carry it
 MARK = "PYTEST_PROCESS_MARK"
 
 SERVER = r'''
-import atexit, gc, importlib, os, pickle, random, runpy, struct, sys, tempfile
+import atexit, gc, importlib, io, os, pickle, random, runpy, struct, sys, tempfile
 exit_code = 0
 
 
@@ -100,6 +100,12 @@ def child(request):
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
+    if os.environ.get("PYTHONUNBUFFERED"):  # as Python makes its streams at its start under -u
+        for name, errors in (("stdout", "strict"), ("stderr", "backslashreplace")):
+            stream = io.TextIOWrapper(io.FileIO(getattr(sys, name).fileno(), "w", closefd=False), write_through=True,
+                                      encoding=getattr(sys, name).encoding, errors=errors)
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
     random.seed()  # a new Python draws its seeds afresh; forked children would all share the server's
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -143,9 +149,9 @@ while True:
 class Server:
     def __init__(self, env):
         replies_read, replies_write = os.pipe()
-        env = {k: v for k, v in env.items() if k != MARK}
+        env = {k: v for k, v in env.items() if k not in (MARK, "PYTHONUNBUFFERED")}  # each child sets its own
         env["FORKSERVER_REPLIES"] = str(replies_write)
-        preload = [*PRELOAD, *(["triton"] if env.get("TRITON_INTERPRET") == "1" else [])]
+        preload = [*PRELOAD, *(["triton"] if importlib.util.find_spec("triton") else [])]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER, *preload], stdin=subprocess.PIPE, env=env,
                                      stdout=self.log, stderr=self.log, pass_fds=[replies_write], cwd="/",
