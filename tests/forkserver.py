@@ -24,7 +24,6 @@ fails, the others are killed, as torchrun does with its workers.
 """
 
 import contextlib
-import importlib.util
 import os
 import pickle
 import select
@@ -36,15 +35,17 @@ import tempfile
 import time
 import warnings
 
-# What the project's scripts import from outside the project, and triton where it is installed. torch._dynamo is
-# the costliest: torch's optimizers import it when the first is made (~2-3 s of CPU in every train.py run otherwise).
+# What the project's scripts import from outside the project; triton only where the tests run it under its
+# interpreter (Triton's own helpers are compiled or interpreted as TRITON_INTERPRET was when it was imported).
+# torch._dynamo is the costliest: torch's optimizers import it when the first is made (~2-3 s of CPU in every
+# train.py run otherwise).
 PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "torch.distributed.device_mesh", "torch.distributed.fsdp",
            "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.nn.parallel",
            "torch.utils.checkpoint", "torch._dynamo", "torch.profiler", "safetensors.torch", "tiktoken",
            "tokenizers", "jinja2"]
 # read when Python starts, a library is imported or a thread pool starts: a child keeps its server's values
-# (Triton reads TRITON_INTERPRET when a kernel is defined, in the child; PYTHONUNBUFFERED the child applies itself)
+# (TRITON_INTERPRET only as on or not; PYTHONUNBUFFERED each child applies itself)
 FIXED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONHASHSEED", "PYTHONPATH",
          "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING", "LD_PRELOAD", "LD_LIBRARY_PATH")
 # the variable by which conftest.py finds the processes a test started: a server, shared, must not carry it
@@ -151,7 +152,7 @@ class Server:
         replies_read, replies_write = os.pipe()
         env = {k: v for k, v in env.items() if k not in (MARK, "PYTHONUNBUFFERED")}  # each child sets its own
         env["FORKSERVER_REPLIES"] = str(replies_write)
-        preload = [*PRELOAD, *(["triton"] if importlib.util.find_spec("triton") else [])]
+        preload = [*PRELOAD, *(["triton"] if interpreted(env) else [])]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER, *preload], stdin=subprocess.PIPE, env=env,
                                      stdout=self.log, stderr=self.log, pass_fds=[replies_write], cwd="/",
@@ -247,8 +248,12 @@ def run(args, cwd, env, timeout=None):
     return run_together([(args, env)], cwd, timeout)[0]
 
 
+def interpreted(env):
+    return env.get("TRITON_INTERPRET") == "1"
+
+
 def fixed(env):
-    return tuple(env.get(k) for k in FIXED)
+    return (*(env.get(k) for k in FIXED), interpreted(env))
 
 
 def server_for(env):
