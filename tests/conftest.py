@@ -9,28 +9,9 @@ import tempfile
 
 import numpy as np
 import pytest
-import torch
 
 # the tests import the project's modules (model, kernels, ...) from the repository root
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from helpers import SHAKESPEARE, TIKTOKEN_CACHE  # noqa: E402 (after the path)
-
-# Without a GPU, Triton kernels can only run on CPU tensors under Triton's interpreter, which
-# must be switched on before anything imports triton. With one, the kernels run compiled (the CUDA tier,
-# test_cuda.py, needs them so), and an in-process test that needs the interpreter skips.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Under pytest-xdist each worker is one of several processes on few cores: torch's default of one thread per
-# core oversubscribes them, and the in-process tests' small ops wait on each other's threads (a tiny model's
-# training steps took 4-6 times the wall time and 3.5 times the CPU time with 2 threads on 2 loaded cores).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
-
-# The tests never download: tiktoken reads the encodings from this team's shared cache where it is there.
-if TIKTOKEN_CACHE.is_dir():
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
 
 
 def pytest_configure(config):
@@ -40,6 +21,24 @@ def pytest_configure(config):
                             "(conftest.own_processes), so that none outlives the test")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (tests/test_cuda.py; -m cuda runs them alone), "
                             "skipped without one")
+    if config.getoption("dist", "no") != "no" and not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # pytest-xdist's controller runs no test: its workers start ~3 s sooner without torch imported here
+    import torch
+    from helpers import TIKTOKEN_CACHE
+
+    # Without a GPU, Triton kernels can only run on CPU tensors under Triton's interpreter, which must be switched
+    # on before anything imports triton (the test modules, collected next). With one, the kernels run compiled
+    # (the CUDA tier, test_cuda.py, needs them so), and an in-process test that needs the interpreter skips.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Under pytest-xdist each worker is one of several processes on few cores: torch's default of one thread per
+    # core oversubscribes them, and the in-process tests' small ops wait on each other's threads (a tiny model's
+    # training steps took 4-6 times the wall time and 3.5 times the CPU time with 2 threads on 2 loaded cores).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+    # The tests never download: tiktoken reads the encodings from this team's shared cache where it is there.
+    if TIKTOKEN_CACHE.is_dir():
+        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +50,7 @@ def data_dir(shared):
 
 
 def write_data(d):
+    from helpers import SHAKESPEARE
     text = SHAKESPEARE.read_text()[:200_000] if SHAKESPEARE.exists() else generated_text(200_000)
     chars = sorted(set(text))
     ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
