@@ -11,8 +11,7 @@ import signal
 import time
 
 import forkserver
-
-MARK = "PYTEST_PROCESS_MARK"
+from forkserver import MARK
 
 
 def marked(value=None):
