@@ -70,8 +70,8 @@ def run(*args, torchrun=(), check=True, env=None):
     # train.py in a new process, forked from a server that has torch imported already (forkserver.py). With
     # torchrun's arguments: a launch on one machine (--standalone --nproc_per_node=N) is its N workers, forked
     # likewise, each with the environment torchrun gives it (a new Python each, and torchrun's, would cost ~12 s
-    # of CPU a launch); any other launch runs under torchrun itself, as do the standard run and the tests of
-    # torchrun's own part (its restarts, its signals).
+    # of CPU a launch); any other launch (the standard DDP run's) runs under torchrun itself, as users run it.
+    # The tests of torchrun's restarts, kills and two nodes fork torchrun with its workers (torchrun_fork.py).
     env, args = {**os.environ, **CPU_ENV, **(env or {})}, on_cpu(args)
     workers = re.fullmatch(r"--standalone --nproc_per_node=(\d+)", " ".join(torchrun))
     if workers:
