@@ -41,6 +41,16 @@ def pytest_configure(config):
         os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # A pytest-xdist worker has sent all its results by now: it ends here, as the fork server's children do, without
+    # tearing down the modules it imported (torch's, Triton's: ~2 s of CPU, which the controller would wait for).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 @pytest.fixture(scope="session")
 def data_dir(shared):
     # a tiny character-level dataset for the train.py tests, written here (nothing is downloaded):
@@ -128,8 +138,7 @@ def shared(tmp_path_factory):
     the workers' temporary folders have a common parent, and the first worker to ask builds while the others
     wait on a lock. Tests only read what is in it (copy before changing anything)."""
     from filelock import FileLock
-    root = tmp_path_factory.getbasetemp()
-    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    root = shared_root(tmp_path_factory)
 
     def get(name, build):
         folder = root / f"shared-{name}"
@@ -142,3 +151,16 @@ def shared(tmp_path_factory):
                 (root / f"shared-{name}.done").touch()
         return folder
     return get
+
+
+def shared_root(tmp_path_factory):
+    # the folder all of the session's workers share: their temporary folders' parent under pytest-xdist
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forkserver_pycache(tmp_path_factory):
+    # the forked runs of the session, in all its workers, keep their compiled modules in one folder
+    import forkserver
+    forkserver.pycache = shared_root(tmp_path_factory) / "pycache"

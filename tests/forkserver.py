@@ -50,6 +50,8 @@ FIXED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONHA
          "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING", "LD_PRELOAD", "LD_LIBRARY_PATH")
 # the variable by which conftest.py finds the processes a test started: a server, shared, must not carry it
 MARK = "PYTEST_PROCESS_MARK"
+# a folder of the test session's own, where the children keep the bytecode of the modules they compile (None: none)
+pycache = None
 
 SERVER = r'''
 import atexit, gc, importlib, io, os, pickle, random, runpy, struct, sys, tempfile
@@ -70,6 +72,11 @@ for name in sys.argv[1:]:
     importlib.import_module(name)
 sys.stdout.flush()  # nothing of the imports' output may wait in a buffer that the children would inherit
 sys.stderr.flush()
+if os.environ.get("FORKSERVER_PYCACHE"):
+    # The children compile the project's modules (~0.08 s of a train.py run's 0.3): their bytecode is kept for the
+    # next child in this folder, whatever PYTHONDONTWRITEBYTECODE says, and never beside the sources.
+    sys.dont_write_bytecode = False
+    sys.pycache_prefix = os.environ.pop("FORKSERVER_PYCACHE")
 gc.freeze()  # the children's garbage collector leaves the server's objects alone (and their pages shared)
 replies = int(os.environ.pop("FORKSERVER_REPLIES"))
 
@@ -152,6 +159,8 @@ class Server:
         replies_read, replies_write = os.pipe()
         env = {k: v for k, v in env.items() if k not in (MARK, "PYTHONUNBUFFERED")}  # each child sets its own
         env["FORKSERVER_REPLIES"] = str(replies_write)
+        if pycache:
+            env["FORKSERVER_PYCACHE"] = str(pycache)
         preload = [*PRELOAD, *(["triton"] if interpreted(env) else [])]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER, *preload], stdin=subprocess.PIPE, env=env,
