@@ -8,10 +8,13 @@ signal handlers, its own standard streams, environment and working folder, and w
 file patches dies with it. It only finds torch already imported. The server never imports the project's own
 modules, so each child reads them from disk as a new Python would.
 
-The child leaves the way any Python script does: the script's SystemExit or exception, or the end of the script,
-unwinds out of the server's code to the interpreter, which prints it, joins the threads left running and runs the
-atexit functions; the last of these, registered by the server first of all, flushes the streams and ends the
-child with the script's status, skipping only the teardown of the modules. Nothing private is called.
+The child runs the script in a module __main__ of its own, and leaves the way any Python script does: an
+exception is printed as the interpreter prints it (the script's frames only); the script's SystemExit, or its
+end, unwinds out of the server's code to the interpreter, which joins the threads left running and runs the
+atexit functions and the finalizers of what the script made; the last of these, registered by the server first
+of all, flushes the streams and ends the child with the script's status. Skipped are only the teardown of the
+modules and the finalizers of what the server's imports made (the server's own). Nothing private is called.
+tests/test_forkserver.py compares a forked run with a new Python's.
 
 A few environment variables are read only when Python starts or a library is imported (`FIXED`): a child keeps
 its server's values, so a run that asks for other values gets a server of its own for them.
@@ -54,7 +57,7 @@ MARK = "PYTEST_PROCESS_MARK"
 pycache = None
 
 SERVER = r'''
-import atexit, gc, importlib, io, os, pickle, random, runpy, struct, sys, tempfile
+import atexit, gc, importlib, io, os, pickle, random, struct, sys, tempfile, types, weakref
 exit_code = 0
 
 
@@ -67,9 +70,22 @@ def leave():
     os._exit(exit_code)
 
 
+class ServersFinalize(weakref.finalize):
+    # What the imports made is the server's, and so is its finalization: a child does not run these finalizers as
+    # it exits (torch's unregisters its thousands of operators, ~50 ms of each run). What the child makes is
+    # finalized as it exits, as a new Python does.
+    __slots__ = ()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.atexit = False
+
+
 atexit.register(leave)
+weakref.finalize = ServersFinalize
 for name in sys.argv[1:]:
     importlib.import_module(name)
+weakref.finalize = ServersFinalize.__base__
 sys.stdout.flush()  # nothing of the imports' output may wait in a buffer that the children would inherit
 sys.stderr.flush()
 if os.environ.get("FORKSERVER_PYCACHE"):
@@ -120,15 +136,21 @@ def child(request):
     tempfile.tempdir = None  # TMPDIR is the child's
     sys.argv = request["argv"]
     sys.path[0] = os.path.dirname(request["path"])
+    # the script runs as `python SCRIPT` runs it: in a module __main__ that lives until the process ends
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    main.__file__, main.__cached__ = request["path"], None
     global exit_code
     try:
-        runpy.run_path(request["path"], run_name="__main__")
+        with io.open_code(request["path"]) as f:
+            exec(compile(f.read(), request["path"], "exec"), vars(main))
     except SystemExit as e:  # the status the interpreter will exit with, as it reads sys.exit's argument
         exit_code = (e.code or 0) if e.code is None or isinstance(e.code, int) else 1
         raise
-    except BaseException:
+    except BaseException as e:  # printed as a new Python prints it: the script's frames, not the server's
         exit_code = 1
-        raise
+        e.__traceback__ = e.__traceback__.tb_next
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.exit(1)
 
 
 reply(0)  # ready
