@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import forkserver
@@ -29,6 +30,8 @@ CPU_ENV = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHAKESPEARE = SHARED / "tinyshakespeare" / "input.txt"
 TIKTOKEN_CACHE = SHARED / "tiktoken_cache"
+needs_tiktoken = pytest.mark.skipif(not TIKTOKEN_CACHE.is_dir(), reason=f"no tiktoken cache at {TIKTOKEN_CACHE} "
+                                    "(tests never download)")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",

@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 
 import forkserver
-from helpers import CPU_ENV, script
+from helpers import CPU_ENV, needs_tiktoken, script
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["kernels", "step", "memory", "optimizers", "finetune", "tests"]
-needs_tiktoken = pytest.mark.skipif("TIKTOKEN_CACHE_DIR" not in os.environ,
-                                    reason="no tiktoken cache (tests never download)")
 
 
 def rows(text):

@@ -27,13 +27,12 @@ import forkserver  # the tests' own: train.py and sample.py started without impo
 import hf
 import prepare
 from errors import UserError
-from helpers import TIKTOKEN_CACHE
+from helpers import needs_tiktoken
 from meta import read_meta
 from model import GPT, GPTConfig
 from tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-needs_tiktoken = pytest.mark.skipif(not TIKTOKEN_CACHE.is_dir(), reason="no tiktoken cache (tests never download)")
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

@@ -16,19 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import prepare
+import sources
+from errors import UserError
+from helpers import SHAKESPEARE, TIKTOKEN_CACHE, needs_tiktoken, script
+from tokenizer import load_tokenizer, make_tokenizer
+from tokenizer_json import hf_tokenizer_files
+
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-CACHE = SHARED / "tiktoken_cache"
-if CACHE.is_dir():
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(CACHE))  # tiktoken offline; never download
 
-import prepare  # noqa: E402  (after TIKTOKEN_CACHE_DIR)
-import sources  # noqa: E402
-from errors import UserError  # noqa: E402
-from tokenizer import load_tokenizer, make_tokenizer  # noqa: E402
-from tokenizer_json import hf_tokenizer_files  # noqa: E402
-
-needs_tiktoken = pytest.mark.skipif(not CACHE.is_dir(), reason=f"no tiktoken cache at {CACHE} (tests never download)")
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -68,8 +64,8 @@ def run(*argv):
 
 
 def cli(*argv, cwd=REPO, timeout=120):
-    return subprocess.run([sys.executable, str(REPO / "prepare.py"), *map(str, argv)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    """prepare.py in a new process, forked from the tests' server (helpers.script)."""
+    return script(REPO / "prepare.py", *argv, cwd=cwd, timeout=timeout)
 
 
 def one_line_error(r, *words):
@@ -257,7 +253,7 @@ def test_field_option(tmp_path):
 
 
 def test_tinyshakespeare_single_document_gets_its_tail_as_val(tmp_path):
-    path = SHARED / "tinyshakespeare" / "input.txt"
+    path = SHAKESPEARE
     if not path.exists():
         pytest.skip(f"no {path}")
     out = tmp_path / "out"
@@ -474,7 +470,7 @@ def test_no_documents_writes_nothing(tmp_path):
     src = tmp_path / "src"
     write(src / "empty.txt", "")
     write(src / "bin.dat", b"\x00\x01")
-    for tokenizer in ("char", "gpt2") if CACHE.is_dir() else ("char",):  # gpt2 only where it loads offline
+    for tokenizer in ("char", "gpt2") if TIKTOKEN_CACHE.is_dir() else ("char",):  # gpt2 only where it loads offline
         r = cli(src, "--out_dir", tmp_path / "out", "--tokenizer", tokenizer)
         one_line_error(r, "no documents found")
         assert "bin.dat: binary" in r.stdout  # the reasons are still shown
