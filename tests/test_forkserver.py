@@ -6,6 +6,7 @@ import sys
 import pytest
 
 import forkserver
+from helpers import CPU_ENV  # the other tests' values: their server serves these runs too
 
 SCRIPT = """
 import atexit, os, sys, weakref
@@ -29,7 +30,7 @@ sys.exit(int(sys.argv[1]))
 def test_a_forked_run_is_a_new_pythons(tmp_path, how):
     (tmp_path / "script.py").write_text(SCRIPT)
     (tmp_path / "beside.py").write_text("VALUE = 42\n")
-    env = {**os.environ, "ASKED": "yes"}
+    env = {**os.environ, **CPU_ENV, "ASKED": "yes"}
     forked = forkserver.run(["script.py", how], cwd=tmp_path, env=env)
     assert not (tmp_path / "__pycache__").exists()  # its bytecode is kept in the session's folder instead
     assert list(forkserver.pycache.rglob(f"{tmp_path.name}/beside.*.pyc"))
@@ -42,7 +43,8 @@ def test_a_forked_run_is_a_new_pythons(tmp_path, how):
 
 def test_a_script_that_does_not_compile_fails_as_in_a_new_python(tmp_path):
     (tmp_path / "script.py").write_text("print('never')\nx = (\n")
-    forked = forkserver.run(["script.py"], cwd=tmp_path, env=dict(os.environ))
-    new = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True)
+    env = {**os.environ, **CPU_ENV}
+    forked = forkserver.run(["script.py"], cwd=tmp_path, env=env)
+    new = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert (forked.returncode, forked.stdout, forked.stderr) == (new.returncode, new.stdout, new.stderr)
     assert forked.returncode == 1 and forked.stderr.endswith("SyntaxError: '(' was never closed\n")
