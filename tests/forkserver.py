@@ -82,10 +82,10 @@ class ServersFinalize(weakref.finalize):
 
 
 atexit.register(leave)
-weakref.finalize = ServersFinalize
+finalize, weakref.finalize = weakref.finalize, ServersFinalize
 for name in sys.argv[1:]:
     importlib.import_module(name)
-weakref.finalize = ServersFinalize.__base__
+weakref.finalize = finalize
 sys.stdout.flush()  # nothing of the imports' output may wait in a buffer that the children would inherit
 sys.stderr.flush()
 if os.environ.get("FORKSERVER_PYCACHE"):

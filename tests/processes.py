@@ -10,8 +10,7 @@ import os
 import signal
 import time
 
-import forkserver
-from forkserver import MARK
+from forkserver import MARK, sessions
 
 
 def marked(value=None):
@@ -22,7 +21,7 @@ def marked(value=None):
     if not value or not os.path.isdir("/proc"):  # conftest.py tracks processes only where /proc is
         return {}
     needle = f"{MARK}={value}".encode()
-    sessions = {str(pid) for pid in forkserver.sessions.get(value, ())}
+    leaders = {str(pid) for pid in sessions.get(value, ())}
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -30,7 +29,7 @@ def marked(value=None):
                 state, _, _, session = f.read().rsplit(")", 1)[1].split()[:4]
             if state in "ZX":  # exited, only not yet reaped
                 continue
-            if session not in sessions:
+            if session not in leaders:
                 with open(f"/proc/{pid}/environ", "rb") as f:
                     if needle not in f.read().split(b"\0"):
                         continue
