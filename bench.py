@@ -42,14 +42,14 @@ import numpy as np
 import torch
 
 import kernels
-from errors import UserError, one_line_errors
-from gpu_bench import bench_gpu
-from hf import save_pretrained
-from measure import bench_lora, kernel_cases, kernel_table, planned_model, run_train, throughput
-from memory import memory_estimate, memory_layout, memory_table
+from lib.errors import UserError, one_line_errors
+from lib.gpu_bench import bench_gpu
+from lib.hf import save_pretrained
+from lib.measure import bench_lora, kernel_cases, kernel_table, planned_model, run_train, throughput
+from lib.memory import memory_estimate, memory_layout, memory_table
+from lib.meta import read_meta
+from lib.tokenizer import make_tokenizer
 from model import GPT, GPTConfig
-from meta import read_meta
-from tokenizer import make_tokenizer
 
 
 def parse_args():

@@ -19,7 +19,7 @@ import sys
 import traceback
 import types
 
-from errors import UserError
+from lib.errors import UserError
 
 AT_LEAST_ONE = ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size",
                 "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout")

@@ -26,14 +26,14 @@ from contextlib import nullcontext
 
 import torch
 
-import harness
-from checkpoint import check_run_tokenizer, load_model, load_run
-from data import Split
-from errors import UserError, one_line_errors
-from hf import load_pretrained
-from meta import read_meta
-from parallel import pick_device
-from tokenizer import check_tokenizer, make_tokenizer
+from lib import harness
+from lib.checkpoint import check_run_tokenizer, load_model, load_run
+from lib.data import Split
+from lib.errors import UserError, one_line_errors
+from lib.hf import load_pretrained
+from lib.meta import read_meta
+from lib.parallel import pick_device
+from lib.tokenizer import check_tokenizer, make_tokenizer
 
 one_line_errors("eval.py")
 

@@ -22,13 +22,13 @@ import shutil
 
 import torch
 
-from checkpoint import load_run
-from errors import UserError, one_line_errors
-from files import durable_replace
-from hf import read_json, save_pretrained, special_ids
-from lora import merge_lora, write_adapter
-from meta import read_meta
-from tokenizer_json import hf_tokenizer_files
+from lib.checkpoint import load_run
+from lib.errors import UserError, one_line_errors
+from lib.files import durable_replace
+from lib.hf import read_json, save_pretrained, special_ids
+from lib.lora import merge_lora, write_adapter
+from lib.meta import read_meta
+from lib.tokenizer_json import hf_tokenizer_files
 
 # -----------------------------------------------------------------------------
 # the folders: a whole model, or a LoRA adapter in peft's layout
@@ -85,7 +85,7 @@ def write_json(path, content):
 
 def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
     # the same model as write_model's folder, as one GGUF file, in the same dtype
-    from gguf_export import write_gguf
+    from lib.gguf_export import write_gguf
     merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
     base = checkpoint.get("pretrained") or ""
     if dtype == "auto":  # the dtype the run began from, else the checkpoint's own (float32)

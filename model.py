@@ -22,7 +22,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from errors import UserError
 
 try:  # optional: only used on CUDA for bf16/fp16 tensors
     from flash_attn import flash_attn_func
@@ -60,13 +59,13 @@ class GPTConfig:
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
         if not self.head_size and self.n_embd % self.n_head:
-            raise UserError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         self.head_size = self.head_size or self.n_embd // self.n_head
         self.mlp_hidden = self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
         if self.n_head % self.n_kv_head:
-            raise UserError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+            raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
         if self.head_size % 2:
-            raise UserError(f"head size {self.head_size} must be even for rotary embeddings")
+            raise ValueError(f"head size {self.head_size} must be even for rotary embeddings")
 
 
 # a block's seven projections: LoRA's names for them -> their modules' paths in a Block. LoRA adapts them,

@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from chat import TRAIN_ON, Chat, ChatFormat
-from errors import UserError, one_line_errors
-from files import durable_replace, lock_folder, unlock_folder
-from meta import MARKER
-from sources import HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces
-from tokenizer import make_tokenizer
+from lib.chat import TRAIN_ON, Chat, ChatFormat
+from lib.errors import UserError, one_line_errors
+from lib.files import durable_replace, lock_folder, unlock_folder
+from lib.meta import MARKER
+from lib.sources import HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces
+from lib.tokenizer import make_tokenizer
 
 FORMAT_VERSION = 1
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads

@@ -20,12 +20,12 @@ from contextlib import nullcontext
 
 import torch
 
-from chat import ChatFormat
-from checkpoint import load_run
-from errors import UserError, one_line_errors
-from hf import load_pretrained
-from parallel import pick_device
-from tokenizer import make_tokenizer
+from lib.chat import ChatFormat
+from lib.checkpoint import load_run
+from lib.errors import UserError, one_line_errors
+from lib.hf import load_pretrained
+from lib.parallel import pick_device
+from lib.tokenizer import make_tokenizer
 
 one_line_errors("sample.py")
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

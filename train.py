@@ -29,18 +29,18 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpoint as ckpt
 from configurator import check_settings, configure
-from data import Split
-from errors import UserError, one_line_errors
-from lora import quantize_base
-from memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
-from meta import check_data_for_run, read_meta
-from metrics import open_log, start_clock, time_left, wall_time
+from lib import checkpoint as ckpt
+from lib.data import Split
+from lib.errors import UserError, one_line_errors
+from lib.lora import quantize_base
+from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
+from lib.meta import check_data_for_run, read_meta
+from lib.metrics import open_log, start_clock, time_left, wall_time
+from lib.optim import check_optimizer, lr_factor, set_lr
+from lib.parallel import clip_gradients, init_distributed, parallelize, peak_flops
+from lib.start import begin, claim, described, first_model, resume_rng, rng_state
 from model import attended_keys, document_mask
-from optim import check_optimizer, lr_factor, set_lr
-from parallel import clip_gradients, init_distributed, parallelize, peak_flops
-from start import begin, claim, described, first_model, resume_rng, rng_state
 
 # -----------------------------------------------------------------------------
 # 1. settings: every one is a global here; config files and --key=value override them
@@ -357,7 +357,7 @@ for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, request_stop)
 
 if eval_tasks and master:  # the tasks are checked, and their data loaded, before the first step (README: Evaluating)
-    import harness  # here, not on top: lm-evaluation-harness adds half a second to every run's start
+    from lib import harness  # here, not on top: lm-evaluation-harness adds half a second to every run's start
     task_model = harness.for_training(raw_model, data_dir, device, autocast, batch_size, eval_tasks, eval_tasks_path)
 
 # -----------------------------------------------------------------------------

@@ -13,10 +13,10 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-import chat  # noqa: E402
+from lib import chat  # noqa: E402
 import prepare  # noqa: E402
-from errors import UserError  # noqa: E402
-from tokenizer import load_tokenizer, make_tokenizer  # noqa: E402
+from lib.errors import UserError  # noqa: E402
+from lib.tokenizer import load_tokenizer, make_tokenizer  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # three templates, after the ones their models' tokenizer_config.json hold

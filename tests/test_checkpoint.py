@@ -6,9 +6,9 @@ import stat
 import pytest
 import torch
 
-import checkpoint as ckpt
+from lib import checkpoint as ckpt
+from lib.files import durable_replace
 from model import GPT, GPTConfig
-from files import durable_replace
 
 SHAPE = dict(n_layer=1, n_head=2, n_embd=16, vocab_size=32, block_size=8)
 

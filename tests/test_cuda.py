@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kernels as K
-from hf import load_pretrained, save_pretrained
-from lora import add_lora, quantize_base
-from memory import memory_estimate
+from lib.hf import load_pretrained, save_pretrained
+from lib.lora import add_lora, quantize_base
+from lib.memory import memory_estimate
 from model import GPT, GPTConfig, document_mask, rotary_tables
 from test_kernels import fwd_bwd, rel_err
 from helpers import ROOT

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from data import Split
-from errors import UserError
-from meta import check_data_for_run
+from lib.data import Split
+from lib.errors import UserError
+from lib.meta import check_data_for_run
 
 
 @pytest.mark.parametrize("kind", ["windows", "whole", "packed"])

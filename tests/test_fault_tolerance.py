@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import forkserver
-from processes import kill_marked, marked
 from helpers import CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, weights
+from processes import kill_marked, marked
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -345,7 +345,7 @@ def test_out_of_range_token_names_file_and_position(data_dir, tmp_path):
 
 def final_weights(out_dir):
     # the weights of a run's last checkpoint, a file or (FSDP) a sharded folder
-    from checkpoint import read_sharded
+    from lib.checkpoint import read_sharded
     return read_sharded(str(out_dir / "ckpt")) if (out_dir / "ckpt").is_dir() else weights(out_dir)
 
 

@@ -12,8 +12,8 @@ from helpers import assert_every_kernel_ran, assert_no_kernel_ran, kernel_counte
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from hf import load_pretrained, save_pretrained
-from lora import add_lora, quantize_base
+from lib.hf import load_pretrained, save_pretrained
+from lib.lora import add_lora, quantize_base
 from model import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a Hugging Face folder and a tokenizer to make first (test_pretrained.py is quick)
@@ -201,7 +201,7 @@ PROJECTIONS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.wei
 @pytest.mark.parametrize("kind,tensor", [("nf4", "NF4Tensor"), ("int8", "Int8Tensor")])
 def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
     pytest.importorskip("torchao", reason="a 4-bit or 8-bit base needs torchao (pip install torchao)")
-    from lora import merge_lora
+    from lib.lora import merge_lora
     folder, data = pretrained
     # quantize_base holds every projection's weight in NF4 (or int8), and nothing else
     model = quantize_base(add_lora(load_pretrained(folder), 4), kind)
@@ -237,7 +237,7 @@ def export(*args, check=True):
 
 def run_model(out_dir):
     # the model of a run's checkpoint, as sample.py and export.py rebuild it
-    from checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.checkpoint import load_checkpoint, model_from_checkpoint
     return model_from_checkpoint(load_checkpoint(out_dir / "ckpt.pt"), use_kernels=False).eval()
 
 
@@ -253,7 +253,7 @@ def test_export_a_finetune_loads_in_transformers_with_equal_logits(pretrained, t
     assert (logits_of(hf, ids) - ours).abs().max() <= 1e-4 * ours.abs().max()
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = corpus_text()[:5000]
-    from tokenizer import load_tokenizer
+    from lib.tokenizer import load_tokenizer
     assert auto(text, add_special_tokens=False)["input_ids"] == load_tokenizer(data).encode(text)
     out = export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf", check=False)  # never over a folder
     assert out.returncode != 0 and "pass --overwrite" in out.stderr and len(out.stderr.strip().splitlines()) == 1

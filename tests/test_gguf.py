@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import export
-from errors import UserError
-from gguf_export import PRE_TOKENIZERS, interleave_rotary, vocabulary
-from hf import hf_layout
 from helpers import TINY, run, script
-from tokenizer import load_tokenizer, make_tokenizer
-from tokenizer_json import byte_chars
+from lib.errors import UserError
+from lib.gguf_export import PRE_TOKENIZERS, interleave_rotary, vocabulary
+from lib.hf import hf_layout
+from lib.tokenizer import load_tokenizer, make_tokenizer
+from lib.tokenizer_json import byte_chars
 
 gguf = pytest.importorskip("gguf")
 
@@ -44,7 +44,7 @@ def exported(folder, tmp_path, *args):
 
 
 def run_model(folder):
-    from checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.checkpoint import load_checkpoint, model_from_checkpoint
     return model_from_checkpoint(load_checkpoint(folder / "run" / "ckpt.pt"))
 
 
@@ -282,7 +282,7 @@ def test_wordpiece_and_sentencepiece_style_tokenizers_are_refused():
     spm = Tokenizer(models.BPE(vocab={"<unk>": 0, "▁": 1, "a": 2, "<|endoftext|>": 3}, merges=[], byte_fallback=True))
     spm.pre_tokenizer = pre_tokenizers.Metaspace()
     spm.decoder = decoders.Metaspace()
-    from tokenizer import hf_tokenizer
+    from lib.tokenizer import hf_tokenizer
     for tokenizer in (wordpiece, hf_tokenizer("spm", spm.to_str())):
         with pytest.raises(ValueError) as e:
             vocabulary(tokenizer, 512, gguf)
@@ -290,7 +290,7 @@ def test_wordpiece_and_sentencepiece_style_tokenizers_are_refused():
 
 
 def test_a_qwen2_shape_keeps_its_biases_and_halves(tmp_path):
-    from gguf_export import write_gguf
+    from lib.gguf_export import write_gguf
     from model import GPT, GPTConfig
     tokenizer = make_tokenizer("bpe:260", lambda: iter(["hello world, hello there"] * 50))
     torch.manual_seed(0)
@@ -310,7 +310,7 @@ def test_a_qwen2_shape_keeps_its_biases_and_halves(tmp_path):
 def test_a_gpt2_style_tokenizer_json_is_named_gpt2():
     # a tokenizer.json whose ByteLevel step splits on its own (GPT-2's, and the Hub's many copies of it)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from tokenizer import hf_tokenizer
+    from lib.tokenizer import hf_tokenizer
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()

@@ -107,8 +107,8 @@ def make_lora_run(root, pretrained):
 
 def ours(out_dir, tasks_dir, batch_size=4):
     import torch
-    import harness
-    from checkpoint import load_run
+    from lib import harness
+    from lib.checkpoint import load_run
     model, tokenizer, checkpoint = load_run(str(out_dir / "ckpt.pt"), torch.float32)
     lm = harness.Model(model.eval(), tokenizer, batch_size=batch_size, chat_folder=checkpoint["data_dir"])
     manager, names = harness.load_tasks(",".join(ROOT_TASKS), str(tasks_dir))
@@ -226,8 +226,8 @@ def remote_task(folder):
 @pytest.mark.slow  # an unknown name is looked for in the harness's whole index of tasks: ~15 s
 def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
     needs_lm_eval()
-    import harness
-    from errors import UserError
+    from lib import harness
+    from lib.errors import UserError
     # The unknown name in this process (the index built once, not in a script each time): eval.py and train.py
     # raise load_tasks's UserError uncaught, and their one_line_errors print it, as the data below shows end to end
     with pytest.raises(UserError, match="no task no_such_task") as refused:

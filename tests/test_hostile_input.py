@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint as ckpt
+from lib import checkpoint as ckpt
 import forkserver  # the tests' own: train.py and sample.py started without importing torch each time
-import hf
+from lib import hf
 import prepare
-from errors import UserError
 from helpers import needs_tiktoken
-from meta import read_meta
+from lib.errors import UserError
+from lib.meta import read_meta
+from lib.tokenizer import load_tokenizer
 from model import GPT, GPTConfig
-from tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -256,7 +256,7 @@ PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant'
     ("{{ (1e308 * 10) | int }}", "OverflowError"),
 ])
 def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, says):
-    import chat
+    from lib import chat
     started = time.time()
     with deadline(20), pytest.raises(ValueError, match=says):
         chat.ChatFormat(PROBE + template, "test", ["</s>"], "</s>")

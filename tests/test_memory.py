@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import memory
 from configurator import configure
-from errors import UserError
-from memory import memory_estimate, nf4_bytes, tensor_bytes
-from lora import add_lora, quantize_base
-from model import GPT, GPTConfig
 from helpers import CPU_ENV, script, torchrun_forked
+from lib import memory
+from lib.errors import UserError
+from lib.lora import add_lora, quantize_base
+from lib.memory import memory_estimate, nf4_bytes, tensor_bytes
+from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)
@@ -81,9 +81,9 @@ import json, sys
 sys.path[:0] = [ROOT, ROOT + "/tests"]  # the project's modules and the tests'
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from memory import memory_estimate
+from lib.memory import memory_estimate
+from lib.parallel import parallelize
 from model import GPT, GPTConfig
-from parallel import parallelize
 from test_memory import SHAPE, one_step
 dist.init_process_group("gloo")
 torch.manual_seed(0)

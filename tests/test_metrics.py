@@ -8,7 +8,7 @@ import time
 import pytest
 
 from helpers import TINY, run
-from metrics import (RECENT_STEPS, WARMUP_STEPS, duration, evaluations_left, finish_time, seconds_left, start_clock,
+from lib.metrics import (RECENT_STEPS, WARMUP_STEPS, duration, evaluations_left, finish_time, seconds_left, start_clock,
                      time_left)
 
 

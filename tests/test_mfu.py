@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import parallel
-from model import GPT, GPTConfig, attended_keys
-from parallel import gpu_peak, peak_flops
 from helpers import TINY, run
+from lib import parallel
+from lib.parallel import gpu_peak, peak_flops
+from model import GPT, GPTConfig, attended_keys
 
 
 @pytest.mark.parametrize("name, sms, bf16, tf32", [

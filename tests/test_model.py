@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import model as M
-from lora import add_lora
+from lib.lora import add_lora
 from model import GPT, GPTConfig, attend, document_mask, filter_logits
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import SHAKESPEARE
-from meta import read_meta
-from tokenizer import load_tokenizer
+from lib.meta import read_meta
+from lib.tokenizer import load_tokenizer
 
 # Used when tinyshakespeare is not beside the checkout: a few lines in its manner.
 OWN_TEXT = """First Citizen:

@@ -4,12 +4,12 @@ import pytest
 
 from helpers import STANDARD, TINY, losses, run, standard_run
 
-from errors import UserError
-from hf import save_pretrained
-from measure import train_defaults
-from meta import read_meta
+from lib.errors import UserError
+from lib.hf import save_pretrained
+from lib.measure import train_defaults
+from lib.meta import read_meta
+from lib.start import begin
 from model import GPT, GPTConfig
-from start import begin
 
 pytestmark = pytest.mark.slow  # torchrun, mostly
 TWO, FOUR = ["--standalone", "--nproc_per_node=2"], ["--standalone", "--nproc_per_node=4"]
@@ -72,7 +72,7 @@ def test_rotary_tables_stay_fp32_in_a_block_under_fsdp_bf16():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel import parallelize
+    from lib.parallel import parallelize
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))

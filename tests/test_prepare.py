@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import prepare
-import sources
-from errors import UserError
 from helpers import SHAKESPEARE, TIKTOKEN_CACHE, needs_tiktoken, script
-from tokenizer import load_tokenizer, make_tokenizer
-from tokenizer_json import hf_tokenizer_files
+from lib import sources
+from lib.errors import UserError
+from lib.tokenizer import load_tokenizer, make_tokenizer
+from lib.tokenizer_json import hf_tokenizer_files
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402 (after the skip: safetensors comes with transformers)
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from hf import load_pretrained, save_pretrained
+from lib.hf import load_pretrained, save_pretrained
 from model import GPT, GPTConfig  # noqa: E402
 
 AutoModelForCausalLM = transformers.AutoModelForCausalLM

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from checkpoint import find_checkpoint, load_checkpoint
+from lib.checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
 from helpers import (STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run,
                      script, standard_run, two_nodes, weights)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from optim import check_optimizer, lr_factor, set_lr
 from helpers import TINY, run
+from lib.optim import check_optimizer, lr_factor, set_lr
 
 # warmup over 2 steps, then from the peak down to min_lr / learning_rate = 0.1 at step 10 (lr_decay_iters)
 SETTINGS = dict(warmup_iters=2, lr_decay_iters=10, learning_rate=1e-2, min_lr=1e-3, lr_decay_fraction=0.4,

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import tokenizer
-import tokenizer_json
-
+from lib import tokenizer
+from lib import tokenizer_json
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402  (after the skip)
 

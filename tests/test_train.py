@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from data import Split
 from helpers import (ROOT, TINY, assert_every_kernel_ran, assert_weights_close, kernel_counter, kernel_launches,
                      losses, run, script, standard_run, two_nodes, weights)
+from lib.data import Split
 
 
 def copy_dataset(data_dir, to, val_tokens):

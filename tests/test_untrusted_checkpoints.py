@@ -11,8 +11,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-import checkpoint as ckpt
 from helpers import TINY, run, script
+from lib import checkpoint as ckpt
 
 
 class Payload:

@@ -7,7 +7,7 @@ every learning rate has at a step, and setting it on the optimizers before each 
 
 import math
 
-from errors import UserError
+from lib.errors import UserError
 
 OPTIMIZERS = ("adamw", "muon", "adam", "sgd")
 SCHEDULES = ("cosine", "linear", "polynomial", "constant", "wsd", "cosine_restarts")

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chat import ChatFormat
-from errors import UserError
-from tokenizer import load_tokenizer
+from lib.chat import ChatFormat
+from lib.errors import UserError
+from lib.tokenizer import load_tokenizer
 
 try:
     from lm_eval.api.model import TemplateLM

@@ -6,7 +6,7 @@ decode, vocab_size and eot_id, whatever the kind; a prepared dataset's own (load
 is another folder's (check_tokenizer). What a dataset's folder says about itself is meta.py's (read_meta); the
 tokenizer.json of an exported model is tokenizer_json.py's.
 
-    from tokenizer import load_tokenizer, make_tokenizer
+    from lib.tokenizer import load_tokenizer, make_tokenizer
     tokenizer = load_tokenizer("data/stdlib")
     print(tokenizer.decode(tokenizer.encode("import os")))
     tokenizer = make_tokenizer("cl100k_base", None)
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bounds import confined
-from errors import UserError
-from meta import nanogpt_chars, refuse_unfinished
+from lib.bounds import confined
+from lib.errors import UserError
+from lib.meta import nanogpt_chars, refuse_unfinished
 
 # The end-of-text tokens of Hugging Face tokenizers, in order of preference.
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")

@@ -10,7 +10,7 @@ counts as a checkpoint only with its state.pt, written after every shard and del
 takes its name by two renames (the old one steps aside as NAME.old first, see publish). Reading runs no
 code: only tensors and plain values are unpickled, and a folder's .metadata only as DCP's own types.
 
-    from checkpoint import load_run
+    from lib.checkpoint import load_run
     model, tokenizer, checkpoint = load_run("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt
 """
 
@@ -29,15 +29,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from bounds import check_shapes, check_sizes, layer_count
-from errors import UserError
-from files import durable_replace
-from hf import fingerprint, load_pretrained
-from lora import add_lora, trained_only
-from memory import state_bytes
-from meta import read_meta
+from lib.bounds import check_shapes, check_sizes, layer_count
+from lib.errors import UserError
+from lib.files import durable_replace
+from lib.hf import fingerprint, load_pretrained
+from lib.lora import add_lora, trained_only
+from lib.memory import state_bytes
+from lib.meta import read_meta
+from lib.tokenizer import check_tokenizer, load_tokenizer
 from model import GPT, GPTConfig
-from tokenizer import check_tokenizer, load_tokenizer
 
 # The training loop's own state as a run begins: the step, the best val loss so far, the evaluations since it
 # improved, the updates skipped in a row for a non-finite loss, and whether the step's evaluation is done (a
@@ -314,7 +314,7 @@ def meta_model(args, weights):
     try:
         with torch.device("meta"):
             model = GPT(GPTConfig(**args))
-    except TypeError as e:  # a name GPTConfig does not know, or a value it cannot use
+    except (TypeError, ValueError) as e:  # a name GPTConfig does not know, or a value it cannot use
         raise UserError(f"the checkpoint's model_args do not make a model ({e}): {fix}") from None
     shapes = {name: tensor.shape for name, tensor in weights.items() if isinstance(tensor, torch.Tensor)}
     check_shapes(model, shapes, {name: name for name in shapes}, "the checkpoint", fix)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from errors import UserError
+from lib.errors import UserError
 from model import PROJECTIONS
 
 # Tensor parallel splits q, k, v, gate and up by their outputs (heads, hidden units) and their consumers by

@@ -3,14 +3,14 @@ The tokenizer.json (and tokenizer_config.json) that encodes exactly as a prepare
 an exported model: a Hugging Face tokenizer.json as it is, and a byte-level BPE (tiktoken's encodings, bpe:N)
 rebuilt as merges, which gguf_export.py writes into a GGUF file too.
 
-    from tokenizer_json import hf_tokenizer_files
+    from lib.tokenizer_json import hf_tokenizer_files
     files, note = hf_tokenizer_files(tokenizer)   # {"tokenizer.json": ..., "tokenizer_config.json": ...}, None
 """
 
 import json
 import re
 
-from errors import UserError
+from lib.errors import UserError
 
 # Oniguruma, the regex engine of the tokenizers library, reads two things in tiktoken's patterns
 # differently from tiktoken's own engine: `X{1,3}+` is a repeat of `X{1,3}` there (possessive

@@ -3,8 +3,8 @@ The wheels a GPU machine without a package index lacks, fetched here into wheels
 carried along with each call there (README.md, "Measuring on a GPU"); and wheels/COMMIT, the commit that
 bench.py's report names there, where the project's copy has no .git.
 
-    python wheels.py                   # for the GPU machine: Python 3.12 on x86-64 Linux
-    python wheels.py --python=3.11 --out=wheels311
+    python tools/wheels.py                   # for the GPU machine: Python 3.12 on x86-64 Linux
+    python tools/wheels.py --python=3.11 --out=wheels311
 
 There, without an index:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site wheels/*.whl && export PYTHONPATH=/tmp/site

@@ -3,7 +3,7 @@ Bounds on what comes from disk: a checkpoint, a dataset or a model folder is dat
 sizes are checked to be whole numbers and then against its weights' own shapes before anything is allocated, and
 a file that a folder's index names is read only when it is a regular file inside that folder.
 
-    from bounds import check_sizes, confined
+    from lib.bounds import check_sizes, confined
     check_sizes({"n_layer": 2, "n_embd": 64}, "out/ckpt.pt", "use another checkpoint")
     confined("data/mine", "tokenizer.json", "data/mine/meta.json")    # Path, or a one-line ValueError
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from errors import UserError
+from lib.errors import UserError
 
 # The most positions a model may hold rotary tables for: past every released model (Qwen2.5-1M has ~1M), and
 # small enough that the tables (positions x head size, twice) are not themselves the hostile input.

@@ -3,7 +3,7 @@ Conversations and instructions -> the text a model's chat template makes of them
 text the model learns to write. prepare.py turns a record into a Chat (rendered text + trained spans) here, and
 sample.py renders a conversation to continue; both with the same template.
 
-    from chat import ChatFormat
+    from lib.chat import ChatFormat
     fmt = ChatFormat.for_tokenizer("models/Qwen3-0.6B", {"<|im_end|>": 151645, ...}, train_on="assistant")
     chat = fmt.record({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})
     chat.text, chat.spans   # '<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n', [(..)]
@@ -20,7 +20,7 @@ from collections import namedtuple
 from datetime import datetime
 from pathlib import Path
 
-from errors import UserError
+from lib.errors import UserError
 
 Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
 ROLES = ("system", "user", "assistant", "tool")

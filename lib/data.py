@@ -5,7 +5,7 @@ places with replacement (as nanoGPT); or whole examples packed best-fit into seq
 epoch in an order drawn from the seed (fine-tuning). A batch is a pure function of the seed and its number, so a
 resumed run sees exactly the batches it would have seen.
 
-    from data import Split
+    from lib.data import Split
     train = Split("data/chat", "train", meta, 1024, seed=1337, examples=True, vocab_size=meta["vocab_size"])
     x, y, doc_ids = train.packed(range(0, 8))   # sequences 0-7 of the run: (8, 1024) inputs, targets, documents
 
@@ -19,7 +19,7 @@ import os
 import numpy as np
 import torch
 
-from errors import UserError
+from lib.errors import UserError
 
 CHUNK = 1 << 26  # tokens scanned at a time for the examples' ends
 

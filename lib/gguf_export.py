@@ -11,9 +11,9 @@ import json
 
 import torch
 
-from errors import UserError
-from hf import hf_layout
-from tokenizer_json import bpe_merges, bpe_parts, byte_chars
+from lib.errors import UserError
+from lib.hf import hf_layout
+from lib.tokenizer_json import bpe_merges, bpe_parts, byte_chars
 
 # llama.cpp's architectures for the families model.py implements. Mistral is a Llama to llama.cpp.
 ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}

@@ -3,7 +3,7 @@ Reading a corpus: files, folders, JSON records, parquet and Hugging Face dataset
 skipped counted and listed. Memory stays bounded for any input: a big plain-text file is checked whole first, then
 given out in pieces cut where the tokens cannot change (SAFE_CUT). prepare.py encodes what comes out.
 
-    from sources import corpus, new_stats, pieces
+    from lib.sources import corpus, new_stats, pieces
     stats = new_stats()
     for key, ext, doc in corpus(["notes/"], args, stats):   # args: prepare.py's (field, dedup, strict, chat)
         text = "".join(piece for piece, _ in pieces(doc))
@@ -22,8 +22,8 @@ from hashlib import blake2b
 from itertools import chain
 from pathlib import Path
 
-from chat import Chat, is_conversation
-from errors import UserError
+from lib.chat import Chat, is_conversation
+from lib.errors import UserError
 
 TEXT_FIELDS = ("text", "content", "body")
 MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)

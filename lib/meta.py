@@ -3,7 +3,7 @@ A prepared dataset read back: what its folder says about itself (meta.json, or n
 values only, or nanoGPT's default: GPT-2 tokens), whether prepare.py finished it, and its token files checked
 against what meta.json says before training reads them. Every problem is a UserError of one line.
 
-    from meta import check_token_files, read_meta
+    from lib.meta import check_token_files, read_meta
     meta = read_meta("data/stdlib")  # {"dtype": "uint16", "vocab_size": 4097, "eot_id": 4096, ...}
     ntokens = check_token_files("data/stdlib", meta, block_size=1024)
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bounds import check_token_ids
-from errors import UserError
+from lib.bounds import check_token_ids
+from lib.errors import UserError
 
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
 

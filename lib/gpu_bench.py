@@ -28,13 +28,13 @@ import numpy as np
 import torch
 
 import kernels
-import measure
-from errors import UserError
-from measure import (QWEN3_06B, bench_lora, kernel_cases, kernel_table, matmul_peak, out_of_time, planned_model,
+from lib import measure
+from lib.errors import UserError
+from lib.measure import (QWEN3_06B, bench_lora, kernel_cases, kernel_table, matmul_peak, out_of_time, planned_model,
                      run_train, throughput)
-from memory import memory_estimate
+from lib.memory import memory_estimate
+from lib.parallel import peak_flops
 from model import GPT, GPTConfig, flash_attn_func
-from parallel import peak_flops
 
 SECTIONS = ("kernels", "step", "memory", "optimizers", "finetune", "tests")
 GPT2_124M = ["config/train_gpt2.py", "--batch_size=16", "--gradient_accumulation_steps=1", "--eval_iters=10"]
@@ -124,7 +124,7 @@ def without_flash_attn(folder):
 
 def report_commit(commit):
     # --commit, else git describe in a checkout, else the file wheels.py wrote beside the wheels carried along
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: lib/..
     if commit:
         return commit
     if shutil.which("git") and os.path.exists(os.path.join(here, ".git")):
@@ -272,7 +272,7 @@ def section_finetune(cuda, scratch, args, train_args):
     print("### Fine-tuning: full, LoRA and QLoRA at micro-batch 1\n")
     skip = []
     if importlib.util.find_spec("torchao") is None:
-        print("torchao is not installed (python wheels.py here, and carry wheels/): the int8 and QLoRA rows are "
+        print("torchao is not installed (python tools/wheels.py here, and carry wheels/): the int8 and QLoRA rows are "
               "left out\n")
         skip = ["LoRA, int8 base", "QLoRA"]
     if not cuda:

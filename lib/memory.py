@@ -15,9 +15,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import kernels
-from errors import UserError
+from lib.errors import UserError
+from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT
 from model import PROJECTIONS, runs_fused
-from parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT
 
 # tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
 # projections after them by input columns; embeddings, norms and the head stay whole

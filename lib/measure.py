@@ -20,16 +20,16 @@ import numpy as np
 import torch
 
 import kernels
-from checkpoint import model_from_checkpoint
 from configurator import configure
-from errors import UserError
-from hf import config_from_hf, read_json, save_pretrained
-from lora import add_lora, quantize_base
-from memory import tensor_bytes
+from lib.checkpoint import model_from_checkpoint
+from lib.errors import UserError
+from lib.hf import config_from_hf, read_json, save_pretrained
+from lib.lora import add_lora, quantize_base
+from lib.memory import tensor_bytes
+from lib.meta import read_meta
 from model import GPT, GPTConfig
-from meta import read_meta
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, where train.py is
 # --mode=gpu: the time after which no more rows begin, and the --minutes it was set from (set_deadline)
 deadline, minutes = float("inf"), None
 
@@ -215,8 +215,11 @@ def planned_shape(g):
     if not vocab:  # the dataset's, padded as train.py pads it; GPT-2's without one
         have_data = os.path.exists(os.path.join(g.data_dir, "meta.json"))
         vocab = 64 * -(-read_meta(g.data_dir)["vocab_size"] // 64) if have_data else 50304
-    return GPTConfig(n_layer=g.n_layer, n_head=g.n_head, n_kv_head=g.n_kv_head, n_embd=g.n_embd,
-                     block_size=g.block_size, vocab_size=vocab, tie_embeddings=g.tie_embeddings)
+    try:
+        return GPTConfig(n_layer=g.n_layer, n_head=g.n_head, n_kv_head=g.n_kv_head, n_embd=g.n_embd,
+                         block_size=g.block_size, vocab_size=vocab, tie_embeddings=g.tie_embeddings)
+    except ValueError as e:  # sizes no model can have
+        raise UserError(str(e)) from None
 
 
 def planned_model(overrides):

@@ -13,14 +13,14 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-import checkpoint as ckpt
-from bounds import check_sizes
-from errors import UserError
-from files import lock_folder, unlock_folder
-from hf import fingerprint, load_pretrained, read_json
-from lora import add_lora, check_lora
+from lib import checkpoint as ckpt
+from lib.bounds import check_sizes
+from lib.errors import UserError
+from lib.files import lock_folder, unlock_folder
+from lib.hf import fingerprint, load_pretrained, read_json
+from lib.lora import add_lora, check_lora
+from lib.tokenizer import check_tokenizer
 from model import GPT, GPTConfig
-from tokenizer import check_tokenizer
 
 MODEL_SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size")
 
@@ -113,7 +113,10 @@ def first_model(start, config, dtype):
         if lora:
             add_lora(model, lora, config["lora_alpha"], config["lora_dropout"], config["lora_targets"])
         return model, asdict(model.config)
-    return GPT(GPTConfig(**model_args)), model_args
+    try:  # GPTConfig refuses sizes no model can have (n_embd not a multiple of n_head, ...) with a ValueError
+        return GPT(GPTConfig(**model_args)), model_args
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def described(model, model_args, block_size):

@@ -3,7 +3,7 @@ LoRA: low-rank adapters beside a frozen model's projections (only they train), f
 weights for export, the frozen base held in 4 bits (QLoRA, through torchao), and the adapters alone
 in peft's layout.
 
-    from lora import add_lora, merge_lora
+    from lib.lora import add_lora, merge_lora
     add_lora(model, rank=8)       # every weight frozen; q, k, v, o, gate, up, down adapted
     merge_lora(model)             # W + (alpha/rank)·B·A: a plain model with the same outputs
 """
@@ -15,8 +15,8 @@ import os
 import torch
 import torch.nn as nn
 
-from errors import UserError
-from hf import HF_PROJECTIONS
+from lib.errors import UserError
+from lib.hf import HF_PROJECTIONS
 from model import PROJECTIONS
 
 

@@ -3,7 +3,7 @@ Hugging Face model folders in and out: config.json <-> GPTConfig, transformers' 
 safetensors files (one, or shards with an index), and a fingerprint that knows a folder again. The
 Llama, Mistral, Qwen2 and Qwen3 families; what GPT does not implement is refused in one line.
 
-    from hf import load_pretrained, save_pretrained
+    from lib.hf import load_pretrained, save_pretrained
     model = load_pretrained("models/Qwen3-0.6B")          # a GPT with the folder's weights
     save_pretrained(model, "models/copy")                  # config.json + model.safetensors
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from bounds import check_shapes, check_sizes, confined, layer_count
-from errors import UserError
+from lib.bounds import check_shapes, check_sizes, confined, layer_count
+from lib.errors import UserError
 from model import GPT, PROJECTIONS, GPTConfig
 
 # ours -> transformers' names of a block's seven projections (model.PROJECTIONS), and of the families
@@ -207,6 +207,10 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
     except (TypeError, AttributeError) as e:  # a list for a number, a string for the whole config, ...
         raise UserError(f"{path / 'config.json'} holds a value of the wrong kind ({e}): fix it, or download "
                          f"the model again") from None
+    except UserError:
+        raise
+    except ValueError as e:  # sizes GPTConfig refuses (a width not a multiple of the heads, ...)
+        raise UserError(f"{path / 'config.json'}: {e}: fix it, or download the model again") from None
     files = safetensors_files(path)
     shapes, stored = header_shapes(files)
     dtype = dtype or SAFETENSORS_DTYPES.get(stored, torch.float32)  # the first tensor's is the folder's

@@ -6,7 +6,7 @@ the writer's name and pid: the OS drops it when the process ends, however it end
 left behind locks nothing. And every finished output (datasets, checkpoints, exports) takes its name with
 durable_replace, once its bytes are on the disk, so that a crash leaves the old one or the new one, whole.
 
-    from files import durable_replace, lock_folder, unlock_folder
+    from lib.files import durable_replace, lock_folder, unlock_folder
     held = lock_folder("out", "train.py")        # ValueError if another process writes out/ now
     ...
     durable_replace("out/ckpt.pt.tmp", "out/ckpt.pt")
@@ -16,7 +16,7 @@ durable_replace, once its bytes are on the disk, so that a crash leaves the old 
 import fcntl
 import os
 
-from errors import UserError
+from lib.errors import UserError
 
 LOCK_NAME = ".lock"
 
