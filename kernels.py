@@ -198,8 +198,8 @@ if HAS_TRITON:
 
     # --- SwiGLU -------------------------------------------------------------------------
 
-    # gate and up are usually the two halves of one matmul's output (strided views), so the
-    # kernels take a row stride for each rather than copying them to contiguous tensors
+    # gate and up come from two projections; either may still be a strided view (a slice of a wider tensor),
+    # so the kernels take a row stride for each rather than copying them to contiguous tensors
     @triton.jit
     def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, H, sg, su,
                            BLOCK: tl.constexpr, ACC: tl.constexpr):

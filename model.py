@@ -14,8 +14,6 @@ checkpoint.py's, and spreading it over processes parallel.py's.
 import inspect
 import math
 from dataclasses import dataclass
-from functools import partial
-from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -42,7 +40,7 @@ class GPTConfig:
     tie_embeddings: bool = True  # LM head shares the token embedding's weight
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    use_kernels: bool | None = None  # Triton fused ops; None: by the device each call runs on (runs_fused)
+    use_kernels: bool | None = None  # Triton fused ops; None: by the device each call runs on (fused)
     # What released models need beyond that (hf.load_pretrained sets them; the defaults are ours):
     head_size: int = 0  # width of one head; 0 means n_embd // n_head (Qwen3's is its own)
     mlp_hidden: int = 0  # SwiGLU width; 0 means 8/3 n_embd rounded up to a multiple of 64
@@ -74,20 +72,11 @@ PROJECTIONS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "g
                "down": "mlp.down"}
 
 
-def pick_ops(fused):
-    # the memory-bound ops the model uses: kernels.py's fused ones, their plain references, or with fused None
-    # either, by the device of each call's input: what the run's device decides, not the machine's GPU
-    names = ("rms_norm", "swiglu", "apply_rotary", "linear_cross_entropy")
-    if fused is None:
-        return SimpleNamespace(**{n: partial(by_device, getattr(kernels, n), getattr(kernels, n + "_ref"))
-                                  for n in names})
-    return SimpleNamespace(**{n: getattr(kernels, n if fused else n + "_ref") for n in names})
-
-
-def by_device(fused, reference, x, *args):
-    # use_kernels=None: the fused op on CUDA, where Triton compiles it; the reference elsewhere (a CPU run on a
-    # machine with a GPU too, where the fused op would run in Triton's interpreter if the tests switched it on)
-    return (fused if x.is_cuda else reference)(x, *args)
+def fused(use_kernels, x):
+    # Whether a call runs kernels.py's fused op (True) or its PyTorch reference beside it. use_kernels=None
+    # (auto): the fused op on CUDA, where Triton compiles it; the reference on a CPU, where Triton could only
+    # interpret it (kernels.py falls back by itself where Triton cannot run at all).
+    return x.is_cuda if use_kernels is None else use_kernels
 
 
 def runs_fused(config, device_type):
@@ -98,13 +87,14 @@ def runs_fused(config, device_type):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps, ops):
+    def __init__(self, dim, eps, use_kernels):
         super().__init__()
-        self.eps, self.ops = eps, ops
+        self.eps, self.use_kernels = eps, use_kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        norm = kernels.rms_norm if fused(self.use_kernels, x) else kernels.rms_norm_ref
+        return norm(x, self.weight, self.eps)
 
 
 def rotary_tables(head_size, length, theta, scaling=None):
@@ -155,8 +145,24 @@ def flex_dtype(v):
     return torch.get_autocast_dtype(v.device.type) if on else v.dtype
 
 
+def attention(q, k, v, mask, dropout, causal):
+    # (B, T, H, D) queries over (B, S, Hkv, D) keys and values -> (B, T, H, D), by the one backend that fits:
+    # FlexAttention for documents on CUDA (mask a block mask), SDPA with a boolean (B, 1, T, S) mask for them
+    # elsewhere, flash-attn where it can run (a GPU, half precision), else SDPA
+    gqa = k.size(2) != q.size(2)
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        q, k, v = (t.to(flex_dtype(v)) for t in (q, k, v))
+        return flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                              enable_gqa=gqa).transpose(1, 2)
+    if mask is not None:  # True where a query looks
+        return attend(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+    if (half := flash_dtype(q)) is not None:  # GQA built in
+        return flash_attn_func(q.to(half), k.to(half), v.to(half), dropout_p=dropout, causal=causal)
+    return attend(q, k, v, dropout_p=dropout, is_causal=causal, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
-    def __init__(self, config, ops):
+    def __init__(self, config):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_size = config.n_head, config.n_kv_head, config.head_size
         q_size, kv_size = self.n_head * self.head_size, self.n_kv_head * self.head_size
@@ -166,12 +172,12 @@ class Attention(nn.Module):
         self.v = nn.Linear(config.n_embd, kv_size, bias=config.qkv_bias)
         self.proj = nn.Linear(q_size, config.n_embd, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.norm_eps, ops)
-            self.k_norm = RMSNorm(self.head_size, config.norm_eps, ops)
+            self.q_norm = RMSNorm(self.head_size, config.norm_eps, config.use_kernels)
+            self.k_norm = RMSNorm(self.head_size, config.norm_eps, config.use_kernels)
         self.qk_norm = config.qk_norm
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.ops = ops
+        self.use_kernels = config.use_kernels
 
     def forward(self, x, cos, sin, cache=None, mask=None):
         B, T, C = x.shape
@@ -179,53 +185,42 @@ class Attention(nn.Module):
         q = adapted(self.q, x).view(B, T, -1, self.head_size)  # (B, T, H, D)
         k = adapted(self.k, x).view(B, T, -1, self.head_size)  # (B, T, Hkv, D)
         v = adapted(self.v, x).view(B, T, -1, self.head_size)
-        n_head, n_kv_head = q.size(2), k.size(2)
         if self.qk_norm:  # each with its own weight
             q, k = self.q_norm(q), self.k_norm(k)
         # rotated apart: joining them to rotate in one call costs a copy forward and another backward
-        q, k = self.ops.apply_rotary(q, cos, sin), self.ops.apply_rotary(k, cos, sin)
+        rotate = kernels.apply_rotary if fused(self.use_kernels, x) else kernels.apply_rotary_ref
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:  # generation: prepend the keys and values of earlier positions
             if cache:
                 k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
             cache[:] = [k, v]
         # a single query attends to the whole cache; otherwise queries and keys start together
-        causal = T > 1
-        dropout = self.dropout if self.training else 0.0
-        gqa = n_kv_head != n_head
-        if mask is not None and not isinstance(mask, torch.Tensor):  # documents on CUDA: FlexAttention
-            q, k, v = (t.to(flex_dtype(v)) for t in (q, k, v))
-            y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
-                               enable_gqa=gqa).transpose(1, 2)
-        elif mask is not None:  # documents elsewhere: a (B, 1, T, T) boolean mask, True where a query looks
-            y = attend(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
-        elif (half := flash_dtype(q)) is not None:  # (B, T, H, D), GQA built in
-            y = flash_attn_func(q.to(half), k.to(half), v.to(half), dropout_p=dropout, causal=causal)
-        else:
-            y = attend(q, k, v, dropout_p=dropout, is_causal=causal, enable_gqa=gqa)
+        y = attention(q, k, v, mask, self.dropout if self.training else 0.0, causal=T > 1)
         return self.resid_dropout(adapted(self.proj, y.reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config, ops):
+    def __init__(self, config):
         super().__init__()
         # by default 2/3 of the classic 4x width, which keeps parameters equal to a GELU MLP
         self.gate = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
         self.up = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
         self.down = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)
         self.dropout = nn.Dropout(config.dropout)
-        self.ops = ops
+        self.use_kernels = config.use_kernels
 
     def forward(self, x):
-        return self.dropout(adapted(self.down, self.ops.swiglu(adapted(self.gate, x), adapted(self.up, x))))
+        swiglu = kernels.swiglu if fused(self.use_kernels, x) else kernels.swiglu_ref
+        return self.dropout(adapted(self.down, swiglu(adapted(self.gate, x), adapted(self.up, x))))
 
 
 class Block(nn.Module):
-    def __init__(self, config, ops):
+    def __init__(self, config):
         super().__init__()
-        self.norm1 = RMSNorm(config.n_embd, config.norm_eps, ops)
-        self.attn = Attention(config, ops)
-        self.norm2 = RMSNorm(config.n_embd, config.norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.norm1 = RMSNorm(config.n_embd, config.norm_eps, config.use_kernels)
+        self.attn = Attention(config)
+        self.norm2 = RMSNorm(config.n_embd, config.norm_eps, config.use_kernels)
+        self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, cache=None, mask=None):
         x = x + self.attn(self.norm1(x), cos, sin, cache, mask)
@@ -236,11 +231,10 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.ops = pick_ops(config.use_kernels)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList([Block(config, self.ops) for _ in range(config.n_layer)])
-        self.norm_f = RMSNorm(config.n_embd, config.norm_eps, self.ops)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.norm_f = RMSNorm(config.n_embd, config.norm_eps, config.use_kernels)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -275,7 +269,9 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         B, T = idx.shape
-        loss = self.ops.linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
+        cross_entropy = (kernels.linear_cross_entropy if fused(self.config.use_kernels, x)
+                         else kernels.linear_cross_entropy_ref)
+        loss = cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
         return None, loss
 
     def hidden(self, idx, cache=None, doc_ids=None, mask=None):
@@ -342,7 +338,7 @@ class GPT(nn.Module):
         # no gradient of its own) plus attention's 12·L·H·Q per key a query meets. PaLM's convention (appendix
         # B), the one nanoGPT and nanochat report MFU in, counts every key of a T-token sequence (T being
         # seq_len, by default block_size); keys: the keys a query meets on average where attention is run as
-        # masked (causal: (T + 1) / 2; fewer under doc_mask, attended_keys), for the FLOPs actually run.
+        # masked (causal: (T + 1) / 2; fewer under doc_mask, metrics.attended_keys), for the FLOPs actually run.
         c = self.config
         n = self.num_params(non_embedding=not c.tie_embeddings)  # the embedding lookup is no matmul
         frozen = sum(p.numel() for name, p in self.named_parameters()
@@ -410,15 +406,6 @@ def document_mask(doc_ids, flex=False):
         return flex.create_block_mask(causal_in_document, B, None, T, T, device=doc_ids.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]  # (B, 1, T, T)
-
-
-def attended_keys(doc_ids):
-    """The keys a query attends to under doc_mask, summed over a batch's queries: in a document of n tokens,
-    1 + 2 + ... + n. doc_ids (B, T) never decrease along a row, so a token's document began at the first
-    position holding its number. A 0-d tensor on doc_ids' device, computed there without waiting for it."""
-    positions = torch.arange(doc_ids.size(1), device=doc_ids.device)
-    begins = torch.searchsorted(doc_ids, doc_ids)  # (B, T): where each token's document begins
-    return (positions - begins + 1).sum()
 
 
 def filter_logits(logits, top_k=None, top_p=None):

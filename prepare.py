@@ -38,11 +38,6 @@ BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encod
 SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")  # and bpe:N
 
 
-def die(msg):
-    """Stop on a user's mistake: main prints it as one line, 'prepare.py: msg', and exits with status 1."""
-    raise UserError(msg)
-
-
 # -----------------------------------------------------------------------------
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
@@ -100,7 +95,7 @@ def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False, min_length=
                 try:
                     result = job.result()
                 except ValueError as e:  # a reused char vocabulary that lacks a character
-                    die(f"{e} (use a tokenizer that covers this corpus)")
+                    raise UserError(f"{e} (use a tokenizer that covers this corpus)")
                 yield infos, result
 
 # -----------------------------------------------------------------------------
@@ -137,12 +132,12 @@ def prepare(args, quiet=False):
         elif files and args.val_input is None and args.val_fraction > 0:
             balance_splits(splits, last, files, np.dtype(dtype).itemsize, stats["conversations"])
         if args.val_input and splits["val"]["documents"] == 0:
-            die(f"no documents found in --val_input {', '.join(map(str, args.val_input))} (check it)")
+            raise UserError(f"no documents found in --val_input {', '.join(map(str, args.val_input))} (check it)")
         if splits["train"]["documents"] == 0 and not args.analyze:
-            die(f"no training documents in {', '.join(map(str, inputs))} (check it)")
+            raise UserError(f"no training documents in {', '.join(map(str, inputs))} (check it)")
         conversations = stats.pop("conversations")
         if conversations and splits["train"].get("targets", 0) == 0:
-            die(f"the masks of {', '.join(map(str, inputs))} select no token to train on (check --train_on and "
+            raise UserError(f"the masks of {', '.join(map(str, inputs))} select no token to train on (check --train_on and "
                 f"the template)")
         meta = {
             "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
@@ -179,14 +174,14 @@ def chat_maker(args, tokenizer):
         if not made:
             specials = tokenizer.special_tokens() if tokenizer else {"<|endoftext|>": None}
             if not specials:
-                die(f"conversations need a tokenizer with special tokens to mark turns, and {tokenizer.name} has "
+                raise UserError(f"conversations need a tokenizer with special tokens to mark turns, and {tokenizer.name} has "
                     f"none: use bpe:N, a tiktoken encoding or the model's tokenizer.json")
             eot = tokenizer.decode([tokenizer.eot_id]) if tokenizer else "<|endoftext|>"
             folder = args.tokenizer if os.path.exists(args.tokenizer) else None
             try:
                 made.append(ChatFormat.for_tokenizer(folder, specials, eot, args.train_on, args.chat_template))
             except (ValueError, OSError) as e:
-                die(str(e))
+                raise UserError(str(e))
         return made[0]
     return chat
 
@@ -203,19 +198,19 @@ def check_arguments(args):
     args.val_input = args.val_input or None
     for path in inputs + (args.val_input or []):
         if not isinstance(path, HubSplit) and not os.path.exists(path):
-            die(f"no such input: {path} (check the path)")
+            raise UserError(f"no such input: {path} (check the path)")
     if not 0 <= args.val_fraction < 1:
-        die(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
+        raise UserError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
     out = Path(args.out_dir or ("data/stdlib" if not args.input else ""))
     if args.analyze:
         return inputs, out, False
     if not args.out_dir and args.input:
-        die("where should the dataset go? (pass --out_dir DIR)")
+        raise UserError("where should the dataset go? (pass --out_dir DIR)")
     if out.exists() and not out.is_dir():
-        die(f"--out_dir {out} is a file (pass a folder)")
+        raise UserError(f"--out_dir {out} is a file (pass a folder)")
     replacing = (out / MARKER).exists()  # a run killed while renaming left it: replace it
     if ((out / "meta.json").exists() or (out / "train.bin").exists()) and not (args.overwrite or replacing):
-        die(f"{out} already holds a dataset (pass --overwrite to replace it)")
+        raise UserError(f"{out} already holds a dataset (pass --overwrite to replace it)")
     return inputs, out, replacing
 
 
@@ -236,7 +231,7 @@ def plan_split(args, inputs, docs, stats, log):
     first = list(islice(docs, 2))
     if not first:
         report_skips(stats, log)
-        die(f"no documents found in {', '.join(map(str, inputs))} (every file was skipped or empty; see above)")
+        raise UserError(f"no documents found in {', '.join(map(str, inputs))} (every file was skipped or empty; see above)")
     if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze \
             and not isinstance(first[0][2], Chat):
         # One document (tinyshakespeare): its last val_fraction is the validation text, as nanoGPT does, cut
@@ -504,14 +499,17 @@ def main(argv=None):
     arg("--strict", action="store_true", help="stop at the first bad file or record instead of skipping it")
     arg("--overwrite", action="store_true", help="replace a dataset already in --out_dir")
     arg("--analyze", action="store_true", help="report files, documents, tokens and lengths; write nothing")
-    p.error = lambda msg: die(f"{msg} (see python prepare.py --help)")  # one line, not usage + error
+
+    def error(msg):  # one line, not argparse's usage and error
+        raise UserError(f"{msg} (see python prepare.py --help)")
+    p.error = error
     args = p.parse_args(argv)
     try:
         return prepare(args)
     except OSError as e:  # its .tmp files are gone by now, and the dataset there before is whole
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        die(f"the disk of {args.out_dir or 'data/stdlib'} is full ({e.strerror}); no dataset was written: "
+        raise UserError(f"the disk of {args.out_dir or 'data/stdlib'} is full ({e.strerror}); no dataset was written: "
             f"make room, or choose another --out_dir")
 
 

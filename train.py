@@ -36,11 +36,11 @@ from lib.errors import UserError, one_line_errors
 from lib.lora import quantize_base
 from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
 from lib.meta import check_data_for_run, read_meta
-from lib.metrics import open_log, start_clock, time_left, wall_time
+from lib.metrics import attended_keys, open_log, start_clock, time_left, wall_time
 from lib.optim import check_optimizer, lr_factor, set_lr
 from lib.parallel import clip_gradients, init_distributed, parallelize, peak_flops
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
-from model import attended_keys, document_mask
+from model import document_mask
 
 # -----------------------------------------------------------------------------
 # 1. settings: every one is a global here; config files and --key=value override them

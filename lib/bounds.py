@@ -5,7 +5,7 @@ a file that a folder's index names is read only when it is a regular file inside
 
     from lib.bounds import check_sizes, confined
     check_sizes({"n_layer": 2, "n_embd": 64}, "out/ckpt.pt", "use another checkpoint")
-    confined("data/mine", "tokenizer.json", "data/mine/meta.json")    # Path, or a one-line ValueError
+    confined("data/mine", "tokenizer.json", "data/mine/meta.json")    # Path, or a one-line UserError
 """
 
 import math
@@ -26,7 +26,7 @@ DERIVED = ("n_kv_head", "head_size", "mlp_hidden")  # 0 means "from the other si
 
 
 def check_sizes(args, where, fix):
-    """ValueError in one line unless every model size in args (GPTConfig's names) is a whole number above 0 (0
+    """UserError in one line unless every model size in args (GPTConfig's names) is a whole number above 0 (0
     allowed where it means derived), block_size at most MAX_POSITIONS, and rope_theta, norm_eps and dropout are
     numbers in their range. where: the file that says them; fix: what to do about it."""
     for name in SIZES:
@@ -49,7 +49,7 @@ def layer_count(names, prefix):
 
 
 def check_shapes(model, shapes, names, where, fix):
-    """ValueError in one line at the first tensor of shapes ({its name: shape}, read from a file's headers or
+    """UserError in one line at the first tensor of shapes ({its name: shape}, read from a file's headers or
     its tensors) whose shape differs from the parameter that names ({its name: our parameter's}) maps it to, in
     model (built on the meta device, so that a lie costs no memory)."""
     params = dict(model.named_parameters())
@@ -61,7 +61,7 @@ def check_shapes(model, shapes, names, where, fix):
 
 def confined(folder, name, where):
     """folder/name, where name is a relative path that stays inside folder (links resolved) and, if it is
-    there, a regular file (not a FIFO or a device, which would hang or never end); else a one-line ValueError
+    there, a regular file (not a FIFO or a device, which would hang or never end); else a one-line UserError
     saying that where (the file that named it) names it."""
     if not isinstance(name, str) or not name or os.path.isabs(name):
         raise UserError(f"{where} names {name!r}, not a file inside {folder}: replace it with the folder's own")
@@ -74,7 +74,7 @@ def confined(folder, name, where):
 
 
 def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
-    """ValueError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
+    """UserError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
     (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has). It is
     read in chunks of memory-mapped ids, about as fast as the disk reads."""
     if not os.path.isfile(path):

@@ -81,7 +81,7 @@ class MetadataUnpickler(pickle.Unpickler):
 def read_metadata(folder):
     """The Metadata in folder/.metadata, read without running anything in it and checked to be what this
     project's sharded saves write: tensors only (DCP reads a "bytes" entry with torch.load(weights_only=False))
-    in files of the folder itself. ValueError in one line otherwise."""
+    in files of the folder itself. UserError in one line otherwise."""
     path = os.path.join(folder, ".metadata")
     try:
         with open(path, "rb") as f:
@@ -149,7 +149,7 @@ def read_sharded(folder, device="cpu"):
     """The model's weights of a sharded checkpoint, whole, in one process (no process group needed):
     {name: tensor}, as a file checkpoint's "model" holds them."""
     try:
-        reader = CheckedReader(folder)  # ValueError for metadata that is not DCP's own
+        reader = CheckedReader(folder)  # UserError for metadata that is not DCP's own
         weights = {name.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype, device=device)
                    for name, m in reader.metadata.state_dict_metadata.items() if name.startswith("model.")}
         with warnings.catch_warnings():  # that it reads in one process is what we ask for
@@ -169,7 +169,7 @@ def first_line(error):
 def load_checkpoint(path, device="cpu", mmap=False, weights=True):
     # weights_only: a checkpoint is tensors and plain values; anything else is refused, and no code
     # in it runs. mmap: tensors are read from the file as they are used (a reader that needs only
-    # the weights never reads the optimizer's moments). A damaged or foreign file is a ValueError.
+    # the weights never reads the optimizer's moments). A damaged or foreign file is a UserError.
     # A sharded folder: its state.pt, and (weights) the model's weights read whole from its shards.
     if os.path.isdir(path):
         checkpoint = load_checkpoint(os.path.join(path, "state.pt"), device, mmap)
@@ -210,7 +210,7 @@ def starting_point(out_dir, init_from, found):
     """Where a run begins, from its init_from and what out_dir holds (found: its find_checkpoint): init_from
     resolved to 'scratch', 'resume' or a Hugging Face folder, and on a resume the checkpoint's state
     (load_resume_state). 'auto' resumes when there is a checkpoint; a folder resumes the run that began from
-    it (the same command after a preemption). ValueError for a run that would overwrite another, or resume
+    it (the same command after a preemption). UserError for a run that would overwrite another, or resume
     nothing."""
     if init_from == "auto":
         init_from = "resume" if found else "scratch"
@@ -234,7 +234,7 @@ def starting_point(out_dir, init_from, found):
 
 
 def check_resume(checkpoint, config, data_vocab, path):
-    """ValueError, in one line, where this run's settings (config) cannot continue checkpoint (read from path)."""
+    """UserError, in one line, where this run's settings (config) cannot continue checkpoint (read from path)."""
     args = checkpoint["model_args"]
     if not isinstance(args, dict):
         raise UserError(f"{path}'s model_args is not a dict: use another checkpoint")
@@ -325,7 +325,7 @@ def load_model(path, base_dtype=None, data_dir=None):
     """out_dir/ckpt.pt -> (model, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of an FSDP run
     (see find_checkpoint). A LoRA run's frozen base is read in base_dtype (None: its
     folder's). checkpoint["data_dir"] becomes where the data the model was trained on is now: data_dir, else
-    where that data was then, else where the run's config says. ValueError with one line for what is missing
+    where that data was then, else where the run's config says. UserError with one line for what is missing
     or damaged."""
     found = find_checkpoint(path)
     if found is None:
@@ -346,7 +346,7 @@ def load_model(path, base_dtype=None, data_dir=None):
 
 
 def check_run_tokenizer(data_dir, checkpoint, model_vocab):
-    """ValueError in one line unless another dataset than the run's (sample.py, export.py, eval.py --data_dir)
+    """UserError in one line unless another dataset than the run's (sample.py, export.py, eval.py --data_dir)
     was made with the run's tokenizer: its ids would mean other words. Compared with the run's own data, else
     with the folder it began from; with neither here, there is nothing to compare with."""
     places = (checkpoint.get("trained_on"), checkpoint["config"]["data_dir"])
@@ -465,7 +465,7 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
     one layout, the one it began with, whatever the layout of the run that continues it: sharded folders (ckpt/,
     each process writing its own part) or files (ckpt.pt, the master's, gathered from any shards).
     A save that cannot be written (a full disk, a quota, permissions, a vanished mount) removes what it began
-    and raises ValueError in one line: what, why, and which checkpoint is intact; in every process, or the
+    and raises UserError in one line: what, why, and which checkpoint is intact; in every process, or the
     others would wait for this one at the next step."""
     failed = None
     try:
@@ -513,7 +513,7 @@ def failed_save(out_dir, step, sharded, error, needed):
 
 
 def check_room(out_dir, model, optimizer, lora):
-    """Before the first step: ValueError in one line when out_dir cannot be written or has no room for one
+    """Before the first step: UserError in one line when out_dir cannot be written or has no room for one
     checkpoint (the weights, a LoRA run's adapters alone, and the state of the optimizer, named as in
     train.py); a warning (returned, else None) when it has none for two (a save writes the new one beside the
     last)."""
@@ -589,10 +589,10 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
 def restore(path, checkpoint, model, optimizers, sharded, lora):
     """Load what the model built from checkpoint (model_from_checkpoint, or a fresh model for a sharded one)
     still lacks: a sharded checkpoint's weights, resharded to this layout, and every optimizer's state,
-    whichever layout saved it. ValueError in one line for a damaged checkpoint."""
+    whichever layout saved it. UserError in one line for a damaged checkpoint."""
     if os.path.isdir(path):  # each process reads what its shards need, resharded from however they were saved
         model_state, optim_state = sharded_state(model, optimizers, lora)
-        reader = CheckedReader(path)  # ValueError for metadata that is not DCP's own
+        reader = CheckedReader(path)  # UserError for metadata that is not DCP's own
         try:
             with warnings.catch_warnings():  # without a process group it warns that it reads in one process
                 warnings.simplefilter("ignore")

@@ -7,7 +7,7 @@ left behind locks nothing. And every finished output (datasets, checkpoints, exp
 durable_replace, once its bytes are on the disk, so that a crash leaves the old one or the new one, whole.
 
     from lib.files import durable_replace, lock_folder, unlock_folder
-    held = lock_folder("out", "train.py")        # ValueError if another process writes out/ now
+    held = lock_folder("out", "train.py")        # UserError if another process writes out/ now
     ...
     durable_replace("out/ckpt.pt.tmp", "out/ckpt.pt")
     unlock_folder("out", held)                   # or let the process end
@@ -22,7 +22,7 @@ LOCK_NAME = ".lock"
 
 
 def lock_folder(folder, writer):
-    """Lock folder (made if missing) for this process; returns what unlock_folder takes. ValueError in one line,
+    """Lock folder (made if missing) for this process; returns what unlock_folder takes. UserError in one line,
     naming the process that holds it, when another process does."""
     path = os.path.join(folder, LOCK_NAME)
     while True:

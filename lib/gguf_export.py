@@ -52,7 +52,7 @@ INSTEAD = "export a Hugging Face folder and convert it with llama.cpp's convert_
 
 def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
     """model (float32) + its dataset's tokenizer -> a GGUF file at path, its matrices in dtype (torch's).
-    ids: the special token ids as config.json has them (export.run_special_ids). ValueError in one line
+    ids: the special token ids as config.json has them (export.run_special_ids). UserError in one line
     for what GGUF, or this writer, cannot express."""
     import gguf
     c = model.config
@@ -135,7 +135,7 @@ def add_tensor(writer, gguf, name, tensor, dtype):
 
 def vocabulary(tokenizer, vocab_size, gguf):
     """(tokens, types, merges, pre) of a byte-level BPE, padded with unused tokens to the model's
-    vocab_size; ValueError in one line for a tokenizer GGUF cannot hold as one."""
+    vocab_size; UserError in one line for a tokenizer GGUF cannot hold as one."""
     refusal = f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: {INSTEAD}"
     if tokenizer.kind == "huggingface":
         vocab, added, merges, pattern = hf_json_parts(json.loads(tokenizer.hf_json), refusal)
@@ -165,7 +165,7 @@ def vocabulary(tokenizer, vocab_size, gguf):
 
 def hf_json_parts(hf, refusal):
     """A tokenizer.json -> (vocab, added tokens {text: (id, special)}, merges as "a b", split pattern);
-    ValueError unless it is a byte-level BPE (a SentencePiece-style BPE, WordPiece and Unigram are not)."""
+    UserError unless it is a byte-level BPE (a SentencePiece-style BPE, WordPiece and Unigram are not)."""
     model, pre = hf.get("model", {}), hf.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     bytelevel = [s for s in steps if s.get("type") == "ByteLevel"]

@@ -48,7 +48,7 @@ def open_safetensors(file):
 
 def header_shapes(files):
     """({tensor name: shape} of every tensor in files, read from their headers alone, the first tensor's dtype);
-    a file without tensors, or a tensor that is not floating point (where every weight is), a ValueError."""
+    a file without tensors, or a tensor that is not floating point (where every weight is), a UserError."""
     shapes, first = {}, None
     for file in files:
         with open_safetensors(file) as f:
@@ -195,7 +195,7 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
     the weights'; block_size: the longest sequence it will be given, checked against the model's
     limit (which stays its config.block_size); overrides: GPTConfig fields that leave the weights
     alone (dropout, use_kernels). Tensors are copied one at a time into a model allocated once,
-    so loading takes about one copy of the weights. What GPT lacks is a one-line ValueError."""
+    so loading takes about one copy of the weights. What GPT lacks is a one-line UserError."""
     path = Path(path)
     if set(overrides) - {"dropout", "use_kernels"}:
         raise UserError(f"load_pretrained takes dropout and use_kernels, not {sorted(overrides)} (LoRA: add_lora)")

@@ -45,7 +45,7 @@ class LoRA(nn.Module):
 
 
 def check_lora(asked, rank, base_dtype, tp, fsdp):
-    """ValueError, in one line with the fix, for LoRA settings that cannot run: asked, the lora_rank set; rank,
+    """UserError, in one line with the fix, for LoRA settings that cannot run: asked, the lora_rank set; rank,
     the run's (the checkpoint's on a resume, 0 without a pretrained folder); base_dtype, lora_base_dtype."""
     if asked and not rank:
         raise UserError("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of "

@@ -34,7 +34,7 @@ def read_meta(data_dir):
     """What a data folder says about itself: its meta.json, with dtype as numpy's name and vocab_size an
     int (ours also hold eot_id, the tokenizer and counts); else, from nanoGPT's meta.pkl (a character
     vocabulary), {dtype, vocab_size, eot_id: None, tokenizer}; else nanoGPT's default, GPT-2 tokens.
-    Every problem is a ValueError of one line."""
+    Every problem is a UserError of one line."""
     refuse_unfinished(data_dir)
     path = Path(data_dir) / "meta.json"
     if path.exists():
@@ -120,7 +120,7 @@ def check_token_files(data_dir, meta, block_size):
     """The training split's length in tokens, once train.bin and val.bin are there, whole tokens of meta's
     dtype, as many as meta counted (prepare.py's meta.json does), longer than block_size, with a mask of as
     many bytes where meta says there are masks, and every id one of meta's vocabulary (bounds.check_token_ids);
-    else ValueError in one line with the fix."""
+    else UserError in one line with the fix."""
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in ("train", "val"):
         path = os.path.join(data_dir, f"{split}.bin")

@@ -13,6 +13,8 @@ import json
 import os
 import time
 
+import torch
+
 # train.py imports this module at its top, so the run's wall time (its last line) counts from here: from the
 # script's start, less the second or two its imports of torch take before this one
 STARTED = time.time()
@@ -122,3 +124,12 @@ def time_left(clock, steps_done, max_iters, eval_interval, step_seconds, steps):
 def wall_time(steps_done):
     """The run's last line: its wall time, counted from train.py's start (this process's, after a resume)."""
     return f"run ended at step {steps_done}: wall time {duration(time.time() - STARTED)} since train.py started"
+
+
+def attended_keys(doc_ids):
+    """The keys a query attends to under doc_mask, summed over a batch's queries: in a document of n tokens,
+    1 + 2 + ... + n. doc_ids (B, T) never decrease along a row, so a token's document began at the first
+    position holding its number. A 0-d tensor on doc_ids' device, computed there without waiting for it."""
+    positions = torch.arange(doc_ids.size(1), device=doc_ids.device)
+    begins = torch.searchsorted(doc_ids, doc_ids)  # (B, T): where each token's document begins
+    return (positions - begins + 1).sum()

@@ -32,7 +32,7 @@ SPLIT_BY_OUTPUT, SPLIT_BY_INPUT = ("q", "k", "v", "gate", "up"), ("o", "down")
 
 def pick_device(device="auto", dtype="auto"):
     """Resolve the 'auto' settings: cuda, then mps, then cpu; bf16 where the GPU has it, else float32.
-    Returns (device, dtype name); a CUDA device without a GPU or an unknown dtype is a one-line ValueError."""
+    Returns (device, dtype name); a CUDA device without a GPU or an unknown dtype is a one-line UserError."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", device):
@@ -89,7 +89,7 @@ def peak_flops(device, dtype):
 
 
 def check_layout(tp, fsdp, offload, device_type, dtype, optimizer):
-    """ValueError, in one line with the fix, for a layout that cannot run (tensor parallel brings FSDP)."""
+    """UserError, in one line with the fix, for a layout that cannot run (tensor parallel brings FSDP)."""
     if tp > 1 and optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
         raise UserError("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
     if (fsdp or tp > 1) and dtype == "float16":

@@ -10,8 +10,9 @@ import torch
 
 from helpers import TINY, run
 from lib import parallel
+from lib.metrics import attended_keys
 from lib.parallel import gpu_peak, peak_flops
-from model import GPT, GPTConfig, attended_keys
+from model import GPT, GPTConfig
 
 
 @pytest.mark.parametrize("name, sms, bf16, tf32", [
