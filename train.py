@@ -31,12 +31,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import check_settings, configure
 from lib import checkpoint as ckpt
-from lib.data import Split
+from lib.data import Batches
 from lib.errors import UserError, one_line_errors
 from lib.lora import quantize_base
 from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
 from lib.meta import check_data_for_run, read_meta
-from lib.metrics import attended_keys, open_log, start_clock, time_left, wall_time
+from lib.metrics import Speedometer, attended_keys, open_log, start_clock, time_left, wall_time
 from lib.optim import check_optimizer, lr_factor, set_lr
 from lib.parallel import clip_gradients, init_distributed, parallelize, peak_flops
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
@@ -142,10 +142,8 @@ check_optimizer(optimizer, lr_schedule, lr_cycle_iters, lr_power, lr_decay_fract
 # -----------------------------------------------------------------------------
 # 2. devices and processes: torchrun's (or this one alone) in a (data parallel, tensor parallel) mesh
 
-processes = init_distributed(device, dtype, backend, tp_size, fsdp, fsdp_cpu_offload, optimizer, dist_timeout)
-ddp, rank, world_size, master = (processes[k] for k in ("ddp", "rank", "world_size", "master"))
-device, device_type, dtype, fsdp = (processes[k] for k in ("device", "device_type", "dtype", "fsdp"))
-mesh, dp_size, dp_rank = processes["mesh"], processes["dp_size"], processes["dp_rank"]
+ddp, rank, local_rank, world_size, master, device, device_type, dtype, backend, fsdp, mesh, dp_size, dp_rank = \
+    init_distributed(device, dtype, backend, tp_size, fsdp, fsdp_cpu_offload, optimizer, dist_timeout)
 if gradient_accumulation_steps % dp_size:
     raise UserError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                     f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")
@@ -154,9 +152,6 @@ tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 ptdtype = getattr(torch, dtype)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
 claim(out_dir, master)  # one run at a time writes an out_dir (files.py); a second one stops here
-if master:  # (under batch_size='auto' the sequences of an update, shared out once the model is there)
-    print(f"{world_size} process(es) on {device_type}, {dtype}; tokens per update: {tokens_per_iter:,} "
-          f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
 
 # -----------------------------------------------------------------------------
 # 3. data: token files are memory-mapped, never read whole. The sequences of a step are a pure function
@@ -170,20 +165,20 @@ vocab_size, train_tokens = check_data_for_run(data_dir, meta, vocab_size, doc_ma
 # -----------------------------------------------------------------------------
 # 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint (start.py)
 
-start = begin(config, vocab_size, meta, fsdp)
-for note in start["notes"] if master else ():  # what this command changes of a resumed run, or why it stops
+origin = begin(config, vocab_size, meta, fsdp)
+for note in origin.notes if master else ():  # what this command changes of a resumed run, or why it stops
     print(note)
-if start["stopped"]:  # the run stopped early before: the same command again has nothing to do
+if origin.stopped:  # the run stopped early before: the same command again has nothing to do
     sys.exit(0)
-if start["init_from"] != "resume" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+if origin.init_from != "resume" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
     os.remove(os.path.join(out_dir, "metrics.jsonl"))  # left by a run that died before its first checkpoint
-checkpoint, loop, lora = start["checkpoint"], start["loop"], start["lora"]
+checkpoint, loop, lora = origin.checkpoint, origin.loop, origin.lora
 
 # -----------------------------------------------------------------------------
 # 5. the model, laid out over the processes, and its optimizers
 
-model, model_args = first_model(start, config, dtype)  # from the checkpoint, the folder, or new (start.py)
-quantized = start["lora_base_dtype"] if start["lora_base_dtype"] in ("nf4", "int8") else None
+model, model_args = first_model(origin, config, dtype)  # from the checkpoint, the folder, or new (start.py)
+quantized = origin.lora_base_dtype if origin.lora_base_dtype in ("nf4", "int8") else None
 vocab_size = model_args["vocab_size"]
 if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded)
     model.to(device)
@@ -194,7 +189,7 @@ if model.config.n_head % tp_size or model.config.n_kv_head % tp_size:
                     f"{model.config.n_kv_head} (attention is split by heads)")
 # Past one device (README, "Scaling up"): tensor parallel, checkpointing, compile, then FSDP or DDP
 raw_model = model
-device_ids = [processes["local_rank"]] if device_type == "cuda" else None  # DDP's, one GPU a process
+device_ids = [local_rank] if device_type == "cuda" else None  # DDP's, one GPU a process
 model = parallelize(model, mesh, tp_size, fsdp, gradient_checkpointing, compile, ptdtype, fsdp_cpu_offload,
                     ddp=ddp and dp_size > 1, device_ids=device_ids)
 optimizers = raw_model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2), device_type,
@@ -202,7 +197,7 @@ optimizers = raw_model.configure_optimizers(optimizer, learning_rate, weight_dec
 peak_lrs = [learning_rate, muon_lr][:len(optimizers)]  # the schedule scales each optimizer's own peak
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 if checkpoint is not None:
-    ckpt.restore(start["found"], checkpoint, raw_model, optimizers, fsdp, lora)
+    ckpt.restore(origin.found, checkpoint, raw_model, optimizers, fsdp, lora)
     scaler.load_state_dict(checkpoint["scaler"])
 torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None:  # each process's own random stream again, where the processes are as many
@@ -217,7 +212,10 @@ if batch_size_auto:  # the largest micro-batch that fits, for the same updates (
     config.update(batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps)  # for a resume
     if master:
         print(note)
-checkpoint = start["checkpoint"] = None  # free it
+if master:  # the sizes as they are now (batch_size='auto' has shared out the sequences of an update)
+    print(f"{world_size} process(es) on {device_type}, {dtype}; tokens per update: {tokens_per_iter:,} "
+          f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
+checkpoint = origin.checkpoint = None  # free it
 peak = peak_flops(device, ptdtype)
 if master:
     print(described(raw_model, model_args, block_size))
@@ -234,62 +232,22 @@ if room_warning and master:
 # 6. the sequences (data.py): shuffled windows, or whole examples packed best-fit attending only within themselves,
 # every one once per epoch (or random windows). Sequence n of the run is the same however processes share steps
 
-examples = sequences == "examples"
-# Conversations are evaluated as they are trained: eval_full on a masked dataset, as every evaluation of a run on
-# whole examples, scores each val example on its own over its trained targets; on text, eval_full's windows
-by_example = {"train": examples, "val": examples or bool(eval_full and meta.get("masks"))}
-splits = {split: Split(data_dir, split, meta, block_size, seed, by_example[split], vocab_size)
-          for split in ("train", "val")}
-sequences_per_step = gradient_accumulation_steps * batch_size
-weighted = examples or meta.get("masks", False)  # micro-batches hold different numbers of targets (the loop)
-end_of_epochs = None  # sequences in max_epochs epochs; past them, a step's sequences are empty
+batches = Batches(data_dir, meta, block_size, seed, vocab_size, sequences, batch_size,
+                  gradient_accumulation_steps * batch_size, train_tokens, doc_mask, eval_full, eval_stride, device)
 if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
-    end_of_epochs = splits["train"].sequences_in(max_epochs) if sequences != "random" else None
-    epoch_steps = math.ceil(end_of_epochs / sequences_per_step if end_of_epochs else
-                            max_epochs * train_tokens / tokens_per_iter)
+    epoch_steps = batches.steps_for(max_epochs)
     max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
 if warmup_ratio > 0:
     warmup_iters = math.ceil(warmup_ratio * max_iters)
-for split in splits.values():  # whole examples are cut to block_size: some may keep nothing to train
-    split.check_targets()
-if master:  # which val loss this run logs
-    print("val loss: " + ("each val example on its own, over its trained targets" if by_example["val"] else
-                          f"every token of val.bin once, in windows overlapping by {eval_stride}" if eval_full else
-                          f"{eval_iters} batches of random windows"))
-if examples and master:
-    print(splits["train"].packing())
+eval_batches = batches.evaluation_batches(eval_iters, dp_size)  # as many in every process
+if master:
+    print(batches.describe(eval_iters))
 if max_epochs > 0 and master:
     print(f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})")
 # the learning rate's schedule (optim.py), with the steps as max_epochs and warmup_ratio made them
 schedule = dict(decay_lr=decay_lr, lr_schedule=lr_schedule, warmup_iters=warmup_iters,
                 lr_decay_iters=lr_decay_iters, learning_rate=learning_rate, min_lr=min_lr,
                 lr_decay_fraction=lr_decay_fraction, lr_cycle_iters=lr_cycle_iters, lr_power=lr_power)
-scored_val = eval_full or examples  # val is scored whole, every target once: its examples, or strided windows
-eval_batches = {"train": eval_iters, "val": eval_iters if not scored_val else  # as many in every process
-                math.ceil(splits["val"].scored_count(eval_stride) / (batch_size * dp_size))}
-
-
-def batch(split, step, index):
-    # the index-th micro-batch of a step (evaluation's have step -1) of split, a data.Split -> x, y, doc_ids on
-    # the device; y is -1 where nothing is learned
-    if split.is_val and scored_val:
-        tensors = split.scored(range(index * batch_size, (index + 1) * batch_size), eval_stride, doc_mask)
-    elif examples or (sequences == "windows" and step >= 0):  # the run's sequences, epoch after epoch
-        first = max(step, 0) * sequences_per_step + index * batch_size
-        numbers, limit = range(first, first + batch_size), end_of_epochs if step >= 0 else None
-        tensors = split.packed(numbers, limit) if examples else split.shuffled(numbers, doc_mask, limit)
-    else:
-        tensors = split.windows(step, index, batch_size, doc_mask)
-    pinned = device_type == "cuda"  # copied from pinned memory while the GPU works on
-    return [t if t is None else (t.pin_memory() if pinned else t).to(device, non_blocking=pinned) for t in tensors]
-
-
-def epoch(step):
-    # passes over the training split by the end of step: sequences over the split's, or tokens ('random')
-    if sequences != "random":  # (a last step partly past max_epochs holds padding, not the next epoch)
-        return splits["train"].epoch_at(min(step * sequences_per_step, end_of_epochs or math.inf))
-    return step * tokens_per_iter / train_tokens
-
 
 # -----------------------------------------------------------------------------
 # 7. what the loop calls: evaluation, checkpoints, logging
@@ -304,7 +262,7 @@ def estimate_loss(model, raw_model):
     for split in ("train", "val"):
         sums = torch.zeros(3, device=device)  # loss and accuracy, each times its targets; the targets
         for k in range(eval_batches[split]):
-            x, y, doc_ids = batch(splits[split], -1, k * dp_size + dp_rank)
+            x, y, doc_ids = batches.evaluation(split, k * dp_size + dp_rank)
             with autocast:
                 loss, accuracy = raw_model.loss_and_accuracy(x, y, doc_ids)
             targets = (y != -1).sum().float()
@@ -327,14 +285,14 @@ def save_checkpoint(loop, improved, finished_epoch=None, rng=None):
     ckpt.save(out_dir, state, raw_model, optimizers, improved=improved, finished_epoch=finished_epoch, **saving)
 
 
-config.update(device=device, dtype=dtype, backend=processes["backend"], vocab_size=vocab_size,
-              init_from=start["init_from"])  # as resolved
+config.update(device=device, dtype=dtype, backend=backend, vocab_size=vocab_size,
+              init_from=origin.init_from)  # as resolved
 # what every checkpoint holds beside the tensors, the loop's state and the random states
 about_run = {"model_args": model_args, "config": config, "world_size": world_size,
              "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
-             "pretrained": start["pretrained"],  # the Hugging Face folder the run began from, if any
-             "base_fingerprint": start["base_fingerprint"], "memory_device": device_name(device)}
-saving = dict(sharded=start["sharded"], lora=lora, keep_last_n=keep_last_n)
+             "pretrained": origin.pretrained,  # the Hugging Face folder the run began from, if any
+             "base_fingerprint": origin.base_fingerprint, "memory_device": device_name(device)}
+saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master, wandb_log, wandb_project, wandb_run_name, tensorboard_log)
 
 # preemption: SIGTERM or SIGINT finishes the current step, saves, and exits 0
@@ -356,6 +314,46 @@ def request_stop(signum, frame):
 for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, request_stop)
 
+
+
+def save_held_back():
+    # The update after an evaluated step has a finite gradient: the weights are still the evaluated step's, and
+    # the checkpoint held back for them is a good state, written now (see held_back).
+    global held_back
+    if held_back:
+        improved_then, rng_then = held_back
+        saving_since = time.time()
+        save_checkpoint(loop, improved_then, rng=rng_then)
+        saved = time.time() - saving_since  # saving time is not training time either: the evaluation's
+        speed.pause(saved)
+        clock["eval_seconds"] += saved
+    held_back = None
+
+
+def log_progress(step, loss, lr, grad_norm):
+    # the master's line and record for the steps since the last one: time, tokens/s, MFU, memory, time left
+    global logged
+    dt = speed.seconds_per_step()
+    tokens_per_s = tokens_per_iter / dt
+    # the first line on CUDA puts the measured peak beside the estimate printed at the start
+    memory_note = f" (estimate {memory['device'] / 2**20:,.0f} MB)" if device_type == "cuda" and not logged else ""
+    logged = True
+    # MFU in PaLM's convention (every query against all T keys, as nanoGPT and nanochat report it), and of
+    # the FLOPs run: attention as masked, causal and within documents (this process's keys per token)
+    keys = speed.keys / (speed.steps * micro_steps * batch_size * block_size)
+    flops = [raw_model.flops_per_token(block_size, k) * tokens_per_s / world_size for k in (None, keys)]
+    mfu, mfu_run = (f / peak if peak else None for f in flops)  # None: the peak is unknown
+    mfu_note = f"{mfu:.1%} PaLM, {mfu_run:.1%} run" if mfu else "n/a"
+    left, left_note = time_left(clock, step, max_iters, eval_interval, dt, speed.steps)
+    print(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, epoch {batches.epoch(step):.2f}, "
+          f"{dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU {mfu_note}, mem {measured_mb(device):,.0f} MB"
+          f"{memory_note}{left_note}")
+    log({"iter": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms_per_iter": dt * 1000,
+         "tokens_per_s": tokens_per_s, "mfu": mfu, "mfu_run": mfu_run, "mem_mb": measured_mb(device),
+         "epoch": batches.epoch(step), "time_left_s": left})
+    speed.restart()
+
+
 if eval_tasks and master:  # the tasks are checked, and their data loaded, before the first step (README: Evaluating)
     from lib import harness  # here, not on top: lm-evaluation-harness adds half a second to every run's start
     task_model = harness.for_training(raw_model, data_dir, device, autocast, batch_size, eval_tasks, eval_tasks_path)
@@ -363,7 +361,7 @@ if eval_tasks and master:  # the tasks are checked, and their data loaded, befor
 # -----------------------------------------------------------------------------
 # 8. the training loop
 
-t_log, iters_since_log, keys_since_log, logged = time.time(), 0, 0.0, False
+speed, logged = Speedometer(), False  # the steps since the last log line: their time and attention keys
 clock = start_clock()  # the time left (metrics.py), from the step and evaluation times of this process
 while True:
     step = loop["iter_num"]  # the step this pass evaluates, then updates
@@ -380,12 +378,12 @@ while True:
         val_ppl = math.exp(min(losses["val"], 50))
         if master:
             print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, val perplexity "
-                  f"{val_ppl:.2f}, val accuracy {losses['val_accuracy']:.1%}, epoch {epoch(step):.2f}")
+                  f"{val_ppl:.2f}, val accuracy {losses['val_accuracy']:.1%}, epoch {batches.epoch(step):.2f}")
             if task_scores:
                 print(f"step {step}: " + ", ".join(f"{name} {value:.4f}" for name, value in task_scores.items()))
         log({"iter": step, "loss": losses["train"], "val_loss": losses["val"], "val_ppl": val_ppl,
              "accuracy": losses["train_accuracy"], "val_accuracy": losses["val_accuracy"],
-             "lr": learning_rate * lr_factor(step, **schedule), "epoch": epoch(step), **task_scores})
+             "lr": learning_rate * lr_factor(step, **schedule), "epoch": batches.epoch(step), **task_scores})
         early_stop = early_stop_patience > 0 and loop["evals_without_gain"] >= early_stop_patience
         if step > 0 and (improved or always_save_checkpoint or early_stop or step == max_iters):
             if step >= max_iters or early_stop:
@@ -396,30 +394,30 @@ while True:
             if master:
                 print(f"early stop: no better val loss in {early_stop_patience} evaluations")
             break
-        t_log, iters_since_log, keys_since_log = time.time(), 0, 0.0  # evaluation time is not training time
-        clock["eval_seconds"] = t_log - eval_began
+        speed.restart()  # evaluation time is not training time
+        clock["eval_seconds"] = time.time() - eval_began
     if step >= max_iters:
         break
 
     # one update: micro-steps with gradient sync only on the last, then clip and step
-    epoch_before = int(epoch(step)) if save_every_epoch else None
+    epoch_before = int(batches.epoch(step)) if save_every_epoch else None
     factor = lr_factor(step, **schedule)
     set_lr(optimizers, peak_lrs, factor)
     lr = learning_rate * factor
     loss_sum = torch.zeros((), device=device)
     keys_run = torch.zeros((), device=device, dtype=torch.long)  # keys the queries attend to: the FLOPs run
-    batches = [batch(splits["train"], step, dp_rank * micro_steps + micro) for micro in range(micro_steps)]
+    micro_batches = [batches.train(step, dp_rank * micro_steps + micro) for micro in range(micro_steps)]
     # With masks or packed examples, micro-batches hold different numbers of targets: each one's mean loss is
     # weighted by its share of the targets of the whole update (over every process), so that the update's
     # loss is their mean, however they fall into micro-steps and processes.
-    if weighted:
-        targets = torch.stack([(y != -1).sum() for _, y, _ in batches]).float()
+    if batches.weighted:
+        targets = torch.stack([(y != -1).sum() for _, y, _ in micro_batches]).float()
         all_targets = targets.sum()
         if ddp:  # the tensor-parallel processes of a replica hold the same batches: counted tp_size times
             dist.all_reduce(all_targets)
             all_targets /= tp_size
         shares = targets * dp_size / all_targets.clamp(min=1)  # stays on the device: no wait for it
-    for micro, (x, y, doc_ids) in enumerate(batches):
+    for micro, (x, y, doc_ids) in enumerate(micro_batches):
         last = micro == micro_steps - 1
         if fsdp:  # gradients summed unsharded on each process, reduced and split once, after the last
             raw_model.set_requires_gradient_sync(last)
@@ -428,7 +426,7 @@ while True:
         mask = None if doc_ids is None else document_mask(doc_ids, flex=device_type == "cuda" and dropout == 0)
         with (model.no_sync() if isinstance(model, DDP) and not last else nullcontext()), autocast:
             _, loss = model(x, y, mask=mask)
-            loss = loss * shares[micro] if weighted else loss / micro_steps
+            loss = loss * shares[micro] if batches.weighted else loss / micro_steps
         scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
         B, T = x.shape
@@ -447,13 +445,7 @@ while True:
     step_values = torch.cat([loss_sum.view(1), grad_norm, stop, keys_run.view(1).float()])
     loss_value, grad_norm_value, stop_value, keys_value = step_values.tolist()
     if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
-        if held_back:  # the weights are still the evaluated step's, and its gradient is finite: a good state
-            improved_then, rng_then = held_back
-            saving_since = time.time()
-            save_checkpoint(loop, improved_then, rng=rng_then)
-            saved = time.time() - saving_since  # saving time is not training time either: the evaluation's
-            t_log, clock["eval_seconds"] = t_log + saved, clock["eval_seconds"] + saved
-        held_back = None
+        save_held_back()
         for opt in optimizers:
             scaler.step(opt)
         loop["skipped_in_a_row"] = 0
@@ -475,32 +467,12 @@ while True:
                         f"and {good} (lower learning_rate, or check the data)")
     loop["iter_num"] += 1
     loop["evaluated"] = False  # the new step's evaluation is still to come
-    iters_since_log += 1
-    keys_since_log += keys_value
+    speed.step(keys_value)
 
     if loop["iter_num"] % log_interval == 0 and master and loop["skipped_in_a_row"] == 0:
-        dt = (time.time() - t_log) / iters_since_log
-        tokens_per_s = tokens_per_iter / dt
-        # the first line on CUDA puts the measured peak beside the estimate printed at the start
-        first_on_cuda = device_type == "cuda" and not logged
-        memory_note = f" (estimate {memory['device'] / 2**20:,.0f} MB)" if first_on_cuda else ""
-        logged = True
-        # MFU in PaLM's convention (every query against all T keys, as nanoGPT and nanochat report it), and of
-        # the FLOPs run: attention as masked, causal and within documents (this process's keys per token)
-        keys = keys_since_log / (iters_since_log * micro_steps * batch_size * block_size)
-        flops = [raw_model.flops_per_token(block_size, k) * tokens_per_s / world_size for k in (None, keys)]
-        mfu, mfu_run = (f / peak if peak else None for f in flops)  # None: the peak is unknown
-        mfu_note = f"{mfu:.1%} PaLM, {mfu_run:.1%} run" if mfu else "n/a"
-        left, left_note = time_left(clock, loop["iter_num"], max_iters, eval_interval, dt, iters_since_log)
-        print(f"iter {loop['iter_num']}: loss {loss_value:.4f}, lr {lr:.2e}, grad norm {grad_norm_value:.3f}, "
-              f"epoch {epoch(loop['iter_num']):.2f}, {dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU "
-              f"{mfu_note}, mem {measured_mb(device):,.0f} MB{memory_note}{left_note}")
-        log({"iter": loop["iter_num"], "loss": loss_value, "lr": lr, "grad_norm": grad_norm_value,
-             "ms_per_iter": dt * 1000, "tokens_per_s": tokens_per_s, "mfu": mfu, "mfu_run": mfu_run,
-             "mem_mb": measured_mb(device), "epoch": epoch(loop["iter_num"]), "time_left_s": left})
-        t_log, iters_since_log, keys_since_log = time.time(), 0, 0.0
-    if save_every_epoch and int(epoch(loop["iter_num"])) > epoch_before:  # this step finished an epoch: kept as
-        save_checkpoint(loop, False, int(epoch(loop["iter_num"])))  # ckpt_epoch_N
+        log_progress(loop["iter_num"], loss_value, lr, grad_norm_value)
+    if save_every_epoch and int(batches.epoch(loop["iter_num"])) > epoch_before:  # this step finished an epoch:
+        save_checkpoint(loop, False, int(batches.epoch(loop["iter_num"])))  # kept as ckpt_epoch_N
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step
         print(f"process {rank}: stop requested, saving at step {loop['iter_num']} and exiting", flush=True)
         save_checkpoint(loop, False)

@@ -14,6 +14,7 @@ next packed example, which nothing before it can predict.
 """
 
 import bisect
+import math
 import os
 
 import numpy as np
@@ -199,6 +200,93 @@ class Split:
         self.sequence(n)  # packs as far as n
         epoch = bisect.bisect_right(self.firsts, n) - 1
         return epoch + (n - self.firsts[epoch]) / (self.firsts[epoch + 1] - self.firsts[epoch])
+
+
+class Batches:
+    """What a run reads, its mode decided once from its settings: the micro-batches of each step and of each
+    evaluation, on the device, and the epochs a step has reached. sequences: 'windows' (shuffled, every token
+    once an epoch), 'examples' (whole examples packed best-fit, each attending only within itself) or 'random'
+    (windows drawn with replacement). Sequence n of the run is the same however processes and micro-steps share
+    an update's sequences_per_step.
+
+        batches = Batches("data/chat", meta, 1024, 1337, meta["vocab_size"], "examples", batch_size=8,
+                          sequences_per_step=32, train_tokens=10**6)
+        x, y, doc_ids = batches.train(step=0, index=0)   # the first micro-batch of step 0
+    """
+
+    def __init__(self, data_dir, meta, block_size, seed, vocab_size, sequences, batch_size, sequences_per_step,
+                 train_tokens, doc_mask=False, eval_full=False, eval_stride=0, device="cpu"):
+        self.sequences, self.batch_size, self.sequences_per_step = sequences, batch_size, sequences_per_step
+        self.doc_mask, self.eval_stride, self.device = doc_mask, eval_stride, device
+        self.examples = sequences == "examples"
+        self.train_tokens, self.tokens_per_step = train_tokens, sequences_per_step * block_size
+        # Conversations are evaluated as they are trained: eval_full on a masked dataset, as every evaluation of
+        # a run on whole examples, scores each val example on its own over its trained targets; on text,
+        # eval_full's windows
+        self.val_by_example = self.examples or bool(eval_full and meta.get("masks"))
+        self.splits = {"train": Split(data_dir, "train", meta, block_size, seed, self.examples, vocab_size),
+                       "val": Split(data_dir, "val", meta, block_size, seed, self.val_by_example, vocab_size)}
+        # val scored whole, every target once: its examples, or strided windows
+        self.scored_val = eval_full or self.examples
+        # micro-batches hold different numbers of targets: the loop weighs each one's loss by its share
+        self.weighted = self.examples or meta.get("masks", False)
+        self.end_of_epochs = None  # sequences in max_epochs epochs (epochs_end); past them, a step's are empty
+        for split in self.splits.values():  # whole examples are cut to block_size: some may keep nothing to train
+            split.check_targets()
+
+    def steps_for(self, max_epochs):
+        """The steps that make max_epochs epochs; from then on a step's sequences are empty."""
+        if self.sequences != "random":
+            self.end_of_epochs = self.splits["train"].sequences_in(max_epochs)
+        if self.end_of_epochs:
+            return math.ceil(self.end_of_epochs / self.sequences_per_step)
+        return math.ceil(max_epochs * self.train_tokens / self.tokens_per_step)
+
+    def train(self, step, index):
+        """The index-th micro-batch of step (over every process: a process takes its own indices) -> x, y,
+        doc_ids (None without doc_mask) on the device; y is -1 where nothing is learned."""
+        split = self.splits["train"]
+        if self.sequences == "random":
+            return self.to_device(split.windows(step, index, self.batch_size, self.doc_mask))
+        first = step * self.sequences_per_step + index * self.batch_size
+        numbers = range(first, first + self.batch_size)
+        if self.examples:
+            return self.to_device(split.packed(numbers, self.end_of_epochs))
+        return self.to_device(split.shuffled(numbers, self.doc_mask, self.end_of_epochs))
+
+    def evaluation(self, name, index):
+        """The index-th micro-batch of split name's evaluation, the same every time -> x, y, doc_ids."""
+        split, numbers = self.splits[name], range(index * self.batch_size, (index + 1) * self.batch_size)
+        if name == "val" and self.scored_val:
+            return self.to_device(split.scored(numbers, self.eval_stride, self.doc_mask))
+        if self.examples:
+            return self.to_device(split.packed(numbers))
+        return self.to_device(split.windows(-1, index, self.batch_size, self.doc_mask))
+
+    def evaluation_batches(self, eval_iters, replicas):
+        """{split: micro-batches an evaluation of it reads in each process}: eval_iters, or every val target once."""
+        val = self.splits["val"].scored_count(self.eval_stride) if self.scored_val else None
+        return {"train": eval_iters,
+                "val": eval_iters if val is None else math.ceil(val / (self.batch_size * replicas))}
+
+    def epoch(self, step):
+        """Passes over the training split by the end of step: sequences over the split's, or tokens ('random')."""
+        if self.sequences != "random":  # (a last step partly past max_epochs holds padding, not the next epoch)
+            n = min(step * self.sequences_per_step, self.end_of_epochs or math.inf)
+            return self.splits["train"].epoch_at(n)
+        return step * self.tokens_per_step / self.train_tokens
+
+    def describe(self, eval_iters):
+        """Which val loss the run logs, and (examples) how they pack."""
+        val = ("each val example on its own, over its trained targets" if self.val_by_example else
+               f"every token of val.bin once, in windows overlapping by {self.eval_stride}" if self.scored_val else
+               f"{eval_iters} batches of random windows")
+        return f"val loss: {val}" + (f"\n{self.splits['train'].packing()}" if self.examples else "")
+
+    def to_device(self, tensors):
+        pinned = self.device.startswith("cuda")  # copied from pinned memory while the GPU works on
+        return [t if t is None else (t.pin_memory() if pinned else t).to(self.device, non_blocking=pinned)
+                for t in tensors]
 
 
 def example_bounds(data, mask, eot_id):

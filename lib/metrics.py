@@ -121,6 +121,27 @@ def time_left(clock, steps_done, max_iters, eval_interval, step_seconds, steps):
     return left, f", {duration(left)} left{untimed}{finish}"
 
 
+class Speedometer:
+    """The training steps since the last log line: their time (less what evaluations and saves took) and the
+    attention keys their queries met (for the MFU of the FLOPs run)."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self):
+        self.since, self.steps, self.keys = time.time(), 0, 0.0
+
+    def pause(self, seconds):  # time spent on something else than training
+        self.since += seconds
+
+    def step(self, keys):
+        self.steps += 1
+        self.keys += keys
+
+    def seconds_per_step(self):
+        return (time.time() - self.since) / self.steps
+
+
 def wall_time(steps_done):
     """The run's last line: its wall time, counted from train.py's start (this process's, after a resume)."""
     return f"run ended at step {steps_done}: wall time {duration(time.time() - STARTED)} since train.py started"

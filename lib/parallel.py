@@ -11,6 +11,7 @@ import os
 import re
 from datetime import timedelta
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -103,11 +104,26 @@ def check_layout(tp, fsdp, offload, device_type, dtype, optimizer):
                          "and a CUDA device")
 
 
+class Processes(NamedTuple):
+    """This process among the run's, as init_distributed found them; train.py names each value at the call."""
+    ddp: bool  # started by torchrun
+    rank: int
+    local_rank: int
+    world_size: int
+    master: bool  # rank 0: it prints, logs and writes what one process writes
+    device: str  # 'auto' resolved; under torchrun each process's own GPU
+    device_type: str  # 'cuda', 'cpu', ...
+    dtype: str  # 'auto' resolved
+    backend: str  # 'auto' resolved
+    fsdp: bool  # tensor parallel brings it
+    mesh: object  # the (dp, tp) DeviceMesh, None without a process group
+    dp_size: int  # data-parallel replicas
+    dp_rank: int  # this process's replica
+
+
 def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, timeout):
     """The processes of this run, as torchrun started them (or one alone), in a (data parallel, tensor
-    parallel) mesh. Resolves the 'auto' settings and joins the process group; returns a dict: ddp (started by
-    torchrun), rank, local_rank, world_size, master, device, device_type, dtype, backend, fsdp (tensor parallel
-    brings it), mesh (None without a process group), dp_size, dp_rank."""
+    parallel) mesh. Resolves the 'auto' settings and joins the process group; returns Processes."""
     env = os.environ
     ddp, rank, world_size = "RANK" in env, int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
@@ -146,9 +162,9 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, 
     dp_size = world_size // tp_size
     mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp")) \
         if dist.is_initialized() else None
-    return dict(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, master=rank == 0, device=device,
-                device_type=device_type, dtype=dtype, backend=backend, fsdp=fsdp, mesh=mesh, dp_size=dp_size,
-                dp_rank=mesh["dp"].get_local_rank() if mesh is not None else 0)
+    return Processes(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, master=rank == 0,
+                     device=device, device_type=device_type, dtype=dtype, backend=backend, fsdp=fsdp, mesh=mesh,
+                     dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank() if mesh is not None else 0)
 
 
 def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile=False, dtype=torch.float32,

@@ -3,12 +3,13 @@ Where a training run begins: from scratch, from a Hugging Face model folder, or 
 out_dir (a resume, or a run that already stopped early). train.py asks once and gets every fact the rest of
 the run needs, decided here from its settings and what out_dir holds.
 
-    start = begin(config, vocab_size=128, meta=read_meta("data/stdlib"), fsdp=False)
+    origin = begin(config, vocab_size=128, meta=read_meta("data/stdlib"), fsdp=False)
+    model, model_args = first_model(origin, config, "float32")
 """
 
 import atexit
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,23 @@ from lib.tokenizer import check_tokenizer
 from model import GPT, GPTConfig
 
 MODEL_SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size")
+
+
+@dataclass
+class Origin:
+    """Where a run begins, as begin decided it from the settings and what out_dir holds."""
+    init_from: str  # 'scratch', 'resume' or a Hugging Face folder
+    checkpoint: dict | None  # the checkpoint's state on a resume (train.py frees it once restored)
+    found: str | None  # the checkpoint's path: ckpt.pt, or a sharded folder
+    sharded: bool  # the layout of out_dir's checkpoints: sharded folders (FSDP, tensor parallel) or files
+    model_args: dict  # GPTConfig's fields for a new model, or the checkpoint's with this run's dropout and kernels
+    loop: dict  # the training loop's state (checkpoint.LOOP's keys)
+    lora_base_dtype: str
+    lora: int = 0  # the adapters' rank, 0: off
+    pretrained: str | None = None  # the Hugging Face folder the weights began from
+    base_fingerprint: str | None = None  # that folder's, to know it again when a LoRA run resumes
+    notes: list = field(default_factory=list)  # for the master to print: what this command changes, or why it stops
+    stopped: bool = False  # the run stopped early before: there is nothing to do (notes say why)
 
 
 def claim(out_dir, master):
@@ -48,12 +66,8 @@ def claim(out_dir, master):
 
 def begin(config, vocab_size, meta, fsdp):
     """Where the run of settings config (train.py's, as given) begins, on the data of meta with the model's
-    vocab_size, fsdp resolved (tensor parallel brings it). Every process calls it. Returns a dict: init_from
-    ('scratch', 'resume' or a folder), checkpoint (its state on a resume, else None), found (the checkpoint's
-    path), sharded (the layout of out_dir's checkpoints), pretrained (the folder the weights began from),
-    base_fingerprint, model_args, loop (the training loop's state, checkpoint.LOOP's keys), lora (the rank,
-    0: off), lora_base_dtype, notes (for the master to print) and stopped (True where the run stopped early
-    before, there is nothing to do: notes say why). A UserError in one line for a run that cannot begin."""
+    vocab_size, fsdp resolved (tensor parallel brings it). Every process calls it. Returns an Origin; a UserError
+    in one line for a run that cannot begin."""
     model_args = {**{k: config[k] for k in MODEL_SIZES}, "vocab_size": vocab_size, "dropout": config["dropout"],
                   "tie_embeddings": config["tie_embeddings"], "use_kernels": config["use_kernels"]}
     check_sizes(model_args, "this run", "set it to a whole number above 0")
@@ -69,16 +83,15 @@ def begin(config, vocab_size, meta, fsdp):
     init_from, checkpoint = ckpt.starting_point(out_dir, config["init_from"], found)
     # an out_dir keeps the layout it began with: sharded folders (FSDP, tensor parallel) or files
     sharded = os.path.isdir(found) if found else fsdp
-    start = dict(init_from=init_from, checkpoint=checkpoint, found=found, sharded=sharded, pretrained=None,
-                 base_fingerprint=None, model_args=model_args, loop=dict(ckpt.LOOP), lora=0,
-                 lora_base_dtype=config["lora_base_dtype"], notes=[], stopped=False)
+    origin = Origin(init_from=init_from, checkpoint=checkpoint, found=found, sharded=sharded, model_args=model_args,
+                    loop=dict(ckpt.LOOP), lora_base_dtype=config["lora_base_dtype"])
     if checkpoint is not None:
-        resume(start, config, meta)
-        if start["stopped"]:
-            return start
+        resume(origin, config, meta)
+        if origin.stopped:
+            return origin
     elif init_from != "scratch":  # a Hugging Face model folder to fine-tune, with this command's LoRA rank
-        start.update(pretrained=os.path.abspath(init_from), lora=config["lora_rank"])
-    check_lora(config["lora_rank"], start["lora"], start["lora_base_dtype"], config["tp_size"], fsdp)
+        origin.pretrained, origin.lora = os.path.abspath(init_from), config["lora_rank"]
+    check_lora(config["lora_rank"], origin.lora, origin.lora_base_dtype, config["tp_size"], fsdp)
     if checkpoint is None and init_from != "scratch":
         # data for a pretrained model must be made with its own tokenizer, or its ids mean other words
         try:
@@ -88,27 +101,27 @@ def begin(config, vocab_size, meta, fsdp):
                 from None
         check_tokenizer(config["data_dir"], meta, init_from, model_vocab)
         try:  # the base is known again by it when a LoRA run resumes
-            start["base_fingerprint"] = fingerprint(init_from)
+            origin.base_fingerprint = fingerprint(init_from)
         except OSError as e:
             raise UserError(str(e)) from None
-    return start
+    return origin
 
 
-def first_model(start, config, dtype):
+def first_model(origin, config, dtype):
     """The model the run begins with, on the CPU, from where begin found it: the checkpoint's (a sharded one's
     weights are read into it once it is laid out, ckpt.restore), a Hugging Face folder's with this run's LoRA
     adapters on it, or a new one; and its model_args. Full fine-tuning keeps fp32 master weights whatever the
     folder holds (autocast computes in dtype); a frozen LoRA base needs only the dtype it computes in, and nf4 or
     int8 is quantized from that (lora.quantize_base)."""
-    checkpoint, model_args = start["checkpoint"], start["model_args"]
-    lora, base = start["lora"], start["lora_base_dtype"]
+    checkpoint, model_args = origin.checkpoint, origin.model_args
+    lora, base = origin.lora, origin.lora_base_dtype
     base_dtype = getattr(torch, dtype if base in ("auto", "nf4", "int8") else base) if lora else torch.float32
     torch.manual_seed(config["seed"])  # the same initial weights in every process
-    if checkpoint is not None and (lora or not os.path.isdir(start["found"])):
+    if checkpoint is not None and (lora or not os.path.isdir(origin.found)):
         run_settings = {k: model_args[k] for k in ("dropout", "use_kernels", "block_size")}
         return ckpt.model_from_checkpoint(checkpoint, base_dtype, **run_settings), model_args
-    if checkpoint is None and start["pretrained"]:
-        model = load_pretrained(start["init_from"], base_dtype, config["block_size"], dropout=config["dropout"],
+    if checkpoint is None and origin.pretrained:
+        model = load_pretrained(origin.init_from, base_dtype, config["block_size"], dropout=config["dropout"],
                                 use_kernels=config["use_kernels"])
         if lora:
             add_lora(model, lora, config["lora_alpha"], config["lora_dropout"], config["lora_targets"])
@@ -143,10 +156,10 @@ def resume_rng(rngs, rank, world_size, device_type):
             torch.cuda.set_rng_state(rngs[rank]["cuda"])
 
 
-def resume(start, config, meta):
-    # start (begin's) from its checkpoint: the weights decide the model's shape, the checkpoint holds the loop's
+def resume(origin, config, meta):
+    # origin (begin's) from its checkpoint: the weights decide the model's shape, the checkpoint holds the loop's
     # state, and a LoRA run's base is held as it was (4 bits stay 4 bits); notes on what this command changed
-    checkpoint, found = start["checkpoint"], start["found"]
+    checkpoint, found = origin.checkpoint, origin.found
     ckpt.check_resume(checkpoint, config, meta["vocab_size"], found)
     pretrained = checkpoint.get("pretrained")
     # dropout, the kernels and (from scratch) block_size are this run's; a pretrained model's block_size is its
@@ -157,12 +170,13 @@ def resume(start, config, meta):
     loop = {k: checkpoint[k] for k in ckpt.LOOP}
     lora = model_args.get("lora_rank", 0)
     before = checkpoint["config"]
-    start.update(pretrained=pretrained, base_fingerprint=checkpoint.get("base_fingerprint"), model_args=model_args,
-                 loop=loop, lora=lora, lora_base_dtype=before.get("lora_base_dtype", config["lora_base_dtype"])
-                 if lora else config["lora_base_dtype"])
+    origin.pretrained, origin.base_fingerprint = pretrained, checkpoint.get("base_fingerprint")
+    origin.model_args, origin.loop, origin.lora = model_args, loop, lora
+    if lora:  # the base as it was held
+        origin.lora_base_dtype = before.get("lora_base_dtype", config["lora_base_dtype"])
     if 0 < config["early_stop_patience"] <= loop["evals_without_gain"]:
-        start["stopped"] = True
-        start["notes"].append(f"this run stopped early at step {loop['iter_num']} (no better val loss in "
+        origin.stopped = True
+        origin.notes.append(f"this run stopped early at step {loop['iter_num']} (no better val loss in "
                               f"{loop['evals_without_gain']} evaluations): nothing to do; raise early_stop_patience "
                               f"to train on")
         return
@@ -173,7 +187,7 @@ def resume(start, config, meta):
     old = before.get("sequences") == "windows" and "memory_budget" not in before  # saved before windows were shuffled:
     before = {**before, "sequences": "random"} if old else before  # its windows were drawn as 'random' draws them now
     if shaping(before) != shaping(config):
-        start["notes"].append("warning: seed, sequences or the sequences of an update (batch_size x "
+        origin.notes.append("warning: seed, sequences or the sequences of an update (batch_size x "
                               "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
                               "not on the batches the first run would have seen" + (
                                   " (this checkpoint's windows were drawn with replacement, as sequences='random' "
@@ -181,6 +195,6 @@ def resume(start, config, meta):
     if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""
-        start["notes"].append(f"note: max_iters is {config['max_iters']}, not the checkpoint's "
+        origin.notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's "
                               f"{before.get('max_iters')}: the run ends at step {config['max_iters']}; "
                               f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{was}")

@@ -97,4 +97,4 @@ def test_one_process_on_cuda_sets_its_gpu_only_when_named(monkeypatch, device, c
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert seen == chosen
-    assert (processes["device"], processes["dtype"], processes["mesh"]) == (device, "bfloat16", None)
+    assert (processes.device, processes.dtype, processes.mesh) == (device, "bfloat16", None)
