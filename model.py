@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import kernels
 
@@ -364,8 +365,10 @@ class GPT(nn.Module):
             optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)]
         elif kind == "adam":  # weight decay as torch's Adam does it: an L2 term added to the gradient
             optimizers = [torch.optim.Adam(groups, lr=learning_rate, betas=betas, fused=fused or None)]
-        elif kind == "sgd":
-            optimizers = [torch.optim.SGD(groups, lr=learning_rate, momentum=momentum, fused=fused or None)]
+        elif kind == "sgd":  # its fused step has no rule for sharded (DTensor) parameters: foreach under FSDP
+            sharded = any(isinstance(p, DTensor) for p in rest)
+            optimizers = [torch.optim.SGD(groups, lr=learning_rate, momentum=momentum,
+                                          fused=(fused and not sharded) or None)]
         else:
             raise ValueError(f"optimizer={kind!r} is not one of 'adamw', 'muon', 'adam', 'sgd'")
         if hidden:

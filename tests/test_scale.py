@@ -14,8 +14,8 @@ import torch
 
 from lib.checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
-from helpers import (STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run,
-                     script, standard_run, two_nodes, weights)
+from helpers import (STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, assert_weights_close,
+                     kernel_counter, losses, run, script, standard_run, two_nodes, weights)
 
 pytestmark = pytest.mark.slow  # every test here starts torchrun
 TWO = ["--standalone", "--nproc_per_node=2"]
@@ -206,8 +206,10 @@ def test_fsdp_on_two_nodes(data_dir, tmp_path):
 
 def test_fsdp_in_one_process_compiled_with_the_triton_kernels_matches_plain(data_dir, tmp_path):
     # one process: FSDP over a group of one (what CPU offload of a model too big for one GPU needs)
+    # SGD: the weights differ by the two ops' rounding, which AdamW would amplify up to lr / eps where a gradient
+    # is below eps (measured 7.8e-6 here with AdamW; see test_train's test_gradient_accumulation_matches_...)
     args = [*TINY, f"--data_dir={data_dir}", "--max_iters=2", "--block_size=16", "--batch_size=1",
-            "--eval_interval=2", "--eval_iters=1"]
+            "--eval_interval=2", "--eval_iters=1", "--optimizer=sgd"]
     counter = kernel_counter(tmp_path)
     out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", "--compile=True", "--use_kernels=True",
               counter, env={"TRITON_INTERPRET": "1"})
@@ -217,7 +219,8 @@ def test_fsdp_in_one_process_compiled_with_the_triton_kernels_matches_plain(data
     assert fsdp.keys() == plain.keys() == {1, 2} and all(abs(fsdp[i] - plain[i]) < 1e-5 for i in fsdp)
     fused = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))
     a, b = fused["model"], weights(tmp_path / "plain")
-    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert a.keys() == b.keys()
+    assert_weights_close(a, b)
     assert fused["model_args"]["use_kernels"] is True
 
 

@@ -166,7 +166,9 @@ def test_ignored_targets_change_no_gradient(op):
 def test_examples_accumulated_match_one_big_batch_and_epochs_end_the_run(chat_data, tmp_path):
     # micro-batches hold different numbers of targets: each is weighted by its share of the update's, so that 4
     # micro-steps of 2 sequences give the update of one batch of 8
-    common = [*SMALL, f"--data_dir={chat_data}", "--max_iters=6"]
+    # SGD for the weights' sake: AdamW amplifies rounding where a gradient is below eps (test_train's
+    # test_gradient_accumulation_matches_one_big_batch says how much)
+    common = [*SMALL, f"--data_dir={chat_data}", "--max_iters=6", "--optimizer=sgd"]
     run(*common, f"--out_dir={tmp_path / 'big'}", "--batch_size=8")
     run(*common, f"--out_dir={tmp_path / 'acc'}", "--batch_size=2", "--gradient_accumulation_steps=4")
     big, acc = losses(tmp_path / "big"), losses(tmp_path / "acc")
