@@ -1,0 +1,85 @@
+"""
+A sharded checkpoint's .metadata read as data. torch.distributed.checkpoint pickles it, and its own reader
+unpickles it with pickle.load, which calls whatever the file names; ours admits only the types DCP itself
+writes there, and checks that the folder holds what this project's sharded saves write.
+
+    import torch.distributed.checkpoint as dcp
+    from lib.dcp_metadata import CheckedReader
+    dcp.load(state, storage_reader=CheckedReader("out/ckpt"))   # UserError for metadata that is not DCP's own
+"""
+
+import os
+import pickle
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lib.errors import UserError
+
+
+DCP_TYPES = {  # module -> names, as torch 2.13 pickles a checkpoint's metadata (torch's dtypes besides)
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
+                                              "TensorProperties", "BytesStorageMetadata", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name: torch.strided
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath"},  # where the checkpoint was written, kept as a note
+    "pathlib._local": {"PosixPath", "WindowsPath"},  # the same, as Python 3.13 names them
+    "collections": {"OrderedDict"},
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata types only. A pickle runs code only by calling the classes and functions it
+    names, and every name goes through find_class: these build plain records, nothing else is handed out."""
+
+    def find_class(self, module, name):
+        if name in DCP_TYPES.get(module, ()) or module == "torch" and isinstance(getattr(torch, name, None),
+                                                                               torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, not one of torch.distributed.checkpoint's "
+                                     f"metadata types")
+
+
+def read_metadata(folder):
+    """The Metadata in folder/.metadata, read without running anything in it and checked to be what this
+    project's sharded saves write: tensors only (DCP reads a "bytes" entry with torch.load(weights_only=False))
+    in files of the folder itself. UserError in one line otherwise."""
+    path = os.path.join(folder, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise UserError(f"{path} is refused: {e}; only load checkpoints you trust") from None
+    except Exception as e:  # a damaged pickle fails in many ways
+        raise UserError(f"{path} is not a readable checkpoint's metadata ({type(e).__name__}: {e}); use another "
+                         f"checkpoint, e.g. ckpt_best or a ckpt_NNNNNNN") from None
+    entries = getattr(metadata, "state_dict_metadata", None)
+    files = getattr(metadata, "storage_data", None)
+    if not isinstance(metadata, Metadata) or not isinstance(entries, dict) or not isinstance(files, dict):
+        raise UserError(f"{path} does not hold a sharded checkpoint's metadata; only load checkpoints you trust")
+    odd = [type(m).__name__ for m in entries.values() if not isinstance(m, TensorStorageMetadata)]
+    if odd:
+        raise UserError(f"{path} lists a {odd[0]} entry, where this project's sharded checkpoints hold tensors "
+                         f"only (DCP would unpickle it); refusing it")
+    for info in files.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or os.path.basename(name) != name \
+                or name in ("", ".", ".."):
+            raise UserError(f"{path} points at {name!r}, not a file of its own folder; refusing it")
+    return metadata
+
+
+class CheckedReader(dcp.FileSystemReader):
+    """torch.distributed.checkpoint's reader of a folder, handed the metadata read_metadata read and checked:
+    DCP's own read_metadata would unpickle .metadata with pickle.load."""
+
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.metadata = read_metadata(folder)
+
+    def read_metadata(self):
+        return self.metadata
