@@ -63,7 +63,7 @@ parser.add_argument("--include_path", default=None, help="--tasks: a folder of t
 parser.add_argument("--apply_chat_template", action="store_true", help="--tasks: prompts through the model's "
                     "chat template (a model trained on conversations)")
 parser.add_argument("--output", default=None, help="--tasks: where to write the results (default: "
-                    "out_dir/eval_tasks.json, or the folder's)")
+                    "out_dir/eval_tasks.json, or eval_tasks.json here for a --model folder)")
 args = parser.parse_args()
 
 
@@ -87,7 +87,8 @@ def run_tasks():
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
     from lm_eval.utils import make_table
     print(make_table(results))
-    output = args.output or os.path.join(args.model or args.out_dir, "eval_tasks.json")
+    # a model folder is someone else's (downloaded, perhaps): the results of one go to the current folder
+    output = args.output or ("eval_tasks.json" if args.model else os.path.join(args.out_dir, "eval_tasks.json"))
     harness.write_results(results, output)
     print(f"results written to {output}")
 

@@ -22,9 +22,10 @@ import shutil
 
 import torch
 
+from lib.bounds import confined
 from lib.checkpoint import load_run
 from lib.errors import UserError, one_line_errors
-from lib.files import durable_replace
+from lib.files import durable_replace, open_own
 from lib.hf import read_json, save_pretrained, special_ids
 from lib.lora import merge_lora, write_adapter
 from lib.meta import read_meta
@@ -44,7 +45,7 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     save_pretrained(model, folder, ids=ids)
     files, note = hf_tokenizer_files(tokenizer)
     for name, text in files.items():
-        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+        with open_own(os.path.join(folder, name), "w", encoding="utf-8") as f:
             f.write(text)
     # A base's own settings go along where they still hold: its generation defaults, and, when the data
     # was made with its very tokenizer, its tokenizer_config.json (chat template, special tokens).
@@ -52,8 +53,8 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     if bases_tokenizer(tokenizer, base):
         names += ["tokenizer_config.json", "special_tokens_map.json"]
     for name in names:
-        if os.path.isfile(os.path.join(base, name)):
-            shutil.copyfile(os.path.join(base, name), os.path.join(folder, name))
+        if os.path.lexists(os.path.join(base, name)):
+            carry(base, name, folder)
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         write_json(os.path.join(folder, "generation_config.json"), ids)
     if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
@@ -68,6 +69,24 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     return note
 
 
+def carry(base, name, folder, limit=1 << 20):
+    # A base folder's file into the export, which a user may publish: only a regular file inside the base (a link
+    # planted there could name a private key) that parses as the JSON object its name says, copied byte for byte
+    path = confined(base, name, f"the base model folder {base}")
+    if os.path.getsize(path) > limit:
+        raise UserError(f"{path} is over {limit:,} bytes, not the JSON file its name says: replace it with the "
+                        f"model's own, or remove it")
+    data = path.read_bytes()
+    try:
+        if not isinstance(json.loads(data), dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        raise UserError(f"{path} is not the JSON object its name says ({e}): replace it with the model's own, "
+                        f"or remove it") from None
+    with open_own(os.path.join(folder, name), "wb") as f:
+        f.write(data)
+
+
 def run_special_ids(tokenizer, base):
     """config.json's special token ids: a base's own, unchanged, for a model that began from one; for a
     model trained here, no BOS (prepare.py puts none before a document) and end-of-text to end and pad."""
@@ -79,7 +98,7 @@ def run_special_ids(tokenizer, base):
 
 
 def write_json(path, content):
-    with open(path, "w", encoding="utf-8") as f:
+    with open_own(path, "w", encoding="utf-8") as f:
         json.dump(content, f, indent=2, ensure_ascii=False)
 
 

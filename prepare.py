@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from lib.chat import TRAIN_ON, Chat, ChatFormat
 from lib.errors import UserError, one_line_errors
-from lib.files import durable_replace, lock_folder, unlock_folder
+from lib.files import durable_replace, lock_folder, open_own, unlock_folder
 from lib.meta import MARKER
 from lib.sources import HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces
 from lib.tokenizer import make_tokenizer
@@ -261,7 +261,8 @@ def temporary_outputs(out):
     file stays, nor a folder it made and left empty."""
     created = not out.exists()
     held = lock_folder(out, "prepare.py")
-    files = {split: open(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val", "train.mask", "val.mask")}
+    files = {split: open_own(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val", "train.mask",
+                                                                             "val.mask")}
     try:
         yield files
     finally:
@@ -380,8 +381,9 @@ def move_into_place(out, files, tokenizer, meta):
     made; from then until it is removed, killed or not, the folder says it is incomplete (train.py refuses
     it, and a rerun replaces it)."""
     meta["tokenizer"], tokenizer_file = tokenizer.save(out)
-    (out / "meta.json.tmp").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", "utf-8")
-    with open(out / MARKER, "w") as f:
+    with open_own(out / "meta.json.tmp", "w", encoding="utf-8") as f:
+        f.write(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    with open_own(out / MARKER, "w") as f:
         f.write("prepare.py stopped while writing this dataset: it is incomplete; run prepare.py again\n")
         for written in (*files.values(), f):  # token files and marker reach the disk before any rename
             written.flush()

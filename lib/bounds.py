@@ -73,6 +73,13 @@ def confined(folder, name, where):
     return Path(folder) / name
 
 
+def check_regular(path, fix):
+    """UserError in one line where path is there but is not a regular file: a FIFO would hang its read, a device
+    (/dev/zero) never end it."""
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise UserError(f"{path} is not a regular file (a FIFO, a device or a folder): {fix}")
+
+
 def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
     """UserError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
     (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has). It is

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from lib.bounds import check_shapes, check_sizes, layer_count
 from lib.dcp_metadata import CheckedReader
 from lib.errors import UserError
-from lib.files import durable_replace
+from lib.files import durable_replace, open_own
 from lib.hf import fingerprint, load_pretrained
 from lib.lora import add_lora, trained_only
 from lib.memory import state_bytes
@@ -310,7 +310,7 @@ def load_run(path, base_dtype=None, data_dir=None):
 
 def write_file(state, path):
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with open_own(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
@@ -453,7 +453,7 @@ def check_room(out_dir, model, optimizer, lora):
     probe = os.path.join(out_dir, f".write-test-{os.getpid()}.tmp")  # a name no other process writes
     try:
         os.makedirs(out_dir, exist_ok=True)
-        with open(probe, "wb") as f:
+        with open_own(probe, "wb") as f:
             f.write(b"0")
             f.flush()
             os.fsync(f.fileno())

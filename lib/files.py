@@ -11,8 +11,14 @@ durable_replace, once its bytes are on the disk, so that a crash leaves the old 
     ...
     durable_replace("out/ckpt.pt.tmp", "out/ckpt.pt")
     unlock_folder("out", held)                   # or let the process end
+
+Nothing is written through a symbolic link the project did not make: a folder a user downloaded (a run, a
+dataset, a model) may hold one planted where we write (out/metrics.jsonl -> ~/.bashrc). open_own opens our files
+without following links, and the lock file is opened so too.
 """
 
+import contextlib
+import errno
 import fcntl
 import os
 
@@ -28,8 +34,10 @@ def lock_folder(folder, writer):
     while True:
         try:
             os.makedirs(folder, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UserError(link_refused(path)) from None
             raise UserError(f"cannot write in {folder} ({e.strerror}): choose a folder this user can write to, "
                              f"on a disk that is mounted") from None
         try:
@@ -51,6 +59,30 @@ def lock_folder(folder, writer):
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{writer} (pid {os.getpid()})\n".encode(), 0)
     return fd
+
+
+def link_refused(path):
+    return f"{path} is a symbolic link, which this project never writes through: remove it, or choose another folder"
+
+
+def open_own(path, mode="w", encoding=None):
+    """open(path, mode) for a file this project writes, never following a link at path. 'w' modes (and 'w+b')
+    replace whatever is there, a planted link included (the link goes, not the file it names), with a new file;
+    'a' appends to a regular file and refuses a link in one line."""
+    flags = os.O_NOFOLLOW | (os.O_RDWR if "+" in mode else os.O_WRONLY)
+    if mode.startswith("a"):
+        flags |= os.O_APPEND | os.O_CREAT
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        flags |= os.O_CREAT | os.O_EXCL  # a link planted again since the removal is refused, not followed
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(link_refused(path)) from None
+        raise
+    return os.fdopen(fd, mode, encoding=encoding)
 
 
 def unlock_folder(folder, fd):

@@ -11,6 +11,7 @@ here what its export scores under `lm_eval --model hf`, item by item.
 """
 
 import json
+import os
 import random
 from contextlib import nullcontext
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from lib.chat import ChatFormat
 from lib.errors import UserError
+from lib.files import open_own
 from lib.tokenizer import load_tokenizer
 
 try:
@@ -173,6 +175,9 @@ def load_tasks(names, include_path=None):
     wanted = [name.strip() for name in names.split(",") if name.strip()]
     if not wanted:
         raise UserError("no task named: give --tasks=NAME[,NAME...] (hellaswag, arc_easy, or a local task file's)")
+    if include_path:  # a task folder is code, as a config file is (README: What is checked and what is trusted)
+        print(f"task files from {os.path.abspath(include_path)}: lm-evaluation-harness runs their !function modules "
+              f"and renders their templates unsandboxed (load only folders you trust)", flush=True)
     # The harness's own index of its hundreds of tasks takes seconds to build: tasks that are all in include_path
     # are found there alone
     manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
@@ -244,5 +249,5 @@ def write_results(results, path):
     """The results as JSON (lm_eval's own, less the per-item samples)."""
     from lm_eval.utils import handle_non_serializable
     kept = {k: v for k, v in results.items() if k != "samples"}
-    with open(path, "w", encoding="utf-8") as f:
+    with open_own(path, "w", encoding="utf-8") as f:
         json.dump(kept, f, indent=2, default=handle_non_serializable, ensure_ascii=False)

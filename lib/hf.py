@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from lib.bounds import check_shapes, check_sizes, confined, layer_count
+from lib.bounds import check_regular, check_shapes, check_sizes, confined, layer_count
 from lib.errors import UserError
+from lib.files import open_own
 from model import GPT, PROJECTIONS, GPTConfig
 
 # ours -> transformers' names of a block's seven projections (model.PROJECTIONS), and of the families
@@ -29,6 +30,7 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch
 
 
 def read_json(path):
+    check_regular(path, "replace it with the model's own file")
     try:
         with open(path) as f:
             return json.load(f)
@@ -76,6 +78,7 @@ def safetensors_files(path):
             raise UserError(f"{path} lacks {absent[0].name}, a shard its model.safetensors.index.json names")
         return shards
     if (path / "model.safetensors").exists():
+        check_regular(path / "model.safetensors", "download the model again")
         return [path / "model.safetensors"]
     raise UserError(f"{path} has no model.safetensors or model.safetensors.index.json (only safetensors "
                      f"weights are read: convert .bin weights first)")
@@ -256,7 +259,7 @@ def save_pretrained(model, path, max_shard_bytes=5 * 2**30, ids=None):
                          "again unquantized (export.py does both)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    with open(path / "config.json", "w") as f:
+    with open_own(path / "config.json", "w") as f:
         json.dump(hf_config(model.config, model.wte.weight.dtype, ids), f, indent=2)
     params = dict(model.named_parameters())
     weights = {hf: params[ours].detach().to("cpu") for hf, ours in hf_layout(model.config).items()}

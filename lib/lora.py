@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from lib.errors import UserError
+from lib.files import open_own
 from lib.hf import HF_PROJECTIONS
 from model import PROJECTIONS
 
@@ -145,5 +146,5 @@ def write_adapter(model, base, folder):
               "inference_mode": True, "modules_to_save": None, "init_lora_weights": True}
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+    with open_own(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)

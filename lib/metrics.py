@@ -15,6 +15,9 @@ import time
 
 import torch
 
+from lib.errors import UserError
+from lib.files import open_own
+
 # train.py imports this module at its top, so the run's wall time (its last line) counts from here: from the
 # script's start, less the second or two its imports of torch take before this one
 STARTED = time.time()
@@ -41,11 +44,12 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
     def log(record):
         nonlocal failed
         try:
-            with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+            with open_own(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
-        except OSError as e:  # a record lost is no reason to lose the run: said once
+        except (OSError, UserError) as e:  # a record lost is no reason to lose the run: said once
             if not failed:
-                print(f"warning: cannot write {out_dir}/metrics.jsonl ({e.strerror}); training goes on without it")
+                why = e.strerror if isinstance(e, OSError) else "a symbolic link, never written through"
+                print(f"warning: cannot write {out_dir}/metrics.jsonl ({why}); training goes on without it")
             failed = True
         if wandb_log:
             wandb.log(record, step=record["iter"])

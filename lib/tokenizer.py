@@ -21,6 +21,7 @@ import numpy as np
 
 from lib.bounds import confined
 from lib.errors import UserError
+from lib.files import open_own
 from lib.meta import nanogpt_chars, refuse_unfinished
 
 # The end-of-text tokens of Hugging Face tokenizers, in order of preference.
@@ -130,7 +131,8 @@ class Tokenizer:
             name, data = "vocab.json", json.dumps({"kind": "bpe", "pattern": self.pattern, "ranks": ranks})
         else:  # nanoGPT's characters have no end-of-text, so no dataset of ours is made with them
             raise UserError(f"a {self.kind} tokenizer is not saved with a dataset")
-        (Path(out_dir) / (name + ".tmp")).write_text(data, encoding="utf-8")
+        with open_own(Path(out_dir) / (name + ".tmp"), "w", encoding="utf-8") as f:
+            f.write(data)
         return {"kind": self.kind, "name": self.name, "file": name}, name
 
 

@@ -454,9 +454,13 @@ def test_out_dir_that_cannot_be_written_or_holds_no_checkpoint_is_refused_before
 def test_metrics_that_cannot_be_written_warn_once_and_training_goes_on(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2"]
     run(*args, "--max_iters=2")
-    (tmp_path / "metrics.jsonl").unlink()
-    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: No space left on device
-    out = run(*args, "--max_iters=6", "--init_from=resume")
+    # every write of a record: No space left on device (a config file is code: it stands in for a full disk)
+    full = tmp_path / "full_disk.py"
+    full.write_text("import errno as _errno\nimport lib.metrics as _metrics\n\n\n"
+                    "def _full(path, mode='w', encoding=None):\n"
+                    "    raise OSError(_errno.ENOSPC, 'No space left on device', str(path))\n\n\n"
+                    "_metrics.open_own = _full\n")
+    out = run(*args, str(full), "--max_iters=6", "--init_from=resume")
     assert out.stdout.count("warning: cannot write") == 1
     assert "metrics.jsonl (No space left on device); training goes on without it" in out.stdout
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 6

@@ -374,12 +374,88 @@ def test_sample_py_says_its_own_name_in_one_line(tmp_path, folder, case, says):
     one_line(done, "sample.py", says)
 
 
-def test_prepare_py_on_a_full_disk_is_one_line_and_leaves_no_dataset(tmp_path):
+def test_prepare_py_on_a_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, monkeypatch):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here to fill a disk with")
     (tmp_path / "in.txt").write_text("hello world\n" * 20000)
     (tmp_path / "d").mkdir()
-    os.symlink("/dev/full", tmp_path / "d" / "train.bin.tmp")  # every write to it fails with ENOSPC
+    opened = prepare.open_own
+
+    def full_disk(path, mode="w", encoding=None):  # every write to train.bin.tmp fails with ENOSPC
+        return open("/dev/full", mode) if str(path).endswith("train.bin.tmp") else opened(path, mode, encoding)
+    monkeypatch.setattr(prepare, "open_own", full_disk)
     with pytest.raises(UserError, match="^the disk of .* is full .*no dataset was written"):
         prepare.main([str(tmp_path / "in.txt"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
     assert sorted(os.listdir(tmp_path / "d")) == []
+
+
+# -----------------------------------------------------------------------------
+# a downloaded folder's planted links and special files: nothing written through them, nothing carried out
+
+
+@pytest.fixture
+def victim(tmp_path):
+    # a user's own file outside every folder the project writes, which a planted link names
+    path = tmp_path / "victim.txt"
+    path.write_text("the user's own words\n")
+    return path
+
+
+def test_a_planted_lock_link_is_refused_and_its_target_untouched(tmp_path, victim):
+    from lib.files import lock_folder
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").symlink_to(victim)
+    with pytest.raises(UserError, match="is a symbolic link, which this project never writes through"):
+        lock_folder(tmp_path / "run", "train.py")
+    assert victim.read_text() == "the user's own words\n"
+
+
+def test_prepare_replaces_a_planted_tmp_link_and_never_writes_through_it(tmp_path, victim):
+    (tmp_path / "in.txt").write_text("hello world\n" * 200)
+    out = tmp_path / "d"
+    prepare.main([str(tmp_path / "in.txt"), "--tokenizer=char", "--out_dir", str(out)])
+    for name in ("val.bin.tmp", "train.bin.tmp", "meta.json.tmp", "vocab.json.tmp"):
+        (out / name).symlink_to(victim)
+    prepare.main([str(tmp_path / "in.txt"), "--tokenizer=char", "--out_dir", str(out), "--overwrite"])
+    assert victim.read_text() == "the user's own words\n"
+    assert read_meta(str(out))["vocab_size"] > 0 and not any(p.is_symlink() for p in out.iterdir())
+
+
+def test_metrics_never_appended_through_a_planted_link(tmp_path, victim, capsys):
+    from lib.metrics import open_log
+    (tmp_path / "metrics.jsonl").symlink_to(victim)
+    log, close = open_log(str(tmp_path), {}, master=True)
+    log({"iter": 1, "loss": 2.0})
+    log({"iter": 2, "loss": 1.0})
+    close()
+    assert victim.read_text() == "the user's own words\n"
+    assert capsys.readouterr().out.count("a symbolic link, never written through") == 1  # warned once, run on
+
+
+@pytest.mark.parametrize("plant", ["link outside", "fifo", "not json"])
+def test_an_export_carries_only_regular_json_files_of_the_base(tmp_path, victim, plant):
+    import export
+    base, folder = tmp_path / "base", tmp_path / "export"
+    base.mkdir()
+    folder.mkdir()
+    (base / "tokenizer_config.json").write_text('{"model_max_length": 8}')
+    export.carry(base, "tokenizer_config.json", folder)  # a regular JSON file of its own goes along, as it is
+    assert (folder / "tokenizer_config.json").read_text() == '{"model_max_length": 8}'
+    if plant == "link outside":
+        (base / "generation_config.json").symlink_to(victim)
+    elif plant == "fifo":
+        os.mkfifo(base / "generation_config.json")
+    else:
+        (base / "generation_config.json").write_text("-----BEGIN PRIVATE KEY-----")
+    with pytest.raises(UserError, match="outside|not a regular file|not the JSON object"):
+        export.carry(base, "generation_config.json", folder)
+    assert not (folder / "generation_config.json").exists()
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_fifo_in_a_model_folder_is_one_line_not_a_hang(folder, name):
+    os.remove(folder / name)
+    os.mkfifo(folder / name)  # opening it for reading would wait for a writer forever
+    with pytest.raises(UserError, match="is not a regular file"):
+        hf.load_pretrained(folder)
+
