@@ -381,6 +381,27 @@ def test_sft_config_on_conversations_with_lora_under_fsdp(pretrained, tmp_path):
     assert done.returncode != 0 and "has no chat template" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
+def test_eval_sizes_a_folders_window_from_the_data_not_its_context(pretrained, tmp_path):
+    # a folder that could read 32,768 tokens, scored on a val split of 501: one window of 500 (the longest val
+    # document, without its last token, which has no next), said in its output; no 32K window
+    import shutil
+    import numpy as np
+    folder, data = pretrained
+    folder = shutil.copytree(folder, tmp_path / "long")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    data = shutil.copytree(data, tmp_path / "data")
+    meta = json.loads((data / "meta.json").read_text())
+    np.fromfile(data / "val.bin", dtype=meta["dtype"])[:501].tofile(data / "val.bin")
+    meta["val"]["tokens"] = 501
+    (data / "meta.json").write_text(json.dumps(meta))
+    done = script("eval.py", f"--model={folder}", f"--data_dir={data}", "--device=cpu")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "window: 500 tokens, from the longest val document (501 tokens)" in lines[0]
+    assert lines[-2].startswith("1 windows of 500 tokens") and lines[-1].endswith("over 500 tokens")
+
+
 def test_eval_scores_every_val_token_once_as_transformers_does(pretrained, tmp_path):
     # eval.py on a Hugging Face folder: windows of 32 overlapping by 8, each token scored once, the loss equal to
     # transformers' own logits on the same windows
