@@ -131,6 +131,14 @@ def test_sample_a_folder_greedily_as_transformers_does(pretrained):
     assert done.stdout.split("\n---------------\n")[0] == tok.decode(greedy[0].tolist(), skip_special_tokens=False)
 
 
+def test_greedy_sampling_prints_one_sample_with_a_note(pretrained):
+    folder, _ = pretrained
+    done = script("sample.py", f"--model={folder}", "--start=def ", "--temperature=0", "--max_new_tokens=4",
+                  "--num_samples=3", "--device=cpu")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("---------------") == 1 and "would be identical: printing one" in done.stderr
+
+
 # -----------------------------------------------------------------------------
 # LoRA and QLoRA
 
