@@ -117,7 +117,9 @@ def prepare(args, quiet=False):
     args.chat = chat_maker(args, None)
     tokenizer = make_tokenizer(args.tokenizer, texts)
     args.chat = chat_maker(args, tokenizer)
-    seconds = {"learn": time.time() - learning}
+    # a tokenizer.json, a tiktoken encoding or a dataset's tokenizer is loaded, not learned: no time to report
+    learned = args.tokenizer == "char" or args.tokenizer.startswith(("bpe:", "wordpiece:"))
+    seconds = {"learn": time.time() - learning if learned else 0.0}
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
 
     stats = new_stats()
