@@ -374,12 +374,17 @@ def test_a_bos_adding_tokenizer_begins_every_text_with_it_everywhere(shared, tmp
         documents.append(written[start:end + 1])
         start = end + 1
     assert sorted(documents) == sorted(auto(text)["input_ids"] + [eot] for text in texts)
-    # sample.py's prompt: greedy, its text is transformers' greedy continuation of AutoTokenizer's ids
-    done = script("sample.py", f"--out_dir={folder / 'run'}", "--start=def ", "--temperature=0",
+    # and the data is the folder's tokenizer's, as train.py --init_from and eval.py --model check it
+    from lib.meta import read_meta
+    from lib.tokenizer import check_tokenizer
+    check_tokenizer(folder / "data", read_meta(folder / "data"), str(tmp_path / "hf"), len(auto))
+    # sample.py's prompt: greedy, its text is transformers' greedy continuation of AutoTokenizer's ids; an empty
+    # prompt is the BOS alone, a text's start, as it is to transformers
+    done = script("sample.py", f"--out_dir={folder / 'run'}", "--start=", "--temperature=0",
                   "--max_new_tokens=8", "--num_samples=1")
     assert done.returncode == 0, done.stderr
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ids = torch.tensor([auto("def ")["input_ids"]])
+    ids = torch.tensor([auto("")["input_ids"]])
     greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                          eos_token_id=None, pad_token_id=eot)
     assert done.stdout.split("\n---------------\n")[0] == auto.decode(greedy[0, 1:].tolist())
