@@ -182,7 +182,8 @@ def chat_maker(args, tokenizer):
             eot = tokenizer.decode([tokenizer.eot_id]) if tokenizer else "<|endoftext|>"
             folder = args.tokenizer if os.path.exists(args.tokenizer) else None
             try:
-                made.append(ChatFormat.for_tokenizer(folder, specials, eot, args.train_on, args.chat_template))
+                bos = tokenizer.decode([tokenizer.bos_id]) if tokenizer and tokenizer.bos_id is not None else ""
+                made.append(ChatFormat.for_tokenizer(folder, specials, eot, args.train_on, args.chat_template, bos))
             except (ValueError, OSError) as e:
                 raise UserError(str(e))
         return made[0]
