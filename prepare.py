@@ -53,7 +53,7 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=
         ids = [np.append(a, np.uint32(tokenizer.eot_id)) for a, _ in pairs]
         masks = [np.append(m, np.uint8(0)) for _, m in pairs]
         texts = [chat.text for chat in texts]
-    else:  # a conversation's BOS is the template's to write, as transformers' apply_chat_template does
+    else:  # a conversation's BOS is in its text: the template's, or the tokenizer's before plain prompt strings
         ids = tokenizer.encode_docs(texts, ends, starts)
     dropped = [bool(whole) and len(a) - end < min_length for a, end, whole in zip(ids, ends, wholes or ends)]
 

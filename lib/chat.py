@@ -249,7 +249,8 @@ class ChatFormat:
                              f"a model could not learn where to stop: use a template that does (--chat_template)")
 
     @classmethod
-    def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None, text_bos=""):
+    def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None,
+                      text_bos=""):
         source, origin, tokens = find_template(folder, template_file)
         return cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on,
                    tokens.get("bos_token"), eot_text, text_bos)

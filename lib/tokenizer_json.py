@@ -29,9 +29,8 @@ def hf_tokenizer_files(tok):
     if tok.kind == "huggingface":
         from tokenizers import Tokenizer as HFTokenizer
         hf = HFTokenizer.from_str(tok.hf_json)
-        bos = hf.id_to_token(tok.bos_id) if tok.bos_id is not None else None
-        return {"tokenizer.json": tok.hf_json, "tokenizer_config.json": tokenizer_config(hf.id_to_token(tok.eot_id),
-                                                                                         bos)}, None
+        eos, bos = hf.id_to_token(tok.eot_id), hf.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+        return {"tokenizer.json": tok.hf_json, "tokenizer_config.json": tokenizer_config(eos, bos)}, None
     ranks, pattern, specials = bpe_parts(tok)
     try:
         tokenizer_json = bytelevel_tokenizer_json(ranks, pattern, specials)
@@ -49,9 +48,9 @@ def tokenizer_config(eos, bos=None):
     nothing) and ends it with the end-of-text id itself, so a runtime adds that BOS and no EOS to a
     prompt (llama.cpp adds a BOS unless told not to); and decode must not "clean up" the spaces
     before punctuation."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, **({"bos_token": bos} if bos else {}),
-              "add_bos_token": bos is not None, "add_eos_token": False, "split_special_tokens": True,
-              "clean_up_tokenization_spaces": False}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+              **({"bos_token": bos} if bos else {}), "add_bos_token": bos is not None, "add_eos_token": False,
+              "split_special_tokens": True, "clean_up_tokenization_spaces": False}
     return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
 
 
