@@ -28,7 +28,7 @@ import torch
 
 from lib import harness
 from lib.checkpoint import check_run_tokenizer, load_model, load_run
-from lib.data import Split
+from lib.data import Split, longest_example
 from lib.errors import UserError, one_line_errors
 from lib.hf import load_pretrained
 from lib.meta import read_meta
@@ -36,6 +36,7 @@ from lib.parallel import pick_device
 from lib.tokenizer import check_tokenizer, make_tokenizer
 
 one_line_errors("eval.py")
+TEXT_WINDOW = 2048  # a folder's window over text without --block_size: at most this many tokens
 
 
 def fail(msg):
@@ -47,8 +48,8 @@ parser.add_argument("--out_dir", default="out", help="the run whose checkpoint t
 parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss)")
 parser.add_argument("--model", default=None, help="a Hugging Face model folder to score instead of a run")
 parser.add_argument("--data_dir", default=None, help="the prepared dataset (default: the run's)")
-parser.add_argument("--block_size", type=int, default=None, help="the window (default: the run's block_size, or "
-                    "the folder's max_position_embeddings)")
+parser.add_argument("--block_size", type=int, default=None, help="the window (default: the run's block_size; for "
+                    f"a folder, the longest val example, at most its limit, or {TEXT_WINDOW} tokens for text)")
 parser.add_argument("--stride", type=int, default=None, help="tokens a window shares with the one before, its "
                     "context (default: half the window)")
 parser.add_argument("--batch_size", type=int, default=8, help="windows (or a task's requests) at a time")
@@ -116,13 +117,24 @@ try:
     meta = read_meta(data_dir)
 except ValueError as e:
     fail(str(e))
-# a run's window is the block_size it trained at (a pretrained model's limit may be longer)
-block_size = args.block_size or (model.config.block_size if args.model else checkpoint["config"]["block_size"])
+by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")
+# a run's window is the block_size it trained at; a folder's, the data's longest example (its limit, 32K or 128K
+# tokens, would cost minutes and gigabytes on short examples), or for text at most TEXT_WINDOW
+if args.block_size:
+    block_size, window_from = args.block_size, "--block_size"
+elif not args.model:
+    block_size, window_from = checkpoint["config"]["block_size"], "the run's block_size"
+else:
+    longest = longest_example(data_dir, meta)
+    limit = model.config.block_size if by_example else min(model.config.block_size, TEXT_WINDOW)
+    block_size = max(1, min(longest - 1, limit))
+    window_from = (f"the longest val {'example' if by_example else 'document'} ({longest} tokens)"
+                   + (f", cut to {limit}" if longest - 1 > limit else "") + "; --block_size sets it")
 stride = block_size // 2 if args.stride is None else args.stride
 if not 0 < block_size <= model.config.block_size or not 0 <= stride < block_size:
     fail(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit) and --stride={stride} "
          f"in 0..{block_size - 1}")
-by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")
+print(f"window: {block_size} tokens, from {window_from}")
 try:
     val = Split(data_dir, "val", meta, block_size, seed=0, examples=by_example, vocab_size=model.config.vocab_size)
 except (ValueError, OSError) as e:

@@ -58,11 +58,12 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         write_json(os.path.join(folder, "generation_config.json"), ids)
     if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
-        # prepare.py put no BOS before a document and no EOS after one but its own end-of-text, whatever
-        # a base's tokenizer_config.json says: a runtime must encode a prompt as the data was.
+        # prepare.py put before a document the BOS of its tokenizer.json's post-processor, or nothing, and
+        # no EOS after one but its own end-of-text, whatever a base's tokenizer_config.json says: a runtime
+        # must encode a prompt as the data was.
         config = read_json(os.path.join(folder, "tokenizer_config.json"))
         write_json(os.path.join(folder, "tokenizer_config.json"),
-                   {**config, "add_bos_token": False, "add_eos_token": False})
+                   {**config, "add_bos_token": tokenizer.bos_id is not None, "add_eos_token": False})
     chat = read_meta(checkpoint["data_dir"]).get("chat")
     if chat and files:
         write_chat(folder, chat, tokenizer.eot_id)
@@ -89,12 +90,14 @@ def carry(base, name, folder, limit=1 << 20):
 
 def run_special_ids(tokenizer, base):
     """config.json's special token ids: a base's own, unchanged, for a model that began from one; for a
-    model trained here, no BOS (prepare.py puts none before a document) and end-of-text to end and pad."""
+    model trained here, the BOS prepare.py put before each document (none but a tokenizer.json's) and
+    end-of-text to end and pad."""
     if base:
         return special_ids(base)
     if tokenizer.eot_id is None:  # nanoGPT's characters have no end-of-text
         return {}
-    return {"eos_token_id": tokenizer.eot_id, "pad_token_id": tokenizer.eot_id}
+    bos = {"bos_token_id": tokenizer.bos_id} if tokenizer.bos_id is not None else {}
+    return {**bos, "eos_token_id": tokenizer.eot_id, "pad_token_id": tokenizer.eot_id}
 
 
 def write_json(path, content):

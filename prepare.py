@@ -41,9 +41,10 @@ SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", 
 # -----------------------------------------------------------------------------
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
-def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=0):
+def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=0, starts=None):
     """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text, whether each was
-    dropped), end-of-text after each document's last piece. A whole document (wholes) of fewer than min_length
+    dropped), the tokenizer's BOS (if it adds one) before each document's first piece (starts), end-of-text
+    after each document's last piece. A whole document (wholes) of fewer than min_length
     tokens is dropped. Conversations (Chat) come with masks: 1 for a trained token, and 0 for the end-of-text
     after each, which separates it from the next and is never trained (train.py cuts there)."""
     masks = None
@@ -52,8 +53,8 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=
         ids = [np.append(a, np.uint32(tokenizer.eot_id)) for a, _ in pairs]
         masks = [np.append(m, np.uint8(0)) for _, m in pairs]
         texts = [chat.text for chat in texts]
-    else:
-        ids = tokenizer.encode_docs(texts, ends)
+    else:  # a conversation's BOS is in its text: the template's, or the tokenizer's before plain prompt strings
+        ids = tokenizer.encode_docs(texts, ends, starts)
     dropped = [bool(whole) and len(a) - end < min_length for a, end, whole in zip(ids, ends, wholes or ends)]
 
     def by_split(arrays, kind):
@@ -66,11 +67,11 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=
 
 
 def document_pieces(docs, in_one_piece, stats):
-    # (text, is_last, is_val, ext, whole) for each piece of docs; whole: the document's only piece
+    # (text, is_last, is_val, ext, whole, is_first) for each piece of docs; whole: the document's only piece
     for is_val, ext, doc, start, stop in docs:
         first = True
         for text, end in pieces(doc, start, stop, in_one_piece, stats):
-            yield text, end, is_val, ext, first and end
+            yield text, end, is_val, ext, first and end, first
             first = False
 
 
@@ -86,8 +87,8 @@ def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False, min_length=
                 batch.append(item)
                 size += len(item[0].text if isinstance(item[0], Chat) else item[0])
             if batch and (size >= BATCH_CHARS or item is None):
-                texts, ends, flags, exts, wholes = zip(*batch)
-                job = pool.submit(encode_batch, tokenizer, texts, ends, flags, dtype, wholes, min_length)
+                texts, ends, flags, exts, wholes, starts = zip(*batch)
+                job = pool.submit(encode_batch, tokenizer, texts, ends, flags, dtype, wholes, min_length, starts)
                 pending.append((list(zip(flags, ends, exts)), job))
                 batch, size = [], 0
             while pending and (len(pending) > 2 * num_workers or item is None):
@@ -116,7 +117,9 @@ def prepare(args, quiet=False):
     args.chat = chat_maker(args, None)
     tokenizer = make_tokenizer(args.tokenizer, texts)
     args.chat = chat_maker(args, tokenizer)
-    seconds = {"learn": time.time() - learning}
+    # a tokenizer.json, a tiktoken encoding or a dataset's tokenizer is loaded, not learned: no time to report
+    learned = args.tokenizer == "char" or args.tokenizer.startswith(("bpe:", "wordpiece:"))
+    seconds = {"learn": time.time() - learning if learned else 0.0}
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
 
     stats = new_stats()
@@ -179,7 +182,8 @@ def chat_maker(args, tokenizer):
             eot = tokenizer.decode([tokenizer.eot_id]) if tokenizer else "<|endoftext|>"
             folder = args.tokenizer if os.path.exists(args.tokenizer) else None
             try:
-                made.append(ChatFormat.for_tokenizer(folder, specials, eot, args.train_on, args.chat_template))
+                bos = tokenizer.decode([tokenizer.bos_id]) if tokenizer and tokenizer.bos_id is not None else ""
+                made.append(ChatFormat.for_tokenizer(folder, specials, eot, args.train_on, args.chat_template, bos))
             except (ValueError, OSError) as e:
                 raise UserError(str(e))
         return made[0]

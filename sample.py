@@ -126,8 +126,8 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
             break
     sys.exit(0)
 
-try:
-    ids = tokenizer.encode(start)
+try:  # with the BOS the tokenizer begins a text with (Llama 3's), as every training document began
+    ids = tokenizer.encode(start, bos=True)
 except ValueError as e:  # e.g. a character the char vocabulary lacks
     raise UserError(f"the prompt cannot be encoded: {e}") from None
 if not ids:
@@ -137,9 +137,14 @@ if not ids:
 # generate
 
 x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]  # (1, T)
+skip = int(tokenizer.bos_id is not None)
+if args.temperature == 0 and args.num_samples > 1:  # greedy decoding writes the same text every time
+    print(f"note: --temperature=0 is greedy, so its {args.num_samples} samples would be identical: printing one",
+          file=sys.stderr)
+    args.num_samples = 1
 with autocast:
     for _ in range(args.num_samples):
         y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            vocab=tokenizer.vocab_size)
-        print(tokenizer.decode(y[0].tolist()))
+        print(tokenizer.decode(y[0, skip:].tolist()))  # the prompt and its continuation, without the BOS
         print("---------------")

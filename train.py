@@ -235,8 +235,9 @@ if room_warning and master:
 batches = Batches(data_dir, meta, block_size, seed, vocab_size, sequences, batch_size,
                   gradient_accumulation_steps * batch_size, train_tokens, doc_mask, eval_full, eval_stride, device)
 if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
-    epoch_steps = batches.steps_for(max_epochs)
-    max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
+    # and the schedule decays over the steps the run takes, whichever of the two ends it
+    max_iters = min(max_iters, batches.steps_for(max_epochs))
+    lr_decay_iters = min(lr_decay_iters, max_iters)
 if warmup_ratio > 0:
     warmup_iters = math.ceil(warmup_ratio * max_iters)
 eval_batches = batches.evaluation_batches(eval_iters, dp_size)  # as many in every process

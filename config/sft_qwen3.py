@@ -30,4 +30,5 @@ max_iters = 100_000  # max_epochs decides
 lr_decay_iters = 100_000  # cut to the run's steps by max_epochs
 weight_decay = 0.0
 eval_interval = 100  # the whole val split, packed the same way
+eval_iters = 10  # the train loss from 10 micro-batches, forward only: under 1% of the 100 steps before it
 early_stop_patience = 5

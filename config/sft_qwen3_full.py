@@ -29,4 +29,5 @@ weight_decay = 0.0  # no pull of the pretrained weights towards zero
 grad_clip = 1.0
 dropout = 0.0
 eval_interval = 100  # the whole val split, each conversation on its own
+eval_iters = 10  # the train loss from 10 micro-batches, forward only: under 1% of the 100 steps before it
 early_stop_patience = 3  # a full fine-tune overfits sooner than LoRA: ckpt_best.pt keeps the best

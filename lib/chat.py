@@ -226,10 +226,11 @@ class ChatFormat:
     conversations, and finds the trained characters of what it renders."""
 
     def __init__(self, source, origin, special_tokens, eos_token, train_on="assistant", bos_token=None,
-                 separator=None):
+                 separator=None, text_bos=""):
         if train_on not in TRAIN_ON:
             raise UserError(f"--train_on={train_on} is not one of {', '.join(TRAIN_ON)}")
         self.source, self.origin, self.train_on = source, origin, train_on
+        self.text_bos = text_bos  # the BOS the tokenizer puts before a text: plain prompt/completion strings
         self.separator = separator  # what ends an example in the token files: no message may hold it
         self.specials = sorted(special_tokens, key=len, reverse=True)  # the longest first: "</s>" before "<"
         self.context = {"eos_token": eos_token, "bos_token": bos_token or "", "tools": None, "documents": None}
@@ -248,10 +249,11 @@ class ChatFormat:
                              f"a model could not learn where to stop: use a template that does (--chat_template)")
 
     @classmethod
-    def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None):
+    def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None,
+                      text_bos=""):
         source, origin, tokens = find_template(folder, template_file)
         return cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on,
-                   tokens.get("bos_token"), eot_text)
+                   tokens.get("bos_token"), eot_text, text_bos)
 
     def meta(self, tokenizer):
         """What meta.json says of the conversations: the template (sample.py and export.py use it again), what was
@@ -302,9 +304,10 @@ class ChatFormat:
             user = instruction + ("\n\n" + given if given else "")
             return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}], 1)
         prompt, completion = obj["prompt"], obj["completion"]
-        if isinstance(prompt, str) and isinstance(completion, str):  # plain text, no template (as TRL does)
-            text = prompt + completion + self.context["eos_token"]
-            start = 0 if self.train_on == "all" else len(prompt)
+        if isinstance(prompt, str) and isinstance(completion, str):  # plain text, no template (as TRL does:
+            # the tokenizer's BOS first, where it adds one, as to any text)
+            text = self.text_bos + prompt + completion + self.context["eos_token"]
+            start = 0 if self.train_on == "all" else len(self.text_bos + prompt)
             return Chat(text, [(start, len(text))])
         check_messages(prompt, "prompt")
         check_messages(completion, "completion")

@@ -302,6 +302,17 @@ def example_bounds(data, mask, eot_id):
     return starts, ends - starts
 
 
+def longest_example(data_dir, meta, split="val"):
+    """The tokens of a split's longest example (a document, in a split without a mask), its end-of-text
+    included; the whole split where there is no end-of-text."""
+    data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.dtype(meta["dtype"]), mode="r")
+    if meta.get("eot_id") is None or len(data) == 0:
+        return len(data)
+    mask = np.memmap(os.path.join(data_dir, f"{split}.mask.bin"), dtype=np.uint8, mode="r") if meta.get("masks") \
+        else None
+    return int(example_bounds(data, mask, meta["eot_id"])[1].max())
+
+
 def kept_targets(starts, lengths, mask, block_size):
     """(targets left, targets) of examples cut to block_size + 1 tokens: an example's first token is no target,
     and with a mask only its trained tokens are."""

@@ -79,13 +79,16 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
+    if tokenizer.bos_id is not None:  # llama.cpp adds the BOS it is told of: the one the data begins with
+        ids = {**ids, "bos_token_id": tokenizer.bos_id}
     first = (lambda i: i[0] if isinstance(i, list) else i)  # Llama 3.1 lists several end ids: the first
     for name, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
                       ("pad_token_id", writer.add_pad_token_id)):
         if ids.get(name) is not None:
             add(first(ids[name]))
-    # prepare.py put nothing before a document and ended it with the end-of-text id: so must a prompt be.
-    writer.add_add_bos_token(False)
+    # prepare.py put before a document its tokenizer.json's BOS, or nothing, and ended it with the
+    # end-of-text id: so must a prompt be.
+    writer.add_add_bos_token(tokenizer.bos_id is not None)
     writer.add_add_eos_token(False)
     if chat_template:
         writer.add_chat_template(chat_template)

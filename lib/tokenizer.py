@@ -36,9 +36,10 @@ class Tokenizer:
     Exactly one of enc (tiktoken's, for tiktoken and bpe), chars and hf does the encoding."""
 
     def __init__(self, kind, name, vocab_size, eot_id, enc=None, chars=None, hf=None,
-                 hf_json=None, ranks=None, pattern=None):
+                 hf_json=None, ranks=None, pattern=None, bos_id=None):
         self.kind, self.name = kind, name  # kind: tiktoken | bpe | char | nanogpt_char | huggingface
         self.vocab_size, self.eot_id = vocab_size, eot_id  # eot_id None: nanoGPT's characters have none
+        self.bos_id = bos_id  # what a tokenizer.json's post-processor puts before a text (Llama 3's), or None
         self.enc, self.chars, self.hf = enc, chars, hf
         self.hf_json, self.ranks, self.pattern = hf_json, ranks, pattern  # what save() writes
         if chars is not None:  # np.searchsorted needs the code points sorted; ids keep the given order
@@ -46,9 +47,10 @@ class Tokenizer:
             self.code_ids = np.argsort(codes, kind="stable").astype(np.uint32)
             self.codes = codes[self.code_ids]
 
-    def encode(self, text):
-        """str -> list[int], without end-of-text."""
-        return self.encode_docs([text], [False])[0].tolist()
+    def encode(self, text, bos=False):
+        """str -> list[int], without end-of-text; bos: with the BOS that begins a document (bos_id), as a
+        prompt begins."""
+        return self.encode_docs([text], [False], [bos])[0].tolist()
 
     def decode(self, ids):
         """list[int] -> str; end-of-text decodes to <|endoftext|> (or the tokenizer's own)."""
@@ -60,10 +62,10 @@ class Tokenizer:
             return "".join(self.chars[i] if i < len(self.chars) else beyond for i in ids)
         return self.hf.decode(ids, skip_special_tokens=False)
 
-    def encode_docs(self, texts, ends):
-        """list[str] -> list of uint32 arrays, each text's ids, then end-of-text where ends[i] (a
-        document's last piece). Thread-safe; the tiktoken and HF encoders release the GIL, so
-        threads encode in parallel."""
+    def encode_docs(self, texts, ends, starts=None):
+        """list[str] -> list of uint32 arrays, each text's ids, after the BOS (bos_id) where starts[i] (a
+        document's first piece), then end-of-text where ends[i] (a document's last piece). Thread-safe; the
+        tiktoken and HF encoders release the GIL, so threads encode in parallel."""
         if self.enc is not None:  # encode_to_numpy with nothing special is encode_ordinary, minus the list
             out = [self.enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
         elif self.chars is not None:
@@ -71,6 +73,9 @@ class Tokenizer:
         else:
             encodings = self.hf.encode_batch(texts, add_special_tokens=False)
             out = [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
+        if self.bos_id is not None and starts is not None:  # a document begins as AutoTokenizer begins it
+            bos = np.array([self.bos_id], dtype=np.uint32)
+            out = [np.concatenate([bos, ids]) if start else ids for ids, start in zip(out, starts)]
         if not any(ends):
             return out
         if self.eot_id is None:
@@ -172,7 +177,16 @@ def hf_tokenizer(name, hf_json):
     if eot_id is None:
         raise UserError(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} "
                         f"(add one to it)")
-    return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json)
+    return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json,
+                     bos_id=post_processor_bos(hf))
+
+
+def post_processor_bos(hf):
+    """The id a tokenizer.json's post-processor puts before every text (Llama 3's <|begin_of_text|>), or None.
+    Only the BOS is taken from it: documents end with end-of-text, which prepare.py writes itself."""
+    plain = hf.encode("a", add_special_tokens=False).ids
+    full = hf.encode("a", add_special_tokens=True).ids
+    return full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
 
 
 def wordpiece_tokenizer(name, size, texts):
@@ -303,11 +317,14 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
                          f"({type(e).__name__}: {e}): {fix}") from None
-    # conversations' markers (<|im_start|>, ...) are special tokens: their text reads as those
-    encode = (lambda text: theirs.encode_chat(text, [])[0].tolist()) if meta.get("masks") else theirs.encode
+    # conversations' markers (<|im_start|>, ...) are special tokens: their text reads as those; a text
+    # document begins with the BOS its tokenizer puts there, which is no text of it
+    encode = (lambda text: theirs.encode_chat(text, [])[0].tolist()) if meta.get("masks") else \
+        (lambda text: theirs.encode(text, bos=True))
+    skip = 1 if ours.bos_id is not None and not meta.get("masks") else 0
     for doc in documents or [ids[:512].tolist()]:
         try:
-            again = encode(ours.decode(doc))
+            again = encode(ours.decode(doc[skip:]))
         except ValueError:  # a character the other vocabulary lacks, special tokens it has not
             again = None
         compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise

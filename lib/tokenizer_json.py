@@ -28,8 +28,9 @@ def hf_tokenizer_files(tok):
                     "the rest of the folder is written without one")
     if tok.kind == "huggingface":
         from tokenizers import Tokenizer as HFTokenizer
-        eos = HFTokenizer.from_str(tok.hf_json).id_to_token(tok.eot_id)
-        return {"tokenizer.json": tok.hf_json, "tokenizer_config.json": tokenizer_config(eos)}, None
+        hf = HFTokenizer.from_str(tok.hf_json)
+        eos, bos = hf.id_to_token(tok.eot_id), hf.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+        return {"tokenizer.json": tok.hf_json, "tokenizer_config.json": tokenizer_config(eos, bos)}, None
     ranks, pattern, specials = bpe_parts(tok)
     try:
         tokenizer_json = bytelevel_tokenizer_json(ranks, pattern, specials)
@@ -40,14 +41,16 @@ def hf_tokenizer_files(tok):
     return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tokenizer_config(eos)}, None
 
 
-def tokenizer_config(eos):
+def tokenizer_config(eos, bos=None):
     """tokenizer_config.json's text. Our encode reads a "<|endoftext|>" inside a document as plain
     text (prepare.py encodes ordinary text only), so transformers must too: split_special_tokens.
-    prepare.py puts nothing before a document and ends it with the end-of-text id itself, so no
-    runtime may add a BOS or an EOS to a prompt (llama.cpp adds a BOS unless told not to); and
-    decode must not "clean up" the spaces before punctuation."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "add_bos_token": False,
-              "add_eos_token": False, "split_special_tokens": True, "clean_up_tokenization_spaces": False}
+    prepare.py puts before a document only the BOS bos of a tokenizer.json's post-processor (None:
+    nothing) and ends it with the end-of-text id itself, so a runtime adds that BOS and no EOS to a
+    prompt (llama.cpp adds a BOS unless told not to); and decode must not "clean up" the spaces
+    before punctuation."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+              **({"bos_token": bos} if bos else {}), "add_bos_token": bos is not None, "add_eos_token": False,
+              "split_special_tokens": True, "clean_up_tokenization_spaces": False}
     return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
 
 

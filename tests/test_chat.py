@@ -486,7 +486,7 @@ def test_prepare_masked_dataset(tmp_path, name):
     assert any(":8: no assistant message" in e for e in bad["examples"]), bad
 
     ours = load_tokenizer(out)
-    runs, documents, bos_counts = [], 0, []
+    runs, documents, bos_counts, examples = [], 0, [], []
     for split in ("train", "val"):
         ids = np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])
         mask = np.fromfile(out / f"{split}.mask.bin", dtype=np.uint8)
@@ -504,15 +504,19 @@ def test_prepare_masked_dataset(tmp_path, name):
             bos = ours.special_tokens()["<|begin_of_text|>"]
             bos_counts += [int((ids[start:stop] == bos).sum()) for start, stop in zip(starts, separators)]
             for start, stop in zip(starts, separators):
-                assert ids[start] == bos or not (ids[start:stop] == bos).any()
+                assert ids[start] == bos
+            examples += [ids[start:stop].tolist() for start, stop in zip(starts, separators)]
         documents += len(separators)
         runs += [run.lstrip(" ") for run in trained_runs(ours, ids, mask)]
     assert documents == 6
     if name == "qwen3":  # the last turn of each of the 5 templated conversations begins with its think block
         assert sum(run.startswith(THINK) for run in runs) == 5
         runs = [run.removeprefix(THINK) for run in runs]
-    if name == "llama3":  # the prompt and completion strings are text, without the template: no BOS
-        assert sorted(bos_counts) == [0, 1, 1, 1, 1, 1]
+    if name == "llama3":  # the prompt and completion strings, text without the template, begin with the BOS
+        assert bos_counts == [1] * 6  # the tokenizer puts before a text (as TRL's tokenization of them does)
+        auto = transformers.AutoTokenizer.from_pretrained(str(folder))
+        plain = auto("Capital of Spain? Madrid, on the Manzanares.")["input_ids"] + [auto.convert_tokens_to_ids(end)]
+        assert plain in examples
     expected = [*REPLIES, REPLIES[0], "Madrid, on the Manzanares.", "Lisbon, on the Tagus.",
                 "The Spree flows there.", "fleuve or riviere"]
     assert sorted(runs) == sorted(reply + end for reply in expected)

@@ -131,6 +131,14 @@ def test_sample_a_folder_greedily_as_transformers_does(pretrained):
     assert done.stdout.split("\n---------------\n")[0] == tok.decode(greedy[0].tolist(), skip_special_tokens=False)
 
 
+def test_greedy_sampling_prints_one_sample_with_a_note(pretrained):
+    folder, _ = pretrained
+    done = script("sample.py", f"--model={folder}", "--start=def ", "--temperature=0", "--max_new_tokens=4",
+                  "--num_samples=3", "--device=cpu")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("---------------") == 1 and "would be identical: printing one" in done.stderr
+
+
 # -----------------------------------------------------------------------------
 # LoRA and QLoRA
 
@@ -379,6 +387,27 @@ def test_sft_config_on_conversations_with_lora_under_fsdp(pretrained, tmp_path):
     # the folder itself has no chat template: it never learned one, and --chat says so in one line
     done = script("sample.py", f"--model={folder}", "--chat", "--start=apple river", "--device=cpu")
     assert done.returncode != 0 and "has no chat template" in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_eval_sizes_a_folders_window_from_the_data_not_its_context(pretrained, tmp_path):
+    # a folder that could read 32,768 tokens, scored on a val split of 501: one window of 500 (the longest val
+    # document, without its last token, which has no next), said in its output; no 32K window
+    import shutil
+    import numpy as np
+    folder, data = pretrained
+    folder = shutil.copytree(folder, tmp_path / "long")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    data = shutil.copytree(data, tmp_path / "data")
+    meta = json.loads((data / "meta.json").read_text())
+    np.fromfile(data / "val.bin", dtype=meta["dtype"])[:501].tofile(data / "val.bin")
+    meta["val"]["tokens"] = 501
+    (data / "meta.json").write_text(json.dumps(meta))
+    done = script("eval.py", f"--model={folder}", f"--data_dir={data}", "--device=cpu")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "window: 500 tokens, from the longest val document (501 tokens)" in lines[0]
+    assert lines[-2].startswith("1 windows of 500 tokens") and lines[-1].endswith("over 500 tokens")
 
 
 def test_eval_scores_every_val_token_once_as_transformers_does(pretrained, tmp_path):

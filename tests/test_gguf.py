@@ -320,3 +320,75 @@ def test_a_gpt2_style_tokenizer_json_is_named_gpt2():
     tokens, types, merges, pre = vocabulary(hf_tokenizer("gpt2-style", hf.to_str()), 320, gguf)
     assert pre == "gpt-2" and tokens[0] == "<|endoftext|>" and types[0] == gguf.TokenType.CONTROL
     assert len(merges) == hf.get_vocab_size() - 257  # one per token past the 256 bytes and <|endoftext|>
+
+
+# -----------------------------------------------------------------------------
+# a tokenizer.json whose post-processor puts a BOS first (Llama 3's): the data, sample.py, the exported
+# folder and the GGUF file all begin a text with it, as transformers' AutoTokenizer does
+
+def bos_tokenizer_json(path, texts):
+    # a tiny byte-level BPE learned here, with <|begin_of_text|> put before every text, as Llama 3's is
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|begin_of_text|>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(texts, trainer)
+    hf.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                      special_tokens=[("<|begin_of_text|>", 0)])
+    hf.save(str(path))
+
+
+def write_bos_run(folder):
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-c]*.py"))[:12]
+    texts = [f.read_text(errors="replace")[:3000] for f in files]
+    (folder / "docs").mkdir()
+    for i, text in enumerate(texts):
+        (folder / "docs" / f"{i:02}.txt").write_text(text)
+    bos_tokenizer_json(folder / "tokenizer.json", texts)
+    done = script("prepare.py", folder / "docs", f"--tokenizer={folder / 'tokenizer.json'}",
+                  f"--out_dir={folder / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run(*TINY, f"--data_dir={folder / 'data'}", f"--out_dir={folder / 'run'}", "--max_iters=2")
+
+
+def test_a_bos_adding_tokenizer_begins_every_text_with_it_everywhere(shared, tmp_path):
+    import json
+    transformers = pytest.importorskip("transformers")
+    folder = shared("gguf-bos-run", write_bos_run)
+    done = script("export.py", f"--out_dir={folder / 'run'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert auto.encode("x")[0] == 0  # transformers puts the BOS first, by the post-processor kept
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] is True and config["bos_token"] == "<|begin_of_text|>"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"] == 0
+    # the data: every document as AutoTokenizer encodes its text, then end-of-text
+    eot = auto.convert_tokens_to_ids("<|endoftext|>")
+    texts = [path.read_text() for path in sorted((folder / "docs").iterdir())]
+    written = np.concatenate([np.fromfile(folder / "data" / f"{split}.bin", dtype=np.uint16) for split in
+                              ("train", "val")]).tolist()
+    documents, start = [], 0
+    for end in [i for i, token in enumerate(written) if token == eot]:
+        documents.append(written[start:end + 1])
+        start = end + 1
+    assert sorted(documents) == sorted(auto(text)["input_ids"] + [eot] for text in texts)
+    # and the data is the folder's tokenizer's, as train.py --init_from and eval.py --model check it
+    from lib.meta import read_meta
+    from lib.tokenizer import check_tokenizer
+    check_tokenizer(folder / "data", read_meta(folder / "data"), str(tmp_path / "hf"), len(auto))
+    # sample.py's prompt: greedy, its text is transformers' greedy continuation of AutoTokenizer's ids; an empty
+    # prompt is the BOS alone, a text's start, as it is to transformers
+    done = script("sample.py", f"--out_dir={folder / 'run'}", "--start=", "--temperature=0",
+                  "--max_new_tokens=8", "--num_samples=1")
+    assert done.returncode == 0, done.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([auto("")["input_ids"]])
+    greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                         eos_token_id=None, pad_token_id=eot)
+    assert done.stdout.split("\n---------------\n")[0] == auto.decode(greedy[0, 1:].tolist())
+    # the GGUF file: llama.cpp adds the same BOS
+    reader = exported(folder, tmp_path)
+    assert value(reader, "tokenizer.ggml.add_bos_token") is True
+    assert value(reader, "tokenizer.ggml.bos_token_id") == 0

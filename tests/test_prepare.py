@@ -174,6 +174,18 @@ def test_roundtrip_every_tokenizer(tmp_path, kind):
     assert train == [d for d in text_order(src) if d in train]
 
 
+@pytest.mark.parametrize("kind", ["bpe:300", "hf"])
+def test_learned_in_is_said_of_a_learned_tokenizer_only(tmp_path, monkeypatch, capsys, kind):
+    # a tokenizer that takes 0.6 s to make: learned (bpe:N), it says so; loaded (Qwen2's 7 MB tokenizer.json), not
+    def slow(*args):
+        time.sleep(0.6)
+        return make_tokenizer(*args)
+    monkeypatch.setattr(prepare, "make_tokenizer", slow)
+    tokenizer = str(hf_tokenizer_json(tmp_path / "hf")) if kind == "hf" else kind
+    run(text_tree(tmp_path / "src"), "--out_dir", tmp_path / "out", "--tokenizer", tokenizer)
+    assert ("learned in" in capsys.readouterr().out) == (kind == "bpe:300")
+
+
 def text_order(src):
     """Documents of a text tree in the order prepare.py reads them (sorted paths)."""
     return [p.read_bytes().decode() for p in sorted(Path(src).rglob("*"), key=lambda p: p.relative_to(src).parts) if p.is_file()]

@@ -74,3 +74,15 @@ def test_the_loop_logs_and_applies_the_schedule(data_dir, tmp_path):
         assert lr == 1e-2 * lr_factor(step, lr_schedule="wsd", **{**SETTINGS, "lr_decay_fraction": 0.4}), step
     muon = torch.load(tmp_path / "ckpt.pt", weights_only=True)["muon"]
     assert muon["param_groups"][0]["lr"] == pytest.approx(0.05 * 0.1, rel=1e-9)
+
+
+def test_a_run_that_max_iters_ends_before_max_epochs_decays_over_its_own_steps(data_dir, tmp_path):
+    # 100 epochs would take far more than 4 steps: the schedule decays over the 4 the run takes, not over the epochs'
+    done = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--max_epochs=100",
+               "--eval_interval=100", "--warmup_iters=0", "--lr_decay_iters=100000", "--learning_rate=1e-2",
+               "--min_lr=1e-3")
+    assert "max_epochs=100: 4 steps (lr_decay_iters 4, warmup 0)" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["iter"] - 1: r["lr"] for r in records if "tokens_per_s" in r}
+    # the last step's rate, three quarters of the way down the cosine to min_lr
+    assert lrs[3] == pytest.approx(1e-2 * COSINE_THREE_QUARTERS, rel=1e-9) and lrs[3] < 0.25e-2

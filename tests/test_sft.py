@@ -454,3 +454,18 @@ def test_examples_cut_to_nothing_trained_are_refused(chat_data, tmp_path):
                   check=False)
         assert out.returncode != 0 and f"no {name} example keeps a trained token within its first block_size + 1 " \
             f"= {block + 1} tokens" in out.stderr
+
+
+@pytest.mark.parametrize("config", ["sft_qwen3.py", "sft_qwen3_full.py"])
+def test_the_sft_configs_evaluation_costs_a_small_share_of_the_run(config):
+    # the train loss's estimate (eval_iters micro-batches, forward only) against the steps between two evaluations
+    # (each micro-batch forward and backward, about three forwards): under 2% (eval_iters=50 took 95 s against
+    # ~4 s a step on a CPU)
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    settings = {"eval_iters": int(re.search(r"^eval_iters = (\d+)", (root / "train.py").read_text(), re.M)[1])}
+    exec((root / "config" / config).read_text(), {}, settings)
+    evaluation = settings["eval_iters"] * settings["batch_size"]
+    training = settings["eval_interval"] * settings["batch_size"] * settings["gradient_accumulation_steps"] * 3
+    assert evaluation / training < 0.02, evaluation / training

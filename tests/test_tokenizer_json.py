@@ -183,9 +183,11 @@ def test_nothing_added_around_the_text(exported):
 def test_tokenizer_config(exported):
     ours, files, _, _ = exported
     config = json.loads(files["tokenizer_config.json"])
+    # prepare.py adds no EOS, and a BOS only where the tokenizer.json's post-processor does (<s> here)
+    bos = {"bos_token": "<s>"} if ours.kind == "huggingface" else {}
     assert config == {"tokenizer_class": "PreTrainedTokenizerFast",
-                      "eos_token": "</s>" if ours.kind == "huggingface" else "<|endoftext|>",
-                      "add_bos_token": False, "add_eos_token": False,  # prepare.py adds neither
+                      "eos_token": "</s>" if ours.kind == "huggingface" else "<|endoftext|>", **bos,
+                      "add_bos_token": bool(bos), "add_eos_token": False,
                       "split_special_tokens": True, "clean_up_tokenization_spaces": False}
     if ours.kind == "huggingface":
         assert files["tokenizer.json"] == ours.hf_json
