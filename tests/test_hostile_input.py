@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-from lib import checkpoint as ckpt
 import forkserver  # the tests' own: train.py and sample.py started without importing torch each time
-from lib import hf
 import prepare
 from helpers import needs_tiktoken
+from lib import checkpoint as ckpt
+from lib import hf
 from lib.errors import UserError
 from lib.meta import read_meta
 from lib.tokenizer import load_tokenizer
