@@ -235,9 +235,8 @@ if room_warning and master:
 batches = Batches(data_dir, meta, block_size, seed, vocab_size, sequences, batch_size,
                   gradient_accumulation_steps * batch_size, train_tokens, doc_mask, eval_full, eval_stride, device)
 if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
-    # and the schedule decays over the steps the run takes, whichever of the two ends it
-    max_iters = min(max_iters, batches.steps_for(max_epochs))
-    lr_decay_iters = min(lr_decay_iters, max_iters)
+    epoch_steps = batches.steps_for(max_epochs)
+    max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
 if warmup_ratio > 0:
     warmup_iters = math.ceil(warmup_ratio * max_iters)
 eval_batches = batches.evaluation_batches(eval_iters, dp_size)  # as many in every process
@@ -245,6 +244,10 @@ if master:
     print(batches.describe(eval_iters))
 if max_epochs > 0 and master:
     print(f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})")
+    if lr_decay_iters > max_iters:  # max_iters ends it first: a stop to resume from, or the run's real length
+        print(f"note: max_iters={max_iters} ends the run before its {max_epochs} epochs, and the learning rate decays "
+              f"over lr_decay_iters={lr_decay_iters} steps: it will not reach min_lr in this run (for a run of "
+              f"{max_iters} steps, set lr_decay_iters={max_iters})")
 # the learning rate's schedule (optim.py), with the steps as max_epochs and warmup_ratio made them
 schedule = dict(decay_lr=decay_lr, lr_schedule=lr_schedule, warmup_iters=warmup_iters,
                 lr_decay_iters=lr_decay_iters, learning_rate=learning_rate, min_lr=min_lr,

@@ -76,13 +76,24 @@ def test_the_loop_logs_and_applies_the_schedule(data_dir, tmp_path):
     assert muon["param_groups"][0]["lr"] == pytest.approx(0.05 * 0.1, rel=1e-9)
 
 
-def test_a_run_that_max_iters_ends_before_max_epochs_decays_over_its_own_steps(data_dir, tmp_path):
-    # 100 epochs would take far more than 4 steps: the schedule decays over the 4 the run takes, not over the epochs'
+def test_a_run_that_max_iters_ends_before_max_epochs_says_its_schedule_outlasts_it(data_dir, tmp_path):
+    # 100 epochs would take far more than 4 steps. The schedule keeps its length (max_iters is also how a run is
+    # stopped to be resumed, on the same schedule: test_train's mid-epoch resume), and the log says so, with the fix
     done = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--max_epochs=100",
-               "--eval_interval=100", "--warmup_iters=0", "--lr_decay_iters=100000", "--learning_rate=1e-2",
+               "--eval_interval=100", "--warmup_iters=0", "--lr_decay_iters=1000", "--learning_rate=1e-2",
                "--min_lr=1e-3")
-    assert "max_epochs=100: 4 steps (lr_decay_iters 4, warmup 0)" in done.stdout
+    assert "max_epochs=100: 4 steps (lr_decay_iters 1000, warmup 0)" in done.stdout
+    assert ("note: max_iters=4 ends the run before its 100 epochs, and the learning rate decays over "
+            "lr_decay_iters=1000 steps: it will not reach min_lr in this run (for a run of 4 steps, set "
+            "lr_decay_iters=4)") in done.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["iter"] - 1: r["lr"] for r in records if "tokens_per_s" in r}
-    # the last step's rate, three quarters of the way down the cosine to min_lr
+    assert lrs[3] > 0.99e-2  # as the note says: barely decayed
+    # with the fix it names, the last step's rate is three quarters of the way down the cosine to min_lr
+    done = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'fixed'}", "--max_iters=4",
+               "--max_epochs=100", "--eval_interval=100", "--warmup_iters=0", "--lr_decay_iters=4",
+               "--learning_rate=1e-2", "--min_lr=1e-3")
+    assert "note: max_iters" not in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "fixed" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["iter"] - 1: r["lr"] for r in records if "tokens_per_s" in r}
     assert lrs[3] == pytest.approx(1e-2 * COSINE_THREE_QUARTERS, rel=1e-9) and lrs[3] < 0.25e-2

@@ -270,7 +270,7 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
                   "--temperature=0")
     assert done.returncode == 0, done.stderr
     samples = done.stdout.split("---------------\n")[:-1]
-    assert len(samples) == 2 and samples[0] == samples[1]  # greedy: the same text twice
+    assert len(samples) == 1 and "greedy" in done.stderr  # greedy: two samples would be the same text twice
     text = samples[0].rstrip("\n")
     assert text.startswith("hello") and len(text.replace("<|endoftext|>", "#")) == len("hello") + 40
     assert set(text.replace("<|endoftext|>", "")) <= set("hello world number 0123456789.\n")
