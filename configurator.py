@@ -15,12 +15,18 @@ run can use, in one line.
 
 import ast
 import difflib
+import math
 import sys
 import traceback
 import types
 
 from lib.errors import UserError
 
+# train.py's numbers that have a range: each must be at least its low and below its high
+IN_RANGE = {"learning_rate": (0, math.inf), "min_lr": (0, math.inf), "muon_lr": (0, math.inf),
+            "weight_decay": (0, math.inf), "grad_clip": (0, math.inf), "early_stop_min_delta": (0, math.inf),
+            "beta1": (0, 1), "beta2": (0, 1), "momentum": (0, 1), "muon_momentum": (0, 1), "dropout": (0, 1),
+            "seed": (0, 2**63)}
 AT_LEAST_ONE = ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size",
                 "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout")
 
@@ -86,6 +92,10 @@ def check_settings(config):
     for key in AT_LEAST_ONE:
         if config[key] < 1:
             raise UserError(f"{key}={config[key]} must be at least 1")
+    for key, (low, high) in IN_RANGE.items():  # else a traceback from torch's first step, or nonsense trained
+        if key in config and not low <= config[key] < high:
+            within = f"at least {low}" if high == math.inf else f"at least {low} and below {high}"
+            raise UserError(f"{key}={config[key]} must be {within}")
     if config.get("memory_budget", 0) < 0:
         raise UserError(f"memory_budget={config['memory_budget']} must be at least 0 (GiB; 0: what the device has "
                         f"free)")

@@ -198,6 +198,11 @@ def test_batch_size_auto_keeps_the_update_and_its_micro_batch_on_resume(data_dir
                              "'cosine_restarts'"),
     (["--lr_cycle_iters=0"], "lr_cycle_iters=0 must be at least 1 and lr_power=1.0 above 0"),
     (["--lr_decay_fraction=1.5"], "lr_decay_fraction=1.5 must be between 0 and 1"),
+    (["--beta2=1.5"], "beta2=1.5 must be at least 0 and below 1"),
+    (["--learning_rate=-1.0"], "learning_rate=-1.0 must be at least 0"),
+    (["--optimizer=sgd", "--momentum=-1.0"], "momentum=-1.0 must be at least 0 and below 1"),
+    (["--seed=-1"], "seed=-1 must be at least 0"),
+    (["--dropout=2.0"], "dropout=2.0 must be at least 0 and below 1"),
 ])
 def test_config_errors(data_dir, tmp_path, args, message):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args, check=False)
