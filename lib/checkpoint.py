@@ -248,6 +248,9 @@ def meta_model(args, weights):
         raise UserError(f"the checkpoint's model_args do not make a model ({e}): {fix}") from None
     shapes = {name: tensor.shape for name, tensor in weights.items() if isinstance(tensor, torch.Tensor)}
     check_shapes(model, shapes, {name: name for name in shapes}, "the checkpoint", fix)
+    for name, tensor in weights.items():  # a NaN would only show as a traceback in sampling, or a nan loss
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UserError(f"the checkpoint's {name} holds a NaN or an infinite value: {fix}")
     return model
 
 

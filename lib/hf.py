@@ -10,6 +10,7 @@ Llama, Mistral, Qwen2 and Qwen3 families; what GPT does not implement is refused
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -121,6 +122,11 @@ def config_from_hf(hf, block_size=None):
     if rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         scaling = {k: rope[k] for k in keys}
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+                      for v in scaling.values())
+        if not numbers or scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # the ramp divides by it
+            raise UserError(f"rope_scaling {scaling} must hold numbers above 0, high_freq_factor above "
+                            f"low_freq_factor: fix config.json, or download the model again")
     max_len = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window") if family == "mistral" or hf.get("use_sliding_window") else None
     if block_size is not None and block_size > max_len:
@@ -242,6 +248,9 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
                 if tensor.shape != target.shape:
                     raise UserError(f"{name} in {file} has shape {tuple(tensor.shape)}, but config.json "
                                      f"implies {tuple(target.shape)}")
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():  # NaN would only show later
+                    raise UserError(f"{name} in {file} holds a NaN or an infinite value: download the model "
+                                    f"again, or use another")
                 target.copy_(tensor)
                 missing.discard(name)
     if missing:

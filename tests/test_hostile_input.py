@@ -459,3 +459,29 @@ def test_a_fifo_in_a_model_folder_is_one_line_not_a_hang(folder, name):
     with pytest.raises(UserError, match="is not a regular file"):
         hf.load_pretrained(folder)
 
+
+
+# -----------------------------------------------------------------------------
+# weights and settings that would only show as NaN later
+
+
+def test_a_nan_weight_is_named_when_a_model_is_loaded(folder):
+    from safetensors.torch import load_file, save_file
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match="model.layers.1.mlp.up_proj.weight .* holds a NaN or an infinite value"):
+        hf.load_pretrained(folder)
+    checkpoint = tiny_checkpoint()
+    checkpoint["model"]["blocks.0.attn.q.weight"][0, 0] = float("inf")
+    with pytest.raises(UserError, match="the checkpoint's blocks.0.attn.q.weight holds a NaN or an infinite value"):
+        ckpt.model_from_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize("factor", [0, "8", float("nan")])
+def test_rope_scaling_that_would_divide_by_zero_or_by_a_string_is_one_line(folder, factor):
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+    edit_config(folder, rope_scaling=scaling)
+    with pytest.raises(UserError, match="rope_scaling .* must hold numbers above 0"):
+        hf.load_pretrained(folder)
