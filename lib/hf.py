@@ -232,10 +232,12 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
     with torch.device("meta"):
         model = GPT(config)
     check_shapes(model, shapes, hf_layout(config), path, fix)
+    absent = sorted(set(hf_layout(config)) - set(shapes))  # known now, before the memory is taken for them
+    if absent:
+        raise UserError(f"{path} lacks {len(absent)} tensor(s) the config needs, e.g. {absent[0]}")
     model = model.to(dtype).to_empty(device="cpu").materialize()
     params = dict(model.named_parameters())
     layout = hf_layout(config)
-    missing = set(layout)
     for file in files:
         with open_safetensors(file) as f, torch.no_grad():
             for name in f.keys():
@@ -252,9 +254,6 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
                     raise UserError(f"{name} in {file} holds a NaN or an infinite value: download the model "
                                     f"again, or use another")
                 target.copy_(tensor)
-                missing.discard(name)
-    if missing:
-        raise UserError(f"{path} lacks {len(missing)} tensor(s) the config needs, e.g. {sorted(missing)[0]}")
     return model
 
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lib.bounds import check_token_ids
+from lib.bounds import check_regular, check_token_ids
 from lib.errors import UserError
 
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
+MAX_VOCAB = 1 << 24  # 16.7M ids: released tokenizers have up to ~262K
 
 # -----------------------------------------------------------------------------
 # what a dataset's folder says about itself
@@ -48,6 +49,9 @@ def read_meta(data_dir):
                 raise UserError(f"vocab_size {vocab_size!r} is not a whole number above 0")
             if meta["dtype"] == "uint16" and vocab_size > 1 << 16:
                 raise UserError(f"dtype uint16 cannot hold the ids of a vocab_size of {vocab_size}")
+            if vocab_size > MAX_VOCAB:  # the model's embedding is sized from it before any token is read
+                raise UserError(f"vocab_size {vocab_size:,} is past {MAX_VOCAB:,}, more than any tokenizer has "
+                                f"(its embedding alone would not fit in memory): prepare the data again")
             if eot_id is not None and (type(eot_id) is not int or not 0 <= eot_id < vocab_size):
                 raise UserError(f"eot_id {eot_id!r} is not a token id below vocab_size {vocab_size}")
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -126,6 +130,7 @@ def check_token_files(data_dir, meta, block_size):
         path = os.path.join(data_dir, f"{split}.bin")
         if not os.path.exists(path):
             raise UserError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
+        check_regular(path, "prepare the data again (python prepare.py ...)")  # /dev/zero's size is 0
         size = os.path.getsize(path)
         if size == 0:
             raise UserError(f"{path} is empty: prepare the data with --val_fraction above 0 or --val_input")

@@ -342,7 +342,7 @@ def test_meta_json_that_would_read_the_tokens_wrong_is_refused(tmp_path, meta, s
 
 @pytest.mark.parametrize("case, args, says", [
     ("id past meta.json's vocab_size", [], "holds token id 63 at position 100, past meta.json's vocab_size 62"),
-    ("train.bin a folder", [], "is not a file"),
+    ("train.bin a folder", [], "is not a regular file (a FIFO, a device or a folder)"),
     ("negative width", ["--n_embd=-64"], "n_embd=-64, not a whole number above 0"),
     ("unknown device", ["--device=tpu"], "device='tpu' is not one of"),
 ])
@@ -485,3 +485,31 @@ def test_rope_scaling_that_would_divide_by_zero_or_by_a_string_is_one_line(folde
     edit_config(folder, rope_scaling=scaling)
     with pytest.raises(UserError, match="rope_scaling .* must hold numbers above 0"):
         hf.load_pretrained(folder)
+
+
+def test_a_missing_tensor_is_named_before_the_memory_for_the_model_is_taken(folder, monkeypatch):
+    from safetensors.torch import load_file, save_file
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.embed_tokens.weight"]  # the biggest tensor, which a vocab_size of 2^28 would make 32 GiB
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(torch.nn.Module, "to_empty", lambda *a, **k: pytest.fail("memory taken first"))
+    with pytest.raises(UserError, match="lacks 1 tensor.* model.embed_tokens.weight"):
+        hf.load_pretrained(folder)
+
+
+@pytest.mark.parametrize("meta, says", [
+    ({"dtype": "uint32", "vocab_size": 1 << 40, "eot_id": 0}, "past 16,777,216, more than any tokenizer has"),
+])
+def test_a_vocab_no_tokenizer_has_is_refused_before_an_embedding_is_sized(tmp_path, meta, says):
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=says):
+        read_meta(str(tmp_path))
+
+
+def test_a_token_file_that_is_a_device_is_named_as_one(tmp_path):
+    from lib.meta import check_token_files
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 64, "eot_id": 0}))
+    os.symlink("/dev/zero", tmp_path / "train.bin")
+    (tmp_path / "val.bin").write_bytes(b"\0\0" * 100)
+    with pytest.raises(UserError, match="train.bin is not a regular file"):
+        check_token_files(str(tmp_path), read_meta(str(tmp_path)), 8)
