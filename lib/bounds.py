@@ -21,6 +21,7 @@ from lib.errors import UserError
 # The most positions a model may hold rotary tables for: past every released model (Qwen2.5-1M has ~1M), and
 # small enough that the tables (positions x head size, twice) are not themselves the hostile input.
 MAX_POSITIONS = 1 << 21
+MAX_TABLE = MAX_POSITIONS * 256  # positions x head size: 2M positions of heads 256 wide (2 GiB of fp32 tables)
 SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "head_size", "mlp_hidden")
 DERIVED = ("n_kv_head", "head_size", "mlp_hidden")  # 0 means "from the other sizes" (GPTConfig)
 
@@ -36,6 +37,10 @@ def check_sizes(args, where, fix):
     if args.get("block_size", 1) > MAX_POSITIONS:
         raise UserError(f"{where} says block_size={args['block_size']}, past the {MAX_POSITIONS} positions this "
                          f"model.py holds tables for: {fix}")
+    head = args.get("head_size") or args.get("n_embd", 1) // max(args.get("n_head", 1), 1)
+    if args.get("block_size", 1) * head > MAX_TABLE:  # the rotary tables' cos and sin, each positions x head / 2
+        raise UserError(f"{where} says block_size={args['block_size']} positions of heads {head} wide: rotary tables "
+                        f"of {args['block_size'] * head * 4 / 2**30:.0f} GiB, past every released model's: {fix}")
     for name, low, high in (("rope_theta", 0, math.inf), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
         value = args.get(name, 0.5)
         if type(value) not in (int, float) or not low < value < high:

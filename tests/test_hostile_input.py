@@ -513,3 +513,9 @@ def test_a_token_file_that_is_a_device_is_named_as_one(tmp_path):
     (tmp_path / "val.bin").write_bytes(b"\0\0" * 100)
     with pytest.raises(UserError, match="train.bin is not a regular file"):
         check_token_files(str(tmp_path), read_meta(str(tmp_path)), 8)
+
+
+def test_rotary_tables_past_every_released_model_are_refused_before_they_are_made(folder):
+    edit_config(folder, head_dim=4096, max_position_embeddings=1 << 21)  # 3 x 16 GiB of tables, from 500 KB
+    with pytest.raises(UserError, match="rotary tables of 32 GiB, past every released model's"):
+        hf.load_pretrained(folder)
