@@ -9,6 +9,7 @@ keep their names throughout, so checkpoints move between layouts.
 
 import os
 import re
+import socket
 import time
 from datetime import timedelta
 from functools import partial
@@ -153,6 +154,37 @@ def generation(store, rank, world_size, timeout):
         time.sleep(0.05)
     raise UserError(f"rank {rank} found no rank 0 to join within dist_timeout={timeout} s: rank 0's node is lost "
                     f"or its torchrun stopped (see its output)")
+
+
+# Settings that may differ between nodes: paths, where each node mounts the same files (its data is compared
+# by the files' sizes instead)
+PER_NODE = ("out_dir", "data_dir", "eval_tasks_path")
+
+
+def check_same_settings(settings, data_dir):
+    """Stop every process, in one line, where any process's settings (train.py's, PER_NODE aside) or data files'
+    sizes differ from rank 0's: naming the first that differs, and the rank and node. Nodes started with
+    different commands would otherwise train on silently, their replicas drifting apart. Called by every process
+    once the group has formed; nothing to compare without one."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    try:
+        files = {f"data file {name}": os.path.getsize(os.path.join(data_dir, name))
+                 for name in sorted(os.listdir(data_dir)) if os.path.isfile(os.path.join(data_dir, name))}
+    except OSError:  # no data_dir here: every file differs, and read_meta would say so to this node alone
+        files = {}
+    mine = {**{k: v for k, v in settings.items() if k not in PER_NODE}, **files}
+    first = [mine]
+    dist.broadcast_object_list(first, src=0)
+    differs = next((k for k in {**first[0], **mine} if first[0].get(k, "missing") != mine.get(k, "missing")), None)
+    where = f"rank {dist.get_rank()} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, differs and f"{differs} is {mine.get(differs, 'missing')!r} on {where} but "
+                                             f"{first[0].get(differs, 'missing')!r} on rank 0")
+    found = next((line for line in said if line), None)
+    if found:
+        raise UserError(f"the processes were started with different settings: {found} (give every node the "
+                        f"same command, config files and data)")
 
 
 def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, timeout):

@@ -96,6 +96,22 @@ def test_two_nodes_on_one_machine(data_dir, tmp_path):
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["world_size"] == 2
 
 
+def test_nodes_started_with_different_settings_stop_at_start_in_one_line(data_dir, tmp_path):
+    # two nodes (two torchruns on this machine, test_two_nodes_on_one_machine) whose commands differ in one
+    # setting: both stop before training, each with the one line that names the setting, the rank and the node
+    # (which node holds rank 0 is the rendezvous's choice)
+    nodes = two_nodes(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=10",
+                      "--gradient_accumulation_steps=2", node_args=((), ("--learning_rate=3e-3",)), forked=False)
+    assert all(node.returncode != 0 for node in nodes), nodes
+    line = (r"\[rank[01]\]: train.py: the processes were started with different settings: learning_rate is (0.003|0.01) on rank 1 "
+            r"\(node [01], host [^)]+\) but (0.01|0.003) on rank 0 \(give every node the same command, config files "
+            r"and data\)")
+    for node in nodes:
+        said = [text for text in node.stderr.splitlines() if "train.py: " in text]  # torchrun's "[rank1]: " before
+        assert len(said) == 1 and re.fullmatch(line, said[0]), node.stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()  # stopped before the first step
+
+
 def test_resume_continues_from_saved_step(data_dir, tmp_path):
     common = [*TINY, f"--data_dir={data_dir}", "--eval_interval=5", "--dropout=0.1"]
     run(*common, f"--out_dir={tmp_path / 'whole'}", "--max_iters=12")
