@@ -103,9 +103,9 @@ def test_nodes_started_with_different_settings_stop_at_start_in_one_line(data_di
     nodes = two_nodes(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=10",
                       "--gradient_accumulation_steps=2", node_args=((), ("--learning_rate=3e-3",)), forked=False)
     assert all(node.returncode != 0 for node in nodes), nodes
-    line = (r"\[rank[01]\]: train.py: the processes were started with different settings: learning_rate is (0.003|0.01) on rank 1 "
-            r"\(node [01], host [^)]+\) but (0.01|0.003) on rank 0 \(give every node the same command, config files "
-            r"and data\)")
+    line = (r"\[rank[01]\]: train.py: the processes were started with different settings: learning_rate is "
+            r"(0.003|0.01) on rank 1 \(node [01], host [^)]+\) but (0.01|0.003) on rank 0 \(give every node the "
+            r"same command, config files and data\)")
     for node in nodes:
         said = [text for text in node.stderr.splitlines() if "train.py: " in text]  # torchrun's "[rank1]: " before
         assert len(said) == 1 and re.fullmatch(line, said[0]), node.stderr[-3000:]
