@@ -111,10 +111,11 @@ def begin(config, vocab_size, meta, fsdp):
     found = ckpt.find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     if dist.is_initialized() and dist.get_world_size() > 1:  # or the processes would start from different states
         seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, found is not None)
-        if 0 < sum(seen) < len(seen):
-            raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is visible to {sum(seen)} of {len(seen)} "
-                            f"processes: out_dir must be on storage every node shares")
+        dist.all_gather_object(seen, found)
+        named = [path for path in seen if path]  # the layout that is there: ckpt.pt, or a sharded folder
+        if 0 < len(named) < len(seen):
+            raise UserError(f"{named[0]} is visible to {len(named)} of {len(seen)} processes: out_dir must be on "
+                            f"storage every node shares")
     init_from, checkpoint = ckpt.starting_point(out_dir, config["init_from"], found)
     # an out_dir keeps the layout it began with: sharded folders (FSDP, tensor parallel) or files
     sharded = os.path.isdir(found) if found else fsdp
