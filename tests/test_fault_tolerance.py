@@ -412,36 +412,42 @@ def parent(pid):
         return None
 
 
-# A config file that makes the steps around the kill last half a second more, before their forward pass, as a
-# large model's steps last seconds: the kill then finds the other node's worker computing, not in a collective,
-# and that node's torchrun sees the new rendezvous round (a membership change, no restart by its count) before
-# its worker sees its peer gone. Only the time changes, not what is computed.
-SLOW_STEPS = """
+# A config file that makes step 20, the one after the kill (kill_the_other_node's step), last 3 s more before its
+# forward pass, as a large model's steps last seconds: the kill then finds the other node's worker computing,
+# not in a collective, and that node's torchrun sees the new rendezvous round (a membership change, which it
+# counts as no restart) before its worker sees its peer gone. Only the time changes, not what is computed.
+SLOW_STEP = """
 import time as _time
 import lib.data as _data
 _train = _data.Batches.train
 def _slow(self, step, index):
-    if 18 <= step <= 24:
-        _time.sleep(0.5)
+    if step == 20:
+        _time.sleep(3)
     return _train(self, step, index)
 _data.Batches.train = _slow
 """
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 @pytest.mark.kills
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker to kill in /proc")
 def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_the_run_ends_as_if_never_killed(data_dir, tmp_path,
-                                                                                              shared):
+                                                                                              shared, layout):
     # Two nodes as two torchruns on this machine, meeting at a c10d rendezvous on 127.0.0.1 (README: many nodes),
     # one worker each; kill -9 of the worker on the node without rank 0, as the out-of-memory killer does. Each
     # torchrun counts its own restarts (rank 0's node, whose worker is stopped for the other's failure, counts
     # none), so the group's generation must come from the store they share (parallel.generation), or the new
     # workers never meet and both nodes fail.
-    (tmp_path / "whole").symlink_to(whole_ddp(shared, data_dir))  # the same run on one node, never killed
-    (tmp_path / "slow_steps.py").write_text(SLOW_STEPS)
+    fsdp = ["--fsdp=True"] * (layout == "fsdp")
+    if layout == "ddp":  # the same run on one node, never killed
+        (tmp_path / "whole").symlink_to(whole_ddp(shared, data_dir))
+    else:
+        run(*DDP, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'whole'}", *fsdp,
+            torchrun=["--standalone", "--nproc_per_node=2"])
+    (tmp_path / "slow_step.py").write_text(SLOW_STEP)
     args = [*DDP, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'killed'}", "--init_from=auto",
-            "--dist_timeout=15", str(tmp_path / "slow_steps.py")]
+            "--dist_timeout=15", str(tmp_path / "slow_step.py"), *fsdp]
     killed = []
     killer = threading.Thread(target=kill_the_other_node, args=(tmp_path / "killed", 20, killed))
     killer.start()
@@ -452,7 +458,7 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_the_run_ends_as_i
     assert [node.returncode for node in nodes] == [0, 0], output[-4000:]
     assert output.count("process(es) on cpu") == 2, output[-4000:]  # the group began twice
     assert losses(tmp_path / "whole") == losses(tmp_path / "killed")
-    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "killed"))
+    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"))
 
 
 def tmpfs_available():
