@@ -92,9 +92,9 @@ def test_rotary_tables_stay_fp32_in_a_block_under_fsdp_bf16():
 
 @pytest.mark.parametrize("dead", ["rank 1 never claimed", "rank 1 claimed"])
 def test_a_new_group_never_takes_a_dead_groups_generation(dead):
-    # In process, over one store that outlives its groups, as torchrun's does: a dead group opened generation 1 (its rank 1
-    # died before it claimed its place there, or after), and the new group's rank 1 starts before its rank 0,
-    # seeing generation 1 still. Both must meet in generation 2, or rank 1 would dial the dead rank 0.
+    # In process, over one store that outlives its groups, as torchrun's does: a dead group opened generation 1
+    # (its rank 1 died before it claimed its place there, or after), and the new group's rank 1 starts before
+    # its rank 0, seeing generation 1 still. Both must meet in generation 2, or rank 1 would dial the dead rank 0.
     import threading
     import time
 
