@@ -169,9 +169,10 @@ def check_same_settings(settings, data_dir):
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     try:
-        files = {f"data file {name}": os.path.getsize(os.path.join(data_dir, name))
-                 for name in sorted(os.listdir(data_dir)) if os.path.isfile(os.path.join(data_dir, name))}
-    except OSError:  # no data_dir here: every file differs, and read_meta would say so to this node alone
+        # the token files (and masks) that training reads, in bytes; meta.json may name where each node read from
+        files = {f"the size of {name}": os.path.getsize(os.path.join(data_dir, name))
+                 for name in sorted(os.listdir(data_dir)) if name.endswith(".bin")}
+    except OSError:  # no data_dir here: its files differ, and read_meta would say so to this node alone
         files = {}
     mine = {**{k: v for k, v in settings.items() if k not in PER_NODE}, **files}
     first = [mine]
