@@ -38,7 +38,7 @@ from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estima
 from lib.meta import check_data_for_run, read_meta
 from lib.metrics import Speedometer, attended_keys, open_log, start_clock, time_left, wall_time
 from lib.optim import check_optimizer, lr_factor, set_lr
-from lib.parallel import clip_gradients, init_distributed, parallelize, peak_flops
+from lib.parallel import check_same_settings, clip_gradients, init_distributed, parallelize, peak_flops
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
 from model import document_mask
 
@@ -144,6 +144,7 @@ check_optimizer(optimizer, lr_schedule, lr_cycle_iters, lr_power, lr_decay_fract
 
 ddp, rank, local_rank, world_size, master, device, device_type, dtype, backend, fsdp, mesh, dp_size, dp_rank = \
     init_distributed(device, dtype, backend, tp_size, fsdp, fsdp_cpu_offload, optimizer, dist_timeout)
+check_same_settings(config, data_dir)  # every node started with rank 0's settings and data, or all stop here
 if gradient_accumulation_steps % dp_size:
     raise UserError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                     f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from lib.bounds import check_shapes, check_sizes, layer_count
-from lib.dcp_metadata import CheckedReader
+from lib.dcp_metadata import CheckedReader, read_metadata
 from lib.errors import UserError
 from lib.files import durable_replace, open_own
 from lib.hf import fingerprint, load_pretrained
@@ -403,6 +403,8 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
     failed = None
     try:
         write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch)
+    except UserError as e:  # a save that is not whole (check_shards)
+        failed = str(e)
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         # torch.save reports a full disk as "unexpected pos": the free space against the checkpoint's size says
         model_state = trained_only(model, model.state_dict()) if lora else model.state_dict()
@@ -471,6 +473,19 @@ def check_room(out_dir, model, optimizer, lora):
     return f"warning: {room}: a second checkpoint will not fit beside the first" if free < 2 * size else None
 
 
+def check_shards(tmp, latest):
+    # Every shard .metadata names is in tmp, whole, before tmp becomes a checkpoint: another node's shards are
+    # elsewhere where out_dir is not shared (start.check_shared refuses that at start; a mount can still vanish)
+    missing = [info.relative_path for info in read_metadata(tmp).storage_data.values()
+               if not os.path.isfile(path := os.path.join(tmp, info.relative_path))
+               or os.path.getsize(path) < info.offset + info.length]
+    if missing:
+        retire(tmp)
+        raise UserError(f"the sharded checkpoint in {tmp} lacks {sorted(set(missing))[0]} (of {len(set(missing))} "
+                        f"missing shard files), written where this node cannot see it: put out_dir on storage "
+                        f"every node shares; {latest} is left as it was")
+
+
 def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch):
     master = not dist.is_initialized() or dist.get_rank() == 0
     suffix = "" if sharded else ".pt"
@@ -492,6 +507,7 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
         if not master:
             return
         write_file({**state, "param_groups": optim_state["param_groups"]}, os.path.join(tmp, "state.pt"))
+        check_shards(tmp, latest)
         publish(tmp, latest)
     else:
         weights, optimizer = whole_state(model, optimizers)

@@ -9,6 +9,8 @@ keep their names throughout, so checkpoints move between layouts.
 
 import os
 import re
+import socket
+import time
 from datetime import timedelta
 from functools import partial
 from typing import NamedTuple
@@ -121,6 +123,71 @@ class Processes(NamedTuple):
     dp_rank: int  # this process's replica
 
 
+def generation(store, rank, world_size, timeout):
+    """The number of this group of workers, the same in all of them, kept in torchrun's store (which outlives
+    the groups it starts). torchrun's TORCHELASTIC_RESTART_COUNT cannot be it: each node counts its own
+    restarts, and a node whose workers were stopped for another node's failure counts none. Rank 0 opens a new
+    generation; every other rank claims its place in the newest one it sees and takes it once rank 0 has
+    confirmed the claim. A dead group's generation is never taken: its places are claimed already, or its rank
+    0 is dead and never confirms, and the new rank 0 opens a newer one meanwhile. Waits timeout s at most."""
+    if rank == 0:
+        number = store.add("generation", 1)
+        claims = [f"generation_{number}/claim_{r}" for r in range(1, world_size)]
+        try:
+            store.wait(claims, timedelta(seconds=timeout))
+        except RuntimeError:  # the store's timeout (DistStoreError): which ranks never came, in one line
+            missing = [r for r, key in enumerate(claims, 1) if not store.check([key])]
+            raise UserError(f"rank(s) {missing} did not join rank 0 within dist_timeout={timeout} s: their node "
+                            f"is lost or its torchrun stopped (see its output)") from None
+        confirms = [f"generation_{number}/confirm_{r}" for r in range(1, world_size)]
+        if confirms:
+            store.multi_set(confirms, ["1"] * len(confirms))
+        return number
+    number, claimed, deadline = 0, False, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        newest = store.add("generation", 0)  # read as it is now (0: no rank 0 has opened one yet)
+        if newest > number:  # claim this rank's place there, unless a dead group's process took it
+            number = newest
+            claimed = store.add(f"generation_{number}/claim_{rank}", 1) == 1
+        if claimed and store.check([f"generation_{number}/confirm_{rank}"]):
+            return number
+        time.sleep(0.05)
+    raise UserError(f"rank {rank} found no rank 0 to join within dist_timeout={timeout} s: rank 0's node is lost "
+                    f"or its torchrun stopped (see its output)")
+
+
+# Settings that may differ between nodes: paths, where each node mounts the same files (its data is compared
+# by the files' sizes instead)
+PER_NODE = ("out_dir", "data_dir", "eval_tasks_path")
+
+
+def check_same_settings(settings, data_dir):
+    """Stop every process, in one line, where any process's settings (train.py's, PER_NODE aside) or data files'
+    sizes differ from rank 0's: naming the first that differs, and the rank and node. Nodes started with
+    different commands would otherwise train on silently, their replicas drifting apart. Called by every process
+    once the group has formed; nothing to compare without one."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    try:
+        # the token files (and masks) that training reads, in bytes; meta.json may name where each node read from
+        files = {f"the size of {name}": os.path.getsize(os.path.join(data_dir, name))
+                 for name in sorted(os.listdir(data_dir)) if name.endswith(".bin")}
+    except OSError:  # no data_dir here: its files differ, and read_meta would say so to this node alone
+        files = {}
+    mine = {**{k: v for k, v in settings.items() if k not in PER_NODE}, **files}
+    first = [mine]
+    dist.broadcast_object_list(first, src=0)
+    differs = next((k for k in {**first[0], **mine} if first[0].get(k, "missing") != mine.get(k, "missing")), None)
+    where = f"rank {dist.get_rank()} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, differs and f"{differs} is {mine.get(differs, 'missing')!r} on {where} but "
+                                             f"{first[0].get(differs, 'missing')!r} on rank 0")
+    found = next((line for line in said if line), None)
+    if found:
+        raise UserError(f"the processes were started with different settings: {found} (give every node the "
+                        f"same command, config files and data)")
+
+
 def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, timeout):
     """The processes of this run, as torchrun started them (or one alone), in a (data parallel, tensor
     parallel) mesh. Resolves the 'auto' settings and joins the process group; returns Processes."""
@@ -146,10 +213,11 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, 
         backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if offload else "nccl"
     if ddp:
         # torchrun's store outlives a restart of its workers, and so would the addresses the last group wrote
-        # there: each restart of the group keeps its keys apart, or the new workers would dial their dead peers.
+        # there: each group keeps its keys apart under a generation all its workers agree on, or the new workers
+        # would dial their dead peers.
         # Joining waits timeout seconds at most, so a group that cannot form fails, and torchrun tries again.
         store = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))[0]
-        store = dist.PrefixStore(f"restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        store = dist.PrefixStore(f"generation_{generation(store, rank, world_size, timeout)}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
     elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to offload a model past a GPU

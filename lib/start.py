@@ -9,6 +9,9 @@ the run needs, decided here from its settings and what out_dir holds.
 
 import atexit
 import os
+import secrets
+import socket
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -62,6 +65,38 @@ def claim(out_dir, master):
         refused = said[0]
     if refused:
         raise UserError(refused)
+    check_shared(out_dir, master)
+
+
+def check_shared(out_dir, master, wait=10.0):
+    """Every process sees what the master writes in out_dir, or all stop here in one line, before anything is
+    trained: the master writes a probe file of a name no run had before, every process looks for it (for up to
+    wait s: a network file system may show a new file late), and the master removes it. A checkpoint is the
+    master's file, or a folder of every process's shards: on each node's own disk it would be lost, or never
+    whole. Nothing to check without a group."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    token = [secrets.token_hex(8) if master else None]
+    dist.broadcast_object_list(token, src=0)
+    probe = os.path.join(out_dir, f".shared-{token[0]}")
+    if master:
+        with open(probe, "w") as f:
+            f.write(token[0])
+    dist.barrier()
+    deadline = time.monotonic() + wait
+    while not (seen := os.path.isfile(probe)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    where = f"rank {dist.get_rank()} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
+    blind = [None] * dist.get_world_size()
+    dist.all_gather_object(blind, None if seen else where)  # (every process has looked once this returns)
+    if master:
+        os.remove(probe)
+    blind = [b for b in blind if b]
+    if blind:
+        more = f" and {len(blind) - 1} more" if len(blind) > 1 else ""
+        raise UserError(f"out_dir={out_dir} is not shared: {blind[0]}{more} cannot see the files rank 0 writes "
+                        f"there, and checkpoints would be lost or never whole: put out_dir on storage every node "
+                        f"mounts (each may give its own path to it)")
 
 
 def begin(config, vocab_size, meta, fsdp):
@@ -76,10 +111,11 @@ def begin(config, vocab_size, meta, fsdp):
     found = ckpt.find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     if dist.is_initialized() and dist.get_world_size() > 1:  # or the processes would start from different states
         seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, found is not None)
-        if 0 < sum(seen) < len(seen):
-            raise UserError(f"{os.path.join(out_dir, 'ckpt.pt')} is visible to {sum(seen)} of {len(seen)} "
-                            f"processes: out_dir must be on storage every node shares")
+        dist.all_gather_object(seen, found)
+        named = [path for path in seen if path]  # the layout that is there: ckpt.pt, or a sharded folder
+        if 0 < len(named) < len(seen):
+            raise UserError(f"{named[0]} is visible to {len(named)} of {len(seen)} processes: out_dir must be on "
+                            f"storage every node shares")
     init_from, checkpoint = ckpt.starting_point(out_dir, config["init_from"], found)
     # an out_dir keeps the layout it began with: sharded folders (FSDP, tensor parallel) or files
     sharded = os.path.isdir(found) if found else fsdp

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.run
 
 import forkserver
 
@@ -103,14 +104,18 @@ def torchrun_forked(args, n, env, timeout=300):
                                        "".join(d.stdout for d in done), "".join(d.stderr for d in done))
 
 
-def two_nodes(*args, timeout=300):
+def two_nodes(*args, torchrun=(), node_args=((), ()), forked=True, timeout=300):
     # train.py under torchrun as two nodes of one process each, meeting at a c10d rendezvous on this machine: the
-    # two torchruns forked from the tests' server, their workers forked from them (torchrun_fork.py); when one
-    # fails the other is killed. Their CompletedProcesses.
+    # two torchruns forked from the tests' server, their workers forked from them (torchrun_fork.py), or, not
+    # forked, each worker a new Python as users run them (where a test reads what a worker prints as it fails:
+    # a forked worker's error is reported by torchrun's error handler instead); when one fails the other is
+    # killed. torchrun: more of torchrun's arguments for both; node_args: train.py's arguments of one node only
+    # (a setting that differs between them). Their CompletedProcesses.
     port, env = free_port(), {**os.environ, **CPU_ENV}
-    nodes = [(["tests/torchrun_fork.py", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", "train.py",
-               *on_cpu(args)], env) for node in (0, 1)]
+    launcher = "tests/torchrun_fork.py" if forked else torch.distributed.run.__file__
+    nodes = [([launcher, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", *torchrun,
+               "train.py", *on_cpu([*args, *node_args[node]])], env) for node in (0, 1)]
     return forkserver.run_together(nodes, cwd=ROOT, timeout=timeout)
 
 

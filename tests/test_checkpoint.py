@@ -65,3 +65,27 @@ def test_where_a_run_begins_and_what_it_refuses(tmp_path):
         ckpt.starting_point(str(tmp_path), "scratch", found)
     with pytest.raises(ValueError, match="is not a checkpoint of this train.py"):  # plain_run's state is partial
         ckpt.starting_point(str(tmp_path), "auto", found)
+
+
+def test_a_sharded_save_whose_shards_are_not_all_in_place_is_never_published(tmp_path, monkeypatch):
+    # Another node's shards written to its own disk (out_dir not shared): here the one process's shard goes
+    # missing after DCP wrote it, as rank 1's would be missing from rank 0's folder. The save stops in one line
+    # and the checkpoint before it stays as it was.
+    model = GPT(GPTConfig(**SHAPE))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    ckpt.save(str(tmp_path), {"iter_num": 1}, model, optimizers, sharded=True, lora=0)
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    dcp_save = ckpt.dcp.save
+
+    def save_elsewhere(state, checkpoint_id):
+        dcp_save(state, checkpoint_id=checkpoint_id)
+        for shard in os.listdir(checkpoint_id):
+            if shard.endswith(".distcp"):
+                os.remove(os.path.join(checkpoint_id, shard))
+    monkeypatch.setattr(ckpt.dcp, "save", save_elsewhere)
+    with pytest.raises(ckpt.UserError, match=r"ckpt.tmp lacks __0_0.distcp \(of 1 missing shard files\), written "
+                                             r"where this node cannot see it: put out_dir on storage every node "
+                                             r"shares; \S+/ckpt is left as it was"):
+        ckpt.save(str(tmp_path), {"iter_num": 2}, model, optimizers, sharded=True, lora=0)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before and not (tmp_path / "ckpt.tmp").exists()
+    assert torch.load(tmp_path / "ckpt" / "state.pt", weights_only=True)["iter_num"] == 1

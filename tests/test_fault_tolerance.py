@@ -8,6 +8,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 import forkserver
-from helpers import CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, weights
-from processes import kill_marked, marked
+from helpers import CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, two_nodes, weights
+from processes import MARK, kill_marked, marked
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -378,6 +379,84 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(d
     # torchrun saw three failures (the killed worker's, or its peer's as the connection broke: whichever it
     # polled first) and started the group four times
     assert output.count("failed (exitcode: ") == 3 and output.count("process(es) on cpu") == 4, output[-3000:]
+    assert losses(tmp_path / "whole") == losses(tmp_path / "killed")
+    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"))
+
+
+def kill_the_other_node(out_dir, step, killed):
+    # SIGKILL the worker of the node that does not hold rank 0 (of a two_nodes run, one worker a node) once the run
+    # has logged step `step` (metrics.jsonl): among the workers of this test's torchruns (the children of the
+    # tests' fork server, processes.py), the one whose pid is not the one holding out_dir's lock (files.py).
+    # killed: the pid killed, or the error, for the test to read.
+    try:
+        deadline, metrics = time.time() + 120, out_dir / "metrics.jsonl"
+        while not (metrics.exists() and f'"iter": {step},' in metrics.read_text()):
+            assert time.time() < deadline, f"step {step} never logged"
+            time.sleep(0.05)
+        master = int((out_dir / ".lock").read_text().split("(pid ")[1].split(")")[0])
+        torchruns = forkserver.sessions.get(os.environ[MARK], set())
+        workers = [pid for pid in marked() if parent(pid) in torchruns]
+        assert len(workers) == 2 and master in workers, (workers, master)
+        victim = next(pid for pid in workers if pid != master)
+        os.kill(victim, signal.SIGKILL)
+        killed.append(victim)
+    except BaseException as e:
+        killed.append(e)
+
+
+def parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+# A config file that makes step 20, the one after the kill (kill_the_other_node's step), last 3 s more before its
+# forward pass, as a large model's steps last seconds: the kill then finds the other node's worker computing,
+# not in a collective, and that node's torchrun sees the new rendezvous round (a membership change, which it
+# counts as no restart) before its worker sees its peer gone. Only the time changes, not what is computed.
+SLOW_STEP = """
+import time as _time
+import lib.data as _data
+_train = _data.Batches.train
+def _slow(self, step, index):
+    if step == 20:
+        _time.sleep(3)
+    return _train(self, step, index)
+_data.Batches.train = _slow
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+@pytest.mark.kills
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker to kill in /proc")
+def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_the_run_ends_as_if_never_killed(data_dir, tmp_path,
+                                                                                              shared, layout):
+    # Two nodes as two torchruns on this machine, meeting at a c10d rendezvous on 127.0.0.1 (README: GPUs and nodes),
+    # one worker each; kill -9 of the worker on the node without rank 0, as the out-of-memory killer does. Each
+    # torchrun counts its own restarts (rank 0's node, whose worker is stopped for the other's failure, counts
+    # none), so the group's generation must come from the store they share (parallel.generation), or the new
+    # workers never meet and both nodes fail.
+    fsdp = ["--fsdp=True"] * (layout == "fsdp")
+    if layout == "ddp":  # the same run on one node, never killed
+        (tmp_path / "whole").symlink_to(whole_ddp(shared, data_dir))
+    else:
+        run(*DDP, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'whole'}", *fsdp,
+            torchrun=["--standalone", "--nproc_per_node=2"])
+    (tmp_path / "slow_step.py").write_text(SLOW_STEP)
+    args = [*DDP, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'killed'}", "--init_from=auto",
+            "--dist_timeout=15", str(tmp_path / "slow_step.py"), *fsdp]
+    killed = []
+    killer = threading.Thread(target=kill_the_other_node, args=(tmp_path / "killed", 20, killed))
+    killer.start()
+    nodes = two_nodes(*args, torchrun=["--max-restarts=1"])
+    killer.join()
+    output = "".join(node.stdout + node.stderr for node in nodes)
+    assert len(killed) == 1 and isinstance(killed[0], int), killed
+    assert [node.returncode for node in nodes] == [0, 0], output[-4000:]
+    assert output.count("process(es) on cpu") == 2, output[-4000:]  # the group began twice
     assert losses(tmp_path / "whole") == losses(tmp_path / "killed")
     assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"))
 

@@ -88,3 +88,32 @@ def test_rotary_tables_stay_fp32_in_a_block_under_fsdp_bf16():
         assert model.blocks[1].attn.q.weight.grad.dtype == torch.float32  # the fp32 shards' gradients, as before
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dead", ["rank 1 never claimed", "rank 1 claimed"])
+def test_a_new_group_never_takes_a_dead_groups_generation(dead):
+    # In process, over one store that outlives its groups, as torchrun's does: a dead group opened generation 1
+    # (its rank 1 died before it claimed its place there, or after), and the new group's rank 1 starts before
+    # its rank 0, seeing generation 1 still. Both must meet in generation 2, or rank 1 would dial the dead rank 0.
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from lib.parallel import generation
+    # a TCPStore, as torchrun's is, and a client of it for rank 1 (a HashStore's wait holds the GIL)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+    store.add("generation", 1)
+    if dead == "rank 1 claimed":
+        store.add("generation_1/claim_1", 1)
+        store.set("generation_1/confirm_1", "1")
+    found = {}
+    rank1 = threading.Thread(target=lambda: found.update({1: generation(client, 1, 2, 10)}))
+    rank1.start()
+    time.sleep(0.3)  # rank 1 has seen generation 1 and waits
+    found[0] = generation(store, 0, 2, 10)
+    rank1.join()
+    assert found == {0: 2, 1: 2}
+    with pytest.raises(UserError, match=r"rank\(s\) \[1\] did not join rank 0 within dist_timeout=1 s"):
+        generation(store, 0, 2, 1)  # rank 1 never comes: rank 0 names it

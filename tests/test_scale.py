@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import time
 
@@ -202,6 +203,24 @@ def test_fsdp_on_two_nodes(data_dir, tmp_path):
     assert [r["iter"] for r in evals] == [0, 6] and evals[1]["val_loss"] < evals[0]["val_loss"]
     assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 2
     assert load_checkpoint(str(tmp_path / "ckpt"), weights=False)["world_size"] == 2
+
+
+def test_fsdp_on_two_nodes_whose_out_dir_is_not_shared_is_refused_before_its_first_save(data_dir, tmp_path):
+    # Both nodes are on this machine, so each is given an out_dir of its own: they stand for each node's local
+    # disk, where rank 1's shards would stay out of the checkpoint the master publishes. Refused at start, in one
+    # line on both nodes, before any step is trained or saved.
+    nodes = two_nodes(*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=2",
+                      "--gradient_accumulation_steps=2", "--fsdp=True", forked=False,
+                      node_args=[(f"--out_dir={tmp_path / f'node{node}'}",) for node in (0, 1)])
+    assert all(node.returncode != 0 for node in nodes), nodes
+    for node in nodes:
+        said = [text for text in node.stderr.splitlines() if "train.py: " in text]  # torchrun's "[rank1]: " before
+        assert len(said) == 1 and re.fullmatch(r"\[rank[01]\]: train.py: out_dir=\S+/node[01] is not shared: rank 1 "
+                                               r"\(node [01], host [^)]+\) cannot see the files rank 0 writes there, "
+                                               r".* put out_dir on storage every node mounts \(.*\)", said[0]), said
+    for node in (0, 1):  # nothing trained, nothing saved, the probe removed (rank 1 made no out_dir)
+        out = tmp_path / f"node{node}"
+        assert not out.exists() or [p.name for p in out.iterdir() if p.name != ".lock"] == [], node
 
 
 def test_fsdp_in_one_process_compiled_with_the_triton_kernels_matches_plain(data_dir, tmp_path):

@@ -1,6 +1,7 @@
 """train.py end to end, in subprocesses, on a tiny character-level dataset the tests write themselves."""
 
 import json
+import os
 import re
 import shutil
 
@@ -94,6 +95,34 @@ def test_two_nodes_on_one_machine(data_dir, tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
     assert [r["iter"] for r in evals] == [0, 10] and evals[1]["val_loss"] < evals[0]["val_loss"]
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["world_size"] == 2
+
+
+@pytest.mark.parametrize("differs", ["learning_rate", "data"])
+def test_nodes_started_with_different_settings_stop_at_start_in_one_line(data_dir, tmp_path, differs):
+    # two nodes (two torchruns on this machine, test_two_nodes_on_one_machine) whose commands differ in one
+    # setting, or whose data_dir (a path of each node's own) holds a train.bin one token shorter: both stop
+    # before training, each with the one line that names what differs, the rank and the node (which node holds
+    # rank 0 is the rendezvous's choice)
+    if differs == "data":
+        other = tmp_path / "other_data"
+        shutil.copytree(data_dir, other)
+        size = (other / "train.bin").stat().st_size
+        os.truncate(other / "train.bin", size - 2)
+        node1, values = (f"--data_dir={other}",), (str(size), str(size - 2))
+        what = "the size of train.bin"
+    else:
+        node1, values, what = ("--learning_rate=3e-3",), ("0.01", "0.003"), "learning_rate"
+    nodes = two_nodes(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=10",
+                      "--gradient_accumulation_steps=2", node_args=((), node1), forked=False)
+    assert all(node.returncode != 0 for node in nodes), nodes
+    either = "|".join(values)
+    line = (rf"\[rank[01]\]: train.py: the processes were started with different settings: {what} is ({either}) on "
+            rf"rank 1 \(node [01], host [^)]+\) but ({either}) on rank 0 \(give every node the same command, config "
+            rf"files and data\)")
+    for node in nodes:
+        said = [text for text in node.stderr.splitlines() if "train.py: " in text]  # torchrun's "[rank1]: " before
+        assert len(said) == 1 and re.fullmatch(line, said[0]), node.stderr[-3000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # stopped before the first step
 
 
 def test_resume_continues_from_saved_step(data_dir, tmp_path):
