@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -46,15 +47,23 @@ def kill(proc):
 
 
 def wait_for(proc, text, timeout=120):
-    # read the process's output until a line contains text
+    # read the process's output until a line contains text (a str), or passes it (a function of the line)
     seen = []
     deadline = time.time() + timeout
     for line in proc.stdout:
         seen.append(line)
-        if text in line:
+        if text(line) if callable(text) else text in line:
             return "".join(seen)
         assert time.time() < deadline, "".join(seen)
     raise AssertionError(f"{text!r} never printed:\n{''.join(seen)}")
+
+
+def at_or_past(step):
+    # a log line of step `step` or of a later one ("iter N:" with N >= step)
+    def logged(line):
+        found = re.match(r"iter (\d+):", line)
+        return found is not None and int(found[1]) >= step
+    return logged
 
 
 def assert_same_optimizer_state(a, b):
@@ -369,8 +378,11 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(d
     proc = start(*args, f"--out_dir={tmp_path / 'killed'}", torchrun=[*two, "--max-restarts=9"])
     rng = random.Random(layout)
     output = ""
-    for step in sorted(rng.sample(range(5, 36), 3)):
-        output += wait_for(proc, f"iter {step}:")
+    for kill, step in enumerate(sorted(rng.sample(range(5, 36), 3))):
+        if kill:  # the group torchrun started again: both its workers are up once its master says so (the
+            # surviving worker may log a step or two before its peer's death reaches it)
+            output += wait_for(proc, "process(es) on cpu")
+        output += wait_for(proc, at_or_past(step))
         workers = sorted(pid for pid in marked() if pid != proc.pid)  # torchrun's, not torchrun
         assert len(workers) == 2, workers
         os.kill(rng.choice(workers), signal.SIGKILL)
