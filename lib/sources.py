@@ -31,6 +31,9 @@ PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a ti
 # Text with no safe cut (one 50 MB word, a gzip of one repeated byte) is cut here anyway, so that what is held
 # and what the encoder is given stay bounded for any input; the report counts those cuts.
 HARD_CUT = 1 << 20
+# A JSON record (one line of a .jsonl) past this many bytes is skipped, and reported, without being held whole:
+# json.loads of one takes ~20x its size (a 315 MB line peaked at 7 GB)
+MAX_RECORD = 1 << 25
 BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
 # Where a text can be cut and its pieces encoded apart with the same tokens as the whole, for the
 # regex pre-tokenizers of GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before
@@ -160,7 +163,10 @@ def read_documents(path, field, dedup, chat):
     ext = file_ext(path).removesuffix(".gz")
     if ext in (".jsonl", ".ndjson"):
         with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
-            for n, line in enumerate(f, 1):  # bytes: split on \n only, as JSON Lines says
+            for n, line in enumerate(bounded_lines(f, MAX_RECORD), 1):  # bytes: split on \n only, as JSON Lines
+                if line is None:
+                    yield str(n), None, f"a record over {MAX_RECORD >> 20} MB (split it)"
+                    continue
                 line = line.removeprefix(codecs.BOM_UTF8) if n == 1 else line
                 if not line.strip():
                     continue
@@ -187,6 +193,18 @@ def read_documents(path, field, dedup, chat):
             yield (f"item {i}" if i else ""), *record_text(item, field, chat)
     else:
         yield "", read_text(path, dedup), None
+
+
+def bounded_lines(f, limit):
+    """Yield the lines of a binary file, each at most limit bytes: a longer one is read past, never held, and
+    yielded as None."""
+    while line := f.readline(limit + 1):
+        if len(line) <= limit:
+            yield line
+            continue
+        while not line.endswith(b"\n") and (line := f.readline(PIECE)):  # the rest of it, a piece at a time
+            pass
+        yield None
 
 
 def read_parquet(path, field, chat):

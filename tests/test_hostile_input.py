@@ -519,3 +519,27 @@ def test_rotary_tables_past_every_released_model_are_refused_before_they_are_mad
     edit_config(folder, head_dim=4096, max_position_embeddings=1 << 21)  # 3 x 16 GiB of tables, from 500 KB
     with pytest.raises(UserError, match="rotary tables of 32 GiB, past every released model's"):
         hf.load_pretrained(folder)
+
+
+def test_a_json_record_past_the_limit_is_skipped_without_being_held(tmp_path, monkeypatch):
+    import tracemalloc
+
+    from lib import sources
+    monkeypatch.setattr(sources, "MAX_RECORD", 1 << 20)  # 1 MB here; 32 MB in a run
+    records = [json.dumps({"text": "kept"}), json.dumps({"text": "a" * (40 << 20)}), json.dumps({"text": "too"})]
+
+    def prepared(name, lines):  # (meta, the most memory Python held meanwhile)
+        (tmp_path / name).mkdir()
+        with gzip.open(tmp_path / name / "a.jsonl.gz", "wt") as f:  # 40 MB of one record: 40 KB on disk
+            f.write("".join(line + "\n" for line in lines))
+        tracemalloc.start()
+        meta = prepare.main([str(tmp_path / name), "--tokenizer=char", "--out_dir", str(tmp_path / f"{name}.d")])
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return meta, peak
+
+    small, small_peak = prepared("small", records[::2])
+    meta, peak = prepared("big", records)
+    assert meta["bad_records"]["examples"] == [f"{tmp_path / 'big' / 'a.jsonl.gz'}:2: a record over 1 MB (split it)"]
+    assert meta["train"]["documents"] + meta["val"]["documents"] == 2
+    assert peak - small_peak < 4 << 20, (peak, small_peak)  # the 40 MB line was never held whole
