@@ -9,6 +9,7 @@ they are still odd on purpose: widths that are not powers of two, rows that do n
 last block.
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -491,3 +492,47 @@ def test_imports_without_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@needs_triton
+def test_each_custom_op_fake_gives_the_real_ops_shapes_and_dtypes():
+    # torch.library.opcheck runs an op for real and on fake tensors (what torch.compile traces with), and checks
+    # the two agree on shapes, dtypes and strides, and that its schema and autograd registration hold
+    B, T, H, D, V = 2, 4, 2, 8, 40
+    x, w = randn(B * T, H * D, grad=False), randn(H * D, grad=False)
+    _, rstd = K._rms_norm_op(x, w, 1e-5)
+    dy = randn(B * T, H * D, grad=False)
+    gate, up = randn(B * T, 16, grad=False), randn(B * T, 16, grad=False)
+    qk = randn(B, T, H, D, grad=False)
+    angles = torch.outer(torch.arange(T, device=DEVICE).float(), torch.rand(D // 2, device=DEVICE))
+    head, targets = randn(V, H * D, grad=False), torch.randint(0, V, (B * T,), device=DEVICE)
+    cases = [(K._rms_norm_op, (x, w, 1e-5)), (K._rms_norm_bwd_op, (dy, x, w, rstd)), (K._swiglu_op, (gate, up)),
+             (K._swiglu_bwd_op, (randn(B * T, 16, grad=False), gate, up)),
+             (K._rotary_op, (qk, angles.cos(), angles.sin(), False)),
+             (K._lce_op, (x, head, targets, -1, True, True))]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_triton
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_a_compiled_training_step_has_no_graph_break_and_no_recompile(use_kernels):
+    # the model as train.py compiles it, traced whole (fullgraph: a graph break raises) through AOTAutograd, which
+    # runs the fused ops' fake implementations and their backward; three steps of new batches recompile nothing
+    # (torch's config.patch, not monkeypatch: undoing a ConfigModule attribute deletes it for the process)
+    import torch._dynamo
+
+    from model import GPT, GPTConfig
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=32,
+                          use_kernels=use_kernels)).to(DEVICE)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # no code generated: fast on a CPU
+    losses = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(3):
+            idx = torch.randint(0, 64, (2, 9), device=DEVICE)
+            _, loss = compiled(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and all(p.grad is not None for p in model.parameters())
