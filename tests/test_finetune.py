@@ -444,3 +444,28 @@ def test_eval_scores_every_val_token_once_as_transformers_does(pretrained, tmp_p
         done_until, start = start + len(window) - 1, start + 24
     assert count == scored == len(ids) - 1
     assert abs(loss - nll / scored) < 1e-4 and perplexity == pytest.approx(math.exp(loss), rel=1e-4)
+
+
+@pytest.mark.parametrize("base", [None, "int8", "nf4"])
+def test_a_compiled_fine_tuning_step_has_no_graph_break_and_no_recompile(base):
+    # a Qwen3-shaped model (q/k norms) with LoRA on its seven projections, its base as it is or quantized (torchao's
+    # int8 and nf4 tensors), compiled whole (fullgraph: a graph break raises) through AOTAutograd; three steps of new
+    # batches recompile nothing (torch's config.patch: undoing a monkeypatch of its config deletes the setting)
+    import torch._dynamo
+    if base:
+        pytest.importorskip("torchao", reason="a 4-bit or 8-bit base needs torchao (pip install torchao)")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=64, head_size=32,
+                          qk_norm=True, use_kernels=False))
+    add_lora(model, 4, 16.0, 0.0, "q,k,v,o,gate,up,down")
+    if base:
+        quantize_base(model, base)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # no code generated: fast on a CPU
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(3):
+            idx = torch.randint(0, 64, (2, 9))
+            _, loss = compiled(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and torch.isfinite(p.grad).all() for p in trained)
