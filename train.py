@@ -400,6 +400,9 @@ while True:
                 print(f"early stop: no better val loss in {early_stop_patience} evaluations")
             break
         speed.restart()  # evaluation time is not training time
+        if master and clock["eval_seconds"] is None:  # the first one: what an evaluation costs the run
+            print(f"an evaluation took {time.time() - eval_began:.1f} s ({eval_batches['train']} train and "
+                  f"{eval_batches['val']} val micro-batches a process: eval_iters and eval_interval set its share)")
         clock["eval_seconds"] = time.time() - eval_began
     if step >= max_iters:
         break

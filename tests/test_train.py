@@ -42,6 +42,8 @@ def test_trains_and_records_metrics(data_dir, tmp_path):
     assert [r["iter"] for r in steps] == list(range(1, 21))
     assert all(r["grad_norm"] > 0 and r["mem_mb"] > 0 and (r["mfu"] is None or 0 < r["mfu"] < 1) for r in steps)
     assert "tokens per update: 128 " in out.stdout
+    # what an evaluation costs, said once (2 batches of each split: eval_iters)
+    assert len(re.findall(r"an evaluation took [\d.]+ s \(2 train and 2 val micro-batches a process", out.stdout)) == 1
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["iter_num"] == 20 and ckpt["config"]["max_iters"] == 20
     assert ckpt["model_args"]["vocab_size"] == 64  # the data's vocabulary, padded to 64
