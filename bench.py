@@ -16,9 +16,10 @@ own learning rate):
         --values=cosine,wsd
     python bench.py config/train_small.py --mode=race --seconds=120 \
         --run="--optimizer=adamw" --run="--optimizer=muon" --run="--optimizer=sgd --learning_rate=0.3"
---mode=seeds puts a recipe beside nanoGPT's own CPU "baby" run of Shakespeare's characters (its train.py, run from the
-folder --nanogpt names) on the same train.bin/val.bin: --seeds seeds of ours, one after the other at --threads
-threads, and nanoGPT's (once: its train.py fixes its seed); each final checkpoint scored over the whole val split:
+--mode=seeds puts a recipe beside nanoGPT's own CPU "baby" run of Shakespeare's characters (its train.py, run
+from the folder --nanogpt names) on the same train.bin/val.bin: --seeds seeds of ours, one after the other at
+--threads threads, and nanoGPT's (once: its train.py fixes its seed); each final checkpoint scored over the whole
+val split:
 
     python bench.py config/train_shakespeare_char_cpu.py --mode=seeds --nanogpt=../shared/anchors/nanogpt \
         --data_dir=NANOGPT_PREPARED/shakespeare_char
@@ -75,7 +76,8 @@ def parse_args():
     add("--warmup", type=int, default=10, help="first steps left out of the medians")
     add("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
     add("--mode", choices=list(MODES), default="train",
-        help="race: equal wall time per run; seeds: a recipe's seeds against nanoGPT's run, the whole val split; kernels: time kernels.py's ops; load: memory of loading a Hugging "
+        help="race: equal wall time per run; seeds: a recipe's seeds against nanoGPT's run, the whole val split; "
+             "kernels: time kernels.py's ops; load: memory of loading a Hugging "
              "Face folder; lora: memory of full, LoRA and QLoRA fine-tuning; memory: a config's memory per GPU on "
              "1, 8 and 64 GPUs, estimated without a GPU; encode: prepare.py's throughput against tiktoken's batch "
              "encoder; gpu: all a GPU must show, as Markdown for BENCHMARKS.md")
@@ -187,11 +189,12 @@ def seeds_table(rows, header):
     for side, runs in rows.items():
         for seed, (wall, cpu), loss in runs:
             print(f"| {side} | {seed} | {wall:.1f} | {cpu:.1f} | {loss:.4f} |")
-    mean = {side: [statistics.mean(x) for x in ([r[1][0] for r in runs], [r[1][1] for r in runs], [r[2] for r in runs])]
-            for side, runs in rows.items()}  # wall, CPU, loss
+    mean = {side: [statistics.mean(r[1][0] for r in runs), statistics.mean(r[1][1] for r in runs),
+                   statistics.mean(r[2] for r in runs)] for side, runs in rows.items()}  # wall, CPU, loss
     for side, runs in rows.items():
         losses = [r[2] for r in runs]
-        spread = f", sd {statistics.stdev(losses):.4f}, {min(losses):.4f} to {max(losses):.4f}" if len(runs) > 1 else ""
+        spread = (f", sd {statistics.stdev(losses):.4f}, {min(losses):.4f} to {max(losses):.4f}"
+                  if len(runs) > 1 else "")
         print(f"{side}: {len(runs)} run(s), mean {mean[side][2]:.4f}{spread}; mean wall {mean[side][0]:.1f} s, "
               f"CPU {mean[side][1]:.1f} s")
     worst = max(r[2] for r in rows["ours"])

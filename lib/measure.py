@@ -355,8 +355,9 @@ def nanogpt_has_seed(nanogpt):
 
 
 def run_nanogpt(nanogpt, data_dir, folder, extra, env):
-    # nanoGPT's train.py on data_dir's train.bin/val.bin -> ((wall, CPU seconds), its model from the final checkpoint). It
-    # reads configurator.py and data/<dataset>/ from its working folder: a folder of links to both stands in.
+    # nanoGPT's train.py on data_dir's train.bin/val.bin -> ((wall, CPU seconds), its model from the final
+    # checkpoint). It reads configurator.py and data/<dataset>/ from its working folder: a folder of links to both
+    # stands in.
     os.makedirs(os.path.join(folder, "data"))
     os.symlink(os.path.join(nanogpt, "configurator.py"), os.path.join(folder, "configurator.py"))
     os.symlink(os.path.abspath(data_dir), os.path.join(folder, "data", "given"))
@@ -396,5 +397,6 @@ def split_loss(logits_of, tokens, window, batch=64):
     with torch.no_grad():
         for i in range(0, n, batch):
             logits = logits_of(x[i:i + batch])  # (B, T, V)
-            total += F.cross_entropy(logits.float().flatten(0, 1), y[i:i + batch].flatten(), reduction="sum").item()
+            targets = y[i:i + batch].flatten()
+            total += F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="sum").item()
     return total / (n * window)

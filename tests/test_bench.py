@@ -177,15 +177,15 @@ def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path
     assert "bench.py: --mode=encode compares against tiktoken" in done.stderr
 
 
-NANOGPT = ROOT.parent / "shared" / "anchors" / "nanogpt"  # this team's unchanged nanoGPT checkout, where there is one
+NANOGPT = ROOT.parent / "shared" / "anchors" / "nanogpt"  # this team's unchanged nanoGPT, where there is one
 
 
 @pytest.mark.slow  # nanoGPT's train.py and two of ours, new Pythons each (~1 minute on 2 cores)
 def test_seeds_mode_puts_our_seeds_beside_nanogpts_run_on_the_whole_val_split(data_dir):
     if not (NANOGPT / "train.py").is_file():
         pytest.skip(f"--mode=seeds runs nanoGPT's own train.py, and there is no nanoGPT checkout at {NANOGPT}")
-    done = script("bench.py", "config/train_shakespeare_char_cpu.py", "--mode=seeds", "--tiny", f"--nanogpt={NANOGPT}",
-                  f"--data_dir={data_dir}", "--threads=1")
+    done = script("bench.py", "config/train_shakespeare_char_cpu.py", "--mode=seeds", "--tiny",
+                  f"--nanogpt={NANOGPT}", f"--data_dir={data_dir}", "--threads=1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = [r for r in rows(done.stdout) if r[0] in ("nanoGPT", "ours")]
     # nanoGPT at 3adf61e fixes its seed in code: one run of it; ours at seeds 1 and 2, which give other models
