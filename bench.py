@@ -16,6 +16,13 @@ own learning rate):
         --values=cosine,wsd
     python bench.py config/train_small.py --mode=race --seconds=120 \
         --run="--optimizer=adamw" --run="--optimizer=muon" --run="--optimizer=sgd --learning_rate=0.3"
+--mode=seeds puts a recipe beside nanoGPT's own CPU "baby" run of Shakespeare's characters (its train.py, run
+from the folder --nanogpt names) on the same train.bin/val.bin: --seeds seeds of ours, one after the other at
+--threads threads, and nanoGPT's (once: its train.py fixes its seed); each final checkpoint scored over the whole
+val split:
+
+    python bench.py config/train_shakespeare_char_cpu.py --mode=seeds --nanogpt=../shared/anchors/nanogpt \
+        --data_dir=NANOGPT_PREPARED/shakespeare_char
     python bench.py --mode=kernels   # each fused op of kernels.py against its references (GPU)
     python bench.py --mode=load      # peak memory of load_pretrained on a generated ~1 GB folder
     python bench.py --mode=lora      # memory of full fine-tuning, LoRA and QLoRA of a Qwen3-0.6B shape
@@ -33,6 +40,7 @@ import argparse
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +53,9 @@ import kernels
 from lib.errors import UserError, one_line_errors
 from lib.gpu_bench import bench_gpu
 from lib.hf import save_pretrained
-from lib.measure import bench_lora, kernel_cases, kernel_table, planned_model, run_train, throughput
+from configurator import configure
+from lib.measure import (bench_lora, kernel_cases, kernel_table, nanogpt_has_seed, planned_model, run_nanogpt,
+                         run_ours, run_train, split_loss, throughput, train_defaults)
 from lib.memory import memory_estimate, memory_layout, memory_table
 from lib.meta import read_meta
 from lib.tokenizer import make_tokenizer
@@ -59,15 +69,20 @@ def parse_args():
     add("--values", default="False,True", help="comma-separated values of --compare")
     add("--run", action="append", help="instead of --compare: --run='--key=value ...', once per run")
     add("--seconds", type=float, default=60, help="--mode=race: training seconds per run")
+    add("--nanogpt", help="--mode=seeds: a folder of nanoGPT's code (train.py, model.py, configurator.py, config/)")
+    add("--seeds", type=int, help="--mode=seeds: runs of our recipe, seeds 1 to N (default 5; 2 with --tiny)")
+    add("--threads", type=int, default=len(os.sched_getaffinity(0)), help="--mode=seeds: threads of every run")
     add("--steps", type=int, default=50, help="training steps per run")
     add("--warmup", type=int, default=10, help="first steps left out of the medians")
     add("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
     add("--mode", choices=list(MODES), default="train",
-        help="race: equal wall time per run; kernels: time kernels.py's ops; load: memory of loading a Hugging "
+        help="race: equal wall time per run; seeds: a recipe's seeds against nanoGPT's run, the whole val split; "
+             "kernels: time kernels.py's ops; load: memory of loading a Hugging "
              "Face folder; lora: memory of full, LoRA and QLoRA fine-tuning; memory: a config's memory per GPU on "
              "1, 8 and 64 GPUs, estimated without a GPU; encode: prepare.py's throughput against tiktoken's batch "
              "encoder; gpu: all a GPU must show, as Markdown for BENCHMARKS.md")
-    add("--tiny", action="store_true", help="--mode=gpu at tiny shapes on a CPU: a smoke check")
+    add("--tiny", action="store_true", help="--mode=gpu at tiny shapes on a CPU, --mode=seeds at tiny ones: a smoke "
+                                            "check")
     add("--section", default="all",
         help="--mode=gpu: the parts of the report to run, comma-separated: kernels, step, memory, optimizers, "
              "finetune, tests (README.md, 'Measuring on a GPU')")
@@ -135,6 +150,58 @@ def bench_race(args, train_args):
     for name, r in rows:
         print(f"| {name} | {r['ms_per_iter']:.1f} | {r['steps']} | {r['seconds']:.1f} | {r['val_loss']:.4f} "
               f"| {r['val_accuracy']:.1%} |")
+
+# -----------------------------------------------------------------------------
+# --mode=seeds: nanoGPT's baby run and our recipe on the same data, each final checkpoint's loss over the whole val
+# split in windows of the baby's block (64), computed by the same code for both
+
+WINDOW = 64
+TINY_SHAPE = ["--max_iters=20", "--lr_decay_iters=20", "--eval_interval=20", "--eval_iters=2", "--warmup_iters=2",
+              "--n_layer=1", "--n_head=2", "--n_embd=32"]
+
+
+def bench_seeds(args, train_args):
+    if not args.nanogpt or not os.path.isfile(os.path.join(args.nanogpt, "train.py")):
+        raise UserError("--mode=seeds runs nanoGPT's own train.py: name its folder, --nanogpt=DIR")
+    nanogpt, tiny = os.path.abspath(args.nanogpt), TINY_SHAPE if args.tiny else []
+    config = train_defaults()
+    configure(config, train_args)  # where the data is, for nanoGPT too
+    tokens = np.fromfile(os.path.join(config["data_dir"], "val.bin"), dtype=np.uint16)  # nanoGPT reads uint16
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    seeds = range(1, (args.seeds or (2 if args.tiny else 5)) + 1)
+    nanogpt_seeds = seeds if nanogpt_has_seed(nanogpt) else [None]
+    rows = {"nanoGPT": [], "ours": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in nanogpt_seeds:
+            extra = [*tiny, *([f"--seed={seed}"] if seed else [])]
+            seconds, model = run_nanogpt(nanogpt, config["data_dir"], f"{tmp}/nanogpt_{seed}", extra, env)
+            rows["nanoGPT"].append((seed or "1337 (fixed)", seconds, split_loss(lambda x: model(x, x)[0], tokens,
+                                                                                  WINDOW)))
+        for seed in seeds:
+            seconds, model = run_ours([*train_args, *tiny, f"--seed={seed}"], f"{tmp}/ours_{seed}", env)
+            rows["ours"].append((seed, seconds, split_loss(lambda x: model(x)[0], tokens, WINDOW)))
+    seeds_table(rows, f"{' '.join(train_args)}; {args.threads} threads; {len(tokens):,} val tokens")
+
+
+def seeds_table(rows, header):
+    # rows: {side: [(seed, (wall s, CPU s), loss)]}
+    print(f"\n{header}\n| run | seed | wall s | CPU s | val loss, whole split |\n| --- | --- | --- | --- | --- |")
+    for side, runs in rows.items():
+        for seed, (wall, cpu), loss in runs:
+            print(f"| {side} | {seed} | {wall:.1f} | {cpu:.1f} | {loss:.4f} |")
+    mean = {side: [statistics.mean(r[1][0] for r in runs), statistics.mean(r[1][1] for r in runs),
+                   statistics.mean(r[2] for r in runs)] for side, runs in rows.items()}  # wall, CPU, loss
+    for side, runs in rows.items():
+        losses = [r[2] for r in runs]
+        spread = (f", sd {statistics.stdev(losses):.4f}, {min(losses):.4f} to {max(losses):.4f}"
+                  if len(runs) > 1 else "")
+        print(f"{side}: {len(runs)} run(s), mean {mean[side][2]:.4f}{spread}; mean wall {mean[side][0]:.1f} s, "
+              f"CPU {mean[side][1]:.1f} s")
+    worst = max(r[2] for r in rows["ours"])
+    verdict = "below it" if worst < mean["nanoGPT"][2] else "not below it"
+    print(f"ours, worst seed {worst:.4f} against nanoGPT's mean {mean['nanoGPT'][2]:.4f}: {verdict}; nanoGPT's mean "
+          f"wall time / ours: {mean['nanoGPT'][0] / mean['ours'][0]:.2f}x (CPU time: "
+          f"{mean['nanoGPT'][1] / mean['ours'][1]:.2f}x)")
 
 # -----------------------------------------------------------------------------
 # --mode=kernels: each fused op of kernels.py against its reference, eager and compiled, in bf16 at Llama-like
@@ -299,7 +366,8 @@ def bench_encode(args, train_args):
 # -----------------------------------------------------------------------------
 
 MODES = {"train": bench_train, "race": bench_race, "kernels": bench_kernels, "load": bench_load,
-         "lora": bench_finetunes, "memory": bench_memory, "encode": bench_encode, "gpu": bench_gpu}
+         "lora": bench_finetunes, "memory": bench_memory, "encode": bench_encode, "gpu": bench_gpu,
+         "seeds": bench_seeds}
 
 
 def main():

@@ -1,14 +1,18 @@
 """
 How bench.py measures, shared by its modes and by the GPU report (gpu_bench.py): train.py run as a user runs it
 and the medians of its logged steps; one call's time and peak memory; each fused kernel against its references;
-the model a planned run would build, on the meta device (memory.py's estimate reads it); and full, LoRA and QLoRA
-fine-tuning side by side. A train.py that fails raises UserError with the end of its output.
+the model a planned run would build, on the meta device (memory.py's estimate reads it); full, LoRA and QLoRA
+fine-tuning side by side; and nanoGPT's own train.py run from a folder the user gives, with the loss of any model
+over a whole split (bench.py --mode=seeds). A train.py that fails raises UserError with the end of its output.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
+import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -18,10 +22,11 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import kernels
 from configurator import configure
-from lib.checkpoint import model_from_checkpoint
+from lib.checkpoint import load_model, model_from_checkpoint
 from lib.errors import UserError
 from lib.hf import config_from_hf, read_json, save_pretrained
 from lib.lora import add_lora, quantize_base
@@ -319,3 +324,79 @@ def finetune_row(label, out, extra):
     speed = statistics.median(r["tokens_per_s"] for r in records if r["iter"] > 2)
     return (f"| {label} | {trained / 1e6:,.1f}M | {state / 2**20:,.0f} | {frozen / 2**20:,.0f} | {peak:,.0f} "
             f"| {speed:,.0f} |")
+
+# -----------------------------------------------------------------------------
+# nanoGPT beside us: its own train.py, unchanged, run from the folder a user gives (nothing of it is copied here),
+# each run's final checkpoint, and the loss of either model over a whole split, computed the same way for both
+
+# nanoGPT's CPU "baby" run of Shakespeare's characters (its README's command, on top of its
+# config/train_shakespeare_char.py), with a checkpoint at every evaluation so that the last one is the model after
+# its 2,000 iterations (its config keeps the best 20-batch estimate instead)
+NANOGPT_BABY = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=100", "--block_size=64",
+                "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
+                "--lr_decay_iters=2000", "--dropout=0.0", "--always_save_checkpoint=True"]
+
+
+def timed_run(cmd, cwd, env, who):
+    # a training script run to its end -> (wall seconds, CPU seconds of the process), start-up and evaluations
+    # included. On a machine that others share, the CPU seconds are the steadier of the two.
+    start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode:
+        raise UserError(f"{who} failed:\n{done.stdout[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter() - start, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
+
+
+def nanogpt_has_seed(nanogpt):
+    # whether nanoGPT's train.py has a `seed` setting its configurator can override (3adf61e fixes 1337 in code)
+    with open(os.path.join(nanogpt, "train.py")) as f:
+        return re.search(r"^seed\s*=", f.read(), re.MULTILINE) is not None
+
+
+def run_nanogpt(nanogpt, data_dir, folder, extra, env):
+    # nanoGPT's train.py on data_dir's train.bin/val.bin -> ((wall, CPU seconds), its model from the final
+    # checkpoint). It reads configurator.py and data/<dataset>/ from its working folder: a folder of links to both
+    # stands in.
+    os.makedirs(os.path.join(folder, "data"))
+    os.symlink(os.path.join(nanogpt, "configurator.py"), os.path.join(folder, "configurator.py"))
+    os.symlink(os.path.abspath(data_dir), os.path.join(folder, "data", "given"))
+    cmd = [sys.executable, os.path.join(nanogpt, "train.py"),
+           os.path.join(nanogpt, "config", "train_shakespeare_char.py"), *NANOGPT_BABY, *extra,
+           "--dataset=given", "--out_dir=out"]
+    seconds = timed_run(cmd, folder, env, "nanoGPT's train.py")
+    return seconds, nanogpt_model(nanogpt, os.path.join(folder, "out", "ckpt.pt"))
+
+
+def nanogpt_model(nanogpt, path):
+    # nanoGPT's model.py, imported from its folder under a name of its own (ours is `model`), with a checkpoint's
+    # weights (plain tensors; `_orig_mod.` before their names when the run was compiled)
+    spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(nanogpt, "model.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    model = module.GPT(module.GPTConfig(**checkpoint["model_args"]))
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
+    return model.eval()
+
+
+def run_ours(run_args, out_dir, env):
+    # our train.py with these arguments -> ((wall, CPU seconds), the model of its final checkpoint)
+    seconds = timed_run([sys.executable, "train.py", *run_args, f"--out_dir={out_dir}"], HERE, env, "train.py")
+    model, _ = load_model(os.path.join(out_dir, "ckpt.pt"))
+    return seconds, model.eval()
+
+
+def split_loss(logits_of, tokens, window, batch=64):
+    # the mean cross-entropy over every token of a split cut into non-overlapping windows of `window` targets (each
+    # window's inputs the tokens before them, nothing carried between windows); logits_of(x (B, T)) -> (B, T, V)
+    n = (len(tokens) - 1) // window
+    x = torch.from_numpy(tokens[:n * window].astype(np.int64)).view(n, window)
+    y = torch.from_numpy(tokens[1:n * window + 1].astype(np.int64)).view(n, window)
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            logits = logits_of(x[i:i + batch])  # (B, T, V)
+            targets = y[i:i + batch].flatten()
+            total += F.cross_entropy(logits.float().flatten(0, 1), targets, reduction="sum").item()
+    return total / (n * window)

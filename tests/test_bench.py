@@ -175,3 +175,26 @@ def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path
     done = script(*cmd, "--tokenizer=char")
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
     assert "bench.py: --mode=encode compares against tiktoken" in done.stderr
+
+
+NANOGPT = ROOT.parent / "shared" / "anchors" / "nanogpt"  # this team's unchanged nanoGPT, where there is one
+
+
+@pytest.mark.slow  # nanoGPT's train.py and two of ours, new Pythons each (~1 minute on 2 cores)
+def test_seeds_mode_puts_our_seeds_beside_nanogpts_run_on_the_whole_val_split(data_dir):
+    if not (NANOGPT / "train.py").is_file():
+        pytest.skip(f"--mode=seeds runs nanoGPT's own train.py, and there is no nanoGPT checkout at {NANOGPT}")
+    done = script("bench.py", "config/train_shakespeare_char_cpu.py", "--mode=seeds", "--tiny",
+                  f"--nanogpt={NANOGPT}", f"--data_dir={data_dir}", "--threads=1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = [r for r in rows(done.stdout) if r[0] in ("nanoGPT", "ours")]
+    # nanoGPT at 3adf61e fixes its seed in code: one run of it; ours at seeds 1 and 2, which give other models
+    assert [(r[0], r[1]) for r in runs] == [("nanoGPT", "1337 (fixed)"), ("ours", "1"), ("ours", "2")]
+    assert all(number(r[2]) and number(r[3]) and number(r[4]) for r in runs)
+    ours = [float(r[4]) for r in runs[1:]]
+    assert ours[0] != ours[1] and all(loss < math.log(64) for loss in ours)  # learned past uniform over 62 chars
+    assert re.search(rf"{len(open(data_dir / 'val.bin', 'rb').read()) // 2:,} val tokens", done.stdout)
+    assert re.search(r"ours, worst seed [\d.]+ against nanoGPT's mean [\d.]+: (not )?below it; nanoGPT's mean wall "
+                     r"time / ours: [\d.]+x \(CPU time: [\d.]+x\)", done.stdout)
+    done = script("bench.py", "--mode=seeds", "--tiny")
+    assert done.returncode == 1 and "--nanogpt=DIR" in done.stderr and done.stderr.strip().count("\n") == 0
