@@ -134,14 +134,8 @@ def prepare(args, quiet=False):
             ext_stats(stats, single_ext)["documents"] -= 1
         elif files and args.val_input is None and args.val_fraction > 0:
             balance_splits(splits, last, files, np.dtype(dtype).itemsize, stats["conversations"])
-        if args.val_input and splits["val"]["documents"] == 0:
-            raise UserError(f"no documents found in --val_input {', '.join(map(str, args.val_input))} (check it)")
-        if splits["train"]["documents"] == 0 and not args.analyze:
-            raise UserError(f"no training documents in {', '.join(map(str, inputs))} (check it)")
         conversations = stats.pop("conversations")
-        if conversations and splits["train"].get("targets", 0) == 0:
-            raise UserError(f"the masks of {', '.join(map(str, inputs))} select no token to train on (check --train_on and "
-                f"the template)")
+        check_splits(args, inputs, splits, conversations)
         meta = {
             "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
@@ -165,6 +159,17 @@ def prepare(args, quiet=False):
             f"tokenizer_config.json): the built-in one was used, which that model never saw; give it its own with "
             f"--chat_template=FILE")
     return meta
+
+
+def check_splits(args, inputs, splits, conversations):
+    # a dataset that would train on nothing is refused before it is written
+    if args.val_input and splits["val"]["documents"] == 0:
+        raise UserError(f"no documents found in --val_input {', '.join(map(str, args.val_input))} (check it)")
+    if splits["train"]["documents"] == 0 and not args.analyze:
+        raise UserError(f"no training documents in {', '.join(map(str, inputs))} (check it)")
+    if conversations and splits["train"].get("targets", 0) == 0:
+        raise UserError(f"the masks of {', '.join(map(str, inputs))} select no token to train on (check "
+                        f"--train_on and the template)")
 
 
 def chat_maker(args, tokenizer):
