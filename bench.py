@@ -17,9 +17,9 @@ own learning rate):
     python bench.py config/train_small.py --mode=race --seconds=120 \
         --run="--optimizer=adamw" --run="--optimizer=muon" --run="--optimizer=sgd --learning_rate=0.3"
 --mode=seeds puts a recipe beside nanoGPT's own CPU "baby" run of Shakespeare's characters (its train.py, run
-from the folder --nanogpt names) on the same train.bin/val.bin: --seeds seeds of ours, one after the other at
---threads threads, and nanoGPT's (once: its train.py fixes its seed); each final checkpoint scored over the whole
-val split:
+unchanged from the folder --nanogpt names, its fixed seed moved by a wrapper) on the same train.bin/val.bin:
+--seeds seeds of each, one after the other at --threads threads; each final checkpoint scored over the whole val
+split:
 
     python bench.py config/train_shakespeare_char_cpu.py --mode=seeds --nanogpt=../shared/anchors/nanogpt \
         --data_dir=NANOGPT_PREPARED/shakespeare_char
@@ -54,8 +54,8 @@ from lib.errors import UserError, one_line_errors
 from lib.gpu_bench import bench_gpu
 from lib.hf import save_pretrained
 from configurator import configure
-from lib.measure import (bench_lora, kernel_cases, kernel_table, nanogpt_has_seed, planned_model, run_nanogpt,
-                         run_ours, run_train, split_loss, throughput, train_defaults)
+from lib.measure import (bench_lora, kernel_cases, kernel_table, planned_model, run_nanogpt, run_ours, run_train,
+                         split_loss, throughput, train_defaults)
 from lib.memory import memory_estimate, memory_layout, memory_table
 from lib.meta import read_meta
 from lib.tokenizer import make_tokenizer
@@ -169,14 +169,11 @@ def bench_seeds(args, train_args):
     tokens = np.fromfile(os.path.join(config["data_dir"], "val.bin"), dtype=np.uint16)  # nanoGPT reads uint16
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     seeds = range(1, (args.seeds or (2 if args.tiny else 5)) + 1)
-    nanogpt_seeds = seeds if nanogpt_has_seed(nanogpt) else [None]
     rows = {"nanoGPT": [], "ours": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in nanogpt_seeds:
-            extra = [*tiny, *([f"--seed={seed}"] if seed else [])]
-            seconds, model = run_nanogpt(nanogpt, config["data_dir"], f"{tmp}/nanogpt_{seed}", extra, env)
-            rows["nanoGPT"].append((seed or "1337 (fixed)", seconds, split_loss(lambda x: model(x, x)[0], tokens,
-                                                                                  WINDOW)))
+        for seed in seeds:  # nanoGPT's seed 1337 + seed_offset moved to seed + seed_offset (measure.SEEDED)
+            seconds, model = run_nanogpt(nanogpt, config["data_dir"], f"{tmp}/nanogpt_{seed}", tiny, env, seed)
+            rows["nanoGPT"].append((seed, seconds, split_loss(lambda x: model(x, x)[0], tokens, WINDOW)))
         for seed in seeds:
             seconds, model = run_ours([*train_args, *tiny, f"--seed={seed}"], f"{tmp}/ours_{seed}", env)
             rows["ours"].append((seed, seconds, split_loss(lambda x: model(x)[0], tokens, WINDOW)))

@@ -348,20 +348,26 @@ def timed_run(cmd, cwd, env, who):
     return time.perf_counter() - start, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
 
 
-def nanogpt_has_seed(nanogpt):
-    # whether nanoGPT's train.py has a `seed` setting its configurator can override (3adf61e fixes 1337 in code)
-    with open(os.path.join(nanogpt, "train.py")) as f:
-        return re.search(r"^seed\s*=", f.read(), re.MULTILINE) is not None
+# nanoGPT's train.py fixes its seed in code (torch.manual_seed(1337 + seed_offset), no setting): run unchanged
+# from this wrapper, which moves that seed by the one asked for before running it, as `python train.py` would
+SEEDED = """
+import runpy, sys, torch
+seed, folder, sys.argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+sys.path.insert(0, folder)  # its model.py, as running train.py from its folder would find it
+manual_seed = torch.manual_seed
+torch.manual_seed = lambda s: manual_seed(s - 1337 + seed)  # seed 1337: nanoGPT's own run, exactly
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
-def run_nanogpt(nanogpt, data_dir, folder, extra, env):
-    # nanoGPT's train.py on data_dir's train.bin/val.bin -> ((wall, CPU seconds), its model from the final
-    # checkpoint). It reads configurator.py and data/<dataset>/ from its working folder: a folder of links to both
-    # stands in.
+def run_nanogpt(nanogpt, data_dir, folder, extra, env, seed=1337):
+    # nanoGPT's train.py with its seed moved to `seed` (SEEDED) on data_dir's train.bin/val.bin -> ((wall, CPU
+    # seconds), its model from the final checkpoint). It reads configurator.py and data/<dataset>/ from its working
+    # folder: a folder of links to both stands in.
     os.makedirs(os.path.join(folder, "data"))
     os.symlink(os.path.join(nanogpt, "configurator.py"), os.path.join(folder, "configurator.py"))
     os.symlink(os.path.abspath(data_dir), os.path.join(folder, "data", "given"))
-    cmd = [sys.executable, os.path.join(nanogpt, "train.py"),
+    cmd = [sys.executable, "-c", SEEDED, str(seed), nanogpt, os.path.join(nanogpt, "train.py"),
            os.path.join(nanogpt, "config", "train_shakespeare_char.py"), *NANOGPT_BABY, *extra,
            "--dataset=given", "--out_dir=out"]
     seconds = timed_run(cmd, folder, env, "nanoGPT's train.py")

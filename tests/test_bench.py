@@ -188,11 +188,13 @@ def test_seeds_mode_puts_our_seeds_beside_nanogpts_run_on_the_whole_val_split(da
                   f"--nanogpt={NANOGPT}", f"--data_dir={data_dir}", "--threads=1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = [r for r in rows(done.stdout) if r[0] in ("nanoGPT", "ours")]
-    # nanoGPT at 3adf61e fixes its seed in code: one run of it; ours at seeds 1 and 2, which give other models
-    assert [(r[0], r[1]) for r in runs] == [("nanoGPT", "1337 (fixed)"), ("ours", "1"), ("ours", "2")]
+    # each side at seeds 1 and 2 (nanoGPT's fixed seed moved by the wrapper), which give other models
+    assert [(r[0], r[1]) for r in runs] == [("nanoGPT", "1"), ("nanoGPT", "2"), ("ours", "1"), ("ours", "2")]
     assert all(number(r[2]) and number(r[3]) and number(r[4]) for r in runs)
-    ours = [float(r[4]) for r in runs[1:]]
-    assert ours[0] != ours[1] and all(loss < math.log(64) for loss in ours)  # learned past uniform over 62 chars
+    theirs, ours = [float(r[4]) for r in runs[:2]], [float(r[4]) for r in runs[2:]]
+    assert theirs[0] != theirs[1] and ours[0] != ours[1] and all(math.isfinite(loss) for loss in theirs)
+    assert all(loss < math.log(64) for loss in ours)  # learned past uniform over 62 characters (nanoGPT's 20
+    # steps, in its warmup at its lower rate, need not)
     assert re.search(rf"{len(open(data_dir / 'val.bin', 'rb').read()) // 2:,} val tokens", done.stdout)
     assert re.search(r"ours, worst seed [\d.]+ against nanoGPT's mean [\d.]+: (not )?below it; nanoGPT's mean wall "
                      r"time / ours: [\d.]+x \(CPU time: [\d.]+x\)", done.stdout)
