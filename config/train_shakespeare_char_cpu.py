@@ -1,6 +1,7 @@
 # nanoGPT's CPU "baby" run on Shakespeare's characters (4 layers, 4 heads, 128 wide, block 64, batch 12:
-# validation loss 1.8982 over the whole val split after 2,000 iterations) to a lower loss in under a third of its
-# time on a 2-core CPU: each of five seeds 1.8731-1.8918, 3.6x less wall time (BENCHMARKS.md, 2026-11-27; measured
+# validation loss 1.9069 over the whole val split after 2,000 iterations, the mean of five seeds) to a lower loss in
+# a third of its time on a 2-core CPU: each of five seeds 1.8731-1.8918, 3.07x less wall time (BENCHMARKS.md,
+# 2026-11-27; measured
 # on nanoGPT's own prepared files: python bench.py config/train_shakespeare_char_cpu.py --mode=seeds
 #   --nanogpt=DIR --data_dir=...):
 #   python prepare.py input.txt --tokenizer=char --out_dir=data/shakespeare_char
