@@ -182,8 +182,9 @@ def chat_maker(args, tokenizer):
         if not made:
             specials = tokenizer.special_tokens() if tokenizer else {"<|endoftext|>": None}
             if not specials:
-                raise UserError(f"conversations need a tokenizer with special tokens to mark turns, and {tokenizer.name} has "
-                    f"none: use bpe:N, a tiktoken encoding or the model's tokenizer.json")
+                raise UserError(f"conversations need a tokenizer with special tokens to mark turns, and "
+                                f"{tokenizer.name} has none: use bpe:N, a tiktoken encoding or the model's "
+                                f"tokenizer.json")
             eot = tokenizer.decode([tokenizer.eot_id]) if tokenizer else "<|endoftext|>"
             folder = args.tokenizer if os.path.exists(args.tokenizer) else None
             try:
@@ -240,7 +241,8 @@ def plan_split(args, inputs, docs, stats, log):
     first = list(islice(docs, 2))
     if not first:
         report_skips(stats, log)
-        raise UserError(f"no documents found in {', '.join(map(str, inputs))} (every file was skipped or empty; see above)")
+        raise UserError(f"no documents found in {', '.join(map(str, inputs))} (every file was skipped or empty; "
+                        f"see above)")
     if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze \
             and not isinstance(first[0][2], Chat):
         # One document (tinyshakespeare): its last val_fraction is the validation text, as nanoGPT does, cut

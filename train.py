@@ -350,12 +350,13 @@ def log_progress(step, loss, lr, grad_norm):
     mfu, mfu_run = (f / peak if peak else None for f in flops)  # None: the peak is unknown
     mfu_note = f"{mfu:.1%} PaLM, {mfu_run:.1%} run" if mfu else "n/a"
     left, left_note = time_left(clock, step, max_iters, eval_interval, dt, speed.steps)
-    print(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, epoch {batches.epoch(step):.2f}, "
+    epoch = batches.epoch(step)
+    print(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, epoch {epoch:.2f}, "
           f"{dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU {mfu_note}, mem {measured_mb(device):,.0f} MB"
           f"{memory_note}{left_note}")
     log({"iter": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms_per_iter": dt * 1000,
          "tokens_per_s": tokens_per_s, "mfu": mfu, "mfu_run": mfu_run, "mem_mb": measured_mb(device),
-         "epoch": batches.epoch(step), "time_left_s": left})
+         "epoch": epoch, "time_left_s": left})
     speed.restart()
 
 

@@ -230,7 +230,7 @@ class Batches:
         self.scored_val = eval_full or self.examples
         # micro-batches hold different numbers of targets: the loop weighs each one's loss by its share
         self.weighted = self.examples or meta.get("masks", False)
-        self.end_of_epochs = None  # sequences in max_epochs epochs (epochs_end); past them, a step's are empty
+        self.end_of_epochs = None  # sequences in max_epochs epochs (steps_for); past them, a step's are empty
         for split in self.splits.values():  # whole examples are cut to block_size: some may keep nothing to train
             split.check_targets()
 

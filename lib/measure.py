@@ -11,7 +11,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import resource
 import shutil
 import statistics
@@ -65,10 +64,7 @@ def run_train(run_args, out_dir, steps, evaluate=False, log_interval=None, env=N
                  f"--log_interval={log_interval or steps}"]
     cmd = [sys.executable, "train.py", *run_args, f"--out_dir={out_dir}", f"--max_iters={steps}", *evals,
            "--always_save_checkpoint=False"]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, **env} if env else None)
-    if done.returncode:
-        raise UserError(f"train.py failed:\n{done.stdout[-3000:]}")
+    timed_run(cmd, None, {**os.environ, **env} if env else None, "train.py")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     shutil.rmtree(out_dir, ignore_errors=True)  # its checkpoint: a measurement keeps nothing of a run but its log

@@ -161,6 +161,11 @@ def generation(store, rank, world_size, timeout):
 PER_NODE = ("out_dir", "data_dir", "eval_tasks_path")
 
 
+def this_process():
+    # this process as a one-line refusal names it: its rank, its node (torchrun's GROUP_RANK) and host
+    return f"rank {dist.get_rank()} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
+
+
 def check_same_settings(settings, data_dir):
     """Stop every process, in one line, where any process's settings (train.py's, PER_NODE aside) or data files'
     sizes differ from rank 0's: naming the first that differs, and the rank and node. Nodes started with
@@ -178,7 +183,7 @@ def check_same_settings(settings, data_dir):
     first = [mine]
     dist.broadcast_object_list(first, src=0)
     differs = next((k for k in {**first[0], **mine} if first[0].get(k, "missing") != mine.get(k, "missing")), None)
-    where = f"rank {dist.get_rank()} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
+    where = this_process()
     said = [None] * dist.get_world_size()
     dist.all_gather_object(said, differs and f"{differs} is {mine.get(differs, 'missing')!r} on {where} but "
                                              f"{first[0].get(differs, 'missing')!r} on rank 0")

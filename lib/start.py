@@ -10,7 +10,6 @@ the run needs, decided here from its settings and what out_dir holds.
 import atexit
 import os
 import secrets
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -23,6 +22,7 @@ from lib.errors import UserError
 from lib.files import lock_folder, unlock_folder
 from lib.hf import fingerprint, load_pretrained, read_json
 from lib.lora import add_lora, check_lora
+from lib.parallel import this_process
 from lib.tokenizer import check_tokenizer
 from model import GPT, GPTConfig
 
@@ -86,9 +86,8 @@ def check_shared(out_dir, master, wait=10.0):
     deadline = time.monotonic() + wait
     while not (seen := os.path.isfile(probe)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    where = f"rank {dist.get_rank()} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
     blind = [None] * dist.get_world_size()
-    dist.all_gather_object(blind, None if seen else where)  # (every process has looked once this returns)
+    dist.all_gather_object(blind, None if seen else this_process())  # (every process has looked once this returns)
     if master:
         os.remove(probe)
     blind = [b for b in blind if b]
@@ -213,8 +212,8 @@ def resume(origin, config, meta):
     if 0 < config["early_stop_patience"] <= loop["evals_without_gain"]:
         origin.stopped = True
         origin.notes.append(f"this run stopped early at step {loop['iter_num']} (no better val loss in "
-                              f"{loop['evals_without_gain']} evaluations): nothing to do; raise early_stop_patience "
-                              f"to train on")
+                            f"{loop['evals_without_gain']} evaluations): nothing to do; raise early_stop_patience "
+                            f"to train on")
         return
     # the batches of a step depend on these alone, not on how many processes and micro-steps share an update's
     # sequences (batch_size='auto' may share them otherwise than the command says)
@@ -224,13 +223,13 @@ def resume(origin, config, meta):
     before = {**before, "sequences": "random"} if old else before  # its windows were drawn as 'random' draws them now
     if shaping(before) != shaping(config):
         origin.notes.append("warning: seed, sequences or the sequences of an update (batch_size x "
-                              "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
-                              "not on the batches the first run would have seen" + (
-                                  " (this checkpoint's windows were drawn with replacement, as sequences='random' "
-                                  "draws them now)" if old else ""))
+                            "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
+                            "not on the batches the first run would have seen" + (
+                                " (this checkpoint's windows were drawn with replacement, as sequences='random' "
+                                "draws them now)" if old else ""))
     if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""
         origin.notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's "
-                              f"{before.get('max_iters')}: the run ends at step {config['max_iters']}; "
-                              f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{was}")
+                            f"{before.get('max_iters')}: the run ends at step {config['max_iters']}; "
+                            f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{was}")
