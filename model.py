@@ -73,15 +73,20 @@ PROJECTIONS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "g
                "down": "mlp.down"}
 
 
-def fused(use_kernels, x):
+def fused(use_kernels, x, compiled_too=False):
     # Whether a call runs kernels.py's fused op (True) or its PyTorch reference beside it. use_kernels=None
-    # (auto): the fused op on CUDA, where Triton compiles it; the reference on a CPU, where Triton could only
-    # interpret it (kernels.py falls back by itself where Triton cannot run at all).
-    return x.is_cuda if use_kernels is None else use_kernels
+    # (auto): the fused op on CUDA; the reference on a CPU, where Triton could only interpret it, and under
+    # torch.compile unless compiled_too: there Inductor fuses the references of the norm, SwiGLU and rotary into
+    # the ops around them, where an opaque op stops it, and only the fused loss wins (124M on an H200, a compiled
+    # step: every fused op 34.0 ms, none 32.9, the loss alone 32.1; BENCHMARKS.md). kernels.py falls back by
+    # itself where Triton cannot run at all.
+    if use_kernels is None:
+        return x.is_cuda and (compiled_too or not torch.compiler.is_compiling())
+    return use_kernels
 
 
 def runs_fused(config, device_type):
-    """Whether a model of config runs kernels.py's fused ops on a device of device_type ('cuda', 'cpu')."""
+    """Whether a model of config runs kernels.py's fused ops on a device of device_type ('cuda', 'cpu'), eager."""
     if config.use_kernels is not None:
         return config.use_kernels
     return device_type == "cuda" and kernels.HAS_TRITON
@@ -270,7 +275,7 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         B, T = idx.shape
-        cross_entropy = (kernels.linear_cross_entropy if fused(self.config.use_kernels, x)
+        cross_entropy = (kernels.linear_cross_entropy if fused(self.config.use_kernels, x, compiled_too=True)
                          else kernels.linear_cross_entropy_ref)
         loss = cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
         return None, loss

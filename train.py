@@ -367,6 +367,11 @@ if eval_tasks and master:  # the tasks are checked, and their data loaded, befor
 # -----------------------------------------------------------------------------
 # 8. the training loop
 
+def step_batches(step):  # this process's micro-batches of an update
+    return [batches.train(step, dp_rank * micro_steps + micro) for micro in range(micro_steps)]
+
+
+upcoming = None  # the next update's micro-batches, once the update before has asked for them
 speed, logged = Speedometer(), False  # the steps since the last log line: their time and attention keys
 clock = start_clock()  # the time left (metrics.py), from the step and evaluation times of this process
 while True:
@@ -415,7 +420,7 @@ while True:
     lr = learning_rate * factor
     loss_sum = torch.zeros((), device=device)
     keys_run = torch.zeros((), device=device, dtype=torch.long)  # keys the queries attend to: the FLOPs run
-    micro_batches = [batches.train(step, dp_rank * micro_steps + micro) for micro in range(micro_steps)]
+    micro_batches = upcoming or step_batches(step)  # fetched while the step before computed
     # With masks or packed examples, micro-batches hold different numbers of targets: each one's mean loss is
     # weighted by its share of the targets of the whole update (over every process), so that the update's
     # loss is their mean, however they fall into micro-steps and processes.
@@ -440,7 +445,9 @@ while True:
         loss_sum += loss.detach().float()
         B, T = x.shape
         keys_run += attended_keys(doc_ids) if doc_ids is not None else B * T * (T + 1) // 2  # causal
-    stop = torch.tensor([float(stop_requested)], device=device)
+    # the next step's micro-batches, read and copied to the device while this one computes: not on its way
+    upcoming = step_batches(step + 1) if step + 1 < max_iters else None
+    stop = torch.full((1,), float(stop_requested), device=device)  # made there: a copy to it would wait
     if ddp:  # every process agrees on the mean loss and on whether to stop
         both = torch.cat([loss_sum.view(1), stop])
         dist.all_reduce(both)

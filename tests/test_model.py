@@ -348,3 +348,15 @@ def test_generate_never_draws_the_padding_rows_past_the_tokenizers_vocabulary(te
     assert (model.generate(prompt, 20, temperature=temperature)[:, 5:] >= 97).any()
     torch.manual_seed(0)
     assert (model.generate(prompt, 20, temperature=temperature, vocab=97)[:, 5:] < 97).all()
+
+
+def test_use_kernels_none_under_compile_keeps_only_the_fused_loss(monkeypatch):
+    # measured on an H200 (BENCHMARKS.md, 2026-11-27): in a compiled step Inductor's fusion of the references
+    # beats the opaque fused norm, SwiGLU and rotary, while the fused loss still wins; eager, all four are fused
+    from model import fused
+    on_cuda = type("CudaInput", (), {"is_cuda": True})()
+    assert fused(None, on_cuda) and fused(None, on_cuda, compiled_too=True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not fused(None, on_cuda) and fused(None, on_cuda, compiled_too=True)
+    assert fused(True, on_cuda) and not fused(False, on_cuda, compiled_too=True)  # an explicit choice stands
+    assert not fused(None, torch.zeros(1), compiled_too=True)  # a CPU call: the references
