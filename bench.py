@@ -30,6 +30,7 @@ split:
     python bench.py --mode=encode --tokenizer=gpt2       # prepare.py's throughput against tiktoken's own
     python bench.py --mode=gpu --out=gpu      # all a GPU must show, for BENCHMARKS.md (--tiny: on CPU)
     python bench.py --mode=gpu --section=step --out=gpu   # one part alone: gpu/step.md, line by line
+    python bench.py --mode=gpu --section=versus --nanogpt=NANOGPT_CLONE --out=gpu   # beside nanoGPT, profiled
 
 --synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py (under
 --mode=encode, to prepare.py). The GPU report lives in gpu_bench.py, the measuring shared by the modes in
@@ -69,7 +70,8 @@ def parse_args():
     add("--values", default="False,True", help="comma-separated values of --compare")
     add("--run", action="append", help="instead of --compare: --run='--key=value ...', once per run")
     add("--seconds", type=float, default=60, help="--mode=race: training seconds per run")
-    add("--nanogpt", help="--mode=seeds: a folder of nanoGPT's code (train.py, model.py, configurator.py, config/)")
+    add("--nanogpt", help="--mode=seeds and --mode=gpu --section=versus: a folder of nanoGPT's code (train.py, "
+        "model.py, configurator.py, config/), run unchanged")
     add("--seeds", type=int, help="--mode=seeds: runs of our recipe, seeds 1 to N (default 5; 2 with --tiny)")
     add("--threads", type=int, default=len(os.sched_getaffinity(0)), help="--mode=seeds: threads of every run")
     add("--steps", type=int, default=50, help="training steps per run")

@@ -13,8 +13,11 @@ CPU, a smoke check of the command, without torch.compile (its first compile cost
 import contextlib
 import datetime
 import importlib.util
+import io
 import json
+import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -30,13 +33,13 @@ import torch
 import kernels
 from lib import measure
 from lib.errors import UserError
-from lib.measure import (QWEN3_06B, bench_lora, kernel_cases, kernel_table, matmul_peak, out_of_time, planned_model,
-                     run_train, throughput)
+from lib.measure import (QWEN3_06B, bench_lora, kernel_cases, kernel_table, matmul_peak, nanogpt_command,
+                         nanogpt_module, out_of_time, planned_model, profiled_step, run_train, throughput)
 from lib.memory import memory_estimate
 from lib.parallel import peak_flops
 from model import GPT, GPTConfig, flash_attn_func
 
-SECTIONS = ("kernels", "step", "memory", "optimizers", "finetune", "tests")
+SECTIONS = ("versus", "kernels", "step", "memory", "optimizers", "finetune", "tests")
 GPT2_124M = ["config/train_gpt2.py", "--batch_size=16", "--gradient_accumulation_steps=1", "--eval_iters=10"]
 NEAR_1B = [*GPT2_124M, "--n_layer=20", "--n_head=32", "--n_kv_head=8", "--n_embd=2048", "--batch_size=8"]
 LLAMA2_7B = dict(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008,
@@ -145,6 +148,112 @@ def gpu_header(cuda, section, commit):
 
 # -----------------------------------------------------------------------------
 # the sections: each is called with (cuda, its scratch folder, bench.py's arguments, the arguments for train.py)
+
+
+# nanoGPT's shape, its defaults (GPT-2 124M, bf16, compile) at 16 x 1024 tokens a step; --tiny: a tiny one on a CPU
+GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, dropout=0.0)
+VERSUS = dict(batch_size=16, block_size=1024)
+VERSUS_TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=2)
+
+
+def past_first_third(values):
+    return statistics.median(values[len(values) // 3:])  # the first third holds the compile and the warm-up
+
+
+def nanogpt_row(nanogpt, data, folder, run_args, steps):
+    # nanoGPT's train.py with run_args for steps on data -> (median ms a step, its peak MB or None), or a line
+    # saying why there is none. Its times are the `time X ms` of its log lines, one a step.
+    run_args = [*run_args, "--gradient_accumulation_steps=1", f"--max_iters={steps}", f"--lr_decay_iters={steps}",
+                "--eval_interval=100000", "--eval_iters=1", "--log_interval=1", "--always_save_checkpoint=False"]
+    done = subprocess.run(nanogpt_command(nanogpt, data, folder, run_args), cwd=folder, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    times = [float(t) for t in re.findall(r"^iter \d+: .*time ([\d.]+)ms", done.stdout, re.M)]
+    if done.returncode or not times:
+        return f"failed: {(done.stdout.strip().splitlines() or ['no output'])[-1][:200]}"
+    peak = re.search(r"^peak memory (\d+) MB", done.stdout, re.M)
+    return past_first_third(times), float(peak[1]) if peak else None
+
+
+def versus_profiles(nanogpt, config, batch_size, cuda, out):
+    # one training step of each model alone in this process, timed and profiled: (label, ms, peak MB, where the
+    # profile went: a file under out, or this output where there is no --out)
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    tokens = [torch.randint(0, 50257, (batch_size, config["block_size"] + 1), device=device) for _ in range(4)]
+    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    ng, ours = nanogpt_module(nanogpt), GPT(GPTConfig(**config)).to(device)
+    with contextlib.redirect_stdout(io.StringIO()):  # what it prints of itself is not a line of this report
+        theirs = ng.GPT(ng.GPTConfig(bias=False, **config)).to(device)
+        their_optimizer = theirs.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device)
+    our_optimizer = ours.configure_optimizers("adamw", 6e-4, 0.1, (0.9, 0.95), device)[0]
+    sides = [("nanoGPT's model", "nanogpt", theirs, their_optimizer),
+             ("our model, defaults", "ours", ours, our_optimizer)]
+    for label, short, model, optimizer in sides:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        ms, peak, table = profiled_step(model, optimizer, batches, 30 if cuda else 3, compile=cuda)
+        where = f"versus-profile-{short}.txt"
+        if out:
+            with open(os.path.join(out, where), "w") as f:
+                f.write(f"{label}: one training step, {ms:.2f} ms\n{table}")
+        else:
+            print(f"{label}:\n\n```\n{table}```\n")
+        yield label, ms, peak, where if out else "above"
+        model.cpu()  # its memory for the next
+
+
+def section_versus(cuda, scratch, args, train_args):
+    # nanoGPT's own train.py (from --nanogpt, run unchanged) and ours at nanoGPT's shape, on the same random GPT-2
+    # tokens in nanoGPT's layout (which train.py reads too), for the same steps; then one step of each model alone,
+    # under torch.profiler
+    print("### Against nanoGPT at its shape: its train.py and ours, the same tokens and steps\n")
+    if not args.nanogpt or not os.path.isfile(os.path.join(args.nanogpt, "train.py")):
+        print("left out: name a nanoGPT checkout to run beside ours, --nanogpt=DIR (its train.py, unchanged)")
+        return
+    nanogpt, shape = os.path.abspath(args.nanogpt), VERSUS if cuda else VERSUS_TINY
+    config = {**GPT2_SMALL, **{k: v for k, v in shape.items() if k != "batch_size"}}
+    run_args = [f"--{k}={v}" for k, v in shape.items()]
+    run_args += ["--compile=True"] if cuda else ["--device=cpu", "--compile=False"]
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, 50257, size=4_000_000 if cuda else 200_000, dtype=np.uint16).tofile(f"{scratch}/{split}.bin")
+    tokens = shape["batch_size"] * config["block_size"]
+    with torch.device("meta"):
+        flops = GPT(GPTConfig(**config)).flops_per_token() * tokens  # a step's, in PaLM's convention
+    rate = peak_flops("cuda" if cuda else "cpu", torch.bfloat16)
+    print(f"{' '.join(run_args)}, accumulation 1, {args.steps} steps, medians past the first third; MFU in PaLM's "
+          f"convention, the same arithmetic for both, against {(rate or 0) / 1e12:.3g} TFLOP/s\n")
+    print("| run | ms/step | tokens/s | against nanoGPT | MFU | peak memory MB |\n" + "| --- " * 6 + "|")
+    runs = [("nanoGPT's train.py", None), ("ours, defaults", [])]
+    runs += [(f"ours, --use_kernels={k}", [f"--use_kernels={k}"]) for k in (False, True)]
+    base = None
+    for i, (label, extra) in enumerate(runs):
+        if out_of_time(label):
+            continue
+        if extra is None:
+            tiny = [] if cuda else ["--dtype=float32"]  # its CPU default would be float16
+            row = nanogpt_row(nanogpt, scratch, f"{scratch}/nanogpt", [*run_args, *tiny], args.steps)
+        else:
+            ours = ["config/train_gpt2.py", f"--data_dir={scratch}", *run_args, "--gradient_accumulation_steps=1",
+                    "--warmup_iters=5", f"--lr_decay_iters={args.steps}", *train_args, *extra]
+            records = attempt(label, run_train, ours, f"{scratch}/ours{i}", args.steps)
+            if records is None:
+                continue
+            steps = [r for r in records if "ms_per_iter" in r]
+            row = past_first_third([r["ms_per_iter"] for r in steps]), max(r["mem_mb"] for r in steps)
+        if isinstance(row, str):
+            print(f"| {label} | {row} |")
+            continue
+        ms, peak = row
+        base = ms if extra is None else base  # nanoGPT's, where it ran
+        against, mfu = f"{base / ms:.2f}x" if base else "n/a", f"{flops / ms * 1000 / rate:.1%}" if rate else "n/a"
+        print(f"| {label} | {ms:.2f} | {tokens / ms * 1000:,.0f} | {against} | {mfu} | "
+              f"{'n/a' if peak is None else f'{peak:,.0f}'} |")
+    print("\nOne training step of each model alone in this process (forward, backward, clipping, AdamW; nothing "
+          "else on the host), and torch.profiler's 15 costliest ops over three more steps\n")
+    print("| model | ms/step | peak memory MB | profile |\n" + "| --- " * 4 + "|")
+    for label, ms, peak, where in versus_profiles(nanogpt, config, shape["batch_size"], cuda, args.out):
+        print(f"| {label} | {ms:.2f} | {'n/a' if math.isnan(peak) else f'{peak:,.0f}'} | {where} |")
 
 
 def section_kernels(cuda, scratch, args, train_args):
@@ -322,7 +431,7 @@ def section_tests(cuda, scratch, args, train_args):
                        {"CUDA_VISIBLE_DEVICES": ""})
 
 
-RUN = {"kernels": section_kernels, "step": section_step, "memory": section_memory,
+RUN = {"versus": section_versus, "kernels": section_kernels, "step": section_step, "memory": section_memory,
        "optimizers": section_optimizers, "finetune": section_finetune, "tests": section_tests}
 
 

@@ -345,41 +345,96 @@ def timed_run(cmd, cwd, env, who):
 
 
 # nanoGPT's train.py fixes its seed in code (torch.manual_seed(1337 + seed_offset), no setting): run unchanged
-# from this wrapper, which moves that seed by the one asked for before running it, as `python train.py` would
+# from this wrapper, which moves that seed by the one asked for before running it, as `python train.py` would,
+# and prints the CUDA allocator's peak once it ends (its log has none)
 SEEDED = """
-import runpy, sys, torch
+import atexit, runpy, sys, torch
 seed, folder, sys.argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 sys.path.insert(0, folder)  # its model.py, as running train.py from its folder would find it
 manual_seed = torch.manual_seed
 torch.manual_seed = lambda s: manual_seed(s - 1337 + seed)  # seed 1337: nanoGPT's own run, exactly
+if torch.cuda.is_available():
+    atexit.register(lambda: print(f"peak memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MB"))
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_nanogpt(nanogpt, data_dir, folder, extra, env, seed=1337):
-    # nanoGPT's train.py with its seed moved to `seed` (SEEDED) on data_dir's train.bin/val.bin -> ((wall, CPU
-    # seconds), its model from the final checkpoint). It reads configurator.py and data/<dataset>/ from its working
-    # folder: a folder of links to both stands in.
+def nanogpt_command(nanogpt, data_dir, folder, run_args, seed=1337):
+    # the command that runs nanoGPT's train.py (SEEDED) with run_args on data_dir's train.bin/val.bin, from folder:
+    # it reads configurator.py and data/<dataset>/ from its working folder, and a folder of links to both stands in
     os.makedirs(os.path.join(folder, "data"))
     os.symlink(os.path.join(nanogpt, "configurator.py"), os.path.join(folder, "configurator.py"))
     os.symlink(os.path.abspath(data_dir), os.path.join(folder, "data", "given"))
-    cmd = [sys.executable, "-c", SEEDED, str(seed), nanogpt, os.path.join(nanogpt, "train.py"),
-           os.path.join(nanogpt, "config", "train_shakespeare_char.py"), *NANOGPT_BABY, *extra,
-           "--dataset=given", "--out_dir=out"]
-    seconds = timed_run(cmd, folder, env, "nanoGPT's train.py")
+    return [sys.executable, "-c", SEEDED, str(seed), nanogpt, os.path.join(nanogpt, "train.py"), *run_args,
+            "--dataset=given", "--out_dir=out"]
+
+
+def run_nanogpt(nanogpt, data_dir, folder, extra, env, seed=1337):
+    # nanoGPT's baby run with its seed moved to `seed` -> ((wall, CPU seconds), its model from the final checkpoint)
+    run_args = [os.path.join(nanogpt, "config", "train_shakespeare_char.py"), *NANOGPT_BABY, *extra]
+    seconds = timed_run(nanogpt_command(nanogpt, data_dir, folder, run_args, seed), folder, env, "nanoGPT's train.py")
     return seconds, nanogpt_model(nanogpt, os.path.join(folder, "out", "ckpt.pt"))
 
 
-def nanogpt_model(nanogpt, path):
-    # nanoGPT's model.py, imported from its folder under a name of its own (ours is `model`), with a checkpoint's
-    # weights (plain tensors; `_orig_mod.` before their names when the run was compiled)
+def nanogpt_module(nanogpt):
+    # nanoGPT's model.py, imported from its folder under a name of its own (ours is `model`)
     spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(nanogpt, "model.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def nanogpt_model(nanogpt, path):
+    # nanoGPT's model with a checkpoint's weights (plain tensors; `_orig_mod.` before their names when compiled)
+    module = nanogpt_module(nanogpt)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     model = module.GPT(module.GPTConfig(**checkpoint["model_args"]))
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
     return model.eval()
+
+
+def profiled_step(model, optimizer, batches, steps, compile):
+    """model's training step, as both nanoGPT's train.py and ours make it: (_, loss) = model(x, y) under bf16
+    autocast on CUDA, backward, clipping at 1, the optimizer's step; steps of it on batches [(x, y), ...] in turn,
+    nothing else on the host -> (median ms a step past the first third (CUDA events on a GPU), the peak MB (CUDA),
+    torch.profiler's table of three more steps: the 15 ops that took the most device time, or CPU time on a CPU)."""
+    cuda = batches[0][0].is_cuda
+    compiled = torch.compile(model) if compile else model  # the module, as both train.py's compile it
+    autocast = torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=cuda)
+
+    def step(i):
+        x, y = batches[i % len(batches)]
+        with autocast:
+            loss = compiled(x, y)[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(-3, steps):  # three to compile and warm up, not timed
+        began = time.perf_counter()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+        if cuda:
+            events[0].record()
+        step(i)
+        if cuda:
+            events[1].record()
+        if i >= 0:
+            times.append(events if cuda else (time.perf_counter() - began) * 1000)
+    if cuda:
+        torch.cuda.synchronize()
+    ms = [start.elapsed_time(end) for start, end in times] if cuda else times
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(3):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=15,
+                                      max_name_column_width=70)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
+    return statistics.median(ms[len(ms) // 3:]), peak, table
 
 
 def run_ours(run_args, out_dir, env):

@@ -16,7 +16,8 @@ import forkserver
 from helpers import CPU_ENV, needs_tiktoken, script
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ["kernels", "step", "memory", "optimizers", "finetune", "tests"]
+SECTIONS = ["versus", "kernels", "step", "memory", "optimizers", "finetune", "tests"]
+NANOGPT = ROOT.parent / "shared" / "anchors" / "nanogpt"  # this team's unchanged nanoGPT, where there is one
 
 
 def rows(text):
@@ -56,6 +57,19 @@ def run_section(section, tmp_path, *extra, stop_at=None):
             os.killpg(proc.pid, signal.SIGKILL)
         log = proc.communicate()[0]
     return proc.returncode, seen, log
+
+
+def check_versus(text, out):
+    runs = {r[0]: r for r in rows(text)}
+    assert runs.keys() == {"nanoGPT's train.py", "ours, defaults", "ours, --use_kernels=False",
+                           "ours, --use_kernels=True", "nanoGPT's model", "our model, defaults"}
+    assert runs["nanoGPT's train.py"][3] == "1.00x" and all(map(number, runs["ours, defaults"][1:3]))
+    assert all(number(runs[name][1]) and runs[name][3].startswith("versus-profile-") for name in
+               ("nanoGPT's model", "our model, defaults"))
+    for side in ("nanogpt", "ours"):  # torch.profiler's table, the ops by time
+        profile = (out / f"versus-profile-{side}.txt").read_text()
+        assert "Name" in profile and ("aten::mm" in profile or "aten::addmm" in profile), profile
+    assert "number of parameters" not in text  # nanoGPT's own prints are not lines of the report
 
 
 def check_kernels(text):
@@ -104,6 +118,10 @@ def check_tests(text):
 @pytest.mark.parametrize("section", SECTIONS)
 def test_each_section_alone_writes_its_file_as_it_goes(section, tmp_path):
     extra = ["--commit=feedbee"] if section == "tests" else []
+    if section == "versus":
+        if not (NANOGPT / "train.py").is_file():
+            pytest.skip(f"--section=versus runs nanoGPT's own train.py, and there is no nanoGPT checkout at {NANOGPT}")
+        extra = [f"--nanogpt={NANOGPT}", "--steps=4"]
     if section == "optimizers":  # enough steps, at rates a tiny model learns at, to leave the uniform loss
         extra = ["--steps=15", "--learning_rate=1e-2", "--muon_lr=0.05"]
     returncode, seen, log = run_section(section, tmp_path, *extra)
@@ -117,7 +135,7 @@ def test_each_section_alone_writes_its_file_as_it_goes(section, tmp_path):
     # are written to is the same, and a section killed part way keeps its rows: the test below)
     if section != "kernels":
         assert any("\n### " in s and "minutes)" not in s for s in seen[:-1]), seen
-    globals()[f"check_{section}"](text)
+    globals()[f"check_{section}"](*([text, tmp_path / "out"] if section == "versus" else [text]))
     # nothing is left behind: no checkpoint, no scratch folder
     left = [p for p in (tmp_path / "tmp").rglob("*") if p.name.startswith(("ckpt", "bench-gpu"))]
     assert left == []
@@ -138,7 +156,7 @@ def test_a_section_name_not_known_is_refused_in_one_line(tmp_path):
     # forked from the tests' server, torch imported already: a new Python would spend seconds importing it
     done = script("bench.py", "--mode=gpu", "--tiny", "--section=kernels,speed")
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
-    assert "--section=kernels,speed: choose among kernels, step" in done.stderr
+    assert "--section=kernels,speed: choose among versus, kernels, step" in done.stderr
 
 
 def test_readme_gpu_budget_fits_the_lease():
@@ -176,8 +194,6 @@ def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
     assert "bench.py: --mode=encode compares against tiktoken" in done.stderr
 
-
-NANOGPT = ROOT.parent / "shared" / "anchors" / "nanogpt"  # this team's unchanged nanoGPT, where there is one
 
 
 @pytest.mark.slow  # nanoGPT's train.py and two of ours, new Pythons each (~1 minute on 2 cores)
