@@ -1,6 +1,6 @@
 """
 bench.py --mode=gpu: everything a GPU must show (BENCHMARKS.md, "GPU: owed"), made of bench.py's measurements at a
-GPU's shapes, in sections that run alone (--section), each a few minutes long: a GPU machine is lent for 30
+GPU's shapes, in sections that run alone (--section), each a few minutes long: a GPU machine is lent for 15
 minutes at a time, in calls of at most 10. With --out=DIR each section writes DIR/SECTION.md line by line, so
 that a call stopped at its limit still returns what it finished. A row that cannot run (out of memory,
 flash-attn or torchao not installed) is one line, and the rest go on. --tiny runs the same at tiny shapes on a
@@ -34,12 +34,13 @@ import kernels
 from lib import measure
 from lib.errors import UserError
 from lib.measure import (QWEN3_06B, bench_lora, kernel_cases, kernel_table, matmul_peak, nanogpt_command,
-                         nanogpt_module, out_of_time, planned_model, profiled_step, run_train, throughput)
+                         nanogpt_model, nanogpt_module, out_of_time, planned_model, profiled_step, run_ours, run_train,
+                         split_loss, throughput, timed_run)
 from lib.memory import memory_estimate
 from lib.parallel import peak_flops
 from model import GPT, GPTConfig, flash_attn_func
 
-SECTIONS = ("versus", "kernels", "step", "memory", "optimizers", "finetune", "tests")
+SECTIONS = ("versus", "race", "kernels", "step", "memory", "optimizers", "finetune", "tests")
 GPT2_124M = ["config/train_gpt2.py", "--batch_size=16", "--gradient_accumulation_steps=1", "--eval_iters=10"]
 NEAR_1B = [*GPT2_124M, "--n_layer=20", "--n_head=32", "--n_kv_head=8", "--n_embd=2048", "--batch_size=8"]
 LLAMA2_7B = dict(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008,
@@ -154,24 +155,44 @@ def gpu_header(cuda, section, commit):
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, dropout=0.0)
 VERSUS = dict(batch_size=16, block_size=1024)
 VERSUS_TINY = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=2)
+RACE_ACCUMULATION = 4  # micro-steps an update in the race, both sides: 64K tokens, hundreds of updates in minutes
+LEFT_OUT = "left out: name a nanoGPT checkout to run beside ours, --nanogpt=DIR (its train.py, unchanged)"
+
+
+def both_args(shape, cuda, accumulation):
+    # the settings nanoGPT's train.py and ours both take, at shape
+    run_args = [f"--{k}={v}" for k, v in shape.items()] + [f"--gradient_accumulation_steps={accumulation}"]
+    return run_args + (["--compile=True"] if cuda else ["--device=cpu", "--compile=False"])
+
+
+def nanogpt_args(run_args):
+    return [*run_args, "--dtype=float32"] if "--device=cpu" in run_args else run_args  # its CPU default: float16
 
 
 def past_first_third(values):
     return statistics.median(values[len(values) // 3:])  # the first third holds the compile and the warm-up
 
 
-def nanogpt_row(nanogpt, data, folder, run_args, steps):
-    # nanoGPT's train.py with run_args for steps on data -> (median ms a step, its peak MB or None), or a line
-    # saying why there is none. Its times are the `time X ms` of its log lines, one a step.
-    run_args = [*run_args, "--gradient_accumulation_steps=1", f"--max_iters={steps}", f"--lr_decay_iters={steps}",
-                "--eval_interval=100000", "--eval_iters=1", "--log_interval=1", "--always_save_checkpoint=False"]
+def nanogpt_speed(nanogpt, data, folder, run_args, steps):
+    # nanoGPT's train.py with run_args for steps on data -> (median ms a step, its peak MB or None); its times are
+    # the `time X ms` of its log lines, one a step
+    run_args = [*nanogpt_args(run_args), f"--max_iters={steps}", f"--lr_decay_iters={steps}", "--eval_interval=100000",
+                "--eval_iters=1", "--log_interval=1", "--always_save_checkpoint=False"]
     done = subprocess.run(nanogpt_command(nanogpt, data, folder, run_args), cwd=folder, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     times = [float(t) for t in re.findall(r"^iter \d+: .*time ([\d.]+)ms", done.stdout, re.M)]
     if done.returncode or not times:
-        return f"failed: {(done.stdout.strip().splitlines() or ['no output'])[-1][:200]}"
+        raise UserError(f"nanoGPT's train.py failed:\n{done.stdout[-3000:]}")
     peak = re.search(r"^peak memory (\d+) MB", done.stdout, re.M)
     return past_first_third(times), float(peak[1]) if peak else None
+
+
+def our_speed(data, folder, run_args, steps):
+    # our train.py (config/train_gpt2.py, then run_args) for steps on data -> (median ms a step, its peak MB)
+    run_args = ["config/train_gpt2.py", f"--data_dir={data}", *run_args, "--warmup_iters=1",
+                f"--lr_decay_iters={steps}"]
+    records = [r for r in run_train(run_args, folder, steps) if "ms_per_iter" in r]
+    return past_first_third([r["ms_per_iter"] for r in records]), max(r["mem_mb"] for r in records)
 
 
 def versus_profiles(nanogpt, config, batch_size, cuda, out):
@@ -208,12 +229,10 @@ def section_versus(cuda, scratch, args, train_args):
     # under torch.profiler
     print("### Against nanoGPT at its shape: its train.py and ours, the same tokens and steps\n")
     if not args.nanogpt or not os.path.isfile(os.path.join(args.nanogpt, "train.py")):
-        print("left out: name a nanoGPT checkout to run beside ours, --nanogpt=DIR (its train.py, unchanged)")
-        return
+        return print(LEFT_OUT)
     nanogpt, shape = os.path.abspath(args.nanogpt), VERSUS if cuda else VERSUS_TINY
-    config = {**GPT2_SMALL, **{k: v for k, v in shape.items() if k != "batch_size"}}
-    run_args = [f"--{k}={v}" for k, v in shape.items()]
-    run_args += ["--compile=True"] if cuda else ["--device=cpu", "--compile=False"]
+    config, run_args = {**GPT2_SMALL, **shape}, both_args(shape, cuda, 1)
+    del config["batch_size"]
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
         rng.integers(0, 50257, size=4_000_000 if cuda else 200_000, dtype=np.uint16).tofile(f"{scratch}/{split}.bin")
@@ -221,28 +240,18 @@ def section_versus(cuda, scratch, args, train_args):
     with torch.device("meta"):
         flops = GPT(GPTConfig(**config)).flops_per_token() * tokens  # a step's, in PaLM's convention
     rate = peak_flops("cuda" if cuda else "cpu", torch.bfloat16)
-    print(f"{' '.join(run_args)}, accumulation 1, {args.steps} steps, medians past the first third; MFU in PaLM's "
-          f"convention, the same arithmetic for both, against {(rate or 0) / 1e12:.3g} TFLOP/s\n")
+    print(f"{' '.join(run_args)}, {args.steps} steps, medians past the first third; MFU in PaLM's convention, the "
+          f"same arithmetic for both, against {(rate or 0) / 1e12:.3g} TFLOP/s\n")
     print("| run | ms/step | tokens/s | against nanoGPT | MFU | peak memory MB |\n" + "| --- " * 6 + "|")
     runs = [("nanoGPT's train.py", None), ("ours, defaults", [])]
     runs += [(f"ours, --use_kernels={k}", [f"--use_kernels={k}"]) for k in (False, True)]
     base = None
     for i, (label, extra) in enumerate(runs):
-        if out_of_time(label):
-            continue
         if extra is None:
-            tiny = [] if cuda else ["--dtype=float32"]  # its CPU default would be float16
-            row = nanogpt_row(nanogpt, scratch, f"{scratch}/nanogpt", [*run_args, *tiny], args.steps)
+            row = attempt(label, nanogpt_speed, nanogpt, scratch, f"{scratch}/nanogpt", run_args, args.steps)
         else:
-            ours = ["config/train_gpt2.py", f"--data_dir={scratch}", *run_args, "--gradient_accumulation_steps=1",
-                    "--warmup_iters=5", f"--lr_decay_iters={args.steps}", *train_args, *extra]
-            records = attempt(label, run_train, ours, f"{scratch}/ours{i}", args.steps)
-            if records is None:
-                continue
-            steps = [r for r in records if "ms_per_iter" in r]
-            row = past_first_third([r["ms_per_iter"] for r in steps]), max(r["mem_mb"] for r in steps)
-        if isinstance(row, str):
-            print(f"| {label} | {row} |")
+            row = attempt(label, our_speed, scratch, f"{scratch}/ours{i}", [*run_args, *train_args, *extra], args.steps)
+        if row is None:
             continue
         ms, peak = row
         base = ms if extra is None else base  # nanoGPT's, where it ran
@@ -254,6 +263,67 @@ def section_versus(cuda, scratch, args, train_args):
     print("| model | ms/step | peak memory MB | profile |\n" + "| --- " * 4 + "|")
     for label, ms, peak, where in versus_profiles(nanogpt, config, shape["batch_size"], cuda, args.out):
         print(f"| {label} | {ms:.2f} | {'n/a' if math.isnan(peak) else f'{peak:,.0f}'} | {where} |")
+
+
+def gpt2_stdlib(folder, tiny):
+    # the race's real corpus: this Python's standard library (prepare.py's default; --tiny: its json package) in
+    # GPT-2 tokens, nanoGPT's vocabulary, in the layout both trainers read -> its folder
+    data = os.path.join(folder, "stdlib_gpt2")
+    corpus = [os.path.join(sysconfig.get_paths()["stdlib"], "json")] if tiny else []
+    done = subprocess.run([sys.executable, "prepare.py", *corpus, "--tokenizer=gpt2", f"--out_dir={data}"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode:
+        raise UserError((done.stdout.strip().splitlines() or ["prepare.py failed"])[-1])
+    return data
+
+
+def race_model(side, nanogpt, data, folder, run_args):
+    # one side's run to its end -> its final model
+    if side == "ours":
+        return run_ours(["config/train_gpt2.py", f"--data_dir={data}", *run_args], folder, None)[1]
+    cmd = nanogpt_command(nanogpt, data, folder, [*nanogpt_args(run_args), "--always_save_checkpoint=True"])
+    timed_run(cmd, folder, None, "nanoGPT's train.py")
+    return nanogpt_model(nanogpt, os.path.join(folder, "out", "ckpt.pt"))
+
+
+def section_race(cuda, scratch, args, train_args):
+    # nanoGPT (its defaults: 124M, AdamW 6e-4) and ours (config/train_gpt2.py) for the same training time
+    # (--seconds) on the same real corpus, each with as many updates as its own speed fits in that time, its
+    # schedule ended there; then each final model's loss over the whole val split, by the same code for both
+    print(f"### The race: nanoGPT and ours for {args.seconds:g} s of training each, on real text\n")
+    if not args.nanogpt or not os.path.isfile(os.path.join(args.nanogpt, "train.py")):
+        return print(LEFT_OUT)
+    data = attempt("data", gpt2_stdlib, scratch, tiny=not cuda)
+    if data is None:
+        return print("(the race needs GPT-2's encoding: carry tiktoken's files and set TIKTOKEN_CACHE_DIR)")
+    nanogpt, shape = os.path.abspath(args.nanogpt), VERSUS if cuda else VERSUS_TINY
+    run_args, device = both_args(shape, cuda, RACE_ACCUMULATION), "cuda" if cuda else "cpu"
+    val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16)
+    print(f"{' '.join(run_args)}; {os.path.getsize(os.path.join(data, 'train.bin')) // 2:,} train and {len(val):,} "
+          f"val tokens; each timed on {args.steps} steps first, its warm-up then a tenth of its steps\n")
+    print("| run | ms/step | steps | training s | val loss, whole split |\n" + "| --- " * 5 + "|")
+    for side in ("nanoGPT", "ours"):
+        timing_folder = f"{scratch}/{side}_timing"
+        if side == "nanoGPT":
+            side_args = run_args
+            timing = attempt(side, nanogpt_speed, nanogpt, data, timing_folder, side_args, args.steps)
+        else:
+            side_args = [*run_args, *train_args]
+            timing = attempt(side, our_speed, data, timing_folder, side_args, args.steps)
+        if timing is None:
+            continue
+        steps = max(1, round(args.seconds * 1000 / timing[0]))
+        fitted = [f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--warmup_iters={max(1, steps // 10)}",
+                  f"--eval_interval={steps}", "--eval_iters=1"]
+        model = attempt(side, race_model, side, nanogpt, data, f"{scratch}/{side}", [*side_args, *fitted])
+        if model is None:
+            continue
+        model.to(device)
+        logits = (lambda x: model(x, x)[0]) if side == "nanoGPT" else (lambda x: model(x)[0])
+        loss = split_loss(logits, val, shape["block_size"], batch=8 if cuda else 64, device=device)
+        print(f"| {side} | {timing[0]:.1f} | {steps} | {steps * timing[0] / 1000:.1f} | {loss:.4f} |")
+        del model
+        shutil.rmtree(f"{scratch}/{side}", ignore_errors=True)
 
 
 def section_kernels(cuda, scratch, args, train_args):
@@ -431,8 +501,8 @@ def section_tests(cuda, scratch, args, train_args):
                        {"CUDA_VISIBLE_DEVICES": ""})
 
 
-RUN = {"versus": section_versus, "kernels": section_kernels, "step": section_step, "memory": section_memory,
-       "optimizers": section_optimizers, "finetune": section_finetune, "tests": section_tests}
+RUN = {"versus": section_versus, "race": section_race, "kernels": section_kernels, "step": section_step,
+       "memory": section_memory, "optimizers": section_optimizers, "finetune": section_finetune, "tests": section_tests}
 
 
 def bench_gpu(args, train_args):

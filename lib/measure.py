@@ -7,7 +7,9 @@ over a whole split (bench.py --mode=seeds). A train.py that fails raises UserErr
 """
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -388,7 +390,8 @@ def nanogpt_model(nanogpt, path):
     # nanoGPT's model with a checkpoint's weights (plain tensors; `_orig_mod.` before their names when compiled)
     module = nanogpt_module(nanogpt)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    model = module.GPT(module.GPTConfig(**checkpoint["model_args"]))
+    with contextlib.redirect_stdout(io.StringIO()):  # its count of parameters is no line of our reports
+        model = module.GPT(module.GPTConfig(**checkpoint["model_args"]))
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
     return model.eval()
 
@@ -444,12 +447,13 @@ def run_ours(run_args, out_dir, env):
     return seconds, model.eval()
 
 
-def split_loss(logits_of, tokens, window, batch=64):
+def split_loss(logits_of, tokens, window, batch=64, device="cpu"):
     # the mean cross-entropy over every token of a split cut into non-overlapping windows of `window` targets (each
-    # window's inputs the tokens before them, nothing carried between windows); logits_of(x (B, T)) -> (B, T, V)
+    # window's inputs the tokens before them, nothing carried between windows); logits_of(x (B, T)) -> (B, T, V),
+    # on device (where the model is)
     n = (len(tokens) - 1) // window
-    x = torch.from_numpy(tokens[:n * window].astype(np.int64)).view(n, window)
-    y = torch.from_numpy(tokens[1:n * window + 1].astype(np.int64)).view(n, window)
+    x = torch.from_numpy(tokens[:n * window].astype(np.int64)).view(n, window).to(device)
+    y = torch.from_numpy(tokens[1:n * window + 1].astype(np.int64)).view(n, window).to(device)
     total = 0.0
     with torch.no_grad():
         for i in range(0, n, batch):

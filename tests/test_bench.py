@@ -16,7 +16,7 @@ import forkserver
 from helpers import CPU_ENV, needs_tiktoken, script
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ["versus", "kernels", "step", "memory", "optimizers", "finetune", "tests"]
+SECTIONS = ["versus", "race", "kernels", "step", "memory", "optimizers", "finetune", "tests"]
 NANOGPT = ROOT.parent / "shared" / "anchors" / "nanogpt"  # this team's unchanged nanoGPT, where there is one
 
 
@@ -72,6 +72,17 @@ def check_versus(text, out):
     assert "number of parameters" not in text  # nanoGPT's own prints are not lines of the report
 
 
+def check_race(text):
+    assert "on real text" in text and "gradient_accumulation_steps=4" in text
+    race = {r[0]: r for r in rows(text)}
+    assert race.keys() == {"nanoGPT", "ours"}
+    for ms, steps, seconds, loss in (map(float, r[1:]) for r in race.values()):
+        # as many steps as the time holds at the speed measured first; the whole val split's loss, from the final
+        # weights, below a uniform guess over GPT-2's vocabulary (ln 50,257 = 10.83) and finite
+        assert steps == max(1, round(3 * 1000 / ms)) and abs(seconds - steps * ms / 1000) < 0.1
+        assert 0 < loss < 10.83
+
+
 def check_kernels(text):
     kernels = rows(text)
     assert {r[0] for r in kernels} == {"rms_norm", "swiglu", "apply_rotary", "linear_cross_entropy"}
@@ -122,6 +133,11 @@ def test_each_section_alone_writes_its_file_as_it_goes(section, tmp_path):
         if not (NANOGPT / "train.py").is_file():
             pytest.skip(f"--section=versus runs nanoGPT's own train.py, and there is no nanoGPT checkout at {NANOGPT}")
         extra = [f"--nanogpt={NANOGPT}", "--steps=4"]
+    if section == "race":
+        if not (NANOGPT / "train.py").is_file() or "TIKTOKEN_CACHE_DIR" not in os.environ:
+            pytest.skip("--section=race runs nanoGPT's own train.py on text in GPT-2 tokens: no nanoGPT checkout at "
+                        f"{NANOGPT}, or no tiktoken cache")
+        extra = [f"--nanogpt={NANOGPT}", "--steps=3", "--seconds=3"]
     if section == "optimizers":  # enough steps, at rates a tiny model learns at, to leave the uniform loss
         extra = ["--steps=15", "--learning_rate=1e-2", "--muon_lr=0.05"]
     returncode, seen, log = run_section(section, tmp_path, *extra)
@@ -156,12 +172,12 @@ def test_a_section_name_not_known_is_refused_in_one_line(tmp_path):
     # forked from the tests' server, torch imported already: a new Python would spend seconds importing it
     done = script("bench.py", "--mode=gpu", "--tiny", "--section=kernels,speed")
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
-    assert "--section=kernels,speed: choose among versus, kernels, step" in done.stderr
+    assert "--section=kernels,speed: choose among versus, race, kernels, step" in done.stderr
 
 
 def test_readme_gpu_budget_fits_the_lease():
-    # the README's budget, a row a section: each section in one call, each call at most 8 minutes on an H100,
-    # all of them at most 25
+    # the README's budget, a row a section: each section in one call, each call at most 8 minutes on an H100 (of
+    # the 10 a call may last; the sections spread over leases of 15 minutes, their starts included)
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## Measuring on a GPU"):].split("\n\n| section | call |")[1].split("\n\n")[0]
     budget = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()[2:]]
@@ -169,7 +185,7 @@ def test_readme_gpu_budget_fits_the_lease():
     calls = {}
     for row in budget:
         calls[row[1]] = calls.get(row[1], 0) + float(row[-1])
-    assert max(calls.values()) <= 8 and sum(calls.values()) <= 25, calls
+    assert max(calls.values()) <= 8, calls
 
 
 @pytest.mark.slow  # six prepare.py runs, new Pythons each

@@ -8,6 +8,7 @@ bench.py's report names there, where the project's copy has no .git.
 
 There, without an index:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site wheels/*.whl && export PYTHONPATH=/tmp/site
+and, for GPT-2's encoding (bench.py --section=race): export TIKTOKEN_CACHE_DIR=$PWD/wheels/tiktoken_cache
 """
 
 import argparse
@@ -36,6 +37,14 @@ def fetch(out, python):
         sys.exit("wheels.py: pip download failed (above): check that the package index is reachable")
 
 
+def fetch_gpt2(out):
+    # tiktoken's GPT-2 files, for bench.py --section=race there (TIKTOKEN_CACHE_DIR=wheels/tiktoken_cache): it
+    # cannot download them
+    os.environ["TIKTOKEN_CACHE_DIR"] = os.path.join(out, "tiktoken_cache")
+    import tiktoken
+    tiktoken.get_encoding("gpt2")
+
+
 def write_commit(out):
     # the commit (and -dirty for uncommitted changes) of this checkout, for bench.py's report on the machine
     git = ["git", "describe", "--always", "--dirty"]
@@ -53,6 +62,7 @@ def main():
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     fetch(args.out, args.python)
+    fetch_gpt2(args.out)
     commit = write_commit(args.out)
     files = sorted(f for f in os.listdir(args.out) if f.endswith(".whl"))
     total = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
