@@ -210,6 +210,30 @@ def test_text_without_a_safe_cut_is_encoded_in_bounded_pieces(tmp_path):
     assert 0 <= meta["train"]["tokens"] + meta["val"]["tokens"] - (4 << 20) // 4 < 10  # 'aaaa' is one token
 
 
+def folder_state(folder):
+    # every file of a folder with its bytes (None: no folder), to show that a stopped run left it as it was
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())} if folder.exists() else None
+
+
+@needs_tiktoken
+@pytest.mark.parametrize("earlier", [False, True])
+def test_a_compression_bomb_is_refused_in_one_line_and_the_folder_left_as_it_was(tmp_path, earlier):
+    # 128 MiB of one letter in 135 KB of gzip (1 MiB members, each 1 KB): GPT-2's tokenizer would take minutes on
+    # it (a 1 MiB gzip of 1 GiB ran past 10 minutes). It is the third document, met while the outputs are open.
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("hello world\n" * 10)
+    (tmp_path / "in" / "b.txt").write_text("goodbye world\n" * 10)
+    (tmp_path / "in" / "c.txt.gz").write_bytes(gzip.compress(b"a" * (1 << 20)) * 128)
+    if earlier:  # a dataset there before, to be replaced (--overwrite) only by a finished one
+        prepare.main([str(tmp_path / "in" / "a.txt"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
+    before = folder_state(tmp_path / "d")
+    done = subprocess.run([sys.executable, "prepare.py", tmp_path / "in", "--out_dir", tmp_path / "d",
+                           "--overwrite", "--num_workers=1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, preexec_fn=capped(400))
+    one_line(done, "prepare.py", "c.txt.gz inflates to over 100 times its size", "gunzip it")
+    assert done.returncode == 1 and folder_state(tmp_path / "d") == before
+
+
 def test_min_length_applies_to_documents_of_several_pieces(tmp_path):
     # three files of over 64 KB, read in pieces: the middle one has fewer characters (tokens) than min_length
     lines = lambda n, word: "".join(f"{word} {i}\n" for i in range(n))
