@@ -93,11 +93,7 @@ def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False, min_length=
                 batch, size = [], 0
             while pending and (len(pending) > 2 * num_workers or item is None):
                 infos, job = pending.popleft()
-                try:
-                    result = job.result()
-                except ValueError as e:  # a reused char vocabulary that lacks a character
-                    raise UserError(f"{e} (use a tokenizer that covers this corpus)")
-                yield infos, result
+                yield infos, job.result()  # a UserError in a thread (a character a vocabulary lacks) raised here
 
 # -----------------------------------------------------------------------------
 # the run: check the arguments -> learn the vocabulary -> encode and write under .tmp names ->

@@ -34,6 +34,11 @@ HARD_CUT = 1 << 20
 # A JSON record (one line of a .jsonl) past this many bytes is skipped, and reported, without being held whole:
 # json.loads of one takes ~20x its size (a 315 MB line peaked at 7 GB)
 MAX_RECORD = 1 << 25
+# A .gz whose text comes out more than MAX_RATIO times the bytes read from disk, past its first INFLATED_FREE bytes,
+# is refused: text compresses 3 to 10 times, a bomb up to 1000 (a 1 MiB gzip of one letter held 1 GiB of text, over
+# 10 minutes to encode), and prepare.py's time should follow the size of what it is given.
+MAX_RATIO = 100
+INFLATED_FREE = 1 << 26
 BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
 # Where a text can be cut and its pieces encoded apart with the same tokens as the whole, for the
 # regex pre-tokenizers of GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before
@@ -48,6 +53,26 @@ LAST_CUT = re.compile(r"(?s:.*)(?:" + SAFE_CUT.pattern + ")")
 
 class SkipFile(Exception):
     """A file that cannot be read as documents; its message is the reason."""
+
+
+class CheckedGzip(gzip.GzipFile):
+    """A .gz read as GzipFile reads it, refused in one line (UserError) where it inflates past MAX_RATIO."""
+    def read(self, size=-1):
+        return self.checked(super().read(size))
+
+    def readline(self, size=-1):
+        return self.checked(super().readline(size))
+
+    def checked(self, data):
+        if self.tell() > max(INFLATED_FREE, MAX_RATIO * self.fileobj.tell()):  # text out, compressed bytes in
+            raise UserError(f"{self.name} inflates to over {MAX_RATIO} times its size, as a compression bomb does: "
+                            f"gunzip it and pass the text if it is meant, or leave it out")
+        return data
+
+
+def open_input(path):
+    """A file for reading bytes: gunzipped (and checked) where its name ends in .gz."""
+    return CheckedGzip(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
 
 
 class HubSplit(namedtuple("HubSplit", "name config split")):
@@ -162,7 +187,7 @@ def read_documents(path, field, dedup, chat):
         raise SkipFile("not a regular file")
     ext = file_ext(path).removesuffix(".gz")
     if ext in (".jsonl", ".ndjson"):
-        with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
+        with open_input(path) as f:
             for n, line in enumerate(bounded_lines(f, MAX_RECORD), 1):  # bytes: split on \n only, as JSON Lines
                 if line is None:
                     yield str(n), None, f"a record over {MAX_RECORD >> 20} MB (split it)"
@@ -238,7 +263,7 @@ def decoded(path):
     """Yield (bytes, text) of a UTF-8 file PIECE bytes at a time (gunzipped, byte-order mark removed);
     raise SkipFile at a NUL byte (binary) or at bytes that are not UTF-8."""
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0  # a character may span two reads
-    with (gzip.open if path.name.lower().endswith(".gz") else open)(path, "rb") as f:
+    with open_input(path) as f:
         while True:
             data = f.read(PIECE)
             if offset == 0 and data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):

@@ -15,11 +15,12 @@ tokenizer.json of an exported model is tokenizer_json.py's.
 import base64
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from lib.bounds import confined
+from lib.bounds import check_tokenizer_rules, confined
 from lib.errors import UserError
 from lib.files import open_own
 from lib.meta import nanogpt_chars, refuse_unfinished
@@ -71,7 +72,8 @@ class Tokenizer:
         elif self.chars is not None:
             out = [self.encode_chars(text) for text in texts]
         else:
-            encodings = self.hf.encode_batch(texts, add_special_tokens=False)
+            with stopped_in_one_line(self.name):
+                encodings = self.hf.encode_batch(texts, add_special_tokens=False)
             out = [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
         if self.bos_id is not None and starts is not None:  # a document begins as AutoTokenizer begins it
             bos = np.array([self.bos_id], dtype=np.uint32)
@@ -102,7 +104,8 @@ class Tokenizer:
             if getattr(self, "hf_chat", None) is None:  # a second encoder that reads "<|im_end|>" as the token
                 from tokenizers import Tokenizer as HFTokenizer
                 self.hf_chat = HFTokenizer.from_str(self.hf_json)
-            encoding = self.hf_chat.encode(text, add_special_tokens=False)
+            with stopped_in_one_line(self.name):
+                encoding = self.hf_chat.encode(text, add_special_tokens=False)
             ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
         else:
             raise UserError(f"a {self.kind} tokenizer has no special tokens for a chat template: use bpe:N, "
@@ -119,7 +122,8 @@ class Tokenizer:
         at = np.searchsorted(self.codes, code_points)
         unknown = self.codes[np.minimum(at, len(self.codes) - 1)] != code_points
         if unknown.any():
-            raise UserError(f"character {chr(code_points[unknown.argmax()])!r} is not in the vocabulary")
+            raise UserError(f"character {chr(code_points[unknown.argmax()])!r} is not in the vocabulary "
+                            f"(use a tokenizer that covers this text)")
         return self.code_ids[at]
 
     def save(self, out_dir):
@@ -139,6 +143,20 @@ class Tokenizer:
         with open_own(Path(out_dir) / (name + ".tmp"), "w", encoding="utf-8") as f:
             f.write(data)
         return {"kind": self.kind, "name": self.name, "file": name}, name
+
+
+@contextmanager
+def stopped_in_one_line(name):
+    """A Rust panic inside the tokenizers library (its regex engine past its retry limit, ...) comes out as a
+    BaseException with a traceback: here it is one line naming the tokenizer."""
+    try:
+        yield
+    except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:
+        why = (str(e).strip().splitlines() or [""])[0][:160]
+        raise UserError(f"tokenizer {name} failed on a document ({type(e).__name__}: {why}): its normalizer or "
+                        f"pre-tokenizer rules are at fault; use the model's own tokenizer.json") from None
 
 
 def tiktoken_tokenizer(name):
@@ -170,6 +188,7 @@ def hf_tokenizer(name, hf_json):
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError:
         raise UserError("a tokenizer.json needs the tokenizers library (pip install tokenizers)") from None
+    check_tokenizer_rules(name, json.loads(hf_json))  # its normalizer's growth and its regexes, before any text
     hf = HFTokenizer.from_str(hf_json)
     hf.encode_special_tokens = True  # a literal "</s>" in a document is text, not a token
     vocab = hf.get_vocab(with_added_tokens=True)
@@ -177,8 +196,9 @@ def hf_tokenizer(name, hf_json):
     if eot_id is None:
         raise UserError(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} "
                         f"(add one to it)")
-    return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json,
-                     bos_id=post_processor_bos(hf))
+    with stopped_in_one_line(name):
+        bos_id = post_processor_bos(hf)
+    return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json, bos_id=bos_id)
 
 
 def post_processor_bos(hf):

@@ -210,6 +210,30 @@ def test_text_without_a_safe_cut_is_encoded_in_bounded_pieces(tmp_path):
     assert 0 <= meta["train"]["tokens"] + meta["val"]["tokens"] - (4 << 20) // 4 < 10  # 'aaaa' is one token
 
 
+def folder_state(folder):
+    # every file of a folder with its bytes (None: no folder), to show that a stopped run left it as it was
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())} if folder.exists() else None
+
+
+@needs_tiktoken
+@pytest.mark.parametrize("earlier", [False, True])
+def test_a_compression_bomb_is_refused_in_one_line_and_the_folder_left_as_it_was(tmp_path, earlier):
+    # 128 MiB of one letter in 135 KB of gzip (1 MiB members, each 1 KB): GPT-2's tokenizer would take minutes on
+    # it (a 1 MiB gzip of 1 GiB ran past 10 minutes). It is the third document, met while the outputs are open.
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("hello world\n" * 10)
+    (tmp_path / "in" / "b.txt").write_text("goodbye world\n" * 10)
+    (tmp_path / "in" / "c.txt.gz").write_bytes(gzip.compress(b"a" * (1 << 20)) * 128)
+    if earlier:  # a dataset there before, to be replaced (--overwrite) only by a finished one
+        prepare.main([str(tmp_path / "in" / "a.txt"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
+    before = folder_state(tmp_path / "d")
+    done = subprocess.run([sys.executable, "prepare.py", tmp_path / "in", "--out_dir", tmp_path / "d",
+                           "--overwrite", "--num_workers=1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, preexec_fn=capped(400))
+    one_line(done, "prepare.py", "c.txt.gz inflates to over 100 times its size", "gunzip it")
+    assert done.returncode == 1 and folder_state(tmp_path / "d") == before
+
+
 def test_min_length_applies_to_documents_of_several_pieces(tmp_path):
     # three files of over 64 KB, read in pieces: the middle one has fewer characters (tokens) than min_length
     lines = lambda n, word: "".join(f"{word} {i}\n" for i in range(n))
@@ -301,6 +325,64 @@ def test_a_tokenizer_pattern_the_regex_engine_refuses_is_one_line(tmp_path):
     tokenizer_file.write_text(json.dumps({**data, "pattern": "(unclosed"}))
     with pytest.raises(ValueError, match="cannot read the tokenizer in .*re-run prepare.py"):
         load_tokenizer(dataset)
+
+def rules_tokenizer(path, normalizer=None, split=None):
+    # a tokenizer.json of two words, with the normalizer and split regex of a hostile one
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    hf = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    hf.normalizer = normalizer
+    if split:
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
+    hf.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("rules, says", [
+    # a space made 20,000 characters: the issue's 48 KB of text asked for 2 GB and the library aborted the process
+    ({"normalizer": "replace"}, "may make one character into 20,000 (its Replace rule)"),
+    # nested repeats: the issue's ran 120 s on 48 KB without progress; this one takes ~1 s a 200 runs of 20
+    ({"split": r"(a+)+b"}, "repeats a group of repeats or alternatives"),
+    ({"split": r"(a|aa)+b"}, "repeats a group of repeats or alternatives"),
+    # no group repeated, but past the regex engine's retry limit on a run of 60: a panic, a traceback before
+    ({"split": r"\w*" * 10 + "c"}, "failed on a document (PanicException: Onig: Regex search error"),
+])
+def test_a_tokenizer_whose_rules_blow_up_is_stopped_in_one_line_and_the_folder_left_as_it_was(tmp_path, rules, says):
+    from tokenizers import normalizers
+    if rules.get("normalizer"):
+        rules = {"normalizer": normalizers.Replace(" ", "x" * 20000)}
+    tokenizer = rules_tokenizer(tmp_path / "tokenizer.json", **rules)
+    (tmp_path / "in.txt").write_text(("a" * 20 + "c " + "a" * 60 + "-c\n") * 5)  # small: old code ran it whole
+    prepare.main([str(tmp_path / "in.txt"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
+    before = folder_state(tmp_path / "d")
+    done = subprocess.run([sys.executable, "prepare.py", tmp_path / "in.txt", "--out_dir", tmp_path / "d",
+                           "--overwrite", f"--tokenizer={tokenizer}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, preexec_fn=capped(4000))
+    if "Panic" in says:  # Rust's panic hook has printed the library's own message first: no Python code stops it
+        assert "Traceback" not in done.stdout + done.stderr
+        done.stderr = done.stderr.strip().splitlines()[-1]
+    one_line(done, "prepare.py", str(tokenizer), says, "use the model's own tokenizer.json")
+    assert done.returncode == 1 and folder_state(tmp_path / "d") == before
+
+
+@needs_tiktoken
+def test_released_tokenizers_rules_pass_the_checks():
+    # the split patterns of tiktoken's encodings and of Llama 3, and the normalizers of Llama 2 and ALBERT
+    import tiktoken
+
+    from lib.bounds import MAX_GROWTH, nested_repeat, tokenizer_growth
+    from lib.tokenizer_json import onig_pattern
+    llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+    for pattern in [tiktoken.get_encoding(name)._pat_str for name in ("gpt2", "cl100k_base", "o200k_base")]:
+        assert not nested_repeat(pattern) and not nested_repeat(onig_pattern(pattern)), pattern
+    assert not nested_repeat(llama3)
+    def replace(pattern, content, kind="String"):
+        return {"type": "Replace", "pattern": {kind: pattern}, "content": content}
+    llama2 = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, replace(" ", "▁")]}
+    albert = {"type": "Sequence", "normalizers": [replace("``", '"'), {"type": "NFKD"}, {"type": "StripAccents"},
+                                                  {"type": "Lowercase"}, replace(" {2,}", " ", "Regex")]}
+    assert tokenizer_growth([llama2, {"type": "Metaspace"}]) == (4, "Prepend")
+    assert tokenizer_growth([albert, {"type": "Metaspace"}])[0] == 72 <= MAX_GROWTH
 
 # -----------------------------------------------------------------------------
 # silently wrong datasets, and one line, always: through the scripts, where the one-line exit is the point
