@@ -456,9 +456,10 @@ def section_finetune(cuda, scratch, args, train_args):
         skip = ["LoRA, int8 base", "QLoRA"]
     if not cuda:
         bench_lora(train_args, TINY_QWEN3, "tiny Qwen3", ["--batch_size=1", "--block_size=32", "--device=cpu"],
-                   skip, scratch)
+                   skip, scratch, peft_device="cpu")
         return
-    bench_lora(train_args, QWEN3_06B, "Qwen3-0.6B", ["--batch_size=1", "--block_size=1024"], skip, scratch)
+    bench_lora(train_args, QWEN3_06B, "Qwen3-0.6B", ["--batch_size=1", "--block_size=1024"], skip, scratch,
+               peft_device="cuda")
     print()
     reason = full_finetune_room(LLAMA2_7B, scratch)
     if reason:

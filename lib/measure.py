@@ -278,13 +278,51 @@ def random_tokens(folder, vocab):
         json.dump({"dtype": "uint32", "vocab_size": vocab + 1, "eot_id": vocab}, f)
 
 
-def bench_lora(train_args, shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=(), skip=(), scratch=None, steps=10):
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # our seven
+
+
+def peft_finetune(folder, data_dir, lora, steps, block_size, device):
+    """transformers (with peft's LoRA r16 on the seven projections, where lora) fine-tuning the Hugging Face folder
+    on data_dir's train.bin, as a user of those libraries writes it: the weights in bf16 on a GPU (fp32 on a CPU),
+    SDPA, fused AdamW, clipping at 1, micro-batch 1 x block_size, eager -> (median tokens/s of the steps after the
+    first two, peak MB on CUDA or None). transformers and peft are the tests' and this row's, not the project's."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()  # its loading bar is not a line of the report
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=PEFT_TARGETS))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")
+    tokens, rng, times = np.fromfile(os.path.join(data_dir, "train.bin"), dtype=np.uint32), np.random.default_rng(0), []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        start = int(rng.integers(0, len(tokens) - block_size))
+        x = torch.from_numpy(tokens[start:start + block_size].astype(np.int64))[None].to(device)
+        began = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss  # the labels shifted inside: block_size - 1 targets, as ours
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()  # the step's end
+        times.append(time.perf_counter() - began)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+    return block_size / statistics.median(times[2:]), peak
+
+
+def bench_lora(train_args, shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=(), skip=(), scratch=None, steps=10,
+               peft_device=None):
     # each of FINETUNES but those in skip, for steps steps (more than 3: the tokens/s of the steps after the
-    # first two), in a temporary folder under scratch
+    # first two), in a temporary folder under scratch; with peft_device, transformers + peft fine-tune the same
+    # folder on the same data beside them (full and LoRA), and a table puts ours against theirs
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         random_folder(shape, f"{tmp}/model")
         random_tokens(tmp, shape["vocab_size"] - 1)  # the last id is end-of-text
-        settings = " ".join([*train_args, *extra_args]) or "train.py defaults"
+        settings, ours = " ".join([*train_args, *extra_args]) or "train.py defaults", {}
         print(f"{name} shape, torch {torch.__version__}, {settings}, {steps} steps\n")
         print("| fine-tune | trained parameters | optimizer state MB | frozen base MB | peak memory MB "
               "| tokens/s |\n" + "| --- " * 6 + "|")
@@ -299,8 +337,31 @@ def bench_lora(train_args, shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=(), sk
             if done.returncode:  # out of memory, or torchao missing: one line, and the next goes on
                 print(f"| {label} | failed: {done.stdout.strip().splitlines()[-1][:200]} |")
             else:
-                print(finetune_row(label, out, extra))
+                row, ours[label] = finetune_row(label, out, extra)
+                print(row)
             shutil.rmtree(out, ignore_errors=True)  # its checkpoint, read: a 7B one fills a disk
+        if peft_device:
+            block_size = int(next(a for a in extra_args if a.startswith("--block_size=")).split("=")[1])
+            beside_peft(ours, f"{tmp}/model", tmp, steps, block_size, peft_device)
+
+
+def beside_peft(ours, folder, data_dir, steps, block_size, device):
+    # ours {label: (tokens/s, peak MB)} against transformers + peft on the same folder, data and steps
+    print(f"\nAgainst transformers + peft on the same folder, tokens and steps ({device}: bf16 weights on a GPU, "
+          f"SDPA, fused AdamW, clipping at 1, eager)\n")
+    print("| fine-tune | ours tokens/s | theirs tokens/s | ours / theirs | ours peak MB | theirs peak MB |\n"
+          + "| --- " * 6 + "|")
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None:
+        return print("| transformers + peft | not installed here: no rows |")
+    for label in ("full", "LoRA"):
+        if label not in ours or out_of_time(f"transformers + peft, {label}"):
+            continue
+        speed, peak = peft_finetune(folder, data_dir, label == "LoRA", steps, block_size, device)
+        mine = ours[label]
+        print(f"| {label} | {mine[0]:,.0f} | {speed:,.0f} | {mine[0] / speed:.2f}x | {mine[1]:,.0f} | "
+              f"{'n/a' if peak is None else f'{peak:,.0f}'} |")
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def finetune_row(label, out, extra):
@@ -321,7 +382,7 @@ def finetune_row(label, out, extra):
     peak = max(r["mem_mb"] for r in records)
     speed = statistics.median(r["tokens_per_s"] for r in records if r["iter"] > 2)
     return (f"| {label} | {trained / 1e6:,.1f}M | {state / 2**20:,.0f} | {frozen / 2**20:,.0f} | {peak:,.0f} "
-            f"| {speed:,.0f} |")
+            f"| {speed:,.0f} |"), (speed, peak)
 
 # -----------------------------------------------------------------------------
 # nanoGPT beside us: its own train.py, unchanged, run from the folder a user gives (nothing of it is copied here),

@@ -113,6 +113,14 @@ def check_optimizers(text):
 
 def check_finetune(text):
     assert "10 steps" in text
+    text, beside = text.split("Against transformers + peft")
+    # ours against transformers + peft on the same folder and tokens, full and LoRA: both speeds numbers, their ratio
+    against = {r[0]: r for r in rows(beside)}
+    assert against.keys() == {"full", "LoRA"}
+    for _, speed, theirs, ratio, *_ in against.values():
+        assert number(speed) and number(theirs) and ratio.endswith("x")
+        ours, other = (float(cell.replace(",", "")) for cell in (speed, theirs))
+        assert abs(float(ratio[:-1]) - ours / other) <= 0.01  # printed rounded
     finetunes = {r[0]: r for r in rows(text)}
     assert finetunes.keys() == {"full", "LoRA", "LoRA, int8 base", "QLoRA"}
     assert all(len(finetunes[name]) == 6 and all(map(number, finetunes[name][2:])) for name in ("full", "LoRA"))
