@@ -189,6 +189,18 @@ def post_processor_bos(hf):
     return full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
 
 
+def bases_tokenizer(tokenizer, base):
+    """Whether tokenizer is the very tokenizer.json of the Hugging Face folder base (the one a run began from),
+    whose chat template and special tokens then hold for the run's data too."""
+    if tokenizer.kind != "huggingface" or not base:
+        return False
+    try:
+        with open(os.path.join(base, "tokenizer.json"), encoding="utf-8") as f:
+            return f.read() == tokenizer.hf_json
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def wordpiece_tokenizer(name, size, texts):
     """A WordPiece vocabulary of size tokens learned from texts() with the tokenizers library, as BERT's: text
     split at whitespace and punctuation (case kept), words into pieces marked ##; decoding joins the words with
