@@ -29,6 +29,7 @@ from lib.files import durable_replace, open_own
 from lib.hf import read_json, save_pretrained, special_ids
 from lib.lora import merge_lora, write_adapter
 from lib.meta import read_meta
+from lib.tokenizer import bases_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files
 
 # -----------------------------------------------------------------------------
@@ -141,21 +142,6 @@ def write_chat(folder, chat, eot_id):
     generation["eos_token_id"] = list(dict.fromkeys(generation["eos_token_id"]))
     write_json(os.path.join(folder, "tokenizer_config.json"), config)
     write_json(os.path.join(folder, "generation_config.json"), generation)
-
-
-def bases_tokenizer(tokenizer, base):
-    # whether the data was made with the very tokenizer.json of the folder the run began from
-    if tokenizer.kind != "huggingface":
-        return False
-    return read_text(os.path.join(base, "tokenizer.json")) == tokenizer.hf_json
-
-
-def read_text(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def folder_dtype(pretrained):

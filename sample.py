@@ -21,7 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from lib.chat import ChatFormat
-from lib.checkpoint import load_run
+from lib.checkpoint import chat_folder, load_run
 from lib.errors import UserError, one_line_errors
 from lib.hf import load_pretrained
 from lib.parallel import pick_device
@@ -75,7 +75,9 @@ else:  # a run's checkpoint, and the tokenizer of the data it was trained on
                                                 args.data_dir)
     except ValueError as e:
         raise UserError(str(e)) from None
-    folder = checkpoint["data_dir"]  # its meta.json holds the chat template of conversations
+    # its data's meta.json holds the template of conversations; a text fine-tune chats with its base's, as its
+    # export does
+    folder = chat_folder(checkpoint, tokenizer)
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
 torch.manual_seed(args.seed)
@@ -106,8 +108,8 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
     except (ValueError, OSError, KeyError) as e:
         raise UserError(f"cannot chat with this model's template ({e})") from None
     if chat.origin == "built-in":  # it never learned one: a template of ours would only confuse it
-        raise UserError(f"--chat needs a model trained on conversations: {folder} has no chat template (its data "
-                        f"was prepared from text, or the folder has none); sample without --chat")
+        raise UserError(f"--chat needs a model trained on conversations, or begun from a folder with a chat template: "
+                        f"{folder} has no chat template; sample without --chat")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:

@@ -11,7 +11,7 @@
 # and AutoModelForCausalLM.from_pretrained("models/Qwen3-0.6B-finetuned") in transformers (or vLLM).
 # The shape comes from the folder's config.json; the settings below are the fine-tune's own.
 
-init_from = "models/Qwen3-0.6B"
+init_from = "models/Qwen3-0.6B"  # another model: --init_from=FOLDER, its shape read from its config.json
 data_dir = "data/finetune"  # prepared with the model's own tokenizer (train.py refuses any other)
 out_dir = "out-finetune"
 

@@ -12,7 +12,7 @@
 # then AutoModelForCausalLM.from_pretrained("models/Qwen3-0.6B-lora"), or
 # PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("models/Qwen3-0.6B"), "adapters/qwen3").
 
-init_from = "models/Qwen3-0.6B"
+init_from = "models/Qwen3-0.6B"  # another model: --init_from=FOLDER, its shape read from its config.json
 data_dir = "data/finetune"  # prepared with the model's own tokenizer (train.py refuses any other)
 out_dir = "out-lora"
 

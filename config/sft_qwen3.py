@@ -8,7 +8,7 @@
 #   python sample.py --out_dir=out-sft --chat --start="What is a monad?" --temperature=0
 #   python export.py --out_dir=out-sft --ckpt=ckpt_best.pt --to=models/Qwen3-0.6B-sft   # template + eos kept
 
-init_from = "models/Qwen3-0.6B"
+init_from = "models/Qwen3-0.6B"  # another model: --init_from=FOLDER, its shape read from its config.json
 data_dir = "data/sft"  # prepared with the model's own tokenizer (train.py refuses any other)
 out_dir = "out-sft"
 

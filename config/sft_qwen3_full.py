@@ -8,7 +8,7 @@
 #   python eval.py --out_dir=out-sft-full --ckpt=ckpt_best.pt      # each val conversation on its own, as logged
 #   python export.py --out_dir=out-sft-full --ckpt=ckpt_best.pt --to=models/Qwen3-0.6B-sft
 
-init_from = "models/Qwen3-0.6B"
+init_from = "models/Qwen3-0.6B"  # another model: --init_from=FOLDER, its shape read from its config.json
 data_dir = "data/sft"  # prepared with the model's own tokenizer (train.py refuses any other)
 out_dir = "out-sft-full"
 

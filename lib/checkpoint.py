@@ -36,7 +36,7 @@ from lib.hf import fingerprint, load_pretrained
 from lib.lora import add_lora, trained_only
 from lib.memory import state_bytes
 from lib.meta import read_meta
-from lib.tokenizer import check_tokenizer, load_tokenizer
+from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer
 from model import GPT, GPTConfig
 
 # The training loop's own state as a run begins: the step, the best val loss so far, the evaluations since it
@@ -305,6 +305,17 @@ def load_run(path, base_dtype=None, data_dir=None):
     if data_dir:
         check_run_tokenizer(data_dir, checkpoint, model.config.vocab_size)
     return model, tokenizer, checkpoint
+
+
+def chat_folder(checkpoint, tokenizer):
+    """The folder whose chat template a run chats with (sample.py --chat), the one export.py gives its folder:
+    the data's, where it was made from conversations with one; else the Hugging Face folder the run began from,
+    where the data was made with that folder's very tokenizer.json (a text fine-tune of a chat model); else the
+    data's, which has none."""
+    data_dir, base = checkpoint["data_dir"], checkpoint.get("pretrained")
+    if read_meta(data_dir).get("chat") or not bases_tokenizer(tokenizer, base):
+        return data_dir
+    return base
 
 
 # -----------------------------------------------------------------------------

@@ -209,6 +209,18 @@ def post_processor_bos(hf):
     return full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
 
 
+def bases_tokenizer(tokenizer, base):
+    """Whether tokenizer is the very tokenizer.json of the Hugging Face folder base (the one a run began from),
+    whose chat template and special tokens then hold for the run's data too."""
+    if tokenizer.kind != "huggingface" or not base:
+        return False
+    try:
+        with open(os.path.join(base, "tokenizer.json"), encoding="utf-8") as f:
+            return f.read() == tokenizer.hf_json
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def wordpiece_tokenizer(name, size, texts):
     """A WordPiece vocabulary of size tokens learned from texts() with the tokenizers library, as BERT's: text
     split at whitespace and punctuation (case kept), words into pieces marked ##; decoding joins the words with
@@ -337,6 +349,9 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
                          f"({type(e).__name__}: {e}): {fix}") from None
+    if ours.kind == theirs.kind == "huggingface" and ours.hf_json == theirs.hf_json:
+        return  # the very same tokenizer.json. (Its text need not give a document's ids back: a SentencePiece-style
+        # one, Mistral's, puts no "\u2581" before a text that begins with a space, and its decoding drops one.)
     # conversations' markers (<|im_start|>, ...) are special tokens: their text reads as those; a text
     # document begins with the BOS its tokenizer puts there, which is no text of it
     encode = (lambda text: theirs.encode_chat(text, [])[0].tolist()) if meta.get("masks") else \

@@ -224,6 +224,38 @@ def test_hf_tokenizer_without_eot_is_refused(tmp_path):
     write(tmp_path / "src" / "a.txt", "hello")
     one_line_error(cli(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", folder), "end-of-text")
 
+def test_a_sentencepiece_style_tokenizer_json_is_its_own_models(tmp_path):
+    # a SentencePiece-style tokenizer.json as transformers converts one today (Mistral's): "\u2581" for a space, one
+    # put before a text unless it begins with one, bytes outside the vocabulary as <0xNN>, and decoding that drops
+    # the first space. Indented code then does not give its ids back through its text; the data is still what the
+    # tokenizer makes (with its BOS), and a model folder holding the very same tokenizer.json is its model's
+    # (train.py --init_from and eval.py --model check so; refused before)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from lib.meta import read_meta
+    from lib.tokenizer import check_tokenizer
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    specials = ["<unk>", "<s>", "</s>", *bytes_]
+    tok.train_from_iterator(DOCS * 3, trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder = tmp_path / "mistral"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    docs = [f"    def f{i}(x):\n        return x * {i}\n" for i in range(10)]
+    for i, doc in enumerate(docs):
+        write(tmp_path / "src" / f"{i}.py", doc)
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", folder, "--val_fraction=0.5")
+    ids = np.concatenate([np.fromfile(tmp_path / "out" / f"{name}.bin", dtype=meta["dtype"])
+                          for name in ("train", "val")])
+    written = {tuple(doc) for doc in np.split(ids, np.flatnonzero(ids == 2) + 1)[:-1]}
+    assert meta["val"]["documents"] and written == {tuple(tok.encode(doc).ids + [2]) for doc in docs}
+    assert load_tokenizer(tmp_path / "out").decode(tok.encode(docs[0]).ids[1:]) != docs[0]  # no way back
+    check_tokenizer(tmp_path / "out", read_meta(tmp_path / "out"), str(folder), tok.get_vocab_size())
+
+
 # -----------------------------------------------------------------------------
 # input formats
 
