@@ -214,10 +214,13 @@ def bases_tokenizer(tokenizer, base):
     whose chat template and special tokens then hold for the run's data too."""
     if tokenizer.kind != "huggingface" or not base:
         return False
-    try:
-        with open(os.path.join(base, "tokenizer.json"), encoding="utf-8") as f:
-            return f.read() == tokenizer.hf_json
-    except (OSError, UnicodeDecodeError):
+    path, ours = os.path.join(base, "tokenizer.json"), tokenizer.hf_json.encode("utf-8")
+    try:  # read only a regular file of our own one's size: a FIFO or a huge file there is not it
+        if not os.path.isfile(path) or os.path.getsize(path) != len(ours):
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(ours) + 1) == ours
+    except OSError:
         return False
 
 
