@@ -50,9 +50,10 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
             f.write(text)
     # A base's own settings go along where they still hold: its generation defaults, and, when the data
     # was made with its very tokenizer, its tokenizer_config.json (chat template, special tokens).
-    names = ["generation_config.json"]
+    names, jinja = ["generation_config.json"], None
     if bases_tokenizer(tokenizer, base):
         names += ["tokenizer_config.json", "special_tokens_map.json"]
+        jinja = base_jinja(base)  # a newer folder's template, beside tokenizer_config.json: into it here
     for name in names:
         if os.path.lexists(os.path.join(base, name)):
             carry(base, name, folder)
@@ -63,6 +64,7 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
         # no EOS after one but its own end-of-text, whatever a base's tokenizer_config.json says: a runtime
         # must encode a prompt as the data was.
         config = read_json(os.path.join(folder, "tokenizer_config.json"))
+        config.update({"chat_template": jinja} if jinja else {})
         write_json(os.path.join(folder, "tokenizer_config.json"),
                    {**config, "add_bos_token": tokenizer.bos_id is not None, "add_eos_token": False})
     chat = read_meta(checkpoint["data_dir"]).get("chat")
@@ -87,6 +89,22 @@ def carry(base, name, folder, limit=1 << 20):
                         f"or remove it") from None
     with open_own(os.path.join(folder, name), "wb") as f:
         f.write(data)
+
+
+def base_jinja(base, limit=1 << 20):
+    # a base folder's chat_template.jinja (which transformers reads before tokenizer_config.json's), or None: a
+    # regular file inside the folder, of text, read as data
+    if not os.path.lexists(os.path.join(base, "chat_template.jinja")):
+        return None
+    path = confined(base, "chat_template.jinja", f"the base model folder {base}")
+    if os.path.getsize(path) > limit:
+        raise UserError(f"{path} is over {limit:,} bytes, not a chat template: replace it with the model's own, or "
+                        f"remove it")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text, not a chat template: replace it with the model's own, or "
+                        f"remove it") from None
 
 
 def run_special_ids(tokenizer, base):
@@ -120,7 +138,7 @@ def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
         ids["eos_token_id"] = chat["end_of_turn_id"]
     elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
         config = os.path.join(base, "tokenizer_config.json")
-        template = read_json(config).get("chat_template") if os.path.isfile(config) else None
+        template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)
     write_gguf(model, tokenizer, path, getattr(torch, dtype), ids, template)
 
 

@@ -389,17 +389,23 @@ def test_sft_config_on_conversations_with_lora_under_fsdp(pretrained, tmp_path):
     assert done.returncode != 0 and "has no chat template" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
-def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_does(pretrained, tmp_path):
-    # a base whose tokenizer_config.json holds a chat template, fine-tuned on text: the run's data has no template,
-    # and sample.py --chat takes the base's (the data was made with its very tokenizer.json), the one its export
-    # carries: the same reply from the run and from the exported folder
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_does(pretrained, tmp_path, where):
+    # a base whose tokenizer_config.json (or, as newer folders, chat_template.jinja) holds a chat template,
+    # fine-tuned on text: the run's data has no template, and sample.py --chat takes the base's (the data was made
+    # with its very tokenizer.json), the one its export carries: the same reply from the run and from the export
     import shutil
     folder, data = pretrained
     base = shutil.copytree(folder, tmp_path / "chat-base")
     template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}"
                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}")
-    (base / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|endoftext|>"}))
+    config = {"eos_token": "<|endoftext|>"}
+    if where == "chat_template.jinja":
+        (base / where).write_text(template)
+    else:
+        config["chat_template"] = template
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
     run(*FINETUNE, f"--data_dir={data}", f"--init_from={base}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
     export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
     chat = ["--chat", "--start=def main", "--max_new_tokens=8", "--temperature=0", "--device=cpu"]
@@ -408,6 +414,7 @@ def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_
     exported = script("sample.py", f"--model={tmp_path / 'hf'}", *chat)
     assert exported.returncode == 0, exported.stderr
     assert ours.stdout.strip() and ours.stdout == exported.stdout
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == template
 
 
 def test_eval_sizes_a_folders_window_from_the_data_not_its_context(pretrained, tmp_path):
