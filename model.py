@@ -13,12 +13,12 @@ checkpoint.py's, and spreading it over processes parallel.py's.
 
 import inspect
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 import kernels
 
@@ -71,6 +71,13 @@ class GPTConfig:
 # tensor parallel splits them, Hugging Face names them (hf.HF_PROJECTIONS)
 PROJECTIONS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "gate": "mlp.gate", "up": "mlp.up",
                "down": "mlp.down"}
+
+
+def is_dtensor(t):
+    # a shard of FSDP or tensor parallel; where torch.distributed.tensor was never imported (~1.3 s at every start
+    # that a run without shards need not pay) none can be one
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def fused(use_kernels, x, compiled_too=False):
@@ -371,7 +378,7 @@ class GPT(nn.Module):
         elif kind == "adam":  # weight decay as torch's Adam does it: an L2 term added to the gradient
             optimizers = [torch.optim.Adam(groups, lr=learning_rate, betas=betas, fused=fused or None)]
         elif kind == "sgd":  # its fused step has no rule for sharded (DTensor) parameters: foreach under FSDP
-            sharded = any(isinstance(p, DTensor) for p in rest)
+            sharded = any(is_dtensor(p) for p in rest)
             optimizers = [torch.optim.SGD(groups, lr=learning_rate, momentum=momentum,
                                           fused=(fused and not sharded) or None)]
         else:

@@ -24,12 +24,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from lib.bounds import check_shapes, check_sizes, layer_count
-from lib.dcp_metadata import CheckedReader, read_metadata
 from lib.errors import UserError
 from lib.files import durable_replace, open_own
 from lib.hf import fingerprint, load_pretrained
@@ -37,7 +33,14 @@ from lib.lora import add_lora, trained_only
 from lib.memory import state_bytes
 from lib.meta import read_meta
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, is_dtensor
+
+def dcp():
+    # torch.distributed.checkpoint, imported where a sharded checkpoint is read or written: with the layouts it
+    # brings, ~1.3 s at a start that a run of files never needs
+    import torch.distributed.checkpoint
+    return torch.distributed.checkpoint
+
 
 # The training loop's own state as a run begins: the step, the best val loss so far, the evaluations since it
 # improved, the updates skipped in a row for a non-finite loss, and whether the step's evaluation is done (a
@@ -79,13 +82,14 @@ def read_sharded(folder, device="cpu"):
     """The model's weights of a sharded checkpoint, whole, in one process (no process group needed):
     {name: tensor}, as a file checkpoint's "model" holds them."""
     try:
+        from lib.dcp_metadata import CheckedReader
         reader = CheckedReader(folder)  # UserError for metadata that is not DCP's own
         weights = {name.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype, device=device)
                    for name, m in reader.metadata.state_dict_metadata.items() if name.startswith("model.")}
         with warnings.catch_warnings():  # that it reads in one process is what we ask for
             warnings.simplefilter("ignore")
-            dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
-    except (dcp.api.CheckpointException, RuntimeError, OSError, AttributeError) as e:
+            dcp().load({"model": weights}, storage_reader=reader, no_dist=True)
+    except (dcp().api.CheckpointException, RuntimeError, OSError, AttributeError) as e:
         raise UserError(f"{folder} is not a readable sharded checkpoint ({first_line(e)}); "
                          f"use another one, e.g. ckpt_best or a ckpt_NNNNNNN") from None
     return weights
@@ -377,6 +381,7 @@ def copy_checkpoint(src, dst):
 def sharded_state(model, optimizers, lora):
     # What a sharded checkpoint holds, each process its own shards of it: the weights (a LoRA run's adapters
     # alone) and the optimizers' tensors, by parameter name, so that they load into any other layout
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     model_state, optim_state = get_state_dict(model, optimizers)
     return trained_only(model, model_state) if lora else model_state, optim_state
 
@@ -391,8 +396,9 @@ def whole_state(model, optimizers):
     """The model's weights and the first optimizer's state as one process holds them (torch's own
     state_dict layout, parameters by their index), gathered from the shards of FSDP or tensor parallel onto
     the master's CPU (every process must call it then; the others get nothing)."""
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+    if not any(is_dtensor(p) for p in model.parameters()):
         return model.state_dict(), optimizers[0].state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     weights, optim = get_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True,
                                                                                 cpu_offload=True))
     if not optim:  # not the master
@@ -416,7 +422,7 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
         write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch)
     except UserError as e:  # a save that is not whole (check_shards)
         failed = str(e)
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+    except (OSError, RuntimeError, dcp().api.CheckpointException) as e:
         # torch.save reports a full disk as "unexpected pos": the free space against the checkpoint's size says
         model_state = trained_only(model, model.state_dict()) if lora else model.state_dict()
         needed = nested_bytes([model_state] + [opt.state_dict()["state"] for opt in optimizers])
@@ -487,6 +493,7 @@ def check_room(out_dir, model, optimizer, lora):
 def check_shards(tmp, latest):
     # Every shard .metadata names is in tmp, whole, before tmp becomes a checkpoint: another node's shards are
     # elsewhere where out_dir is not shared (start.check_shared refuses that at start; a mount can still vanish)
+    from lib.dcp_metadata import read_metadata
     missing = [info.relative_path for info in read_metadata(tmp).storage_data.values()
                if not os.path.isfile(path := os.path.join(tmp, info.relative_path))
                or os.path.getsize(path) < info.offset + info.length]
@@ -514,7 +521,7 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
         model_state, optim_state = sharded_state(model, optimizers, lora)
         with warnings.catch_warnings():  # without a process group it warns that it writes in one process
             warnings.simplefilter("ignore")
-            dcp.save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=tmp)
+            dcp().save({"model": model_state, "optimizer": optim_state["state"]}, checkpoint_id=tmp)
         if not master:
             return
         write_file({**state, "param_groups": optim_state["param_groups"]}, os.path.join(tmp, "state.pt"))
@@ -550,14 +557,17 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
     """Load what the model built from checkpoint (model_from_checkpoint, or a fresh model for a sharded one)
     still lacks: a sharded checkpoint's weights, resharded to this layout, and every optimizer's state,
     whichever layout saved it. UserError in one line for a damaged checkpoint."""
+    if os.path.isdir(path) or sharded:  # torch's layouts, imported where shards are (dcp())
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     if os.path.isdir(path):  # each process reads what its shards need, resharded from however they were saved
         model_state, optim_state = sharded_state(model, optimizers, lora)
+        from lib.dcp_metadata import CheckedReader
         reader = CheckedReader(path)  # UserError for metadata that is not DCP's own
         try:
             with warnings.catch_warnings():  # without a process group it warns that it reads in one process
                 warnings.simplefilter("ignore")
-                dcp.load({"model": model_state, "optimizer": optim_state["state"]}, storage_reader=reader)
-        except (dcp.api.CheckpointException, RuntimeError, OSError) as e:
+                dcp().load({"model": model_state, "optimizer": optim_state["state"]}, storage_reader=reader)
+        except (dcp().api.CheckpointException, RuntimeError, OSError) as e:
             raise UserError(f"{path} is not a readable sharded checkpoint ({first_line(e)}); resume "
                              f"from another (ckpt_best, ckpt_NNNNNNN)") from None
         optim_state["param_groups"] = checkpoint["param_groups"]

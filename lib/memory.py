@@ -12,12 +12,11 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 import kernels
 from lib.errors import UserError
 from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT
-from model import PROJECTIONS, runs_fused
+from model import PROJECTIONS, is_dtensor, runs_fused
 
 # tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
 # projections after them by input columns; embeddings, norms and the head stay whole
@@ -112,7 +111,7 @@ def state_bytes(params, optimizer, dp, tp, fsdp, quantized, ddp):
     """(weights, gradients, optimizer state) in bytes one process holds of params, [(name, parameter)]: see
     memory_estimate; DDP keeps flat buckets beside the gradients."""
     def held(name, p):  # the bytes of this process's part
-        if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not isinstance(p, DTensor):
+        if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not is_dtensor(p):
             # quantized already (nf4, int8): its parts, in proportion
             return tensor_bytes(p) * held_values(name, p, dp, tp, fsdp) // p.numel()
         if quantized and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:

@@ -18,15 +18,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.fsdp import register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lib.errors import UserError
-from model import PROJECTIONS
+from model import PROJECTIONS, is_dtensor
 
 # Tensor parallel splits q, k, v, gate and up by their outputs (heads, hidden units) and their consumers by
 # their inputs: each process computes its heads and hidden units whole, and one all-reduce per pair joins them
@@ -233,6 +228,8 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, 
         raise UserError(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, "
                         f"N a multiple)")
     dp_size = world_size // tp_size
+    from torch.distributed.device_mesh import init_device_mesh  # here: torch.distributed's layouts cost ~1.3 s to
+    # import, which a run of one process never needs (model.is_dtensor)
     mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp")) \
         if dist.is_initialized() else None
     return Processes(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, master=rank == 0,
@@ -247,6 +244,7 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
     (fsdp) or DDP (ddp) over the data-parallel replicas. Under FSDP the shards stay fp32 master weights and,
     with dtype bf16, the gathered weights are bf16 and gradients are reduced in fp32."""
     if tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         plan = {PROJECTIONS[n]: ColwiseParallel() for n in SPLIT_BY_OUTPUT}
         plan.update({PROJECTIONS[n]: RowwiseParallel() for n in SPLIT_BY_INPUT})
         for block in model.blocks:
@@ -259,6 +257,8 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
         for module in model.blocks if fsdp or tp > 1 else [model]:
             module.compile()
     if fsdp:
+        from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                            register_fsdp_forward_method)
         # Each block is one FSDP unit, gathered whole only while it computes (forward and backward) and split
         # over the processes otherwise; the root unit holds the rest (embedding, final norm, head).
         mixed = MixedPrecisionPolicy()
@@ -281,9 +281,9 @@ def clip_gradients(model, max_norm):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     groups = {}
     for g in grads:
-        groups.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(g)
+        groups.setdefault((g.device_mesh, g.placements) if is_dtensor(g) else None, []).append(g)
     norms = [torch.nn.utils.get_total_norm(group) for group in groups.values()]
-    total = torch.nn.utils.get_total_norm([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
+    total = torch.nn.utils.get_total_norm([n.full_tensor() if is_dtensor(n) else n for n in norms])
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_, on each process's shards
-    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], scale)
+    torch._foreach_mul_([g.to_local() if is_dtensor(g) else g for g in grads], scale)
     return total

@@ -75,14 +75,14 @@ def test_a_sharded_save_whose_shards_are_not_all_in_place_is_never_published(tmp
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
     ckpt.save(str(tmp_path), {"iter_num": 1}, model, optimizers, sharded=True, lora=0)
     before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    dcp_save = ckpt.dcp.save
+    dcp_save = ckpt.dcp().save
 
     def save_elsewhere(state, checkpoint_id):
         dcp_save(state, checkpoint_id=checkpoint_id)
         for shard in os.listdir(checkpoint_id):
             if shard.endswith(".distcp"):
                 os.remove(os.path.join(checkpoint_id, shard))
-    monkeypatch.setattr(ckpt.dcp, "save", save_elsewhere)
+    monkeypatch.setattr(ckpt.dcp(), "save", save_elsewhere)
     with pytest.raises(ckpt.UserError, match=r"ckpt.tmp lacks __0_0.distcp \(of 1 missing shard files\), written "
                                              r"where this node cannot see it: put out_dir on storage every node "
                                              r"shares; \S+/ckpt is left as it was"):

@@ -42,3 +42,21 @@ def test_imports_run_one_way():
     for name in SCRIPTS:
         wrong = {n for n in project_imports(ROOT / f"{name}.py") if n.split(".")[0] in SCRIPTS}
         assert not wrong, f"{name}.py imports the script(s) {sorted(wrong)}"
+
+
+def test_a_run_of_one_process_never_imports_torchs_layouts():
+    # torch.distributed.tensor and .checkpoint (sympy with them) cost ~1.5 s at every start: what train.py and
+    # sample.py import at their top leaves them to where shards are (FSDP, tensor parallel, sharded checkpoints),
+    # and model.is_dtensor tells a shard without them. A new Python: the tests' server has imported everything.
+    import subprocess
+    import sys
+    scripts = [ast.parse((ROOT / f"{name}.py").read_text()) for name in ("train", "sample")]
+    modules = sorted({n for tree in scripts for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                      for n in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module])
+                      if n and (n.split(".")[0] in ROOT_FILES or n.startswith("lib."))})
+    code = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', "
+            "'torch.distributed.checkpoint', 'torch.distributed.fsdp'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "lib.checkpoint" in modules and done.stdout.strip() == "[]", done.stdout
