@@ -232,8 +232,11 @@ def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_
     steps = {int(line.split("saving at step ")[1].split()[0]) for line in stops}
     assert len(steps) == 1, stops  # every rank agrees
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == steps.pop()
-    # the workers exit cleanly; the only traceback is torchrun's own report of the signal it got
-    assert output.count("Traceback") == output.count("SignalException: Process") == 1, output
+    # the workers exit cleanly: no traceback passes through the project's code, and the one report is torchrun's
+    # own of the signal it got (its agent can chain an error of its own to it, when the signal lands inside its
+    # metrics wrapper: torch's race, seen once here, not the workers')
+    assert output.count("SignalException: Process") == 1, output
+    assert not re.search(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)', output), output
 
 
 def nan_config(tmp_path, from_call):
