@@ -73,14 +73,19 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     return note
 
 
-def carry(base, name, folder, limit=1 << 20):
-    # A base folder's file into the export, which a user may publish: only a regular file inside the base (a link
-    # planted there could name a private key) that parses as the JSON object its name says, copied byte for byte
+def base_file(base, name, what, limit=1 << 20):
+    # a base folder's file, which an export carries and a user may publish, as bytes: only a regular file inside
+    # the base (a link planted there could name a private key), of at most limit bytes
     path = confined(base, name, f"the base model folder {base}")
     if os.path.getsize(path) > limit:
-        raise UserError(f"{path} is over {limit:,} bytes, not the JSON file its name says: replace it with the "
-                        f"model's own, or remove it")
-    data = path.read_bytes()
+        raise UserError(f"{path} is over {limit:,} bytes, not {what}: replace it with the model's own, or remove it")
+    return path, path.read_bytes()
+
+
+def carry(base, name, folder):
+    # A base folder's file into the export (base_file) that parses as the JSON object its name says, copied
+    # byte for byte
+    path, data = base_file(base, name, "the JSON file its name says")
     try:
         if not isinstance(json.loads(data), dict):
             raise ValueError("not an object")
@@ -91,17 +96,14 @@ def carry(base, name, folder, limit=1 << 20):
         f.write(data)
 
 
-def base_jinja(base, limit=1 << 20):
-    # a base folder's chat_template.jinja (which transformers reads before tokenizer_config.json's), or None: a
-    # regular file inside the folder, of text, read as data
+def base_jinja(base):
+    # a base folder's chat_template.jinja (which transformers reads before tokenizer_config.json's) as text
+    # (base_file), or None
     if not os.path.lexists(os.path.join(base, "chat_template.jinja")):
         return None
-    path = confined(base, "chat_template.jinja", f"the base model folder {base}")
-    if os.path.getsize(path) > limit:
-        raise UserError(f"{path} is over {limit:,} bytes, not a chat template: replace it with the model's own, or "
-                        f"remove it")
+    path, data = base_file(base, "chat_template.jinja", "a chat template")
     try:
-        return path.read_bytes().decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text, not a chat template: replace it with the model's own, or "
                         f"remove it") from None

@@ -142,10 +142,10 @@ def tokenizer_growth(steps):
     """-> (how many characters one may become through steps, a normalizer and a pre-tokenizer; the kind of rule
     that grows it most). A table of Unicode's (Precompiled) that grows no more than Unicode does counts as one."""
     growths = [(rule_growth(leaf), leaf.get("type")) for step in steps for leaf in leaf_rules(step)]
-    unicode = max([g for g, kind in growths if kind in UNICODE or (kind == "Precompiled" and g <= 18)], default=1)
-    growth = unicode
-    for g, kind in growths:
-        growth *= 1 if kind in UNICODE or (kind == "Precompiled" and g <= 18) else g
+    like_unicode = [kind in UNICODE or (kind == "Precompiled" and g <= 18) for g, kind in growths]
+    growth = max([g for (g, _), alike in zip(growths, like_unicode) if alike], default=1)
+    for (g, _), alike in zip(growths, like_unicode):
+        growth *= 1 if alike else g
     return growth, max(growths, key=lambda each: each[0], default=(1, None))[1]
 
 

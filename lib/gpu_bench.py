@@ -231,8 +231,8 @@ def section_versus(cuda, scratch, args, train_args):
     if not args.nanogpt or not os.path.isfile(os.path.join(args.nanogpt, "train.py")):
         return print(LEFT_OUT)
     nanogpt, shape = os.path.abspath(args.nanogpt), VERSUS if cuda else VERSUS_TINY
-    config, run_args = {**GPT2_SMALL, **shape}, both_args(shape, cuda, 1)
-    del config["batch_size"]
+    config = {**GPT2_SMALL, **{k: v for k, v in shape.items() if k != "batch_size"}}  # the model's, not the step's
+    run_args = both_args(shape, cuda, 1)
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
         rng.integers(0, 50257, size=4_000_000 if cuda else 200_000, dtype=np.uint16).tofile(f"{scratch}/{split}.bin")
