@@ -14,6 +14,7 @@ import os
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from lib.errors import UserError
 from lib.files import open_own
@@ -35,10 +36,13 @@ class LoRA(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        # in the adapter's own dtype (fp32) whatever the frozen base's: a bf16 base on a CPU without
-        # autocast would otherwise multiply bf16 by fp32; under autocast the matmuls are bf16 anyway
-        x = self.dropout(x).to(self.B.dtype)
-        return (x @ self.A.t()) @ self.B.t() * self.scale
+        # in the adapter's own dtype (fp32) whatever the frozen base's: a bf16 base on a CPU without autocast
+        # would otherwise multiply bf16 by fp32. Under autocast the matmuls run in bf16 anyway, so x is not
+        # copied to fp32 on the way; the scale goes on the rank-wide middle, not the projection-wide output
+        # (both: 8% faster and 9% less memory for an eager LoRA step on an H200, BENCHMARKS.md)
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.B.dtype)
+        return F.linear(F.linear(self.dropout(x), self.A) * self.scale, self.B)
 
     def delta(self):
         # the change to the frozen weight, (out, in) in fp32, for merging

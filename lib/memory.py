@@ -150,12 +150,10 @@ def activation_bytes(c, N, dtype, r, tp=1, device="cuda"):
     if not lora:  # every matmul keeps its input (the norms' outputs, autocast's cast of one for each of
         # q, k, v, gate and up; the product into mlp.down), and the reference norm its normalized input
         inputs = 2 * (0 if fused else r) * C + ((5 if r > e else 2) * C + F) * e
-    elif e < 4:  # autocast casts each adapter's fp32 input, and keeps each cast; a frozen base keeps none
-        sizes = {"q": C, "k": C, "v": C, "o": H * D, "gate": C, "up": C, "down": F}
-        inputs = sum(sizes[t] for t in lora) * e + len(lora) * c.lora_rank * e
-    else:  # in fp32 the adapters keep their inputs as they are: attention's and the MLP's once each
+    else:  # each adapter keeps its input (q, k and v one, gate and up one; o's is attention's output, kept
+        # already unless autocast casts it from a CPU's fp32) and its scaled middle; a frozen base keeps none
         inputs = C * bool(lora & {"q", "k", "v"}) + C * bool(lora & {"gate", "up"}) + F * ("down" in lora)
-        inputs = (inputs + len(lora) * c.lora_rank) * 4
+        inputs = (inputs + H * D * (a > e and "o" in lora) + len(lora) * c.lora_rank) * e
     block = N * (2 * norm + attn + mlp + inputs)
     # the head: the final norm, the token ids (and the reference's targets), then the fused loss's gradients
     # or the reference's log-softmax. Under LoRA the embedding is frozen: no ids, and the first norm's
