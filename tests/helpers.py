@@ -3,18 +3,21 @@ run's losses and weights, counting Triton kernel launches, a free port, and wher
 Fixtures live in conftest.py; this is plain functions and names, imported as `from helpers import run, TINY`.
 """
 
+import contextlib
 import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.run
 
 import forkserver
 
@@ -62,8 +65,7 @@ STANDARD = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--eval_
 def standard_run(shared, data_dir, layout):
     # layout: "one" (one process) or "ddp" (torchrun, 2 processes); the run's out_dir, read only
     def build(out):
-        # under torchrun itself (an argument beyond the two of a forked launch, run() below): the suite's one plain
-        # launch through torchrun's agent
+        # under torchrun itself (an argument beyond the two of a forked launch, run() above)
         torchrun = ["--standalone", "--nproc_per_node=2", "--max-restarts=0"] if layout == "ddp" else ()
         done = run(*STANDARD, f"--data_dir={data_dir}", f"--out_dir={out}", torchrun=torchrun)
         (out / "stdout.txt").write_text(done.stdout)
@@ -72,17 +74,17 @@ def standard_run(shared, data_dir, layout):
 
 def run(*args, torchrun=(), check=True, env=None):
     # train.py in a new process, forked from a server that has torch imported already (forkserver.py). With
-    # torchrun's arguments: a launch on one machine (--standalone --nproc_per_node=N) is its N workers, forked
-    # likewise, each with the environment torchrun gives it (a new Python each, and torchrun's, would cost ~12 s
-    # of CPU a launch); any other launch (the standard DDP run's) runs under torchrun itself, as users run it.
-    # The tests of torchrun's restarts, kills and two nodes fork torchrun with its workers (torchrun_fork.py).
+    # torchrun's arguments: a launch on one machine (--standalone --nproc_per_node=N), where the test is about what
+    # the workers compute, is its N workers, forked likewise, each with the environment torchrun gives it (a new
+    # Python each, and torchrun's, cost ~7 s of CPU a launch); any other launch (the standard DDP run's) runs under
+    # torchrun itself, as users run it (torchrun_run). The tests of torchrun's restarts, kills and two nodes run
+    # torchrun itself too.
     env, args = {**os.environ, **CPU_ENV, **(env or {})}, on_cpu(args)
     workers = re.fullmatch(r"--standalone --nproc_per_node=(\d+)", " ".join(torchrun))
     if workers:
         done = torchrun_forked(["train.py", *args], int(workers[1]), env)
     elif torchrun:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", *args],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+        done = torchrun_run([*torchrun, "train.py", *args], env)
     else:
         done = forkserver.run(["train.py", *args], cwd=ROOT, env=env, timeout=300)
     if check and done.returncode != 0:
@@ -104,19 +106,53 @@ def torchrun_forked(args, n, env, timeout=300):
                                        "".join(d.stdout for d in done), "".join(d.stderr for d in done))
 
 
-def two_nodes(*args, torchrun=(), node_args=((), ()), forked=True, timeout=300):
-    # train.py under torchrun as two nodes of one process each, meeting at a c10d rendezvous on this machine: the
-    # two torchruns forked from the tests' server, their workers forked from them (torchrun_fork.py), or, not
-    # forked, each worker a new Python as users run them (where a test reads what a worker prints as it fails:
-    # a forked worker's error is reported by torchrun's error handler instead); when one fails the other is
-    # killed. torchrun: more of torchrun's arguments for both; node_args: train.py's arguments of one node only
-    # (a setting that differs between them). Their CompletedProcesses.
+def torchrun_command(args):
+    # the command line of `torchrun ARGS`
+    return [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
+
+
+def torchrun_run(args, env, timeout=300):
+    # `torchrun ARGS` run to its end from the project's folder -> a CompletedProcess (torchrun_together's)
+    return torchrun_together([args], env, timeout)[0]
+
+
+def torchrun_together(launches, env, timeout=300):
+    # several `torchrun ARGS` at once (launches: [ARGS, ...]), as the nodes of one run: each in a session of its
+    # own, its output in files (no pipe to fill). When time runs out, or 10 s after one failed (its peers fail on
+    # their own meanwhile where they can), the others get SIGTERM, which torchrun passes to its workers and waits
+    # for, and SIGKILL 30 s later -> their CompletedProcesses
+    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in launches]
+    procs = [subprocess.Popen(torchrun_command(args), cwd=ROOT, env=env, stdout=out, stderr=err, text=True,
+                              start_new_session=True) for args, (out, err) in zip(launches, outputs)]
+    deadline, sent = time.time() + timeout, None
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs):
+            deadline = min(deadline, time.time() + 10)
+        now = time.time()
+        if now > deadline and sent != (sig := signal.SIGTERM if now < deadline + 30 else signal.SIGKILL):
+            for p in procs:  # once each: a second SIGTERM would break into torchrun's ending of its workers
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig)
+            sent = sig
+        time.sleep(0.05)
+    done = []
+    for args, p, (out, err) in zip(launches, procs, outputs):
+        out.seek(0), err.seek(0)
+        done.append(subprocess.CompletedProcess(torchrun_command(args), p.returncode, out.read(), err.read()))
+        out.close(), err.close()
+    return done
+
+
+def two_nodes(*args, torchrun=(), node_args=((), ()), timeout=300):
+    # train.py under torchrun as two nodes of one process each, meeting at a c10d rendezvous on this machine, as
+    # users run them (torchrun_together: when one fails the other is ended). torchrun: more of torchrun's
+    # arguments for both; node_args: train.py's arguments of one node only (a setting that differs between them).
+    # Their CompletedProcesses.
     port, env = free_port(), {**os.environ, **CPU_ENV}
-    launcher = "tests/torchrun_fork.py" if forked else torch.distributed.run.__file__
-    nodes = [([launcher, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", *torchrun,
-               "train.py", *on_cpu([*args, *node_args[node]])], env) for node in (0, 1)]
-    return forkserver.run_together(nodes, cwd=ROOT, timeout=timeout)
+    nodes = [["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+              f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", *torchrun,
+              "train.py", *on_cpu([*args, *node_args[node]])] for node in (0, 1)]
+    return torchrun_together(nodes, env, timeout)
 
 
 def script(*args, cwd=ROOT, env=None, timeout=300):

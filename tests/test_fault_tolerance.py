@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import forkserver
-from helpers import CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, two_nodes, weights
-from processes import MARK, kill_marked, marked
+from helpers import CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, torchrun_command, two_nodes, weights
+from processes import kill_marked, marked
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -28,11 +28,13 @@ def assert_same_weights(a, b):
 
 
 def start(*args, torchrun=None):
-    # train.py started, its output (stdout and stderr together) read as it goes: forked from the tests' server
-    # (forkserver.start), or under torchrun with these arguments, forked likewise with its workers (torchrun_fork.py)
+    # train.py started in a session of its own, its output (stdout and stderr together) read as it goes: forked
+    # from the tests' server (forkserver.start), or under torchrun with these arguments, as users run it
     env = {**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"}
-    launcher = [] if torchrun is None else ["tests/torchrun_fork.py", *torchrun]
-    return forkserver.start([*launcher, "train.py", *on_cpu(args)], ROOT, env)
+    if torchrun is None:
+        return forkserver.start(["train.py", *on_cpu(args)], ROOT, env)
+    return subprocess.Popen(torchrun_command([*torchrun, "train.py", *on_cpu(args)]), cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def kill(proc):
@@ -221,8 +223,7 @@ def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_
     # which only torchrun's forwarding of the signal reaches
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000", "--eval_interval=100000",
             "--gradient_accumulation_steps=2"]
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "train.py", *on_cpu(args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(torchrun_command(["--standalone", "--nproc_per_node=2", "train.py", *on_cpu(args)]), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env={**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"})
     wait_for(proc, "iter 3:")
     os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: the launcher and its workers
@@ -371,7 +372,9 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(d
     # run's life: torchrun restarts the group, which resumes from its last checkpoint (--init_from=auto). The
     # run never killed: under DDP the one test_bitwise_resume_ddp reads too (the same settings but the two
     # below, which change no step), made once.
-    args = [*DDP, f"--data_dir={data_dir}", "--init_from=auto", "--dist_timeout=15",
+    # dist_timeout bounds how long a restarted group waits for its members: each a new Python under torchrun,
+    # which can take seconds to start on a loaded machine (15 s once made a fourth failure of a slow start)
+    args = [*DDP, f"--data_dir={data_dir}", "--init_from=auto", "--dist_timeout=60",
             *(["--fsdp=True"] * (layout == "fsdp"))]
     two = ["--standalone", "--nproc_per_node=2"]
     if layout == "ddp":
@@ -400,8 +403,8 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(d
 
 def kill_the_other_node(out_dir, step, killed):
     # SIGKILL the worker of the node that does not hold rank 0 (of a two_nodes run, one worker a node) once the run
-    # has logged step `step` (metrics.jsonl): among the workers of this test's torchruns (the children of the
-    # tests' fork server, processes.py), the one whose pid is not the one holding out_dir's lock (files.py).
+    # has logged step `step` (metrics.jsonl): among this test's processes (processes.py) that are not a torchrun,
+    # the one whose pid is not the one holding out_dir's lock (files.py).
     # killed: the pid killed, or the error, for the test to read.
     try:
         deadline, metrics = time.time() + 120, out_dir / "metrics.jsonl"
@@ -409,22 +412,13 @@ def kill_the_other_node(out_dir, step, killed):
             assert time.time() < deadline, f"step {step} never logged"
             time.sleep(0.05)
         master = int((out_dir / ".lock").read_text().split("(pid ")[1].split(")")[0])
-        torchruns = forkserver.sessions.get(os.environ[MARK], set())
-        workers = [pid for pid in marked() if parent(pid) in torchruns]
+        workers = [pid for pid, command in marked().items() if "torch.distributed.run" not in command]
         assert len(workers) == 2 and master in workers, (workers, master)
         victim = next(pid for pid in workers if pid != master)
         os.kill(victim, signal.SIGKILL)
         killed.append(victim)
     except BaseException as e:
         killed.append(e)
-
-
-def parent(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
 
 
 # A config file that makes step 20, the one after the kill (kill_the_other_node's step), last 3 s more before its
@@ -462,7 +456,7 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_the_run_ends_as_i
             torchrun=["--standalone", "--nproc_per_node=2"])
     (tmp_path / "slow_step.py").write_text(SLOW_STEP)
     args = [*DDP, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'killed'}", "--init_from=auto",
-            "--dist_timeout=15", str(tmp_path / "slow_step.py"), *fsdp]
+            "--dist_timeout=60", str(tmp_path / "slow_step.py"), *fsdp]
     killed = []
     killer = threading.Thread(target=kill_the_other_node, args=(tmp_path / "killed", 20, killed))
     killer.start()

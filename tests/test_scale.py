@@ -210,7 +210,7 @@ def test_fsdp_on_two_nodes_whose_out_dir_is_not_shared_is_refused_before_its_fir
     # disk, where rank 1's shards would stay out of the checkpoint the master publishes. Refused at start, in one
     # line on both nodes, before any step is trained or saved.
     nodes = two_nodes(*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=2",
-                      "--gradient_accumulation_steps=2", "--fsdp=True", forked=False,
+                      "--gradient_accumulation_steps=2", "--fsdp=True",
                       node_args=[(f"--out_dir={tmp_path / f'node{node}'}",) for node in (0, 1)])
     assert all(node.returncode != 0 for node in nodes), nodes
     for node in nodes:

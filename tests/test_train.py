@@ -115,7 +115,7 @@ def test_nodes_started_with_different_settings_stop_at_start_in_one_line(data_di
     else:
         node1, values, what = ("--learning_rate=3e-3",), ("0.01", "0.003"), "learning_rate"
     nodes = two_nodes(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=10",
-                      "--gradient_accumulation_steps=2", node_args=((), node1), forked=False)
+                      "--gradient_accumulation_steps=2", node_args=((), node1))
     assert all(node.returncode != 0 for node in nodes), nodes
     either = "|".join(values)
     line = (rf"\[rank[01]\]: train.py: the processes were started with different settings: {what} is ({either}) on "
