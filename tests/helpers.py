@@ -76,7 +76,7 @@ def run(*args, torchrun=(), check=True, env=None):
     # train.py in a new process, forked from a server that has torch imported already (forkserver.py). With
     # torchrun's arguments: a launch on one machine (--standalone --nproc_per_node=N), where the test is about what
     # the workers compute, is its N workers, forked likewise, each with the environment torchrun gives it (a new
-    # Python each, and torchrun's, cost ~7 s of CPU a launch); any other launch (the standard DDP run's) runs under
+    # Python each, and torchrun's, cost seconds of CPU a launch); any other launch (the standard DDP run's) runs under
     # torchrun itself, as users run it (torchrun_run). The tests of torchrun's restarts, kills and two nodes run
     # torchrun itself too.
     env, args = {**os.environ, **CPU_ENV, **(env or {})}, on_cpu(args)

@@ -223,8 +223,9 @@ def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_
     # which only torchrun's forwarding of the signal reaches
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000", "--eval_interval=100000",
             "--gradient_accumulation_steps=2"]
-    proc = subprocess.Popen(torchrun_command(["--standalone", "--nproc_per_node=2", "train.py", *on_cpu(args)]), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env={**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(torchrun_command(["--standalone", "--nproc_per_node=2", "train.py", *on_cpu(args)]),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"})
     wait_for(proc, "iter 3:")
     os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: the launcher and its workers
     output = proc.communicate(timeout=120)[0]
