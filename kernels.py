@@ -184,8 +184,11 @@ if HAS_TRITON:
 
     def _rms_norm_setup(ctx, inputs, output):
         ctx.save_for_backward(inputs[0], inputs[1], output[1])  # x, weight, rstd
+        ctx.set_materialize_grads(False)  # (autograd would fill zeros as large as rstd for its gradient, every call)
 
     def _rms_norm_backward(ctx, dy, _):
+        if dy is None:  # no gradient reached y
+            return None, None, None
         x, weight, rstd = ctx.saved_tensors
         return *_rms_norm_bwd_op(dy, x, weight, rstd), None
 
@@ -390,8 +393,13 @@ if HAS_TRITON:
 
     def _lce_setup(ctx, inputs, output):
         ctx.save_for_backward(output[1], output[2])
+        # the two gradients are outputs that nothing differentiates: without this, autograd would fill zeros as large
+        # as x and as the head's weight for them at every backward
+        ctx.set_materialize_grads(False)
 
     def _lce_backward(ctx, dloss, _dgx, _dgw):
+        if dloss is None:  # no gradient reached the loss
+            return None, None, None, None, None, None
         # out of place: scaling the saved gradients in place would break a second backward
         grads = [g * dloss.to(g.dtype) if g.numel() else None for g in ctx.saved_tensors]
         return *grads, None, None, None, None

@@ -253,6 +253,24 @@ GRADCHECKS = {  # tiny odd shapes; the kernels compute in fp64 for fp64 inputs
 }
 
 
+@needs_triton
+@pytest.mark.parametrize("name", list(GRADCHECKS))
+def test_a_backward_fills_no_zeros_for_outputs_nothing_differentiates(name):
+    # rms_norm's 1/rms and the fused loss's two gradients are outputs of their ops that no gradient reaches: autograd
+    # fills zeros as large as each before the backward unless told not to (for the loss, the size of x and of the
+    # head's weight, at every step)
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    fn, make = GRADCHECKS[name]
+    if name == "apply_rotary":  # q alone (split's backward fills zeros for the parts of qkv left out)
+        fn, make = K.apply_rotary, lambda: [randn(1, 3, 2, 6), randn(3, 3, grad=False), randn(3, 3, grad=False)]
+    inputs = make()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(*inputs).sum().backward()
+    assert all(inputs[i].grad is not None for i in range(len(inputs)) if inputs[i].requires_grad)
+    assert not [e.key for e in prof.key_averages() if e.key in ("aten::zeros", "aten::zeros_like", "aten::zero_")]
+
+
 @pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("name", list(GRADCHECKS))
