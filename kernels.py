@@ -399,7 +399,7 @@ if HAS_TRITON:
 
     def _lce_backward(ctx, dloss, _dgx, _dgw):
         if dloss is None:  # no gradient reached the loss
-            return None, None, None, None, None, None
+            return (None,) * 6
         # out of place: scaling the saved gradients in place would break a second backward
         grads = [g * dloss.to(g.dtype) if g.numel() else None for g in ctx.saved_tensors]
         return *grads, None, None, None, None

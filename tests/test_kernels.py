@@ -267,7 +267,7 @@ def test_a_backward_fills_no_zeros_for_outputs_nothing_differentiates(name):
     inputs = make()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn(*inputs).sum().backward()
-    assert all(inputs[i].grad is not None for i in range(len(inputs)) if inputs[i].requires_grad)
+    assert all(t.grad is not None for t in inputs if t.requires_grad)
     assert not [e.key for e in prof.key_averages() if e.key in ("aten::zeros", "aten::zeros_like", "aten::zero_")]
 
 
