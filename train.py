@@ -17,10 +17,8 @@ Continue a run from out_dir/ckpt.pt (or an FSDP run's sharded out_dir/ckpt/) exa
 every preemption).
 """
 
-import gc
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -36,9 +34,11 @@ from lib.errors import UserError, one_line_errors
 from lib.lora import quantize_base
 from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
 from lib.meta import check_data_for_run, read_meta
-from lib.metrics import Speedometer, attended_keys, open_log, start_clock, time_left, wall_time
-from lib.optim import check_optimizer, lr_factor, set_lr
-from lib.parallel import check_same_settings, clip_gradients, init_distributed, parallelize, peak_flops
+from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
+                         utilization, wall_time)
+from lib.optim import check_optimizer, lr_factor, run_steps, set_lr
+from lib.parallel import (StopRequest, check_same_settings, clip_gradients, end_processes, init_distributed,
+                          parallelize, peak_flops, target_shares)
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
 from model import document_mask
 
@@ -185,9 +185,6 @@ if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is
     model.to(device)
 if lora and quantized:
     quantize_base(model, quantized)
-if model.config.n_head % tp_size or model.config.n_kv_head % tp_size:
-    raise UserError(f"tp_size={tp_size} must divide n_head={model.config.n_head} and n_kv_head="
-                    f"{model.config.n_kv_head} (attention is split by heads)")
 # Past one device (README, "Scaling up"): tensor parallel, checkpointing, compile, then FSDP or DDP
 raw_model = model
 device_ids = [local_rank] if device_type == "cuda" else None  # DDP's, one GPU a process
@@ -235,20 +232,12 @@ if room_warning and master:
 
 batches = Batches(data_dir, meta, block_size, seed, vocab_size, sequences, batch_size,
                   gradient_accumulation_steps * batch_size, train_tokens, doc_mask, eval_full, eval_stride, device)
-if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
-    epoch_steps = batches.steps_for(max_epochs)
-    max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
-if warmup_ratio > 0:
-    warmup_iters = math.ceil(warmup_ratio * max_iters)
+epoch_steps = batches.steps_for(max_epochs) if max_epochs > 0 else None  # (and where the epochs end)
+max_iters, lr_decay_iters, warmup_iters, steps_note = run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio,
+                                                                max_epochs, epoch_steps)
 eval_batches = batches.evaluation_batches(eval_iters, dp_size)  # as many in every process
 if master:
-    print(batches.describe(eval_iters))
-if max_epochs > 0 and master:
-    print(f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})")
-    if lr_decay_iters > max_iters:  # max_iters ends it first: a stop to resume from, or the run's real length
-        print(f"note: max_iters={max_iters} ends the run before its {max_epochs} epochs, and the learning rate decays "
-              f"over lr_decay_iters={lr_decay_iters} steps: it will not reach min_lr in this run (for a run of "
-              f"{max_iters} steps, set lr_decay_iters={max_iters})")
+    print(batches.describe(eval_iters) + (f"\n{steps_note}" if steps_note else ""))
 # the learning rate's schedule (optim.py), with the steps as max_epochs and warmup_ratio made them
 schedule = dict(decay_lr=decay_lr, lr_schedule=lr_schedule, warmup_iters=warmup_iters,
                 lr_decay_iters=lr_decay_iters, learning_rate=learning_rate, min_lr=min_lr,
@@ -300,25 +289,12 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
 saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master, wandb_log, wandb_project, wandb_run_name, tensorboard_log)
 
-# preemption: SIGTERM or SIGINT finishes the current step, saves, and exits 0
-stop_requested = False
+preemption = StopRequest()  # SIGTERM or SIGINT: the current step finishes, saves, and the run exits 0
 # A checkpoint of an evaluated step is held back until the next update has computed its gradient at those
 # weights: written then if the gradient is finite, dropped if not. So every checkpoint written along the way
 # is of weights that still gave a finite gradient, and a run that diverges (learning_rate=1e9: one finite
 # update, then nothing but NaN) stops with ckpt.pt from before the update that broke it.
 held_back = None  # (improved, the random state at that step) of the checkpoint held back
-
-
-def request_stop(signum, frame):
-    global stop_requested
-    if stop_requested and signum == signal.SIGINT:
-        raise KeyboardInterrupt  # a second Ctrl-C: stop now
-    stop_requested = True
-
-
-for signum in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(signum, request_stop)
-
 
 
 def save_held_back():
@@ -343,12 +319,8 @@ def log_progress(step, loss, lr, grad_norm):
     # the first line on CUDA puts the measured peak beside the estimate printed at the start
     memory_note = f" (estimate {memory['device'] / 2**20:,.0f} MB)" if device_type == "cuda" and not logged else ""
     logged = True
-    # MFU in PaLM's convention (every query against all T keys, as nanoGPT and nanochat report it), and of
-    # the FLOPs run: attention as masked, causal and within documents (this process's keys per token)
-    keys = speed.keys / (speed.steps * micro_steps * batch_size * block_size)
-    flops = [raw_model.flops_per_token(block_size, k) * tokens_per_s / world_size for k in (None, keys)]
-    mfu, mfu_run = (f / peak if peak else None for f in flops)  # None: the peak is unknown
-    mfu_note = f"{mfu:.1%} PaLM, {mfu_run:.1%} run" if mfu else "n/a"
+    keys = speed.keys / (speed.steps * micro_steps * batch_size * block_size)  # this process's, per query
+    mfu, mfu_run, mfu_note = utilization(raw_model, block_size, keys, tokens_per_s / world_size, peak)
     left, left_note = time_left(clock, step, max_iters, eval_interval, dt, speed.steps)
     epoch = batches.epoch(step)
     print(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, epoch {epoch:.2f}, "
@@ -386,15 +358,8 @@ while True:
         if improved:
             loop["best_val_loss"] = losses["val"]
         loop["evals_without_gain"] = 0 if improved else loop["evals_without_gain"] + 1
-        val_ppl = math.exp(min(losses["val"], 50))
-        if master:
-            print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, val perplexity "
-                  f"{val_ppl:.2f}, val accuracy {losses['val_accuracy']:.1%}, epoch {batches.epoch(step):.2f}")
-            if task_scores:
-                print(f"step {step}: " + ", ".join(f"{name} {value:.4f}" for name, value in task_scores.items()))
-        log({"iter": step, "loss": losses["train"], "val_loss": losses["val"], "val_ppl": val_ppl,
-             "accuracy": losses["train_accuracy"], "val_accuracy": losses["val_accuracy"],
-             "lr": learning_rate * lr_factor(step, **schedule), "epoch": batches.epoch(step), **task_scores})
+        report_evaluation(log, master, step, losses, task_scores, batches.epoch(step),
+                          learning_rate * lr_factor(step, **schedule))
         early_stop = early_stop_patience > 0 and loop["evals_without_gain"] >= early_stop_patience
         if step > 0 and (improved or always_save_checkpoint or early_stop or step == max_iters):
             if step >= max_iters or early_stop:
@@ -421,16 +386,8 @@ while True:
     loss_sum = torch.zeros((), device=device)
     keys_run = torch.zeros((), device=device, dtype=torch.long)  # keys the queries attend to: the FLOPs run
     micro_batches = upcoming or step_batches(step)  # fetched while the step before computed
-    # With masks or packed examples, micro-batches hold different numbers of targets: each one's mean loss is
-    # weighted by its share of the targets of the whole update (over every process), so that the update's
-    # loss is their mean, however they fall into micro-steps and processes.
-    if batches.weighted:
-        targets = torch.stack([(y != -1).sum() for _, y, _ in micro_batches]).float()
-        all_targets = targets.sum()
-        if ddp:  # the tensor-parallel processes of a replica hold the same batches: counted tp_size times
-            dist.all_reduce(all_targets)
-            all_targets /= tp_size
-        shares = targets * dp_size / all_targets.clamp(min=1)  # stays on the device: no wait for it
+    # micro-batches of masks or packed examples hold different numbers of targets: each one's loss weighed
+    shares = target_shares(micro_batches, dp_size, tp_size, ddp) if batches.weighted else None
     for micro, (x, y, doc_ids) in enumerate(micro_batches):
         last = micro == micro_steps - 1
         if fsdp:  # gradients summed unsharded on each process, reduced and split once, after the last
@@ -440,14 +397,14 @@ while True:
         mask = None if doc_ids is None else document_mask(doc_ids, flex=device_type == "cuda" and dropout == 0)
         with (model.no_sync() if isinstance(model, DDP) and not last else nullcontext()), autocast:
             _, loss = model(x, y, mask=mask)
-            loss = loss * shares[micro] if batches.weighted else loss / micro_steps
+            loss = loss * shares[micro] if shares is not None else loss / micro_steps
         scaler.scale(loss).backward()
         loss_sum += loss.detach().float()
         B, T = x.shape
         keys_run += attended_keys(doc_ids) if doc_ids is not None else B * T * (T + 1) // 2  # causal
     # the next step's micro-batches, read and copied to the device while this one computes: not on its way
     upcoming = step_batches(step + 1) if step + 1 < max_iters else None
-    stop = torch.full((1,), float(stop_requested), device=device)  # made there: a copy to it would wait
+    stop = torch.full((1,), float(preemption.requested), device=device)  # made there: a copy to it would wait
     if ddp:  # every process agrees on the mean loss and on whether to stop
         both = torch.cat([loss_sum.view(1), stop])
         dist.all_reduce(both)
@@ -476,11 +433,7 @@ while True:
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     if loop["skipped_in_a_row"] >= max_skipped_steps:
-        good = ckpt.latest(out_dir)  # (path, step) or None
-        good = f"{good[0]}, from step {good[1]}, is the last good state" if good else \
-            "no checkpoint was saved before it"
-        raise UserError(f"{loop['skipped_in_a_row']} updates in a row had a non-finite loss or gradient; stopped, "
-                        f"and {good} (lower learning_rate, or check the data)")
+        raise ckpt.diverged(out_dir, loop["skipped_in_a_row"])
     loop["iter_num"] += 1
     loop["evaluated"] = False  # the new step's evaluation is still to come
     speed.step(keys_value)
@@ -498,9 +451,5 @@ close_log()  # TensorBoard writes out what it buffers
 if master:
     print(wall_time(loop["iter_num"]))
 if dist.is_initialized():
-    # free DDP's reducer (it holds gloo's pending work) now: freed at interpreter exit instead, it
-    # sometimes aborted a process ("terminate called without an active exception"), 1 run in ~12 here
-    del model
-    gc.collect()
-    dist.barrier()  # let the master finish writing before any process tears the group down
-    dist.destroy_process_group()
+    del model  # and DDP's reducer with it, before the group ends (parallel.end_processes)
+    end_processes()

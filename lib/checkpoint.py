@@ -78,6 +78,14 @@ def latest(out_dir, sharded=False):
     return (found, load_checkpoint(found, mmap=True, weights=False)["iter_num"]) if found else None
 
 
+def diverged(out_dir, skipped):
+    """The UserError that stops a run after skipped updates in a row with a non-finite loss or gradient."""
+    good = latest(out_dir)
+    good = f"{good[0]}, from step {good[1]}, is the last good state" if good else "no checkpoint was saved before it"
+    return UserError(f"{skipped} updates in a row had a non-finite loss or gradient; stopped, and {good} (lower "
+                     f"learning_rate, or check the data)")
+
+
 def read_sharded(folder, device="cpu"):
     """The model's weights of a sharded checkpoint, whole, in one process (no process group needed):
     {name: tensor}, as a file checkpoint's "model" holds them."""

@@ -10,6 +10,7 @@ time left, the finish time and the wall time its log lines give.
 """
 
 import json
+import math
 import os
 import time
 
@@ -63,6 +64,20 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
             tensorboard.close()
 
     return log, close
+
+
+def report_evaluation(log, master, step, losses, task_scores, epoch, lr):
+    """An evaluation's lines (the master's) and its record: losses {train, val, train_accuracy, val_accuracy},
+    task_scores {task metric: value} from lm-evaluation-harness."""
+    val_ppl = math.exp(min(losses["val"], 50))
+    if master:
+        print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, val perplexity "
+              f"{val_ppl:.2f}, val accuracy {losses['val_accuracy']:.1%}, epoch {epoch:.2f}")
+        if task_scores:
+            print(f"step {step}: " + ", ".join(f"{name} {value:.4f}" for name, value in task_scores.items()))
+    log({"iter": step, "loss": losses["train"], "val_loss": losses["val"], "val_ppl": val_ppl,
+         "accuracy": losses["train_accuracy"], "val_accuracy": losses["val_accuracy"], "lr": lr, "epoch": epoch,
+         **task_scores})
 
 
 def evaluations_left(steps_done, max_iters, eval_interval):
@@ -144,6 +159,15 @@ class Speedometer:
 
     def seconds_per_step(self):
         return (time.time() - self.since) / self.steps
+
+
+def utilization(model, block_size, keys, tokens_per_s, peak):
+    """A process's MFU at tokens_per_s, in PaLM's convention (every query against all block_size keys, as nanoGPT
+    and nanochat report it), and of the FLOPs run (keys: the keys a query met, as masked: causal, within
+    documents) -> (mfu, mfu_run, the log line's note); both None where the device's peak is unknown."""
+    flops = [model.flops_per_token(block_size, k) * tokens_per_s for k in (None, keys)]
+    mfu, mfu_run = (f / peak if peak else None for f in flops)
+    return mfu, mfu_run, f"{mfu:.1%} PaLM, {mfu_run:.1%} run" if mfu else "n/a"
 
 
 def wall_time(steps_done):

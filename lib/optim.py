@@ -56,3 +56,20 @@ def set_lr(optimizers, peak_lrs, factor):
     for opt, peak_lr in zip(optimizers, peak_lrs):
         for group in opt.param_groups:
             group["lr"] = peak_lr * factor
+
+
+def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epochs=0, epoch_steps=None):
+    """The run's steps as max_epochs (epoch_steps: the steps that make them) and warmup_ratio set them ->
+    max_iters, lr_decay_iters, warmup_iters, and what train.py says about them ('' without max_epochs)."""
+    if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
+        max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
+    if warmup_ratio > 0:
+        warmup_iters = math.ceil(warmup_ratio * max_iters)
+    if max_epochs <= 0:
+        return max_iters, lr_decay_iters, warmup_iters, ""
+    note = f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})"
+    if lr_decay_iters > max_iters:  # max_iters ends it first: a stop to resume from, or the run's real length
+        note += (f"\nnote: max_iters={max_iters} ends the run before its {max_epochs} epochs, and the learning rate "
+                 f"decays over lr_decay_iters={lr_decay_iters} steps: it will not reach min_lr in this run (for a run "
+                 f"of {max_iters} steps, set lr_decay_iters={max_iters})")
+    return max_iters, lr_decay_iters, warmup_iters, note

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import forkserver
+from lib.errors import UserError
 
 # The environment of the processes the CPU tests start (train.py and the other scripts, with --device=cpu), on a
 # machine with a GPU too: the GPU hidden, so that nothing in them reaches for it, and Triton's interpreter only
@@ -60,6 +61,39 @@ def on_cpu(args):
 # them (test_train, test_parallel, test_scale). The DDP run's stdout is kept beside it in stdout.txt.
 STANDARD = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--eval_interval=2", "--max_iters=8",
             "--keep_last_n=2"]
+
+
+def train_settings(args):
+    # train.py's settings after args, its config files and --key=value overrides, as configurator.py applies them
+    from configurator import configure
+    from lib.measure import train_defaults
+    settings = train_defaults()
+    configure(settings, [str(a) for a in args])
+    return settings
+
+
+def train_refusal(*args):
+    # the one line train.py stops with for args, found in this process by its checks of sections 1-5 in its
+    # order (its settings, the device and the layout, the data, where the run begins, its first model); what
+    # needs the process group (under FSDP and tensor parallel the run's processes) is left out
+    from configurator import check_settings
+    from lib.meta import check_data_for_run, read_meta
+    from lib.optim import check_optimizer
+    from lib.parallel import check_layout, pick_device
+    from lib.start import begin, first_model
+    with pytest.raises((UserError, SystemExit)) as refused:
+        s = train_settings(["--device=cpu", *args])  # (a --device in args wins)
+        check_settings(s)
+        check_optimizer(s["optimizer"], s["lr_schedule"], s["lr_cycle_iters"], s["lr_power"], s["lr_decay_fraction"])
+        device, dtype = pick_device(s["device"], s["dtype"])
+        check_layout(s["tp_size"], s["fsdp"], s["fsdp_cpu_offload"], device, dtype, s["optimizer"])
+        meta = read_meta(s["data_dir"])
+        vocab_size, _ = check_data_for_run(s["data_dir"], meta, s["vocab_size"], s["doc_mask"], s["sequences"],
+                                           s["block_size"])
+        first_model(begin(s, vocab_size, meta, s["fsdp"]), s, dtype)
+    said = str(refused.value.code if refused.type is SystemExit else refused.value)
+    assert len(said.splitlines()) == 1, said
+    return said
 
 
 def standard_run(shared, data_dir, layout):

@@ -60,3 +60,14 @@ def test_a_run_of_one_process_never_imports_torchs_layouts():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "lib.checkpoint" in modules and done.stdout.strip() == "[]", done.stdout
+
+
+def test_no_module_over_600_lines_and_no_function_over_60():
+    # the house's sizes (the project's code: the root's files and the library's; a function's lines from its def
+    # to its last statement, docstring included)
+    for path in [*ROOT.glob("*.py"), *(ROOT / "lib").glob("*.py")]:
+        text = path.read_text()
+        assert len(text.splitlines()) <= 600, f"{path.name}: {len(text.splitlines())} lines"
+        long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(text))
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
+        assert not long, f"{path.name}: functions over 60 lines {long}"

@@ -2,12 +2,13 @@
 
 import pytest
 
-from helpers import STANDARD, TINY, losses, run, standard_run
+from helpers import STANDARD, TINY, losses, run, standard_run, train_refusal
 
 from lib.errors import UserError
 from lib.hf import save_pretrained
 from lib.measure import train_defaults
 from lib.meta import read_meta
+from lib.parallel import parallelize
 from lib.start import begin
 from model import GPT, GPTConfig
 
@@ -48,14 +49,15 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
     common = [*TINY, f"--data_dir={data_dir}", "--max_iters=2"]
     out = run(*common, f"--out_dir={tmp_path / 'a'}", "--tp_size=2", check=False)
     assert out.returncode != 0 and "tp_size=2 must divide the 1 processes" in out.stderr
-    out = run(*common, f"--out_dir={tmp_path / 'b'}", "--tp_size=2", "--n_kv_head=1", torchrun=TWO, check=False)
-    assert out.returncode != 0 and "tp_size=2 must divide n_head=4 and n_kv_head=1" in out.stderr
-    # The layout's checks run before the process group forms (parallel.check_layout, in init_distributed), so
-    # one process shows muon's refusal end to end; a torchrun launch (~10 s) would add nothing.
-    out = run(*common, f"--out_dir={tmp_path / 'm'}", "--tp_size=2", "--optimizer=muon", check=False)
-    assert out.returncode != 0 and "optimizer='muon' does not run under tensor parallel" in out.stderr
+    # The rest in process. The heads are checked by parallelize before it lays anything out, so no process group
+    # is needed to see it refuse; the layout's checks run before the group forms (parallel.check_layout, in
+    # init_distributed: helpers.train_refusal makes them as train.py does).
+    with pytest.raises(UserError, match="tp_size=2 must divide n_head=4 and n_kv_head=1"):
+        parallelize(GPT(GPTConfig(n_layer=1, n_head=4, n_kv_head=1, n_embd=32, vocab_size=64, block_size=32)), tp=2)
+    assert "optimizer='muon' does not run under tensor parallel" in train_refusal(
+        *common, f"--out_dir={tmp_path / 'm'}", "--tp_size=2", "--optimizer=muon")
     # LoRA's refusal comes after the process group forms (start.begin, which every process calls): called here
-    # in process with the run's settings, as train.py's processes would call it (the lines above show
+    # in process with the run's settings, as train.py's processes would call it (the first refusal above shows
     # train.py printing such a refusal in one line and exiting 1)
     folder = tmp_path / "folder"
     save_pretrained(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32)), folder)

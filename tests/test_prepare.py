@@ -505,28 +505,36 @@ def test_bom_removed_and_line_endings_kept(tmp_path):
 
 
 def test_missing_input_writes_nothing(tmp_path):
-    r = cli(tmp_path / "nope", "--out_dir", tmp_path / "out")
-    one_line_error(r, "no such input", str(tmp_path / "nope"))
+    said = refusal(tmp_path / "nope", "--out_dir", tmp_path / "out")
+    assert "no such input" in said and str(tmp_path / "nope") in said
     assert not (tmp_path / "out").exists()
 
 
-def test_no_documents_writes_nothing(tmp_path):
+def test_no_documents_writes_nothing(tmp_path, capsys):
     src = tmp_path / "src"
     write(src / "empty.txt", "")
     write(src / "bin.dat", b"\x00\x01")
     for tokenizer in ("char", "gpt2") if TIKTOKEN_CACHE.is_dir() else ("char",):  # gpt2 only where it loads offline
-        r = cli(src, "--out_dir", tmp_path / "out", "--tokenizer", tokenizer)
-        one_line_error(r, "no documents found")
-        assert "bin.dat: binary" in r.stdout  # the reasons are still shown
+        assert "no documents found" in refusal(src, "--out_dir", tmp_path / "out", "--tokenizer", tokenizer)
+        assert "bin.dat: binary" in capsys.readouterr().out  # the reasons are still shown
         assert not (tmp_path / "out").exists()
+
+
+def refusal(*argv):
+    """The UserError prepare.py stops with, in this process: its one line."""
+    with pytest.raises(UserError) as refused:
+        run(*argv)
+    assert len(str(refused.value).splitlines()) == 1, refused.value
+    return str(refused.value)
 
 
 def test_user_errors_are_one_line(tmp_path):
     write(tmp_path / "a.txt", "hello")
-    one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "nonsense"), "unknown tokenizer")
-    one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "bpe:12"), "bpe:N")
-    one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--val_fraction", "1.5"), "--val_fraction")
-    one_line_error(cli(tmp_path / "a.txt"), "--out_dir")
+    assert "unknown tokenizer" in refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "nonsense")
+    assert "bpe:N" in refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "bpe:12")
+    assert "--val_fraction" in refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--val_fraction", "1.5")
+    assert "--out_dir" in refusal(tmp_path / "a.txt")
+    # argparse's own refusal, and the script's one line on stderr (one_line_errors)
     one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--bogus"), "--bogus")
     assert not (tmp_path / "o").exists()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import (ROOT, TINY, assert_every_kernel_ran, assert_weights_close, kernel_counter, kernel_launches,
-                     losses, run, script, standard_run, two_nodes, weights)
+                     losses, run, script, standard_run, train_refusal, two_nodes, weights)
 from lib.data import Split
 
 
@@ -236,8 +236,17 @@ def test_batch_size_auto_keeps_the_update_and_its_micro_batch_on_resume(data_dir
     (["--dropout=2.0"], "dropout=2.0 must be at least 0 and below 1"),
 ])
 def test_config_errors(data_dir, tmp_path, args, message):
+    assert message in train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lerning_rate=0.1"], "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)"),  # configure's
+    (["--eval_interval=0"], "eval_interval=0 must be at least 1"),  # check_settings'
+    (["--n_head=5"], "n_embd=32 must be divisible by n_head=5"),  # the model's
+])
+def test_config_errors_stop_train_py_in_one_line(data_dir, tmp_path, args, message):
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args, check=False)
-    assert out.returncode != 0
+    assert out.returncode != 0 and not (tmp_path / "ckpt.pt").exists()
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
@@ -249,31 +258,30 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     assert torch.load(tmp_path / "o" / "ckpt.pt", weights_only=True)["config"]["learning_rate"] == 2e-3
     bad = tmp_path / "bad.py"
     bad.write_text("n_layers = 4\n")
-    out = run(str(bad), check=False)
-    assert out.returncode != 0 and "unknown config key 'n_layers' (did you mean 'n_layer'?)" in out.stderr
+    assert "unknown config key 'n_layers' (did you mean 'n_layer'?)" in train_refusal(str(bad))
 
 
 def test_data_errors(data_dir, tmp_path):
-    out = run(*TINY, f"--data_dir={tmp_path / 'nothing'}", f"--out_dir={tmp_path}", check=False)
-    assert out.returncode != 0 and "prepare the data first" in out.stderr
+    def data_refusal(data_dir, *args):  # (train_refusal: train.py's checks, in process)
+        return train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", *args)
+    assert "prepare the data first" in data_refusal(tmp_path / "nothing")
     too_small = json.loads((data_dir / "meta.json").read_text())["vocab_size"] - 1
-    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", f"--vocab_size={too_small}", check=False)
-    assert out.returncode != 0 and f"model's vocab_size is {too_small}" in out.stderr
+    assert f"model's vocab_size is {too_small}" in data_refusal(data_dir, f"--vocab_size={too_small}")
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     for name in ("meta.json", "val.bin"):
         (corrupt / name).write_bytes((data_dir / name).read_bytes())
     (corrupt / "train.bin").write_bytes((data_dir / "train.bin").read_bytes()[:-1])  # half a token
-    out = run(*TINY, f"--data_dir={corrupt}", f"--out_dir={tmp_path}", check=False)
-    assert out.returncode != 0 and "not a whole number of uint16 tokens" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+    assert "not a whole number of uint16 tokens" in data_refusal(corrupt)
     (corrupt / "prepare.incomplete").write_text("prepare.py was killed here\n")
-    out = run(*TINY, f"--data_dir={corrupt}", f"--out_dir={tmp_path}", check=False)
-    assert out.returncode != 0 and "is a dataset prepare.py did not finish (re-run prepare.py)" in out.stderr
+    assert "is a dataset prepare.py did not finish (re-run prepare.py)" in data_refusal(corrupt)
     (corrupt / "meta.json").write_text("{not json")
     (corrupt / "prepare.incomplete").unlink()
-    out = run(*TINY, f"--data_dir={corrupt}", f"--out_dir={tmp_path}", check=False)
+    assert "meta.json is damaged" in data_refusal(corrupt)
+    # and train.py stops on them in one line, writing nothing
+    out = run(*TINY, f"--data_dir={corrupt}", f"--out_dir={tmp_path / 'out'}", check=False)
     assert out.returncode != 0 and "meta.json is damaged" in out.stderr and len(out.stderr.splitlines()) == 1
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
 
 
 def test_a_finished_run_is_never_overwritten_and_auto_resumes(data_dir, tmp_path):
