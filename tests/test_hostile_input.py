@@ -24,7 +24,7 @@ import torch
 
 import forkserver  # the tests' own: train.py and sample.py started without importing torch each time
 import prepare
-from helpers import needs_tiktoken, train_refusal
+from helpers import CPU_ENV, needs_tiktoken, train_refusal
 from lib import checkpoint as ckpt
 from lib import hf
 from lib.errors import UserError
@@ -457,6 +457,16 @@ def test_sample_py_says_its_own_name_in_one_line(tmp_path, folder, case, says):
     done = forkserver.run(["sample.py", *args, "--device=cpu", "--max_new_tokens=2"], cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     one_line(done, "sample.py", says)
+
+
+def test_export_py_says_its_own_name_in_one_line(tmp_path):
+    # the tests call export.py's main in their own process (helpers.in_process); here it runs as a user runs it
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "ckpt.pt").write_bytes(b"")
+    done = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'out'}", f"--to={tmp_path / 'hf'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **CPU_ENV})
+    one_line(done, "export.py", "not a readable checkpoint (EOFError")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_prepare_py_on_a_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, monkeypatch):

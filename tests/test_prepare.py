@@ -64,7 +64,8 @@ def run(*argv):
 
 
 def cli(*argv, cwd=REPO, timeout=120):
-    """prepare.py in a new process, forked from the tests' server (helpers.script)."""
+    """prepare.py as a user runs it, through helpers.script (its main in this process: a CompletedProcess of its
+    exit status, its stdout, and the one line its hook prints for a UserError)."""
     return script(REPO / "prepare.py", *argv, cwd=cwd, timeout=timeout)
 
 
