@@ -1,16 +1,16 @@
-"""What the test modules share: starting train.py and the project's other scripts (prepare.py's and export.py's
-main in this process), train.py's refusals found in process, reading a run's losses and weights, counting Triton
-kernel launches, a free port, and where this team's shared files are.
+"""What the test modules share: starting train.py and the project's other scripts (prepare.py, export.py,
+sample.py and eval.py in this process), train.py's refusals found in process, reading a run's losses and weights,
+counting Triton kernel launches, a free port, and where this team's shared files are.
 Fixtures live in conftest.py; this is plain functions and names, imported as `from helpers import run, TINY`.
 """
 
 import contextlib
-import importlib
 import io
 import json
 import os
 import random
 import re
+import runpy
 import signal
 import socket
 import subprocess
@@ -192,30 +192,30 @@ def two_nodes(*args, torchrun=(), node_args=((), ()), timeout=300):
     return torchrun_together(nodes, env, timeout)
 
 
-# the scripts whose work is a main(argv): the tests call it in their own process (in_process), not in a new one
-IN_PROCESS = ("prepare.py", "export.py")
+# the scripts the tests run in their own process (in_process): none starts processes or holds the run's state
+IN_PROCESS = ("prepare.py", "export.py", "sample.py", "eval.py")
 
 
 def script(*args, cwd=ROOT, env=None, timeout=300):
-    # another of the project's scripts (sample.py, eval.py, bench.py) in a new process, as run() does; prepare.py
-    # and export.py (IN_PROCESS) in this one, unless env asks for an environment of their own
-    if Path(str(args[0])).name in IN_PROCESS and not env:
-        return in_process(Path(str(args[0])).name, args[1:], cwd)
-    args = on_cpu(args) if str(args[0]) in ON_CPU else [*map(str, args)]
+    # another of the project's scripts: those of IN_PROCESS in this process, unless env asks for an environment of
+    # their own; the others (bench.py) in a new process, as run() does
+    args = on_cpu(args) if Path(str(args[0])).name in ON_CPU else [*map(str, args)]
+    if Path(args[0]).name in IN_PROCESS and not env:
+        return in_process(Path(args[0]).name, args[1:], cwd)
     return forkserver.run(args, cwd=cwd, env={**os.environ, **CPU_ENV, **(env or {})}, timeout=timeout)
 
 
 def in_process(name, args, cwd=ROOT):
-    # `python NAME ARGS` from cwd, as its main(ARGS) in this process -> a CompletedProcess of its exit status, its
-    # stdout, and its stderr: for a UserError what the script's own hook prints (errors.one_line_errors), status 1.
-    # Any other exception is a bug, and the test's: raised here.
-    module = importlib.import_module(name.removesuffix(".py"))
-    out, err, hook, here = io.StringIO(), io.StringIO(), sys.excepthook, os.getcwd()
+    # `python NAME ARGS` from cwd, run in this process as Python runs a script (runpy, as __main__) -> a
+    # CompletedProcess of its exit status, its stdout, and its stderr: for a UserError what the script's own hook
+    # prints (errors.one_line_errors), status 1. Any other exception is a bug, and the test's: raised here.
+    out, err, hook, argv, here = io.StringIO(), io.StringIO(), sys.excepthook, sys.argv, os.getcwd()
     try:
         os.chdir(cwd)
+        sys.argv = [name, *map(str, args)]
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                module.main([str(a) for a in args])
+                runpy.run_path(str(ROOT / name), run_name="__main__")
                 status = 0
             except UserError as e:
                 sys.excepthook(type(e), e, e.__traceback__)
@@ -223,7 +223,7 @@ def in_process(name, args, cwd=ROOT):
             except SystemExit as e:  # argparse's, or sys.exit(): a number, or a message and status 1
                 status = e.code if isinstance(e.code, int) or e.code is None else print(e.code, file=sys.stderr) or 1
     finally:
-        sys.excepthook = hook
+        sys.excepthook, sys.argv = hook, argv
         os.chdir(here)
     return subprocess.CompletedProcess([name, *map(str, args)], status or 0, out.getvalue(), err.getvalue())
 
