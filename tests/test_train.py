@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -296,8 +297,8 @@ def test_a_finished_run_is_never_overwritten_and_auto_resumes(data_dir, tmp_path
 
 
 def test_resume_without_checkpoint(data_dir, tmp_path):
-    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume", check=False)
-    assert out.returncode != 0 and f"no checkpoint at {tmp_path}/ckpt.pt" in out.stderr
+    said = train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume")
+    assert f"no checkpoint at {tmp_path}/ckpt.pt" in said
 
 
 def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
@@ -434,13 +435,10 @@ def test_tensorboard_gets_the_records_of_metrics_jsonl(data_dir, tmp_path):
     assert {e.step: e.value for e in events.Scalars("val_loss")} == pytest.approx(val)
 
 
-def test_tensorboard_missing_is_one_line(data_dir, tmp_path):
-    hide = tmp_path / "no_tensorboard.py"
-    hide.write_text("import sys as _sys\n_sys.modules['torch.utils.tensorboard'] = None\n")  # import fails
-    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", str(hide), "--tensorboard_log=True",
-              check=False)
-    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1
-    assert "tensorboard_log=True needs TensorBoard: pip install tensorboard" in out.stderr
+def test_tensorboard_missing_is_one_line(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails
+    said = train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", "--tensorboard_log=True")
+    assert "tensorboard_log=True needs TensorBoard: pip install tensorboard" in said
 
 
 @pytest.mark.slow
