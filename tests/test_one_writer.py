@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, TINY, run, script
+from helpers import ROOT, TINY, run, script, train_refusal
 from test_untrusted_checkpoints import runs  # noqa: F401 (a fixture: a prepared dataset and a tiny run on it)
 
 
@@ -71,13 +71,12 @@ def test_token_files_must_hold_as_many_tokens_as_meta_json_counts(runs, tmp_path
     meta = json.loads((data / "meta.json").read_text())
     with open(data / "train.bin", "ab") as f:  # another run's tokens appended: whole tokens, the right dtype
         np.arange(100, dtype=np.uint16).tofile(f)
-    done = run(*args, check=False)
-    assert_one_line(done, f"{data / 'train.bin'} holds {meta['train']['tokens'] + 100:,} uint16 tokens where "
-                          f"meta.json says {meta['train']['tokens']:,}", "re-run prepare.py")
+    said = train_refusal(*args)  # train.py's checks, in process
+    assert f"{data / 'train.bin'} holds {meta['train']['tokens'] + 100:,} uint16 tokens where meta.json says " \
+           f"{meta['train']['tokens']:,}" in said and "re-run prepare.py" in said
     shutil.copy(runs / "data" / "train.bin", data / "train.bin")
     (data / "meta.json").write_text(json.dumps({**meta, "dtype": "uint8"}))  # a uint16 file read as uint8
-    done = run(*args, check=False)
-    assert_one_line(done, "dtype uint8 is not uint16 or uint32")  # refused before the lengths are compared
+    assert "dtype uint8 is not uint16 or uint32" in train_refusal(*args)  # refused before the lengths are compared
 
 
 @pytest.mark.slow
@@ -127,7 +126,7 @@ def test_a_diverged_run_stops_with_the_checkpoint_from_before_the_update_that_br
 def test_a_resume_with_another_model_shape_is_refused(runs, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(runs / "files", out)
-    done = run(*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4",
-               "--n_embd=64", "--n_layer=3", check=False)
-    assert_one_line(done, "holds a model of n_layer=2, n_embd=32, not n_layer=3, n_embd=64",
-                    "resume with the checkpoint's shape")
+    said = train_refusal(*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--init_from=resume",
+                         "--max_iters=4", "--n_embd=64", "--n_layer=3")  # train.py's checks, in process
+    assert "holds a model of n_layer=2, n_embd=32, not n_layer=3, n_embd=64" in said
+    assert "resume with the checkpoint's shape" in said

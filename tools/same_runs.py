@@ -14,6 +14,7 @@ written into checkpoints agree). Needs torchao for the QLoRA run (else it is lef
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -147,12 +148,9 @@ def main():
     names = options.only.split(",") if options.only else list(RUNS)
     if "resume" in names and "plain" not in names:  # it resumes the plain run
         names.insert(0, "plain")
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        if "qlora" in names:
-            print("qlora: left out (no torchao)")
-            names.remove("qlora")
+    if "qlora" in names and importlib.util.find_spec("torchao") is None:
+        print("qlora: left out (no torchao)")
+        names.remove("qlora")
     work = Path(tempfile.mkdtemp(prefix="same_runs_"))
     make_data(work)
     failed = 0
