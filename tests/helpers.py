@@ -76,7 +76,7 @@ def train_settings(args):
 
 
 def train_refusal(*args):
-    # the one line train.py stops with for args, found in this process by its checks of sections 1-5 in its
+    # the one line train.py stops with for args, found in this process by its checks of sections 1-6 in its
     # order (its settings, the device and the layout, the data, where the run begins, its first model, the
     # sequences); what needs the process group (under FSDP and tensor parallel the run's processes) is left out
     from configurator import check_settings
@@ -92,11 +92,12 @@ def train_refusal(*args):
         device, dtype = pick_device(s["device"], s["dtype"])
         check_layout(s["tp_size"], s["fsdp"], s["fsdp_cpu_offload"], device, dtype, s["optimizer"])
         meta = read_meta(s["data_dir"])
-        vocab_size, train_tokens = check_data_for_run(s["data_dir"], meta, s["vocab_size"], s["doc_mask"], s["sequences"],
-                                           s["block_size"])
+        vocab_size, train_tokens = check_data_for_run(s["data_dir"], meta, s["vocab_size"], s["doc_mask"],
+                                                      s["sequences"], s["block_size"])
         first_model(begin(s, vocab_size, meta, s["fsdp"]), s, dtype)
         Batches(s["data_dir"], meta, s["block_size"], s["seed"], vocab_size, s["sequences"], s["batch_size"],
-                s["gradient_accumulation_steps"] * s["batch_size"], train_tokens, s["doc_mask"])
+                s["gradient_accumulation_steps"] * s["batch_size"], train_tokens, s["doc_mask"], s["eval_full"],
+                s["eval_stride"])
     said = str(refused.value.code if refused.type is SystemExit else refused.value)
     assert len(said.splitlines()) == 1, said
     return said
