@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import TINY, run
-from lib.optim import check_optimizer, lr_factor, set_lr
+from lib.optim import check_optimizer, lr_factor, run_steps, set_lr
 
 # warmup over 2 steps, then from the peak down to min_lr / learning_rate = 0.1 at step 10 (lr_decay_iters)
 SETTINGS = dict(warmup_iters=2, lr_decay_iters=10, learning_rate=1e-2, min_lr=1e-3, lr_decay_fraction=0.4,
@@ -89,11 +89,21 @@ def test_a_run_that_max_iters_ends_before_max_epochs_says_its_schedule_outlasts_
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["iter"] - 1: r["lr"] for r in records if "tokens_per_s" in r}
     assert lrs[3] > 0.99e-2  # as the note says: barely decayed
-    # with the fix it names, the last step's rate is three quarters of the way down the cosine to min_lr
-    done = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'fixed'}", "--max_iters=4",
-               "--max_epochs=100", "--eval_interval=100", "--warmup_iters=0", "--lr_decay_iters=4",
-               "--learning_rate=1e-2", "--min_lr=1e-3")
-    assert "note: max_iters" not in done.stdout
-    records = [json.loads(line) for line in (tmp_path / "fixed" / "metrics.jsonl").read_text().splitlines()]
-    lrs = {r["iter"] - 1: r["lr"] for r in records if "tokens_per_s" in r}
-    assert lrs[3] == pytest.approx(1e-2 * COSINE_THREE_QUARTERS, rel=1e-9) and lrs[3] < 0.25e-2
+    # with the fix it names, the last step's rate is three quarters of the way down the cosine to min_lr: the run's
+    # steps as train.py sets them (optim.run_steps, epochs of 10**6 steps), then the schedule the loop applies
+    max_iters, decay_iters, warmup_iters, note = run_steps(4, 4, 0, max_epochs=100, epoch_steps=10**6)
+    assert (max_iters, decay_iters, warmup_iters) == (4, 4, 0) and "note: max_iters" not in note
+    last = 1e-2 * lr_factor(3, warmup_iters=0, lr_decay_iters=decay_iters, learning_rate=1e-2, min_lr=1e-3)
+    assert last == pytest.approx(1e-2 * COSINE_THREE_QUARTERS, rel=1e-9) and last < 0.25e-2
+
+
+def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
+    # optim.run_steps, as train.py calls it once the epochs' steps are known
+    assert run_steps(100, 90, 5) == (100, 90, 5, "")
+    assert run_steps(100, 90, 5, warmup_ratio=0.1) == (100, 90, 10, "")  # of max_iters, rounded up
+    # max_epochs ends the run first, and the decay with it; warmup_ratio counts those steps
+    assert run_steps(100, 90, 5, 0.25, max_epochs=2, epoch_steps=30) == \
+        (30, 30, 8, "max_epochs=2: 30 steps (lr_decay_iters 30, warmup 8)")
+    # max_iters ends it first: the schedule keeps lr_decay_iters, and the note says so with the fix
+    steps = run_steps(10, 90, 5, max_epochs=2, epoch_steps=30)
+    assert steps[:3] == (10, 30, 5) and "set lr_decay_iters=10" in steps[3]
