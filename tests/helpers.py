@@ -203,9 +203,10 @@ IN_PROCESS = ("prepare.py", "export.py", "sample.py", "eval.py")
 def script(*args, cwd=ROOT, env=None, timeout=300):
     # another of the project's scripts: those of IN_PROCESS in this process, unless env asks for an environment of
     # their own; the others (bench.py) in a new process, as run() does
-    args = on_cpu(args) if Path(str(args[0])).name in ON_CPU else [*map(str, args)]
-    if Path(args[0]).name in IN_PROCESS and not env:
-        return in_process(Path(args[0]).name, args[1:], cwd)
+    name = Path(str(args[0])).name
+    args = on_cpu(args) if name in ON_CPU else [*map(str, args)]
+    if name in IN_PROCESS and not env:
+        return in_process(name, args[1:], cwd)
     return forkserver.run(args, cwd=cwd, env={**os.environ, **CPU_ENV, **(env or {})}, timeout=timeout)
 
 

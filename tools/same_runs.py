@@ -36,7 +36,7 @@ TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_si
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0"]
 TIMINGS = {"ms_per_iter", "tokens_per_s", "mfu", "mfu_run", "mem_mb", "time_left_s"}
 # the runs: name -> (launcher, data, train.py's arguments, environment); data: text, chat or folder (the tiny
-# imported model's data, its own folder the init_from)
+# imported model, fine-tuned on the text)
 RUNS = {
     "plain": ([], "text", [], {}),
     "accumulation": ([], "text", ["--batch_size=2", "--gradient_accumulation_steps=4"], {}),
@@ -75,13 +75,13 @@ def make_data(work):
     torch.manual_seed(0)
     save_pretrained(GPT(GPTConfig(vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64)),
                     work / "model")
-    shutil.copytree(work / "text", work / "folder")
 
 
 def run(checkout, name, work, out):
     launcher, data, args, env = RUNS[name]
     init = [f"--init_from={work / 'model'}", "--block_size=32"] if data == "folder" else []
-    command = [*(launcher or [sys.executable]), "train.py", *TINY, f"--data_dir={work / data}", f"--out_dir={out}",
+    data_dir = work / ("text" if data == "folder" else data)
+    command = [*(launcher or [sys.executable]), "train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}",
                *init, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0", **env}
     done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
