@@ -43,8 +43,8 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
-    # A pytest-xdist worker has sent all its results by now: it ends here, as the fork server's children do, without
-    # tearing down the modules it imported (torch's, Triton's: ~2 s of CPU, which the controller would wait for).
+    # A pytest-xdist worker has sent all its results by now: it ends here, without tearing down the modules it
+    # imported (torch's, Triton's: ~2 s of CPU, which the controller would wait for).
     if os.environ.get("PYTEST_XDIST_WORKER"):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -93,7 +93,7 @@ def generated_text(n):
 # -----------------------------------------------------------------------------
 # The tests that kill or restart processes (marked `kills`) run inside process tracking: none of their processes
 # may outlive them, and torchrun's scratch folders stay with the test's files. The other tests start processes
-# with subprocess.run or forkserver.run only, which wait for them. Tracking reads Linux's /proc: elsewhere the
+# with subprocess.run only, which waits for them, or run scripts in their own process. Tracking reads Linux's /proc: elsewhere the
 # tests run without it.
 
 _marks = iter(range(10**9))
@@ -101,10 +101,10 @@ _marks = iter(range(10**9))
 
 @contextlib.contextmanager
 def own_processes(name, tmp_path_factory):
-    # Every process started inside inherits a mark of its own (processes.py finds them by it, wherever they were
+    # Every process started inside inherits a mark of its own (helpers.marked finds them by it, wherever they were
     # reparented) and a TMPDIR of its own: torchrun makes its torchelastic_* folders there. Compiled code keeps
     # its cache where it was (under the old TMPDIR), shared by the tests as before. None may outlive the block.
-    from processes import MARK, kill_marked, wait_unmarked
+    from helpers import MARK, kill_marked, wait_unmarked
     mark = f"{os.getpid()}-{next(_marks)}"
     scratch = tmp_path_factory.mktemp(re.sub(r"\W", "_", name)[:40] + "-scratch")
     with pytest.MonkeyPatch.context() as env:
@@ -157,10 +157,3 @@ def shared_root(tmp_path_factory):
     # the folder all of the session's workers share: their temporary folders' parent under pytest-xdist
     root = tmp_path_factory.getbasetemp()
     return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
-
-
-@pytest.fixture(scope="session", autouse=True)
-def forkserver_pycache(tmp_path_factory):
-    # the forked runs of the session, in all its workers, keep their compiled modules in one folder
-    import forkserver
-    forkserver.pycache = shared_root(tmp_path_factory) / "pycache"

@@ -1,9 +1,10 @@
-"""What the test modules share: starting train.py and the project's other scripts (prepare.py, export.py,
-sample.py and eval.py in this process), train.py's refusals found in process, reading a run's losses and weights,
+"""What the test modules share: running train.py and the project's other scripts (in the test's own process, under
+torchrun, or in a new Python), train.py's refusals found in process, reading a run's losses and weights,
 counting Triton kernel launches, a free port, and where this team's shared files are.
 Fixtures live in conftest.py; this is plain functions and names, imported as `from helpers import run, TINY`.
 """
 
+import atexit
 import contextlib
 import io
 import json
@@ -17,12 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-import forkserver
 from lib.errors import UserError
 
 # The environment of the processes the CPU tests start (train.py and the other scripts, with --device=cpu), on a
@@ -106,45 +107,24 @@ def train_refusal(*args):
 def standard_run(shared, data_dir, layout):
     # layout: "one" (one process) or "ddp" (torchrun, 2 processes); the run's out_dir, read only
     def build(out):
-        # under torchrun itself (an argument beyond the two of a forked launch, run() above)
-        torchrun = ["--standalone", "--nproc_per_node=2", "--max-restarts=0"] if layout == "ddp" else ()
+        torchrun = ["--standalone", "--nproc_per_node=2"] if layout == "ddp" else ()
         done = run(*STANDARD, f"--data_dir={data_dir}", f"--out_dir={out}", torchrun=torchrun)
         (out / "stdout.txt").write_text(done.stdout)
     return shared(f"standard_{layout}", build)
 
 
 def run(*args, torchrun=(), check=True, env=None):
-    # train.py in a new process, forked from a server that has torch imported already (forkserver.py). With
-    # torchrun's arguments: a launch on one machine (--standalone --nproc_per_node=N), where the test is about what
-    # the workers compute, is its N workers, forked likewise, each with the environment torchrun gives it (a new
-    # Python each, and torchrun's, cost seconds of CPU a launch); any other launch (the standard DDP run's) runs under
-    # torchrun itself, as users run it (torchrun_run). The tests of torchrun's restarts, kills and two nodes run
-    # torchrun itself too.
-    env, args = {**os.environ, **CPU_ENV, **(env or {})}, on_cpu(args)
-    workers = re.fullmatch(r"--standalone --nproc_per_node=(\d+)", " ".join(torchrun))
-    if workers:
-        done = torchrun_forked(["train.py", *args], int(workers[1]), env)
-    elif torchrun:
-        done = torchrun_run([*torchrun, "train.py", *args], env)
+    # train.py as a user runs it: in one process, here in the test's own (in_process: a new Python would spend ~5 s
+    # of CPU importing torch before its first step); with torchrun's arguments, under torchrun itself, its workers
+    # new Pythons (torchrun_run)
+    args = on_cpu(args)
+    if torchrun:
+        done = torchrun_run([*torchrun, "train.py", *args], {**os.environ, **CPU_ENV, **(env or {})})
     else:
-        done = forkserver.run(["train.py", *args], cwd=ROOT, env=env, timeout=300)
+        done = in_process("train.py", args, env={**CPU_ENV, **(env or {})})
     if check and done.returncode != 0:
         raise AssertionError(f"train.py failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return done
-
-
-def torchrun_forked(args, n, env, timeout=300):
-    # `torchrun --standalone --nproc_per_node=n SCRIPT ARGS` (args: [SCRIPT, *ARGS]) as its n workers, forked from
-    # the tests' server, each with the environment torchrun gives it, rank 0 serving the store; as torchrun
-    # gives them: the workers' output together, and status 1 when one of them failed
-    port = free_port()
-    ranks = [dict(RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", ROLE_RANK=str(r), ROLE_NAME="default",
-                  WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(n),
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
-                  TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none") for r in range(n)]
-    done = forkserver.run_together([(args, {**env, **rank}) for rank in ranks], cwd=ROOT, timeout=timeout)
-    return subprocess.CompletedProcess(done[0].args, int(any(d.returncode for d in done)),
-                                       "".join(d.stdout for d in done), "".join(d.stderr for d in done))
 
 
 def torchrun_command(args):
@@ -196,41 +176,75 @@ def two_nodes(*args, torchrun=(), node_args=((), ()), timeout=300):
     return torchrun_together(nodes, env, timeout)
 
 
-# the scripts the tests run in their own process (in_process): none starts processes or holds the run's state
-IN_PROCESS = ("prepare.py", "export.py", "sample.py", "eval.py")
-
-
-def script(*args, cwd=ROOT, env=None, timeout=300):
-    # another of the project's scripts: those of IN_PROCESS in this process, unless env asks for an environment of
-    # their own; the others (bench.py) in a new process, as run() does
+def script(*args, cwd=ROOT, env=None):
+    # another of the project's scripts (prepare.py, export.py, sample.py, eval.py, bench.py), in this process
     name = Path(str(args[0])).name
-    args = on_cpu(args) if name in ON_CPU else [*map(str, args)]
-    if name in IN_PROCESS and not env:
-        return in_process(name, args[1:], cwd)
-    return forkserver.run(args, cwd=cwd, env={**os.environ, **CPU_ENV, **(env or {})}, timeout=timeout)
+    return in_process(args[0], on_cpu(args[1:]) if name in ON_CPU else args[1:], cwd, {**CPU_ENV, **(env or {})})
 
 
-def in_process(name, args, cwd=ROOT):
-    # `python NAME ARGS` from cwd, run in this process as Python runs a script (runpy, as __main__) -> a
-    # CompletedProcess of its exit status, its stdout, and its stderr: for a UserError what the script's own hook
-    # prints (errors.one_line_errors), status 1. Any other exception is a bug, and the test's: raised here.
-    out, err, hook, argv, here = io.StringIO(), io.StringIO(), sys.excepthook, sys.argv, os.getcwd()
+def new_python(*args, cwd=ROOT, env=None, timeout=300):
+    # `python SCRIPT ARGS` in a new Python, where the test is about the script's own process -> a CompletedProcess
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env={**os.environ, **CPU_ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def in_process(path, args, cwd=ROOT, env=None):
+    # `python PATH ARGS` from cwd (PATH relative to the project's folder), run in this process as Python runs a script (runpy, as __main__), with env's
+    # variables set meanwhile -> a CompletedProcess of its exit status, its stdout, and its stderr: for a UserError
+    # what the script's own hook prints (errors.one_line_errors), status 1. Any other exception is a bug, and the
+    # test's: raised here. What a process's end does is done at the script's end: the exit functions the project
+    # (and its config files) registered run (an out_dir's lock is let go), a process group left is ended, and the
+    # signal handlers, warning filters and exception hook are put back; so are the project's modules, which a config
+    # file may patch, and torch.compile's caches are dropped.
+    out, err, name = io.StringIO(), io.StringIO(), Path(path).name
+    project = {key: (module, dict(vars(module))) for key, module in list(sys.modules.items()) if ours(module)}
+    hook, handlers = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    at_exit, register = [], atexit.register
+
+    def own_exits(fn, *a, **kw):  # a library's (imported for the first time by the script) stays the process's
+        if "site-packages" in getattr(getattr(fn, "__code__", None), "co_filename", "site-packages"):
+            return register(fn, *a, **kw)
+        at_exit.append((fn, a, kw))
+        return fn
     try:
-        os.chdir(cwd)
-        sys.argv = [name, *map(str, args)]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                runpy.run_path(str(ROOT / name), run_name="__main__")
-                status = 0
-            except UserError as e:
-                sys.excepthook(type(e), e, e.__traceback__)
-                status = 1
-            except SystemExit as e:  # argparse's, or sys.exit(): a number, or a message and status 1
-                status = e.code if isinstance(e.code, int) or e.code is None else print(e.code, file=sys.stderr) or 1
+        with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+            for key, value in (env or {}).items():
+                patch.setenv(key, value)
+            patch.chdir(cwd)
+            patch.setattr(sys, "argv", [name, *map(str, args)])
+            patch.setattr(atexit, "register", own_exits)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    runpy.run_path(str(ROOT / path), run_name="__main__")
+                    status = 0
+                except UserError as e:
+                    sys.excepthook(type(e), e, e.__traceback__)
+                    status = 1
+                except SystemExit as e:  # argparse's, or sys.exit(): a number, or a message and status 1
+                    status = e.code if isinstance(e.code, int) or e.code is None else \
+                        print(e.code, file=sys.stderr) or 1
+                finally:
+                    for fn, a, kw in reversed(at_exit):
+                        fn(*a, **kw)
     finally:
-        sys.excepthook, sys.argv = hook, argv
-        os.chdir(here)
+        sys.excepthook = hook
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for key, module in list(sys.modules.items()):
+            if ours(module) and key not in project:
+                del sys.modules[key]  # imported by the run: the next one imports it anew
+        for module, namespace in project.values():  # names added meanwhile stay (Triton's interpreter adds some)
+            vars(module).update((k, v) for k, v in namespace.items() if vars(module).get(k) is not v)
+        torch._dynamo.reset()
     return subprocess.CompletedProcess([name, *map(str, args)], status or 0, out.getvalue(), err.getvalue())
+
+
+def ours(module):
+    # a module of the project (or of its tests), not of a library installed inside its folder (.venv)
+    file = str(getattr(module, "__file__", None) or "")
+    return file.startswith(str(ROOT)) and "site-packages" not in file
 
 
 def losses(out_dir):
@@ -252,7 +266,7 @@ def assert_weights_close(a, b, atol=1e-5):
 # A config file for train.py that counts the launches of each Triton kernel in kernels.py and prints them as the
 # process exits. Equal losses alone cannot show that the fused ops ran: the plain ops give the same losses.
 KERNEL_COUNTER = """
-import atexit as _atexit, json as _json, os as _os, sys as _sys
+import atexit as _atexit, json as _json, sys as _sys
 import kernels as _kernels
 
 
@@ -266,13 +280,17 @@ def _counted(name, kernel):
 
 _launches = {_name: 0 for _name, _value in vars(_kernels).items()
              if _name.endswith("_kernel") and type(_value).__module__.startswith("triton")}
+_kept = {_name: getattr(_kernels, _name) for _name in _launches}
 for _name in _launches:
-    setattr(_kernels, _name, _counted(_name, getattr(_kernels, _name)))
+    setattr(_kernels, _name, _counted(_name, _kept[_name]))
 
 
 def _report():  # one write of the whole line: torchrun's workers share the pipe, and print's pieces interleave
+    for _name, _kernel in _kept.items():  # and kernels.py as it was, for a run in the test's own process
+        setattr(_kernels, _name, _kernel)
     _sys.stdout.flush()
-    _os.write(1, ("TRITON LAUNCHES " + _json.dumps(_launches) + "\\n").encode())
+    _sys.stdout.write("TRITON LAUNCHES " + _json.dumps(_launches) + "\\n")
+    _sys.stdout.flush()
 
 
 _atexit.register(_report)
@@ -317,3 +335,54 @@ def free_port():
                 continue
             return port
     raise AssertionError(f"no free port in {start}-{start + 999}")
+
+
+# The tests that kill or restart processes find every process they started by a mark in its environment, whoever
+# its parent is now: conftest.py gives each such test its own value of MARK, and every process it starts inherits
+# it, and so do the processes those start: torchrun's workers too, which outlive a killed launcher. /proc/PID/environ
+# is the environment a process was started with, so the pytest process itself, which set the variable later, never
+# matches.
+MARK = "PYTEST_PROCESS_MARK"
+
+
+def marked(value=None):
+    # {pid: command line} of the live processes whose environment holds MARK=value (this test's by default)
+    value = os.environ.get(MARK) if value is None else value
+    if not value or not os.path.isdir("/proc"):  # conftest.py tracks processes only where /proc is
+        return {}
+    needle, found = f"{MARK}={value}".encode(), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # exited, only not yet reaped
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def kill_marked(value=None, timeout=30):
+    # SIGKILL every process of this test until none is left; returns what was alive
+    alive = marked(value)
+    seen, deadline = dict(alive), time.time() + timeout
+    while alive:
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert time.time() < deadline, f"processes that SIGKILL did not end: {alive}"
+        time.sleep(0.05)
+        alive = marked(value)
+    return seen
+
+
+def wait_unmarked(value=None, timeout=10):
+    # the processes of this test still alive after timeout seconds (none, normally)
+    deadline = time.time() + timeout
+    while (alive := marked(value)) and time.time() < deadline:
+        time.sleep(0.1)
+    return alive

@@ -7,12 +7,13 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-import forkserver
 from helpers import CPU_ENV, needs_tiktoken, script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +34,7 @@ def number(cell):
 
 
 def run_section(section, tmp_path, *extra, stop_at=None):
-    # bench.py --mode=gpu --tiny --section=SECTION --out=tmp_path/out, forked from the tests' server in a session of
-    # its own, its file read every 0.1 s while it runs: (return code, the file's contents as seen while it ran,
+    # bench.py --mode=gpu --tiny --section=SECTION --out=tmp_path/out, a new Python in a session of its own, its file read every 0.1 s while it runs: (return code, the file's contents as seen while it ran,
     # the log). stop_at: a pattern at which it is killed with every process it started, as a call at the GPU
     # machine's limit is
     out, tmp = tmp_path / "out", tmp_path / "tmp"
@@ -42,7 +42,9 @@ def run_section(section, tmp_path, *extra, stop_at=None):
     cmd = ["bench.py", "--mode=gpu", "--tiny", f"--section={section}", f"--out={out}", "--steps=3", "--warmup=1",
            *extra]
     # the kernels under Triton's interpreter would take minutes: their references stand in on CPU
-    proc = forkserver.start(cmd, ROOT, {**os.environ, **CPU_ENV, "TRITON_INTERPRET": "0", "TMPDIR": str(tmp)})
+    proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env={**os.environ, **CPU_ENV, "TRITON_INTERPRET": "0",
+                            "TMPDIR": str(tmp)}, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     seen, path, give_up = [], out / f"{section}.md", time.time() + 600
     try:
         while proc.poll() is None and time.time() < give_up:
@@ -177,7 +179,7 @@ def test_a_section_stopped_early_keeps_the_rows_it_finished(tmp_path):
 
 
 def test_a_section_name_not_known_is_refused_in_one_line(tmp_path):
-    # forked from the tests' server, torch imported already: a new Python would spend seconds importing it
+    # in this process (helpers.script): a new Python would spend seconds importing torch
     done = script("bench.py", "--mode=gpu", "--tiny", "--section=kernels,speed")
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
     assert "--section=kernels,speed: choose among versus, race, kernels, step" in done.stderr
@@ -206,7 +208,7 @@ def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path
     texts = [f"document {i}: " + f"the quick brown fox {i} jumps over the lazy dog. " * 2000 for i in range(3)]
     for i, text in enumerate(texts):
         (src / f"doc{i}.txt").write_text(text)
-    # bench.py forked from the tests' server (torch imported already); the prepare.py runs it times are new Pythons
+    # bench.py in this process (helpers.script); the prepare.py runs it times are new Pythons
     cmd = ["bench.py", "--mode=encode", src, "--num_workers=2"]
     done = script(*cmd)
     assert done.returncode == 0, done.stderr[-3000:]

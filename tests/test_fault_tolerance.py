@@ -16,10 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-import forkserver
-from helpers import (CPU_ENV, ROOT, TINY, losses, on_cpu, run, script, torchrun_command, train_refusal, two_nodes,
+from helpers import (CPU_ENV, kill_marked, marked, ROOT, TINY, losses, on_cpu, run, script, torchrun_command, train_refusal, two_nodes,
                      weights)
-from processes import kill_marked, marked
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -29,19 +27,18 @@ def assert_same_weights(a, b):
 
 
 def start(*args, torchrun=None):
-    # train.py started in a session of its own, its output (stdout and stderr together) read as it goes: forked
-    # from the tests' server (forkserver.start), or under torchrun with these arguments, as users run it
+    # train.py started in a new Python in a session of its own, its output (stdout and stderr together) read as it
+    # goes: alone, or under torchrun with these arguments, as users run it
     env = {**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"}
-    if torchrun is None:
-        return forkserver.start(["train.py", *on_cpu(args)], ROOT, env)
-    return subprocess.Popen(torchrun_command([*torchrun, "train.py", *on_cpu(args)]), cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    command = [sys.executable, "train.py"] if torchrun is None else torchrun_command([*torchrun, "train.py"])
+    return subprocess.Popen([*command, *on_cpu(args)], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def kill(proc):
     # SIGKILL a process started by start() and everything it started: its group, and torchrun's workers too,
     # which run in sessions of their own and would live on (found by the mark every process of this test
-    # carries: processes.py); none may survive
+    # carries: helpers.marked); none may survive
     os.killpg(proc.pid, signal.SIGKILL)
     code = proc.wait()
     kill_marked()
@@ -399,7 +396,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(d
 
 def kill_the_other_node(out_dir, step, killed):
     # SIGKILL the worker of the node that does not hold rank 0 (of a two_nodes run, one worker a node) once the run
-    # has logged step `step` (metrics.jsonl): among this test's processes (processes.py) that are not a torchrun,
+    # has logged step `step` (metrics.jsonl): among this test's processes (helpers.marked) that are not a torchrun,
     # the one whose pid is not the one holding out_dir's lock (files.py).
     # killed: the pid killed, or the error, for the test to read.
     try:
@@ -522,8 +519,10 @@ def test_out_dir_that_cannot_be_written_or_holds_no_checkpoint_is_refused_before
 
     def free(nbytes):  # a config file that makes the disk seem to have nbytes free
         path = tmp_path / f"free_{nbytes}.py"
-        path.write_text("import shutil as _shutil, types as _types\n_shutil.disk_usage = lambda path: "
-                        f"_types.SimpleNamespace(total=10**12, used=10**12, free={nbytes})\n")
+        path.write_text("import atexit as _atexit, shutil as _shutil, types as _types\n_usage = _shutil.disk_usage\n"
+                        "_shutil.disk_usage = lambda path: "
+                        f"_types.SimpleNamespace(total=10**12, used=10**12, free={nbytes})\n"
+                        "_atexit.register(lambda: setattr(_shutil, 'disk_usage', _usage))\n")
         return str(path)
     args = [*TINY, f"--data_dir={data_dir}", "--max_iters=2", "--eval_interval=2"]
     out = run(*args, f"--out_dir={tmp_path / 'small'}", free(1000), check=False)

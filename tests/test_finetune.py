@@ -187,7 +187,7 @@ def test_lora_refuses_another_base(pretrained, tmp_path):
 # A config file for train.py that prints, at the model's first forward, the type of each frozen parameter (the
 # model as it trains, whatever built it): a 4-bit base must be torchao's NF4Tensor there, not merely train.
 FROZEN_TYPES = """
-import json as _json
+import atexit as _atexit, json as _json
 import torch as _torch
 
 
@@ -199,7 +199,8 @@ def _report(module, args):
 
 
 _reported = []
-_torch.nn.modules.module.register_module_forward_pre_hook(_report)
+_hook = _torch.nn.modules.module.register_module_forward_pre_hook(_report)
+_atexit.register(lambda: _hook.remove())  # for a run in the test's own process
 """
 PROJECTIONS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.weight", "mlp.gate.weight",
                "mlp.up.weight", "mlp.down.weight")

@@ -194,8 +194,7 @@ def test_eval_py_tasks_prints_the_table_and_writes_json(run_here, tasks, tmp_pat
 
 
 def eval_py(*args, path="eval.py"):
-    # eval.py in a new process (forked from the test's server, torch imported), whose uncaught UserError goes up
-    # to the interpreter and through the script's one_line_errors
+    # eval.py in this process (helpers.script), whose uncaught UserError goes through the script's one_line_errors
     return script(path, *args, "--device=cpu", env=OFFLINE)
 
 

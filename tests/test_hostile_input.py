@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-import forkserver  # the tests' own: train.py and sample.py started without importing torch each time
 import prepare
-from helpers import CPU_ENV, needs_tiktoken, train_refusal
+from helpers import CPU_ENV, needs_tiktoken, new_python, train_refusal
 from lib import checkpoint as ckpt
 from lib import hf
 from lib.errors import UserError
@@ -437,8 +436,7 @@ def test_train_py_refuses_in_one_line(tmp_path, case, args, says):
     # train.py's checks in process (helpers.train_refusal); one case end to end, the script naming itself
     assert says in train_refusal(*TRAIN, f"--data_dir={dataset}", f"--out_dir={tmp_path / 'out'}", *args)
     if "vocab_size" in case:
-        done = forkserver.run(["train.py", *TRAIN, f"--data_dir={dataset}", f"--out_dir={tmp_path / 'out'}", *args],
-                              cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        done = new_python("train.py", *TRAIN, f"--data_dir={dataset}", f"--out_dir={tmp_path / 'out'}", *args)
         one_line(done, "train.py", says)
 
 
@@ -454,8 +452,7 @@ def test_sample_py_says_its_own_name_in_one_line(tmp_path, folder, case, says):
     else:
         (folder / "tokenizer.json").write_text('{"model": "broken"}')
         args = [f"--model={folder}"]
-    done = forkserver.run(["sample.py", *args, "--device=cpu", "--max_new_tokens=2"], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    done = new_python("sample.py", *args, "--device=cpu", "--max_new_tokens=2")
     one_line(done, "sample.py", says)
 
 
@@ -463,8 +460,7 @@ def test_export_py_says_its_own_name_in_one_line(tmp_path):
     # the tests call export.py's main in their own process (helpers.in_process); here it runs as a user runs it
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "ckpt.pt").write_bytes(b"")
-    done = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'out'}", f"--to={tmp_path / 'hf'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **CPU_ENV})
+    done = new_python("export.py", f"--out_dir={tmp_path / 'out'}", f"--to={tmp_path / 'hf'}")
     one_line(done, "export.py", "not a readable checkpoint (EOFError")
     assert not (tmp_path / "hf").exists()
 

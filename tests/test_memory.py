@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from configurator import configure
-from helpers import CPU_ENV, script, torchrun_forked
+from helpers import CPU_ENV, script, torchrun_run
 from lib import memory
 from lib.errors import UserError
 from lib.lora import add_lora, quantize_base
@@ -107,7 +107,7 @@ def test_fsdp_and_tensor_parallel_on_two_processes_are_rank_0s_parts(layout, tmp
     # TP: half of q, k, v, gate and up by rows, of attn.proj and mlp.down by columns, the rest whole
     script = tmp_path / "worker.py"
     script.write_text(f"ROOT = {str(ROOT)!r}\n" + PARALLEL_WORKER)
-    done = torchrun_forked([script, layout], 2, {**os.environ, **CPU_ENV})
+    done = torchrun_run(["--standalone", "--nproc_per_node=2", script, layout], {**os.environ, **CPU_ENV})
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["real"] == result["estimate"]

@@ -63,10 +63,10 @@ def run(*argv):
     return prepare.main([str(a) for a in argv])
 
 
-def cli(*argv, cwd=REPO, timeout=120):
+def cli(*argv, cwd=REPO):
     """prepare.py as a user runs it, through helpers.script (its main in this process: a CompletedProcess of its
     exit status, its stdout, and the one line its hook prints for a UserError)."""
-    return script(REPO / "prepare.py", *argv, cwd=cwd, timeout=timeout)
+    return script(REPO / "prepare.py", *argv, cwd=cwd)
 
 
 def one_line_error(r, *words):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import (ROOT, TINY, assert_every_kernel_ran, assert_weights_close, kernel_counter, kernel_launches,
-                     losses, run, script, standard_run, train_refusal, two_nodes, weights)
+                     losses, new_python, run, script, standard_run, train_refusal, two_nodes, weights)
 from lib.data import Split
 
 
@@ -343,8 +343,11 @@ def test_bench_runs_train_both_ways_and_reports_a_table():
 
 @pytest.mark.slow  # wandb's import alone is seconds
 def test_wandb_logging_offline(data_dir, tmp_path):
-    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=3",
-        "--wandb_log=True", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    # in a new Python: wandb writes its records out, and ends the service process it starts, as the process ends
+    done = new_python("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=3",
+                      "--eval_interval=3", "--wandb_log=True", "--device=cpu",
+                      env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert done.returncode == 0, done.stderr[-3000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1  # the run's records, kept for `wandb sync`
     records = runs[0].read_bytes()
