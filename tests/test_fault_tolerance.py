@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (CPU_ENV, kill_marked, marked, ROOT, TINY, losses, on_cpu, run, script, torchrun_command, train_refusal, two_nodes,
-                     weights)
+from helpers import (CPU_ENV, ROOT, TINY, kill_marked, losses, marked, on_cpu, run, script, torchrun_command,
+                     train_refusal, two_nodes, weights)
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 

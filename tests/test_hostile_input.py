@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import prepare
-from helpers import CPU_ENV, needs_tiktoken, new_python, train_refusal
+from helpers import needs_tiktoken, new_python, train_refusal
 from lib import checkpoint as ckpt
 from lib import hf
 from lib.errors import UserError

@@ -4,21 +4,19 @@ saves, and bench.py --mode=memory."""
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from configurator import configure
-from helpers import CPU_ENV, script, torchrun_run
+from helpers import free_port, script
 from lib import memory
 from lib.errors import UserError
 from lib.lora import add_lora, quantize_base
 from lib.memory import memory_estimate, nf4_bytes, tensor_bytes
 from model import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)
 
 
@@ -76,40 +74,40 @@ def test_quantized_base_is_counted_at_its_size(kind):
     assert held == (nf4_bytes(64 * 64) if kind == "nf4" else 64 * 64 + 5 * 64)  # int8, scale and zero point a row
 
 
-PARALLEL_WORKER = """
-import json, sys
-sys.path[:0] = [ROOT, ROOT + "/tests"]  # the project's modules and the tests'
-import torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from lib.memory import memory_estimate
-from lib.parallel import parallelize
-from model import GPT, GPTConfig
-from test_memory import SHAPE, one_step
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = GPT(GPTConfig(**SHAPE))
-# as train.py lays them out: FSDP over 2 replicas, or tensor parallel over 2 (with FSDP over one replica)
-layout = dict(dp=2, fsdp=True) if sys.argv[1] == "fsdp" else dict(tp=2, fsdp=True)
-mesh = init_device_mesh("cpu", (layout.get("dp", 1), layout.get("tp", 1)), mesh_dim_names=("dp", "tp"))
-parallelize(model, mesh, tp=layout.get("tp", 1), fsdp=True)
-real = one_step(model, "adamw")
-estimate = memory_estimate(model, 2, 16, "float32", "adamw", **layout)
-if dist.get_rank() == 0:
-    print(json.dumps({"real": real, "estimate": {k: estimate[k] for k in real}}))
-dist.destroy_process_group()
-"""
+def parallel_worker(rank, port, out):
+    # one of 2 processes (torch.multiprocessing, gloo): the tiny model laid out as train.py lays it out, FSDP over 2
+    # replicas, then tensor parallel over 2 (with FSDP over one replica), one step each; rank 0 writes the bytes
+    from torch.distributed.device_mesh import init_device_mesh
+    from lib.parallel import parallelize
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {}
+    for name, layout in (("fsdp", dict(dp=2, fsdp=True)), ("tp", dict(tp=2, fsdp=True))):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**SHAPE))
+        mesh = init_device_mesh("cpu", (layout.get("dp", 1), layout.get("tp", 1)), mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh, tp=layout.get("tp", 1), fsdp=True)
+        real = one_step(model, "adamw")
+        estimate = memory_estimate(model, 2, 16, "float32", "adamw", **layout)
+        results[name] = {"real": real, "estimate": {k: estimate[k] for k in real}}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def on_two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parallel") / "bytes.json"
+    torch.multiprocessing.spawn(parallel_worker, args=(free_port(), str(out)), nprocs=2)
+    return json.loads(out.read_text())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
-def test_fsdp_and_tensor_parallel_on_two_processes_are_rank_0s_parts(layout, tmp_path):
+def test_fsdp_and_tensor_parallel_on_two_processes_are_rank_0s_parts(layout, on_two_processes):
     # FSDP: vocab_size 67 is odd, so rank 0 holds 34 rows of the embedding (torch.chunk's split), rank 1 33.
     # TP: half of q, k, v, gate and up by rows, of attn.proj and mlp.down by columns, the rest whole
-    script = tmp_path / "worker.py"
-    script.write_text(f"ROOT = {str(ROOT)!r}\n" + PARALLEL_WORKER)
-    done = torchrun_run(["--standalone", "--nproc_per_node=2", script, layout], {**os.environ, **CPU_ENV})
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = on_two_processes[layout]
     assert result["real"] == result["estimate"]
     whole = memory_estimate(GPT(GPTConfig(**SHAPE)), 2, 16, "float32", "adamw")
     assert whole["weights"] / 2 < result["real"]["weights"] < whole["weights"]  # about half
