@@ -92,9 +92,9 @@ def generated_text(n):
 
 # -----------------------------------------------------------------------------
 # The tests that kill or restart processes (marked `kills`) run inside process tracking: none of their processes
-# may outlive them, and torchrun's scratch folders stay with the test's files. The other tests start processes
-# with subprocess.run only, which waits for them, or run scripts in their own process. Tracking reads Linux's /proc: elsewhere the
-# tests run without it.
+# may outlive them, and torchrun's scratch folders stay with the test's files. The other tests run scripts in their
+# own process, or start processes with subprocess.run, which waits for them. Tracking reads Linux's /proc: elsewhere
+# the tests run without it.
 
 _marks = iter(range(10**9))
 

@@ -120,6 +120,8 @@ def run(*args, torchrun=(), check=True, env=None):
     args = on_cpu(args)
     if torchrun:
         done = torchrun_run([*torchrun, "train.py", *args], {**os.environ, **CPU_ENV, **(env or {})})
+    elif imported_otherwise(env):
+        done = new_python("train.py", *args, env=env)
     else:
         done = in_process("train.py", args, env={**CPU_ENV, **(env or {})})
     if check and done.returncode != 0:
@@ -176,6 +178,12 @@ def two_nodes(*args, torchrun=(), node_args=((), ()), timeout=300):
     return torchrun_together(nodes, env, timeout)
 
 
+def imported_otherwise(env):
+    # whether env asks for Triton's interpreter where this process imported Triton without it (on a GPU machine):
+    # read as Triton is imported, so only a new Python honours it
+    return (env or {}).get("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET")) != os.environ.get("TRITON_INTERPRET")
+
+
 def script(*args, cwd=ROOT, env=None):
     # another of the project's scripts (prepare.py, export.py, sample.py, eval.py, bench.py), in this process
     name = Path(str(args[0])).name
@@ -189,13 +197,13 @@ def new_python(*args, cwd=ROOT, env=None, timeout=300):
 
 
 def in_process(path, args, cwd=ROOT, env=None):
-    # `python PATH ARGS` from cwd (PATH relative to the project's folder), run in this process as Python runs a script (runpy, as __main__), with env's
-    # variables set meanwhile -> a CompletedProcess of its exit status, its stdout, and its stderr: for a UserError
-    # what the script's own hook prints (errors.one_line_errors), status 1. Any other exception is a bug, and the
-    # test's: raised here. What a process's end does is done at the script's end: the exit functions the project
-    # (and its config files) registered run (an out_dir's lock is let go), a process group left is ended, and the
-    # signal handlers, warning filters and exception hook are put back; so are the project's modules, which a config
-    # file may patch, and torch.compile's caches are dropped.
+    # `python PATH ARGS` from cwd (PATH relative to the project's folder), run in this process as Python runs a
+    # script (runpy, as __main__), with env's variables set meanwhile -> a CompletedProcess of its exit status, its
+    # stdout, and its stderr: for a UserError what the script's own hook prints (errors.one_line_errors), status 1.
+    # Any other exception is a bug, and the test's: raised here. What a process's end does is done at the script's
+    # end: the exit functions the project (and its config files) registered run (an out_dir's lock is let go), a
+    # process group left is ended, and the signal handlers, warning filters and exception hook are put back; so are
+    # the project's modules, which a config file may patch, and torch.compile's caches are dropped.
     out, err, name = io.StringIO(), io.StringIO(), Path(path).name
     project = {key: (module, dict(vars(module))) for key, module in list(sys.modules.items()) if ours(module)}
     hook, handlers = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}

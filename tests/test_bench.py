@@ -34,9 +34,9 @@ def number(cell):
 
 
 def run_section(section, tmp_path, *extra, stop_at=None):
-    # bench.py --mode=gpu --tiny --section=SECTION --out=tmp_path/out, a new Python in a session of its own, its file read every 0.1 s while it runs: (return code, the file's contents as seen while it ran,
-    # the log). stop_at: a pattern at which it is killed with every process it started, as a call at the GPU
-    # machine's limit is
+    # bench.py --mode=gpu --tiny --section=SECTION --out=tmp_path/out, a new Python in a session of its own, its
+    # file read every 0.1 s while it runs: (return code, the file's contents as seen while it ran, the log).
+    # stop_at: a pattern at which it is killed with every process it started, as a call at the GPU machine's limit is
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     tmp.mkdir()
     cmd = ["bench.py", "--mode=gpu", "--tiny", f"--section={section}", f"--out={out}", "--steps=3", "--warmup=1",
