@@ -203,9 +203,10 @@ def in_process(path, args, cwd=ROOT, env=None):
     # Any other exception is a bug, and the test's: raised here. What a process's end does is done at the script's
     # end: the exit functions the project (and its config files) registered run (an out_dir's lock is let go), a
     # process group left is ended, and the signal handlers, warning filters and exception hook are put back; so are
-    # the project's modules, which a config file may patch, and torch.compile's caches are dropped.
+    # the project's modules, which a config file may patch, and sys.path, and torch.compile's caches are dropped.
     out, err, name = io.StringIO(), io.StringIO(), Path(path).name
     project = {key: (module, dict(vars(module))) for key, module in list(sys.modules.items()) if ours(module)}
+    import_path, blocked = list(sys.path), {key for key, module in sys.modules.items() if module is None}
     hook, handlers = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     at_exit, register = [], atexit.register
 
@@ -240,9 +241,10 @@ def in_process(path, args, cwd=ROOT, env=None):
             signal.signal(signum, handler)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        sys.path[:] = import_path
         for key, module in list(sys.modules.items()):
-            if ours(module) and key not in project:
-                del sys.modules[key]  # imported by the run: the next one imports it anew
+            if (ours(module) and key not in project) or (module is None and key not in blocked):
+                del sys.modules[key]  # imported by the run, or hidden by it: the next one imports it anew
         for module, namespace in project.values():  # names added meanwhile stay (Triton's interpreter adds some)
             vars(module).update((k, v) for k, v in namespace.items() if vars(module).get(k) is not v)
         torch._dynamo.reset()

@@ -206,7 +206,7 @@ def one_line(done, *words):
 
 def test_without_lm_eval_one_line_says_how_to_install_it(tmp_path):
     # eval.py run as __main__ by a script that first hides lm_eval, if installed: importing it fails as if it were
-    # not (a PYTHONPATH hiding it would cost a new Python, torch's import included, instead of a fork)
+    # not (a PYTHONPATH hiding it would cost a new Python, torch's import included)
     hide = tmp_path / "without_lm_eval.py"
     hide.write_text(f"import runpy, sys\nsys.modules['lm_eval'] = None\nsys.path[0] = {str(ROOT)!r}\n"
                     f"runpy.run_path({str(ROOT / 'eval.py')!r}, run_name='__main__')\n")
