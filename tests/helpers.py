@@ -207,6 +207,7 @@ def in_process(path, args, cwd=ROOT, env=None):
     out, err, name = io.StringIO(), io.StringIO(), Path(path).name
     project = {key: (module, dict(vars(module))) for key, module in list(sys.modules.items()) if ours(module)}
     import_path, blocked = list(sys.path), {key for key, module in sys.modules.items() if module is None}
+    environ = dict(os.environ)  # put back whole: a library the script imports may set variables too
     hook, handlers = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     at_exit, register = [], atexit.register
 
@@ -217,8 +218,7 @@ def in_process(path, args, cwd=ROOT, env=None):
         return fn
     try:
         with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
-            for key, value in (env or {}).items():
-                patch.setenv(key, value)
+            os.environ.update(env or {})
             patch.chdir(cwd)
             patch.setattr(sys, "argv", [name, *map(str, args)])
             patch.setattr(atexit, "register", own_exits)
@@ -242,6 +242,8 @@ def in_process(path, args, cwd=ROOT, env=None):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.path[:] = import_path
+        os.environ.clear()
+        os.environ.update(environ)
         for key, module in list(sys.modules.items()):
             if (ours(module) and key not in project) or (module is None and key not in blocked):
                 del sys.modules[key]  # imported by the run, or hidden by it: the next one imports it anew
@@ -257,10 +259,11 @@ def ours(module):
     return file.startswith(str(ROOT)) and "site-packages" not in file
 
 
-def losses(out_dir):
-    # the last loss recorded for each step (a resumed run records the steps it repeats again)
+def losses(out_dir, key="loss"):
+    # the last loss (or another value of the steps' records) recorded for each step (a resumed run records the steps
+    # it repeats again)
     records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["iter"]: r["loss"] for r in records if "val_loss" not in r}
+    return {r["iter"]: r[key] for r in records if "val_loss" not in r}
 
 
 def weights(out_dir, name="ckpt.pt"):
