@@ -73,8 +73,7 @@ def test_ddp_two_processes_match_one_process(data_dir, shared):
     assert "2 process(es) on cpu" in (ddp / "stdout.txt").read_text()
     a, b = losses(one), losses(ddp)
     assert a.keys() == b.keys() and all(abs(a[i] - b[i]) < 1e-5 * a[i] for i in a)  # ~100 ulps of a mean loss
-    # the gradients too, which AdamW's losses would not show scaled (each micro-batch's share of the update's
-    # targets, parallel.target_shares, counts every process's): their norms as close as the weights below allow
+    # the gradients too, whose scale AdamW's steps and losses hardly show: their norms as close as the weights allow
     a, b = (losses(out, "grad_norm") for out in (one, ddp))
     assert a.keys() == b.keys() and all(abs(a[i] - b[i]) < 1e-3 * a[i] for i in a), (a, b)
     # The standard run's AdamW amplifies the rounding of a gradient below eps up to lr / eps (see
