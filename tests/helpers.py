@@ -117,11 +117,11 @@ def run(*args, torchrun=(), check=True, env=None):
     # train.py as a user runs it: in one process, here in the test's own (in_process: a new Python would spend ~5 s
     # of CPU importing torch before its first step); with torchrun's arguments, under torchrun itself, its workers
     # new Pythons (torchrun_run)
-    args = on_cpu(args)
+    args, interpret = on_cpu(args), os.environ.get("TRITON_INTERPRET")
     if torchrun:
         done = torchrun_run([*torchrun, "train.py", *args], {**os.environ, **CPU_ENV, **(env or {})})
-    elif imported_otherwise(env):
-        done = new_python("train.py", *args, env=env)
+    elif (env or {}).get("TRITON_INTERPRET", interpret) != interpret:  # Triton's interpreter is on or off as Triton
+        done = new_python("train.py", *args, env=env)  # is imported: here it was without (a GPU machine)
     else:
         done = in_process("train.py", args, env={**CPU_ENV, **(env or {})})
     if check and done.returncode != 0:
@@ -176,12 +176,6 @@ def two_nodes(*args, torchrun=(), node_args=((), ()), timeout=300):
               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", *torchrun,
               "train.py", *on_cpu([*args, *node_args[node]])] for node in (0, 1)]
     return torchrun_together(nodes, env, timeout)
-
-
-def imported_otherwise(env):
-    # whether env asks for Triton's interpreter where this process imported Triton without it (on a GPU machine):
-    # read as Triton is imported, so only a new Python honours it
-    return (env or {}).get("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET")) != os.environ.get("TRITON_INTERPRET")
 
 
 def script(*args, cwd=ROOT, env=None):
