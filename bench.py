@@ -33,8 +33,8 @@ split:
     python bench.py --mode=gpu --section=versus --nanogpt=NANOGPT_CLONE --out=gpu   # beside nanoGPT, profiled
 
 --synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py (under
---mode=encode, to prepare.py). The GPU report lives in gpu_bench.py, the measuring shared by the modes in
-measure.py.
+--mode=encode, to prepare.py). The GPU report lives in benchmarks/gpu.py, the measuring shared by the modes
+in benchmarks/measure.py.
 """
 
 import argparse
@@ -51,12 +51,12 @@ import numpy as np
 import torch
 
 import kernels
+from benchmarks.gpu import bench_gpu
+from benchmarks.measure import (bench_lora, kernel_cases, kernel_table, planned_model, run_nanogpt, run_ours,
+                                run_train, split_loss, throughput, train_defaults)
 from lib.errors import UserError, one_line_errors
-from lib.gpu_bench import bench_gpu
 from lib.hf import save_pretrained
 from configurator import configure
-from lib.measure import (bench_lora, kernel_cases, kernel_table, planned_model, run_nanogpt, run_ours, run_train,
-                         split_loss, throughput, train_defaults)
 from lib.memory import memory_estimate, memory_layout, memory_table
 from lib.meta import read_meta
 from lib.tokenizer import make_tokenizer

@@ -48,7 +48,7 @@ for v in "ours" "ours --lce=fused"; do
 done
 ok 60 && { log "transformers+peft (anchor)"; timeout 120 python3 .gpu/hf_peft_finetune.py 2>&1 | grep "^|" | tee -a $O/call.md; }
 ok 90 && { log "ours: full, LoRA (eager), LoRA compiled"; timeout $((DEADLINE - SECONDS)) python3 - <<'PY' 2>&1 | grep -v "^USDT" | tee -a $O/call.md
-from lib import measure
+from benchmarks import measure
 measure.set_deadline(3.5)
 measure.bench_lora([], skip=["LoRA, int8 base", "QLoRA"], extra_args=["--batch_size=1", "--block_size=1024"], scratch="/tmp")
 measure.bench_lora(["--compile=True"], name="Qwen3-0.6B compiled", skip=["full", "LoRA, int8 base", "QLoRA"], extra_args=["--batch_size=1", "--block_size=1024"], scratch="/tmp")

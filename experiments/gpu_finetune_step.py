@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib import lora as lora_module  # noqa: E402
-from lib.measure import QWEN3_06B  # noqa: E402
+from benchmarks.measure import QWEN3_06B  # noqa: E402
 from lib.parallel import clip_gradients  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 

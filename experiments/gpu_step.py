@@ -10,7 +10,7 @@ own time beside it is the loop's share.
 
 It prints one line (label, ms/step, tokens/s, peak memory) and writes the profiler's table (CUDA time by op,
 the top 30) to OUT/profile-LABEL.txt. Kept as it ran on 2026-11-27 (BENCHMARKS.md); the maintained form of
-the same measurement is `bench.py --mode=gpu --section=versus` (lib/measure.py's profiled_step).
+the same measurement is `bench.py --mode=gpu --section=versus` (benchmarks/measure.py's profiled_step).
 """
 
 import argparse

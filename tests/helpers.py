@@ -70,7 +70,7 @@ STANDARD = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--eval_
 def train_settings(args):
     # train.py's settings after args, its config files and --key=value overrides, as configurator.py applies them
     from configurator import configure
-    from lib.measure import train_defaults
+    from benchmarks.measure import train_defaults
     settings = train_defaults()
     configure(settings, [str(a) for a in args])
     return settings

@@ -9,25 +9,31 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"train", "prepare", "sample", "eval", "export", "bench"}
 ROOT_FILES = SCRIPTS | {"model", "kernels", "configurator"}
 LIB = {p.stem for p in (ROOT / "lib").glob("*.py")} - {"__init__"}
+# what serves only measurement, beside bench.py: bench.py and the tests may import it, the product never
+BENCHMARKS = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
 
 
 def project_imports(path):
-    # the project's modules a file imports, anywhere in it: 'lib.X' for the library's, else the root module's name
+    # the project's modules a file imports, anywhere in it: 'lib.X' for the library's, 'benchmarks.X' for
+    # measurement's, else the root module's name
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [f"lib.{a.name}" for a in node.names] if node.module == "lib" else [node.module]
+            package = node.module in ("lib", "benchmarks")
+            names = [f"{node.module}.{a.name}" for a in node.names] if package else [node.module]
         else:
             continue
-        found |= {n for n in names if n.split(".")[0] in ROOT_FILES or (n.startswith("lib.") and n[4:] in LIB)}
+        found |= {n for n in names if n.split(".")[0] in ROOT_FILES or (n.startswith("lib.") and n[4:] in LIB)
+                  or n.split(".")[0] == "benchmarks"}
     return found
 
 
 def test_the_root_holds_the_scripts_and_the_named_files_only():
     assert {p.stem for p in ROOT.glob("*.py")} == ROOT_FILES
     assert LIB and not LIB & ROOT_FILES
+    assert BENCHMARKS and not BENCHMARKS & (ROOT_FILES | LIB)
 
 
 def test_imports_run_one_way():
@@ -42,6 +48,23 @@ def test_imports_run_one_way():
     for name in SCRIPTS:
         wrong = {n for n in project_imports(ROOT / f"{name}.py") if n.split(".")[0] in SCRIPTS}
         assert not wrong, f"{name}.py imports the script(s) {sorted(wrong)}"
+    # measurement sits beside the product: it may import the library, the model and the kernels, never a script
+    for name in BENCHMARKS:
+        wrong = {n for n in project_imports(ROOT / "benchmarks" / f"{name}.py") if n.split(".")[0] in SCRIPTS}
+        assert not wrong, f"benchmarks/{name}.py imports the script(s) {sorted(wrong)}"
+
+
+def test_the_product_never_imports_measurement():
+    # bench.py is measurement's one door: the other scripts, the named root files and the library leave the
+    # benchmarks folder out, so a user reads and edits the trainer without it
+    product = [ROOT / f"{name}.py" for name in ROOT_FILES - {"bench"}]
+    product += [ROOT / "lib" / f"{name}.py" for name in LIB | {"__init__"}]
+    for path in product:
+        wrong = {n for n in project_imports(path) if n.split(".")[0] == "benchmarks"}
+        assert not wrong, f"{path.relative_to(ROOT)} imports measurement's {sorted(wrong)}"
+    assert any(n.startswith("benchmarks") for n in project_imports(ROOT / "bench.py"))
+
+
 
 
 def test_a_run_of_one_process_never_imports_torchs_layouts():

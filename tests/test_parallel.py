@@ -6,7 +6,7 @@ from helpers import STANDARD, TINY, losses, run, standard_run, train_refusal
 
 from lib.errors import UserError
 from lib.hf import save_pretrained
-from lib.measure import train_defaults
+from benchmarks.measure import train_defaults
 from lib.meta import read_meta
 from lib.parallel import parallelize
 from lib.start import begin

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 import kernels
-from lib import measure
+from benchmarks import measure
+from benchmarks.measure import (QWEN3_06B, bench_lora, kernel_cases, kernel_table, matmul_peak, nanogpt_command,
+                                nanogpt_model, nanogpt_module, out_of_time, planned_model, profiled_step, run_ours,
+                                run_train, split_loss, throughput, timed_run)
 from lib.errors import UserError
-from lib.measure import (QWEN3_06B, bench_lora, kernel_cases, kernel_table, matmul_peak, nanogpt_command,
-                         nanogpt_model, nanogpt_module, out_of_time, planned_model, profiled_step, run_ours, run_train,
-                         split_loss, throughput, timed_run)
 from lib.memory import memory_estimate
 from lib.parallel import peak_flops
 from model import GPT, GPTConfig, flash_attn_func
@@ -128,7 +128,7 @@ def without_flash_attn(folder):
 
 def report_commit(commit):
     # --commit, else git describe in a checkout, else the file wheels.py wrote beside the wheels carried along
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: lib/..
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: benchmarks/..
     if commit:
         return commit
     if shutil.which("git") and os.path.exists(os.path.join(here, ".git")):

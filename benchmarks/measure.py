@@ -1,5 +1,5 @@
 """
-How bench.py measures, shared by its modes and by the GPU report (gpu_bench.py): train.py run as a user runs it
+How bench.py measures, shared by its modes and by the GPU report (gpu.py): train.py run as a user runs it
 and the medians of its logged steps; one call's time and peak memory; each fused kernel against its references;
 the model a planned run would build, on the meta device (memory.py's estimate reads it); full, LoRA and QLoRA
 fine-tuning side by side; and nanoGPT's own train.py run from a folder the user gives, with the loss of any model
