@@ -53,7 +53,8 @@ import torch
 import kernels
 from benchmarks.gpu import bench_gpu
 from benchmarks.measure import (bench_lora, kernel_cases, kernel_table, planned_model, run_nanogpt, run_ours,
-                                run_train, split_loss, throughput, train_defaults)
+                                run_train, split_loss, throughput)
+from lib import settings
 from lib.errors import UserError, one_line_errors
 from lib.hf import save_pretrained
 from configurator import configure
@@ -166,7 +167,7 @@ def bench_seeds(args, train_args):
     if not args.nanogpt or not os.path.isfile(os.path.join(args.nanogpt, "train.py")):
         raise UserError("--mode=seeds runs nanoGPT's own train.py: name its folder, --nanogpt=DIR")
     nanogpt, tiny = os.path.abspath(args.nanogpt), TINY_SHAPE if args.tiny else []
-    config = train_defaults()
+    config = settings.defaults()
     configure(config, train_args)  # where the data is, for nanoGPT too
     tokens = np.fromfile(os.path.join(config["data_dir"], "val.bin"), dtype=np.uint16)  # nanoGPT reads uint16
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}

@@ -1,5 +1,5 @@
 """
-Overrides for train.py's globals, from config files and --key=value arguments, in the order given:
+Overrides for a run's settings (lib/settings.py), from config files and --key=value arguments, in the order given:
 
     python train.py config/train_small.py --batch_size=32 --compile=False
 
@@ -9,32 +9,23 @@ read with ast.literal_eval, falling back to a plain string. Every key must alrea
 value must have its default's type (an int where a float is expected is fine): anything else stops
 with one line that names the closest key or the expected type. batch_size='auto' is the one value of another
 type: it sets batch_size_auto and leaves batch_size the number it was (with gradient_accumulation_steps, the
-sequences of an update, which train.py keeps). check_settings then refuses values that no
-run can use, in one line.
+sequences of an update, which train.py keeps). The settings and their defaults are lib/settings.py's;
+settings.check then refuses values that no run can use, in one line.
 """
 
 import ast
 import difflib
-import math
 import sys
 import traceback
 import types
 
-from lib.errors import UserError
 
-# train.py's numbers that have a range: each must be at least its low and below its high
-IN_RANGE = {"learning_rate": (0, math.inf), "min_lr": (0, math.inf), "muon_lr": (0, math.inf),
-            "weight_decay": (0, math.inf), "grad_clip": (0, math.inf), "early_stop_min_delta": (0, math.inf),
-            "beta1": (0, 1), "beta2": (0, 1), "momentum": (0, 1), "muon_momentum": (0, 1), "dropout": (0, 1),
-            "seed": (0, 2**63)}
-AT_LEAST_ONE = ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size",
-                "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout")
 
 
 def _check(config, key, value, source):
     if key not in config:
         close = difflib.get_close_matches(key, config, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "see the globals at the top of train.py"
+        hint = f"did you mean '{close[0]}'?" if close else "see lib/settings.py"
         sys.exit(f"{source}: unknown config key '{key}' ({hint})")
     default = config[key]
     if default is None or type(value) is type(default):
@@ -85,35 +76,3 @@ def _set(config, key, value, source):
             return
     config[key] = _check(config, key, value, source)
 
-
-def check_settings(config):
-    """UserError, in one line with the fix, for a setting of train.py's (config) that no run can use (the
-    optimizer's and the schedule's: optim.check_optimizer)."""
-    for key in AT_LEAST_ONE:
-        if config[key] < 1:
-            raise UserError(f"{key}={config[key]} must be at least 1")
-    for key, (low, high) in IN_RANGE.items():  # else a traceback from torch's first step, or nonsense trained
-        if key in config and not low <= config[key] < high:
-            within = f"at least {low}" if high == math.inf else f"at least {low} and below {high}"
-            raise UserError(f"{key}={config[key]} must be {within}")
-    if config.get("memory_budget", 0) < 0:
-        raise UserError(f"memory_budget={config['memory_budget']} must be at least 0 (GiB; 0: what the device has "
-                        f"free)")
-    if config["tensorboard_log"]:  # found out now, not at the first record
-        try:
-            import torch.utils.tensorboard  # noqa: F401 (metrics.py writes with it)
-        except ImportError:
-            raise UserError("tensorboard_log=True needs TensorBoard: pip install tensorboard") from None
-    if config["use_kernels"] not in (None, True, False):
-        raise UserError(f"use_kernels={config['use_kernels']!r} must be True, False or None (auto)")
-    if config["eval_full"] and not 0 <= config["eval_stride"] < config["block_size"]:
-        raise UserError(f"eval_stride={config['eval_stride']} must be at least 0 and below block_size="
-                        f"{config['block_size']} (the windows' overlap)")
-    if config["sequences"] not in ("windows", "random", "examples"):
-        raise UserError(f"sequences={config['sequences']!r} is not 'windows', 'random' or 'examples'")
-    if config["eval_tasks"] and (config["fsdp"] or config["tp_size"] > 1):
-        raise UserError("eval_tasks runs on the master process alone, which holds the whole model only without fsdp "
-                        "and tp_size")
-    if config["max_epochs"] < 0 or not 0 <= config["warmup_ratio"] < 1:
-        raise UserError(f"max_epochs={config['max_epochs']} must be at least 0 and warmup_ratio="
-                        f"{config['warmup_ratio']} in [0, 1)")

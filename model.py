@@ -1,8 +1,9 @@
 """
-The transformer, and nothing else: a Llama-style GPT (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU MLP, no biases unless a Qwen2 brings them), its loss, generation with a KV cache,
-FLOPs and optimizer groups. Hugging Face folders are hf.py's, adapters lora.py's, checkpoints
-checkpoint.py's, and spreading it over processes parallel.py's.
+The transformer: a Llama-style GPT (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP,
+no biases unless a Qwen2 brings them), its loss, its attention masks, generation with a KV cache and its
+FLOPs. GPTConfig's fields are the model's settings: a run can set each one (lib/settings.py), and its
+checkpoint records them. Optimizers are lib/optim.py's, Hugging Face folders hf.py's, adapters lora.py's,
+checkpoints checkpoint.py's, and spreading it over processes parallel.py's.
 
     import torch
     from model import GPT, GPTConfig
@@ -11,9 +12,7 @@ checkpoint.py's, and spreading it over processes parallel.py's.
     out = model.generate(torch.zeros(1, 1, dtype=torch.long), 20)    # (1, 21)
 """
 
-import inspect
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -71,13 +70,6 @@ class GPTConfig:
 # tensor parallel splits them, Hugging Face names them (hf.HF_PROJECTIONS)
 PROJECTIONS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "gate": "mlp.gate", "up": "mlp.up",
                "down": "mlp.down"}
-
-
-def is_dtensor(t):
-    # a shard of FSDP or tensor parallel; where torch.distributed.tensor was never imported (~1.3 s at every start
-    # that a run without shards need not pay) none can be one
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def fused(use_kernels, x, compiled_too=False):
@@ -277,7 +269,7 @@ class GPT(nn.Module):
         # the full logits; without, (logits (B, T, V), None). cache: list of n_layer lists, see generate.
         # doc_ids: (B, T) document numbers of packed sequences; a token then attends only to earlier
         # tokens of its own document (for training and evaluation, not with a cache). mask: instead of
-        # doc_ids, their document_mask made beforehand: outside a compiled model, as train.py makes it.
+        # doc_ids, their attention_mask made beforehand: outside a compiled model, as train.py makes it.
         x = self.hidden(idx, cache, doc_ids, mask)
         if targets is None:
             return self.lm_head(x), None
@@ -298,12 +290,18 @@ class GPT(nn.Module):
         if (doc_ids is not None or mask is not None) and cache is not None:
             raise ValueError("doc_ids masks training and evaluation sequences; generation takes no doc_ids")
         if doc_ids is not None and mask is None:
-            mask = document_mask(doc_ids, flex=idx.is_cuda and not (self.training and self.config.dropout > 0))
+            mask = self.attention_mask(doc_ids)
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
         x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, cache[i] if cache is not None else None, mask)
         return self.norm_f(x)
+
+    def attention_mask(self, doc_ids):
+        # The mask for packed documents doc_ids (B, T), in the form this model's attention takes on their
+        # device: FlexAttention's block mask on CUDA (it has no dropout), else SDPA's boolean one. A compiled
+        # model takes it made outside (train.py): the block mask's new function each batch would recompile it.
+        return document_mask(doc_ids, flex=doc_ids.is_cuda and not (self.training and self.config.dropout > 0))
 
     @torch.no_grad()
     def loss_and_accuracy(self, idx, targets, doc_ids=None, chunk_elements=2**24):
@@ -358,35 +356,6 @@ class GPT(nn.Module):
                      if not p.requires_grad and (c.tie_embeddings or name != "wte.weight"))
         keys = keys if keys is not None else seq_len or c.block_size
         return 6 * n - 2 * frozen + 12 * c.n_layer * c.n_head * c.head_size * keys
-
-    def configure_optimizers(self, kind, learning_rate, weight_decay, betas, device_type, momentum=0.9,
-                             muon_lr=0.02, muon_momentum=0.95):
-        """A list of optimizers over the trainable parameters, the first one covering what the others do not.
-        kind: 'adamw', 'adam', 'sgd' (momentum), or 'muon': torch.optim.Muon at muon_lr for the blocks' 2-D
-        matrices, AdamW at learning_rate beside it for the embedding, the head, the norms and any bias.
-        Weight decay goes to matrices only: norms' weights (and any other 1-D parameter) are left alone."""
-        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-        hidden = [p for n, p in named if kind == "muon" and n.startswith("blocks.") and p.dim() == 2]
-        in_muon = {id(p) for p in hidden}
-        rest = [p for n, p in named if id(p) not in in_muon]
-        groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
-        # one fused kernel for all parameters where there is one (CUDA, and CPU since torch 2.4)
-        fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
-        if kind in ("adamw", "muon"):
-            optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused or None)]
-        elif kind == "adam":  # weight decay as torch's Adam does it: an L2 term added to the gradient
-            optimizers = [torch.optim.Adam(groups, lr=learning_rate, betas=betas, fused=fused or None)]
-        elif kind == "sgd":  # its fused step has no rule for sharded (DTensor) parameters: foreach under FSDP
-            sharded = any(is_dtensor(p) for p in rest)
-            optimizers = [torch.optim.SGD(groups, lr=learning_rate, momentum=momentum,
-                                          fused=(fused and not sharded) or None)]
-        else:
-            raise ValueError(f"optimizer={kind!r} is not one of 'adamw', 'muon', 'adam', 'sgd'")
-        if hidden:
-            optimizers.append(torch.optim.Muon(hidden, lr=muon_lr, weight_decay=weight_decay,
-                                               momentum=muon_momentum))
-        return optimizers
 
     def materialize(self):
         # after a build on the meta device: the rotary tables are derived, not loaded, so they are

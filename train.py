@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import check_settings, configure
+from configurator import configure
 from lib import checkpoint as ckpt
+from lib import settings
 from lib.data import Batches
 from lib.errors import UserError, one_line_errors
 from lib.lora import quantize_base
@@ -36,108 +37,20 @@ from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estima
 from lib.meta import check_data_for_run, read_meta
 from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
                          utilization, wall_time)
-from lib.optim import check_optimizer, lr_factor, run_steps, set_lr
+from lib.optim import build_optimizers, lr_factor, run_steps, set_lr
 from lib.parallel import (StopRequest, check_same_settings, clip_gradients, end_processes, init_distributed,
                           parallelize, peak_flops, target_shares)
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
-from model import document_mask
 
 # -----------------------------------------------------------------------------
-# 1. settings: every one is a global here; config files and --key=value override them
-# I/O
-out_dir = "out"  # checkpoints and metrics.jsonl go here
-eval_interval = 250  # estimate train/val loss (and maybe checkpoint) every this many steps
-log_interval = 10  # print and record training metrics every this many steps
-eval_iters = 50  # batches per loss estimate, per process
-eval_full = False  # the val loss over every token of val.bin once, in overlapping windows (as perplexity in papers)
-eval_stride = 128  # eval_full: tokens each window shares with the one before, its context (only the rest count)
-eval_tasks = ""  # lm-evaluation-harness tasks to score at each evaluation, comma-separated (pip install lm_eval)
-eval_tasks_limit = 0  # at most this many items of each task (0: all of them)
-eval_tasks_path = ""  # a folder of task files of your own (lm_eval's --include_path)
-always_save_checkpoint = True  # save at every evaluation, not only when val loss improves
-init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one), or a HF model folder
-keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
-save_every_epoch = False  # also save at the end of each epoch N, and keep that as ckpt_epoch_N.pt
-early_stop_patience = 0  # stop after this many evaluations without a better val loss (0: never)
-early_stop_min_delta = 0.0  # an evaluation counts as better only if it lowers the best val loss by this much
-max_skipped_steps = 10  # stop after this many updates in a row skipped for a non-finite loss or gradient
-# logging
-wandb_log = False  # also send metrics to Weights & Biases
-wandb_project = "gpt"
-wandb_run_name = "run"
-tensorboard_log = False  # also write metrics.jsonl's records as TensorBoard events under out_dir/tb
-# data
-data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
-gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
-batch_size = 12  # sequences per micro-step per process; 'auto': the largest that fits, the update kept (README)
-batch_size_auto = False  # set by batch_size='auto': batch_size then only counts an update's sequences (with the above)
-memory_budget = 0.0  # GiB a process may hold under batch_size='auto' (0: what its device has free)
-block_size = 256  # tokens per sequence (from a pretrained folder: at most its max_position_embeddings)
-sequences = "windows"  # 'windows': every token once an epoch, in windows in a shuffled order (pretraining); 'random':
-# windows at random places, drawn with replacement (nanoGPT's); 'examples': whole examples packed (fine-tuning)
-max_epochs = 0  # also end the run after this many passes over the training split (0: max_iters alone)
-# model (from a pretrained folder, its config.json sets the shape and these are ignored)
-n_layer = 6
-n_head = 6
-n_kv_head = 0  # key/value heads for grouped-query attention (0: as many as n_head)
-n_embd = 384
-dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
-tie_embeddings = True  # the LM head shares the token embedding's weight
-vocab_size = 0  # 0: the dataset's vocabulary, padded up to a multiple of 64
-use_kernels = None  # Triton fused ops: True, False, or None for auto (on CUDA with Triton)
-doc_mask = False  # attend only within a document: end-of-text (meta.json's eot_id) begins a new one
-# LoRA: train low-rank adapters on a frozen pretrained model (init_from a Hugging Face folder)
-lora_rank = 0  # the adapters' rank; 0: off, every weight trains
-lora_alpha = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
-lora_dropout = 0.0  # dropout on the adapters' input
-lora_targets = "q,k,v,o,gate,up,down"  # projections to adapt; the default is all of them, attention's and the MLP's
-lora_base_dtype = "auto"  # the frozen base: 'auto' (the run's dtype), 'float32', 'bfloat16', 'nf4' (QLoRA) or 'int8'
-# (torchao's: 4 bits, or 8 bits weight-only)
-# optimizer
-optimizer = "adamw"  # 'adamw', 'muon' (Muon for the blocks' matrices, AdamW for the rest), 'adam', 'sgd'
-learning_rate = 6e-4  # peak learning rate (under muon: of the AdamW part)
-max_iters = 5000  # total optimizer steps
-weight_decay = 0.1  # on matrices only (AdamW, Muon: decoupled; Adam, SGD: an L2 term in the gradient)
-beta1 = 0.9  # Adam(W)'s
-beta2 = 0.95
-momentum = 0.9  # SGD's
-muon_lr = 0.02  # Muon's peak learning rate for the blocks' matrices
-muon_momentum = 0.95
-grad_clip = 1.0  # clip gradients at this norm (0: off)
-# learning rate schedule: linear warmup over warmup_iters, then lr_schedule; every learning rate
-# (learning_rate, muon_lr) is scaled by the same factor, down to min_lr / learning_rate of its peak
-decay_lr = True  # False: learning_rate throughout, no warmup and no schedule
-lr_schedule = "cosine"  # 'cosine', 'linear', 'polynomial' (peak to min_lr at lr_decay_iters), 'constant',
-# 'wsd', or 'cosine_restarts' (cosine to min_lr and back to the peak every lr_cycle_iters, until lr_decay_iters)
-warmup_iters = 100
-warmup_ratio = 0.0  # if above 0: warm up over this fraction of the run's steps instead of warmup_iters
-lr_decay_iters = 5000  # should be ~max_iters
-lr_decay_fraction = 0.2  # wsd: stable at the peak, then a linear decay over this last part of lr_decay_iters
-min_lr = 6e-5  # ~learning_rate/10
-lr_cycle_iters = 1000  # cosine_restarts: steps from one restart to the next
-lr_power = 1.0  # polynomial: the decay's power (1: linear)
-# system
-backend = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
-dist_timeout = 600  # seconds joining the process group, or a collective, may wait for the others before failing
-# (so that torchrun can restart a group that lost a process, README: "Surviving failures")
-device = "auto"  # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
-dtype = "auto"  # 'float32', 'bfloat16', 'float16' (with a gradient scaler); auto: bf16 where supported on CUDA
-compile = False  # torch.compile the model (slow first step, faster after)
-seed = 1337  # sets the initial weights, the data order and dropout
-# past one device's memory (README: "Scaling up"): shard, split, recompute, offload
-fsdp = False  # FSDP2: shard weights, gradients and optimizer state over the data-parallel processes
-fsdp_cpu_offload = False  # with fsdp: weights, gradients and optimizer state wait in CPU memory (CUDA only)
-tp_size = 1  # tensor parallel over this many processes of a node: attention by heads, the MLP by its width
-gradient_checkpointing = False  # keep only each block's input; recompute the rest in the backward pass
-# -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
-config = {k: globals()[k] for k in config_keys}
+# 1. settings: every one, with its default and what it does, is in lib/settings.py (the model's are GPTConfig's
+# fields); config files and --key=value override them (configurator.py), and each becomes a global here
+
+config = settings.defaults()
 configure(config, sys.argv[1:])
 globals().update(config)
 one_line_errors("train.py")  # a UserError, ours or a library's, stops the run with its one line (errors.py)
-
-check_settings(config)
-check_optimizer(optimizer, lr_schedule, lr_cycle_iters, lr_power, lr_decay_fraction)
+settings.check(config)
 
 # -----------------------------------------------------------------------------
 # 2. devices and processes: torchrun's (or this one alone) in a (data parallel, tensor parallel) mesh
@@ -190,9 +103,8 @@ raw_model = model
 device_ids = [local_rank] if device_type == "cuda" else None  # DDP's, one GPU a process
 model = parallelize(model, mesh, tp_size, fsdp, gradient_checkpointing, compile, ptdtype, fsdp_cpu_offload,
                     ddp=ddp and dp_size > 1, device_ids=device_ids)
-optimizers = raw_model.configure_optimizers(optimizer, learning_rate, weight_decay, (beta1, beta2), device_type,
-                                            momentum, muon_lr, muon_momentum)
-peak_lrs = [learning_rate, muon_lr][:len(optimizers)]  # the schedule scales each optimizer's own peak
+optimizers = build_optimizers(raw_model, config, device_type)  # optim.OPTIMIZERS[optimizer]
+peak_lrs = [opt.param_groups[0]["lr"] for opt in optimizers]  # the schedule scales each optimizer's own peak
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 if checkpoint is not None:
     ckpt.restore(origin.found, checkpoint, raw_model, optimizers, fsdp, lora)
@@ -275,7 +187,7 @@ def save_checkpoint(loop, improved, finished_epoch=None, rng=None):
     rngs = [None] * world_size if ddp else [rng]
     if ddp:
         dist.all_gather_object(rngs, rng)
-    state = {"scaler": scaler.state_dict(), **loop, **about_run, "rng": rngs}
+    state = {"format": ckpt.FORMAT, "scaler": scaler.state_dict(), **loop, **about_run, "rng": rngs}
     ckpt.save(out_dir, state, raw_model, optimizers, improved=improved, finished_epoch=finished_epoch, **saving)
 
 
@@ -392,9 +304,8 @@ while True:
         last = micro == micro_steps - 1
         if fsdp:  # gradients summed unsharded on each process, reduced and split once, after the last
             raw_model.set_requires_gradient_sync(last)
-        # The documents' mask is made here, outside the model: FlexAttention's block mask (on CUDA; it has no
-        # dropout) made inside a compiled model would recompile it for every batch.
-        mask = None if doc_ids is None else document_mask(doc_ids, flex=device_type == "cuda" and dropout == 0)
+        # the documents' mask made here, outside a compiled model, which a new one each batch would recompile
+        mask = None if doc_ids is None else raw_model.attention_mask(doc_ids)
         with (model.no_sync() if isinstance(model, DDP) and not last else nullcontext()), autocast:
             _, loss = model(x, y, mask=mask)
             loss = loss * shares[micro] if shares is not None else loss / micro_steps

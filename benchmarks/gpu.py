@@ -39,6 +39,8 @@ from lib.errors import UserError
 from lib.memory import memory_estimate
 from lib.parallel import peak_flops
 from model import GPT, GPTConfig, flash_attn_func
+from lib.optim import build_optimizers
+from lib.settings import defaults
 
 SECTIONS = ("versus", "race", "kernels", "step", "memory", "optimizers", "finetune", "tests")
 GPT2_124M = ["config/train_gpt2.py", "--batch_size=16", "--gradient_accumulation_steps=1", "--eval_iters=10"]
@@ -206,7 +208,8 @@ def versus_profiles(nanogpt, config, batch_size, cuda, out):
     with contextlib.redirect_stdout(io.StringIO()):  # what it prints of itself is not a line of this report
         theirs = ng.GPT(ng.GPTConfig(bias=False, **config)).to(device)
         their_optimizer = theirs.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device)
-    our_optimizer = ours.configure_optimizers("adamw", 6e-4, 0.1, (0.9, 0.95), device)[0]
+    our_optimizer = build_optimizers(ours, {**defaults(), "optimizer": "adamw",
+                                     "learning_rate": 6e-4, "weight_decay": 0.1}, device)[0]
     sides = [("nanoGPT's model", "nanogpt", theirs, their_optimizer),
              ("our model, defaults", "ours", ours, our_optimizer)]
     for label, short, model, optimizer in sides:

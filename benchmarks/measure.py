@@ -33,6 +33,7 @@ from lib.hf import config_from_hf, read_json, save_pretrained
 from lib.lora import add_lora, quantize_base
 from lib.memory import tensor_bytes
 from lib.meta import read_meta
+from lib.settings import defaults, model_settings
 from model import GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, where train.py is
@@ -195,18 +196,6 @@ def matmul_peak(cuda):
 # a planned train.py run: its settings and its model on the meta device, nothing allocated
 
 
-def train_defaults():
-    # train.py's settings and their defaults. Running train.py would start a run, so its lines before
-    # config_keys (its imports and its block of settings) are run here alone, and a setting is what train.py
-    # counts as one: a global of a plain type whose name does not begin with an underscore.
-    with open(os.path.join(HERE, "train.py")) as f:
-        source = f.read()
-    scope = {}
-    exec(compile(source[:source.index("\nconfig_keys = ")], "train.py", "exec"), scope)
-    return {k: v for k, v in scope.items()
-            if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))}
-
-
 def planned_shape(g):
     # the GPTConfig of a run's settings: a Hugging Face folder's, or the settings' own
     if g.init_from not in ("scratch", "resume", "auto"):  # a Hugging Face folder: its shape
@@ -218,9 +207,8 @@ def planned_shape(g):
     if not vocab:  # the dataset's, padded as train.py pads it; GPT-2's without one
         have_data = os.path.exists(os.path.join(g.data_dir, "meta.json"))
         vocab = 64 * -(-read_meta(g.data_dir)["vocab_size"] // 64) if have_data else 50304
-    try:
-        return GPTConfig(n_layer=g.n_layer, n_head=g.n_head, n_kv_head=g.n_kv_head, n_embd=g.n_embd,
-                         block_size=g.block_size, vocab_size=vocab, tie_embeddings=g.tie_embeddings)
+    try:  # GPTConfig's fields, as train.py's run from scratch takes them from its settings (start.begin)
+        return GPTConfig(**{**{k: getattr(g, k) for k in model_settings()}, "vocab_size": vocab})
     except ValueError as e:  # sizes no model can have
         raise UserError(str(e)) from None
 
@@ -228,7 +216,7 @@ def planned_shape(g):
 def planned_model(overrides):
     # (settings, model on the meta device, dtype) of a train.py run with these overrides: GPU settings (bf16
     # where dtype is auto, the kernels on) unless it runs on a CPU
-    config = train_defaults()
+    config = defaults()
     configure(config, overrides)
     g = argparse.Namespace(**config)
     on_cpu = g.device == "cpu"

@@ -27,6 +27,8 @@ from lib import lora as lora_module  # noqa: E402
 from benchmarks.measure import QWEN3_06B  # noqa: E402
 from lib.parallel import clip_gradients  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from lib.optim import build_optimizers
+from lib.settings import defaults
 
 p = argparse.ArgumentParser()
 p.add_argument("which", choices=["full", "lora"])
@@ -60,7 +62,8 @@ model = GPT(GPTConfig(**shape, dropout=0.0, use_kernels=None if a.kernels is Non
 if a.which == "lora":
     model = lora_module.add_lora(model.to(torch.bfloat16), 16)  # the frozen base in bf16, the adapters fp32
 model = model.to(device)
-opt = model.configure_optimizers("adamw", 1e-5, 0.0, (0.9, 0.95), device)[0]
+opt = build_optimizers(model, {**defaults(), "optimizer": "adamw",
+                       "learning_rate": 1e-5, "weight_decay": 0.0}, device)[0]
 compiled = torch.compile(model) if a.compile else model
 autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=cuda)
 data = [torch.randint(0, shape["vocab_size"] - 1, (1, T + 1), device=device) for _ in range(4)]

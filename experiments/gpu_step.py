@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import GPT, GPTConfig  # noqa: E402
+from lib.optim import build_optimizers
+from lib.settings import defaults
 
 p = argparse.ArgumentParser()
 p.add_argument("which", choices=["ours", "nanogpt"])
@@ -57,7 +59,8 @@ if a.lce == "fused":
 if a.which == "ours":
     kernels = None if a.kernels is None else bool(a.kernels)
     model = GPT(GPTConfig(vocab_size=50304, dropout=0.0, use_kernels=kernels, **shape)).to(device)
-    opt = model.configure_optimizers("adamw", 6e-4, 0.1, (0.9, 0.95), device)[0]
+    opt = build_optimizers(model, {**defaults(), "optimizer": "adamw",
+                           "learning_rate": 6e-4, "weight_decay": 0.1}, device)[0]
 else:
     spec = importlib.util.spec_from_file_location("nanogpt_model", os.path.join(a.nanogpt, "model.py"))
     module = importlib.util.module_from_spec(spec)

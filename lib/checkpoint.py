@@ -15,6 +15,7 @@ code: only tensors and plain values are unpickled, and a folder's .metadata only
     model, tokenizer, checkpoint = load_run("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt
 """
 
+import dataclasses
 import errno
 import os
 import pickle
@@ -32,8 +33,10 @@ from lib.hf import fingerprint, load_pretrained
 from lib.lora import add_lora, trained_only
 from lib.memory import state_bytes
 from lib.meta import read_meta
+from lib.parallel import is_dtensor
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer
-from model import GPT, GPTConfig, is_dtensor
+from model import GPT, GPTConfig
+
 
 def dcp():
     # torch.distributed.checkpoint, imported where a sharded checkpoint is read or written: with the layouts it
@@ -42,15 +45,17 @@ def dcp():
     return torch.distributed.checkpoint
 
 
-# The training loop's own state as a run begins: the step, the best val loss so far, the evaluations since it
-# improved, the updates skipped in a row for a non-finite loss, and whether the step's evaluation is done (a
-# checkpoint saved on a signal may lack it). A checkpoint holds it whole, beside everything else.
+# The training loop's own state as a run begins: the step, the best val loss, the evaluations since it improved,
+# the updates skipped in a row, and whether the step's evaluation is done (a save on a signal may lack it)
 LOOP = {"iter_num": 0, "best_val_loss": float("inf"), "evals_without_gain": 0, "skipped_in_a_row": 0,
         "evaluated": False}
-# what a checkpoint of train.py holds (a sharded one: "param_groups" in state.pt, the tensors in its shards)
-NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", "rng", *LOOP}
+NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", "rng", *LOOP}  # what one holds
 NAMES = r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?"  # the checkpoints of an out_dir, in either layout
-SHAPE = ("n_layer", "n_head", "n_kv_head", "n_embd", "tie_embeddings")  # what a resume cannot change
+FORMAT = 2  # what its values mean, in every checkpoint since 2026-11-28 (start.format_of): 2, more_optimizers
+# GPTConfig's fields that a resume takes from its command (block_size only from scratch); every other but the
+# vocabulary (checked against the data's) is the model's shape, which a resume cannot change
+RUN_SETTINGS = ("dropout", "use_kernels", "block_size")
+SHAPE = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_SETTINGS, "vocab_size"))
 
 # -----------------------------------------------------------------------------
 # reading
@@ -540,7 +545,7 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
         if not master:
             return
         state.update(model=trained_only(model, weights) if lora else weights, optimizer=optimizer,
-                     muon=optimizers[1].state_dict() if len(optimizers) > 1 else None)
+                     more_optimizers=[opt.state_dict() for opt in optimizers[1:]])  # (optim.build_optimizers's)
         write_file(state, latest)
     if improved:
         copy_checkpoint(latest, os.path.join(out_dir, "ckpt_best" + suffix))
@@ -589,7 +594,7 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
         optim_state = {"state": by_name, "param_groups": groups}
         set_state_dict(model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
                        options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizers[0].load_state_dict(checkpoint["optimizer"])
-        if len(optimizers) > 1:
-            optimizers[1].load_state_dict(checkpoint["muon"])
+    else:  # (format 1 and older held a second optimizer, Muon's, as "muon")
+        more = checkpoint.get("more_optimizers", [checkpoint.get("muon")])
+        for opt, state in zip(optimizers, [checkpoint["optimizer"], *more]):
+            opt.load_state_dict(state)

@@ -16,6 +16,7 @@ next packed example, which nothing before it can predict.
 import bisect
 import math
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +24,31 @@ import torch
 from lib.errors import UserError
 
 CHUNK = 1 << 26  # tokens scanned at a time for the examples' ends
+
+
+class Mode(NamedTuple):
+    examples: bool  # a sequence is whole examples packed best-fit (they end at meta.json's eot_id), not a window
+    epochs: bool  # an epoch draws every sequence once, in an order drawn from the seed (False: with replacement)
+
+
+# The ways to draw a run's training sequences (sequences=NAME), each said once here; the checks, the batches and
+# the epochs read it
+SEQUENCES = {
+    "windows": Mode(examples=False, epochs=True),  # every token once an epoch, in windows, shuffled (pretraining)
+    "random": Mode(examples=False, epochs=False),  # windows at random places, with replacement (nanoGPT's)
+    "examples": Mode(examples=True, epochs=True),  # whole examples packed, each attending within itself (fine-tuning)
+}
+
+
+def check_sequences(sequences, meta=None, doc_mask=False, where="meta.json"):
+    """UserError, in one line with the fix, for a sequences setting no run knows; with meta (the data's, read from
+    where), for one the data cannot give: documents (doc_mask) and whole examples end at the end-of-text id."""
+    if sequences not in SEQUENCES:
+        raise UserError(f"sequences={sequences!r} is not one of {', '.join(map(repr, SEQUENCES))}")
+    if meta is not None and (doc_mask or SEQUENCES[sequences].examples) and meta.get("eot_id") is None:
+        raise UserError(f"{'doc_mask=True' if doc_mask else f'sequences={sequences}'} needs the end-of-text id, and "
+                        f"{where} gives none (prepare the data with prepare.py, or set doc_mask=False "
+                        f"and sequences='windows')")
 
 
 class Split:
@@ -204,9 +230,7 @@ class Split:
 
 class Batches:
     """What a run reads, its mode decided once from its settings: the micro-batches of each step and of each
-    evaluation, on the device, and the epochs a step has reached. sequences: 'windows' (shuffled, every token
-    once an epoch), 'examples' (whole examples packed best-fit, each attending only within itself) or 'random'
-    (windows drawn with replacement). Sequence n of the run is the same however processes and micro-steps share
+    evaluation, on the device, and the epochs a step has reached. sequences: a name of SEQUENCES. Sequence n of the run is the same however processes and micro-steps share
     an update's sequences_per_step.
 
         batches = Batches("data/chat", meta, 1024, 1337, meta["vocab_size"], "examples", batch_size=8,
@@ -216,9 +240,9 @@ class Batches:
 
     def __init__(self, data_dir, meta, block_size, seed, vocab_size, sequences, batch_size, sequences_per_step,
                  train_tokens, doc_mask=False, eval_full=False, eval_stride=0, device="cpu"):
-        self.sequences, self.batch_size, self.sequences_per_step = sequences, batch_size, sequences_per_step
+        self.mode, self.batch_size, self.sequences_per_step = SEQUENCES[sequences], batch_size, sequences_per_step
         self.doc_mask, self.eval_stride, self.device = doc_mask, eval_stride, device
-        self.examples = sequences == "examples"
+        self.examples = self.mode.examples
         self.train_tokens, self.tokens_per_step = train_tokens, sequences_per_step * block_size
         # Conversations are evaluated as they are trained: eval_full on a masked dataset, as every evaluation of
         # a run on whole examples, scores each val example on its own over its trained targets; on text,
@@ -236,7 +260,7 @@ class Batches:
 
     def steps_for(self, max_epochs):
         """The steps that make max_epochs epochs; from then on a step's sequences are empty."""
-        if self.sequences != "random":
+        if self.mode.epochs:
             self.end_of_epochs = self.splits["train"].sequences_in(max_epochs)
         if self.end_of_epochs:
             return math.ceil(self.end_of_epochs / self.sequences_per_step)
@@ -246,7 +270,7 @@ class Batches:
         """The index-th micro-batch of step (over every process: a process takes its own indices) -> x, y,
         doc_ids (None without doc_mask) on the device; y is -1 where nothing is learned."""
         split = self.splits["train"]
-        if self.sequences == "random":
+        if not self.mode.epochs:
             return self.to_device(split.windows(step, index, self.batch_size, self.doc_mask))
         first = step * self.sequences_per_step + index * self.batch_size
         numbers = range(first, first + self.batch_size)
@@ -271,7 +295,7 @@ class Batches:
 
     def epoch(self, step):
         """Passes over the training split by the end of step: sequences over the split's, or tokens ('random')."""
-        if self.sequences != "random":  # (a last step partly past max_epochs holds padding, not the next epoch)
+        if self.mode.epochs:  # (a last step partly past max_epochs holds padding, not the next epoch)
             n = min(step * self.sequences_per_step, self.end_of_epochs or math.inf)
             return self.splits["train"].epoch_at(n)
         return step * self.tokens_per_step / self.train_tokens

@@ -15,8 +15,8 @@ import torch.nn as nn
 
 import kernels
 from lib.errors import UserError
-from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT
-from model import PROJECTIONS, is_dtensor, runs_fused
+from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT, is_dtensor
+from model import PROJECTIONS, runs_fused
 
 # tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
 # projections after them by input columns; embeddings, norms and the head stay whole

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from lib.bounds import check_regular, check_token_ids
+from lib.data import SEQUENCES, check_sequences
 from lib.errors import UserError
 
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
@@ -157,12 +158,9 @@ def check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_si
     data's, padded up to a multiple of 64; documents (doc_mask) and whole examples need meta's end-of-text id,
     which is where one ends and the next begins; windows need token files longer than block_size (whole examples
     need no minimum). Else a UserError in one line with the fix."""
-    if (doc_mask or sequences == "examples") and meta.get("eot_id") is None:
-        raise UserError(f"{'doc_mask=True' if doc_mask else 'sequences=examples'} needs the end-of-text id, and "
-                        f"{os.path.join(data_dir, 'meta.json')} gives none (prepare the data with prepare.py, or "
-                        f"set doc_mask=False and sequences='windows')")
+    check_sequences(sequences, meta, doc_mask, os.path.join(data_dir, "meta.json"))
     vocab_size = vocab_size or 64 * math.ceil(meta["vocab_size"] / 64)
     if meta["vocab_size"] > vocab_size:
         raise UserError(f"{os.path.join(data_dir, 'meta.json')} says the data has {meta['vocab_size']} token ids "
                         f"but the model's vocab_size is {vocab_size} (set vocab_size=0 to follow the data)")
-    return vocab_size, check_token_files(data_dir, meta, 0 if sequences == "examples" else block_size)
+    return vocab_size, check_token_files(data_dir, meta, 0 if SEQUENCES[sequences].examples else block_size)

@@ -1,28 +1,98 @@
 """
-The optimizers' side of a run: which settings of the learning rate schedule are valid, the fraction of its peak
-every learning rate has at a step, and setting it on the optimizers before each update.
+The optimizers of a run: each one's construction (OPTIMIZERS, the one place their names are known), which settings
+of the learning rate schedule are valid, the fraction of its peak every learning rate has at a step, and setting it
+on the optimizers before each update.
 
+    optimizers = build_optimizers(model, {**settings.defaults(), "optimizer": "muon"}, "cpu")   # [AdamW, Muon]
     factor = lr_factor(500, lr_schedule="wsd", warmup_iters=100, lr_decay_iters=5000)    # 1.0: stable
+
+A new optimizer is a function here taking (matrices, others, config, fused) and returning a list of optimizers,
+its settings (their defaults) in lib/settings.py; a checkpoint holds whatever the list holds.
 """
 
+import inspect
 import math
 
-from lib.errors import UserError
+import torch
 
-OPTIMIZERS = ("adamw", "muon", "adam", "sgd")
+from lib.errors import UserError
+from lib.parallel import is_dtensor
+
+# Every optimizer's function gets the trainable parameters in two groups, matrices (weight-decayed, weight_decay)
+# and the rest (norms' weights and biases, never decayed), the run's settings (config) and whether torch's fused
+# kernel may run; it returns the optimizers, the first one's learning rate learning_rate (the schedule scales
+# each optimizer's own peak, as its function set it).
+
+
+def adamw(named, config, fused):
+    return [torch.optim.AdamW(groups(named, config), lr=config["learning_rate"], betas=betas(config),
+                              fused=fused or None)]
+
+
+def adam(named, config, fused):  # weight decay as torch's Adam does it: an L2 term added to the gradient
+    return [torch.optim.Adam(groups(named, config), lr=config["learning_rate"], betas=betas(config),
+                             fused=fused or None)]
+
+
+def sgd(named, config, fused):  # its fused step has no rule for sharded (DTensor) parameters: foreach under FSDP
+    sharded = any(is_dtensor(p) for _, p in named)
+    return [torch.optim.SGD(groups(named, config), lr=config["learning_rate"], momentum=config["momentum"],
+                            fused=(fused and not sharded) or None)]
+
+
+def muon(named, config, fused):
+    # torch.optim.Muon at muon_lr for the blocks' 2-D matrices (it orthogonalizes whole matrices), AdamW at
+    # learning_rate beside it for the embedding, the head, the norms and any bias
+    hidden = [(n, p) for n, p in named if n.startswith("blocks.") and p.dim() == 2]
+    rest = [(n, p) for n, p in named if not (n.startswith("blocks.") and p.dim() == 2)]
+    optimizers = adamw(rest, config, fused)
+    if hidden:
+        optimizers.append(torch.optim.Muon([p for _, p in hidden], lr=config["muon_lr"],
+                                           weight_decay=config["weight_decay"], momentum=config["muon_momentum"]))
+    return optimizers
+
+
+OPTIMIZERS = {"adamw": adamw, "muon": muon, "adam": adam, "sgd": sgd}  # optimizer=NAME
 SCHEDULES = ("cosine", "linear", "polynomial", "constant", "wsd", "cosine_restarts")
 
 
-def check_optimizer(optimizer, lr_schedule, lr_cycle_iters, lr_power, lr_decay_fraction):
-    """UserError, in one line with the fix, for an optimizer or a schedule train.py does not know."""
-    if optimizer not in OPTIMIZERS:
-        raise UserError(f"optimizer={optimizer!r} is not one of {', '.join(map(repr, OPTIMIZERS))}")
-    if lr_schedule not in SCHEDULES:
-        raise UserError(f"lr_schedule={lr_schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
-    if lr_cycle_iters < 1 or lr_power <= 0:
-        raise UserError(f"lr_cycle_iters={lr_cycle_iters} must be at least 1 and lr_power={lr_power} above 0")
-    if not 0 <= lr_decay_fraction <= 1:
-        raise UserError(f"lr_decay_fraction={lr_decay_fraction} must be between 0 and 1")
+def groups(named, config):
+    # weight decay on matrices only: norms' weights (and any other 1-D parameter) are left alone
+    return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": config["weight_decay"]},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def betas(config):
+    return config["beta1"], config["beta2"]
+
+
+def build_optimizers(model, config, device_type):
+    """The list of optimizers of config["optimizer"] (OPTIMIZERS) over model's trainable parameters, with the
+    run's settings config; the first one covers what the others do not."""
+    check_optimizer(config)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # one fused kernel for all parameters where there is one (CUDA, and CPU since torch 2.4)
+    fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
+    return OPTIMIZERS[config["optimizer"]](named, config, fused)
+
+
+def one_of(key, value, known):
+    # the one line for a name a setting does not know: the setting, the value, and what it may be
+    return UserError(f"{key}={value!r} is not one of {', '.join(map(repr, known))}")
+
+
+def check_optimizer(config):
+    """UserError, in one line with the fix, for an optimizer or a schedule of the settings config that no run
+    knows."""
+    if config["optimizer"] not in OPTIMIZERS:
+        raise one_of("optimizer", config["optimizer"], OPTIMIZERS)
+    if config["lr_schedule"] not in SCHEDULES:
+        raise one_of("lr_schedule", config["lr_schedule"], SCHEDULES)
+    if config["lr_cycle_iters"] < 1 or config["lr_power"] <= 0:
+        raise UserError(f"lr_cycle_iters={config['lr_cycle_iters']} must be at least 1 and lr_power="
+                        f"{config['lr_power']} above 0")
+    if not 0 <= config["lr_decay_fraction"] <= 1:
+        raise UserError(f"lr_decay_fraction={config['lr_decay_fraction']} must be between 0 and 1")
 
 
 def lr_factor(it, decay_lr=True, lr_schedule="cosine", warmup_iters=100, lr_decay_iters=5000, learning_rate=6e-4,

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 from datetime import timedelta
 from functools import partial
@@ -23,11 +24,18 @@ import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lib.errors import UserError
-from model import PROJECTIONS, is_dtensor
+from model import PROJECTIONS
 
 # Tensor parallel splits q, k, v, gate and up by their outputs (heads, hidden units) and their consumers by
 # their inputs: each process computes its heads and hidden units whole, and one all-reduce per pair joins them
 SPLIT_BY_OUTPUT, SPLIT_BY_INPUT = ("q", "k", "v", "gate", "up"), ("o", "down")
+
+
+def is_dtensor(t):
+    # a shard of FSDP or tensor parallel; where torch.distributed.tensor was never imported (~1.3 s at every start
+    # that a run without shards need not pay) none can be one
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def pick_device(device="auto", dtype="auto"):
@@ -231,7 +239,7 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, 
                         f"N a multiple)")
     dp_size = world_size // tp_size
     from torch.distributed.device_mesh import init_device_mesh  # here: torch.distributed's layouts cost ~1.3 s to
-    # import, which a run of one process never needs (model.is_dtensor)
+    # import, which a run of one process never needs (is_dtensor)
     mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp")) \
         if dist.is_initialized() else None
     return Processes(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, master=rank == 0,

@@ -23,11 +23,9 @@ from lib.files import lock_folder, unlock_folder
 from lib.hf import fingerprint, load_pretrained, read_json
 from lib.lora import add_lora, check_lora
 from lib.parallel import this_process
+from lib.settings import model_settings
 from lib.tokenizer import check_tokenizer
 from model import GPT, GPTConfig
-
-MODEL_SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size")
-
 
 @dataclass
 class Origin:
@@ -102,8 +100,7 @@ def begin(config, vocab_size, meta, fsdp):
     """Where the run of settings config (train.py's, as given) begins, on the data of meta with the model's
     vocab_size, fsdp resolved (tensor parallel brings it). Every process calls it. Returns an Origin; a UserError
     in one line for a run that cannot begin."""
-    model_args = {**{k: config[k] for k in MODEL_SIZES}, "vocab_size": vocab_size, "dropout": config["dropout"],
-                  "tie_embeddings": config["tie_embeddings"], "use_kernels": config["use_kernels"]}
+    model_args = {**{k: config[k] for k in model_settings()}, "vocab_size": vocab_size}  # GPTConfig's fields
     check_sizes(model_args, "this run", "set it to a whole number above 0")
     out_dir = config["out_dir"]
     # ckpt.pt, or the sharded folder ckpt/ of a run begun under FSDP or tensor parallel (find_checkpoint)
@@ -153,7 +150,7 @@ def first_model(origin, config, dtype):
     base_dtype = getattr(torch, dtype if base in ("auto", "nf4", "int8") else base) if lora else torch.float32
     torch.manual_seed(config["seed"])  # the same initial weights in every process
     if checkpoint is not None and (lora or not os.path.isdir(origin.found)):
-        run_settings = {k: model_args[k] for k in ("dropout", "use_kernels", "block_size")}
+        run_settings = {k: model_args[k] for k in ckpt.RUN_SETTINGS}
         return ckpt.model_from_checkpoint(checkpoint, base_dtype, **run_settings), model_args
     if checkpoint is None and origin.pretrained:
         model = load_pretrained(origin.init_from, base_dtype, config["block_size"], dropout=config["dropout"],
@@ -191,6 +188,13 @@ def resume_rng(rngs, rank, world_size, device_type):
             torch.cuda.set_rng_state(rngs[rank]["cuda"])
 
 
+def format_of(checkpoint):
+    """The format a checkpoint was written in (checkpoint.FORMAT); from before it was recorded: 1, or 0 where the
+    run's config lacks memory_budget (saved before windows were shuffled, when sequences='windows' drew them as
+    'random' draws them now)."""
+    return checkpoint.get("format", 1 if "memory_budget" in checkpoint["config"] else 0)
+
+
 def resume(origin, config, meta):
     # origin (begin's) from its checkpoint: the weights decide the model's shape, the checkpoint holds the loop's
     # state, and a LoRA run's base is held as it was (4 bits stay 4 bits); notes on what this command changed
@@ -199,9 +203,9 @@ def resume(origin, config, meta):
     pretrained = checkpoint.get("pretrained")
     # dropout, the kernels and (from scratch) block_size are this run's; a pretrained model's block_size is its
     # own limit, not the length trained on
-    model_args = {**checkpoint["model_args"], "dropout": config["dropout"], "use_kernels": config["use_kernels"]}
-    if not pretrained:
-        model_args["block_size"] = config["block_size"]
+    model_args = {**checkpoint["model_args"], **{k: config[k] for k in ckpt.RUN_SETTINGS}}
+    if pretrained:
+        model_args["block_size"] = checkpoint["model_args"]["block_size"]
     loop = {k: checkpoint[k] for k in ckpt.LOOP}
     lora = model_args.get("lora_rank", 0)
     before = checkpoint["config"]
@@ -219,7 +223,7 @@ def resume(origin, config, meta):
     # sequences (batch_size='auto' may share them otherwise than the command says)
     def shaping(c):
         return c.get("seed"), c.get("sequences"), c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0)
-    old = before.get("sequences") == "windows" and "memory_budget" not in before  # saved before windows were shuffled:
+    old = before.get("sequences") == "windows" and format_of(checkpoint) == 0  # saved before windows were shuffled:
     before = {**before, "sequences": "random"} if old else before  # its windows were drawn as 'random' draws them now
     if shaping(before) != shaping(config):
         origin.notes.append("warning: seed, sequences or the sequences of an update (batch_size x "

@@ -16,6 +16,8 @@ from lib.errors import UserError
 from lib.lora import add_lora, quantize_base
 from lib.memory import memory_estimate, nf4_bytes, tensor_bytes
 from model import GPT, GPTConfig
+from lib.optim import build_optimizers
+from lib.settings import defaults
 
 SHAPE = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, use_kernels=False)
 
@@ -32,7 +34,8 @@ def real_bytes(model, optimizers):
 
 
 def one_step(model, kind):
-    optimizers = model.configure_optimizers(kind, 1e-3, 0.1, (0.9, 0.95), "cpu")
+    optimizers = build_optimizers(model, {**defaults(), "optimizer": kind,
+                                  "learning_rate": 1e-3, "weight_decay": 0.1}, "cpu")
     x = torch.randint(0, model.config.vocab_size, (2, 16))
     _, loss = model(x, x)
     loss.backward()
@@ -174,7 +177,8 @@ def peak_of_a_step(model, batch_size, block_size, dtype):
     # the most memory one training step holds at any moment (after a first step made the optimizer's state), as
     # torch's MemTracker counts the tensors alive; on fake tensors (shapes only), so the fused ops cost no time
     from torch.distributed._tools.mem_tracker import MemTracker
-    optimizer = model.configure_optimizers("adamw", 1e-3, 0.1, (0.9, 0.95), "cpu")[0]
+    optimizer = build_optimizers(model, {**defaults(), "optimizer": "adamw",
+                                 "learning_rate": 1e-3, "weight_decay": 0.1}, "cpu")[0]
     x = torch.randint(0, model.config.vocab_size, (batch_size, block_size))
     autocast = contextlib.nullcontext() if dtype == "float32" else torch.autocast("cpu", dtype=torch.bfloat16)
 
@@ -260,7 +264,8 @@ def accumulated_peak(model, batch_size, block_size, micro_steps):
     # the most memory an update of micro_steps micro-batches holds at any moment: in its last micro-step, after a
     # first update made the optimizer's state, as MemTracker counts the tensors alive, on fake tensors
     from torch.distributed._tools.mem_tracker import MemTracker
-    optimizer = model.configure_optimizers("adamw", 1e-3, 0.1, (0.9, 0.95), "cpu")[0]
+    optimizer = build_optimizers(model, {**defaults(), "optimizer": "adamw",
+                                 "learning_rate": 1e-3, "weight_decay": 0.1}, "cpu")[0]
     x = torch.randint(0, model.config.vocab_size, (batch_size, block_size))
 
     def last_micro_step():

@@ -4,7 +4,10 @@ import pytest
 import torch
 
 import model as M
+from lib.errors import UserError
 from lib.lora import add_lora
+from lib.optim import build_optimizers
+from lib.settings import defaults
 from model import GPT, GPTConfig, attend, document_mask, filter_logits
 
 
@@ -83,7 +86,8 @@ def test_tied_and_untied_embeddings():
 
 def test_optimizer_groups_no_decay_on_vectors():
     model = tiny()
-    opt = model.configure_optimizers("adamw", 1e-3, 0.1, (0.9, 0.95), "cpu")[0]
+    opt = build_optimizers(model, {**defaults(), "optimizer": "adamw",
+                           "learning_rate": 1e-3, "weight_decay": 0.1}, "cpu")[0]
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
@@ -141,7 +145,8 @@ def test_sequence_longer_than_block_is_refused():
 
 def test_training_reduces_loss():
     model = tiny().train()
-    opt = model.configure_optimizers("adamw", 3e-3, 0.0, (0.9, 0.95), "cpu")[0]
+    opt = build_optimizers(model, {**defaults(), "optimizer": "adamw",
+                           "learning_rate": 3e-3, "weight_decay": 0.0}, "cpu")[0]
     idx = torch.randint(0, 97, (4, 32))
     first = None
     for _ in range(30):
@@ -264,7 +269,8 @@ def test_loss_and_accuracy_match_the_full_logits(chunk_elements):
 @pytest.mark.parametrize("kind", ["adamw", "adam", "sgd", "muon"])
 def test_optimizers_cover_every_parameter_once(kind):
     model = tiny()
-    optimizers = model.configure_optimizers(kind, 1e-3, 0.1, (0.9, 0.95), "cpu", muon_lr=0.02)
+    optimizers = build_optimizers(model, {**defaults(), "optimizer": kind,
+                                  "learning_rate": 1e-3, "weight_decay": 0.1}, "cpu")
     params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     assert len(params) == len({id(p) for p in params}) and sum(p.numel() for p in params) == model.num_params()
     if kind == "muon":
@@ -276,8 +282,9 @@ def test_optimizers_cover_every_parameter_once(kind):
         assert model.wte.weight in adamw.param_groups[0]["params"]  # the embedding (and tied head): AdamW
     else:
         assert len(optimizers) == 1
-    with pytest.raises(ValueError, match="optimizer='lion' is not one of"):
-        model.configure_optimizers("lion", 1e-3, 0.1, (0.9, 0.95), "cpu")
+    # a name that can never become an optimizer: the line names the setting and what it may be
+    with pytest.raises(UserError, match="optimizer='no-such-optimizer' is not one of .*'adamw'"):
+        build_optimizers(model, {**defaults(), "optimizer": "no-such-optimizer"}, "cpu")
 
 
 @pytest.mark.slow  # FlexAttention is compiled (~20 s)

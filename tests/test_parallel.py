@@ -6,7 +6,7 @@ from helpers import STANDARD, TINY, losses, run, standard_run, train_refusal
 
 from lib.errors import UserError
 from lib.hf import save_pretrained
-from benchmarks.measure import train_defaults
+from lib.settings import defaults
 from lib.meta import read_meta
 from lib.parallel import parallelize
 from lib.start import begin
@@ -61,7 +61,7 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
     # train.py printing such a refusal in one line and exiting 1)
     folder = tmp_path / "folder"
     save_pretrained(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=32)), folder)
-    config = {**train_defaults(), "data_dir": str(data_dir), "out_dir": str(tmp_path / "c"),
+    config = {**defaults(), "data_dir": str(data_dir), "out_dir": str(tmp_path / "c"),
               "init_from": str(folder), "lora_rank": 2, "tp_size": 2}
     with pytest.raises(UserError, match="LoRA does not run under tensor parallel"):
         begin(config, 64, read_meta(str(data_dir)), fsdp=True)

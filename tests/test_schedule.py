@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from helpers import TINY, run
+from lib.errors import UserError
 from lib.optim import check_optimizer, lr_factor, run_steps, set_lr
+from lib.settings import defaults
 
 # warmup over 2 steps, then from the peak down to min_lr / learning_rate = 0.1 at step 10 (lr_decay_iters)
 SETTINGS = dict(warmup_iters=2, lr_decay_iters=10, learning_rate=1e-2, min_lr=1e-3, lr_decay_fraction=0.4,
@@ -41,18 +43,16 @@ def test_no_decay_is_the_peak_throughout_and_a_zero_peak_has_a_zero_floor():
 
 
 @pytest.mark.parametrize("settings,message", [
-    (dict(optimizer="lion"), "optimizer='lion' is not one of 'adamw', 'muon', 'adam', 'sgd'"),
-    (dict(lr_schedule="step"), "lr_schedule='step' is not one of 'cosine', 'linear', 'polynomial', 'constant', "
-                               "'wsd', 'cosine_restarts'"),
-    (dict(lr_cycle_iters=0), "lr_cycle_iters=0 must be at least 1 and lr_power=1.0 above 0"),
-    (dict(lr_power=0.0), "lr_cycle_iters=1000 must be at least 1 and lr_power=0.0 above 0"),
-    (dict(lr_decay_fraction=1.5), "lr_decay_fraction=1.5 must be between 0 and 1"),
+    # names that can never become an optimizer or a schedule: the line names the setting and what it may be
+    (dict(optimizer="no-such-optimizer"), "optimizer='no-such-optimizer' is not one of .*'adamw'"),
+    (dict(lr_schedule="no-such-schedule"), "lr_schedule='no-such-schedule' is not one of .*'cosine'"),
+    (dict(lr_cycle_iters=0), r"lr_cycle_iters=0 must be at least 1 and lr_power=1.0 above 0"),
+    (dict(lr_power=0.0), r"lr_cycle_iters=1000 must be at least 1 and lr_power=0.0 above 0"),
+    (dict(lr_decay_fraction=1.5), r"lr_decay_fraction=1.5 must be between 0 and 1"),
 ])
 def test_settings_no_schedule_can_use_are_refused(settings, message):
-    given = {**dict(optimizer="adamw", lr_schedule="cosine", lr_cycle_iters=1000, lr_power=1.0,
-                    lr_decay_fraction=0.2), **settings}
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_optimizer(**given)
+    with pytest.raises(UserError, match=message):
+        check_optimizer({**defaults(), **settings})
 
 
 def test_every_optimizer_gets_the_factor_of_its_own_peak():
@@ -72,7 +72,7 @@ def test_the_loop_logs_and_applies_the_schedule(data_dir, tmp_path):
     assert sorted(lrs) == list(range(12))
     for step, lr in lrs.items():
         assert lr == 1e-2 * lr_factor(step, lr_schedule="wsd", **{**SETTINGS, "lr_decay_fraction": 0.4}), step
-    muon = torch.load(tmp_path / "ckpt.pt", weights_only=True)["muon"]
+    muon = torch.load(tmp_path / "ckpt.pt", weights_only=True)["more_optimizers"][0]
     assert muon["param_groups"][0]["lr"] == pytest.approx(0.05 * 0.1, rel=1e-9)
 
 

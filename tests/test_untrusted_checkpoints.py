@@ -13,6 +13,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from helpers import TINY, run, script
 from lib import checkpoint as ckpt
+from lib.optim import build_optimizers
+from lib.settings import defaults
 
 
 class Payload:
@@ -48,9 +50,10 @@ def write_runs(folder):
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={files}", "--max_iters=2", "--eval_interval=2")
     saved = ckpt.load_checkpoint(str(files / "ckpt.pt"))
     model = ckpt.model_from_checkpoint(saved)
-    optimizers = model.configure_optimizers("adamw", 1e-2, 0.1, (0.9, 0.95), "cpu")
+    optimizers = build_optimizers(model, {**defaults(), "optimizer": "adamw",
+                                  "learning_rate": 1e-2, "weight_decay": 0.1}, "cpu")
     optimizers[0].load_state_dict(saved["optimizer"])
-    state = {k: v for k, v in saved.items() if k not in ("model", "optimizer", "muon")}
+    state = {k: v for k, v in saved.items() if k not in ("model", "optimizer", "more_optimizers")}
     sharded.mkdir()
     ckpt.save(str(sharded), state, model, optimizers, sharded=True, lora=False)
 

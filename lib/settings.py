@@ -1,0 +1,163 @@
+"""
+Every setting of a training run, with its default: plain assignments that config files and --key=value arguments
+override (configurator.py). train.py, bench.py and the tests read them here, as a dict:
+
+    from lib import settings
+    config = settings.defaults()        # {'out_dir': 'out', 'eval_interval': 250, ...}
+    settings.check(config)              # a UserError in one line for a value no run can use
+
+A setting is a module-level name of a plain type (int, float, bool, str or None) that does not begin with an
+underscore. Each kind of option has its home elsewhere, which the checks below read: the model's settings are
+GPTConfig's fields (model.py), the optimizers optim.OPTIMIZERS, the ways to draw sequences data.SEQUENCES.
+"""
+
+import dataclasses as _dataclasses
+import math as _math
+
+from lib import data as _data
+from lib import optim as _optim
+from lib.errors import UserError as _UserError
+from model import GPTConfig as _GPTConfig
+
+# I/O
+out_dir = "out"  # checkpoints and metrics.jsonl go here
+eval_interval = 250  # estimate train/val loss (and maybe checkpoint) every this many steps
+log_interval = 10  # print and record training metrics every this many steps
+eval_iters = 50  # batches per loss estimate, per process
+eval_full = False  # the val loss over every token of val.bin once, in overlapping windows (as perplexity in papers)
+eval_stride = 128  # eval_full: tokens each window shares with the one before, its context (only the rest count)
+eval_tasks = ""  # lm-evaluation-harness tasks to score at each evaluation, comma-separated (pip install lm_eval)
+eval_tasks_limit = 0  # at most this many items of each task (0: all of them)
+eval_tasks_path = ""  # a folder of task files of your own (lm_eval's --include_path)
+always_save_checkpoint = True  # save at every evaluation, not only when val loss improves
+init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one), or a HF model folder
+keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
+save_every_epoch = False  # also save at the end of each epoch N, and keep that as ckpt_epoch_N.pt
+early_stop_patience = 0  # stop after this many evaluations without a better val loss (0: never)
+early_stop_min_delta = 0.0  # an evaluation counts as better only if it lowers the best val loss by this much
+max_skipped_steps = 10  # stop after this many updates in a row skipped for a non-finite loss or gradient
+# logging
+wandb_log = False  # also send metrics to Weights & Biases
+wandb_project = "gpt"
+wandb_run_name = "run"
+tensorboard_log = False  # also write metrics.jsonl's records as TensorBoard events under out_dir/tb
+# data
+data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
+gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
+batch_size = 12  # sequences per micro-step per process; 'auto': the largest that fits, the update kept (README)
+batch_size_auto = False  # set by batch_size='auto': batch_size then only counts an update's sequences (with the above)
+memory_budget = 0.0  # GiB a process may hold under batch_size='auto' (0: what its device has free)
+block_size = 256  # tokens per sequence (from a pretrained folder: at most its max_position_embeddings)
+sequences = "windows"  # how training sequences are drawn: data.SEQUENCES says each mode ('windows', 'random', ...)
+max_epochs = 0  # also end the run after this many passes over the training split (0: max_iters alone)
+# model: every field of GPTConfig (model.py) with a plain default is a setting too (qk_norm, rope_theta, head_size,
+# ...), its default there; these are a run's own defaults. From a pretrained folder its config.json sets the shape.
+n_layer = 6
+n_head = 6
+n_kv_head = 0  # key/value heads for grouped-query attention (0: as many as n_head)
+n_embd = 384
+dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
+vocab_size = 0  # 0: the dataset's vocabulary, padded up to a multiple of 64
+use_kernels = None  # Triton fused ops: True, False, or None for auto (on CUDA with Triton)
+doc_mask = False  # attend only within a document: end-of-text (meta.json's eot_id) begins a new one
+# LoRA: train low-rank adapters on a frozen pretrained model (init_from a Hugging Face folder)
+lora_rank = 0  # the adapters' rank; 0: off, every weight trains
+lora_alpha = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+lora_dropout = 0.0  # dropout on the adapters' input
+lora_targets = "q,k,v,o,gate,up,down"  # projections to adapt; the default is all of them, attention's and the MLP's
+lora_base_dtype = "auto"  # the frozen base: 'auto' (the run's dtype), 'float32', 'bfloat16', 'nf4' (QLoRA) or 'int8'
+# (torchao's: 4 bits, or 8 bits weight-only)
+# optimizer
+optimizer = "adamw"  # optim.OPTIMIZERS says each one ('adamw', 'muon': Muon for the blocks' matrices, ...)
+learning_rate = 6e-4  # peak learning rate (under muon: of the AdamW part)
+max_iters = 5000  # total optimizer steps
+weight_decay = 0.1  # on matrices only (AdamW, Muon: decoupled; Adam, SGD: an L2 term in the gradient)
+beta1 = 0.9  # Adam(W)'s
+beta2 = 0.95
+momentum = 0.9  # SGD's
+muon_lr = 0.02  # Muon's peak learning rate for the blocks' matrices
+muon_momentum = 0.95
+grad_clip = 1.0  # clip gradients at this norm (0: off)
+# learning rate schedule: linear warmup over warmup_iters, then lr_schedule; every learning rate
+# (learning_rate, muon_lr) is scaled by the same factor, down to min_lr / learning_rate of its peak
+decay_lr = True  # False: learning_rate throughout, no warmup and no schedule
+lr_schedule = "cosine"  # 'cosine', 'linear', 'polynomial' (peak to min_lr at lr_decay_iters), 'constant',
+# 'wsd', or 'cosine_restarts' (cosine to min_lr and back to the peak every lr_cycle_iters, until lr_decay_iters)
+warmup_iters = 100
+warmup_ratio = 0.0  # if above 0: warm up over this fraction of the run's steps instead of warmup_iters
+lr_decay_iters = 5000  # should be ~max_iters
+lr_decay_fraction = 0.2  # wsd: stable at the peak, then a linear decay over this last part of lr_decay_iters
+min_lr = 6e-5  # ~learning_rate/10
+lr_cycle_iters = 1000  # cosine_restarts: steps from one restart to the next
+lr_power = 1.0  # polynomial: the decay's power (1: linear)
+# system
+backend = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
+dist_timeout = 600  # seconds joining the process group, or a collective, may wait for the others before failing
+# (so that torchrun can restart a group that lost a process, README: "Surviving failures")
+device = "auto"  # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
+dtype = "auto"  # 'float32', 'bfloat16', 'float16' (with a gradient scaler); auto: bf16 where supported on CUDA
+compile = False  # torch.compile the model (slow first step, faster after)
+seed = 1337  # sets the initial weights, the data order and dropout
+# past one device's memory (README: "Scaling up"): shard, split, recompute, offload
+fsdp = False  # FSDP2: shard weights, gradients and optimizer state over the data-parallel processes
+fsdp_cpu_offload = False  # with fsdp: weights, gradients and optimizer state wait in CPU memory (CUDA only)
+tp_size = 1  # tensor parallel over this many processes of a node: attention by heads, the MLP by its width
+gradient_checkpointing = False  # keep only each block's input; recompute the rest in the backward pass
+
+# -----------------------------------------------------------------------------
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def model_settings():
+    """GPTConfig's fields that a run can set: those with a plain default (rope_scaling, a dict, comes only
+    from a pretrained folder), name -> GPTConfig's default."""
+    return {f.name: f.default for f in _dataclasses.fields(_GPTConfig)
+            if isinstance(f.default, _PLAIN) and f.default is not None or f.name in globals()}
+
+
+def defaults():
+    """Every setting -> its default: the model's (GPTConfig's fields), then this module's own."""
+    own = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, _PLAIN)}
+    return {**model_settings(), **own}
+
+
+# train.py's numbers that have a range: each must be at least its low and below its high
+_IN_RANGE = {"learning_rate": (0, _math.inf), "min_lr": (0, _math.inf), "muon_lr": (0, _math.inf),
+             "weight_decay": (0, _math.inf), "grad_clip": (0, _math.inf), "early_stop_min_delta": (0, _math.inf),
+             "beta1": (0, 1), "beta2": (0, 1), "momentum": (0, 1), "muon_momentum": (0, 1), "dropout": (0, 1),
+             "seed": (0, 2**63)}
+_AT_LEAST_ONE = ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size",
+                 "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout")
+
+
+def check(config):
+    """UserError, in one line with the fix, for a setting (config, every one of them) that no run can use; the
+    optimizer's and the schedule's are optim.check_optimizer's, the sequences' data.check_sequences'."""
+    for key in _AT_LEAST_ONE:
+        if config[key] < 1:
+            raise _UserError(f"{key}={config[key]} must be at least 1")
+    for key, (low, high) in _IN_RANGE.items():  # else a traceback from torch's first step, or nonsense trained
+        if key in config and not low <= config[key] < high:
+            within = f"at least {low}" if high == _math.inf else f"at least {low} and below {high}"
+            raise _UserError(f"{key}={config[key]} must be {within}")
+    if config["memory_budget"] < 0:
+        raise _UserError(f"memory_budget={config['memory_budget']} must be at least 0 (GiB; 0: what the device has "
+                         f"free)")
+    if config["tensorboard_log"]:  # found out now, not at the first record
+        try:
+            import torch.utils.tensorboard  # noqa: F401 (metrics.py writes with it)
+        except ImportError:
+            raise _UserError("tensorboard_log=True needs TensorBoard: pip install tensorboard") from None
+    if config["use_kernels"] not in (None, True, False):
+        raise _UserError(f"use_kernels={config['use_kernels']!r} must be True, False or None (auto)")
+    if config["eval_full"] and not 0 <= config["eval_stride"] < config["block_size"]:
+        raise _UserError(f"eval_stride={config['eval_stride']} must be at least 0 and below block_size="
+                         f"{config['block_size']} (the windows' overlap)")
+    if config["eval_tasks"] and (config["fsdp"] or config["tp_size"] > 1):
+        raise _UserError("eval_tasks runs on the master process alone, which holds the whole model only without "
+                         "fsdp and tp_size")
+    if config["max_epochs"] < 0 or not 0 <= config["warmup_ratio"] < 1:
+        raise _UserError(f"max_epochs={config['max_epochs']} must be at least 0 and warmup_ratio="
+                         f"{config['warmup_ratio']} in [0, 1)")
+    _data.check_sequences(config["sequences"])
+    _optim.check_optimizer(config)
