@@ -56,7 +56,7 @@ settings.check(config)
 # 2. devices and processes: torchrun's (or this one alone) in a (data parallel, tensor parallel) mesh
 
 ddp, rank, local_rank, world_size, master, device, device_type, dtype, backend, fsdp, mesh, dp_size, dp_rank = \
-    init_distributed(device, dtype, backend, tp_size, fsdp, fsdp_cpu_offload, optimizer, dist_timeout)
+    init_distributed(device, dtype, backend, tp_size, fsdp, fsdp_cpu_offload, dist_timeout)
 check_same_settings(config, data_dir)  # every node started with rank 0's settings and data, or all stop here
 if gradient_accumulation_steps % dp_size:
     raise UserError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "

@@ -93,6 +93,12 @@ def check_optimizer(config):
                         f"{config['lr_power']} above 0")
     if not 0 <= config["lr_decay_fraction"] <= 1:
         raise UserError(f"lr_decay_fraction={config['lr_decay_fraction']} must be between 0 and 1")
+    # Muon orthogonalizes each matrix whole, and a process of tensor parallel or FSDP holds only part of one
+    if config["optimizer"] == "muon" and config["tp_size"] > 1:
+        raise UserError("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
+    if config["optimizer"] == "muon" and config["fsdp"]:
+        raise UserError("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
+                        "use optimizer='adamw' with fsdp")
 
 
 def lr_factor(it, decay_lr=True, lr_schedule="cosine", warmup_iters=100, lr_decay_iters=5000, learning_rate=6e-4,

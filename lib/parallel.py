@@ -96,16 +96,11 @@ def peak_flops(device, dtype):
     return None
 
 
-def check_layout(tp, fsdp, offload, device_type, dtype, optimizer):
+def check_layout(tp, fsdp, offload, device_type, dtype):
     """UserError, in one line with the fix, for a layout that cannot run (tensor parallel brings FSDP)."""
-    if tp > 1 and optimizer == "muon":  # it orthogonalizes each matrix whole, and a process holds only part of one
-        raise UserError("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
     if (fsdp or tp > 1) and dtype == "float16":
         raise UserError("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
                          "gradients): use dtype='bfloat16' or 'float32'")
-    if fsdp and optimizer == "muon":
-        raise UserError("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
-                         "use optimizer='adamw' with fsdp")
     if offload and not ((fsdp or tp > 1) and device_type == "cuda"):
         raise UserError("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True "
                          "and a CUDA device")
@@ -198,7 +193,7 @@ def check_same_settings(settings, data_dir):
                         f"same command, config files and data)")
 
 
-def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, timeout):
+def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
     """The processes of this run, as torchrun started them (or one alone), in a (data parallel, tensor
     parallel) mesh. Resolves the 'auto' settings and joins the process group; returns Processes."""
     env = os.environ
@@ -217,7 +212,7 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, optimizer, 
         torch.backends.cudnn.allow_tf32 = True
     # Tensor parallel shards the rest of each replica with FSDP too (over a mesh of one replica, if so): every
     # parameter is then a DTensor on the one mesh, which the fused optimizer step and the clipping need.
-    check_layout(tp_size, fsdp, offload, device_type, dtype, optimizer)
+    check_layout(tp_size, fsdp, offload, device_type, dtype)
     fsdp = fsdp or tp_size > 1
     if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
         backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if offload else "nccl"

@@ -93,7 +93,7 @@ def test_one_process_on_cuda_sets_its_gpu_only_when_named(monkeypatch, device, c
         monkeypatch.delenv(name, raising=False)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # which it sets
     try:
-        processes = parallel.init_distributed(device, "auto", "auto", 1, False, False, "adamw", 60)
+        processes = parallel.init_distributed(device, "auto", "auto", 1, False, False, 60)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert seen == chosen

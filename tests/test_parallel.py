@@ -50,8 +50,7 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
     out = run(*common, f"--out_dir={tmp_path / 'a'}", "--tp_size=2", check=False)
     assert out.returncode != 0 and "tp_size=2 must divide the 1 processes" in out.stderr
     # The rest in process. The heads are checked by parallelize before it lays anything out, so no process group
-    # is needed to see it refuse; the layout's checks run before the group forms (parallel.check_layout, in
-    # init_distributed: helpers.train_refusal makes them as train.py does).
+    # is needed to see it refuse; the optimizer's refusal comes with the settings' checks, before the group forms.
     with pytest.raises(UserError, match="tp_size=2 must divide n_head=4 and n_kv_head=1"):
         parallelize(GPT(GPTConfig(n_layer=1, n_head=4, n_kv_head=1, n_embd=32, vocab_size=64, block_size=32)), tp=2)
     assert "optimizer='muon' does not run under tensor parallel" in train_refusal(
