@@ -19,10 +19,11 @@ own learning rate):
 --mode=seeds puts a recipe beside nanoGPT's own CPU "baby" run of Shakespeare's characters (its train.py, run
 unchanged from the folder --nanogpt names, its fixed seed moved by a wrapper) on the same train.bin/val.bin:
 --seeds seeds of each, one after the other at --threads threads; each final checkpoint scored over the whole val
-split:
+split. NANOGPT_CLONE is a clone of nanoGPT, e.g. `git clone https://github.com/karpathy/nanoGPT`, and its
+`python data/shakespeare_char/prepare.py` makes the data:
 
-    python bench.py config/train_shakespeare_char_cpu.py --mode=seeds --nanogpt=../shared/anchors/nanogpt \
-        --data_dir=NANOGPT_PREPARED/shakespeare_char
+    python bench.py config/train_shakespeare_char_cpu.py --mode=seeds --nanogpt=NANOGPT_CLONE \
+        --data_dir=NANOGPT_CLONE/data/shakespeare_char
     python bench.py --mode=kernels   # each fused op of kernels.py against its references (GPU)
     python bench.py --mode=load      # peak memory of load_pretrained on a generated ~1 GB folder
     python bench.py --mode=lora      # memory of full fine-tuning, LoRA and QLoRA of a Qwen3-0.6B shape
@@ -93,7 +94,8 @@ def parse_args():
     add("--commit", help="--mode=gpu: the commit the report names (default: git describe, else the "
                          "wheels/COMMIT that wheels.py writes)")
     add("--minutes", type=float, default=6.5,
-        help="--mode=gpu: no row begins after this many minutes (a GPU machine's call may last 10)")
+        help="--mode=gpu: no row begins after this many minutes, so that a run under a time limit ends "
+             "with every row it began")
     args, train_args = parser.parse_known_args()
     if args.warmup >= args.steps:
         raise UserError(f"--warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")

@@ -1,13 +1,16 @@
 """
 bench.py --mode=gpu: everything a GPU must show (BENCHMARKS.md, "GPU: owed"), made of bench.py's measurements at a
-GPU's shapes, in sections that run alone (--section), each a few minutes long: a GPU machine is lent for 15
-minutes at a time, in calls of at most 10. With --out=DIR each section writes DIR/SECTION.md line by line, so
-that a call stopped at its limit still returns what it finished. A row that cannot run (out of memory,
+GPU's shapes, in sections that run alone (--section), each a few minutes long, so that they fit a time limit a
+few at a time. With --out=DIR each section writes DIR/SECTION.md line by line, so that a run stopped at its limit
+still leaves what it finished; no row begins after --minutes. A row that cannot run (out of memory,
 flash-attn or torchao not installed) is one line, and the rest go on. --tiny runs the same at tiny shapes on a
 CPU, a smoke check of the command, without torch.compile (its first compile costs ~20 s a graph on a CPU).
 
     python bench.py --mode=gpu --out=gpu
     python bench.py --mode=gpu --section=step --out=gpu   # one part alone: gpu/step.md, line by line
+
+README.md, "Measuring on a GPU", says which sections go together, their times on an H100, and how a machine
+without a package index gets the wheels it lacks (tools/wheels.py).
 """
 
 import contextlib
@@ -66,7 +69,7 @@ def attempt(label, measure_fn, *a, **kw):
 
 @contextlib.contextmanager
 def written_to(path):
-    # what print() writes goes to the terminal and, given a path, to that file too, each write flushed: a call
+    # what print() writes goes to the terminal and, given a path, to that file too, each write flushed: a run
     # stopped early still has every line written before it
     if path is None:
         yield
@@ -83,8 +86,8 @@ def written_to(path):
 
 @contextlib.contextmanager
 def scratch_folder(section):
-    # a section's temporary files, in a folder of a fixed name removed at its end and at its start: a call
-    # stopped at its limit leaves its files behind, and the warm machine's disk (64 GB) is the next call's
+    # a section's temporary files, in a folder of a fixed name removed at its end and at its start: a run
+    # stopped at its limit leaves its files behind, and a 7B folder fills a small disk for the next run
     folder = os.path.join(tempfile.gettempdir(), f"bench-gpu-{section}")
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
@@ -108,7 +111,8 @@ def documents(folder, vocab=50257):
 
 def stdlib_tokens(folder, tiny):
     # learnable text: prepare.py's default corpus, the machine's own Python standard library, in a BPE learned
-    # from it (GPT-2's encoding is a download the GPU machine cannot make); --tiny: the json package alone
+    # from it (GPT-2's encoding is a download that a machine without a network cannot make); --tiny: the json
+    # package alone
     data = os.path.join(folder, "stdlib")
     corpus = [os.path.join(sysconfig.get_paths()["stdlib"], "json")] if tiny else []
     cmd = [sys.executable, "prepare.py", *corpus, f"--tokenizer=bpe:{512 if tiny else 8192}", f"--out_dir={data}"]
@@ -129,7 +133,7 @@ def without_flash_attn(folder):
 
 
 def report_commit(commit):
-    # --commit, else git describe in a checkout, else the file wheels.py wrote beside the wheels carried along
+    # --commit, else git describe in a checkout, else the file wheels.py wrote beside the wheels it fetched
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: benchmarks/..
     if commit:
         return commit
@@ -298,7 +302,8 @@ def section_race(cuda, scratch, args, train_args):
         return print(LEFT_OUT)
     data = attempt("data", gpt2_stdlib, scratch, tiny=not cuda)
     if data is None:
-        return print("(the race needs GPT-2's encoding: carry tiktoken's files and set TIKTOKEN_CACHE_DIR)")
+        return print("(the race needs GPT-2's encoding: without a network, bring tiktoken's files (tools/wheels.py) "
+                     "and set TIKTOKEN_CACHE_DIR)")
     nanogpt, shape = os.path.abspath(args.nanogpt), VERSUS if cuda else VERSUS_TINY
     run_args, device = both_args(shape, cuda, RACE_ACCUMULATION), "cuda" if cuda else "cpu"
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16)
@@ -450,12 +455,12 @@ def full_finetune_room(shape, folder, block_size=1024):
 def section_finetune(cuda, scratch, args, train_args):
     # full fine-tuning, LoRA and QLoRA of random Qwen3-0.6B- and Llama-2-7B-shaped folders, each row a train.py
     # run of 10 steps; what cannot run here is said in one line before anything is built. At 7B the int8 base
-    # is left out: its row would quantize 7B weights on the CPU again to count them, a minute of the lease
+    # is left out: its row would quantize 7B weights on the CPU again to count them, a minute for one row
     print("### Fine-tuning: full, LoRA and QLoRA at micro-batch 1\n")
     skip = []
     if importlib.util.find_spec("torchao") is None:
-        print("torchao is not installed (python tools/wheels.py here, and carry wheels/): the int8 and QLoRA rows are "
-              "left out\n")
+        print("torchao is not installed (pip install torchao, or without an index the wheels of tools/wheels.py): "
+              "the int8 and QLoRA rows are left out\n")
         skip = ["LoRA, int8 base", "QLoRA"]
     if not cuda:
         bench_lora(train_args, TINY_QWEN3, "tiny Qwen3", ["--batch_size=1", "--block_size=32", "--device=cpu"],

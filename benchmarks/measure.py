@@ -47,8 +47,8 @@ def set_deadline(limit_minutes):
 
 
 def out_of_time(label):
-    # A row is not begun once --minutes are spent (one line says so), so that a call on the GPU machine ends
-    # inside its limit with every row it began.
+    # A row is not begun once --minutes are spent (one line says so), so that a run under a time limit (a
+    # batch job's, a rented machine's) ends inside it with every row it began.
     if time.time() < deadline:
         return False
     print(f"| {label} | skipped: the {minutes:g} minutes (--minutes) are spent |")

@@ -5,8 +5,10 @@ the step is made of. The loop holds no host work but the step itself, so the tim
 own time beside it is the loop's share.
 
     python experiments/gpu_step.py ours --kernels=0 --out=gpu          # ours, the PyTorch references
-    python experiments/gpu_step.py nanogpt --nanogpt=../shared/anchors/nanogpt --out=gpu
+    python experiments/gpu_step.py nanogpt --nanogpt=NANOGPT_CLONE --out=gpu
     python experiments/gpu_step.py ours --tiny                           # on a CPU, a smoke test
+
+NANOGPT_CLONE is a clone of nanoGPT, e.g. `git clone https://github.com/karpathy/nanoGPT`.
 
 It prints one line (label, ms/step, tokens/s, peak memory) and writes the profiler's table (CUDA time by op,
 the top 30) to OUT/profile-LABEL.txt. Kept as it ran on 2026-11-27 (BENCHMARKS.md); the maintained form of
