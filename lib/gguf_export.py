@@ -12,7 +12,7 @@ import json
 import torch
 
 from lib.errors import UserError
-from lib.hf import hf_layout
+from lib.hf import check_exportable, hf_layout
 from lib.tokenizer_json import bpe_merges, bpe_parts, byte_chars
 
 # llama.cpp's architectures for the families model.py implements. Mistral is a Llama to llama.cpp.
@@ -56,6 +56,7 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
     for what GGUF, or this writer, cannot express."""
     import gguf
     c = model.config
+    check_exportable(c)
     if c.rope_scaling:
         raise UserError(f"Llama 3.1's rope scaling is not written to GGUF here: {INSTEAD}")
     tokens, types, merges, pre = vocabulary(tokenizer, c.vocab_size, gguf)

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -157,10 +157,28 @@ def special_ids(folder):
     return {name: hf[name] for name in SPECIAL_IDS if name in hf}
 
 
+# GPTConfig's fields that config.json says (hf_config), or that no weight's meaning depends on (dropout, the
+# kernels, LoRA's: exported merged, or as an adapter apart). Any other, a model setting added to GPTConfig, has no
+# place in config.json: a model that sets it otherwise than its default is not one transformers would run.
+SAID = {"block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "tie_embeddings", "rope_theta",
+        "norm_eps", "head_size", "mlp_hidden", "qkv_bias", "qk_norm", "rope_scaling", "family", "dropout",
+        "use_kernels", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}
+
+
+def check_exportable(config):
+    """UserError in one line for a model (its GPTConfig) that sets a field config.json cannot say (SAID)."""
+    unsaid = [f"{f.name}={getattr(config, f.name)!r}" for f in fields(config) if f.name not in SAID
+              and getattr(config, f.name) != f.default]
+    if unsaid:
+        raise UserError(f"this model's {', '.join(unsaid)} has no Hugging Face config.json field: transformers, "
+                        f"vLLM and llama.cpp would run another model (sample it with sample.py instead)")
+
+
 def hf_config(config, dtype, ids=None):
     # GPTConfig -> config.json in the Hub's style (rope_theta and rope_scaling at the top level),
     # which both transformers 4 and 5 and vLLM read; ids: its special token ids (see special_ids)
     c = config
+    check_exportable(c)
     scaling = {**c.rope_scaling, "rope_type": "llama3"} if c.rope_scaling else None
     out = {"architectures": [HF_ARCHITECTURES[c.family]], "model_type": c.family, "vocab_size": c.vocab_size,
            "hidden_size": c.n_embd, "intermediate_size": c.mlp_hidden, "num_hidden_layers": c.n_layer,
@@ -265,10 +283,10 @@ def save_pretrained(model, path, max_shard_bytes=5 * 2**30, ids=None):
     if model.config.lora_rank or any(hasattr(p, "get_original_weight") for p in model.parameters()):
         raise UserError("save_pretrained writes plain weights: merge_lora() first, and load a 4-bit base "
                          "again unquantized (export.py does both)")
-    path = Path(path)
+    config, path = hf_config(model.config, model.wte.weight.dtype, ids), Path(path)  # (refused: nothing written)
     path.mkdir(parents=True, exist_ok=True)
     with open_own(path / "config.json", "w") as f:
-        json.dump(hf_config(model.config, model.wte.weight.dtype, ids), f, indent=2)
+        json.dump(config, f, indent=2)
     params = dict(model.named_parameters())
     weights = {hf: params[ours].detach().to("cpu") for hf, ours in hf_layout(model.config).items()}
     save_torch_state_dict(weights, path, max_shard_size=max_shard_bytes)

@@ -165,10 +165,13 @@ def first_model(origin, config, dtype):
 
 
 def described(model, model_args, block_size):
-    """The model in one line for the log: its parameters, those trained, its shape with the block_size trained at,
-    and a pretrained model's own limit beside it where that is longer."""
+    """The model in one line for the log: its parameters, those trained, its shape (its sizes, and every other
+    setting that is not GPTConfig's default) with the block_size trained at, and a pretrained model's own limit
+    beside it where that is longer."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    shown = {**model_args, "block_size": block_size}
+    default = GPTConfig()
+    shown = {k: v for k, v in {**model_args, "block_size": block_size}.items()
+             if type(v) is int or not hasattr(default, k) or v != getattr(default, k)}
     limit = f" (the model's limit: {model_args['block_size']})" if model_args["block_size"] != block_size else ""
     return (f"model: {model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, "
             f"{shown}{limit}")

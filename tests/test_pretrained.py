@@ -10,6 +10,7 @@ zero, where a dropped norm or a swapped weight would hardly show.
 """
 
 import copy
+import dataclasses
 import json
 import shutil
 
@@ -20,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402 (after the skip: safetensors comes with transformers)
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from lib.errors import UserError
 from lib.hf import load_pretrained, save_pretrained
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -428,3 +430,19 @@ def test_scratch_model_loads_as_llama(tied, tmp_path):
     assert_same_logits(hf_logits(hf, ids), expected)
     # and back into ours
     assert_same_logits(our_logits(load_pretrained(tmp_path), ids), expected)
+
+
+def test_a_model_setting_config_json_cannot_say_is_refused_by_the_export(tmp_path):
+    # a field added to GPTConfig (here by a subclass, as an edit of model.py would add it) and set otherwise than
+    # its default has no place in config.json: the export says so in one line instead of writing another model
+    @dataclasses.dataclass
+    class Edited(GPTConfig):
+        attention_window: int = 0
+
+    model = GPT(Edited(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16, attention_window=8))
+    with pytest.raises(UserError, match="attention_window=8 has no Hugging Face config.json field"):
+        save_pretrained(model, tmp_path / "windowed")
+    assert not (tmp_path / "windowed" / "config.json").exists()
+    model.config.attention_window = 0  # its default: the model is the one config.json says
+    save_pretrained(model, tmp_path / "plain")
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["num_hidden_layers"] == 1

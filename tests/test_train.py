@@ -1,4 +1,6 @@
-"""train.py end to end, in subprocesses, on a tiny character-level dataset the tests write themselves."""
+"""train.py end to end, on a tiny character-level dataset the tests write themselves: one process in the test's own
+(helpers.run), several under torchrun with its workers new Pythons, and a new Python where a process's own end is
+under test."""
 
 import json
 import os
@@ -140,6 +142,18 @@ def test_resume_continues_from_saved_step(data_dir, tmp_path):
     assert "iter 8:" in out.stdout and "iter 7:" not in out.stdout  # continues after step 7
     assert losses(tmp_path / "whole") == losses(tmp_path / "parts")  # bit for bit, dropout included
     assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
+
+
+def test_every_model_setting_reaches_the_model_its_checkpoint_and_the_resume_check(data_dir, tmp_path):
+    # GPTConfig's fields are settings by themselves: qk_norm, never named in lib/settings.py, builds the norms,
+    # is recorded, and a resume that changes it is refused (as a new field of GPTConfig would be, with no edit)
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2", "--eval_interval=2"]
+    run(*args, "--qk_norm=True", "--head_size=16")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert "blocks.0.attn.q_norm.weight" in saved["model"] and saved["model"]["blocks.0.attn.q.weight"].shape[0] == 64
+    assert saved["model_args"]["qk_norm"] is True and saved["config"]["head_size"] == 16
+    said = train_refusal(*args, "--max_iters=4", "--init_from=resume", "--head_size=16")
+    assert "holds a model of qk_norm=True, not qk_norm=False" in said
 
 
 def test_windows_epochs_end_the_run_and_a_resume_in_mid_epoch_is_exact(data_dir, tmp_path):

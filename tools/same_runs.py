@@ -121,21 +121,30 @@ def same_value(a, b):
     return a == b or (a != a and b != b)  # NaN is NaN
 
 
+def differing_keys(a, b):
+    # the top-level keys of two checkpoints whose values differ (or that only one has), to say what a DIFFERS is
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not same_value(a[k], b[k]))
+
+
 def differences(before, after):
-    found = [key for key in ("status", "stdout", "metrics", "sample") if before.get(key) != after.get(key)]
+    found = [key for key in ("status", "metrics", "sample") if before.get(key) != after.get(key)]
+    if before["stdout"] != after["stdout"]:
+        lines = [line for line in after["stdout"] if line not in before["stdout"]]
+        found.append(f"stdout ({len(lines)} lines new, the first: {lines[0][:160] if lines else ''!r})")
     if before["stderr"] != after["stderr"]:
         found.append(f"stderr's last line {before['stderr']!r} against {after['stderr']!r}")
     if before["checkpoints"].keys() != after["checkpoints"].keys():
         found.append(f"checkpoint files {sorted(before['checkpoints'])} against {sorted(after['checkpoints'])}")
     for name in before["checkpoints"].keys() & after["checkpoints"].keys():
         a, b = before["checkpoints"][name], after["checkpoints"][name]
-        same = same_value(load_checkpoint(str(a)), load_checkpoint(str(b)))
+        a_state, b_state = load_checkpoint(str(a)), load_checkpoint(str(b))
+        same = same_value(a_state, b_state)
         if a.is_dir():  # and the shards themselves (the optimizer's too), byte for byte
             shards = sorted(p.name for p in a.glob("*.distcp"))
             same = same and shards == sorted(p.name for p in b.glob("*.distcp")) and all(
                 (a / n).read_bytes() == (b / n).read_bytes() for n in shards)
         if not same:
-            found.append(f"checkpoint {name}")
+            found.append(f"checkpoint {name} (keys {', '.join(differing_keys(a_state, b_state)) or 'none: its shards'})")
     return found
 
 
