@@ -25,7 +25,7 @@ try:  # optional: only used on CUDA for bf16/fp16 tensors
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
-flex_attention = None  # document masking's fast path on CUDA, imported and compiled when first needed (~3 s)
+flex_attention = None  # doc_mask's fast path on CUDA, imported when first needed: its compile costs seconds
 
 
 @dataclass
@@ -76,9 +76,8 @@ def fused(use_kernels, x, compiled_too=False):
     # Whether a call runs kernels.py's fused op (True) or its PyTorch reference beside it. use_kernels=None
     # (auto): the fused op on CUDA; the reference on a CPU, where Triton could only interpret it, and under
     # torch.compile unless compiled_too: there Inductor fuses the references of the norm, SwiGLU and rotary into
-    # the ops around them, where an opaque op stops it, and only the fused loss wins (124M on an H200, a compiled
-    # step: every fused op 34.0 ms, none 32.9, the loss alone 32.1; BENCHMARKS.md). kernels.py falls back by
-    # itself where Triton cannot run at all.
+    # the ops around them, where an opaque op stops it, and only the fused loss wins (a compiled step of 124M on
+    # an H200: BENCHMARKS.md, 2026-11-27). kernels.py falls back by itself where Triton cannot run at all.
     if use_kernels is None:
         return x.is_cuda and (compiled_too or not torch.compiler.is_compiling())
     return use_kernels
@@ -124,7 +123,7 @@ def adapted(linear, x):
 
 def attend(q, k, v, **kwargs):
     # torch's scaled_dot_product_attention on (B, T, H, D) tensors. Under a CPU's bf16 autocast it runs in
-    # fp32: torch's CPU attention is ~5x slower backward in bf16 than in fp32 (BENCHMARKS.md)
+    # fp32: torch's CPU attention is several times slower backward in bf16 than in fp32 (BENCHMARKS.md, 2026-11-23)
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             return attend(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)

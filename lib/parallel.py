@@ -1,8 +1,11 @@
 """
-Devices and processes: which device a run uses and its peak FLOP/s, and one function that spreads a model
-over the processes of a (data parallel, tensor parallel) mesh, as torchtitan does: tensor parallel,
-activation checkpointing, compile, then FSDP or DDP, in that order. model.py knows none of it. Parameters
-keep their names throughout, so checkpoints move between layouts.
+Devices and processes: which device a run uses and its peak FLOP/s; the run's processes and their (data
+parallel, tensor parallel) mesh, with the layouts that cannot run refused, the group's generation and the
+settings every node must agree on, and the group's end; and one function that spreads a model over the mesh,
+as torchtitan does: tensor parallel, activation checkpointing, compile, then FSDP or DDP, in that order.
+Parameters keep their names throughout, so checkpoints move between layouts. Beside them, what the loop needs
+across processes: each micro-batch's share of an update's targets, the gradients clipped over meshes (is_dtensor
+tells a shard without importing DTensor), and preemption's stop request. model.py knows none of it.
 
     model = parallelize(model, mesh, tp=2, fsdp=True, checkpointing=True, compile=True, dtype=torch.bfloat16)
 """

@@ -68,7 +68,8 @@ def test_the_product_never_imports_measurement():
 def test_a_run_of_one_process_never_imports_torchs_layouts():
     # torch.distributed.tensor and .checkpoint (sympy with them) cost ~1.5 s at every start: what train.py and
     # sample.py import at their top leaves them to where shards are (FSDP, tensor parallel, sharded checkpoints),
-    # and model.is_dtensor tells a shard without them. A new Python: the tests' server has imported everything.
+    # and parallel.is_dtensor tells a shard without them. A new Python: the tests' own process has imported
+    # everything by now (their runs of the scripts are in process).
     import subprocess
     import sys
     scripts = [ast.parse((ROOT / f"{name}.py").read_text()) for name in ("train", "sample")]
