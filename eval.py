@@ -27,13 +27,13 @@ from contextlib import nullcontext
 import torch
 
 from lib import harness
-from lib.checkpoint import check_run_tokenizer, load_model, load_run
 from lib.data import Split, longest_example
 from lib.errors import UserError, one_line_errors
 from lib.hf import load_pretrained
 from lib.meta import read_meta
 from lib.parallel import pick_device
 from lib.tokenizer import check_tokenizer, make_tokenizer
+from lib.trained import check_run_tokenizer, load_model, load_run
 
 one_line_errors("eval.py")
 TEXT_WINDOW = 2048  # a folder's window over text without --block_size: at most this many tokens

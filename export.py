@@ -23,7 +23,6 @@ import shutil
 import torch
 
 from lib.bounds import confined
-from lib.checkpoint import load_run
 from lib.errors import UserError, one_line_errors
 from lib.files import durable_replace, open_own
 from lib.hf import read_json, save_pretrained, special_ids
@@ -31,6 +30,7 @@ from lib.lora import merge_lora, write_adapter
 from lib.meta import read_meta
 from lib.tokenizer import bases_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files
+from lib.trained import load_run
 
 # -----------------------------------------------------------------------------
 # the folders: a whole model, or a LoRA adapter in peft's layout

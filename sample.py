@@ -21,11 +21,11 @@ from contextlib import nullcontext
 import torch
 
 from lib.chat import ChatFormat
-from lib.checkpoint import chat_folder, load_run
 from lib.errors import UserError, one_line_errors
 from lib.hf import load_pretrained
 from lib.parallel import pick_device
 from lib.tokenizer import make_tokenizer
+from lib.trained import chat_folder, load_run
 
 one_line_errors("sample.py")
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

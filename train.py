@@ -46,6 +46,7 @@ from lib.start import begin, claim, described, first_model, resume_rng, rng_stat
 # 1. settings: every one, with its default and what it does, is in lib/settings.py (the model's are GPTConfig's
 # fields); config files and --key=value override them (configurator.py), and each becomes a global here
 
+from lib.settings import *  # noqa: E402, F403 (the block of settings, each a global, as at the top of nanoGPT's)
 config = settings.defaults()
 configure(config, sys.argv[1:])
 globals().update(config)

@@ -18,10 +18,10 @@ import tempfile
 import numpy as np
 import torch
 
-from lib.checkpoint import load_run
 from lib.data import Split
 from lib.errors import UserError, one_line_errors
 from lib.meta import read_meta
+from lib.trained import load_run
 
 WORDS = ("ant bee cat dog eel fox gnu hen ibis jay kite lynx mole newt owl pig quail rat seal toad urchin vole wasp "
          "yak zebra crab dove frog goat hare").split()  # about one bpe:512 token each

@@ -106,6 +106,7 @@ gradient_checkpointing = False  # keep only each block's input; recompute the re
 
 # -----------------------------------------------------------------------------
 _PLAIN = (int, float, bool, str, type(None))
+__all__ = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, _PLAIN)]  # (the block above)
 
 
 def model_settings():

@@ -108,7 +108,7 @@ def make_lora_run(root, pretrained):
 def ours(out_dir, tasks_dir, batch_size=4):
     import torch
     from lib import harness
-    from lib.checkpoint import load_run
+    from lib.trained import load_run
     model, tokenizer, checkpoint = load_run(str(out_dir / "ckpt.pt"), torch.float32)
     lm = harness.Model(model.eval(), tokenizer, batch_size=batch_size, chat_folder=checkpoint["data_dir"])
     manager, names = harness.load_tasks(",".join(ROOT_TASKS), str(tasks_dir))

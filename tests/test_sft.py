@@ -188,7 +188,7 @@ def test_examples_accumulated_match_one_big_batch_and_epochs_end_the_run(chat_da
 
 def test_val_loss_is_over_every_trained_token_of_the_val_split(chat_data, scored_run):
     record = [json.loads(line) for line in (scored_run / "metrics.jsonl").read_text().splitlines()][-1]
-    from lib.checkpoint import load_run
+    from lib.trained import load_run
     model = load_run(str(scored_run / "ckpt.pt"))[0].eval()
     val = split(chat_data, "val", seed=1337)
     x, y, doc_ids = val.packed(range(val.sequences_in(1)))
@@ -281,7 +281,7 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
     assert done.returncode == 0, done.stderr
     # the same reply by hand: the conversation rendered as in training, greedy, cut at the end-of-turn
     from lib.chat import ChatFormat
-    from lib.checkpoint import load_run
+    from lib.trained import load_run
     model, tokenizer, _ = load_run(str(tmp_path / "run" / "ckpt.pt"))
     meta = json.loads((chat_data / "meta.json").read_text())
     assert meta["chat"]["end_of_turn_id"] == tokenizer.eot_id  # the built-in template closes turns with it

@@ -1,0 +1,78 @@
+"""
+A trained run read back for use (sample.py, eval.py, export.py): its model from a checkpoint of any layout, the
+tokenizer of the data it was trained on, and the folder whose chat template it chats with.
+
+    from lib.trained import load_run
+    model, tokenizer, checkpoint = load_run("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt
+"""
+
+import os
+
+from lib.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from lib.errors import UserError
+from lib.meta import read_meta
+from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer
+
+
+def load_model(path, base_dtype=None, data_dir=None):
+    """out_dir/ckpt.pt -> (model, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of an FSDP run
+    (see find_checkpoint). A LoRA run's frozen base is read in base_dtype (None: its
+    folder's). checkpoint["data_dir"] becomes where the data the model was trained on is now: data_dir, else
+    where that data was then, else where the run's config says. UserError with one line for what is missing
+    or damaged."""
+    found = find_checkpoint(path)
+    if found is None:
+        raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
+    path = found
+    checkpoint = load_checkpoint(path, mmap=True)  # the weights are read, the optimizer's moments never
+    if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
+        raise UserError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
+    model = model_from_checkpoint(checkpoint, base_dtype)
+    candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
+    found = next((d for d in candidates if d and os.path.isdir(d)), None)
+    if found is None:
+        raise UserError(f"the model was trained on {candidates[-1]}, which is not here: its data is needed "
+                         f"(restore it, or pass --data_dir)")
+    checkpoint["trained_on"] = checkpoint.get("data_dir")  # where the run's own data was (check_run_tokenizer)
+    checkpoint["data_dir"] = found  # where the data is now: its meta.json has the chat template, if any
+    return model, checkpoint
+
+
+def check_run_tokenizer(data_dir, checkpoint, model_vocab):
+    """UserError in one line unless another dataset than the run's (sample.py, export.py, eval.py --data_dir)
+    was made with the run's tokenizer: its ids would mean other words. Compared with the run's own data, else
+    with the folder it began from; with neither here, there is nothing to compare with."""
+    places = (checkpoint.get("trained_on"), checkpoint["config"]["data_dir"])
+    own = next((d for d in places if d and os.path.isdir(d)), None)
+    reference = own or checkpoint.get("pretrained")
+    if not reference or not os.path.isdir(reference) or os.path.abspath(reference) == os.path.abspath(data_dir):
+        return
+    fix = f"leave --data_dir out (the run's own data: {reference}), or prepare it with the run's tokenizer"
+    check_tokenizer(data_dir, read_meta(data_dir), reference, model_vocab, fix)
+
+
+def load_run(path, base_dtype=None, data_dir=None):
+    """load_model's (model, tokenizer, checkpoint): the tokenizer lives with the data the model was trained on."""
+    model, checkpoint = load_model(path, base_dtype, data_dir)
+    found = checkpoint["data_dir"]
+    try:
+        tokenizer = load_tokenizer(found)
+    except (KeyError, TypeError) as e:
+        raise UserError(f"cannot read the tokenizer in {found} ({type(e).__name__}: {e}); re-run prepare.py")
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"{found}'s tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                         f"{model.config.vocab_size}: it is not the data this model was trained on")
+    if data_dir:
+        check_run_tokenizer(data_dir, checkpoint, model.config.vocab_size)
+    return model, tokenizer, checkpoint
+
+
+def chat_folder(checkpoint, tokenizer):
+    """The folder whose chat template a run chats with (sample.py --chat), the one export.py gives its folder:
+    the data's, where it was made from conversations with one; else the Hugging Face folder the run began from,
+    where the data was made with that folder's very tokenizer.json (a text fine-tune of a chat model); else the
+    data's, which has none."""
+    data_dir, base = checkpoint["data_dir"], checkpoint.get("pretrained")
+    if read_meta(data_dir).get("chat") or not bases_tokenizer(tokenizer, base):
+        return data_dir
+    return base
