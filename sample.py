@@ -34,6 +34,8 @@ parser.add_argument("--ckpt", default="ckpt.pt",
                     help="checkpoint in out_dir (ckpt_best.pt: best val loss; the sharded folder of an FSDP run, "
                     "ckpt/, is found by the same name)")
 parser.add_argument("--model", default=None, help="a Hugging Face model folder to sample instead of a checkpoint")
+parser.add_argument("--init_from", default="resume", help="nanoGPT's flag: 'resume' (out_dir's checkpoint, the "
+                    "default) or a Hugging Face model folder (as --model)")
 parser.add_argument("--start", default=None, help="prompt text, or FILE:path to read it from a file (default: a "
                     "newline; with --chat: read messages from the terminal)")
 parser.add_argument("--chat", action="store_true", help="chat with the model through its chat template")
@@ -52,6 +54,11 @@ args = parser.parse_args()
 # -----------------------------------------------------------------------------
 # the checkpoint, the model and the tokenizer
 
+if args.init_from != "resume":  # nanoGPT's way to name what to sample: a folder is our --model
+    if not os.path.isdir(args.init_from):
+        raise UserError(f"--init_from={args.init_from} is not 'resume' or a Hugging Face model folder (nanoGPT's "
+                        f"GPT-2 weights are not this model's: sample a run with --out_dir, a folder with --model)")
+    args.model = args.model or args.init_from
 device, dtype = pick_device(args.device, args.dtype)
 if args.top_k is not None and args.top_k < 1:
     raise UserError(f"--top_k={args.top_k} must be at least 1 (or leave it out)")

@@ -52,6 +52,8 @@ configure(config, sys.argv[1:])
 globals().update(config)
 one_line_errors("train.py")  # a UserError, ours or a library's, stops the run with its one line (errors.py)
 settings.check(config)
+if dataset:  # as nanoGPT's config files name their data: its folder data/NAME
+    data_dir = config["data_dir"] = os.path.join("data", dataset)
 
 # -----------------------------------------------------------------------------
 # 2. devices and processes: torchrun's (or this one alone) in a (data parallel, tensor parallel) mesh
@@ -85,8 +87,9 @@ for note in origin.notes if master else ():  # what this command changes of a re
     print(note)
 if origin.stopped:  # the run stopped early before: the same command again has nothing to do
     sys.exit(0)
-if origin.init_from != "resume" and master and os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
-    os.remove(os.path.join(out_dir, "metrics.jsonl"))  # left by a run that died before its first checkpoint
+stale_log = os.path.join(out_dir, "metrics.jsonl")  # left by a run that died before its first checkpoint
+if origin.init_from != "resume" and master and not eval_only and os.path.exists(stale_log):
+    os.remove(stale_log)
 checkpoint, loop, lora = origin.checkpoint, origin.loop, origin.lora
 
 # -----------------------------------------------------------------------------
@@ -200,7 +203,8 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
              "pretrained": origin.pretrained,  # the Hugging Face folder the run began from, if any
              "base_fingerprint": origin.base_fingerprint, "memory_device": device_name(device)}
 saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
-log, close_log = open_log(out_dir, config, master, wandb_log, wandb_project, wandb_run_name, tensorboard_log)
+log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,
+                          tensorboard_log)  # (eval_only writes nothing)
 
 preemption = StopRequest()  # SIGTERM or SIGINT: the current step finishes, saves, and the run exits 0
 # A checkpoint of an evaluated step is held back until the next update has computed its gradient at those
@@ -262,7 +266,7 @@ clock = start_clock()  # the time left (metrics.py), from the step and evaluatio
 while True:
     step = loop["iter_num"]  # the step this pass evaluates, then updates
     # evaluate (and checkpoint) every eval_interval steps and at the end
-    if (step % eval_interval == 0 or step == max_iters) and not loop["evaluated"]:
+    if (step % eval_interval == 0 or step == max_iters) and not loop["evaluated"] or eval_only:
         eval_began = time.time()
         losses = estimate_loss(model, raw_model)
         loop["evaluated"] = True
@@ -273,6 +277,8 @@ while True:
         loop["evals_without_gain"] = 0 if improved else loop["evals_without_gain"] + 1
         report_evaluation(log, master, step, losses, task_scores, batches.epoch(step),
                           learning_rate * lr_factor(step, **schedule))
+        if eval_only:  # nanoGPT's: the losses of the model as it is, and nothing trained or saved
+            break
         early_stop = early_stop_patience > 0 and loop["evals_without_gain"] >= early_stop_patience
         if step > 0 and (improved or always_save_checkpoint or early_stop or step == max_iters):
             if step >= max_iters or early_stop:

@@ -140,10 +140,23 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True):
                          f"use another one, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt") from None
 
 
+def check_not_nanogpts(checkpoint, path):
+    """UserError in one line for nanoGPT's own ckpt.pt (its model_args name bias; its weights transformer.h.N):
+    GPT-2 blocks, which this model.py cannot hold."""
+    args, weights = checkpoint.get("model_args"), checkpoint.get("model")
+    names = [str(name).removeprefix("_orig_mod.") for name in weights] if isinstance(weights, dict) else []
+    if isinstance(args, dict) and "bias" in args or any(name.startswith("transformer.h.") for name in names):
+        raise UserError(f"{path} is nanoGPT's checkpoint (GPT-2 blocks: learned positions, LayerNorm, GELU, "
+                         f"biases), which this model cannot load: sample it with nanoGPT's sample.py, or train here "
+                         f"anew on the same data folder (nanoGPT's prepared data works as it is)")
+
+
 def load_resume_state(path):
     """Everything but the weights of the checkpoint a run resumes from (a sharded one's are read into
     its shards later, by restore), checked to be a checkpoint of this train.py."""
     checkpoint = load_checkpoint(path, weights=False)
+    if isinstance(checkpoint, dict):
+        check_not_nanogpts(checkpoint, path)
     needed = NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(path) else NEEDED
     if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
         raise UserError(f"{path} is not a checkpoint of this train.py (it lacks "
@@ -161,8 +174,10 @@ def starting_point(out_dir, init_from, found):
         init_from = "resume" if found else "scratch"
     if init_from not in ("scratch", "resume"):  # a Hugging Face model folder to fine-tune
         if not os.path.isfile(os.path.join(init_from, "config.json")):
+            gpt2 = ("; nanoGPT's 'gpt2' names OpenAI's GPT-2, whose blocks this model.py does not have: start from a "
+                    "Llama, Mistral, Qwen2 or Qwen3 folder" if init_from.startswith("gpt2") else "")
             raise UserError(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model "
-                             f"folder (it has no config.json)")
+                             f"folder (it has no config.json){gpt2}")
         if found:
             began_from = load_checkpoint(found, mmap=True, weights=False).get("pretrained")
             if began_from != os.path.abspath(init_from):

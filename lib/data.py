@@ -230,8 +230,8 @@ class Split:
 
 class Batches:
     """What a run reads, its mode decided once from its settings: the micro-batches of each step and of each
-    evaluation, on the device, and the epochs a step has reached. sequences: a name of SEQUENCES. Sequence n of the run is the same however processes and micro-steps share
-    an update's sequences_per_step.
+    evaluation, on the device, and the epochs a step has reached. sequences: a name of SEQUENCES. Sequence n of
+    the run is the same however processes and micro-steps share an update's sequences_per_step.
 
         batches = Batches("data/chat", meta, 1024, 1337, meta["vocab_size"], "examples", batch_size=8,
                           sequences_per_step=32, train_tokens=10**6)

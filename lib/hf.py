@@ -107,7 +107,10 @@ def config_from_hf(hf, block_size=None):
     """config.json as a dict -> GPTConfig, refusing in one line what GPT does not implement."""
     family = hf.get("model_type")
     if family not in HF_ARCHITECTURES:
-        raise UserError(f"model_type {family!r} is not supported (only {', '.join(HF_ARCHITECTURES)})")
+        gpt2 = ": GPT-2's blocks (learned positions, LayerNorm, GELU, biases) are nanoGPT's, not this model's" \
+            if family == "gpt2" else ""
+        raise UserError(f"model_type {family!r} is not supported (only {', '.join(HF_ARCHITECTURES)}){gpt2}; start "
+                         f"from a folder of one of those")
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     if hf.get("mlp_bias") or (family != "qwen2" and hf.get("attention_bias")):

@@ -30,6 +30,7 @@ eval_tasks = ""  # lm-evaluation-harness tasks to score at each evaluation, comm
 eval_tasks_limit = 0  # at most this many items of each task (0: all of them)
 eval_tasks_path = ""  # a folder of task files of your own (lm_eval's --include_path)
 always_save_checkpoint = True  # save at every evaluation, not only when val loss improves
+eval_only = False  # evaluate once (train and val loss) and exit, writing nothing (nanoGPT's)
 init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one), or a HF model folder
 keep_last_n = 0  # also keep this many step checkpoints ckpt_NNNNNNN.pt (0: only ckpt.pt and ckpt_best.pt)
 save_every_epoch = False  # also save at the end of each epoch N, and keep that as ckpt_epoch_N.pt
@@ -43,6 +44,7 @@ wandb_run_name = "run"
 tensorboard_log = False  # also write metrics.jsonl's records as TensorBoard events under out_dir/tb
 # data
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
+dataset = ""  # nanoGPT's name for the data: 'NAME' reads data/NAME (its prepared folders work as they are)
 gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
 batch_size = 12  # sequences per micro-step per process; 'auto': the largest that fits, the update kept (README)
 batch_size_auto = False  # set by batch_size='auto': batch_size then only counts an update's sequences (with the above)
@@ -59,6 +61,7 @@ n_embd = 384
 dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
 vocab_size = 0  # 0: the dataset's vocabulary, padded up to a multiple of 64
 use_kernels = None  # Triton fused ops: True, False, or None for auto (on CUDA with Triton)
+bias = False  # nanoGPT's biases in every linear and norm: this Llama-style block has none (qkv_bias: Qwen2's)
 doc_mask = False  # attend only within a document: end-of-text (meta.json's eot_id) begins a new one
 # LoRA: train low-rank adapters on a frozen pretrained model (init_from a Hugging Face folder)
 lora_rank = 0  # the adapters' rank; 0: off, every weight trains
@@ -149,6 +152,9 @@ def check(config):
             import torch.utils.tensorboard  # noqa: F401 (metrics.py writes with it)
         except ImportError:
             raise _UserError("tensorboard_log=True needs TensorBoard: pip install tensorboard") from None
+    if config["bias"]:  # a nanoGPT config file's bias=True
+        raise _UserError("bias=True: this model's blocks are Llama's, with no biases in their linears and norms "
+                         "(nanoGPT's GPT-2 blocks have them); leave bias out, or set qkv_bias=True for Qwen2's")
     if config["use_kernels"] not in (None, True, False):
         raise _UserError(f"use_kernels={config['use_kernels']!r} must be True, False or None (auto)")
     if config["eval_full"] and not 0 <= config["eval_stride"] < config["block_size"]:

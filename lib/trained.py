@@ -8,7 +8,7 @@ tokenizer of the data it was trained on, and the folder whose chat template it c
 
 import os
 
-from lib.checkpoint import find_checkpoint, load_checkpoint, model_from_checkpoint
+from lib.checkpoint import check_not_nanogpts, find_checkpoint, load_checkpoint, model_from_checkpoint
 from lib.errors import UserError
 from lib.meta import read_meta
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer
@@ -25,6 +25,8 @@ def load_model(path, base_dtype=None, data_dir=None):
         raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
     path = found
     checkpoint = load_checkpoint(path, mmap=True)  # the weights are read, the optimizer's moments never
+    if isinstance(checkpoint, dict):
+        check_not_nanogpts(checkpoint, path)
     if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
         raise UserError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
     model = model_from_checkpoint(checkpoint, base_dtype)
