@@ -40,10 +40,11 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
     if tensorboard_log:
         from torch.utils.tensorboard import SummaryWriter
         tensorboard = SummaryWriter(os.path.join(out_dir, "tb"))
-    failed = False
+    failed, opened = False, time.time()
 
     def log(record):
         nonlocal failed
+        record = {**record, "elapsed_s": round(time.time() - opened, 3)}  # this process's wall time (plot.py's)
         try:
             with open_own(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")

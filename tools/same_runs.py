@@ -34,7 +34,7 @@ TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_si
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20", "--learning_rate=1e-2",
         "--max_iters=8", "--eval_interval=4", "--keep_last_n=2", "--device=cpu"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0"]
-TIMINGS = {"ms_per_iter", "tokens_per_s", "mfu", "mfu_run", "mem_mb", "time_left_s"}
+TIMINGS = {"ms_per_iter", "tokens_per_s", "mfu", "mfu_run", "mem_mb", "time_left_s", "elapsed_s"}
 # the runs: name -> (launcher, data, train.py's arguments, environment); data: text, chat or folder (the tiny
 # imported model, fine-tuned on the text)
 RUNS = {

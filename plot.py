@@ -1,0 +1,92 @@
+"""
+A run's curves as a picture: train and val loss against steps and against wall time, with the learning rate and
+tokens/s beside them, from the run's metrics.jsonl. Several runs are drawn together, a color each, to compare.
+
+    python plot.py out-small                                   # -> out-small/curves.png
+    python plot.py out-small out-wide --to=compare.png --title="4 vs 8 layers"
+
+Needs matplotlib (pip install matplotlib), as wandb_log=True needs wandb. Wall time is each record's elapsed_s: a
+resumed run's restarts are joined end to end; a run of a version without it is drawn against steps only.
+"""
+
+import argparse
+import json
+import os
+
+from lib.errors import UserError, one_line_errors
+
+
+def read_run(out_dir):
+    """A run's records -> (steps, evaluations): the logged training steps (skipped updates left out) and the
+    evaluations, each a list of records in the order written, with "wall_s" added where the records have time."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror}): name a run's out_dir (train.py writes it there)")
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not one JSON record a line ({e.msg} at line {e.lineno})") from None
+    offset, last = 0.0, 0.0
+    for record in records:  # a resumed run's process starts its clock again: its times follow the last one's
+        if "elapsed_s" in record:
+            if record["elapsed_s"] < last:
+                offset += last
+            last = record["elapsed_s"]
+            record["wall_s"] = offset + last
+    evaluations = [r for r in records if "val_loss" in r]
+    steps = [r for r in records if "val_loss" not in r and not r.get("skipped") and "loss" in r]
+    if not steps and not evaluations:
+        raise UserError(f"{path} holds no step or evaluation yet: plot it after the first log line")
+    return steps, evaluations
+
+
+def draw(runs, title):
+    # runs: [(label, steps, evaluations)] -> a matplotlib figure of four panels
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    figure, ((by_step, by_time), (lr, speed)) = plt.subplots(2, 2, figsize=(12, 8))
+    for i, (label, steps, evaluations) in enumerate(runs):
+        color = f"C{i}"
+        for axes, x in ((by_step, "iter"), (by_time, "wall_s")):
+            train = [r for r in steps if x in r]
+            axes.plot([r[x] for r in train], [r["loss"] for r in train], color=color, alpha=0.5, lw=1,
+                      label=f"{label} train")
+            val = [r for r in evaluations if x in r]
+            axes.plot([r[x] for r in val], [r["val_loss"] for r in val], "o-", color=color, ms=4,
+                      label=f"{label} val")
+        lr.plot([r["iter"] for r in steps], [r["lr"] for r in steps], color=color, label=label)
+        fast = [r for r in steps if "tokens_per_s" in r]
+        speed.plot([r["iter"] for r in fast], [r["tokens_per_s"] for r in fast], color=color, label=label)
+    for axes, xlabel, ylabel in ((by_step, "step", "loss"), (by_time, "wall time (s)", "loss"),
+                                 (lr, "step", "learning rate"), (speed, "step", "tokens/s")):
+        axes.set_xlabel(xlabel)
+        axes.set_ylabel(ylabel)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    return figure
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dirs", nargs="+", help="runs' folders, each with its metrics.jsonl")
+    parser.add_argument("--to", default=None, help="the PNG to write (default: curves.png in the first run's folder)")
+    parser.add_argument("--title", default=None, help="the figure's title (default: the runs' folders)")
+    args = parser.parse_args()
+    try:
+        import matplotlib  # noqa: F401 (found out now, not after reading every run)
+    except ImportError:
+        raise UserError("plot.py draws with matplotlib: pip install matplotlib") from None
+    runs = [(os.path.basename(os.path.normpath(d)), *read_run(d)) for d in args.out_dirs]
+    to = args.to or os.path.join(args.out_dirs[0], "curves.png")
+    figure = draw(runs, args.title or ", ".join(label for label, _, _ in runs))
+    figure.savefig(to, dpi=100)
+    print(f"wrote {to}")
+
+
+if __name__ == "__main__":
+    one_line_errors("plot.py")
+    main()

@@ -1,0 +1,46 @@
+"""plot.py: a run's metrics.jsonl (one run or several) -> a PNG of its curves; a resumed run's clock joined end to
+end; a folder without records refused in one line."""
+
+import json
+import struct
+
+import pytest
+
+from helpers import TINY, run, script
+
+pytest.importorskip("matplotlib")
+
+
+def png_size(path):
+    # (width, height) from a PNG's header, after checking it is one
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    return struct.unpack(">II", data[16:24])
+
+
+def test_two_runs_drawn_together_and_one_by_default_into_its_folder(data_dir, tmp_path):
+    for name, layers in (("two", 2), ("three", 3)):
+        run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / name}", f"--n_layer={layers}",
+            "--max_iters=6", "--eval_interval=3")
+    done = script("plot.py", tmp_path / "two", tmp_path / "three", f"--to={tmp_path / 'both.png'}")
+    assert done.returncode == 0 and "wrote" in done.stdout, done.stderr
+    assert png_size(tmp_path / "both.png") == (1200, 800)
+    assert script("plot.py", tmp_path / "two").returncode == 0
+    assert png_size(tmp_path / "two" / "curves.png") == (1200, 800)
+
+
+def test_a_resumed_runs_clock_continues_and_an_empty_run_is_refused(tmp_path):
+    from plot import read_run
+    records = [{"iter": 10, "loss": 3.0, "lr": 1e-3, "elapsed_s": 5.0},
+               {"iter": 10, "loss": 3.0, "val_loss": 3.1, "elapsed_s": 6.0},
+               {"iter": 20, "loss": 2.0, "lr": 1e-3, "elapsed_s": 2.0},  # the resumed process: its clock anew
+               {"iter": 21, "loss": float("nan"), "skipped": True, "elapsed_s": 2.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps, evaluations = read_run(tmp_path)
+    assert [r["wall_s"] for r in steps] == [5.0, 8.0] and [r["wall_s"] for r in evaluations] == [6.0]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    done = script("plot.py", tmp_path / "empty")
+    assert done.returncode == 1 and "holds no step or evaluation yet" in done.stderr
+    done = script("plot.py", tmp_path / "nowhere")
+    assert done.returncode == 1 and "cannot read" in done.stderr and len(done.stderr.strip().splitlines()) == 1
