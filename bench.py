@@ -59,8 +59,10 @@ from lib import settings
 from lib.errors import UserError, one_line_errors
 from lib.hf import save_pretrained
 from configurator import configure
+from lib.lora import check_lora
 from lib.memory import memory_estimate, memory_layout, memory_table
 from lib.meta import read_meta
+from lib.optim import check_optimizer
 from lib.tokenizer import make_tokenizer
 from model import GPT, GPTConfig
 
@@ -224,6 +226,16 @@ def bench_kernels(args, train_args):
 # allocated and no GPU is needed. The run is assumed on GPUs: bf16 where dtype is auto, the kernels on.
 
 
+def runs_under(g, **layout):
+    # whether train.py takes settings g (a namespace) in this layout: its optimizer's and LoRA's own checks
+    try:
+        check_optimizer({**vars(g), **layout})
+        check_lora(g.lora_rank, g.lora_rank, g.lora_base_dtype, layout["tp_size"], layout["fsdp"])
+    except UserError:
+        return False
+    return True
+
+
 def memory_layouts(g, shape):
     # (GPUs, memory_estimate's layout) for one GPU, 8 and 64
     layouts = [(1, dict()), (1, dict(checkpointing=True)),
@@ -231,10 +243,10 @@ def memory_layouts(g, shape):
     for gpus in (8, 64):
         layouts += [(gpus, dict(dp=gpus)), (gpus, dict(dp=gpus, fsdp=True)),
                     (gpus, dict(dp=gpus, fsdp=True, checkpointing=True))]
-        # tensor parallel within a node of 8 GPUs, over as many as the heads divide among (train.py refuses
-        # it for LoRA and Muon)
+        # tensor parallel within a node of 8 GPUs, over as many as the heads divide among, where train.py
+        # would run it (not for LoRA, nor for an optimizer that needs whole matrices)
         tp = max(t for t in (8, 4, 2, 1) if shape.n_head % t == 0 and shape.n_kv_head % t == 0)
-        if tp > 1 and not g.lora_rank and g.optimizer != "muon":
+        if tp > 1 and runs_under(g, tp_size=tp, fsdp=True):
             layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=True, checkpointing=True)))  # TP brings FSDP
         layouts.append((gpus, dict(dp=gpus, fsdp=True, checkpointing=True, offload=True)))
     return layouts
