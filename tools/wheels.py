@@ -1,7 +1,7 @@
 """
 The wheels a GPU machine without a package index lacks, fetched here into wheels/ (ignored by git) to be
-carried along with each call there (README.md, "Measuring on a GPU"); and wheels/COMMIT, the commit that
-bench.py's report names there, where the project's copy has no .git.
+copied there with the checkout (README.md, "Measuring on a GPU"); and wheels/COMMIT, the commit that bench.py's
+report names there, where a copy of the project has no .git.
 
     python tools/wheels.py                   # for the GPU machine: Python 3.12 on x86-64 Linux
     python tools/wheels.py --python=3.11 --out=wheels311
@@ -20,12 +20,12 @@ import sys
 # transformers, peft, huggingface-hub, pyarrow, pandas, xxhash, fsspec are there). torchao 0.18 is the one
 # built for torch 2.11; dill and multiprocess are what datasets needs beyond the image. tensorboard is listed
 # in the image too, but fetched so that its test runs whichever image a machine has (5.5 MB). wandb is left
-# out: only wandb_log=True imports it, and it would take ~20 MB of the 64 MiB a call carries.
+# out: only wandb_log=True imports it, and it would add ~20 MB to what is copied.
 WHEELS = ["rustbpe==0.1.0", "torchao==0.18.0", "gguf==0.19.0", "datasets==5.2.0", "dill==0.4.1",
           "multiprocess==0.70.19", "tensorboard==2.21.0"]
 # pip matches a wheel's manylinux tag exactly, so every glibc level the wheels above are built for is named
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
-CARRY_LIMIT = 64 * 2**20  # what one call may carry: the working tree and these wheels together
+CARRY_LIMIT = 64 * 2**20  # a copy of the checkout and its wheels kept small: warned about past half of this
 
 
 def fetch(out, python):
@@ -70,7 +70,7 @@ def main():
         print(f"{os.path.getsize(os.path.join(args.out, f)) / 2**20:6.1f} MB  {f}")
     print(f"{total / 2**20:6.1f} MB in {len(files)} wheels in {args.out}/, commit {commit}")
     if total > CARRY_LIMIT // 2:
-        print(f"warning: the wheels take over half of the {CARRY_LIMIT // 2**20} MiB a call carries")
+        print(f"warning: the wheels take over {CARRY_LIMIT // 2**21} MiB: copying them with each checkout is slow")
 
 
 if __name__ == "__main__":
