@@ -361,8 +361,10 @@ while True:
     if save_every_epoch and int(batches.epoch(loop["iter_num"])) > epoch_before:  # this step finished an epoch:
         save_checkpoint(loop, False, int(batches.epoch(loop["iter_num"])))  # kept as ckpt_epoch_N
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step
-        print(f"process {rank}: stop requested, saving at step {loop['iter_num']} and exiting", flush=True)
         save_checkpoint(loop, False)
+        if master:  # one line for the run (a process that got no signal itself: one of another's)
+            print(f"{preemption.by or 'a signal to another process'}: saved step {loop['iter_num']} in {out_dir} "
+                  f"and stopped; the same command with --init_from=auto continues from it", flush=True)
         break
 
 close_log()  # TensorBoard writes out what it buffers

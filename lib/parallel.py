@@ -300,14 +300,14 @@ class StopRequest:
     (every process agreeing on it). A second Ctrl-C stops at once."""
 
     def __init__(self):
-        self.requested = False
+        self.requested, self.by = False, None  # by: the signal's name, for the line that says the run stopped
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self.request)
 
     def request(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.by = True, signal.Signals(signum).name
 
 
 def target_shares(micro_batches, dp_size, tp_size, ddp):

@@ -216,6 +216,7 @@ def resume(origin, config, meta):
     origin.model_args, origin.loop, origin.lora = model_args, loop, lora
     if lora:  # the base as it was held
         origin.lora_base_dtype = before.get("lora_base_dtype", config["lora_base_dtype"])
+    origin.notes.append(f"resuming {found} at step {loop['iter_num']}")
     if 0 < config["early_stop_patience"] <= loop["evals_without_gain"]:
         origin.stopped = True
         origin.notes.append(f"this run stopped early at step {loop['iter_num']} (no better val loss in "
