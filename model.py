@@ -124,7 +124,8 @@ def adapted(linear, x):
 def attend(q, k, v, **kwargs):
     # torch's scaled_dot_product_attention on (B, T, H, D) tensors. Under a CPU's bf16 autocast it runs in
     # fp32: torch's CPU attention is several times slower backward in bf16 than in fp32 (BENCHMARKS.md, 2026-11-23)
-    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+    # It asks q.is_cpu, not q.device: memory.py's trace on fake CPU tensors answers is_cpu for the device planned.
+    if q.is_cpu and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             return attend(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

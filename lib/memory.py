@@ -1,22 +1,30 @@
 """
-Memory: what one training process holds, estimated from the model's shapes alone (a model on the meta
-device will do), for planning a run (bench.py --mode=memory) and for checking one against
-torch.cuda.max_memory_allocated (train.py prints it before the first step).
+Memory: what one training process holds, estimated from the model's shapes and a trace of its forward on
+fake tensors (a model on the meta device will do), for planning a run (bench.py --mode=memory) and for
+checking one against torch.cuda.max_memory_allocated (train.py prints it before the first step).
 """
 
+import dataclasses
 import math
 import os
 import resource
 import sys
+import weakref
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import kernels
 from lib.errors import UserError
+from lib.lora import add_lora
 from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT, is_dtensor
-from model import PROJECTIONS, runs_fused
+from model import PROJECTIONS
 
 # tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
 # projections after them by input columns; embeddings, norms and the head stay whole
@@ -46,50 +54,41 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     optimizer, its state; activations, what autograd keeps of the forward for the backward (with
     checkpointing: each block's input, and one block's activations at a time); copies, the weights in
     the compute dtype (the copies autocast keeps for the backward, or under FSDP the gathered root and
-    one block with its gradients); temporary, the loss's logits-sized buffers; host, weights, gradients
-    and optimizer state when offloaded; device, the peak on the device: at the loss (gradients are None
-    between steps, so only DDP's buckets are there, and with micro_steps > 1 per process those kept
-    between micro-steps) or, under checkpointing, while the backward recomputes a block.
-    The layout: dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2,
-    like torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
+    one block with its gradients); temporary, what lives only a moment at the loss (its buffers, forward and
+    backward, and the last block's backward's), at its peak; host, weights, gradients and optimizer state
+    when offloaded; device, the peak on the device: at the loss (gradients are None between steps, so only
+    DDP's buckets are there, and with micro_steps > 1 per process those kept between micro-steps) or, under
+    checkpointing, while the backward recomputes a block.
+    What a forward keeps (activations, copies, temporary) is measured: the model's own forward is traced on
+    fake tensors (traced_forward), so that an edit of the model needs none here. The layout is arithmetic:
+    dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2, like
+    torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
     quantized: 'nf4' or 'int8', the frozen projections so held (a model quantized already is counted as it is;
-    int8: a value a byte, an fp32 scale and an int8 zero point a row). device: its type
-    (on a CPU, attention runs in fp32 under autocast: model.attend). Not counted:
-    dropout's masks, document masks, the allocator's caching and the kernels' own workspace."""
+    int8: a value a byte, an fp32 scale and an int8 zero point a row; their activations as the unquantized
+    dtype's). device: its type. Not counted: document masks (doc_mask), the rotary tables (buffers), the
+    allocator's caching and what kernels allocate inside themselves, but for the fused loss's logits
+    (workspace)."""
     c = model.config
-    e = 4 if dtype == "float32" else 2  # an activation's bytes in the compute dtype
+    e = 4 if dtype == "float32" else 2  # a weight's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
     ddp = dp > 1 and not fsdp  # (tensor parallel runs under FSDP)
     weights, grads, optim = state_bytes(params, optimizer, dp, tp, fsdp, quantized, ddp)
-
-    def local(name, p, shard=fsdp):
-        return held_values(name, p, dp, tp, shard)
-
-    blocks = [(n, p) for n, p in params if "blocks." in n]
-    one_block = [(n, p) for n, p in blocks if "blocks.0." in n]
+    saved = traced_forward(model, batch_size, block_size, dtype, tp, fsdp, device)
     if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, a block and its gradients
-        root = sum(local(n, p, shard=False) for n, p in params if "blocks." not in n)
-        copies = (root + 2 * sum(local(n, p, shard=False) for n, p in one_block)) * e
-    else:  # autocast's copies of the matmuls' weights, kept for the backward (recomputed under
-        # checkpointing); the head's too, unless the fused loss makes its gradients in the forward
-        head_name = "wte.weight" if c.tie_embeddings else "lm_head.weight"
-        head_weight = [] if runs_fused(c, device) else [(n, p) for n, p in params if n.endswith(head_name)]
-        matmuls = (one_block if checkpointing else blocks) + head_weight
-        copies = sum(local(n, p) * e for n, p in matmuls if p.dim() == 2 and p.element_size() > e)
-
-    r = e if fsdp else model.wte.weight.element_size()  # the residual stream's dtype: the embedding's
-    block, head, temporary = activation_bytes(c, batch_size * block_size, dtype, r, tp, device)
-    if not runs_fused(c, device):  # the reference rotary's (T, D) cos and sin tables, made and kept by q's and k's calls
-        block += 2 * 2 * block_size * c.head_size * model.cos.element_size()
-    stored = c.n_layer * batch_size * block_size * c.n_embd * r if checkpointing else c.n_layer * block
+        root = sum(held_values(n, p, dp, tp) for n, p in params if "blocks." not in n)
+        copies = (root + 2 * sum(held_values(n, p, dp, tp) for n, p in params if "blocks.0." in n)) * e
+    else:  # autocast's copies of the weights, kept for the backward (recomputed under checkpointing)
+        copies = saved.head_copies + (1 if checkpointing else c.n_layer) * saved.block_copies
+    stored = c.n_layer * (saved.block_input if checkpointing else saved.block)
     # the peak comes at the loss, with the gradients kept from earlier micro-steps (and DDP's buckets); or,
     # under checkpointing, while the backward recomputes a block with nearly every gradient made
     host = weights + grads + optim if offload else 0
     made = 0 if offload else grads  # offloaded, the gradients go to the host as they are made
     kept = made if micro_steps > 1 else made // 2 if ddp else 0
-    peak = max(head + stored + temporary + kept, stored + block + made if checkpointing else made)
-    return dict(weights=weights, grads=grads, optimizer=optim, copies=copies, temporary=temporary, host=host,
-                activations=head + stored + (block if checkpointing else 0),
+    at_loss = saved.head + stored + saved.temporary + kept
+    peak = max(at_loss, stored + saved.block + made if checkpointing else made)
+    return dict(weights=weights, grads=grads, optimizer=optim, copies=copies, temporary=saved.temporary,
+                host=host, activations=saved.head + stored + (saved.block if checkpointing else 0),
                 device=copies + peak + (0 if offload else weights + optim))
 
 
@@ -129,40 +128,175 @@ def state_bytes(params, optimizer, dp, tp, fsdp, quantized, ddp):
     return weights, grads, optim
 
 
-def activation_bytes(c, N, dtype, r, tp=1, device="cuda"):
-    """What autograd saves in the forward of N tokens, in bytes, as tests/test_memory.py counts it: (one
-    block's, the head's, the loss's short-lived logits-sized buffers). r: bytes of the residual stream's
-    dtype; tp: the tensor-parallel split of attention's heads and the MLP's width."""
-    e = 4 if dtype == "float32" else 2  # the compute dtype's
-    a = 4 if device == "cpu" else e  # attention's inputs and output (fp32 on a CPU)
-    C, D, F, V = c.n_embd, c.head_size, c.mlp_hidden // tp, c.vocab_size
-    H, Hkv = c.n_head // tp, c.n_kv_head // tp
-    lora = set(c.lora_targets.split(",")) if c.lora_rank else set()  # the adapted projections
-    fused = runs_fused(c, device)
-    norm = (r if fused else 4) * C + 4  # a norm's input (the reference's in fp32) and 1/rms
-    attn = (2 * H + 2 * Hkv) * D * a + 4 * H  # q and k rotated, v, output; logsumexp
-    if a > e and not lora:  # the fp32 output's cast for attn.proj, kept by it
-        attn += H * D * e
-    if c.qk_norm:  # Qwen3's norm of every head's q and k: its input (the reference's in fp32, and where the
-        # weights train its normalized input too) and 1/rms
-        attn += (H + Hkv) * ((e if fused else 4 + (0 if lora else e)) * D + 4)
-    mlp = (2 if fused else 3) * F * e  # gate, up, and silu(gate) unless the kernel recomputes it
-    if not lora:  # every matmul keeps its input (the norms' outputs, autocast's cast of one for each of
-        # q, k, v, gate and up; the product into mlp.down), and the reference norm its normalized input
-        inputs = 2 * (0 if fused else r) * C + ((5 if r > e else 2) * C + F) * e
-    else:  # each adapter keeps its input (q, k and v one, gate and up one; o's is attention's output, kept
-        # already unless autocast casts it from a CPU's fp32) and its scaled middle; a frozen base keeps none
-        inputs = C * bool(lora & {"q", "k", "v"}) + C * bool(lora & {"gate", "up"}) + F * ("down" in lora)
-        inputs = (inputs + H * D * (a > e and "o" in lora) + len(lora) * c.lora_rank) * e
-    block = N * (2 * norm + attn + mlp + inputs)
-    # the head: the final norm, the token ids (and the reference's targets), then the fused loss's gradients
-    # or the reference's log-softmax. Under LoRA the embedding is frozen: no ids, and the first norm's
-    # input, which needs no gradient, keeps nothing.
-    head = N * (norm + (0 if lora or fused else (r + e) * C) + (0 if lora else 8) + (0 if fused else 8))
-    head += (N + (0 if lora else V)) * C * (4 if dtype == "float16" else e) if fused else N * V * 4
-    head -= N * norm if lora else 0
-    temporary = min(N * V, kernels.LCE_CHUNK_ELEMENTS) * e if fused else 2 * N * V * 4
-    return block, head, temporary
+# -----------------------------------------------------------------------------
+# What a forward keeps for the backward, measured: the model's own forward (and backward) run on fake tensors,
+# which have shapes and dtypes but no memory, so that a 7B model's trace costs what a tiny one's does
+
+
+class Saved(NamedTuple):
+    """What a training forward keeps for the backward, in bytes (traced_forward): one block's activations
+    and its weights' copies in the compute dtype (autocast's); the same for the rest of the model (the
+    embedding, the final norm and the loss: all that n_layer such blocks leave out); one block's input (what
+    checkpointing keeps of it); and, at its peak, what is alive beyond those from the last block's output
+    until the backward is back at its input (the loss's buffers, forward and backward, and that block's
+    backward's)."""
+    block: int
+    block_copies: int
+    head: int
+    head_copies: int
+    block_input: int
+    temporary: int
+
+
+def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=False, device="cuda"):
+    """Saved for a micro-batch of batch_size x block_size tokens through model under dtype's autocast,
+    measured on probe_model's copy of it on fake tensors (no memory held): in one forward, the storages
+    that autograd's saved tensors live in (each once, by the block it was first saved in; the weights' own are
+    the weights); in its backward down to the last block's input, the peak of what is alive (Trace). The trace
+    runs on a CPU, as fake CUDA tensors need a CUDA build of torch; planned for another device, a tensor asked
+    x.is_cuda or x.is_cpu answers for that device (AskedAbout), so that the model makes that device's choices:
+    the fused kernels (whose fakes keep what the kernels keep), attention in bf16 (model.attend). The known
+    error of such a plan: the CPU's ops stand in for the device's where autograd's formulas do not decide what
+    is kept (SDPA's CPU flash keeps q, k, v, its output and logsumexp as CUDA's flash does, but not dropout's
+    RNG state), and a model that asks x.device instead of x.is_cuda is told the CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    compute = getattr(torch, dtype)
+    with torch.device("meta"):  # built on the meta device, where module.to() works (add_lora); then made fake
+        probe = probe_model(model, tp)
+    with FakeTensorMode():
+        made_fake(probe, model, compute if fsdp else None)
+        trace = Trace({storage_key(t) for t in [*probe.parameters(), *probe.buffers()]}, len(probe.blocks))
+        for i, block in enumerate(probe.blocks):
+            block.register_forward_pre_hook(partial(trace.enter, i))
+            block.register_forward_hook(partial(trace.leave, i))
+        with trace:
+            with torch.autocast("cpu", compute, enabled=dtype != "float32"), AskedAbout(device), \
+                    torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t):
+                idx = torch.zeros((batch_size, block_size), dtype=torch.long)
+                loss = probe(idx, idx)[1]
+            saved, end = trace.saved_bytes(), trace.alive
+            loss.backward()
+    return Saved(*saved, block_input=trace.block_input, temporary=max(0, trace.peak - end))
+
+
+def probe_model(model, tp=1):
+    """model's class built again from its config with two blocks at most (a block's work, and the first
+    block's apart: under LoRA it keeps no input), tensor parallel's share over tp processes of the heads and
+    the MLP's width, and model's adapters. An edit of the class or of model.py is followed; one of this
+    instance's modules replaced by hand is not."""
+    c = model.config
+    own = next(k for k in type(model).__mro__ if not k.__module__.startswith("torch."))  # not FSDP's FSDPGPT
+    probe = own(dataclasses.replace(c, n_layer=min(c.n_layer, 2), n_head=c.n_head // tp,
+                                    n_kv_head=c.n_kv_head // tp, mlp_hidden=c.mlp_hidden // tp, lora_rank=0))
+    if c.lora_rank:
+        add_lora(probe, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_targets)
+    return probe
+
+
+def made_fake(probe, model, param_dtype=None):
+    # Under FakeTensorMode: each of probe's parameters and buffers made a fake tensor with the dtype and the
+    # requires_grad of its twin in model (a quantized weight's dtype is the one it computes in); param_dtype,
+    # FSDP's gathered dtype, for every floating parameter
+    twins = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    made = {}  # a tied weight stays one tensor
+    for path, module in probe.named_modules():
+        for held in (module._parameters, module._buffers):
+            for name, t in [(name, t) for name, t in held.items() if t is not None]:
+                if id(t) not in made:
+                    twin, weight = twins.get(f"{path}.{name}".lstrip("."), t), held is module._parameters
+                    kind = param_dtype if weight and param_dtype and t.is_floating_point() else twin.dtype
+                    fake = torch.empty(t.shape, dtype=kind)
+                    made[id(t)] = nn.Parameter(fake, twin.requires_grad) if weight else fake
+                held[name] = made[id(t)]
+
+
+def storage_key(t):
+    # the storage a tensor (or a view of it) lives in: its C++ object's address, a fake tensor's too
+    return t.untyped_storage()._cdata
+
+
+def workspace(func, args):
+    # what an op allocates inside itself, which its fake does not show: the fused loss's chunk of logits
+    if func.name() == "kernels::linear_cross_entropy":
+        x, weight = args[:2]
+        return min(x.shape[0] * weight.shape[0], kernels.LCE_CHUNK_ELEMENTS) * x.element_size()
+    return 0
+
+
+class Trace(TorchDispatchMode):
+    """The storages that the ops under it make on fake tensors, each once: the bytes alive now (alive) and at
+    their peak while window is open, from the last block's output until the backward is back at its input;
+    which of them are casts of a weight (autocast's copies); and, through saved_tensors_hooks (pack), which
+    autograd saves, by the block (its index, or None: outside the blocks) in whose forward each was first
+    saved. weights: the parameters' and buffers' storages, which are never counted."""
+
+    def __init__(self, weights, blocks):
+        super().__init__()
+        self.weights, self.blocks = weights, blocks
+        self.made, self.casts = {}, set()  # storage: (bytes, a weakref to it); the weights' casts
+        self.saved = {}  # storage: (bytes, block)
+        self.alive = self.peak = self.block_input = 0
+        self.region, self.window = None, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            key = storage_key(t) if isinstance(t, torch.Tensor) else None
+            if key is not None and key not in self.made and key not in self.weights:
+                storage = t.untyped_storage()  # its weakref calls free when no tensor lives in it any more
+                self.made[key] = (storage.nbytes(), weakref.ref(storage, partial(self.free, key)))
+                self.alive += storage.nbytes()
+        if func is torch.ops.aten._to_copy.default and storage_key(args[0]) in self.weights:
+            self.casts.add(storage_key(out))
+        if self.window:
+            self.peak = max(self.peak, self.alive + workspace(func, args))
+        return out
+
+    def free(self, key, _):
+        self.alive -= self.made.pop(key)[0]
+        self.casts.discard(key)
+
+    def pack(self, t):
+        key = storage_key(t)
+        if key not in self.weights and key not in self.saved:
+            self.saved[key] = (t.untyped_storage().nbytes(), self.region)
+        return t
+
+    def enter(self, i, block, args):
+        self.region, self.block_input = i, tensor_bytes(args[0])
+        if i == self.blocks - 1 and args[0].requires_grad:
+            args[0].register_hook(self.close)
+
+    def leave(self, i, block, args, out):
+        self.region, self.window = None, i == self.blocks - 1
+
+    def close(self, grad):
+        self.window = False
+
+    def saved_bytes(self):
+        # (the last block's activations and copies, the rest's beside n such blocks): the last block is the
+        # one that the others of a deeper model are like
+        totals = {}
+        for key, (nbytes, region) in self.saved.items():
+            kind = (key in self.casts, region == self.blocks - 1)
+            totals[kind] = totals.get(kind, 0) + nbytes
+        block, block_copies = totals.get((False, True), 0), totals.get((True, True), 0)
+        return (block, block_copies, totals.get((False, False), 0) - (self.blocks - 1) * block,
+                totals.get((True, False), 0) - (self.blocks - 1) * block_copies)
+
+
+class AskedAbout(TorchFunctionMode):
+    # x.is_cuda and x.is_cpu answered for a device of the given kind, whatever the tensor's (traced_forward)
+    def __init__(self, device):
+        super().__init__()
+        self.kind = torch.device(device).type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        asked = getattr(func, "__self__", None)
+        if asked is torch.Tensor.is_cuda or asked is torch.Tensor.is_cpu:
+            return self.kind == asked.__name__[3:]
+        return func(*args, **(kwargs or {}))
 
 
 def memory_layout(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False):
