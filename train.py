@@ -40,13 +40,13 @@ from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation
 from lib.optim import build_optimizers, lr_factor, run_steps, set_lr
 from lib.parallel import (StopRequest, check_same_settings, clip_gradients, end_processes, init_distributed,
                           parallelize, peak_flops, target_shares)
+from lib.settings import *  # noqa: F403 (its block of settings: each a global here, as at nanoGPT's top)
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
 
 # -----------------------------------------------------------------------------
 # 1. settings: every one, with its default and what it does, is in lib/settings.py (the model's are GPTConfig's
 # fields); config files and --key=value override them (configurator.py), and each becomes a global here
 
-from lib.settings import *  # noqa: E402, F403 (the block of settings, each a global, as at the top of nanoGPT's)
 config = settings.defaults()
 configure(config, sys.argv[1:])
 globals().update(config)
