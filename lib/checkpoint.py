@@ -31,7 +31,7 @@ from lib.errors import UserError
 from lib.files import durable_replace, open_own
 from lib.hf import fingerprint, load_pretrained
 from lib.lora import add_lora, trained_only
-from lib.memory import state_bytes
+from lib.memory import state_bytes, traced_optimizer
 from lib.parallel import is_dtensor
 from model import GPT, GPTConfig
 
@@ -432,7 +432,8 @@ def check_room(out_dir, model, optimizer, lora):
     train.py); a warning (returned, else None) when it has none for two (a save writes the new one beside the
     last)."""
     saved = [(name, p) for name, p in model.named_parameters() if p.requires_grad or not lora]
-    weights, _, optimizer_state = state_bytes(saved, optimizer, 1, 1, False, None, False)
+    weights, _, optimizer_state = state_bytes(saved, traced_optimizer(model, optimizer), 1, 1, False, None,
+                                              False)
     size = weights + optimizer_state
     probe = os.path.join(out_dir, f".write-test-{os.getpid()}.tmp")  # a name no other process writes
     try:

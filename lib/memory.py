@@ -7,6 +7,7 @@ checking one against torch.cuda.max_memory_allocated (train.py prints it before 
 import dataclasses
 import math
 import os
+import re
 import resource
 import sys
 import weakref
@@ -23,7 +24,9 @@ from torch.utils._pytree import tree_leaves
 import kernels
 from lib.errors import UserError
 from lib.lora import add_lora
+from lib.optim import build_optimizers
 from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT, is_dtensor
+from lib.settings import defaults
 from model import PROJECTIONS
 
 # tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
@@ -59,8 +62,10 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     when offloaded; device, the peak on the device: at the loss (gradients are None between steps, so only
     DDP's buckets are there, and with micro_steps > 1 per process those kept between micro-steps) or, under
     checkpointing, while the backward recomputes a block.
-    What a forward keeps (activations, copies, temporary) is measured: the model's own forward is traced on
-    fake tensors (traced_forward), so that an edit of the model needs none here. The layout is arithmetic:
+    What a forward keeps (activations, copies, temporary) and the optimizer's state are measured: the model's
+    own forward is traced on fake tensors (traced_forward), and a step of the optimizers that lib.optim builds
+    for optimizer (the setting's name, or the run's settings: a dict) on them (traced_optimizer), so that an
+    edit of the model or a new optimizer needs none here. The layout is arithmetic:
     dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2, like
     torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
     quantized: 'nf4' or 'int8', the frozen projections so held (a model quantized already is counted as it is;
@@ -72,7 +77,8 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     e = 4 if dtype == "float32" else 2  # a weight's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
     ddp = dp > 1 and not fsdp  # (tensor parallel runs under FSDP)
-    weights, grads, optim = state_bytes(params, optimizer, dp, tp, fsdp, quantized, ddp)
+    state = traced_optimizer(model, optimizer, tp)
+    weights, grads, optim = state_bytes(params, state, dp, tp, fsdp, quantized, ddp)
     saved = traced_forward(model, batch_size, block_size, dtype, tp, fsdp, device)
     if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, a block and its gradients
         root = sum(held_values(n, p, dp, tp) for n, p in params if "blocks." not in n)
@@ -106,9 +112,10 @@ def held_values(name, p, dp=1, tp=1, shard=False):
     return math.prod(shape)
 
 
-def state_bytes(params, optimizer, dp, tp, fsdp, quantized, ddp):
-    """(weights, gradients, optimizer state) in bytes one process holds of params, [(name, parameter)]: see
-    memory_estimate; DDP keeps flat buckets beside the gradients."""
+def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
+    """(weights, gradients, optimizer state) in bytes one process holds of params, [(name, parameter)], whose
+    optimizer keeps state (traced_optimizer's, by name): see memory_estimate; DDP keeps flat buckets beside the
+    gradients."""
     def held(name, p):  # the bytes of this process's part
         if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not is_dtensor(p):
             # quantized already (nf4, int8): its parts, in proportion
@@ -121,11 +128,57 @@ def state_bytes(params, optimizer, dp, tp, fsdp, quantized, ddp):
     trained = [(n, p) for n, p in params if p.requires_grad]
     weights = sum(held(n, p) for n, p in params)
     grads = sum(held_values(n, p, dp, tp, fsdp) * p.element_size() for n, p in trained) * (2 if ddp else 1)
-    optim = 0
-    for n, p in trained:  # Adam's two moments and its step; SGD's momentum; Muon's for the blocks' matrices
-        moments = 1 if optimizer == "sgd" or (optimizer == "muon" and "blocks." in n and p.dim() == 2) else 2
-        optim += moments * held_values(n, p, dp, tp, fsdp) * p.element_size() + (4 if moments == 2 else 0)
+    # the optimizer's state of a parameter's shape is split as the parameter is; the rest is held whole
+    optim = sum(state[n].per_value * held_values(n, p, dp, tp, fsdp) + state[n].whole for n, p in trained)
     return weights, grads, optim
+
+
+class StateBytes(NamedTuple):
+    """The bytes of one parameter's optimizer state (traced_optimizer): per value of the parameter, of the state
+    shaped like it (Adam's moments, a momentum), of which a process holds the part it holds of the parameter;
+    and whole, of the rest (Adam's step, a factored moment's rows and columns), counted as traced."""
+    per_value: int
+    whole: int
+
+
+def traced_optimizer(model, optimizer="adamw", tp=1):
+    """{name: StateBytes} for each trained parameter of model, of the state that its optimizers keep after a
+    step: those lib.optim.build_optimizers builds for optimizer, the setting's name (every other setting at its
+    default) or the run's settings (a dict). Measured as the activations are, so that a new optimizer needs no
+    edit here: one step of probe_model's copy (two blocks, tensor parallel's share over tp, fake, each tensor in
+    its twin's dtype) with a gradient for each parameter; the last block's state stands for every later block's.
+    A parameter that the copy lacks (a module of this instance replaced by hand) is counted without state.
+    The optimizers are built for the meta device, where build_optimizers picks no fused kernel (torch's fused
+    SGD has no fake: it would run for real, on real tensors as large as two blocks); their foreach or per-tensor
+    steps keep the same state."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode, UnsupportedOperatorException)
+    settings = {**defaults(), **(optimizer if isinstance(optimizer, dict) else {"optimizer": optimizer})}
+    with torch.device("meta"):
+        probe = probe_model(model, tp)
+    with FakeTensorMode(allow_fallback_kernels=False):  # an op without a fake raises, never allocates
+        made_fake(probe, model)
+        for p in probe.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        optimizers = build_optimizers(probe, settings, "meta")
+        for opt in optimizers:
+            try:
+                opt.step()
+            except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException):
+                # A step that asks a fake tensor for a value (Adafactor's step.item()) or runs an op without a
+                # fake stops there; torch's optimizers make all their state before their math (_init_group)
+                pass
+        traced = {name: state_of(p, optimizers) for name, p in probe.named_parameters()}
+    last = len(probe.blocks) - 1
+    return {name: traced.get(re.sub(r"^blocks\.(\d+)\.", lambda m: f"blocks.{min(int(m[1]), last)}.", name),
+                             StateBytes(0, 0)) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def state_of(p, optimizers):
+    # StateBytes of parameter p: every tensor the optimizers keep for it, of its shape or else whole
+    kept = [t for opt in optimizers for t in opt.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+    return StateBytes(sum(t.element_size() for t in kept if t.shape == p.shape),
+                      sum(tensor_bytes(t) for t in kept if t.shape != p.shape))
 
 
 # -----------------------------------------------------------------------------

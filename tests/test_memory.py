@@ -12,7 +12,7 @@ import torch
 
 from configurator import configure
 from helpers import free_port, script
-from lib import memory
+from lib import memory, optim
 from lib.errors import UserError
 from lib.lora import add_lora, quantize_base
 from lib.memory import memory_estimate, nf4_bytes, tensor_bytes
@@ -52,6 +52,23 @@ def test_weights_grads_and_optimizer_state_are_the_real_tensors_bytes(kind):
     real = one_step(model, kind)
     estimate = memory_estimate(model, 2, 16, "float32", kind)
     assert {k: estimate[k] for k in real} == real
+
+
+def test_an_optimizer_memory_py_does_not_know_is_estimated_as_its_real_state(monkeypatch):
+    # A new optimizer is a function in lib/optim.py alone: Adafactor keeps a factored second moment (a row and
+    # a column for each matrix, shaped unlike it) and a step, which memory.py, naming no optimizer, counts as a
+    # step of it leaves them (the third block's as the second's); SGD without momentum keeps nothing at all
+    def adafactor(named, config, fused):
+        return [torch.optim.Adafactor([p for _, p in named], lr=config["learning_rate"])]
+    monkeypatch.setitem(optim.OPTIMIZERS, "adafactor_test", adafactor)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SHAPE, "n_layer": 3}))
+    real = one_step(model, "adafactor_test")
+    estimate = memory_estimate(model, 2, 16, "float32", "adafactor_test")
+    assert estimate["optimizer"] == real["optimizer"]
+    assert 0 < real["optimizer"] < memory_estimate(model, 2, 16, "float32", "adamw")["optimizer"] / 2
+    no_momentum = {**defaults(), "optimizer": "sgd", "momentum": 0.0}  # the run's settings, not only a name
+    assert memory_estimate(model, 2, 16, "float32", no_momentum)["optimizer"] == 0
 
 
 def test_lora_counts_only_the_adapters_gradients_and_state():
