@@ -37,7 +37,7 @@ from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estima
 from lib.meta import check_data_for_run, read_meta
 from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
                          utilization, wall_time)
-from lib.optim import build_optimizers, lr_factor, run_steps, set_lr
+from lib.optim import build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
 from lib.parallel import (StopRequest, check_same_settings, clip_gradients, end_processes, init_distributed,
                           parallelize, peak_flops, target_shares)
 from lib.settings import *  # noqa: F403 (its block of settings: each a global here, as at nanoGPT's top)
@@ -111,8 +111,12 @@ optimizers = build_optimizers(raw_model, config, device_type)  # optim.OPTIMIZER
 peak_lrs = [opt.param_groups[0]["lr"] for opt in optimizers]  # the schedule scales each optimizer's own peak
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 if checkpoint is not None:
+    built = hyperparameters(optimizers)  # this command's weight_decay, betas, ...: they stay after the restore
     ckpt.restore(origin.found, checkpoint, raw_model, optimizers, fsdp, lora)
     scaler.load_state_dict(checkpoint["scaler"])
+    changed = reapply(optimizers, built)
+    if changed and master:
+        print(f"note: the optimizer's {', '.join(changed)} are this command's, not the checkpoint's")
 torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None:  # each process's own random stream again, where the processes are as many
     resume_rng(checkpoint["rng"], rank, world_size, device_type)

@@ -33,7 +33,7 @@ from lib.hf import config_from_hf, read_json, save_pretrained
 from lib.lora import add_lora, quantize_base
 from lib.memory import tensor_bytes
 from lib.meta import read_meta
-from lib.settings import defaults, model_settings
+from lib.settings import check, defaults, model_settings
 from lib.trained import load_model
 from model import GPT, GPTConfig
 
@@ -219,6 +219,7 @@ def planned_model(overrides):
     # where dtype is auto, the kernels on) unless it runs on a CPU
     config = defaults()
     configure(config, overrides)
+    check(config)  # the values no run can use, refused as train.py refuses them
     g = argparse.Namespace(**config)
     on_cpu = g.device == "cpu"
     dtype = ("float32" if on_cpu else "bfloat16") if g.dtype == "auto" else g.dtype

@@ -4,6 +4,7 @@ fake tensors (a model on the meta device will do), for planning a run (bench.py 
 checking one against torch.cuda.max_memory_allocated (train.py prints it before the first step).
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -161,9 +162,10 @@ def traced_optimizer(model, optimizer="adamw", tp=1):
         for p in probe.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         optimizers = build_optimizers(probe, settings, "meta")
-        for opt in optimizers:
-            try:
-                opt.step()
+        for opt, group in [(opt, group) for opt in optimizers for group in opt.param_groups]:
+            try:  # a group at a time: a step that stops in one group would leave the later groups without state
+                with swapped_groups(opt, [group]):
+                    opt.step()
             except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException):
                 # A step that asks a fake tensor for a value (Adafactor's step.item()) or runs an op without a
                 # fake stops there; torch's optimizers make all their state before their math (_init_group)
@@ -172,6 +174,16 @@ def traced_optimizer(model, optimizer="adamw", tp=1):
     last = len(probe.blocks) - 1
     return {name: traced.get(re.sub(r"^blocks\.(\d+)\.", lambda m: f"blocks.{min(int(m[1]), last)}.", name),
                              StateBytes(0, 0)) for name, p in model.named_parameters() if p.requires_grad}
+
+
+@contextlib.contextmanager
+def swapped_groups(opt, groups):
+    # opt with only groups for a while (traced_optimizer steps it a group at a time)
+    kept, opt.param_groups = opt.param_groups, groups
+    try:
+        yield
+    finally:
+        opt.param_groups = kept
 
 
 def state_of(p, optimizers):

@@ -76,6 +76,28 @@ def build_optimizers(model, config, device_type):
     return OPTIMIZERS[config["optimizer"]](named, config, fused)
 
 
+def hyperparameters(optimizers):
+    """Each group's hyperparameters as the optimizers were built (its parameters and learning rate aside: the
+    schedule sets that at every step), one list of dicts an optimizer: what reapply puts back after a resume."""
+    return [[{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+             for group in opt.param_groups] for opt in optimizers]
+
+
+def reapply(optimizers, built):
+    """After a resume restored the optimizers' state, their groups' hyperparameters as this command built them
+    (built: hyperparameters() before the restore), not as the checkpoint holds them -> the names of the numbers
+    that changed (weight_decay, betas, momentum, ...), for the run to say so."""
+    def number(v):
+        return [number(x) for x in v] if isinstance(v, (tuple, list)) else v if isinstance(v, (int, float)) \
+            and not isinstance(v, bool) else None
+    changed = set()
+    for opt, groups in zip(optimizers, built):
+        for group, fresh in zip(opt.param_groups, groups):
+            changed |= {k for k, v in fresh.items() if number(v) is not None and number(group.get(k)) != number(v)}
+            group.update(fresh)
+    return sorted(changed)
+
+
 def one_of(key, value, known):
     # the one line for a name a setting does not know: the setting, the value, and what it may be
     return UserError(f"{key}={value!r} is not one of {', '.join(map(repr, known))}")

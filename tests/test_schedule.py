@@ -107,3 +107,15 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
     # max_iters ends it first: the schedule keeps lr_decay_iters, and the note says so with the fix
     steps = run_steps(10, 90, 5, max_epochs=2, epoch_steps=30)
     assert steps[:3] == (10, 30, 5) and "set lr_decay_iters=10" in steps[3]
+
+
+def test_a_resume_takes_the_commands_optimizer_settings_and_says_so(data_dir, tmp_path):
+    # the checkpoint's param_groups would otherwise bring back the weight decay and betas it was saved with
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2"]
+    run(*args, "--max_iters=2")
+    same = run(*args, "--max_iters=4", "--init_from=resume")
+    assert "note: the optimizer's" not in same.stdout  # the same command: nothing changed
+    out = run(*args, "--max_iters=6", "--init_from=resume", "--weight_decay=0.0", "--beta2=0.9")
+    assert "note: the optimizer's betas, weight_decay are this command's, not the checkpoint's" in out.stdout
+    groups = torch.load(tmp_path / "ckpt.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0] and all(tuple(g["betas"]) == (0.9, 0.9) for g in groups)

@@ -459,11 +459,8 @@ def test_the_sft_configs_evaluation_costs_a_small_share_of_the_run(config):
     # the train loss's estimate (eval_iters micro-batches, forward only) against the steps between two evaluations
     # (each micro-batch forward and backward, about three forwards): under 2% (eval_iters=50 took 95 s against
     # ~4 s a step on a CPU)
-    import re
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    settings = {"eval_iters": int(re.search(r"^eval_iters = (\d+)", (root / "train.py").read_text(), re.M)[1])}
-    exec((root / "config" / config).read_text(), {}, settings)
+    from helpers import ROOT, train_settings
+    settings = train_settings([ROOT / "config" / config])  # the defaults, then the file, as train.py takes them
     evaluation = settings["eval_iters"] * settings["batch_size"]
     training = settings["eval_interval"] * settings["batch_size"] * settings["gradient_accumulation_steps"] * 3
     assert evaluation / training < 0.02, evaluation / training
