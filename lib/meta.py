@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 from lib.bounds import check_regular, check_token_ids
-from lib.data import SEQUENCES, check_sequences
 from lib.errors import UserError
 
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
@@ -158,6 +157,7 @@ def check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_si
     data's, padded up to a multiple of 64; documents (doc_mask) and whole examples need meta's end-of-text id,
     which is where one ends and the next begins; windows need token files longer than block_size (whole examples
     need no minimum). Else a UserError in one line with the fix."""
+    from lib.data import SEQUENCES, check_sequences  # (here: prepare.py reads meta.py, and needs no torch)
     check_sequences(sequences, meta, doc_mask, os.path.join(data_dir, "meta.json"))
     vocab_size = vocab_size or 64 * math.ceil(meta["vocab_size"] / 64)
     if meta["vocab_size"] > vocab_size:

@@ -192,7 +192,7 @@ def test_a_checkpoint_from_before_shuffled_windows_is_resumed_as_random_windows(
     run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=3")
     checkpoint = torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)
     checkpoint["config"]["sequences"] = "windows"
-    del checkpoint["config"]["memory_budget"], checkpoint["config"]["batch_size_auto"]
+    del checkpoint["config"]["memory_budget"], checkpoint["config"]["batch_size_auto"], checkpoint["format"]
     torch.save(checkpoint, tmp_path / "parts" / "ckpt.pt")
     shutil.copytree(tmp_path / "parts", tmp_path / "default")
     out = run(*common, f"--out_dir={tmp_path / 'parts'}", "--max_iters=6", "--init_from=resume")
