@@ -6,8 +6,9 @@ on the optimizers before each update.
     optimizers = build_optimizers(model, {**settings.defaults(), "optimizer": "muon"}, "cpu")   # [AdamW, Muon]
     factor = lr_factor(500, lr_schedule="wsd", warmup_iters=100, lr_decay_iters=5000)    # 1.0: stable
 
-A new optimizer is a function here taking (matrices, others, config, fused) and returning a list of optimizers,
-its settings (their defaults) in lib/settings.py; a checkpoint holds whatever the list holds.
+A new optimizer is a function here taking (named, config, fused): the trainable (name, parameter) pairs, the run's
+settings and whether torch's fused step may run; it returns a list of optimizers (groups() splits the decayed
+matrices from the rest), its settings' defaults in lib/settings.py; a checkpoint holds whatever the list holds.
 """
 
 import inspect
@@ -18,10 +19,9 @@ import torch
 from lib.errors import UserError
 from lib.parallel import is_dtensor
 
-# Every optimizer's function gets the trainable parameters in two groups, matrices (weight-decayed, weight_decay)
-# and the rest (norms' weights and biases, never decayed), the run's settings (config) and whether torch's fused
-# kernel may run; it returns the optimizers, the first one's learning rate learning_rate (the schedule scales
-# each optimizer's own peak, as its function set it).
+# Every optimizer's function gets the trainable (name, parameter) pairs, the run's settings (config) and whether
+# torch's fused kernel may run; it returns the optimizers, the first one's learning rate learning_rate (the
+# schedule scales each optimizer's own peak, as its function set it).
 
 
 def adamw(named, config, fused):
