@@ -19,7 +19,16 @@ def one_line_errors(script):
     def hook(kind, error, traceback):
         if issubclass(kind, UserError):
             print(f"{script}: {error}", file=sys.stderr, flush=True)
+            end_group()
         else:
             default(kind, error, traceback)
 
     sys.excepthook = hook
+
+
+def end_group():
+    # a process group left to the interpreter's exit can abort the process ("terminate called without an active
+    # exception": gloo's threads, their peers gone) after the line was said: ended here instead
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
