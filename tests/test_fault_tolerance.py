@@ -356,25 +356,21 @@ def final_weights(out_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 @pytest.mark.kills
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers to kill in /proc")
-def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(data_dir, tmp_path, layout, shared):
+def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(data_dir, tmp_path, shared):
     # kill -9 one worker (as the out-of-memory killer or a lost node does) at a random step, three times in the
     # run's life: torchrun restarts the group, which resumes from its last checkpoint (--init_from=auto). The
-    # run never killed: under DDP the one test_bitwise_resume_ddp reads too (the same settings but the two
-    # below, which change no step), made once.
+    # run never killed is the one test_bitwise_resume_ddp reads too (the same settings but the two below, which
+    # change no step), made once. Under FSDP a restart is the two-node test's below, and a kill at any moment of a
+    # sharded save test_scale's test_sigkill_at_random_moments_of_sharded_saves_loses_nothing.
     # dist_timeout bounds how long a restarted group waits for its members: each a new Python under torchrun,
     # which can take seconds to start on a loaded machine (15 s once made a fourth failure of a slow start)
-    args = [*DDP, f"--data_dir={data_dir}", "--init_from=auto", "--dist_timeout=60",
-            *(["--fsdp=True"] * (layout == "fsdp"))]
+    args = [*DDP, f"--data_dir={data_dir}", "--init_from=auto", "--dist_timeout=60"]
     two = ["--standalone", "--nproc_per_node=2"]
-    if layout == "ddp":
-        (tmp_path / "whole").symlink_to(whole_ddp(shared, data_dir))
-    else:
-        run(*args, f"--out_dir={tmp_path / 'whole'}", torchrun=two)
+    (tmp_path / "whole").symlink_to(whole_ddp(shared, data_dir))
     proc = start(*args, f"--out_dir={tmp_path / 'killed'}", torchrun=[*two, "--max-restarts=9"])
-    rng = random.Random(layout)
+    rng = random.Random("ddp")
     output = ""
     for kill, step in enumerate(sorted(rng.sample(range(5, 36), 3))):
         if kill:  # the group torchrun started again: both its workers are up once its master says so (the

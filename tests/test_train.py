@@ -92,22 +92,9 @@ def test_accumulation_steps_must_divide_among_processes(data_dir, tmp_path):
     assert "gradient_accumulation_steps=3 must be a multiple of the 2 data-parallel replicas" in out.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.kills
-def test_two_nodes_on_one_machine(data_dir, tmp_path):
-    nodes = two_nodes(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=10",
-                      "--eval_interval=10", "--gradient_accumulation_steps=2")
-    assert [p.returncode for p in nodes] == [0, 0], nodes
-    stdout = "".join(p.stdout for p in nodes)
-    assert "2 process(es) on cpu" in stdout
-    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
-    assert [r["iter"] for r in evals] == [0, 10] and evals[1]["val_loss"] < evals[0]["val_loss"]
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["world_size"] == 2
-
-
 @pytest.mark.parametrize("differs", ["learning_rate", "data"])
 def test_nodes_started_with_different_settings_stop_at_start_in_one_line(data_dir, tmp_path, differs):
-    # two nodes (two torchruns on this machine, test_two_nodes_on_one_machine) whose commands differ in one
+    # two nodes (two torchruns on this machine, as test_fault_tolerance's two-node run) whose commands differ in one
     # setting, or whose data_dir (a path of each node's own) holds a train.bin one token shorter: both stop
     # before training, each with the one line that names what differs, the rank and the node (which node holds
     # rank 0 is the rendezvous's choice)
