@@ -214,13 +214,15 @@ def test_a_stop_at_an_evaluation_step_evaluates_on_resume(data_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.kills
-def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_path):
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "lib.launch"])
+def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_path, launcher):
     # torchrun's plain launch, as a scheduler's job runs it: its workers new Pythons in sessions of their own,
-    # which only torchrun's forwarding of the signal reaches
+    # which only torchrun's forwarding of the signal reaches; and lib.launch, torchrun as config/slurm.sbatch runs
+    # it, which says the same in one line
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000", "--eval_interval=100000",
             "--gradient_accumulation_steps=2"]
-    proc = subprocess.Popen(torchrun_command(["--standalone", "--nproc_per_node=2", "train.py", *on_cpu(args)]),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", launcher, "--standalone", "--nproc_per_node=2", "train.py",
+                             *on_cpu(args)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"})
     wait_for(proc, "iter 3:")
     os.killpg(proc.pid, signal.SIGTERM)  # as a scheduler does: the launcher and its workers
@@ -232,8 +234,27 @@ def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_
     # the workers exit cleanly: no traceback passes through the project's code, and the one report is torchrun's
     # own of the signal it got (its agent can chain an error of its own to it, when the signal lands inside its
     # metrics wrapper: torch's race, seen once here, not the workers')
-    assert output.count("SignalException: Process") == 1, output
     assert not re.search(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)', output), output
+    if launcher == "lib.launch":
+        assert proc.returncode == 0 and "Traceback" not in output, output
+        assert output.rstrip().endswith("torchrun: SIGTERM, its workers stopped"), output
+    else:
+        assert output.count("SignalException: Process") == 1, output
+
+
+@pytest.mark.slow
+def test_workers_that_refuse_end_lib_launch_in_one_line_after_theirs(data_dir, tmp_path):
+    # torchrun's own report of failed workers is a traceback of its own after their lines; lib.launch's is a line.
+    # The workers' mistake: TINY's one micro-step an update, which 2 processes cannot share
+    done = subprocess.run([sys.executable, "-m", "lib.launch", "--standalone", "--nproc_per_node=2", "train.py",
+                           *on_cpu([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"])],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, **CPU_ENV}, timeout=300)
+    refusals = [line for line in done.stderr.splitlines() if "train.py: " in line]
+    assert done.returncode == 1 and len(refusals) == 2, done.stderr
+    assert all("gradient_accumulation_steps=1 must be a multiple of the 2" in line for line in refusals)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert re.search(r"^torchrun: train\.py's rank [01] \(and 1 more\) ended with exit code 1; its own lines above "
+                     r"say why$", done.stderr, re.M), done.stderr
 
 
 def nan_config(tmp_path, from_call):
