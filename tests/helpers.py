@@ -96,6 +96,18 @@ def standard_run(shared, data_dir, layout):
     return shared(f"standard_{layout}", build)
 
 
+# The FSDP tests' exact run: 9 updates under FSDP on 2 processes, with dropout, saved every 3 steps, the three
+# checkpoints kept. Made once per session, like the standard runs; test_scale resumes it, test_fault_tolerance kills
+# it on two nodes.
+EXACT = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--dropout=0.1", "--eval_interval=3",
+         "--max_iters=9", "--fsdp=True"]
+
+
+def exact_fsdp_run(shared, data_dir):
+    return shared("fsdp_run", lambda out: run(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}", "--keep_last_n=3",
+                                              torchrun=["--standalone", "--nproc_per_node=2"]))
+
+
 def run(*args, torchrun=(), check=True, env=None):
     # train.py as a user runs it: in one process, here in the test's own (in_process: a new Python would spend ~5 s
     # of CPU importing torch before its first step); with torchrun's arguments, under torchrun itself, its workers

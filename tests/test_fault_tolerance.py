@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (CPU_ENV, ROOT, TINY, kill_marked, losses, marked, on_cpu, run, script, torchrun_command,
-                     train_refusal, two_nodes, weights)
+from helpers import (CPU_ENV, EXACT, ROOT, STANDARD, TINY, exact_fsdp_run, kill_marked, losses, marked, on_cpu, run,
+                     script, standard_run, torchrun_command, train_refusal, two_nodes, weights)
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -430,8 +430,8 @@ def kill_the_other_node(out_dir, step, killed):
         killed.append(e)
 
 
-# A config file that makes step 20, the one after the kill (kill_the_other_node's step), last 3 s more before its
-# forward pass, as a large model's steps last seconds: the kill then finds the other node's worker computing,
+# A config file that makes the step after the kill (kill_the_other_node's step) last 3 s more before its forward
+# pass, as a large model's steps last seconds: the kill then finds the other node's worker computing,
 # not in a collective, and that node's torchrun sees the new rendezvous round (a membership change, which it
 # counts as no restart) before its worker sees its peer gone. Only the time changes, not what is computed.
 SLOW_STEP = """
@@ -439,7 +439,7 @@ import time as _time
 import lib.data as _data
 _train = _data.Batches.train
 def _slow(self, step, index):
-    if step == 20:
+    if step == {step}:
         _time.sleep(3)
     return _train(self, step, index)
 _data.Batches.train = _slow
@@ -457,17 +457,14 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_the_run_ends_as_i
     # torchrun counts its own restarts (rank 0's node, whose worker is stopped for the other's failure, counts
     # none), so the group's generation must come from the store they share (parallel.generation), or the new
     # workers never meet and both nodes fail.
-    fsdp = ["--fsdp=True"] * (layout == "fsdp")
-    if layout == "ddp":  # the same run on one node, never killed
-        (tmp_path / "whole").symlink_to(whole_ddp(shared, data_dir))
-    else:
-        run(*DDP, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'whole'}", *fsdp,
-            torchrun=["--standalone", "--nproc_per_node=2"])
-    (tmp_path / "slow_step.py").write_text(SLOW_STEP)
-    args = [*DDP, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'killed'}", "--init_from=auto",
-            "--dist_timeout=60", str(tmp_path / "slow_step.py"), *fsdp]
+    # the same run on one node, never killed: the session's standard DDP run, or its exact FSDP run (helpers)
+    args, whole = (STANDARD, standard_run(shared, data_dir, "ddp")) if layout == "ddp" else \
+        (EXACT, exact_fsdp_run(shared, data_dir))
+    (tmp_path / "slow_step.py").write_text(SLOW_STEP.format(step=5))
+    args = [*args, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'killed'}", "--init_from=auto",
+            "--dist_timeout=60", str(tmp_path / "slow_step.py")]
     killed = []
-    killer = threading.Thread(target=kill_the_other_node, args=(tmp_path / "killed", 20, killed))
+    killer = threading.Thread(target=kill_the_other_node, args=(tmp_path / "killed", 4, killed))
     killer.start()
     nodes = two_nodes(*args, torchrun=["--max-restarts=1"])
     killer.join()
@@ -475,8 +472,8 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_the_run_ends_as_i
     assert len(killed) == 1 and isinstance(killed[0], int), killed
     assert [node.returncode for node in nodes] == [0, 0], output[-4000:]
     assert output.count("process(es) on cpu") == 2, output[-4000:]  # the group began twice
-    assert losses(tmp_path / "whole") == losses(tmp_path / "killed")
-    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"))
+    assert losses(whole) == losses(tmp_path / "killed")
+    assert_same_weights(final_weights(whole), final_weights(tmp_path / "killed"))
 
 
 def tmpfs_available():

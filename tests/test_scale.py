@@ -14,8 +14,8 @@ import torch
 
 from lib.checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
-from helpers import (STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, assert_weights_close,
-                     kernel_counter, losses, run, script, standard_run, train_refusal, two_nodes, weights)
+from helpers import (EXACT, STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, assert_weights_close,
+                     exact_fsdp_run, kernel_counter, losses, run, script, standard_run, train_refusal, two_nodes, weights)
 
 pytestmark = pytest.mark.slow  # every test here starts torchrun
 TWO = ["--standalone", "--nproc_per_node=2"]
@@ -114,15 +114,10 @@ def test_fsdp_bf16_mixed_precision_matches_one_process_in_bf16(data_dir, tmp_pat
 # -----------------------------------------------------------------------------
 # exact resume and atomic saves
 
-EXACT = [*TINY, "--batch_size=2", "--gradient_accumulation_steps=4", "--dropout=0.1", "--eval_interval=3",
-         "--max_iters=9", "--fsdp=True"]
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(data_dir, shared):
-    # 9 steps under FSDP on 2 processes, with dropout, keeping the checkpoints of steps 3, 6 and 9 (read only)
-    return shared("fsdp_run", lambda out: run(*EXACT, f"--data_dir={data_dir}", f"--out_dir={out}",
-                                              "--keep_last_n=3", torchrun=TWO))
+    # helpers.EXACT's run, made once (read only)
+    return exact_fsdp_run(shared, data_dir)
 
 
 def test_bitwise_resume_under_fsdp(data_dir, fsdp_run, tmp_path):
