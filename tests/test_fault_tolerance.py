@@ -253,8 +253,10 @@ def test_workers_that_refuse_end_lib_launch_in_one_line_after_theirs(data_dir, t
     assert done.returncode == 1 and len(refusals) == 2, done.stderr
     assert all("gradient_accumulation_steps=1 must be a multiple of the 2" in line for line in refusals)
     assert "Traceback" not in done.stderr, done.stderr
-    assert re.search(r"^torchrun: train\.py's rank [01] \(and 1 more\) ended with exit code 1; its own lines above "
-                     r"say why$", done.stderr, re.M), done.stderr
+    # (a worker can still be aborted by gloo's threads at its exit, after its line: "terminate called without an
+    # active exception", 1 run in 7 here even with the group destroyed first: errors.end_group)
+    assert re.search(r"^torchrun: train\.py's rank [01] \(and 1 more\) ended (with exit code 1|by SIGABRT); its own "
+                     r"lines above say why$", done.stderr, re.M), done.stderr
 
 
 def nan_config(tmp_path, from_call):
