@@ -24,6 +24,7 @@ from lib.files import open_own
 STARTED = time.time()
 WARMUP_STEPS = 3  # a process's first steps (compiling, caches, the allocator) are slow: the estimate skips them
 RECENT_STEPS = 50  # the time left follows the mean step time over about this many of the latest steps
+TAIL_BYTES = 1 << 16  # a record is a few hundred bytes: an unfinished one lies within the file's last 64 KiB
 FINISH_SHOWN = 3  # the first this many estimates also give the finish time on the clock
 
 
@@ -40,6 +41,7 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
     if tensorboard_log:
         from torch.utils.tensorboard import SummaryWriter
         tensorboard = SummaryWriter(os.path.join(out_dir, "tb"))
+    cut_torn_record(os.path.join(out_dir, "metrics.jsonl"))
     failed, opened = False, time.time()
 
     def log(record):
@@ -65,6 +67,22 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
             tensorboard.close()
 
     return log, close
+
+
+def cut_torn_record(path):
+    """A process killed while it wrote a record can leave the line unfinished (a write is cut at a page's edge):
+    the resumed run's records would go on that line, and the file would not read. The piece goes first."""
+    if not os.path.lexists(path):
+        return
+    try:
+        with open_own(path, "a+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - TAIL_BYTES))
+            tail = f.read()
+            if tail and not tail.endswith(b"\n"):  # no newline in the tail: the whole tail is the piece
+                f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
+    except (OSError, UserError):
+        pass  # log() says once why it cannot write
 
 
 def report_evaluation(log, master, step, losses, task_scores, epoch, lr):

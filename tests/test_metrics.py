@@ -101,3 +101,24 @@ def test_log_lines_give_the_time_left_and_the_last_line_the_wall_time(data_dir, 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["time_left_s"] for r in records if "tokens_per_s" in r][-1] == 0.0  # no steps, evaluation untimed
     assert out.strip().splitlines()[-1].startswith("run ended at step 12: wall time ")
+
+
+def test_a_record_cut_by_a_kill_goes_before_the_resumed_run_writes(tmp_path):
+    # a process killed in the middle of a write leaves an unfinished line: the next process's records start a line
+    from lib.metrics import open_log
+    whole = json.dumps({"iter": 10, "loss": 2.5}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"iter": 20, "loss": 2.1, "lr": 0.000')
+    log, close = open_log(str(tmp_path), {}, master=True)
+    log({"iter": 20, "loss": 2.0})
+    close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[0] == whole.strip() and [json.loads(line)["loss"] for line in lines] == [2.5, 2.0]
+    # a file of whole records is left as it is, and no file is made before the first record
+    open_log(str(tmp_path), {}, master=True)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines
+    open_log(str(tmp_path / "new"), {}, master=True)
+    assert not (tmp_path / "new" / "metrics.jsonl").exists()
+    # one unfinished record alone: nothing of it is kept
+    (tmp_path / "metrics.jsonl").write_text('{"iter": 1, "lo')
+    open_log(str(tmp_path), {}, master=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
