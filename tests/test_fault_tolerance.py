@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (CPU_ENV, EXACT, ROOT, STANDARD, TINY, exact_fsdp_run, kill_marked, losses, marked, on_cpu, run,
-                     script, standard_run, torchrun_command, train_refusal, two_nodes, weights)
+from helpers import (CPU_ENV, EXACT, ROOT, TINY, exact_fsdp_run, kill_marked, losses, marked, on_cpu, run,
+                     script, torchrun_command, train_refusal, two_nodes, weights)
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -105,23 +105,9 @@ DDP = [*COMMON, "--gradient_accumulation_steps=2", "--max_iters=40"]
 
 
 def whole_ddp(shared, data_dir):
-    # 40 steps under DDP on 2 processes, never stopped: made once, only read by the tests that stop, kill and
-    # resume the same run
+    # 40 steps under DDP on 2 processes, never stopped: made once, only read
     return shared("whole_ddp", lambda out: run(*DDP, f"--data_dir={data_dir}", f"--out_dir={out}",
                                                torchrun=["--standalone", "--nproc_per_node=2"]))
-
-
-@pytest.mark.slow
-def test_bitwise_resume_ddp(data_dir, tmp_path, shared):
-    # One stop, at step 5, between two evaluations: test_bitwise_resume_one_process tries stops before, after
-    # and on them, and what DDP adds (every rank's RNG and data position, restored) is the same at any step.
-    args = [*DDP, f"--data_dir={data_dir}"]
-    ddp = ["--standalone", "--nproc_per_node=2"]
-    uninterrupted = whole_ddp(shared, data_dir)
-    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=5", torchrun=ddp)
-    run(*args, f"--out_dir={tmp_path / 'parts'}", "--init_from=resume", torchrun=ddp)
-    assert losses(uninterrupted) == losses(tmp_path / "parts")
-    assert_same_weights(weights(uninterrupted), weights(tmp_path / "parts"))
 
 
 @pytest.mark.slow
@@ -384,9 +370,11 @@ def final_weights(out_dir):
 def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_killed(data_dir, tmp_path, shared):
     # kill -9 one worker (as the out-of-memory killer or a lost node does) at a random step, three times in the
     # run's life: torchrun restarts the group, which resumes from its last checkpoint (--init_from=auto). The
-    # run never killed is the one test_bitwise_resume_ddp reads too (the same settings but the two below, which
-    # change no step), made once. Under FSDP a restart is the two-node test's below, and a kill at any moment of a
-    # sharded save test_scale's test_sigkill_at_random_moments_of_sharded_saves_loses_nothing.
+    # run ends with the losses and weights of the run never killed (the same settings but the two below, which
+    # change no step), bit for bit: DDP's exact resume, three times (every rank's RNG and data position restored;
+    # test_bitwise_resume_one_process tries stops before, after and on evaluations). Under FSDP a restart is the
+    # two-node test's below, and a kill at any moment of a sharded save test_scale's
+    # test_sigkill_at_random_moments_of_sharded_saves_loses_nothing.
     # dist_timeout bounds how long a restarted group waits for its members: each a new Python under torchrun,
     # which can take seconds to start on a loaded machine (15 s once made a fourth failure of a slow start)
     args = [*DDP, f"--data_dir={data_dir}", "--init_from=auto", "--dist_timeout=60"]
@@ -449,19 +437,18 @@ _data.Batches.train = _slow
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 @pytest.mark.kills
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker to kill in /proc")
 def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_the_run_ends_as_if_never_killed(data_dir, tmp_path,
-                                                                                              shared, layout):
+                                                                                              shared):
     # Two nodes as two torchruns on this machine, meeting at a c10d rendezvous on 127.0.0.1 (README: GPUs and nodes),
     # one worker each; kill -9 of the worker on the node without rank 0, as the out-of-memory killer does. Each
     # torchrun counts its own restarts (rank 0's node, whose worker is stopped for the other's failure, counts
     # none), so the group's generation must come from the store they share (parallel.generation), or the new
-    # workers never meet and both nodes fail.
-    # the same run on one node, never killed: the session's standard DDP run, or its exact FSDP run (helpers)
-    args, whole = (STANDARD, standard_run(shared, data_dir, "ddp")) if layout == "ddp" else \
-        (EXACT, exact_fsdp_run(shared, data_dir))
+    # workers never meet and both nodes fail. Under FSDP, whose restart after a kill only this test runs (DDP's is
+    # the one-node test's above; what the nodes do is the same for both layouts).
+    # the same run on one node, never killed: the session's exact FSDP run (helpers)
+    args, whole = EXACT, exact_fsdp_run(shared, data_dir)
     (tmp_path / "slow_step.py").write_text(SLOW_STEP.format(step=5))
     args = [*args, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'killed'}", "--init_from=auto",
             "--dist_timeout=60", str(tmp_path / "slow_step.py")]

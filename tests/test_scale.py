@@ -68,11 +68,13 @@ def test_fsdp_matches_ddp_and_its_checkpoint_resumes_in_other_layouts(data_dir, 
     assert_close_losses(losses(one), ddp, [5, 6])
     assert (one / "ckpt" / "state.pt").exists() and not (one / "ckpt.pt").exists()
     assert load_checkpoint(str(one / "ckpt"), weights=False)["iter_num"] == 6
-    # and into 4 processes as FSDP x tensor parallel (2 replicas of 2): the shards of 2 processes loaded into 4,
-    # each holding parts of other shapes (one launch of 4 processes for both changes: ~30 s each here)
+    # and into 4 processes as FSDP x tensor parallel (2 replicas of 2), with gradient checkpointing: the shards of
+    # 2 processes loaded into 4, each holding parts of other shapes, and that layout's steps (one launch of 4
+    # processes for the three changes: ~30 s each here)
     out = run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--max_iters=6", "--fsdp=True", "--tp_size=2",
-              "--init_from=resume", torchrun=FOUR)
+              "--gradient_checkpointing=True", "--init_from=resume", torchrun=FOUR)
     assert "4 process(es)" in out.stdout and "warning" not in out.stdout
+    assert "| FSDP x2 + TP x2 + checkpointing |" in out.stdout
     assert_close_losses(losses(tmp_path / "fsdp"), ddp, [5, 6])
     assert len(list((tmp_path / "fsdp" / "ckpt").glob("*.distcp"))) == 4
     # and a single file into shards: DDP's ckpt.pt of step 6, resumed under FSDP on 2, which gathers its shards

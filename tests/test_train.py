@@ -361,7 +361,8 @@ def test_wandb_logging_offline(data_dir, tmp_path):
 
 @pytest.mark.slow
 def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
-    # the fused ops (under Triton's interpreter on CPU: slow, so a tiny batch) inside DDP
+    # the fused ops (under Triton's interpreter on CPU: slow, so a tiny batch) inside DDP, against the plain ops in
+    # one process on the same micro-batches (DDP's replicas are one process's micro-steps: the test above)
     # SGD: the weights differ by the two ops' rounding, which AdamW would amplify (test_gradient_accumulation_...)
     args = [*TINY, f"--data_dir={data_dir}", "--block_size=16", "--batch_size=1", "--max_iters=2",
             "--eval_interval=2", "--eval_iters=1", "--gradient_accumulation_steps=2", "--optimizer=sgd"]
@@ -371,7 +372,7 @@ def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
               env={"TRITON_INTERPRET": "1"})
     assert_every_kernel_ran(out.stdout)
     assert len(kernel_launches(out.stdout)) == 2  # in both processes
-    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False", torchrun=ddp)
+    run(*args, f"--out_dir={tmp_path / 'plain'}", "--use_kernels=False")
     fused, plain = losses(tmp_path / "fused"), losses(tmp_path / "plain")
     assert fused.keys() == plain.keys() == {1, 2} and all(abs(fused[i] - plain[i]) < 1e-5 for i in fused)
     a, b = weights(tmp_path / "fused"), weights(tmp_path / "plain")
