@@ -362,7 +362,8 @@ def test_wandb_logging_offline(data_dir, tmp_path):
 @pytest.mark.slow
 def test_ddp_with_the_triton_kernels_matches_the_plain_ops(data_dir, tmp_path):
     # the fused ops (under Triton's interpreter on CPU: slow, so a tiny batch) inside DDP, against the plain ops in
-    # one process on the same micro-batches (DDP's replicas are one process's micro-steps: the test above)
+    # one process on the same micro-batches (DDP's replicas are one process's micro-steps:
+    # test_ddp_two_processes_match_one_process)
     # SGD: the weights differ by the two ops' rounding, which AdamW would amplify (test_gradient_accumulation_...)
     args = [*TINY, f"--data_dir={data_dir}", "--block_size=16", "--batch_size=1", "--max_iters=2",
             "--eval_interval=2", "--eval_iters=1", "--gradient_accumulation_steps=2", "--optimizer=sgd"]
