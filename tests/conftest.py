@@ -16,9 +16,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The tests start some two hundred Pythons, each importing torch and more. They keep the bytecode they compile
 # (__pycache__, in the venv and here) even where the environment says not to (PYTHONDONTWRITEBYTECODE), so that a
 # module is compiled once, by its first importer. The install compiles nothing (pip --no-compile): all of the venv,
-# 18,000 files, took 27 s on 2 cores, more than the tests' share of it.
+# 18,000 files, took 27 s on 2 cores, more than the tests' share of it. torch, which every process imports, is
+# compiled first, on every core (compile_torch).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+
+
+def compile_torch():
+    # once, before any test process starts (5 s on 2 cores): the first quick tier of a new venv took 54-62 s
+    # without, the first processes each compiling torch at once, and 52 s with
+    import compileall
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    init = os.path.join(spec.submodule_search_locations[0], "__init__.py") if spec else None
+    if init and not os.path.exists(importlib.util.cache_from_source(init)):
+        compileall.compile_dir(os.path.dirname(init), quiet=2, workers=0)
 
 
 def pytest_configure(config):
@@ -28,6 +40,8 @@ def pytest_configure(config):
                             "(conftest.own_processes), so that none outlives the test")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (tests/test_cuda.py; -m cuda runs them alone), "
                             "skipped without one")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        compile_torch()
     if config.getoption("dist", "no") != "no" and not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # pytest-xdist's controller runs no test: its workers start ~3 s sooner without torch imported here
     import torch
