@@ -27,10 +27,9 @@ def compile_torch():
     # without, the first processes each compiling torch at once, and 52 s with
     import compileall
     import importlib.util
-    spec = importlib.util.find_spec("torch")
-    init = os.path.join(spec.submodule_search_locations[0], "__init__.py") if spec else None
-    if init and not os.path.exists(importlib.util.cache_from_source(init)):
-        compileall.compile_dir(os.path.dirname(init), quiet=2, workers=0)
+    folder = importlib.util.find_spec("torch").submodule_search_locations[0]
+    if not os.path.exists(importlib.util.cache_from_source(os.path.join(folder, "__init__.py"))):
+        compileall.compile_dir(folder, quiet=2, workers=0)
 
 
 def pytest_configure(config):

@@ -109,7 +109,7 @@ def exact_fsdp_run(shared, data_dir):
 
 
 def run(*args, torchrun=(), check=True, env=None):
-    # train.py as a user runs it: in one process, here in the test's own (in_process: a new Python would spend ~5 s
+    # train.py as a user runs it: in one process, here in the test's own (in_process: a new Python would spend ~3 s
     # of CPU importing torch before its first step); with torchrun's arguments, under torchrun itself, its workers
     # new Pythons (torchrun_run)
     args, interpret = on_cpu(args), os.environ.get("TRITON_INTERPRET")

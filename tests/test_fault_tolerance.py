@@ -448,9 +448,9 @@ def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_the_run_ends_as_i
     # workers never meet and both nodes fail. Under FSDP, whose restart after a kill only this test runs (DDP's is
     # the one-node test's above; what the nodes do is the same for both layouts).
     # the same run on one node, never killed: the session's exact FSDP run (helpers)
-    args, whole = EXACT, exact_fsdp_run(shared, data_dir)
+    whole = exact_fsdp_run(shared, data_dir)
     (tmp_path / "slow_step.py").write_text(SLOW_STEP.format(step=5))
-    args = [*args, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'killed'}", "--init_from=auto",
+    args = [*EXACT, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'killed'}", "--init_from=auto",
             "--dist_timeout=60", str(tmp_path / "slow_step.py")]
     killed = []
     killer = threading.Thread(target=kill_the_other_node, args=(tmp_path / "killed", 4, killed))

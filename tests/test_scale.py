@@ -15,7 +15,8 @@ import torch
 from lib.checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
 from helpers import (EXACT, STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, assert_weights_close,
-                     exact_fsdp_run, kernel_counter, losses, run, script, standard_run, train_refusal, two_nodes, weights)
+                     exact_fsdp_run, kernel_counter, losses, run, script, standard_run, train_refusal, two_nodes,
+                     weights)
 
 pytestmark = pytest.mark.slow  # every test here starts torchrun
 TWO = ["--standalone", "--nproc_per_node=2"]
