@@ -4,7 +4,7 @@ Overrides for a run's settings (lib/settings.py), from config files and --key=va
     python train.py config/train_small.py --batch_size=32 --compile=False
 
 A config file is Python whose top-level assignments replace the defaults (names that start with
-an underscore, modules and functions are its own helpers and are left alone). A --key=value is
+an underscore, modules, functions and classes are its own helpers and are left alone). A --key=value is
 read with ast.literal_eval, falling back to a plain string. Every key must already exist, and every
 value must have its default's type (an int where a float is expected is fine): anything else stops
 with one line that names the closest key or the expected type. batch_size='auto' is the one value of another
@@ -18,8 +18,6 @@ import difflib
 import sys
 import traceback
 import types
-
-
 
 
 def _check(config, key, value, source):
@@ -75,4 +73,3 @@ def _set(config, key, value, source):
         if value == "auto":
             return
     config[key] = _check(config, key, value, source)
-

@@ -59,7 +59,9 @@ def apply_rotary_ref(x, cos, sin):
 
 def linear_cross_entropy_ref(x, weight, targets, ignore_index=-1):
     # x: (N, C), weight: (V, C), targets: (N,) -> mean cross-entropy over non-ignored targets.
-    # A batch where every target is ignored gives 0 (not NaN) and zero gradients.
+    # A batch where every target is ignored gives 0 (not NaN) and zero gradients. All N x V logits exist at
+    # once here (twice for a half-precision x: in its dtype and in fp32); linear_cross_entropy's Triton op
+    # makes them a chunk of rows at a time.
     logits = (x @ weight.t()).float()  # (N, V)
     loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     return loss / (targets != ignore_index).sum().clamp(min=1)

@@ -84,7 +84,8 @@ def fused(use_kernels, x, compiled_too=False):
 
 
 def runs_fused(config, device_type):
-    """Whether a model of config runs kernels.py's fused ops on a device of device_type ('cuda', 'cpu'), eager."""
+    """Whether a model of config runs kernels.py's fused ops on a device of device_type ('cuda', 'cpu'), eager.
+    use_kernels=True answers True anywhere: where Triton cannot run, kernels.py's ops then call their references."""
     if config.use_kernels is not None:
         return config.use_kernels
     return device_type == "cuda" and kernels.HAS_TRITON
@@ -112,7 +113,6 @@ def rotary_tables(head_size, length, theta, scaling=None):
         inv_freq = (1 - ramp) * inv_freq / scaling["factor"] + ramp * inv_freq
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
-
 
 
 def adapted(linear, x):
@@ -265,8 +265,11 @@ class GPT(nn.Module):
         return n
 
     def forward(self, idx, targets=None, cache=None, doc_ids=None, mask=None):
-        # idx: (B, T) token ids. With targets (B, T) it returns (None, mean loss) and never builds
-        # the full logits; without, (logits (B, T, V), None). cache: list of n_layer lists, see generate.
+        # idx: (B, T) token ids. With targets (B, T) it returns (None, mean loss); without, (logits (B, T, V),
+        # None). The loss is kernels.linear_cross_entropy where fused() picks it and Triton can run it: that one
+        # makes the logits a chunk of rows at a time (about kernels.LCE_CHUNK_ELEMENTS values each), so a large
+        # batch's full (B*T, V) logits never exist at once. Otherwise (use_kernels=False, or a CPU under auto) its
+        # reference kernels.linear_cross_entropy_ref builds them all. cache: list of n_layer lists, see generate.
         # doc_ids: (B, T) document numbers of packed sequences; a token then attends only to earlier
         # tokens of its own document (for training and evaluation, not with a cache). mask: instead of
         # doc_ids, their attention_mask made beforehand: outside a compiled model, as train.py makes it.

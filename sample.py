@@ -63,10 +63,8 @@ device, dtype = pick_device(args.device, args.dtype)
 if args.top_k is not None and args.top_k < 1:
     raise UserError(f"--top_k={args.top_k} must be at least 1 (or leave it out)")
 
-# A folder's or a checkpoint's sizes that make no model are a plain ValueError of model.py's (GPTConfig): the
-# user's mistake too, so it is said in one line as the loaders' own UserErrors are.
-
-
+# The loaders say in one line what makes no model (sizes GPTConfig refuses among it); a plain ValueError that
+# still comes out of them is said in one line the same way.
 if args.model:  # a Hugging Face folder: its weights in the dtype we sample in, and its tokenizer.json
     if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
         raise UserError(f"{args.model} has no tokenizer.json to encode the prompt with")
@@ -126,7 +124,9 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
         if not text.strip():
             break
         messages.append({"role": "user", "content": text})
-        try:  # a conversation past block_size is model.py's plain ValueError
+        # a ValueError is said in one line (a conversation past block_size raises none: generate slides its
+        # window over the last block_size tokens)
+        try:
             messages.append({"role": "assistant", "content": reply(messages)})
         except ValueError as e:
             raise UserError(str(e)) from None

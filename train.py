@@ -32,7 +32,6 @@ from lib import checkpoint as ckpt
 from lib import settings
 from lib.data import Batches
 from lib.errors import UserError, one_line_errors
-from lib.lora import quantize_base
 from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
 from lib.meta import check_data_for_run, read_meta
 from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
@@ -100,7 +99,8 @@ quantized = origin.lora_base_dtype if origin.lora_base_dtype in ("nf4", "int8") 
 vocab_size = model_args["vocab_size"]
 if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded)
     model.to(device)
-if lora and quantized:
+if lora and quantized:  # QLoRA: the frozen base in 4 or 8 bits (torchao's)
+    from lib.lora import quantize_base
     quantize_base(model, quantized)
 # Past one device (README, "Scaling up"): tensor parallel, checkpointing, compile, then FSDP or DDP
 raw_model = model

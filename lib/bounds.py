@@ -1,70 +1,21 @@
 """
-Bounds on what comes from disk: a checkpoint, a dataset or a model folder is data, and data may lie. A model's
-sizes are checked to be whole numbers and then against its weights' own shapes before anything is allocated, and
-a file that a folder's index names is read only when it is a regular file inside that folder. A tokenizer.json's
-normalizer and pre-tokenizer are checked to grow a text within a bound and to hold no regex that backtracks without one.
+Bounds on what comes from disk that only some runs read: a file that a folder's index names is read only when it is
+a regular file inside that folder, and a tokenizer.json's normalizer and pre-tokenizer are checked to grow a text
+within a bound and to hold no regex that backtracks without one. (A model's sizes: settings.check_sizes; a
+checkpoint's shapes: checkpoint.check_shapes; a token file's ids: meta.check_token_ids.)
 
-    from lib.bounds import check_sizes, confined
-    check_sizes({"n_layer": 2, "n_embd": 64}, "out/ckpt.pt", "use another checkpoint")
+    from lib.bounds import confined
     confined("data/mine", "tokenizer.json", "data/mine/meta.json")    # Path, or a one-line UserError
 """
 
 import base64
-import math
 import os
 import re
 import stat
 from pathlib import Path
 
-import numpy as np
 
 from lib.errors import UserError
-
-# The most positions a model may hold rotary tables for: past every released model (Qwen2.5-1M has ~1M), and
-# small enough that the tables (positions x head size, twice) are not themselves the hostile input.
-MAX_POSITIONS = 1 << 21
-MAX_TABLE = MAX_POSITIONS * 256  # positions x head size: 2M positions of heads 256 wide (2 GiB of fp32 tables)
-SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "head_size", "mlp_hidden")
-DERIVED = ("n_kv_head", "head_size", "mlp_hidden")  # 0 means "from the other sizes" (GPTConfig)
-
-
-def check_sizes(args, where, fix):
-    """UserError in one line unless every model size in args (GPTConfig's names) is a whole number above 0 (0
-    allowed where it means derived), block_size at most MAX_POSITIONS, and rope_theta, norm_eps and dropout are
-    numbers in their range. where: the file that says them; fix: what to do about it."""
-    for name in SIZES:
-        value = args.get(name, 1)
-        if type(value) is not int or value < (0 if name in DERIVED else 1):
-            raise UserError(f"{where} says {name}={value!r}, not a whole number above 0: {fix}")
-    if args.get("block_size", 1) > MAX_POSITIONS:
-        raise UserError(f"{where} says block_size={args['block_size']}, past the {MAX_POSITIONS} positions this "
-                         f"model.py holds tables for: {fix}")
-    head = args.get("head_size") or args.get("n_embd", 1) // max(args.get("n_head", 1), 1)
-    if args.get("block_size", 1) * head > MAX_TABLE:  # the rotary tables' cos and sin, each positions x head / 2
-        raise UserError(f"{where} says block_size={args['block_size']} positions of heads {head} wide: rotary tables "
-                        f"of {args['block_size'] * head * 4 / 2**30:.0f} GiB, past every released model's: {fix}")
-    for name, low, high in (("rope_theta", 0, math.inf), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
-        value = args.get(name, 0.5)
-        if type(value) not in (int, float) or not low < value < high:
-            raise UserError(f"{where} says {name}={value!r}, not a number in its range: {fix}")
-
-
-def layer_count(names, prefix):
-    """How many blocks a set of weight names holds: the distinct N of the names that begin with prefix + 'N.'."""
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    return len({m.group(1) for m in map(pattern.match, names) if m})
-
-
-def check_shapes(model, shapes, names, where, fix):
-    """UserError in one line at the first tensor of shapes ({its name: shape}, read from a file's headers or
-    its tensors) whose shape differs from the parameter that names ({its name: our parameter's}) maps it to, in
-    model (built on the meta device, so that a lie costs no memory)."""
-    params = dict(model.named_parameters())
-    for theirs, ours in names.items():
-        if theirs in shapes and ours in params and tuple(shapes[theirs]) != tuple(params[ours].shape):
-            raise UserError(f"{theirs} in {where} has shape {tuple(shapes[theirs])}, but the sizes it states "
-                             f"imply {tuple(params[ours].shape)}: {fix}")
-
 
 def confined(folder, name, where):
     """folder/name, where name is a relative path that stays inside folder (links resolved) and, if it is
@@ -79,27 +30,6 @@ def confined(folder, name, where):
         raise UserError(f"{where} names {name!r}, which is not a regular file: replace it with the folder's own")
     return Path(folder) / name
 
-
-def check_regular(path, fix):
-    """UserError in one line where path is there but is not a regular file: a FIFO would hang its read, a device
-    (/dev/zero) never end it."""
-    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
-        raise UserError(f"{path} is not a regular file (a FIFO, a device or a folder): {fix}")
-
-
-def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
-    """UserError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
-    (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has). It is
-    read in chunks of memory-mapped ids, about as fast as the disk reads."""
-    if not os.path.isfile(path):
-        raise UserError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
-    ids = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
-    for start in range(0, len(ids), chunk):
-        piece = ids[start:start + chunk]
-        if int(piece.max()) >= vocab_size:
-            at = int(np.argmax(piece >= vocab_size))  # the first one, to name where the file goes wrong
-            raise UserError(f"{path} holds token id {int(piece[at])} at position {start + at}, past meta.json's "
-                             f"vocab_size {vocab_size}: it is not the data meta.json describes (prepare it again)")
 
 # -----------------------------------------------------------------------------
 # a tokenizer.json's own rules: its normalizer and pre-tokenizer, which the tokenizers library runs as written

@@ -26,13 +26,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from lib.bounds import check_shapes, check_sizes, layer_count
 from lib.errors import UserError
 from lib.files import durable_replace, open_own
-from lib.hf import fingerprint, load_pretrained
-from lib.lora import add_lora, trained_only
 from lib.memory import state_bytes, traced_optimizer
 from lib.parallel import is_dtensor
+from lib.settings import check_sizes
 from model import GPT, GPTConfig
 
 
@@ -49,7 +47,7 @@ LOOP = {"iter_num": 0, "best_val_loss": float("inf"), "evals_without_gain": 0, "
         "evaluated": False}
 NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", "rng", *LOOP}  # what one holds
 NAMES = r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?"  # the checkpoints of an out_dir, in either layout
-FORMAT = 2  # what its values mean, in every checkpoint since 2026-11-28 (start.format_of): 2, more_optimizers
+FORMAT = 2  # what its values mean; a resume takes this format alone (an older one: resume with its train.py)
 # GPTConfig's fields that a resume takes from its command (block_size only from scratch); every other but the
 # vocabulary (checked against the data's) is the model's shape, which a resume cannot change
 RUN_SETTINGS = ("dropout", "use_kernels", "block_size")
@@ -195,6 +193,9 @@ def starting_point(out_dir, init_from, found):
 
 def check_resume(checkpoint, config, data_vocab, path):
     """UserError, in one line, where this run's settings (config) cannot continue checkpoint (read from path)."""
+    if checkpoint.get("format") != FORMAT:
+        raise UserError(f"{path} was written by another train.py (checkpoint format {checkpoint.get('format')}, "
+                         f"this one resumes {FORMAT}): resume it with the train.py that wrote it, or train anew")
     args = checkpoint["model_args"]
     if not isinstance(args, dict):
         raise UserError(f"{path}'s model_args is not a dict: use another checkpoint")
@@ -224,6 +225,23 @@ def check_resume(checkpoint, config, data_vocab, path):
                          f"--optimizer={trained_with}")
 
 
+def layer_count(names, prefix):
+    """How many blocks a set of weight names holds: the distinct N of the names that begin with prefix + 'N.'."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    return len({m.group(1) for m in map(pattern.match, names) if m})
+
+
+def check_shapes(model, shapes, names, where, fix):
+    """UserError in one line at the first tensor of shapes ({its name: shape}, read from a file's headers or
+    its tensors) whose shape differs from the parameter that names ({its name: our parameter's}) maps it to, in
+    model (built on the meta device, so that a lie costs no memory)."""
+    params = dict(model.named_parameters())
+    for theirs, ours in names.items():
+        if theirs in shapes and ours in params and tuple(shapes[theirs]) != tuple(params[ours].shape):
+            raise UserError(f"{theirs} in {where} has shape {tuple(shapes[theirs])}, but the sizes it states "
+                             f"imply {tuple(params[ours].shape)}: {fix}")
+
+
 def existing(out_dir):
     # the checkpoints in out_dir, by name
     return sorted(f for f in os.listdir(out_dir) if re.fullmatch(NAMES, f)) if os.path.isdir(out_dir) else []
@@ -237,9 +255,6 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
         raise UserError("the checkpoint's model_args or model is not a dict: use another checkpoint")
     args = {**checkpoint["model_args"], **overrides}
     weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
-    if any(".qkv." in name or ".gate_up." in name for name in weights):
-        raise UserError("this checkpoint is from an older model.py (fused attn.qkv and mlp.gate_up, before "
-                         "2026-11-22): sample, export or resume it with that version")
     if not args.get("lora_rank"):
         model = meta_model(args, weights)
         try:
@@ -249,6 +264,8 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
             raise UserError(f"the checkpoint's weights do not fit its model_args ({why}): use another checkpoint") \
                 from None
         return model.materialize()
+    from lib.hf import fingerprint, load_pretrained  # a LoRA run's base is a Hugging Face folder
+    from lib.lora import add_lora
     base = checkpoint["pretrained"]
     if not os.path.isdir(base):
         raise UserError(f"the base model this LoRA run began from is not at {base}: put it back there")
@@ -338,6 +355,13 @@ def copy_checkpoint(src, dst):
     else:
         link_or_copy(src, tmp)
         durable_replace(tmp, dst)
+
+
+def trained_only(model, state):
+    # a state dict's entries for the parameters that train: under LoRA the adapters alone, the frozen
+    # base being its folder's (known again by its fingerprint)
+    trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {n: t for n, t in state.items() if n in trained}
 
 
 def sharded_state(model, optimizers, lora):
@@ -544,7 +568,6 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
         optim_state = {"state": by_name, "param_groups": groups}
         set_state_dict(model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
                        options=StateDictOptions(full_state_dict=True))
-    else:  # (format 1 and older held a second optimizer, Muon's, as "muon")
-        more = checkpoint.get("more_optimizers", [checkpoint.get("muon")])
-        for opt, state in zip(optimizers, [checkpoint["optimizer"], *more]):
+    else:
+        for opt, state in zip(optimizers, [checkpoint["optimizer"], *checkpoint["more_optimizers"]]):
             opt.load_state_dict(state)

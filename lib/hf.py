@@ -17,9 +17,12 @@ from pathlib import Path
 
 import torch
 
-from lib.bounds import check_regular, check_shapes, check_sizes, confined, layer_count
+from lib.bounds import confined
+from lib.checkpoint import check_shapes, layer_count
 from lib.errors import UserError
 from lib.files import open_own
+from lib.meta import check_regular
+from lib.settings import check_sizes
 from model import GPT, PROJECTIONS, GPTConfig
 
 # ours -> transformers' names of a block's seven projections (model.PROJECTIONS), and of the families

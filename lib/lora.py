@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lib.errors import UserError
 from lib.files import open_own
 from lib.hf import HF_PROJECTIONS
+from lib.settings import LORA_BASE_DTYPES
 from model import PROJECTIONS
 
 
@@ -55,9 +56,8 @@ def check_lora(asked, rank, base_dtype, tp, fsdp):
     if asked and not rank:
         raise UserError("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of "
                          "yours to one with export.py)")
-    if base_dtype not in ("auto", "float32", "bfloat16", "float16", "nf4", "int8"):
-        raise UserError(f"lora_base_dtype={base_dtype!r} is not 'auto', 'float32', 'bfloat16', 'float16', 'nf4' "
-                         f"or 'int8'")
+    if base_dtype not in LORA_BASE_DTYPES:
+        raise UserError(f"lora_base_dtype={base_dtype!r} is not one of {', '.join(LORA_BASE_DTYPES)}")
     if rank and tp > 1:
         raise UserError("LoRA does not run under tensor parallel: use fsdp=True to spread a larger model "
                          "(tp_size=1)")
@@ -121,13 +121,6 @@ def quantize_base(model, kind="nf4"):
         quantized = to_nf4(linear.weight.detach(), 64, math.gcd(256, n // 64))
         linear.weight = nn.Parameter(quantized, requires_grad=False)
     return model
-
-
-def trained_only(model, state):
-    # a state dict's entries for the parameters that train: under LoRA the adapters alone, the frozen
-    # base being its folder's (known again by its fingerprint)
-    trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    return {n: t for n, t in state.items() if n in trained}
 
 
 def write_adapter(model, base, folder):

@@ -24,7 +24,6 @@ from torch.utils._pytree import tree_leaves
 
 import kernels
 from lib.errors import UserError
-from lib.lora import add_lora
 from lib.optim import build_optimizers
 from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT, is_dtensor
 from lib.settings import defaults
@@ -148,6 +147,8 @@ def traced_optimizer(model, optimizer="adamw", tp=1):
     default) or the run's settings (a dict). Measured as the activations are, so that a new optimizer needs no
     edit here: one step of probe_model's copy (two blocks, tensor parallel's share over tp, fake, each tensor in
     its twin's dtype) with a gradient for each parameter; the last block's state stands for every later block's.
+    That holds for an optimizer that makes all its state before any arithmetic of its step, as torch's do in
+    _init_group: a step may stop early on fake tensors (below), and state made after that point is not counted.
     A parameter that the copy lacks (a module of this instance replaced by hand) is counted without state.
     The optimizers are built for the meta device, where build_optimizers picks no fused kernel (torch's fused
     SGD has no fake: it would run for real, on real tensors as large as two blocks); their foreach or per-tensor
@@ -254,6 +255,7 @@ def probe_model(model, tp=1):
     probe = own(dataclasses.replace(c, n_layer=min(c.n_layer, 2), n_head=c.n_head // tp,
                                     n_kv_head=c.n_kv_head // tp, mlp_hidden=c.mlp_hidden // tp, lora_rank=0))
     if c.lora_rank:
+        from lib.lora import add_lora
         add_lora(probe, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_targets)
     return probe
 

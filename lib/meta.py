@@ -12,12 +12,12 @@ import json
 import math
 import os
 import pickle
+import stat
 from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
-from lib.bounds import check_regular, check_token_ids
 from lib.errors import UserError
 
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
@@ -119,6 +119,28 @@ def nanogpt_chars(path):
 
 # -----------------------------------------------------------------------------
 # its token files
+
+def check_regular(path, fix):
+    """UserError in one line where path is there but is not a regular file: a FIFO would hang its read, a device
+    (/dev/zero) never end it."""
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise UserError(f"{path} is not a regular file (a FIFO, a device or a folder): {fix}")
+
+
+def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
+    """UserError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
+    (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has). It is
+    read in chunks of memory-mapped ids, about as fast as the disk reads."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
+    ids = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+    for start in range(0, len(ids), chunk):
+        piece = ids[start:start + chunk]
+        if int(piece.max()) >= vocab_size:
+            at = int(np.argmax(piece >= vocab_size))  # the first one, to name where the file goes wrong
+            raise UserError(f"{path} holds token id {int(piece[at])} at position {start + at}, past meta.json's "
+                             f"vocab_size {vocab_size}: it is not the data meta.json describes (prepare it again)")
+
 
 def check_token_files(data_dir, meta, block_size):
     """The training split's length in tokens, once train.bin and val.bin are there, whole tokens of meta's

@@ -9,6 +9,9 @@ on the optimizers before each update.
 A new optimizer is a function here taking (named, config, fused): the trainable (name, parameter) pairs, the run's
 settings and whether torch's fused step may run; it returns a list of optimizers (groups() splits the decayed
 matrices from the rest), its settings' defaults in lib/settings.py; a checkpoint holds whatever the list holds.
+Its step must make all of its state before any arithmetic, as torch's optimizers do in _init_group: the memory
+estimate (lib/memory.py's traced_optimizer) steps it on fake tensors, where a step may stop at an op that asks for
+a value (a .item()), and counts the state made by then, so state made later would be left out of the estimate.
 """
 
 import inspect
@@ -126,8 +129,8 @@ def check_optimizer(config):
 def lr_factor(it, decay_lr=True, lr_schedule="cosine", warmup_iters=100, lr_decay_iters=5000, learning_rate=6e-4,
               min_lr=6e-5, lr_decay_fraction=0.2, lr_cycle_iters=1000, lr_power=1.0):
     """The fraction of its peak every learning rate has at step it (the settings are train.py's): a linear
-    warmup, then lr_schedule from 1 down to the floor (min_lr's fraction of learning_rate) at lr_decay_iters,
-    and the floor after it."""
+    warmup, then lr_schedule. Each decaying schedule goes from 1 down to the floor (min_lr's fraction of
+    learning_rate) at lr_decay_iters and keeps the floor after it; 'constant' stays at 1 and never reaches it."""
     if not decay_lr:
         return 1.0
     if it < warmup_iters:

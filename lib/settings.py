@@ -39,8 +39,8 @@ early_stop_min_delta = 0.0  # an evaluation counts as better only if it lowers t
 max_skipped_steps = 10  # stop after this many updates in a row skipped for a non-finite loss or gradient
 # logging
 wandb_log = False  # also send metrics to Weights & Biases
-wandb_project = "gpt"
-wandb_run_name = "run"
+wandb_project = "gpt"  # the W&B project the run is logged under
+wandb_run_name = "run"  # the run's name in that project
 tensorboard_log = False  # also write metrics.jsonl's records as TensorBoard events under out_dir/tb
 # data
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
@@ -54,13 +54,15 @@ sequences = "windows"  # how training sequences are drawn: data.SEQUENCES says e
 max_epochs = 0  # also end the run after this many passes over the training split (0: max_iters alone)
 # model: every field of GPTConfig (model.py) with a plain default is a setting too (qk_norm, rope_theta, head_size,
 # ...), its default there; these are a run's own defaults. From a pretrained folder its config.json sets the shape.
-n_layer = 6
-n_head = 6
+n_layer = 6  # transformer blocks
+n_head = 6  # query heads in each block's attention
 n_kv_head = 0  # key/value heads for grouped-query attention (0: as many as n_head)
-n_embd = 384
+n_embd = 384  # width of the residual stream (the token embedding's)
 dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
 vocab_size = 0  # 0: the dataset's vocabulary, padded up to a multiple of 64
-use_kernels = None  # Triton fused ops: True, False, or None for auto (on CUDA with Triton)
+use_kernels = None  # kernels.py's Triton fused ops: True, False, or None for auto (model.fused): the fused
+# ops on CUDA where Triton is installed, the references on a CPU, and under torch.compile only the fused loss
+# (Inductor fuses the references of the norm, SwiGLU and rotary into the ops around them)
 bias = False  # nanoGPT's biases in every linear and norm: this Llama-style block has none (qkv_bias: Qwen2's)
 doc_mask = False  # attend only within a document: end-of-text (meta.json's eot_id) begins a new one
 # LoRA: train low-rank adapters on a frozen pretrained model (init_from a Hugging Face folder)
@@ -68,7 +70,7 @@ lora_rank = 0  # the adapters' rank; 0: off, every weight trains
 lora_alpha = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
 lora_dropout = 0.0  # dropout on the adapters' input
 lora_targets = "q,k,v,o,gate,up,down"  # projections to adapt; the default is all of them, attention's and the MLP's
-lora_base_dtype = "auto"  # the frozen base: 'auto' (the run's dtype), 'float32', 'bfloat16', 'nf4' (QLoRA) or 'int8'
+lora_base_dtype = "auto"  # the frozen base: 'auto' (the run's dtype), 'float32', 'bfloat16', 'float16', 'nf4' or 'int8'
 # (torchao's: 4 bits, or 8 bits weight-only)
 # optimizer
 optimizer = "adamw"  # optim.OPTIMIZERS says each one ('adamw', 'muon': Muon for the blocks' matrices, ...)
@@ -76,17 +78,19 @@ learning_rate = 6e-4  # peak learning rate (under muon: of the AdamW part)
 max_iters = 5000  # total optimizer steps
 weight_decay = 0.1  # on matrices only (AdamW, Muon: decoupled; Adam, SGD: an L2 term in the gradient)
 beta1 = 0.9  # Adam(W)'s
-beta2 = 0.95
+beta2 = 0.95  # Adam(W)'s, for the second moment (beta1 is the first's)
 momentum = 0.9  # SGD's
 muon_lr = 0.02  # Muon's peak learning rate for the blocks' matrices
-muon_momentum = 0.95
+muon_momentum = 0.95  # Muon's, for the blocks' matrices (momentum is SGD's)
 grad_clip = 1.0  # clip gradients at this norm (0: off)
 # learning rate schedule: linear warmup over warmup_iters, then lr_schedule; every learning rate
-# (learning_rate, muon_lr) is scaled by the same factor, down to min_lr / learning_rate of its peak
+# (learning_rate, muon_lr) is scaled by the same factor, which the decaying schedules bring down to
+# min_lr / learning_rate of its peak at lr_decay_iters ('constant' stays at the peak)
 decay_lr = True  # False: learning_rate throughout, no warmup and no schedule
-lr_schedule = "cosine"  # 'cosine', 'linear', 'polynomial' (peak to min_lr at lr_decay_iters), 'constant',
-# 'wsd', or 'cosine_restarts' (cosine to min_lr and back to the peak every lr_cycle_iters, until lr_decay_iters)
-warmup_iters = 100
+lr_schedule = "cosine"  # 'cosine', 'linear', 'polynomial' (peak to min_lr at lr_decay_iters), 'constant'
+# (the peak after warmup, never decaying), 'wsd', or 'cosine_restarts' (cosine to min_lr and back to the peak
+# every lr_cycle_iters, until lr_decay_iters)
+warmup_iters = 100  # steps of the linear warmup to the peak, whatever lr_schedule follows
 warmup_ratio = 0.0  # if above 0: warm up over this fraction of the run's steps instead of warmup_iters
 lr_decay_iters = 5000  # should be ~max_iters
 lr_decay_fraction = 0.2  # wsd: stable at the peak, then a linear decay over this last part of lr_decay_iters
@@ -94,7 +98,8 @@ min_lr = 6e-5  # ~learning_rate/10
 lr_cycle_iters = 1000  # cosine_restarts: steps from one restart to the next
 lr_power = 1.0  # polynomial: the decay's power (1: linear)
 # system
-backend = "auto"  # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'
+backend = "auto"  # torch.distributed's: 'auto', 'nccl' or 'gloo'; auto: nccl on CUDA, else gloo
+# (with fsdp_cpu_offload both, 'cuda:nccl,cpu:gloo': offloaded shards' gradient norms are reduced on the CPU)
 dist_timeout = 600  # seconds joining the process group, or a collective, may wait for the others before failing
 # (so that torchrun can restart a group that lost a process, README: "Surviving failures")
 device = "auto"  # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
@@ -110,6 +115,8 @@ gradient_checkpointing = False  # keep only each block's input; recompute the re
 # -----------------------------------------------------------------------------
 _PLAIN = (int, float, bool, str, type(None))
 __all__ = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, _PLAIN)]  # (the block above)
+
+LORA_BASE_DTYPES = ("auto", "float32", "bfloat16", "float16", "nf4", "int8")  # lora_base_dtype's choices
 
 
 def model_settings():
@@ -166,5 +173,37 @@ def check(config):
     if config["max_epochs"] < 0 or not 0 <= config["warmup_ratio"] < 1:
         raise _UserError(f"max_epochs={config['max_epochs']} must be at least 0 and warmup_ratio="
                          f"{config['warmup_ratio']} in [0, 1)")
+    if config["lora_base_dtype"] not in LORA_BASE_DTYPES:
+        raise _UserError(f"lora_base_dtype={config['lora_base_dtype']!r} is not one of {', '.join(LORA_BASE_DTYPES)}")
     _data.check_sequences(config["sequences"])
     _optim.check_optimizer(config)
+
+
+# A model's sizes, from whatever says them (this run's settings, a checkpoint, a config.json): the most positions a
+# model may hold rotary tables for is past every released model (Qwen2.5-1M has ~1M), and small enough that the
+# tables (positions x head size, twice) are not themselves the hostile input.
+_MAX_POSITIONS = 1 << 21
+_MAX_TABLE = _MAX_POSITIONS * 256  # positions x head size: 2M positions of heads 256 wide (2 GiB of fp32 tables)
+_SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "head_size", "mlp_hidden")
+_DERIVED = ("n_kv_head", "head_size", "mlp_hidden")  # 0 means "from the other sizes" (GPTConfig)
+
+
+def check_sizes(args, where, fix):
+    """_UserError in one line unless every model size in args (GPTConfig's names) is a whole number above 0 (0
+    allowed where it means derived), block_size at most _MAX_POSITIONS, and rope_theta, norm_eps and dropout are
+    numbers in their range. where: the file that says them; fix: what to do about it."""
+    for name in _SIZES:
+        value = args.get(name, 1)
+        if type(value) is not int or value < (0 if name in _DERIVED else 1):
+            raise _UserError(f"{where} says {name}={value!r}, not a whole number above 0: {fix}")
+    if args.get("block_size", 1) > _MAX_POSITIONS:
+        raise _UserError(f"{where} says block_size={args['block_size']}, past the {_MAX_POSITIONS} positions this "
+                         f"model.py holds tables for: {fix}")
+    head = args.get("head_size") or args.get("n_embd", 1) // max(args.get("n_head", 1), 1)
+    if args.get("block_size", 1) * head > _MAX_TABLE:  # the rotary tables' cos and sin, each positions x head / 2
+        raise _UserError(f"{where} says block_size={args['block_size']} positions of heads {head} wide: rotary tables "
+                        f"of {args['block_size'] * head * 4 / 2**30:.0f} GiB, past every released model's: {fix}")
+    for name, low, high in (("rope_theta", 0, _math.inf), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
+        value = args.get(name, 0.5)
+        if type(value) not in (int, float) or not low < value < high:
+            raise _UserError(f"{where} says {name}={value!r}, not a number in its range: {fix}")

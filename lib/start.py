@@ -17,14 +17,10 @@ import torch
 import torch.distributed as dist
 
 from lib import checkpoint as ckpt
-from lib.bounds import check_sizes
 from lib.errors import UserError
 from lib.files import lock_folder, unlock_folder
-from lib.hf import fingerprint, load_pretrained, read_json
-from lib.lora import add_lora, check_lora
 from lib.parallel import this_process
-from lib.settings import model_settings
-from lib.tokenizer import check_tokenizer
+from lib.settings import check_sizes, model_settings
 from model import GPT, GPTConfig
 
 @dataclass
@@ -34,7 +30,9 @@ class Origin:
     checkpoint: dict | None  # the checkpoint's state on a resume (train.py frees it once restored)
     found: str | None  # the checkpoint's path: ckpt.pt, or a sharded folder
     sharded: bool  # the layout of out_dir's checkpoints: sharded folders (FSDP, tensor parallel) or files
-    model_args: dict  # GPTConfig's fields for a new model, or the checkpoint's with this run's dropout and kernels
+    # GPTConfig's fields for a new model, or the checkpoint's with this run's dropout, kernels and (begun from
+    # scratch) block_size
+    model_args: dict
     loop: dict  # the training loop's state (checkpoint.LOOP's keys)
     lora_base_dtype: str
     lora: int = 0  # the adapters' rank, 0: off
@@ -123,8 +121,12 @@ def begin(config, vocab_size, meta, fsdp):
             return origin
     elif init_from != "scratch":  # a Hugging Face model folder to fine-tune, with this command's LoRA rank
         origin.pretrained, origin.lora = os.path.abspath(init_from), config["lora_rank"]
-    check_lora(config["lora_rank"], origin.lora, origin.lora_base_dtype, config["tp_size"], fsdp)
+    if config["lora_rank"] or origin.lora:  # LoRA's settings, checked where LoRA is taken
+        from lib.lora import check_lora
+        check_lora(config["lora_rank"], origin.lora, origin.lora_base_dtype, config["tp_size"], fsdp)
     if checkpoint is None and init_from != "scratch":
+        from lib.hf import fingerprint, read_json  # the folder's config, and the tokenizer its data was made with
+        from lib.tokenizer import check_tokenizer
         # data for a pretrained model must be made with its own tokenizer, or its ids mean other words
         try:
             model_vocab = int(read_json(os.path.join(init_from, "config.json"))["vocab_size"])
@@ -153,9 +155,11 @@ def first_model(origin, config, dtype):
         run_settings = {k: model_args[k] for k in ckpt.RUN_SETTINGS}
         return ckpt.model_from_checkpoint(checkpoint, base_dtype, **run_settings), model_args
     if checkpoint is None and origin.pretrained:
+        from lib.hf import load_pretrained
         model = load_pretrained(origin.init_from, base_dtype, config["block_size"], dropout=config["dropout"],
                                 use_kernels=config["use_kernels"])
         if lora:
+            from lib.lora import add_lora
             add_lora(model, lora, config["lora_alpha"], config["lora_dropout"], config["lora_targets"])
         return model, asdict(model.config)
     try:  # GPTConfig refuses sizes no model can have (n_embd not a multiple of n_head, ...) with a ValueError
@@ -191,13 +195,6 @@ def resume_rng(rngs, rank, world_size, device_type):
             torch.cuda.set_rng_state(rngs[rank]["cuda"])
 
 
-def format_of(checkpoint):
-    """The format a checkpoint was written in (checkpoint.FORMAT); from before it was recorded: 1, or 0 where the
-    run's config lacks memory_budget (saved before windows were shuffled, when sequences='windows' drew them as
-    'random' draws them now)."""
-    return checkpoint.get("format", 1 if "memory_budget" in checkpoint["config"] else 0)
-
-
 def resume(origin, config, meta):
     # origin (begin's) from its checkpoint: the weights decide the model's shape, the checkpoint holds the loop's
     # state, and a LoRA run's base is held as it was (4 bits stay 4 bits); notes on what this command changed
@@ -227,14 +224,10 @@ def resume(origin, config, meta):
     # sequences (batch_size='auto' may share them otherwise than the command says)
     def shaping(c):
         return c.get("seed"), c.get("sequences"), c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0)
-    old = before.get("sequences") == "windows" and format_of(checkpoint) == 0  # saved before windows were shuffled:
-    before = {**before, "sequences": "random"} if old else before  # its windows were drawn as 'random' draws them now
     if shaping(before) != shaping(config):
         origin.notes.append("warning: seed, sequences or the sequences of an update (batch_size x "
                             "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
-                            "not on the batches the first run would have seen" + (
-                                " (this checkpoint's windows were drawn with replacement, as sequences='random' "
-                                "draws them now)" if old else ""))
+                            "not on the batches the first run would have seen")
     if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""

@@ -167,9 +167,19 @@ def test_a_sharded_checkpoint_is_checked_before_its_model_is_built_to_resume(arg
     # a sharded checkpoint's state.pt names its parameters in its optimizer's param_groups; its tensors are read
     # into the model later, once train.py has built it from model_args
     names = list(GPT(TINY).state_dict())
-    state = {"model_args": {**asdict(TINY), **args}, "param_groups": [{"params": names}], "config": {}}
+    state = {"format": ckpt.FORMAT, "model_args": {**asdict(TINY), **args}, "param_groups": [{"params": names}],
+             "config": {}}
     with pytest.raises(ValueError, match=says):
         ckpt.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt")
+
+
+@pytest.mark.parametrize("written", [{"format": ckpt.FORMAT - 1}, {}])
+def test_a_checkpoint_of_another_format_is_refused_to_resume_in_one_line(written):
+    # a resume reads today's checkpoints alone: an older one (no format recorded, or another number) is named
+    state = {**written, "model_args": asdict(TINY), "config": {}}
+    with pytest.raises(ValueError, match=r"^out/ckpt.pt was written by another train.py \(checkpoint format "
+                                         r".*resume it with the train.py that wrote it"):
+        ckpt.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt.pt")
 
 
 def test_a_checkpoint_with_tensors_its_model_lacks_is_one_line():
