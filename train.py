@@ -10,7 +10,7 @@ DDP over 8 GPUs on one node, or over several nodes (run the same line on each, w
     torchrun --nnodes=4 --node_rank=0 --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29500 train.py config/train_small.py
 
-Past one device's memory add --fsdp=True, --tp_size=N, --gradient_checkpointing=True (README: Scaling up).
+Past one device's memory add --fsdp=True, --tp_size=N, --gradient_checkpointing=True (docs/scaling.md).
 
 Continue a run from out_dir/ckpt.pt (or an FSDP run's sharded out_dir/ckpt/) exactly where it stopped: add
 --init_from=resume (or use --init_from=auto, which resumes when there is a checkpoint: the same command after
@@ -39,7 +39,6 @@ from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation
 from lib.optim import build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
 from lib.parallel import (StopRequest, check_same_settings, clip_gradients, end_processes, init_distributed,
                           parallelize, peak_flops, target_shares)
-from lib.settings import *  # noqa: F403 (its block of settings: each a global here, as at nanoGPT's top)
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
 
 # -----------------------------------------------------------------------------
@@ -48,17 +47,21 @@ from lib.start import begin, claim, described, first_model, resume_rng, rng_stat
 
 config = settings.defaults()
 configure(config, sys.argv[1:])
-globals().update(config)
 one_line_errors("train.py")  # a UserError, ours or a library's, stops the run with its one line (errors.py)
 settings.check(config)
-if dataset:  # as nanoGPT's config files name their data: its folder data/NAME
-    data_dir = config["data_dir"] = os.path.join("data", dataset)
+if config["dataset"]:  # as nanoGPT's config files name their data: its folder data/NAME
+    config["data_dir"] = os.path.join("data", config["dataset"])
+globals().update(config)  # every setting a global of its own name from here on, as at nanoGPT's top
 
 # -----------------------------------------------------------------------------
 # 2. devices and processes: torchrun's (or this one alone) in a (data parallel, tensor parallel) mesh
 
-ddp, rank, local_rank, world_size, master, device, device_type, dtype, backend, fsdp, mesh, dp_size, dp_rank = \
-    init_distributed(device, dtype, backend, tp_size, fsdp, fsdp_cpu_offload, dist_timeout)
+procs = init_distributed(device, dtype, backend, tp_size, fsdp, fsdp_cpu_offload, dist_timeout)  # parallel.Processes
+# the settings that were 'auto' as resolved for this machine (and tensor parallel brings FSDP), then this process's
+# place in the run: the master (rank 0) alone prints and writes; dp_rank is its data-parallel replica
+device, dtype, backend, fsdp = procs.device, procs.dtype, procs.backend, procs.fsdp
+ddp, master, rank, world_size = procs.ddp, procs.master, procs.rank, procs.world_size
+device_type, dp_size, dp_rank = procs.device_type, procs.dp_size, procs.dp_rank
 check_same_settings(config, data_dir)  # every node started with rank 0's settings and data, or all stop here
 if gradient_accumulation_steps % dp_size:
     raise UserError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
@@ -96,16 +99,15 @@ checkpoint, loop, lora = origin.checkpoint, origin.loop, origin.lora
 
 model, model_args = first_model(origin, config, dtype)  # from the checkpoint, the folder, or new (start.py)
 quantized = origin.lora_base_dtype if origin.lora_base_dtype in ("nf4", "int8") else None
-vocab_size = model_args["vocab_size"]
 if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded)
     model.to(device)
 if lora and quantized:  # QLoRA: the frozen base in 4 or 8 bits (torchao's)
     from lib.lora import quantize_base
     quantize_base(model, quantized)
-# Past one device (README, "Scaling up"): tensor parallel, checkpointing, compile, then FSDP or DDP
+# Past one device (docs/scaling.md): tensor parallel, checkpointing, compile, then FSDP or DDP
 raw_model = model
-device_ids = [local_rank] if device_type == "cuda" else None  # DDP's, one GPU a process
-model = parallelize(model, mesh, tp_size, fsdp, gradient_checkpointing, compile, ptdtype, fsdp_cpu_offload,
+device_ids = [procs.local_rank] if device_type == "cuda" else None  # DDP's, one GPU a process
+model = parallelize(model, procs.mesh, tp_size, fsdp, gradient_checkpointing, compile, ptdtype, fsdp_cpu_offload,
                     ddp=ddp and dp_size > 1, device_ids=device_ids)
 optimizers = build_optimizers(raw_model, config, device_type)  # optim.OPTIMIZERS[optimizer]
 peak_lrs = [opt.param_groups[0]["lr"] for opt in optimizers]  # the schedule scales each optimizer's own peak
@@ -121,7 +123,7 @@ torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica
 if checkpoint is not None:  # each process's own random stream again, where the processes are as many
     resume_rng(checkpoint["rng"], rank, world_size, device_type)
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
-if batch_size_auto:  # the largest micro-batch that fits, for the same updates (memory.py; README: batch_size='auto')
+if batch_size_auto:  # the largest micro-batch that fits, for the same updates (memory.py; docs/scaling.md)
     sequences_per_step = gradient_accumulation_steps * batch_size
     batch_size, note = auto_micro_batch(raw_model, sequences_per_step, block_size, memory_budget, layout, checkpoint,
                                         autocast, dtype=dtype, optimizer=optimizer, quantized=quantized, device=device)
@@ -150,7 +152,7 @@ if room_warning and master:
 # 6. the sequences (data.py): shuffled windows, or whole examples packed best-fit attending only within themselves,
 # every one once per epoch (or random windows). Sequence n of the run is the same however processes share steps
 
-batches = Batches(data_dir, meta, block_size, seed, vocab_size, sequences, batch_size,
+batches = Batches(data_dir, meta, block_size, seed, model_args["vocab_size"], sequences, batch_size,
                   gradient_accumulation_steps * batch_size, train_tokens, doc_mask, eval_full, eval_stride, device)
 epoch_steps = batches.steps_for(max_epochs) if max_epochs > 0 else None  # (and where the epochs end)
 max_iters, lr_decay_iters, warmup_iters, steps_note = run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio,
@@ -165,6 +167,28 @@ schedule = dict(decay_lr=decay_lr, lr_schedule=lr_schedule, warmup_iters=warmup_
 
 # -----------------------------------------------------------------------------
 # 7. what the loop calls: evaluation, checkpoints, logging
+
+config.update(device=device, dtype=dtype, backend=backend, vocab_size=model_args["vocab_size"],
+              init_from=origin.init_from)  # as resolved
+# what every checkpoint holds beside the tensors, the loop's state and the random states
+about_run = {"model_args": model_args, "config": config, "world_size": world_size,
+             "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
+             "pretrained": origin.pretrained,  # the Hugging Face folder the run began from, if any
+             "base_fingerprint": origin.base_fingerprint, "memory_device": device_name(device)}
+saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
+log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,
+                          tensorboard_log)  # (eval_only writes nothing)
+if eval_tasks and master:  # the tasks are checked, and their data loaded, before the first step (docs/evaluation.md)
+    from lib import harness  # here, not on top: lm-evaluation-harness adds half a second to every run's start
+    task_model = harness.for_training(raw_model, data_dir, device, autocast, batch_size, eval_tasks, eval_tasks_path)
+preemption = StopRequest()  # SIGTERM or SIGINT: the current step finishes, saves, and the run exits 0
+speed, logged = Speedometer(), False  # the steps since the last log line: their time and attention keys
+clock = start_clock()  # the time left (metrics.py), from the step and evaluation times of this process
+# A checkpoint of an evaluated step is held back until the next update has computed its gradient at those
+# weights: written then if the gradient is finite, dropped if not (settle_held_back). So every checkpoint written
+# along the way is of weights that still gave a finite gradient, and a run that diverges (learning_rate=1e9: one
+# finite update, then nothing but NaN) stops with ckpt.pt from before the update that broke it.
+held_back = None  # (improved, the random state at that step) of the checkpoint held back
 
 
 @torch.no_grad()
@@ -199,30 +223,45 @@ def save_checkpoint(loop, improved, finished_epoch=None, rng=None):
     ckpt.save(out_dir, state, raw_model, optimizers, improved=improved, finished_epoch=finished_epoch, **saving)
 
 
-config.update(device=device, dtype=dtype, backend=backend, vocab_size=vocab_size,
-              init_from=origin.init_from)  # as resolved
-# what every checkpoint holds beside the tensors, the loop's state and the random states
-about_run = {"model_args": model_args, "config": config, "world_size": world_size,
-             "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
-             "pretrained": origin.pretrained,  # the Hugging Face folder the run began from, if any
-             "base_fingerprint": origin.base_fingerprint, "memory_device": device_name(device)}
-saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
-log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,
-                          tensorboard_log)  # (eval_only writes nothing)
-
-preemption = StopRequest()  # SIGTERM or SIGINT: the current step finishes, saves, and the run exits 0
-# A checkpoint of an evaluated step is held back until the next update has computed its gradient at those
-# weights: written then if the gradient is finite, dropped if not. So every checkpoint written along the way
-# is of weights that still gave a finite gradient, and a run that diverges (learning_rate=1e9: one finite
-# update, then nothing but NaN) stops with ckpt.pt from before the update that broke it.
-held_back = None  # (improved, the random state at that step) of the checkpoint held back
-
-
-def save_held_back():
-    # The update after an evaluated step has a finite gradient: the weights are still the evaluated step's, and
-    # the checkpoint held back for them is a good state, written now (see held_back).
+def evaluate(step):
+    # The losses at this step, logged; its checkpoint saved (at the end) or held back (see held_back). Returns
+    # True where the run ends here: eval_only, or no better val loss in early_stop_patience evaluations.
     global held_back
-    if held_back:
+    eval_began = time.time()
+    losses = estimate_loss(model, raw_model)
+    loop["evaluated"] = True
+    task_scores = harness.task_metrics(*task_model, eval_tasks_limit) if eval_tasks and master else {}
+    improved = losses["val"] < loop["best_val_loss"] - early_stop_min_delta
+    if improved:
+        loop["best_val_loss"] = losses["val"]
+    loop["evals_without_gain"] = 0 if improved else loop["evals_without_gain"] + 1
+    report_evaluation(log, master, step, losses, task_scores, batches.epoch(step),
+                      learning_rate * lr_factor(step, **schedule))
+    if eval_only:  # nanoGPT's: the losses of the model as it is, and nothing trained or saved
+        return True
+    early_stop = early_stop_patience > 0 and loop["evals_without_gain"] >= early_stop_patience
+    if step > 0 and (improved or always_save_checkpoint or early_stop or step == max_iters):
+        if step >= max_iters or early_stop:
+            save_checkpoint(loop, improved)  # the run ends here: nothing comes after to vouch for this state
+        else:  # saved in the next update, once its gradient is finite (settle_held_back)
+            held_back = (improved, rng_state(device_type))
+    if early_stop:
+        if master:
+            print(f"early stop: no better val loss in {early_stop_patience} evaluations")
+        return True
+    speed.restart()  # evaluation time is not training time
+    if master and clock["eval_seconds"] is None:  # the first one: what an evaluation costs the run
+        print(f"an evaluation took {time.time() - eval_began:.1f} s ({eval_batches['train']} train and "
+              f"{eval_batches['val']} val micro-batches a process: eval_iters and eval_interval set its share)")
+    clock["eval_seconds"] = time.time() - eval_began
+    return False
+
+
+def settle_held_back(finite):
+    # Once per update, when its gradient is known: the checkpoint held back for the weights it was computed at is
+    # written if the gradient is finite (a good state), and dropped if not (ckpt.pt stays the last good state).
+    global held_back
+    if held_back and finite:
         improved_then, rng_then = held_back
         saving_since = time.time()
         save_checkpoint(loop, improved_then, rng=rng_then)
@@ -253,51 +292,20 @@ def log_progress(step, loss, lr, grad_norm):
     speed.restart()
 
 
-if eval_tasks and master:  # the tasks are checked, and their data loaded, before the first step (README: Evaluating)
-    from lib import harness  # here, not on top: lm-evaluation-harness adds half a second to every run's start
-    task_model = harness.for_training(raw_model, data_dir, device, autocast, batch_size, eval_tasks, eval_tasks_path)
-
-# -----------------------------------------------------------------------------
-# 8. the training loop
-
 def step_batches(step):  # this process's micro-batches of an update
     return [batches.train(step, dp_rank * micro_steps + micro) for micro in range(micro_steps)]
 
 
+# -----------------------------------------------------------------------------
+# 8. the training loop
+
 upcoming = None  # the next update's micro-batches, once the update before has asked for them
-speed, logged = Speedometer(), False  # the steps since the last log line: their time and attention keys
-clock = start_clock()  # the time left (metrics.py), from the step and evaluation times of this process
 while True:
     step = loop["iter_num"]  # the step this pass evaluates, then updates
     # evaluate (and checkpoint) every eval_interval steps and at the end
-    if (step % eval_interval == 0 or step == max_iters) and not loop["evaluated"] or eval_only:
-        eval_began = time.time()
-        losses = estimate_loss(model, raw_model)
-        loop["evaluated"] = True
-        task_scores = harness.task_metrics(*task_model, eval_tasks_limit) if eval_tasks and master else {}
-        improved = losses["val"] < loop["best_val_loss"] - early_stop_min_delta
-        if improved:
-            loop["best_val_loss"] = losses["val"]
-        loop["evals_without_gain"] = 0 if improved else loop["evals_without_gain"] + 1
-        report_evaluation(log, master, step, losses, task_scores, batches.epoch(step),
-                          learning_rate * lr_factor(step, **schedule))
-        if eval_only:  # nanoGPT's: the losses of the model as it is, and nothing trained or saved
+    if eval_only or (step % eval_interval == 0 or step == max_iters) and not loop["evaluated"]:
+        if evaluate(step):
             break
-        early_stop = early_stop_patience > 0 and loop["evals_without_gain"] >= early_stop_patience
-        if step > 0 and (improved or always_save_checkpoint or early_stop or step == max_iters):
-            if step >= max_iters or early_stop:
-                save_checkpoint(loop, improved)  # the run ends here: nothing comes after to vouch for this state
-            else:  # saved in the next update, once its gradient is finite (see held_back)
-                held_back = (improved, rng_state(device_type))
-        if early_stop:
-            if master:
-                print(f"early stop: no better val loss in {early_stop_patience} evaluations")
-            break
-        speed.restart()  # evaluation time is not training time
-        if master and clock["eval_seconds"] is None:  # the first one: what an evaluation costs the run
-            print(f"an evaluation took {time.time() - eval_began:.1f} s ({eval_batches['train']} train and "
-                  f"{eval_batches['val']} val micro-batches a process: eval_iters and eval_interval set its share)")
-        clock["eval_seconds"] = time.time() - eval_began
     if step >= max_iters:
         break
 
@@ -339,13 +347,13 @@ while True:
     grad_norm = grad_norm.view(1).float().to(device)
     step_values = torch.cat([loss_sum.view(1), grad_norm, stop, keys_run.view(1).float()])
     loss_value, grad_norm_value, stop_value, keys_value = step_values.tolist()
-    if math.isfinite(loss_value) and math.isfinite(grad_norm_value):
-        save_held_back()
+    finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
+    settle_held_back(finite)
+    if finite:
         for opt in optimizers:
             scaler.step(opt)
         loop["skipped_in_a_row"] = 0
     else:  # a non-finite loss or gradient: apply nothing, not even to the optimizer's moments
-        held_back = None  # and keep no checkpoint of weights that gave it: ckpt.pt stays the last good state
         loop["skipped_in_a_row"] += 1
         if master:
             print(f"iter {step + 1}: skipped, loss {loss_value}, grad norm {grad_norm_value} "

@@ -1,5 +1,5 @@
 """
-bench.py --mode=gpu: everything a GPU must show (BENCHMARKS.md, "GPU: owed"), made of bench.py's measurements at a
+bench.py --mode=gpu: everything a GPU must show (BENCHMARKS.md, "Not yet measured"), made of bench.py's measurements at a
 GPU's shapes, in sections that run alone (--section), each a few minutes long, so that they fit a time limit a
 few at a time. With --out=DIR each section writes DIR/SECTION.md line by line, so that a run stopped at its limit
 still leaves what it finished; no row begins after --minutes. A row that cannot run (out of memory,
@@ -9,7 +9,7 @@ CPU, a smoke check of the command, without torch.compile (its first compile cost
     python bench.py --mode=gpu --out=gpu
     python bench.py --mode=gpu --section=step --out=gpu   # one part alone: gpu/step.md, line by line
 
-README.md, "Measuring on a GPU", says which sections go together, their times on an H100, and how a machine
+docs/measuring.md, "Measuring on a GPU", says which sections go together, their times on an H100, and how a machine
 without a package index gets the wheels it lacks (tools/wheels.py).
 """
 

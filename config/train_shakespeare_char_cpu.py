@@ -10,7 +10,7 @@
 # baby's, and this model (rotary, SwiGLU, RMSNorm) learns more per step. A short warmup, a higher peak
 # rate held stable and a linear decay to ~0 over the last 40% of the steps (lr_schedule='wsd') get
 # there in 760 steps. Muon is not used: torch's runs its orthogonalization in bf16, which this kind of
-# CPU computes ~15x slower than fp32 (it wins on GPUs, see README).
+# CPU computes ~15x slower than fp32 (it is made for GPUs, whose bf16 is fast).
 out_dir = "out-shakespeare-char-cpu"
 data_dir = "data/shakespeare_char"
 device = "cpu"

@@ -46,7 +46,7 @@ tensorboard_log = False  # also write metrics.jsonl's records as TensorBoard eve
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
 dataset = ""  # nanoGPT's name for the data: 'NAME' reads data/NAME (its prepared folders work as they are)
 gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
-batch_size = 12  # sequences per micro-step per process; 'auto': the largest that fits, the update kept (README)
+batch_size = 12  # sequences per micro-step per process; 'auto': the largest that fits, the update kept (docs/scaling.md)
 batch_size_auto = False  # set by batch_size='auto': batch_size then only counts an update's sequences (with the above)
 memory_budget = 0.0  # GiB a process may hold under batch_size='auto' (0: what its device has free)
 block_size = 256  # tokens per sequence (from a pretrained folder: at most its max_position_embeddings)
@@ -101,12 +101,12 @@ lr_power = 1.0  # polynomial: the decay's power (1: linear)
 backend = "auto"  # torch.distributed's: 'auto', 'nccl' or 'gloo'; auto: nccl on CUDA, else gloo
 # (with fsdp_cpu_offload both, 'cuda:nccl,cpu:gloo': offloaded shards' gradient norms are reduced on the CPU)
 dist_timeout = 600  # seconds joining the process group, or a collective, may wait for the others before failing
-# (so that torchrun can restart a group that lost a process, README: "Surviving failures")
+# (so that torchrun can restart a group that lost a process, docs/checkpoints.md)
 device = "auto"  # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = "auto"  # 'float32', 'bfloat16', 'float16' (with a gradient scaler); auto: bf16 where supported on CUDA
 compile = False  # torch.compile the model (slow first step, faster after)
 seed = 1337  # sets the initial weights, the data order and dropout
-# past one device's memory (README: "Scaling up"): shard, split, recompute, offload
+# past one device's memory (docs/scaling.md): shard, split, recompute, offload
 fsdp = False  # FSDP2: shard weights, gradients and optimizer state over the data-parallel processes
 fsdp_cpu_offload = False  # with fsdp: weights, gradients and optimizer state wait in CPU memory (CUDA only)
 tp_size = 1  # tensor parallel over this many processes of a node: attention by heads, the MLP by its width

@@ -441,7 +441,7 @@ _data.Batches.train = _slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker to kill in /proc")
 def test_a_worker_killed_on_one_of_two_nodes_restarts_both_and_the_run_ends_as_if_never_killed(data_dir, tmp_path,
                                                                                               shared):
-    # Two nodes as two torchruns on this machine, meeting at a c10d rendezvous on 127.0.0.1 (README: GPUs and nodes),
+    # Two nodes as two torchruns on this machine, meeting at a c10d rendezvous on 127.0.0.1 (docs/gpus.md),
     # one worker each; kill -9 of the worker on the node without rank 0, as the out-of-memory killer does. Each
     # torchrun counts its own restarts (rank 0's node, whose worker is stopped for the other's failure, counts
     # none), so the group's generation must come from the store they share (parallel.generation), or the new

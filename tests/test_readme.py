@@ -1,6 +1,8 @@
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # a Markdown link's target, less its #anchor
 
 
 def test_ci_runs_the_readme_test_command():
@@ -16,3 +18,16 @@ def test_readme_quick_start_names_real_files():
     for path in ("config/train_small.py", "config/train_shakespeare_char.py", "config/train_gpt2.py",
                  "requirements.txt", "requirements-dev.txt"):
         assert path in readme and (ROOT / path).exists(), path
+
+
+def test_readme_links_into_docs_reach_real_pages():
+    # the README is a page that points into docs/: every relative link there, and in the docs' pages, is a file
+    readme = (ROOT / "README.md").read_text()
+    linked = {m for m in LINK.findall(readme) if "://" not in m}
+    assert any(link.startswith("docs/") and link.endswith(".md") for link in linked), linked
+    for link in sorted(linked):
+        assert (ROOT / link).exists(), link
+    for page in sorted(ROOT.glob("docs/*.md")):
+        for link in LINK.findall(page.read_text()):
+            if "://" not in link:
+                assert (page.parent / link).exists(), f"{page.name}: {link}"

@@ -100,7 +100,7 @@ def test_fsdp_bf16_mixed_precision_matches_one_process_in_bf16(data_dir, tmp_pat
     # FSDP's bf16 policy (bf16 weights gathered, gradients reduced in fp32, fp32 shards kept) against one process
     # under bf16 autocast (the same tokens per update: test_parallel's runs give one process's losses), with gloo
     # on CPU: bf16 on these CPUs is slow, so a few steps of the tiny model. The two round differently (FSDP's
-    # residual stream is bf16, autocast's fp32: README), so the losses agree to bf16's precision, not fp32's;
+    # residual stream is bf16, autocast's fp32: docs/scaling.md), so the losses agree to bf16's precision, not fp32's;
     # measured here, ~2e-4 apart after 4 steps.
     args = [*TINY, f"--data_dir={data_dir}", "--batch_size=2", "--gradient_accumulation_steps=2",
             "--eval_interval=4", "--max_iters=4", "--dtype=bfloat16"]

@@ -1,6 +1,6 @@
 """
 The wheels a GPU machine without a package index lacks, fetched here into wheels/ (ignored by git) to be
-copied there with the checkout (README.md, "Measuring on a GPU"); and wheels/COMMIT, the commit that bench.py's
+copied there with the checkout (docs/measuring.md, "A GPU machine without a package index"); and wheels/COMMIT, the commit that bench.py's
 report names there, where a copy of the project has no .git.
 
     python tools/wheels.py                   # for the GPU machine: Python 3.12 on x86-64 Linux
