@@ -1,10 +1,10 @@
 """
 One fine-tuning step of the Qwen3-0.6B shape (random weights, micro-batch 1 x 1024, bf16 autocast, fused AdamW,
 clipping at 1, one read of the loss a step: train.py's step), timed by the wall clock and profiled in process,
-for issue 44: where ours loses to transformers + peft. Rows: full (fp32 weights), LoRA r16 on the seven
+to find where ours loses to transformers + peft. Rows: full (fp32 weights), LoRA r16 on the seven
 projections (a bf16 base, fp32 adapters), each eager or compiled, kernels on or off; --lean runs LoRA's adapter
-as the candidate change did (no fp32 copy of its input under autocast, the scale on the rank-16 middle), which
-lib/lora.py has adopted since: on a later checkout --lean and the default are the same.
+with no fp32 copy of its input under autocast and the scale on the rank-16 middle, as lib/lora.py now does
+(so --lean and the default are the same).
 
     python experiments/gpu_finetune_step.py lora --out=gpu            # on the GPU machine
     python experiments/gpu_finetune_step.py lora --tiny               # on a CPU, a smoke test

@@ -1,5 +1,5 @@
 """
-Hostile and careless input (issue 30): each case either works correctly or ends in one line naming the problem
+Hostile and careless input: each case either works correctly or ends in one line naming the problem
 and the fix, within bounded memory and time. Small crafted inputs, table-driven; a subprocess only where the
 one-line exit itself is what is tested.
 

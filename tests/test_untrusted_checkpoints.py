@@ -1,4 +1,4 @@
-"""A checkpoint is data: reading one, in any layout, runs nothing in it, through every script (issue 30).
+"""A checkpoint is data: reading one, in any layout, runs nothing in it, through every script.
 
 Each attack plants a payload that writes a marker file if it ever runs; the scripts must either refuse the
 checkpoint in one line or pass it by, and the marker must never appear."""
