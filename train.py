@@ -241,8 +241,10 @@ def evaluate(step):
         return True
     early_stop = early_stop_patience > 0 and loop["evals_without_gain"] >= early_stop_patience
     if step > 0 and (improved or always_save_checkpoint or early_stop or step == max_iters):
-        if step >= max_iters or early_stop:
-            save_checkpoint(loop, improved)  # the run ends here: nothing comes after to vouch for this state
+        if step >= max_iters or early_stop:  # the run ends here: nothing comes after to vouch for this state,
+            if loop["skipped_in_a_row"]:  # and the last update's non-finite gradient was of these very weights
+                raise ckpt.diverged(out_dir, loop["skipped_in_a_row"])
+            save_checkpoint(loop, improved)
         else:  # saved in the next update, once its gradient is finite (settle_held_back)
             held_back = (improved, rng_state(device_type))
     if early_stop:
@@ -370,9 +372,13 @@ while True:
 
     if loop["iter_num"] % log_interval == 0 and master and loop["skipped_in_a_row"] == 0:
         log_progress(loop["iter_num"], loss_value, lr, grad_norm_value)
-    if save_every_epoch and int(batches.epoch(loop["iter_num"])) > epoch_before:  # this step finished an epoch:
-        save_checkpoint(loop, False, int(batches.epoch(loop["iter_num"])))  # kept as ckpt_epoch_N
+    # this step finished an epoch: kept as ckpt_epoch_N, where its update was applied (a skipped one's weights gave
+    # a non-finite gradient)
+    if save_every_epoch and int(batches.epoch(loop["iter_num"])) > epoch_before and not loop["skipped_in_a_row"]:
+        save_checkpoint(loop, False, int(batches.epoch(loop["iter_num"])))
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step
+        if loop["skipped_in_a_row"]:  # (as at the run's end: these weights gave the last update's non-finite gradient)
+            raise ckpt.diverged(out_dir, loop["skipped_in_a_row"])
         save_checkpoint(loop, False)
         if master:  # one line for the run (a process that got no signal itself: one of another's)
             print(f"{preemption.by or 'a signal to another process'}: saved step {loop['iter_num']} in {out_dir} "

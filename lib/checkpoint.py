@@ -52,6 +52,7 @@ FORMAT = 2  # what its values mean; a resume takes this format alone (an older o
 # vocabulary (checked against the data's) is the model's shape, which a resume cannot change
 RUN_SETTINGS = ("dropout", "use_kernels", "block_size")
 SHAPE = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_SETTINGS, "vocab_size"))
+LORA_SETTINGS = tuple(name for name in SHAPE if name.startswith("lora_"))  # the adapters' rank, scale, dropout, targets
 
 # -----------------------------------------------------------------------------
 # reading
@@ -79,12 +80,29 @@ def latest(out_dir, sharded=False):
     return (found, load_checkpoint(found, mmap=True, weights=False)["iter_num"]) if found else None
 
 
-def diverged(out_dir, skipped):
-    """The UserError that stops a run after skipped updates in a row with a non-finite loss or gradient."""
+def last_good(out_dir):
+    # which checkpoint a failed run leaves as its last good state, for its one line
     good = latest(out_dir)
-    good = f"{good[0]}, from step {good[1]}, is the last good state" if good else "no checkpoint was saved before it"
-    return UserError(f"{skipped} updates in a row had a non-finite loss or gradient; stopped, and {good} (lower "
-                     f"learning_rate, or check the data)")
+    return f"{good[0]}, from step {good[1]}, is the last good state" if good else "no checkpoint was saved before it"
+
+
+def diverged(out_dir, skipped):
+    """The UserError that stops a run after skipped updates in a row with a non-finite loss or gradient (or whose
+    last update was skipped: the weights it ends with gave it, and are not saved)."""
+    return UserError(f"{skipped} update{'s' if skipped > 1 else ''} in a row had a non-finite loss or gradient; "
+                     f"stopped, and {last_good(out_dir)} (lower learning_rate, or check the data)")
+
+
+def check_finite(model, out_dir, step):
+    """UserError in every process, before anything is written, where a trained weight of model holds a NaN or an
+    infinite value in any process's part: such weights are never saved (a frozen base cannot change)."""
+    trained = [p.to_local() if is_dtensor(p) else p for p in model.parameters() if p.requires_grad]
+    finite = torch.stack([torch.isfinite(p).all() for p in trained]).all().float().view(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite.item():
+        raise UserError(f"the weights hold a NaN or an infinite value at step {step}: not saved, and "
+                         f"{last_good(out_dir)} (lower learning_rate, or check the data)")
 
 
 def read_sharded(folder, device="cpu"):
@@ -214,8 +232,10 @@ def check_resume(checkpoint, config, data_vocab, path):
     if checkpoint.get("pretrained") and config["block_size"] > args["block_size"]:
         raise UserError(f"block_size={config['block_size']} is past the {args['block_size']} positions of the "
                          f"model {checkpoint['pretrained']}")
-    changed = [k for k in SHAPE if k in args and k in config and config[k] != args[k]]
-    if changed and not checkpoint.get("pretrained"):  # (a pretrained model's shape is its folder's)
+    # a pretrained model's shape is its folder's; its adapters are the run's own, and a resume keeps them
+    shape = LORA_SETTINGS if checkpoint.get("pretrained") else SHAPE
+    changed = [k for k in shape if k in args and k in config and config[k] != args[k]]
+    if changed:
         raise UserError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "
                          f"{', '.join(f'{k}={config[k]}' for k in changed)}: resume with the checkpoint's shape, "
                          f"or train the new one into another out_dir")
@@ -402,7 +422,8 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
     each process writing its own part) or files (ckpt.pt, the master's, gathered from any shards).
     A save that cannot be written (a full disk, a quota, permissions, a vanished mount) removes what it began
     and raises UserError in one line: what, why, and which checkpoint is intact; in every process, or the
-    others would wait for this one at the next step."""
+    others would wait for this one at the next step. Weights that hold a NaN are refused first (check_finite)."""
+    check_finite(model, out_dir, state["iter_num"])
     failed = None
     try:
         write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch)

@@ -136,7 +136,10 @@ def defaults():
 _IN_RANGE = {"learning_rate": (0, _math.inf), "min_lr": (0, _math.inf), "muon_lr": (0, _math.inf),
              "weight_decay": (0, _math.inf), "grad_clip": (0, _math.inf), "early_stop_min_delta": (0, _math.inf),
              "beta1": (0, 1), "beta2": (0, 1), "momentum": (0, 1), "muon_momentum": (0, 1), "dropout": (0, 1),
-             "seed": (0, 2**63)}
+             "seed": (0, 2**63), "lora_dropout": (0, 1), "lora_alpha": (0, _math.inf)}
+# counts that may be 0 but never negative (a negative max_iters would train nothing and save nothing)
+_AT_LEAST_ZERO = ("max_iters", "warmup_iters", "lr_decay_iters", "keep_last_n", "early_stop_patience", "lora_rank",
+                  "eval_tasks_limit")
 _AT_LEAST_ONE = ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size",
                  "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout")
 
@@ -147,10 +150,15 @@ def check(config):
     for key in _AT_LEAST_ONE:
         if config[key] < 1:
             raise _UserError(f"{key}={config[key]} must be at least 1")
+    for key in _AT_LEAST_ZERO:
+        if config[key] < 0:
+            raise _UserError(f"{key}={config[key]} must be at least 0")
     for key, (low, high) in _IN_RANGE.items():  # else a traceback from torch's first step, or nonsense trained
         if key in config and not low <= config[key] < high:
             within = f"at least {low}" if high == _math.inf else f"at least {low} and below {high}"
             raise _UserError(f"{key}={config[key]} must be {within}")
+    if config["lora_rank"] and config["lora_alpha"] == 0:  # the adapters' output times 0: nothing would train
+        raise _UserError("lora_alpha=0 scales the adapters' output to nothing: set it above 0 (16 is usual)")
     if config["memory_budget"] < 0:
         raise _UserError(f"memory_budget={config['memory_budget']} must be at least 0 (GiB; 0: what the device has "
                          f"free)")

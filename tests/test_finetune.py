@@ -160,6 +160,13 @@ def test_lora_trains_adapters_only_and_resumes_bit_for_bit(pretrained, tmp_path)
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05  # the adapters alone learn, slowly on a random base (fixed eval batches)
     run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=6")
+    # the adapters are the run's shape: a resume that asks for others is refused in one line, before anything changes
+    before = (tmp_path / "parts" / "ckpt.pt").read_bytes()
+    for other, said in (("--lora_rank=8", "lora_rank=4, not lora_rank=8"), ("--lora_alpha=4.0", "lora_alpha=")):
+        refused = train_refusal(*LORA, other, f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}",
+                                "--max_iters=12", "--init_from=resume")
+        assert said in refused and "resume with the checkpoint's shape" in refused, refused
+    assert (tmp_path / "parts" / "ckpt.pt").read_bytes() == before
     run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}", "--max_iters=12", "--init_from=resume")
     assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
     whole, parts = weights(tmp_path / "whole"), weights(tmp_path / "parts")

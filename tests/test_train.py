@@ -240,6 +240,11 @@ def test_batch_size_auto_keeps_the_update_and_its_micro_batch_on_resume(data_dir
     (["--optimizer=sgd", "--momentum=-1.0"], "momentum=-1.0 must be at least 0 and below 1"),
     (["--seed=-1"], "seed=-1 must be at least 0"),
     (["--dropout=2.0"], "dropout=2.0 must be at least 0 and below 1"),
+    (["--max_iters=-5"], "max_iters=-5 must be at least 0"),
+    (["--lora_rank=-4"], "lora_rank=-4 must be at least 0"),
+    (["--lora_dropout=1.0"], "lora_dropout=1.0 must be at least 0 and below 1"),
+    (["--lora_alpha=-1.0"], "lora_alpha=-1.0 must be at least 0"),
+    (["--lora_rank=4", "--lora_alpha=0.0"], "lora_alpha=0 scales the adapters' output to nothing"),
 ])
 def test_config_errors(data_dir, tmp_path, args, message):
     assert message in train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args)
