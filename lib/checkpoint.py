@@ -17,17 +17,20 @@ code: only tensors and plain values are unpickled, and a folder's .metadata only
 
 import dataclasses
 import errno
+import fcntl
 import os
 import pickle
 import re
 import shutil
 import warnings
+import zipfile
 
 import torch
 import torch.distributed as dist
 
 from lib.errors import UserError
 from lib.files import durable_replace, open_own
+from lib.meta import check_regular
 from lib.memory import state_bytes, traced_optimizer
 from lib.parallel import is_dtensor
 from lib.settings import check_sizes
@@ -77,7 +80,7 @@ def latest(out_dir, sharded=False):
     """(path, step) of out_dir's latest checkpoint, ckpt.pt or the sharded ckpt/ (sharded: that one first), or
     None where there is none."""
     found = find_checkpoint(os.path.join(out_dir, "ckpt" + ("" if sharded else ".pt")))
-    return (found, load_checkpoint(found, mmap=True, weights=False)["iter_num"]) if found else None
+    return (found, load_checkpoint(found, mmap=True, weights=False, verify=False)["iter_num"]) if found else None
 
 
 def last_good(out_dir):
@@ -127,16 +130,19 @@ def first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def load_checkpoint(path, device="cpu", mmap=False, weights=True):
+def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
     # weights_only: a checkpoint is tensors and plain values; anything else is refused, and no code
     # in it runs. mmap: tensors are read from the file as they are used (a reader that needs only
     # the weights never reads the optimizer's moments). A damaged or foreign file is a UserError.
+    # verify: every byte checked against the checksums written with it first (check_crcs).
     # A sharded folder: its state.pt, and (weights) the model's weights read whole from its shards.
     if os.path.isdir(path):
-        checkpoint = load_checkpoint(os.path.join(path, "state.pt"), device, mmap)
+        checkpoint = load_checkpoint(os.path.join(path, "state.pt"), device, mmap, verify=verify)
         if weights:
             checkpoint["model"] = read_sharded(path, device)
         return checkpoint
+    if verify:
+        check_crcs(path)
     try:
         with warnings.catch_warnings():  # torch warns about what it refused; our error says it in one line
             warnings.simplefilter("ignore")
@@ -154,6 +160,22 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True):
     except (RuntimeError, EOFError, OSError) as e:
         raise UserError(f"{path} is not a readable checkpoint ({first_line(e)}); "
                          f"use another one, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt") from None
+
+
+def check_crcs(path):
+    """UserError in one line where a byte of the checkpoint file at path differs from what was saved: torch.save
+    writes a zip whose every part carries a CRC-32 of its bytes, which torch.load never checks, so a flipped bit
+    in a tensor would be resumed, sampled and exported without a word. Reads the file once (about a second a GB
+    from the page cache); a file that is not a zip is left to torch.load to name."""
+    check_regular(path, "use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")  # a FIFO never ends
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return
+    if damaged:
+        raise UserError(f"{path} is damaged: its part {damaged} is not the bytes that were saved (its checksum "
+                         f"differs); use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
 
 
 def check_not_nanogpts(checkpoint, path):
@@ -177,7 +199,50 @@ def load_resume_state(path):
     if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
         raise UserError(f"{path} is not a checkpoint of this train.py (it lacks "
                          f"{', '.join(sorted(needed - set(checkpoint)))})")
+    check_values(checkpoint, path)
     return checkpoint
+
+
+def check_values(checkpoint, path):
+    """UserError in one line naming the value, where what a resume reads from a checkpoint beside the weights is
+    not of the kind train.py saves (a damaged or hand-edited file): checked here, once, before anything uses it.
+    The optimizer's moments are checked against the model's shapes where they are loaded (check_moments)."""
+    def count(value):
+        return type(value) is int and value >= 0
+
+    def rng(value):  # a process's random state, as torch keeps one: tensors of bytes
+        return isinstance(value, dict) and all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 or key == "cuda" and t is None
+            for key, t in ((k, value.get(k)) for k in ("cpu", "cuda")))
+
+    def optimizer(value):  # a state_dict: moments by parameter index, and the groups' settings
+        return isinstance(value, dict) and isinstance(value.get("state"), dict) and groups(value.get("param_groups"))
+
+    def groups(value):
+        return isinstance(value, list) and all(isinstance(group, dict) for group in value)
+
+    kinds = {"iter_num": count, "evals_without_gain": count, "skipped_in_a_row": count,
+             "world_size": lambda v: count(v) and v > 0, "best_val_loss": lambda v: type(v) is float,
+             "evaluated": lambda v: type(v) is bool, "config": lambda v: isinstance(v, dict),
+             "model_args": lambda v: isinstance(v, dict), "scaler": lambda v: isinstance(v, dict),
+             "rng": lambda v: isinstance(v, list) and all(map(rng, v)), "optimizer": optimizer,
+             "more_optimizers": lambda v: isinstance(v, list) and all(map(optimizer, v)), "param_groups": groups}
+    for name, fits in kinds.items():
+        if name in checkpoint and not fits(checkpoint[name]):
+            raise UserError(f"{path} holds {name}={str(checkpoint[name])[:60]!r}, which train.py never saves: use "
+                             f"another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
+
+
+def check_moments(state, params, path):
+    """UserError in one line where an optimizer's saved state (its state_dict: moments by parameter index) holds a
+    tensor of another shape than the parameter it belongs to (a scalar, as Adam's step, belongs to none): loaded,
+    it would fail inside the optimizer's first step, or worse."""
+    for index, moments in state["state"].items():
+        param = params[index] if type(index) is int and 0 <= index < len(params) else None
+        for name, value in (moments.items() if isinstance(moments, dict) and param is not None else [(index, None)]):
+            if not isinstance(value, torch.Tensor) or value.dim() and value.shape != param.shape:
+                raise UserError(f"{path} holds an optimizer state {name!r} for parameter {index} that does not fit "
+                                 f"the model: use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
 
 
 def starting_point(out_dir, init_from, found):
@@ -195,7 +260,7 @@ def starting_point(out_dir, init_from, found):
             raise UserError(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model "
                              f"folder (it has no config.json){gpt2}")
         if found:
-            began_from = load_checkpoint(found, mmap=True, weights=False).get("pretrained")
+            began_from = load_checkpoint(found, mmap=True, weights=False, verify=False).get("pretrained")
             if began_from != os.path.abspath(init_from):
                 raise UserError(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not "
                                  f"{os.path.abspath(init_from)}: train into another out_dir")
@@ -334,11 +399,20 @@ def write_file(state, path):
     durable_replace(tmp, path)
 
 
-def link_or_copy(src, dst):
-    try:
-        os.link(src, dst)  # no bytes copied: checkpoint files are never changed in place
-    except OSError:
-        shutil.copyfile(src, dst)
+FICLONE = 0x40049409  # Linux's ioctl that makes a file share another's blocks until either is written
+
+
+def copy_file(src, dst):
+    # dst a file of its own with src's bytes, so that writing into one (cp over it, torch.save over it) changes
+    # that one alone, as a hard link would not: a copy-on-write clone where the file system makes them (btrfs,
+    # XFS: nothing copied), else the bytes copied; on the disk before it takes its name
+    with open(src, "rb") as source, open_own(dst, "wb") as target:
+        try:
+            fcntl.ioctl(target.fileno(), FICLONE, source.fileno())
+        except OSError:  # (ext4, and every system but Linux)
+            shutil.copyfileobj(source, target, 1 << 24)
+        target.flush()
+        os.fsync(target.fileno())
 
 
 def retire(path):
@@ -364,16 +438,16 @@ def publish(tmp, dst):
 
 
 def copy_checkpoint(src, dst):
-    # dst becomes a copy of the checkpoint src, a file or a folder, in hard links where the disk allows
+    # dst becomes a copy of the checkpoint src, a file or a folder, of files of its own (copy_file)
     tmp = dst + ".tmp"
     retire(tmp)
     if os.path.isdir(src):
         os.makedirs(tmp)
         for name in sorted(os.listdir(src), key=lambda n: n == "state.pt"):  # state.pt last
-            link_or_copy(os.path.join(src, name), os.path.join(tmp, name))
+            copy_file(os.path.join(src, name), os.path.join(tmp, name))
         publish(tmp, dst)
     else:
-        link_or_copy(src, tmp)
+        copy_file(src, tmp)
         durable_replace(tmp, dst)
 
 
@@ -584,6 +658,7 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
     elif sharded:  # a single file into shards: keyed by parameter name, split as the parameters are
         order = parameter_names(model, optimizers[0])
         saved = checkpoint["optimizer"]
+        check_moments(saved, [dict(model.named_parameters())[name] for name in order], path)
         groups = [{**group, "params": [order[i] for i in group["params"]]} for group in saved["param_groups"]]
         by_name = {order[i]: moments for i, moments in saved["state"].items()}
         optim_state = {"state": by_name, "param_groups": groups}
@@ -591,4 +666,5 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
                        options=StateDictOptions(full_state_dict=True))
     else:
         for opt, state in zip(optimizers, [checkpoint["optimizer"], *checkpoint["more_optimizers"]]):
+            check_moments(state, [p for group in opt.param_groups for p in group["params"]], path)
             opt.load_state_dict(state)

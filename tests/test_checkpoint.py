@@ -53,7 +53,15 @@ def test_a_file_checkpoint_holds_torchs_own_state_dicts_and_its_copies(tmp_path)
     assert saved["optimizer"]["param_groups"] == optimizers[0].state_dict()["param_groups"]
     rebuilt = ckpt.model_from_checkpoint(saved)
     assert all(torch.equal(rebuilt.state_dict()[k], v) for k, v in model.state_dict().items())
-    assert os.stat(tmp_path / "ckpt.pt").st_ino == os.stat(tmp_path / "ckpt_best.pt").st_ino  # a hard link
+    # each name a file of its own: the bytes the same, and a copy over one (as going back to a step checkpoint
+    # by hand does: cp writes into the file it replaces) leaves the others as they were
+    names = ["ckpt.pt", "ckpt_0000001.pt", "ckpt_best.pt"]
+    assert len({(tmp_path / n).read_bytes() for n in names}) == 1
+    assert len({os.stat(tmp_path / n).st_ino for n in names}) == 3
+    best = (tmp_path / "ckpt_best.pt").read_bytes()
+    with open(tmp_path / "ckpt.pt", "r+b") as f:  # in place, as cp and torch.save over an existing file write
+        torch.save({"another": torch.zeros(3)}, f)
+    assert (tmp_path / "ckpt_best.pt").read_bytes() == best == (tmp_path / "ckpt_0000001.pt").read_bytes()
 
 
 def test_where_a_run_begins_and_what_it_refuses(tmp_path):

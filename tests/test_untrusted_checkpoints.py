@@ -4,6 +4,7 @@ Each attack plants a payload that writes a marker file if it ever runs; the scri
 checkpoint in one line or pass it by, and the marker must never appear."""
 
 import pickle
+import re
 import shutil
 
 import pytest
@@ -179,3 +180,65 @@ def test_an_old_folder_is_taken_only_without_its_newer_one(runs, tmp_path):
     assert ckpt.find_checkpoint(str(out / "ckpt.pt")) == str(out / "ckpt")
     shutil.rmtree(out / "ckpt")  # a kill between publish's two renames: the old one is all there is
     assert ckpt.find_checkpoint(str(out / "ckpt.pt")) == str(out / "ckpt.old")
+
+
+def flip_a_byte_of(path, part="data/0"):
+    # one bit changed inside a tensor's bytes of a torch.save zip, as bit rot on a disk would change it
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(part))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        at = info.header_offset + 30 + name_length + extra_length + info.file_size // 2
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize("which", SCRIPTS)
+def test_a_flipped_bit_in_a_checkpoint_is_found_by_every_reader(runs, tmp_path, which):
+    out = copy_run(runs, "files", tmp_path)
+    flip_a_byte_of(out / "ckpt.pt")
+    damaged = (out / "ckpt.pt").read_bytes()
+    done = run_script(which, out, tmp_path, runs / "data")
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert re.search(rf"{re.escape(str(out / 'ckpt.pt'))} is damaged: its part \w+/data/0 is not the bytes that "
+                     rf"were saved \(its checksum differs\); use another checkpoint, e.g. ckpt_best.pt or a "
+                     rf"ckpt_NNNNNNN.pt$", done.stderr.strip().splitlines()[-1]), done.stderr[-2000:]
+    assert (out / "ckpt.pt").read_bytes() == damaged and not (tmp_path / "exported").exists()
+
+
+@pytest.mark.parametrize("name, value", [("iter_num", "5"), ("iter_num", -1), ("best_val_loss", None),
+                                         ("evaluated", 1), ("config", ["not", "a", "dict"]),
+                                         ("rng", [{"cpu": "not a random state"}]), ("rng", "x"),
+                                         ("optimizer", {"state": [], "param_groups": []}),
+                                         ("more_optimizers", {"no": "list"})])
+def test_a_damaged_value_in_a_checkpoint_is_named_before_it_is_used(runs, tmp_path, name, value):
+    # a value of the wrong kind, as a hand edit or a damaged file leaves it: the resume names it in one line
+    out = copy_run(runs, "files", tmp_path)
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    torch.save({**state, name: value}, out / "ckpt.pt")
+    before = (out / "ckpt.pt").read_bytes()
+    done = run_script("train", out, tmp_path, runs / "data")
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"holds {name}=" in done.stderr and "which train.py never saves: use another checkpoint" in done.stderr
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("layout", ["files", "sharded"])
+def test_an_optimizer_moment_of_another_shape_is_refused_in_one_line(runs, tmp_path, layout):
+    # Adam's first moment of one parameter cut short: loaded as it is, the optimizer's first step would fail
+    # inside torch (an internal assert, or worse); a file read into shards (FSDP) is checked the same way
+    out = copy_run(runs, "files", tmp_path)
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    state["optimizer"]["state"][0]["exp_avg"] = state["optimizer"]["state"][0]["exp_avg"][:1]
+    torch.save(state, out / "ckpt.pt")
+    before = (out / "ckpt.pt").read_bytes()
+    fsdp = ["--fsdp=True"] if layout == "sharded" else []
+    done = run(*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--init_from=resume", "--max_iters=3",
+               "--eval_interval=2", *fsdp, check=False)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "holds an optimizer state 'exp_avg' for parameter 0 that does not fit the model" in done.stderr
+    assert (out / "ckpt.pt").read_bytes() == before
