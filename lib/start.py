@@ -1,14 +1,17 @@
 """
 Where a training run begins: from scratch, from a Hugging Face model folder, or from its own checkpoint in
 out_dir (a resume, or a run that already stopped early). train.py asks once and gets every fact the rest of
-the run needs, decided here from its settings and what out_dir holds.
+the run needs, decided here from its settings and what out_dir holds; a checkpoint is resumed only once its values
+are of the kinds train.py saves (check_values) and this command can continue it (check_resume).
 
     origin = begin(config, vocab_size=128, meta=read_meta("data/stdlib"), fsdp=False)
     model, model_args = first_model(origin, config, "float32")
 """
 
 import atexit
+import dataclasses
 import os
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +25,15 @@ from lib.files import lock_folder, unlock_folder
 from lib.parallel import this_process
 from lib.settings import check_sizes, model_settings
 from model import GPT, GPTConfig
+
+# GPTConfig's fields that a resume takes from its command (block_size only from scratch); every other but the
+# vocabulary (checked against the data's) is the model's shape, which a resume cannot change
+RUN_SETTINGS = ("dropout", "use_kernels", "block_size")
+SHAPE = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_SETTINGS, "vocab_size"))
+LORA_SETTINGS = tuple(name for name in SHAPE if name.startswith("lora_"))  # the adapters' rank, scale, dropout, targets
+
+NAMES = r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?"  # the checkpoints of an out_dir, in either layout
+
 
 @dataclass
 class Origin:
@@ -110,7 +122,7 @@ def begin(config, vocab_size, meta, fsdp):
         if 0 < len(named) < len(seen):
             raise UserError(f"{named[0]} is visible to {len(named)} of {len(seen)} processes: out_dir must be on "
                             f"storage every node shares")
-    init_from, checkpoint = ckpt.starting_point(out_dir, config["init_from"], found)
+    init_from, checkpoint = starting_point(out_dir, config["init_from"], found)
     # an out_dir keeps the layout it began with: sharded folders (FSDP, tensor parallel) or files
     sharded = os.path.isdir(found) if found else fsdp
     origin = Origin(init_from=init_from, checkpoint=checkpoint, found=found, sharded=sharded, model_args=model_args,
@@ -152,7 +164,7 @@ def first_model(origin, config, dtype):
     base_dtype = getattr(torch, dtype if base in ("auto", "nf4", "int8") else base) if lora else torch.float32
     torch.manual_seed(config["seed"])  # the same initial weights in every process
     if checkpoint is not None and (lora or not os.path.isdir(origin.found)):
-        run_settings = {k: model_args[k] for k in ckpt.RUN_SETTINGS}
+        run_settings = {k: model_args[k] for k in RUN_SETTINGS}
         return ckpt.model_from_checkpoint(checkpoint, base_dtype, **run_settings), model_args
     if checkpoint is None and origin.pretrained:
         from lib.hf import load_pretrained
@@ -199,11 +211,11 @@ def resume(origin, config, meta):
     # origin (begin's) from its checkpoint: the weights decide the model's shape, the checkpoint holds the loop's
     # state, and a LoRA run's base is held as it was (4 bits stay 4 bits); notes on what this command changed
     checkpoint, found = origin.checkpoint, origin.found
-    ckpt.check_resume(checkpoint, config, meta["vocab_size"], found)
+    check_resume(checkpoint, config, meta["vocab_size"], found)
     pretrained = checkpoint.get("pretrained")
     # dropout, the kernels and (from scratch) block_size are this run's; a pretrained model's block_size is its
     # own limit, not the length trained on
-    model_args = {**checkpoint["model_args"], **{k: config[k] for k in ckpt.RUN_SETTINGS}}
+    model_args = {**checkpoint["model_args"], **{k: config[k] for k in RUN_SETTINGS}}
     if pretrained:
         model_args["block_size"] = checkpoint["model_args"]["block_size"]
     loop = {k: checkpoint[k] for k in ckpt.LOOP}
@@ -234,3 +246,117 @@ def resume(origin, config, meta):
         origin.notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's "
                             f"{before.get('max_iters')}: the run ends at step {config['max_iters']}; "
                             f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{was}")
+
+
+def load_resume_state(path):
+    """Everything but the weights of the checkpoint a run resumes from (a sharded one's are read into
+    its shards later, by restore), checked to be a checkpoint of this train.py."""
+    checkpoint = ckpt.load_checkpoint(path, weights=False)
+    if isinstance(checkpoint, dict):
+        ckpt.check_not_nanogpts(checkpoint, path)
+    needed = ckpt.NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(path) else ckpt.NEEDED
+    if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
+        raise UserError(f"{path} is not a checkpoint of this train.py (it lacks "
+                         f"{', '.join(sorted(needed - set(checkpoint)))})")
+    check_values(checkpoint, path)
+    return checkpoint
+
+
+def check_values(checkpoint, path):
+    """UserError in one line naming the value, where what a resume reads from a checkpoint beside the weights is
+    not of the kind train.py saves (a damaged or hand-edited file): checked here, once, before anything uses it.
+    The optimizer's moments are checked against the model's shapes where they are loaded (check_moments)."""
+    def count(value):
+        return type(value) is int and value >= 0
+
+    def rng(value):  # a process's random state, as torch keeps one: tensors of bytes
+        return isinstance(value, dict) and all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 or key == "cuda" and t is None
+            for key, t in ((k, value.get(k)) for k in ("cpu", "cuda")))
+
+    def optimizer(value):  # a state_dict: moments by parameter index, and the groups' settings
+        return isinstance(value, dict) and isinstance(value.get("state"), dict) and groups(value.get("param_groups"))
+
+    def groups(value):
+        return isinstance(value, list) and all(isinstance(group, dict) for group in value)
+
+    kinds = {"iter_num": count, "evals_without_gain": count, "skipped_in_a_row": count,
+             "world_size": lambda v: count(v) and v > 0, "best_val_loss": lambda v: type(v) is float,
+             "evaluated": lambda v: type(v) is bool, "config": lambda v: isinstance(v, dict),
+             "model_args": lambda v: isinstance(v, dict), "scaler": lambda v: isinstance(v, dict),
+             "rng": lambda v: isinstance(v, list) and all(map(rng, v)), "optimizer": optimizer,
+             "more_optimizers": lambda v: isinstance(v, list) and all(map(optimizer, v)), "param_groups": groups}
+    for name, fits in kinds.items():
+        if name in checkpoint and not fits(checkpoint[name]):
+            raise UserError(f"{path} holds {name}={str(checkpoint[name])[:60]!r}, which train.py never saves: use "
+                             f"another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
+
+
+def starting_point(out_dir, init_from, found):
+    """Where a run begins, from its init_from and what out_dir holds (found: its find_checkpoint): init_from
+    resolved to 'scratch', 'resume' or a Hugging Face folder, and on a resume the checkpoint's state
+    (load_resume_state). 'auto' resumes when there is a checkpoint; a folder resumes the run that began from
+    it (the same command after a preemption). UserError for a run that would overwrite another, or resume
+    nothing."""
+    if init_from == "auto":
+        init_from = "resume" if found else "scratch"
+    if init_from not in ("scratch", "resume"):  # a Hugging Face model folder to fine-tune
+        if not os.path.isfile(os.path.join(init_from, "config.json")):
+            gpt2 = ("; nanoGPT's 'gpt2' names OpenAI's GPT-2, whose blocks this model.py does not have: start from a "
+                    "Llama, Mistral, Qwen2 or Qwen3 folder" if init_from.startswith("gpt2") else "")
+            raise UserError(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model "
+                             f"folder (it has no config.json){gpt2}")
+        if found:
+            began_from = ckpt.load_checkpoint(found, mmap=True, weights=False, verify=False).get("pretrained")
+            if began_from != os.path.abspath(init_from):
+                raise UserError(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not "
+                                 f"{os.path.abspath(init_from)}: train into another out_dir")
+            init_from = "resume"
+    if init_from != "resume" and existing(out_dir):
+        raise UserError(f"{out_dir} holds a run already ({', '.join(existing(out_dir))}): continue it with "
+                         f"--init_from=resume, or train into another out_dir")
+    if init_from == "resume" and not found:
+        raise UserError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
+                         f"set init_from='scratch')")
+    return init_from, load_resume_state(found) if init_from == "resume" else None
+
+
+def check_resume(checkpoint, config, data_vocab, path):
+    """UserError, in one line, where this run's settings (config) cannot continue checkpoint (read from path)."""
+    if checkpoint.get("format") != ckpt.FORMAT:
+        raise UserError(f"{path} was written by another train.py (checkpoint format {checkpoint.get('format')}, "
+                         f"this one resumes {ckpt.FORMAT}): resume it with the train.py that wrote it, or train anew")
+    args = checkpoint["model_args"]
+    if not isinstance(args, dict):
+        raise UserError(f"{path}'s model_args is not a dict: use another checkpoint")
+    check_sizes(args, f"{path}'s model_args", "use another checkpoint")
+    # a sharded checkpoint's weights are read once the model is built: its blocks are counted by name first
+    # (by the names its optimizer's param_groups hold; a file checkpoint's hold numbers, and model_from_checkpoint
+    # counts its weights' names)
+    names = [name for group in checkpoint.get("param_groups") or [] for name in group.get("params", [])
+             if isinstance(name, str)]
+    if names and not args.get("lora_rank") and ckpt.layer_count(names, "blocks.") != args["n_layer"]:
+        raise UserError(f"{path}'s model_args say n_layer={args['n_layer']}, but it holds the weights of "
+                         f"{ckpt.layer_count(names, 'blocks.')} blocks: use another checkpoint")
+    if data_vocab > args["vocab_size"]:
+        raise UserError(f"the checkpoint's vocab_size {args['vocab_size']} is smaller than the data's "
+                         f"{data_vocab}: resume with the data it was trained on")
+    if checkpoint.get("pretrained") and config["block_size"] > args["block_size"]:
+        raise UserError(f"block_size={config['block_size']} is past the {args['block_size']} positions of the "
+                         f"model {checkpoint['pretrained']}")
+    # a pretrained model's shape is its folder's; its adapters are the run's own, and a resume keeps them
+    shape = LORA_SETTINGS if checkpoint.get("pretrained") else SHAPE
+    changed = [k for k in shape if k in args and k in config and config[k] != args[k]]
+    if changed:
+        raise UserError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "
+                         f"{', '.join(f'{k}={config[k]}' for k in changed)}: resume with the checkpoint's shape, "
+                         f"or train the new one into another out_dir")
+    trained_with = checkpoint["config"].get("optimizer", "adamw")
+    if trained_with != config["optimizer"]:
+        raise UserError(f"{path} was trained with optimizer={trained_with!r}: resume with "
+                         f"--optimizer={trained_with}")
+
+
+def existing(out_dir):
+    # the checkpoints in out_dir, by name
+    return sorted(f for f in os.listdir(out_dir) if re.fullmatch(NAMES, f)) if os.path.isdir(out_dir) else []

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lib import checkpoint as ckpt
+from lib import start
 from lib.files import durable_replace
 from lib.optim import build_optimizers
 from lib.settings import defaults
@@ -65,17 +66,17 @@ def test_a_file_checkpoint_holds_torchs_own_state_dicts_and_its_copies(tmp_path)
 
 
 def test_where_a_run_begins_and_what_it_refuses(tmp_path):
-    assert ckpt.starting_point(str(tmp_path), "auto", None) == ("scratch", None)
+    assert start.starting_point(str(tmp_path), "auto", None) == ("scratch", None)
     with pytest.raises(ValueError, match="no checkpoint at .* to resume from"):
-        ckpt.starting_point(str(tmp_path), "resume", None)
+        start.starting_point(str(tmp_path), "resume", None)
     with pytest.raises(ValueError, match="is not 'scratch', 'resume', 'auto' or a Hugging Face model folder"):
-        ckpt.starting_point(str(tmp_path), str(tmp_path / "nowhere"), None)
+        start.starting_point(str(tmp_path), str(tmp_path / "nowhere"), None)
     plain_run(tmp_path)
     found = ckpt.find_checkpoint(str(tmp_path / "ckpt.pt"))
     with pytest.raises(ValueError, match=r"holds a run already \(ckpt.pt, ckpt_0000001.pt, ckpt_best.pt\)"):
-        ckpt.starting_point(str(tmp_path), "scratch", found)
+        start.starting_point(str(tmp_path), "scratch", found)
     with pytest.raises(ValueError, match="is not a checkpoint of this train.py"):  # plain_run's state is partial
-        ckpt.starting_point(str(tmp_path), "auto", found)
+        start.starting_point(str(tmp_path), "auto", found)
 
 
 def test_a_sharded_save_whose_shards_are_not_all_in_place_is_never_published(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ import torch
 import prepare
 from helpers import needs_tiktoken, new_python, train_refusal
 from lib import checkpoint as ckpt
+from lib import start
 from lib import hf
 from lib.errors import UserError
 from lib.meta import read_meta
@@ -170,7 +171,7 @@ def test_a_sharded_checkpoint_is_checked_before_its_model_is_built_to_resume(arg
     state = {"format": ckpt.FORMAT, "model_args": {**asdict(TINY), **args}, "param_groups": [{"params": names}],
              "config": {}}
     with pytest.raises(ValueError, match=says):
-        ckpt.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt")
+        start.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt")
 
 
 @pytest.mark.parametrize("written", [{"format": ckpt.FORMAT - 1}, {}])
@@ -179,7 +180,7 @@ def test_a_checkpoint_of_another_format_is_refused_to_resume_in_one_line(written
     state = {**written, "model_args": asdict(TINY), "config": {}}
     with pytest.raises(ValueError, match=r"^out/ckpt.pt was written by another train.py \(checkpoint format "
                                          r".*resume it with the train.py that wrote it"):
-        ckpt.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt.pt")
+        start.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt.pt")
 
 
 def test_a_checkpoint_with_tensors_its_model_lacks_is_one_line():
