@@ -13,6 +13,7 @@ import math
 import os
 import pickle
 import stat
+from hashlib import blake2b
 from itertools import chain
 from pathlib import Path
 
@@ -64,6 +65,25 @@ def read_meta(data_dir):
                 "tokenizer": {"kind": "nanogpt_char", "file": "meta.pkl"}}
     return {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
             "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}
+
+
+def tokenizer_fingerprint(data_dir, meta):
+    """A digest of what decides which ids the data folder's text became: meta's tokenizer entry, vocabulary size
+    and end-of-text id, and the bytes of the tokenizer's own file where it has one in the folder (a character list,
+    BPE ranks, a tokenizer.json, nanoGPT's meta.pkl). A checkpoint keeps its data's, and whoever reads the run
+    again refuses a folder prepared since with another tokenizer (the same kind learned from other text)."""
+    digest = blake2b(digest_size=8)
+    spec = meta.get("tokenizer")
+    digest.update(json.dumps([spec, meta["vocab_size"], meta.get("eot_id")], sort_keys=True).encode())
+    name = spec.get("file") if isinstance(spec, dict) else None
+    if isinstance(name, str) and name and name == os.path.basename(name):  # a file of the folder's own
+        path = os.path.join(data_dir, name)
+        check_regular(path, "prepare the data again (python prepare.py ...)")
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
 
 
 class NotPlain(pickle.UnpicklingError):

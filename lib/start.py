@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lib import checkpoint as ckpt
 from lib.errors import UserError
 from lib.files import lock_folder, unlock_folder
+from lib.meta import tokenizer_fingerprint
 from lib.parallel import this_process
 from lib.settings import check_sizes, model_settings
 from model import GPT, GPTConfig
@@ -212,6 +213,11 @@ def resume(origin, config, meta):
     # state, and a LoRA run's base is held as it was (4 bits stay 4 bits); notes on what this command changed
     checkpoint, found = origin.checkpoint, origin.found
     check_resume(checkpoint, config, meta["vocab_size"], found)
+    trained_on = checkpoint.get("tokenizer_fingerprint")  # (none in a checkpoint from before it was kept)
+    if trained_on and trained_on != tokenizer_fingerprint(config["data_dir"], meta):
+        raise UserError(f"{config['data_dir']} was prepared with another tokenizer than the one {found} was trained "
+                        f"on (its ids would mean other words): resume on the data it was trained on, or train anew "
+                        f"into another out_dir")
     pretrained = checkpoint.get("pretrained")
     # dropout, the kernels and (from scratch) block_size are this run's; a pretrained model's block_size is its
     # own limit, not the length trained on
@@ -285,7 +291,8 @@ def check_values(checkpoint, path):
              "evaluated": lambda v: type(v) is bool, "config": lambda v: isinstance(v, dict),
              "model_args": lambda v: isinstance(v, dict), "scaler": lambda v: isinstance(v, dict),
              "rng": lambda v: isinstance(v, list) and all(map(rng, v)), "optimizer": optimizer,
-             "more_optimizers": lambda v: isinstance(v, list) and all(map(optimizer, v)), "param_groups": groups}
+             "more_optimizers": lambda v: isinstance(v, list) and all(map(optimizer, v)), "param_groups": groups,
+             "tokenizer_fingerprint": lambda v: isinstance(v, str)}
     for name, fits in kinds.items():
         if name in checkpoint and not fits(checkpoint[name]):
             raise UserError(f"{path} holds {name}={str(checkpoint[name])[:60]!r}, which train.py never saves: use "

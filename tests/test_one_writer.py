@@ -187,3 +187,22 @@ def test_a_resume_with_another_model_shape_is_refused(runs, tmp_path):
                          "--max_iters=4", "--n_embd=64", "--n_layer=3")  # train.py's checks, in process
     assert "holds a model of n_layer=2, n_embd=32, not n_layer=3, n_embd=64" in said
     assert "resume with the checkpoint's shape" in said
+
+
+def test_a_data_folder_prepared_again_with_another_tokenizer_is_refused_by_the_run(runs, tmp_path):
+    # the run's data prepared again, with the same kind of tokenizer learned from other text: the same ids now
+    # mean other characters, and every reader of the run says so in one line instead of going on with them
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(runs / "data", data)
+    run(*TINY, f"--data_dir={data}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=2")
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(10):
+        (other / f"doc{i}.txt").write_text(f"HELLO, WORLD: NUMBER {i}!\n" * 20)  # other characters
+    done = script("prepare.py", other, f"--out_dir={data}", "--tokenizer=char", "--overwrite")
+    assert done.returncode == 0, done.stderr
+    before = (out / "ckpt.pt").read_bytes()
+    said = train_refusal(*TINY, f"--data_dir={data}", f"--out_dir={out}", "--max_iters=4", "--eval_interval=2",
+                         "--init_from=resume")
+    assert f"{data} was prepared with another tokenizer than the one {out / 'ckpt.pt'} was trained on" in said
+    assert (out / "ckpt.pt").read_bytes() == before
