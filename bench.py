@@ -81,23 +81,20 @@ def parse_args():
     add("--steps", type=int, default=50, help="training steps per run")
     add("--warmup", type=int, default=10, help="first steps left out of the medians")
     add("--synthetic", action="store_true", help="random tokens (vocab 50257) instead of data_dir")
-    add("--mode", choices=list(MODES), default="train",
-        help="race: equal wall time per run; seeds: a recipe's seeds against nanoGPT's run, the whole val split; "
-             "kernels: time kernels.py's ops; load: memory of loading a Hugging "
-             "Face folder; lora: memory of full, LoRA and QLoRA fine-tuning; memory: a config's memory per GPU on "
-             "1, 8 and 64 GPUs, estimated without a GPU; encode: prepare.py's throughput against tiktoken's batch "
-             "encoder; gpu: all a GPU must show, as Markdown for BENCHMARKS.md")
-    add("--tiny", action="store_true", help="--mode=gpu at tiny shapes on a CPU, --mode=seeds at tiny ones: a smoke "
-                                            "check")
-    add("--section", default="all",
-        help="--mode=gpu: the parts of the report to run, comma-separated: kernels, step, memory, optimizers, "
-             "finetune, tests (README.md, 'Measuring on a GPU')")
+    add("--mode", choices=list(MODES), default="train", help="race: equal wall time per run; seeds: a recipe's "
+        "seeds against nanoGPT's run, the whole val split; kernels: time kernels.py's ops; load: memory of loading "
+        "a Hugging Face folder; lora: memory of full, LoRA and QLoRA fine-tuning; memory: a config's memory per GPU "
+        "on 1, 8 and 64 GPUs, estimated without a GPU; encode: prepare.py's throughput against tiktoken's batch "
+        "encoder; gpu: all a GPU must show, as Markdown for BENCHMARKS.md")
+    add("--tiny", action="store_true", help="--mode=gpu at tiny shapes on a CPU, --mode=seeds and --mode=load at "
+                                            "tiny ones: a smoke check")
+    add("--section", default="all", help="--mode=gpu: the parts of the report to run, comma-separated: kernels, "
+        "step, memory, optimizers, finetune, tests (docs/measuring.md, 'Measuring on a GPU')")
     add("--out", help="--mode=gpu: a folder for each section's Markdown (SECTION.md), written as it goes")
     add("--commit", help="--mode=gpu: the commit the report names (default: git describe, else the "
                          "wheels/COMMIT that wheels.py writes)")
-    add("--minutes", type=float, default=6.5,
-        help="--mode=gpu: no row begins after this many minutes, so that a run under a time limit ends "
-             "with every row it began")
+    add("--minutes", type=float, default=6.5, help="--mode=gpu: no row begins after this many minutes, so that a "
+        "run under a time limit ends with every row it began")
     args, train_args = parser.parse_known_args()
     if args.warmup >= args.steps:
         raise UserError(f"--warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
@@ -297,6 +294,8 @@ def peak_memory(script):
 def bench_load(args, train_args):
     with tempfile.TemporaryDirectory() as folder:
         shape = dict(vocab_size=32000, block_size=2048, n_layer=16, n_head=16, n_embd=1024, mlp_hidden=2816)
+        if args.tiny:  # a smoke test of the mode's own code, a folder of ~2 MB
+            shape = dict(shape, vocab_size=512, n_layer=2, n_embd=128, n_head=4, mlp_hidden=256)
         save_pretrained(GPT(GPTConfig(**shape)), folder)
         size = os.path.getsize(os.path.join(folder, "model.safetensors")) / 2**20
         print(f"folder: {size:,.0f} MB of fp32 weights, torch {torch.__version__}")
@@ -304,24 +303,15 @@ def bench_load(args, train_args):
               "| --- | --- | --- | --- |")
         baseline = None
         for name, code in LOADERS.items():
-            script = (f"from model import GPT, GPTConfig\nfrom hf import load_pretrained\n"
+            script = (f"from model import GPT, GPTConfig\nfrom lib.hf import load_pretrained\n"
                       f"folder, shape = {folder!r}, {shape!r}\n{code}\nimport time; time.sleep(0.1)")
             anon, rss = peak_memory(script)
             baseline = baseline or anon
             print(f"| {name} | {anon:,.0f} | {anon - baseline:,.0f} | {rss:,.0f} |")
 
 # -----------------------------------------------------------------------------
-# --mode=lora: a few steps of full fine-tuning, LoRA and QLoRA of the same random Qwen3-0.6B-shaped folder, side
-# by side (measure.bench_lora); any other --key=value goes to train.py
-
-
-def bench_finetunes(args, train_args):
-    bench_lora(train_args)
-
-# -----------------------------------------------------------------------------
-# --mode=encode: prepare.py's reading, cutting and encoding, timed as it reports them, against
-# tiktoken's encode_ordinary_batch alone, on the texts that run encoded; the other arguments are prepare.py's
-# (inputs, --tokenizer, --num_workers, ...)
+# --mode=encode: prepare.py's reading, cutting and encoding, timed as it reports them, against tiktoken's
+# encode_ordinary_batch alone, on the texts that run encoded; the other arguments are prepare.py's
 
 
 def prepare_run(argv):
@@ -353,8 +343,7 @@ def bench_encode(args, train_args):
     tokenizer = make_tokenizer(given.tokenizer, lambda: iter(()))
     if tokenizer.kind != "tiktoken":
         raise UserError("--mode=encode compares against tiktoken: pass a tiktoken encoding, e.g. --tokenizer=gpt2")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, given.num_workers or cores)
+    threads = max(1, given.num_workers or len(os.sched_getaffinity(0)))
     with tempfile.TemporaryDirectory() as tmp:
         argv = [*train_args, f"--out_dir={tmp}", "--overwrite"]
         prepare_run(argv)  # a first run, not timed: the texts it encodes, and the files read into the cache
@@ -380,8 +369,8 @@ def bench_encode(args, train_args):
 # -----------------------------------------------------------------------------
 
 MODES = {"train": bench_train, "race": bench_race, "kernels": bench_kernels, "load": bench_load,
-         "lora": bench_finetunes, "memory": bench_memory, "encode": bench_encode, "gpu": bench_gpu,
-         "seeds": bench_seeds}
+         "lora": lambda args, train_args: bench_lora(train_args), "memory": bench_memory, "encode": bench_encode,
+         "gpu": bench_gpu, "seeds": bench_seeds}
 
 
 def main():

@@ -32,16 +32,11 @@ from lib.errors import UserError, one_line_errors
 from lib.hf import load_pretrained
 from lib.meta import read_meta
 from lib.parallel import pick_device
-from lib.tokenizer import check_tokenizer, make_tokenizer
-from lib.trained import check_run_tokenizer, load_model, load_run
+from lib.tokenizer import check_tokenizer
+from lib.trained import check_run_tokenizer, load_folder_or_run, load_model
 
 one_line_errors("eval.py")
 TEXT_WINDOW = 2048  # a folder's window over text without --block_size: at most this many tokens
-
-
-def fail(msg):
-    sys.exit(f"eval.py: {msg}")
-
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out_dir", default="out", help="the run whose checkpoint to score")
@@ -69,21 +64,16 @@ args = parser.parse_args()
 
 
 def run_tasks():
-    # the harness's tasks on the run's checkpoint (or the folder), printed as its table and written as JSON
     manager, names = harness.load_tasks(args.tasks, args.include_path)
     device, dtype = pick_device(args.device, args.dtype)
-    if args.model:  # a Hugging Face folder: its weights and its tokenizer.json (chat template beside it)
-        if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
-            raise UserError(f"{args.model} has no tokenizer.json to encode the tasks' text with")
-        model, tokenizer = load_pretrained(args.model, getattr(torch, dtype)), make_tokenizer(args.model, None)
-        chat_folder, name = args.model, args.model
-    else:  # a run's checkpoint, and the tokenizer of its data (whose meta.json holds a chat template, if any)
-        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype),
-                                                args.data_dir)
-        chat_folder, name = checkpoint["data_dir"], os.path.join(args.out_dir, args.ckpt)
+    path = os.path.join(args.out_dir, args.ckpt)
+    model, tokenizer, checkpoint = load_folder_or_run(args.model, path, getattr(torch, dtype), args.data_dir,
+                                                      "the tasks' text")
+    # a folder's chat template is beside its weights; a run's, in its data's meta.json
+    chat_folder = args.model or checkpoint["data_dir"]
     model.eval().to(device)
     autocast = None if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
-    lm = harness.Model(model, tokenizer, device, autocast, args.batch_size, chat_folder, name)
+    lm = harness.Model(model, tokenizer, device, autocast, args.batch_size, chat_folder, args.model or path)
     limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
     from lm_eval.utils import make_table
@@ -105,7 +95,7 @@ try:
     device, dtype = pick_device(args.device, args.dtype)
     if args.model:  # a folder: its weights, and data that must be made with its tokenizer
         if not args.data_dir:
-            fail("--model needs --data_dir, a dataset prepared with the folder's tokenizer")
+            raise UserError("--model needs --data_dir, a dataset prepared with the folder's tokenizer")
         model = load_pretrained(args.model, getattr(torch, dtype), args.block_size)
         check_tokenizer(args.data_dir, read_meta(args.data_dir), args.model, model.config.vocab_size)
         data_dir = args.data_dir
@@ -116,7 +106,7 @@ try:
         data_dir = checkpoint["data_dir"]
     meta = read_meta(data_dir)
 except ValueError as e:
-    fail(str(e))
+    raise UserError(str(e)) from None
 by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")
 # a run's window is the block_size it trained at; a folder's, the data's longest example (its limit, 32K or 128K
 # tokens, would cost minutes and gigabytes on short examples), or for text at most TEXT_WINDOW
@@ -132,16 +122,16 @@ else:
                    + (f", cut to {limit}" if longest - 1 > limit else "") + "; --block_size sets it")
 stride = block_size // 2 if args.stride is None else args.stride
 if not 0 < block_size <= model.config.block_size or not 0 <= stride < block_size:
-    fail(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit) and --stride={stride} "
-         f"in 0..{block_size - 1}")
+    raise UserError(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit) and "
+                    f"--stride={stride} in 0..{block_size - 1}")
 print(f"window: {block_size} tokens, from {window_from}")
 try:
     val = Split(data_dir, "val", meta, block_size, seed=0, examples=by_example, vocab_size=model.config.vocab_size)
 except (ValueError, OSError) as e:
-    fail(str(e))
+    raise UserError(str(e)) from None
 if by_example and val.targets[0] == 0:
-    fail(f"no val example keeps a trained token within its first block_size + 1 = {block_size + 1} tokens: "
-         f"raise --block_size")
+    raise UserError(f"no val example keeps a trained token within its first block_size + 1 = {block_size + 1} "
+                    f"tokens: raise --block_size")
 model.eval().to(device)
 
 # -----------------------------------------------------------------------------
@@ -154,7 +144,7 @@ for first in range(0, windows, args.batch_size):
     try:
         x, y, doc_ids = val.scored(range(first, min(first + args.batch_size, windows)), stride, doc_mask=False)
     except ValueError as e:
-        fail(str(e))
+        raise UserError(str(e)) from None
     with autocast:
         doc_ids = None if doc_ids is None else doc_ids.to(device)  # whole examples: each attends only to itself
         loss, _ = model.loss_and_accuracy(x.to(device), y.to(device), doc_ids)

@@ -32,16 +32,11 @@ from lib.tokenizer import bases_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files
 from lib.trained import load_run
 
-# -----------------------------------------------------------------------------
-# the folders: a whole model, or a LoRA adapter in peft's layout
-
 
 def write_model(model, tokenizer, checkpoint, folder, dtype):
     # merged (a LoRA run's adapters folded into the base) and cast; returns a note on the tokenizer
-    if dtype == "auto":  # the dtype the run began from, else the checkpoint's own (float32)
-        dtype = folder_dtype(checkpoint.get("pretrained")) or "float32"
-    merge_lora(model).to(getattr(torch, dtype))
     base = checkpoint.get("pretrained") or ""
+    merge_lora(model).to(getattr(torch, export_dtype(dtype, base)))
     ids = run_special_ids(tokenizer, base)
     save_pretrained(model, folder, ids=ids)
     files, note = hf_tokenizer_files(tokenizer)
@@ -60,9 +55,8 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         write_json(os.path.join(folder, "generation_config.json"), ids)
     if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
-        # prepare.py put before a document the BOS of its tokenizer.json's post-processor, or nothing, and
-        # no EOS after one but its own end-of-text, whatever a base's tokenizer_config.json says: a runtime
-        # must encode a prompt as the data was.
+        # prepare.py began a document with its tokenizer.json's BOS, or nothing, and ended it with its own
+        # end-of-text, whatever a base's tokenizer_config.json says: a prompt must be encoded as the data was.
         config = read_json(os.path.join(folder, "tokenizer_config.json"))
         config.update({"chat_template": jinja} if jinja else {})
         write_json(os.path.join(folder, "tokenizer_config.json"),
@@ -83,8 +77,7 @@ def base_file(base, name, what, limit=1 << 20):
 
 
 def carry(base, name, folder):
-    # A base folder's file into the export (base_file) that parses as the JSON object its name says, copied
-    # byte for byte
+    # a base folder's file (base_file), copied byte for byte if it is the JSON object its name says
     path, data = base_file(base, name, "the JSON file its name says")
     try:
         if not isinstance(json.loads(data), dict):
@@ -97,8 +90,7 @@ def carry(base, name, folder):
 
 
 def base_jinja(base):
-    # a base folder's chat_template.jinja (which transformers reads before tokenizer_config.json's) as text
-    # (base_file), or None
+    # a base's chat_template.jinja (transformers reads it before tokenizer_config.json's) as text, or None
     if not os.path.lexists(os.path.join(base, "chat_template.jinja")):
         return None
     path, data = base_file(base, "chat_template.jinja", "a chat template")
@@ -110,9 +102,8 @@ def base_jinja(base):
 
 
 def run_special_ids(tokenizer, base):
-    """config.json's special token ids: a base's own, unchanged, for a model that began from one; for a
-    model trained here, the BOS prepare.py put before each document (none but a tokenizer.json's) and
-    end-of-text to end and pad."""
+    """config.json's special token ids: a base's own for a model that began from one; else the BOS prepare.py
+    put before each document (none but a tokenizer.json's), and end-of-text to end and pad."""
     if base:
         return special_ids(base)
     if tokenizer.eot_id is None:  # nanoGPT's characters have no end-of-text
@@ -131,8 +122,6 @@ def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
     from lib.gguf_export import write_gguf
     merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
     base = checkpoint.get("pretrained") or ""
-    if dtype == "auto":  # the dtype the run began from, else the checkpoint's own (float32)
-        dtype = folder_dtype(base) or "float32"
     chat = read_meta(checkpoint["data_dir"]).get("chat")
     template = chat["template"] if chat else None
     ids = run_special_ids(tokenizer, base)
@@ -141,7 +130,7 @@ def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
     elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
         config = os.path.join(base, "tokenizer_config.json")
         template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)
-    write_gguf(model, tokenizer, path, getattr(torch, dtype), ids, template)
+    write_gguf(model, tokenizer, path, getattr(torch, export_dtype(dtype, base)), ids, template)
 
 
 def write_chat(folder, chat, eot_id):
@@ -153,26 +142,23 @@ def write_chat(folder, chat, eot_id):
     for name in ("bos_token", "eos_token"):  # the tokens the template was rendered with, which it names
         if chat.get(name) and name not in config:
             config[name] = chat[name]
-    generation = {}
-    if os.path.isfile(os.path.join(folder, "generation_config.json")):
-        generation = read_json(os.path.join(folder, "generation_config.json"))
+    generation = read_json(os.path.join(folder, "generation_config.json"))  # the base's, or write_model's
     eos = generation.get("eos_token_id", [])
     eos = [i for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
-    generation["eos_token_id"] = [chat["end_of_turn_id"]] + [i for i in eos + [eot_id] if i != chat["end_of_turn_id"]]
-    generation["eos_token_id"] = list(dict.fromkeys(generation["eos_token_id"]))
+    generation["eos_token_id"] = list(dict.fromkeys([chat["end_of_turn_id"], *eos, eot_id]))
     write_json(os.path.join(folder, "tokenizer_config.json"), config)
     write_json(os.path.join(folder, "generation_config.json"), generation)
 
 
-def folder_dtype(pretrained):
-    # the dtype a Hugging Face folder's config.json gives its weights; None without one
-    if not pretrained:
-        return None
+def export_dtype(dtype, base):
+    # --dtype; auto: the dtype the run began from (its base's config.json's), else the checkpoint's (float32)
+    if dtype != "auto":
+        return dtype
     try:
-        config = read_json(os.path.join(pretrained, "config.json"))
+        config = read_json(os.path.join(base, "config.json")) if base else {}
     except ValueError:
-        return None
-    return config.get("torch_dtype") or config.get("dtype")
+        config = {}
+    return config.get("torch_dtype") or config.get("dtype") or "float32"
 
 
 # what this script writes in a folder: --overwrite replaces a folder that holds nothing else

@@ -22,10 +22,8 @@ import torch
 
 from lib.chat import ChatFormat
 from lib.errors import UserError, one_line_errors
-from lib.hf import load_pretrained
 from lib.parallel import pick_device
-from lib.tokenizer import make_tokenizer
-from lib.trained import chat_folder, load_run
+from lib.trained import chat_folder, load_folder_or_run
 
 one_line_errors("sample.py")
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,26 +61,12 @@ device, dtype = pick_device(args.device, args.dtype)
 if args.top_k is not None and args.top_k < 1:
     raise UserError(f"--top_k={args.top_k} must be at least 1 (or leave it out)")
 
-# The loaders say in one line what makes no model (sizes GPTConfig refuses among it); a plain ValueError that
-# still comes out of them is said in one line the same way.
-if args.model:  # a Hugging Face folder: its weights in the dtype we sample in, and its tokenizer.json
-    if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
-        raise UserError(f"{args.model} has no tokenizer.json to encode the prompt with")
-    try:
-        model = load_pretrained(args.model, dtype=getattr(torch, dtype))
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    tokenizer = make_tokenizer(args.model, None)
-    folder = args.model
-else:  # a run's checkpoint, and the tokenizer of the data it was trained on
-    try:
-        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype),
-                                                args.data_dir)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    # its data's meta.json holds the template of conversations; a text fine-tune chats with its base's, as its
-    # export does
-    folder = chat_folder(checkpoint, tokenizer)
+try:  # a plain ValueError that comes out of the loaders (sizes GPTConfig refuses) is said in one line too
+    model, tokenizer, checkpoint = load_folder_or_run(args.model, os.path.join(args.out_dir, args.ckpt),
+                                                      getattr(torch, dtype), args.data_dir, "the prompt")
+except ValueError as e:
+    raise UserError(str(e)) from None
+folder = args.model or chat_folder(checkpoint, tokenizer)  # where the chat template is
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
 torch.manual_seed(args.seed)
@@ -124,8 +108,7 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
         if not text.strip():
             break
         messages.append({"role": "user", "content": text})
-        # a ValueError is said in one line (a conversation past block_size raises none: generate slides its
-        # window over the last block_size tokens)
+        # a ValueError is said in one line; a conversation past block_size raises none (generate slides its window)
         try:
             messages.append({"role": "assistant", "content": reply(messages)})
         except ValueError as e:

@@ -29,8 +29,6 @@ try:
 except ImportError:  # optional: a script that runs a task says how to install it (import_lm_eval)
     TemplateLM = object
 
-INSTALL = "the evaluation harness is not installed: pip install lm_eval"
-
 
 def import_lm_eval():
     """The lm_eval package, or a UserError saying how to install it."""
@@ -40,7 +38,7 @@ def import_lm_eval():
         import lm_eval.models.utils  # noqa: F401
         import lm_eval.tasks  # noqa: F401
     except ImportError:
-        raise UserError(INSTALL) from None
+        raise UserError("the evaluation harness is not installed: pip install lm_eval") from None
     return lm_eval
 
 
@@ -204,8 +202,7 @@ def run_tasks(lm, manager, names, limit=None, num_fewshot=None, apply_chat_templ
     lm.model.eval()
     return simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                            apply_chat_template=apply_chat_template, log_samples=log_samples,
-                           bootstrap_iters=100_000 if stderr else 0,
-                           verbosity="WARNING")
+                           bootstrap_iters=100_000 if stderr else 0, verbosity="WARNING")
 
 
 def main_metrics(results):
@@ -229,8 +226,7 @@ def for_training(model, data_dir, device, autocast, batch_size, tasks, include_p
 
 def task_metrics(lm, manager, names, limit=None):
     """During training: main_metrics of the tasks on the model as it is now, leaving every random state (Python's,
-    numpy's, torch's) and the model's train/eval mode as it found them, so that the run goes on as it would have
-    without them (an exact resume)."""
+    numpy's, torch's) and the model's train/eval mode as it found them, so that the run goes on unchanged."""
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     training = lm.model.training

@@ -153,14 +153,11 @@ def config_from_hf(hf, block_size=None):
                      qkv_bias=family == "qwen2", qk_norm=family == "qwen3", family=family)
 
 
-SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
 def special_ids(folder):
     """{bos_token_id, eos_token_id, pad_token_id} as a Hugging Face folder's config.json has them (only
     those it has), so that a model exported from a fine-tune of it keeps its base's ids."""
     hf = read_json(Path(folder) / "config.json")
-    return {name: hf[name] for name in SPECIAL_IDS if name in hf}
+    return {name: hf[name] for name in ("bos_token_id", "eos_token_id", "pad_token_id") if name in hf}
 
 
 # GPTConfig's fields that config.json says (hf_config), or that no weight's meaning depends on (dropout, the
@@ -255,13 +252,13 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
                          f"{layer_count(shapes, 'model.layers.')} layers: {fix}")
     with torch.device("meta"):
         model = GPT(config)
-    check_shapes(model, shapes, hf_layout(config), path, fix)
-    absent = sorted(set(hf_layout(config)) - set(shapes))  # known now, before the memory is taken for them
+    layout = hf_layout(config)
+    check_shapes(model, shapes, layout, path, fix)
+    absent = sorted(set(layout) - set(shapes))  # known now, before the memory is taken for them
     if absent:
         raise UserError(f"{path} lacks {len(absent)} tensor(s) the config needs, e.g. {absent[0]}")
     model = model.to(dtype).to_empty(device="cpu").materialize()
     params = dict(model.named_parameters())
-    layout = hf_layout(config)
     for file in files:
         with open_safetensors(file) as f, torch.no_grad():
             for name in f.keys():

@@ -101,9 +101,8 @@ def merge_lora(model):
 
 
 def quantize_base(model, kind="nf4"):
-    """Hold the frozen projections' weights in 4-bit NF4 (QLoRA) or in int8 (weight-only, a scale per output
-    row), through torchao; each keeps the dtype it had for computing. Embeddings, norms and the adapters stay
-    as they are."""
+    """Hold the frozen projections' weights in 4-bit NF4 (QLoRA) or int8 (weight-only, a scale per output row)
+    through torchao, each keeping the dtype it computes in; embeddings, norms and adapters stay as they are."""
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4

@@ -10,16 +10,16 @@ import os
 
 from lib.checkpoint import check_not_nanogpts, find_checkpoint, load_checkpoint, model_from_checkpoint
 from lib.errors import UserError
+from lib.hf import load_pretrained
 from lib.meta import read_meta
-from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer
+from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 
 def load_model(path, base_dtype=None, data_dir=None):
-    """out_dir/ckpt.pt -> (model, checkpoint), on the CPU; or the sharded folder out_dir/ckpt/ of an FSDP run
-    (see find_checkpoint). A LoRA run's frozen base is read in base_dtype (None: its
-    folder's). checkpoint["data_dir"] becomes where the data the model was trained on is now: data_dir, else
-    where that data was then, else where the run's config says. UserError with one line for what is missing
-    or damaged."""
+    """out_dir/ckpt.pt, or an FSDP run's sharded folder out_dir/ckpt/ -> (model, checkpoint), on the CPU.
+    A LoRA run's frozen base is read in base_dtype (None: its folder's). checkpoint["data_dir"] becomes where
+    the data the model was trained on is now: data_dir, else where that data was then, else where the run's
+    config says. UserError with one line for what is missing or damaged."""
     found = find_checkpoint(path)
     if found is None:
         raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
@@ -69,11 +69,20 @@ def load_run(path, base_dtype=None, data_dir=None):
     return model, tokenizer, checkpoint
 
 
+def load_folder_or_run(folder, path, dtype, data_dir, use):
+    """(model, tokenizer, None) of a Hugging Face folder (its weights in dtype, its tokenizer.json), else
+    load_run's of the checkpoint at path. use: what the folder's tokenizer encodes, named if it has none."""
+    if not folder:
+        return load_run(path, dtype, data_dir)
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise UserError(f"{folder} has no tokenizer.json to encode {use} with")
+    return load_pretrained(folder, dtype), make_tokenizer(folder, None), None
+
+
 def chat_folder(checkpoint, tokenizer):
-    """The folder whose chat template a run chats with (sample.py --chat), the one export.py gives its folder:
-    the data's, where it was made from conversations with one; else the Hugging Face folder the run began from,
-    where the data was made with that folder's very tokenizer.json (a text fine-tune of a chat model); else the
-    data's, which has none."""
+    """The folder whose chat template a run chats with (sample.py --chat), as export.py gives it: the data's,
+    where it was made from conversations with one; else the Hugging Face folder the run began from, where the
+    data was made with that folder's very tokenizer.json (a text fine-tune of a chat model); else the data's."""
     data_dir, base = checkpoint["data_dir"], checkpoint.get("pretrained")
     if read_meta(data_dir).get("chat") or not bases_tokenizer(tokenizer, base):
         return data_dir

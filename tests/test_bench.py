@@ -254,3 +254,14 @@ def test_seeds_mode_puts_our_seeds_beside_nanogpts_run_on_the_whole_val_split(da
                      r"time / ours: [\d.]+x \(CPU time: [\d.]+x\)", done.stdout)
     done = script("bench.py", "--mode=seeds", "--tiny")
     assert done.returncode == 1 and "--nanogpt=DIR" in done.stderr and done.stderr.strip().count("\n") == 0
+
+
+def test_load_mode_measures_its_three_loads_at_a_tiny_shape():
+    # each load in a Python of its own, which imports the project's load_pretrained: a table of three rows, the
+    # streamed load's memory above the baseline's
+    done = script("bench.py", "--mode=load", "--tiny")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [row.split(" | ")[0] for row in rows] == ["| baseline (import torch and model.py)",
+                                                    "| load_pretrained (streamed)", "| file read whole, then a model"]
+    assert all(float(row.split(" | ")[1].replace(",", "")) > 0 for row in rows)
