@@ -61,8 +61,7 @@ def draw(runs, title):
         speed.plot([r["iter"] for r in fast], [r["tokens_per_s"] for r in fast], color=color, label=label)
     for axes, xlabel, ylabel in ((by_step, "step", "loss"), (by_time, "wall time (s)", "loss"),
                                  (lr, "step", "learning rate"), (speed, "step", "tokens/s")):
-        axes.set_xlabel(xlabel)
-        axes.set_ylabel(ylabel)
+        axes.set(xlabel=xlabel, ylabel=ylabel)
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
     figure.suptitle(title)

@@ -1,7 +1,6 @@
 """
-Prepare a text corpus for training: files and folders in, DIR/train.bin, DIR/val.bin and DIR/meta.json
-out. What they hold, what is read, held in memory or skipped, and the tokenizers: README.md, "Your own data".
-The inputs are read by sources.py, encoded by tokenizer.py's tokenizers; this script runs the two and writes.
+Prepare a text corpus for training: files and folders in (read by sources.py, encoded by tokenizer.py),
+DIR/train.bin, DIR/val.bin and DIR/meta.json out. What they hold, what is read, held or skipped: docs/data.md.
 
     python prepare.py --tokenizer=bpe:4096          # default corpus: this Python's stdlib -> data/stdlib
     python prepare.py input.txt --tokenizer=char --out_dir=data/shakespeare_char
@@ -19,6 +18,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from functools import cache
 from hashlib import blake2b
 from itertools import chain, islice
 from pathlib import Path
@@ -41,12 +41,11 @@ SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", 
 # -----------------------------------------------------------------------------
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
-def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=0, starts=None):
+def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes, min_length, starts):
     """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text, whether each was
-    dropped), the tokenizer's BOS (if it adds one) before each document's first piece (starts), end-of-text
-    after each document's last piece. A whole document (wholes) of fewer than min_length
-    tokens is dropped. Conversations (Chat) come with masks: 1 for a trained token, and 0 for the end-of-text
-    after each, which separates it from the next and is never trained (train.py cuts there)."""
+    dropped): the tokenizer's BOS (if any) before a document's first piece (starts), end-of-text after its last;
+    a whole document (wholes) of fewer than min_length tokens dropped. A conversation (Chat) has masks: 1 for a
+    trained token, 0 for the end-of-text after it, which is never trained (train.py cuts there)."""
     masks = None
     if texts and isinstance(texts[0], Chat):
         pairs = [tokenizer.encode_chat(chat.text, chat.spans) for chat in texts]
@@ -55,7 +54,7 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=
         texts = [chat.text for chat in texts]
     else:  # a conversation's BOS is in its text: the template's, or the tokenizer's before plain prompt strings
         ids = tokenizer.encode_docs(texts, ends, starts)
-    dropped = [bool(whole) and len(a) - end < min_length for a, end, whole in zip(ids, ends, wholes or ends)]
+    dropped = [bool(whole) and len(a) - end < min_length for a, end, whole in zip(ids, ends, wholes)]
 
     def by_split(arrays, kind):
         parts = ([a for a, v, d in zip(arrays, is_val, dropped) if not v and not d],
@@ -69,13 +68,11 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes=None, min_length=
 def document_pieces(docs, in_one_piece, stats):
     # (text, is_last, is_val, ext, whole, is_first) for each piece of docs; whole: the document's only piece
     for is_val, ext, doc, start, stop in docs:
-        first = True
-        for text, end in pieces(doc, start, stop, in_one_piece, stats):
-            yield text, end, is_val, ext, first and end, first
-            first = False
+        for i, (text, end) in enumerate(pieces(doc, start, stop, in_one_piece, stats)):
+            yield text, end, is_val, ext, i == 0 and end, i == 0
 
 
-def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False, min_length=0, stats=None):
+def encoded(docs, tokenizer, dtype, num_workers, in_one_piece, min_length, stats):
     """docs: (is_val, ext, doc, start, stop) -> yields ([(is_val, is_last, ext)], encode_batch's result) per
     batch, one entry per piece. Batches don't depend on num_workers, so neither do the outputs."""
     items = document_pieces(docs, in_one_piece, stats)
@@ -99,10 +96,9 @@ def encoded(docs, tokenizer, dtype, num_workers, in_one_piece=False, min_length=
 # the run: check the arguments -> learn the vocabulary -> encode and write under .tmp names ->
 # balance the splits -> meta.json -> move into place, meta.json last -> report
 
-def prepare(args, quiet=False):
+def prepare(args):
     """Run prepare.py with parsed args; returns meta.json's content (or the --analyze report)."""
     started = time.time()
-    log = (lambda *a: None) if quiet else print
     inputs, out, replacing = check_arguments(args)
     exclude = out.resolve() if not args.analyze else None  # an out_dir inside an input is not read
     threads = max(1, args.num_workers or cpu_count())
@@ -120,10 +116,10 @@ def prepare(args, quiet=False):
 
     stats = new_stats()
     docs = labelled_documents(args, inputs, exclude, stats)
-    docs, split_method, single_ext = plan_split(args, inputs, docs, stats, log)
+    docs, split_method, single_ext = plan_split(args, inputs, docs, stats)
     with nullcontext({}) if args.analyze else temporary_outputs(out) as files:  # --analyze writes nothing
         encoding = time.time()
-        splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet,
+        splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads,
                                                    args.min_length)
         seconds["encode"] = max(time.time() - encoding, 1e-6)
         if single_ext is not None:  # the head and tail of one document were counted as two
@@ -143,17 +139,17 @@ def prepare(args, quiet=False):
             "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)},
         }
         if args.analyze:
-            report_analyze(meta, log)
+            report_analyze(meta)
             return meta
         move_into_place(out, files, tokenizer, meta)
 
-    report_run(meta, out, replacing, seconds, started, threads, log)
+    report_run(meta, out, replacing, seconds, started, threads)
     if meta["masks"]:
-        report_example(out, tokenizer, meta, log)
+        report_example(out, tokenizer, meta)
     if meta["masks"] and meta["chat"]["template_from"] == "built-in" and os.path.exists(args.tokenizer):
-        log(f"warning: {args.tokenizer} has no chat template (chat_template.jinja, or chat_template in "
-            f"tokenizer_config.json): the built-in one was used, which that model never saw; give it its own with "
-            f"--chat_template=FILE")
+        print(f"warning: {args.tokenizer} has no chat template (chat_template.jinja, or chat_template in "
+              f"tokenizer_config.json): the built-in one was used, which that model never saw; give it its own "
+              f"with --chat_template=FILE")
     return meta
 
 
@@ -169,26 +165,22 @@ def check_splits(args, inputs, splits, conversations):
 
 
 def chat_maker(args, tokenizer):
-    """-> chat(): the ChatFormat conversations are rendered with, made when the first one is met (a corpus of
-    texts needs none): --chat_template or the template of the tokenizer's folder, with the tokenizer's special
-    tokens (before a bpe:N vocabulary is learned, the end-of-text it will have)."""
-    made = []
-
+    """-> chat(): the ChatFormat, made at the first conversation (texts need none), of --chat_template or the
+    tokenizer folder's template, with its special tokens (before bpe:N is learned, the end-of-text to come)."""
+    @cache
     def chat():
-        if not made:
-            specials = tokenizer.special_tokens() if tokenizer else {"<|endoftext|>": None}
-            if not specials:
-                raise UserError(f"conversations need a tokenizer with special tokens to mark turns, and "
-                                f"{tokenizer.name} has none: use bpe:N, a tiktoken encoding or the model's "
-                                f"tokenizer.json")
-            eot = tokenizer.decode([tokenizer.eot_id]) if tokenizer else "<|endoftext|>"
-            folder = args.tokenizer if os.path.exists(args.tokenizer) else None
-            try:
-                bos = tokenizer.decode([tokenizer.bos_id]) if tokenizer and tokenizer.bos_id is not None else ""
-                made.append(ChatFormat.for_tokenizer(folder, specials, eot, args.train_on, args.chat_template, bos))
-            except (ValueError, OSError) as e:
-                raise UserError(str(e))
-        return made[0]
+        specials = tokenizer.special_tokens() if tokenizer else {"<|endoftext|>": None}
+        if not specials:
+            raise UserError(f"conversations need a tokenizer with special tokens to mark turns, and "
+                            f"{tokenizer.name} has none: use bpe:N, a tiktoken encoding or the model's "
+                            f"tokenizer.json")
+        eot = tokenizer.decode([tokenizer.eot_id]) if tokenizer else "<|endoftext|>"
+        folder = args.tokenizer if os.path.exists(args.tokenizer) else None
+        try:
+            bos = tokenizer.decode([tokenizer.bos_id]) if tokenizer and tokenizer.bos_id is not None else ""
+            return ChatFormat.for_tokenizer(folder, specials, eot, args.train_on, args.chat_template, bos)
+        except (ValueError, OSError) as e:
+            raise UserError(str(e))
     return chat
 
 
@@ -231,12 +223,12 @@ def labelled_documents(args, inputs, exclude, stats):
         yield True, ext, doc, 0, None
 
 
-def plan_split(args, inputs, docs, stats, log):
+def plan_split(args, inputs, docs, stats):
     """Peek at the first two documents -> (docs, how they are split, the extension of the single document
     whose tail is val, or None). With no documents at all, stop before any folder is made."""
     first = list(islice(docs, 2))
     if not first:
-        report_skips(stats, log)
+        report_skips(stats)
         raise UserError(f"no documents found in {', '.join(map(str, inputs))} (every file was skipped or empty; "
                         f"see above)")
     if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze \
@@ -263,34 +255,33 @@ def plan_split(args, inputs, docs, stats, log):
 
 @contextmanager
 def temporary_outputs(out):
-    """train.bin.tmp and val.bin.tmp, opened empty (what a killed run left there is truncated), in out locked for
-    this run alone (files.py: a second prepare.py into it is refused). After the run, finished or stopped, no .tmp
-    file stays, nor a folder it made and left empty."""
+    """The token and mask files under .tmp names, opened empty (what a killed run left there is truncated), in
+    out locked for this run alone (files.py: a second prepare.py into it is refused). After the run, finished or
+    stopped, no .tmp file stays, nor a folder it made and left empty."""
     created = not out.exists()
     held = lock_folder(out, "prepare.py")
-    files = {split: open_own(out / f"{split}.bin.tmp", "w+b") for split in ("train", "val", "train.mask",
-                                                                             "val.mask")}
+    names = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin")
+    files = {name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in names}
     try:
         yield files
     finally:
         for f in files.values():
             f.close()
-        for name in ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", "vocab.json", "tokenizer.json",
-                     "meta.json"):
+        for name in (*names, "vocab.json", "tokenizer.json", "meta.json"):
             (out / (name + ".tmp")).unlink(missing_ok=True)
         unlock_folder(out, held)
         if created and not any(out.iterdir()):
             out.rmdir()
 
 
-def encode_and_write(docs, tokenizer, dtype, files, stats, threads, quiet, min_length=0):
+def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
     """Encode docs into files (none for --analyze), counting documents, tokens and bytes per split and per
     extension -> (the splits' counts, each split's last (tokens, bytes), document length histogram)."""
     splits = {split: {"documents": 0, "tokens": 0, "bytes": 0} for split in ("train", "val")}
     last = {}  # split -> (tokens, bytes) of its last document, to move it if the other split is empty
     histogram = {}  # log2(document length in tokens) -> documents
     doc_tokens = doc_bytes = 0  # of the document so far: a big one comes in pieces
-    bar = tqdm(unit="B", unit_scale=True, disable=True if quiet else None, desc="prepare")  # on stderr
+    bar = tqdm(unit="B", unit_scale=True, disable=None, desc="prepare")  # on stderr
     # sources.SAFE_CUT is checked for these pre-tokenizers only; any other tokenizer gets whole documents.
     in_one_piece = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
                                                        and tokenizer.name not in SAFE_ENCODINGS)
@@ -418,67 +409,67 @@ def human(n, unit=""):
 # -----------------------------------------------------------------------------
 # reports
 
-def report_run(meta, out, replacing, seconds, started, threads, log):
+def report_run(meta, out, replacing, seconds, started, threads):
     ndocs = sum(counts["documents"] for counts in meta["extensions"].values())  # a document cut in two is one
     nbytes, ntokens = (meta["train"][key] + meta["val"][key] for key in ("bytes", "tokens"))
-    log(f"read {meta['files_read']} files, {ndocs} documents, {human(nbytes, 'B')} -> {out}/"
-        + (" (replacing the incomplete dataset a killed run had left there)" if replacing else ""))
-    log(f"tokenizer: {meta['tokenizer']['name']} (vocab {meta['vocab_size']}, end-of-text {meta['eot_id']}, "
-        f"{meta['dtype']})" + (f", learned in {seconds['learn']:.1f} s" if seconds["learn"] > 0.5 else ""))
+    print(f"read {meta['files_read']} files, {ndocs} documents, {human(nbytes, 'B')} -> {out}/"
+          + (" (replacing the incomplete dataset a killed run had left there)" if replacing else ""))
+    print(f"tokenizer: {meta['tokenizer']['name']} (vocab {meta['vocab_size']}, end-of-text {meta['eot_id']}, "
+          f"{meta['dtype']})" + (f", learned in {seconds['learn']:.1f} s" if seconds["learn"] > 0.5 else ""))
     for split in ("train", "val"):
-        log(f"{split:>5}: {meta[split]['documents']:>9,} documents {meta[split]['tokens']:>13,} tokens")
-    log(f"split: {meta['split']['method']}")
-    report_skips(meta, log)
-    log(f"tokenized {human(nbytes, 'B')} in {seconds['encode']:.2f} s with {threads} threads: "
-        f"{nbytes / 1e6 / seconds['encode']:.1f} MB/s, {human(ntokens / seconds['encode'])} tokens/s; "
-        f"{time.time() - started:.1f} s in all")
+        print(f"{split:>5}: {meta[split]['documents']:>9,} documents {meta[split]['tokens']:>13,} tokens")
+    print(f"split: {meta['split']['method']}")
+    report_skips(meta)
+    print(f"tokenized {human(nbytes, 'B')} in {seconds['encode']:.2f} s with {threads} threads: "
+          f"{nbytes / 1e6 / seconds['encode']:.1f} MB/s, {human(ntokens / seconds['encode'])} tokens/s; "
+          f"{time.time() - started:.1f} s in all")
 
 
-def report_example(out, tokenizer, meta, log):
+def report_example(out, tokenizer, meta):
     """The first training conversation as the model reads it, what it learns to write between [[ and ]]."""
     ids = np.fromfile(out / "train.bin", dtype=meta["dtype"], count=4096)
     mask = np.fromfile(out / "train.mask.bin", dtype=np.uint8, count=4096)
     end = next((i for i in np.flatnonzero(ids == tokenizer.eot_id) if mask[i] == 0), len(ids))
     runs = np.split(np.arange(end), np.flatnonzero(np.diff(mask[:end])) + 1)  # stretches of equal mask
     text = "".join(("[[{}]]" if mask[r[0]] else "{}").format(tokenizer.decode(ids[r].tolist())) for r in runs if len(r))
-    log(f"{meta['train']['targets']:,} of {meta['train']['tokens']:,} training tokens are trained on "
-        f"({meta['chat']['train_on']}, template: {meta['chat']['template_from']}); the first example, "
-        f"its trained part in [[ ]]:\n{text}")
+    print(f"{meta['train']['targets']:,} of {meta['train']['tokens']:,} training tokens are trained on "
+          f"({meta['chat']['train_on']}, template: {meta['chat']['template_from']}); the first example, "
+          f"its trained part in [[ ]]:\n{text}")
 
 
-def report_skips(report, log):
+def report_skips(report):
     """What was left out, from meta.json's content or from the stats that go into it."""
     if report["skipped_files"]:
-        log(f"skipped {len(report['skipped_files'])} files:")
+        print(f"skipped {len(report['skipped_files'])} files:")
         for skipped in report["skipped_files"]:
-            log(f"  {skipped['path']}: {skipped['reason']}")
+            print(f"  {skipped['path']}: {skipped['reason']}")
     bad = report["bad_records"]
     if bad["count"]:
-        log(f"skipped {bad['count']} bad records" + (", the first:" if bad["count"] > 20 else ":"))
+        print(f"skipped {bad['count']} bad records" + (", the first:" if bad["count"] > 20 else ":"))
         for example in bad["examples"][:20]:
-            log(f"  {example}")
+            print(f"  {example}")
     short = f", {report['short_dropped']} shorter than --min_length" if report.get("short_dropped") else ""
-    log(f"dropped {report['empty_documents']} empty documents, {report['duplicates_dropped']} duplicates{short}; "
-        f"left out {report['hidden_skipped']} hidden files and folders")
+    print(f"dropped {report['empty_documents']} empty documents, {report['duplicates_dropped']} duplicates{short}; "
+          f"left out {report['hidden_skipped']} hidden files and folders")
     if report.get("hard_cuts"):
-        log(f"cut text {report['hard_cuts']} times where {human(HARD_CUT)} characters held no safe place to cut "
-            f"(its tokens there may differ from those of the text whole)")
+        print(f"cut text {report['hard_cuts']} times where {human(HARD_CUT)} characters held no safe place to cut "
+              f"(its tokens there may differ from those of the text whole)")
 
 
-def report_analyze(meta, log):
+def report_analyze(meta):
     ndocs = meta["train"]["documents"] + meta["val"]["documents"]
     nbytes, ntokens = (meta["train"][key] + meta["val"][key] for key in ("bytes", "tokens"))
-    log(f"analyze (nothing written): {meta['files_read']} files, {ndocs:,} documents, {human(nbytes, 'B')}, "
-        f"{ntokens:,} tokens with {meta['tokenizer']['name']} (counting one end-of-text per document)")
-    log(f"{'extension':>12} {'files':>8} {'documents':>10} {'bytes':>9} {'tokens':>12}")
+    print(f"analyze (nothing written): {meta['files_read']} files, {ndocs:,} documents, {human(nbytes, 'B')}, "
+          f"{ntokens:,} tokens with {meta['tokenizer']['name']} (counting one end-of-text per document)")
+    print(f"{'extension':>12} {'files':>8} {'documents':>10} {'bytes':>9} {'tokens':>12}")
     for ext, counts in sorted(meta["extensions"].items()):
-        log(f"{ext:>12} {counts['files']:>8,} {counts['documents']:>10,} {human(counts['bytes'], 'B'):>9} "
-            f"{counts['tokens']:>12,}")
-    log("document length in tokens (without end-of-text):")
+        print(f"{ext:>12} {counts['files']:>8,} {counts['documents']:>10,} {human(counts['bytes'], 'B'):>9} "
+              f"{counts['tokens']:>12,}")
+    print("document length in tokens (without end-of-text):")
     top = max(meta["document_tokens_histogram"].values())
     for bucket, n in meta["document_tokens_histogram"].items():
-        log(f"{bucket:>15} {n:>9,} {'#' * max(1, round(40 * n / top))}")
-    report_skips(meta, log)
+        print(f"{bucket:>15} {n:>9,} {'#' * max(1, round(40 * n / top))}")
+    report_skips(meta)
 
 # -----------------------------------------------------------------------------
 

@@ -29,7 +29,6 @@ ROLES = ("system", "user", "assistant", "tool")
 MAX_STEPS = 1_000_000
 MAX_OUTPUT = 1 << 24
 TRAIN_ON = ("assistant", "completion", "all")
-# ShareGPT's "from" -> the template's role
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
 STAND_IN = "\ue000\ue001\ue000"  # stands for a reply while finding where a template writes it (private use)
@@ -177,8 +176,7 @@ def generation_tags():
 
 def generation_spans(marked):
     """A text rendered with MARKS -> Chat: the text without them, and the spans they enclosed."""
-    text, spans, opened = [], [], []
-    at = 0
+    text, spans, opened, at = [], [], [], 0
     for piece in re.split(f"([{MARKS[0]}{MARKS[1]}])", marked):
         if piece == MARKS[0]:
             opened.append(at)
@@ -235,15 +233,15 @@ class ChatFormat:
         self.specials = sorted(special_tokens, key=len, reverse=True)  # the longest first: "</s>" before "<"
         self.context = {"eos_token": eos_token, "bos_token": bos_token or "", "tools": None, "documents": None}
         self.template = compile_template(source)
-        # the token that closes an assistant's turn, which the model must learn to write to stop
         probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-        marked = self.render(probe, marks=True)
-        self.tagged = MARKS[0] in marked  # the template's {% generation %} blocks say what is trained
+        self.tagged = MARKS[0] in self.render(probe, marks=True)  # {% generation %} blocks say what is trained
         text = self.render(probe)
         if "Hello" not in text:
             raise UserError(f"the chat template ({origin}) does not write an assistant's reply, so there would be "
                              f"nothing to train on: use one that does (--chat_template)")
-        self.end_of_turn = self.closing_token(text, text.rfind("Hello") + len("Hello"))
+        # the special token right after the reply closes the turn: the model must learn to write it to stop
+        rest = text[text.rfind("Hello") + len("Hello"):].lstrip()
+        self.end_of_turn = next((s for s in self.specials if rest.startswith(s)), None)
         if self.end_of_turn is None:
             raise UserError(f"the chat template ({origin}) closes an assistant's turn with no special token, so "
                              f"a model could not learn where to stop: use a template that does (--chat_template)")
@@ -256,8 +254,7 @@ class ChatFormat:
                    tokens.get("bos_token"), eot_text, text_bos)
 
     def meta(self, tokenizer):
-        """What meta.json says of the conversations: the template (sample.py and export.py use it again), what was
-        trained, the end-of-turn token."""
+        """What meta.json says of the conversations (sample.py and export.py use its template again)."""
         return {"template": self.source, "template_from": self.origin, "train_on": self.train_on,
                 "end_of_turn": self.end_of_turn, "end_of_turn_id": tokenizer.special_tokens()[self.end_of_turn],
                 "bos_token": self.context["bos_token"], "eos_token": self.context["eos_token"]}
@@ -272,11 +269,6 @@ class ChatFormat:
         except (ArithmeticError, RecursionError, LookupError, AttributeError, ValueError) as e:  # its own bugs
             raise UserError(f"the chat template failed ({type(e).__name__}: {e})") from None
         return text if marks else text.replace(MARKS[0], "").replace(MARKS[1], "")
-
-    def closing_token(self, text, end):
-        # the special token right after end, past any whitespace, or None
-        rest = text[end:].lstrip()
-        return next((s for s in self.specials if rest.startswith(s)), None)
 
     def record(self, obj):
         """A JSON record -> Chat, or ValueError saying why it cannot be one."""

@@ -74,8 +74,7 @@ def read_metadata(folder):
 
 
 class CheckedReader(dcp.FileSystemReader):
-    """torch.distributed.checkpoint's reader of a folder, handed the metadata read_metadata read and checked:
-    DCP's own read_metadata would unpickle .metadata with pickle.load."""
+    """DCP's reader of a folder, given the metadata read_metadata checked (its own would pickle.load it)."""
 
     def __init__(self, folder):
         super().__init__(folder)

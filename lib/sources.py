@@ -71,7 +71,6 @@ class CheckedGzip(gzip.GzipFile):
 
 
 def open_input(path):
-    """A file for reading bytes: gunzipped (and checked) where its name ends in .gz."""
     return CheckedGzip(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
 
 
@@ -100,10 +99,8 @@ def hub_splits(name, config):
         raise UserError(f"cannot read the dataset hf:{name} ({why})") from None
 
 
-def read_hub(hub, field, chat):
-    """A Hugging Face dataset's split, streamed: its rows as JSON records are (see record_text)."""
-    import datasets
-    rows = datasets.load_dataset(hub.name, hub.config, split=hub.split, streaming=True)
+def read_rows(rows, field, chat):
+    """A Hugging Face dataset's or a parquet file's rows, read as JSON records are (see record_text)."""
     for row, record in enumerate(rows, 1):
         yield f"row {row}", *record_text(record, field, chat)
 
@@ -111,7 +108,7 @@ def read_hub(hub, field, chat):
 def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
     """Yield (path, path relative to the INPUT) for every file under folder (or folder, a file), sorted."""
     if isinstance(folder, HubSplit):
-        yield folder, f"hf:{folder.name}:{folder.split}"
+        yield folder, str(folder)
         return
     folder = Path(folder)
     if not folder.is_dir():
@@ -181,7 +178,9 @@ def read_documents(path, field, dedup, chat):
     """Yield (position, text or BigText, None) per document, or (position, None, why) per bad record.
     Raises SkipFile for a file that cannot be read at all."""
     if isinstance(path, HubSplit):
-        yield from read_hub(path, field, chat)
+        import datasets
+        yield from read_rows(datasets.load_dataset(path.name, path.config, split=path.split, streaming=True),
+                             field, chat)
         return
     if not path.is_file():
         raise SkipFile("not a regular file")
@@ -221,8 +220,7 @@ def read_documents(path, field, dedup, chat):
 
 
 def bounded_lines(f, limit):
-    """Yield the lines of a binary file, each at most limit bytes: a longer one is read past, never held, and
-    yielded as None."""
+    """Yield a binary file's lines of at most limit bytes, None for each longer one (read past, never held)."""
     while line := f.readline(limit + 1):
         if len(line) <= limit:
             yield line
@@ -245,8 +243,7 @@ def read_parquet(path, field, chat):
     names = parquet.schema_arrow.names
     if not field and is_conversation(dict.fromkeys(names)):  # conversations: each row as a record
         rows = chain.from_iterable(batch.to_pylist() for batch in parquet.iter_batches(batch_size=1024))
-        for row, record in enumerate(rows, 1):
-            yield f"row {row}", *record_text(record, None, chat)
+        yield from read_rows(rows, None, chat)
         return
     column = field if field else next((c for c in TEXT_FIELDS if c in names), None)
     if column not in names:

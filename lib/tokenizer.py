@@ -1,10 +1,9 @@
 """
-Tokenizers, for every kind prepare.py makes: tiktoken's encodings (gpt2, cl100k_base, o200k_base, ...),
-char (a corpus's characters), bpe:N (a byte-level BPE trained here with rustbpe), wordpiece:N, a Hugging Face
-tokenizer.json, and nanoGPT's character datasets (meta.pkl). One Tokenizer object with encode,
-decode, vocab_size and eot_id, whatever the kind; a prepared dataset's own (load_tokenizer), and whether it
-is another folder's (check_tokenizer). What a dataset's folder says about itself is meta.py's (read_meta); the
-tokenizer.json of an exported model is tokenizer_json.py's.
+Tokenizers of every kind prepare.py makes: tiktoken's encodings (gpt2, cl100k_base, o200k_base, ...), char
+(a corpus's characters), bpe:N (a byte-level BPE trained with rustbpe), wordpiece:N, a Hugging Face
+tokenizer.json and nanoGPT's character datasets (meta.pkl), all one Tokenizer (encode, decode, vocab_size,
+eot_id); a dataset's own (load_tokenizer), and whether it is another folder's (check_tokenizer). meta.py reads
+the rest of a dataset's meta.json (read_meta); tokenizer_json.py writes an exported model's tokenizer.json.
 
     from lib.tokenizer import load_tokenizer, make_tokenizer
     tokenizer = load_tokenizer("data/stdlib")
@@ -25,8 +24,7 @@ from lib.errors import UserError
 from lib.files import open_own
 from lib.meta import nanogpt_chars, refuse_unfinished
 
-# The end-of-text tokens of Hugging Face tokenizers, in order of preference.
-EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # Hugging Face's, preferred first
 
 
 # -----------------------------------------------------------------------------
@@ -196,17 +194,13 @@ def hf_tokenizer(name, hf_json):
     if eot_id is None:
         raise UserError(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} "
                         f"(add one to it)")
+    # The id its post-processor puts before every text (Llama 3's <|begin_of_text|>), or None. Only the BOS is
+    # taken from it: documents end with end-of-text, which prepare.py writes itself.
     with stopped_in_one_line(name):
-        bos_id = post_processor_bos(hf)
+        plain = hf.encode("a", add_special_tokens=False).ids
+        full = hf.encode("a", add_special_tokens=True).ids
+    bos_id = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
     return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json, bos_id=bos_id)
-
-
-def post_processor_bos(hf):
-    """The id a tokenizer.json's post-processor puts before every text (Llama 3's <|begin_of_text|>), or None.
-    Only the BOS is taken from it: documents end with end-of-text, which prepare.py writes itself."""
-    plain = hf.encode("a", add_special_tokens=False).ids
-    full = hf.encode("a", add_special_tokens=True).ids
-    return full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
 
 
 def bases_tokenizer(tokenizer, base):
@@ -249,21 +243,19 @@ def make_tokenizer(spec, texts):
         for text in texts():
             chars.update(text)
         return char_tokenizer("".join(sorted(chars)))
-    if spec.startswith("bpe:"):
-        size = spec[4:]
-        if not size.isdigit() or int(size) < 256:
-            raise UserError(f"bad tokenizer '{spec}' (bpe:N needs a whole number N >= 256, e.g. bpe:4096)")
+    if spec.startswith(("bpe:", "wordpiece:")):
+        kind, size = spec.split(":", 1)
+        least, example = (256, 4096) if kind == "bpe" else (100, 8192)
+        if not size.isdigit() or int(size) < least:
+            raise UserError(f"bad tokenizer '{spec}' ({kind}:N needs a whole number N >= {least}, "
+                            f"e.g. {kind}:{example})")
+        if kind == "wordpiece":
+            return wordpiece_tokenizer(spec, int(size), texts)
         import rustbpe
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(texts(), int(size))
         ranks = {bytes(b): rank for b, rank in trainer.get_mergeable_ranks()}
         return bpe_tokenizer(spec, ranks, trainer.get_pattern())
-    if spec.startswith("wordpiece:"):
-        size = spec[10:]
-        if not size.isdigit() or int(size) < 100:
-            raise UserError(f"bad tokenizer '{spec}' (wordpiece:N needs a whole number N >= 100, "
-                            f"e.g. wordpiece:8192)")
-        return wordpiece_tokenizer(spec, int(size), texts)
     import tiktoken
     if spec in tiktoken.list_encoding_names():
         return tiktoken_tokenizer(spec)
@@ -307,7 +299,14 @@ def load_tokenizer(data_dir):
     if not path.exists():
         raise UserError(f"{path} is missing, and meta.json needs it (re-run prepare.py)")
     try:
-        return tokenizer_from_file(spec, path.read_text(encoding="utf-8"))
+        data = path.read_text(encoding="utf-8")
+        if spec["kind"] == "huggingface":
+            return hf_tokenizer(spec["name"], data)
+        data = json.loads(data)
+        if spec["kind"] == "char":
+            return char_tokenizer(data["chars"])
+        ranks = {base64.b64decode(token): rank for rank, token in enumerate(data["ranks"])}
+        return bpe_tokenizer(spec["name"], ranks, data["pattern"])
     except (UserError, KeyboardInterrupt):  # UserError: hf_tokenizer's own one line
         raise
     except BaseException as e:  # a pattern the regex engine refuses; the Rust libraries' panics are BaseExceptions
@@ -316,23 +315,10 @@ def load_tokenizer(data_dir):
             from None
 
 
-def tokenizer_from_file(spec, data):
-    # meta.json's tokenizer spec and the text of the file it names -> Tokenizer
-    if spec["kind"] == "huggingface":
-        return hf_tokenizer(spec["name"], data)
-    data = json.loads(data)
-    if spec["kind"] == "char":
-        return char_tokenizer(data["chars"])
-    ranks = {base64.b64decode(token): rank for rank, token in enumerate(data["ranks"])}
-    return bpe_tokenizer(spec["name"], ranks, data["pattern"])
-
-
-
 def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
-    """ValueError, in one line with the fix, unless the dataset data_dir (meta: its read_meta) was made with
-    the tokenizer of folder: a Hugging Face model folder, whose config.json says model_vocab, or a dataset (the
-    one a run was trained on). The same tokenizer gives a document's ids back from its text: the first few are
-    decoded and encoded again."""
+    """UserError, in one line with the fix, unless the dataset data_dir (meta: its read_meta) was made with the
+    tokenizer of folder (a Hugging Face model's, whose config.json says model_vocab, or a run's dataset): the
+    same tokenizer gives a document's ids back from its text, which the first few are checked for."""
     fix = fix or (f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} "
                   f"--out_dir=DIR")
     if meta["vocab_size"] > model_vocab:

@@ -42,12 +42,11 @@ def hf_tokenizer_files(tok):
 
 
 def tokenizer_config(eos, bos=None):
-    """tokenizer_config.json's text. Our encode reads a "<|endoftext|>" inside a document as plain
-    text (prepare.py encodes ordinary text only), so transformers must too: split_special_tokens.
-    prepare.py puts before a document only the BOS bos of a tokenizer.json's post-processor (None:
-    nothing) and ends it with the end-of-text id itself, so a runtime adds that BOS and no EOS to a
-    prompt (llama.cpp adds a BOS unless told not to); and decode must not "clean up" the spaces
-    before punctuation."""
+    """tokenizer_config.json's text. Our encode reads "<|endoftext|>" in a document as plain text (prepare.py
+    encodes ordinary text only), so transformers must too: split_special_tokens. prepare.py puts before a
+    document only the BOS bos of a tokenizer.json's post-processor (None: nothing) and writes the end-of-text
+    itself, so a runtime adds that BOS and no EOS to a prompt (llama.cpp adds a BOS unless told not to); and
+    decode must not "clean up" the spaces before punctuation."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
               **({"bos_token": bos} if bos else {}), "add_bos_token": bos is not None, "add_eos_token": False,
               "split_special_tokens": True, "clean_up_tokenization_spaces": False}
@@ -58,8 +57,7 @@ def bpe_parts(tok):
     """A byte-level BPE's (ranks {bytes: id}, split pattern, special tokens {str: id})."""
     if tok.kind == "bpe":
         return tok.ranks, tok.pattern, {"<|endoftext|>": tok.eot_id}
-    # tiktoken keeps these in private attributes, read here and nowhere else
-    enc = tok.enc
+    enc = tok.enc  # tiktoken keeps these in private attributes, read here and nowhere else
     return enc._mergeable_ranks, enc._pat_str, dict(enc._special_tokens)
 
 
@@ -100,12 +98,11 @@ def byte_chars():
 
 
 def bpe_merges(ranks):
-    """The merge rules, in rank order, that rebuild tiktoken's encoding from its ranks: for each
-    token of two bytes or more, the two tokens that merging its own bytes in rank order, with the
-    tokens ranked below it only, leaves. tiktoken joins the adjacent pair that makes the
-    lowest-ranked token, any such pair; these rules join only the pair recorded for each token, in
-    the same order. The two agree where tiktoken never makes a token from another pair, which the
-    tests check on real text and on every code point, for gpt2, cl100k, o200k and bpe:N."""
+    """The merge rules, in rank order, that rebuild tiktoken's encoding from its ranks: for each token of two
+    bytes or more, the two tokens that merging its bytes in rank order, with only the tokens ranked below it,
+    leaves. tiktoken joins the adjacent pair that makes the lowest-ranked token, any such pair; these rules join
+    only the pair recorded for each token, in the same order. The two agree where tiktoken never makes a token
+    from another pair, as the tests check on real text and every code point (gpt2, cl100k, o200k, bpe:N)."""
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) == 1:
@@ -137,9 +134,8 @@ def merge_below(ranks, token, rank):
 
 
 def onig_pattern(pattern):
-    """tiktoken's split pattern, rewritten to split the same under Oniguruma: `X{n,m}+` becomes the
-    atomic group `(?>X{n,m})`, `$` becomes `\\z`. (tiktoken's own patterns have `$` only in `\\s++$`,
-    where the possessive `++` already makes the two readings agree.)"""
+    """tiktoken's split pattern, rewritten to split the same under Oniguruma: `X{n,m}+` as `(?>X{n,m})`,
+    `$` as `\\z` (tiktoken's own patterns have `$` only in `\\s++$`, where the `++` makes the two agree)."""
     def rewrite(m):
         if m.group(0) == "$":
             return r"\z"
