@@ -32,6 +32,7 @@ from lib.errors import UserError, one_line_errors
 from lib.hf import load_pretrained
 from lib.meta import read_meta
 from lib.parallel import pick_device
+from lib.settings import EVALUATION, check_ranges
 from lib.tokenizer import check_tokenizer
 from lib.trained import check_run_tokenizer, load_folder_or_run, load_model
 
@@ -61,6 +62,7 @@ parser.add_argument("--apply_chat_template", action="store_true", help="--tasks:
 parser.add_argument("--output", default=None, help="--tasks: where to write the results (default: "
                     "out_dir/eval_tasks.json, or eval_tasks.json here for a --model folder)")
 args = parser.parse_args()
+check_ranges(vars(args), EVALUATION, "--")  # as train.py's settings are checked
 
 
 def run_tasks():
@@ -105,6 +107,10 @@ try:
             check_run_tokenizer(args.data_dir, checkpoint, model.config.vocab_size)
         data_dir = checkpoint["data_dir"]
     meta = read_meta(data_dir)
+    val_path = os.path.join(data_dir, "val.bin")
+    if not os.path.isfile(val_path) or not os.path.getsize(val_path):  # (numpy cannot map an empty file)
+        raise UserError(f"{val_path} is empty or missing, and eval.py scores the val split: prepare the data with "
+                        f"--val_fraction above 0 or --val_input")
 except ValueError as e:
     raise UserError(str(e)) from None
 by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")

@@ -23,9 +23,11 @@ import torch
 from lib.chat import ChatFormat
 from lib.errors import UserError, one_line_errors
 from lib.parallel import pick_device
+from lib.settings import SAMPLING, check_ranges
 from lib.trained import chat_folder, load_folder_or_run
 
 one_line_errors("sample.py")
+MAX_PROMPT = 1 << 20  # characters of a --start=FILE: prompt
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out_dir", default="out", help="folder holding the checkpoint")
 parser.add_argument("--ckpt", default="ckpt.pt",
@@ -58,8 +60,7 @@ if args.init_from != "resume":  # nanoGPT's way to name what to sample: a folder
                         f"GPT-2 weights are not this model's: sample a run with --out_dir, a folder with --model)")
     args.model = args.model or args.init_from
 device, dtype = pick_device(args.device, args.dtype)
-if args.top_k is not None and args.top_k < 1:
-    raise UserError(f"--top_k={args.top_k} must be at least 1 (or leave it out)")
+check_ranges(vars(args), SAMPLING, "--")  # as a run's settings are (else a traceback, or the least likely tokens)
 
 try:  # a plain ValueError that comes out of the loaders (sizes GPTConfig refuses) is said in one line too
     model, tokenizer, checkpoint = load_folder_or_run(args.model, os.path.join(args.out_dir, args.ckpt),
@@ -72,12 +73,15 @@ autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(
 torch.manual_seed(args.seed)
 
 start = args.start if args.start is not None or args.chat else "\n"
-if start is not None and start.startswith("FILE:"):
-    try:
+if start is not None and start.startswith("FILE:"):  # read in bounded memory: the model sees its last block_size
+    try:                                             # tokens alone, and a huge text would take gigabytes to encode
         with open(start[5:], encoding="utf-8") as f:
-            start = f.read()
+            start = f.read(MAX_PROMPT + 1)
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read the prompt file {start[5:]} ({e})") from None
+    if len(start) > MAX_PROMPT:
+        raise UserError(f"the prompt file {args.start[5:]} is longer than {MAX_PROMPT:,} characters: give the part "
+                        f"to continue (the model sees its last {model.config.block_size} tokens)")
 
 
 def reply(messages):

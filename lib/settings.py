@@ -144,6 +144,25 @@ _AT_LEAST_ONE = ("eval_interval", "log_interval", "eval_iters", "batch_size", "b
                  "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout")
 
 
+# The numbers sample.py and eval.py take, checked as a run's are (check_ranges): name -> (low, high), and "at most"
+# where high itself is allowed
+SAMPLING = {"temperature": (0, _math.inf), "top_p": (0, 1, "at most"), "top_k": (1, _math.inf),
+            "num_samples": (1, _math.inf), "max_new_tokens": (1, _math.inf), "seed": (0, 2**63)}
+EVALUATION = {"batch_size": (1, _math.inf), "block_size": (1, _math.inf), "stride": (0, _math.inf),
+              "limit": (0, _math.inf), "num_fewshot": (0, _math.inf)}
+
+
+def check_ranges(values, ranges, flag=""):
+    """UserError in one line for the first of values (name -> number; None: not given) outside its range in ranges
+    (name -> (low, high): at least low and below high, or at most high where the range says "at most"); NaN is
+    outside every range. flag: how the script spells a name ('--' for a command-line flag)."""
+    for key, (low, high, *at_most) in ranges.items():
+        value = values.get(key)
+        if value is not None and not (low <= value <= high if at_most else low <= value < high):
+            above = "" if high == _math.inf else f" and {'at most' if at_most else 'below'} {high}"
+            raise _UserError(f"{flag}{key}={value} must be at least {low}{above}")
+
+
 def check(config):
     """UserError, in one line with the fix, for a setting (config, every one of them) that no run can use; the
     optimizer's and the schedule's are optim.check_optimizer's, the sequences' data.check_sequences'."""
@@ -153,10 +172,7 @@ def check(config):
     for key in _AT_LEAST_ZERO:
         if config[key] < 0:
             raise _UserError(f"{key}={config[key]} must be at least 0")
-    for key, (low, high) in _IN_RANGE.items():  # else a traceback from torch's first step, or nonsense trained
-        if key in config and not low <= config[key] < high:
-            within = f"at least {low}" if high == _math.inf else f"at least {low} and below {high}"
-            raise _UserError(f"{key}={config[key]} must be {within}")
+    check_ranges(config, _IN_RANGE)  # else a traceback from torch's first step, or nonsense trained
     if config["lora_rank"] and config["lora_alpha"] == 0:  # the adapters' output times 0: nothing would train
         raise _UserError("lora_alpha=0 scales the adapters' output to nothing: set it above 0 (16 is usual)")
     if config["memory_budget"] < 0:

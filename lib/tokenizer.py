@@ -327,8 +327,11 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     dataset = any(os.path.exists(os.path.join(folder, name)) for name in ("meta.json", "meta.pkl", "val.bin"))
     if not dataset and not os.path.exists(os.path.join(folder, "tokenizer.json")):
         return  # nothing to compare with
-    ids = np.array(np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.dtype(meta["dtype"]), mode="r")[:4096],
-                   dtype=np.int64)
+    val = os.path.join(data_dir, "val.bin")
+    if not os.path.isfile(val) or not os.path.getsize(val):  # no text to compare by (numpy maps no empty file)
+        raise UserError(f"{val} is empty or missing, and it is how {data_dir}'s tokenizer is checked against "
+                         f"{folder}'s: prepare the data with --val_fraction above 0 or --val_input")
+    ids = np.array(np.memmap(val, dtype=np.dtype(meta["dtype"]), mode="r")[:4096], dtype=np.int64)
     ends = np.flatnonzero(ids == meta["eot_id"]) if meta.get("eot_id") is not None else np.array([], dtype=int)
     starts = np.concatenate([[0], ends[:-1] + 1]).astype(int)
     documents = [ids[a:b].tolist() for a, b in zip(starts, ends)][:8]  # whole ones, without end-of-text

@@ -11,7 +11,7 @@ import os
 from lib.checkpoint import check_not_nanogpts, find_checkpoint, load_checkpoint, model_from_checkpoint
 from lib.errors import UserError
 from lib.hf import load_pretrained
-from lib.meta import read_meta
+from lib.meta import read_meta, tokenizer_fingerprint
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 
@@ -35,6 +35,13 @@ def load_model(path, base_dtype=None, data_dir=None):
     if found is None:
         raise UserError(f"the model was trained on {candidates[-1]}, which is not here: its data is needed "
                          f"(restore it, or pass --data_dir)")
+    # the data's tokenizer must be the one the run was trained with (a checkpoint from before it was kept:
+    # check_run_tokenizer compares the texts instead)
+    trained_with = checkpoint.get("tokenizer_fingerprint")
+    if trained_with and tokenizer_fingerprint(found, read_meta(found)) != trained_with:
+        fix = "leave --data_dir out" if data_dir else "pass --data_dir=DIR, a dataset prepared as the run's was"
+        raise UserError(f"{found} was not prepared with the tokenizer {path} was trained with (its ids would mean "
+                         f"other words): {fix}")
     checkpoint["trained_on"] = checkpoint.get("data_dir")  # where the run's own data was (check_run_tokenizer)
     checkpoint["data_dir"] = found  # where the data is now: its meta.json has the chat template, if any
     return model, checkpoint
@@ -44,6 +51,8 @@ def check_run_tokenizer(data_dir, checkpoint, model_vocab):
     """UserError in one line unless another dataset than the run's (sample.py, export.py, eval.py --data_dir)
     was made with the run's tokenizer: its ids would mean other words. Compared with the run's own data, else
     with the folder it began from; with neither here, there is nothing to compare with."""
+    if checkpoint.get("tokenizer_fingerprint"):  # compared already, exactly (load_model)
+        return
     places = (checkpoint.get("trained_on"), checkpoint["config"]["data_dir"])
     own = next((d for d in places if d and os.path.isdir(d)), None)
     reference = own or checkpoint.get("pretrained")

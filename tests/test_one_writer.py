@@ -205,4 +205,23 @@ def test_a_data_folder_prepared_again_with_another_tokenizer_is_refused_by_the_r
     said = train_refusal(*TINY, f"--data_dir={data}", f"--out_dir={out}", "--max_iters=4", "--eval_interval=2",
                          "--init_from=resume")
     assert f"{data} was prepared with another tokenizer than the one {out / 'ckpt.pt'} was trained on" in said
-    assert (out / "ckpt.pt").read_bytes() == before
+    for reader in (["sample.py", "--num_samples=1", "--max_new_tokens=4"], ["eval.py"],
+                   ["export.py", f"--to={tmp_path / 'exported'}"]):
+        done = script(reader[0], f"--out_dir={out}", *reader[1:])
+        assert_one_line(done, f"{data} was not prepared with the tokenizer {out / 'ckpt.pt'} was trained with",
+                        "pass --data_dir=DIR, a dataset prepared as the run's was")
+    assert (out / "ckpt.pt").read_bytes() == before and not (tmp_path / "exported").exists()
+
+
+def test_eval_on_an_empty_val_split_and_sample_on_a_huge_prompt_file_end_in_one_line(runs, tmp_path):
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(runs / "data", data)
+    shutil.copytree(runs / "files", out)
+    (data / "val.bin").write_bytes(b"")
+    done = script("eval.py", f"--out_dir={out}", f"--data_dir={data}")
+    assert_one_line(done, f"{data / 'val.bin'} is empty or missing", "prepare the data with --val_fraction above 0")
+    # a prompt file past the bound is refused before it is read whole (memory) or encoded (gigabytes of ids)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello world number 1.\n" * 50_000)  # 1.1 M characters
+    done = script("sample.py", f"--out_dir={out}", f"--start=FILE:{prompt}", "--num_samples=1")
+    assert_one_line(done, f"the prompt file {prompt} is longer than 1,048,576 characters: give the part to continue")

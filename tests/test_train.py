@@ -336,8 +336,19 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
     assert elsewhere.returncode == 0 and elsewhere.stdout == samples[0] + "---------------\n"
     for bad, message in [("--start=FILE:/no/such/prompt.txt", "cannot read the prompt file"),
                          ("--start=héllo", "the prompt cannot be encoded: character 'é'"),
-                         ("--top_k=0", "--top_k=0 must be at least 1")]:
+                         ("--top_k=0", "--top_k=0 must be at least 1"),
+                         # numbers that made a traceback, or sampled the least likely tokens, checked as settings are
+                         ("--temperature=-0.5", "--temperature=-0.5 must be at least 0"),
+                         ("--temperature=nan", "--temperature=nan must be at least 0"),
+                         ("--temperature=inf", "--temperature=inf must be at least 0"),
+                         ("--top_p=-0.5", "--top_p=-0.5 must be at least 0 and at most 1"),
+                         ("--top_p=1.5", "--top_p=1.5 must be at least 0 and at most 1"),
+                         ("--num_samples=0", "--num_samples=0 must be at least 1")]:
         done = script("sample.py", f"--out_dir={out}", bad)
+        assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    for bad, message in [("--batch_size=0", "--batch_size=0 must be at least 1"),
+                         ("--stride=-1", "--stride=-1 must be at least 0")]:
+        done = script("eval.py", f"--out_dir={out}", bad)
         assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
 
