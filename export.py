@@ -167,9 +167,18 @@ EXPORTED = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|spe
                       r"model\.safetensors\.index\.json")
 
 
+def check_parent(to):
+    # --to's folder must be there, a folder: a missing one, or a file in the path, is said before anything is read
+    parent = os.path.dirname(os.path.abspath(to))
+    if not os.path.isdir(parent):
+        why = "is not a folder" if os.path.exists(parent) else "does not exist"
+        raise UserError(f"--to={to}: {parent} {why}; make that folder first, or choose another --to")
+
+
 def check_destination(args):
     # --to: an empty or new folder, or (--overwrite) an earlier export; never one holding anything else
     to = os.path.abspath(args.to)
+    check_parent(args.to)
     if os.path.exists(to) and not os.path.isdir(to):
         raise UserError(f"{args.to} is a file, not a folder; choose another --to")
     names = os.listdir(to) if os.path.isdir(to) else []
@@ -182,6 +191,12 @@ def check_destination(args):
     if foreign:
         raise UserError(f"{args.to} holds {foreign[0]}, which export.py does not write: --overwrite replaces "
                         f"only an earlier export; choose another --to")
+
+
+def written_nothing(to, error):
+    # the one line for an export the disk refused (ENOSPC, EDQUOT, EACCES, ...): what, why, and that nothing is left
+    return (f"cannot write --to={to} ({error.strerror or error}); nothing was left there: make room, or choose "
+            f"another --to")
 
 
 def main(argv=None):
@@ -204,7 +219,7 @@ def main(argv=None):
     # Everything is written beside the destination first and renamed into place at the end, so that a
     # failure leaves no half-written folder and an --overwrite loses nothing until the new one is whole.
     to = os.path.abspath(args.to)  # "." too: its temporary folders go beside it, not inside
-    staging = to + ".export-tmp"
+    staging, old = to + ".export-tmp", to + ".export-old"  # (old: the folder replaced, until the new one is in)
     shutil.rmtree(staging, ignore_errors=True)
     try:
         # a LoRA run's base in fp32, so that the adapters merge into it in fp32 before the cast
@@ -217,14 +232,15 @@ def main(argv=None):
         base = checkpoint.get("pretrained")
         if base and os.path.abspath(base) == to:
             raise UserError(f"--to={args.to} is the base model this run began from; choose another --to")
-    except ValueError as e:  # model.py's plain ValueError too (sizes that make no model): one line all the same
+        if os.path.exists(to):
+            os.replace(to, old)
+        durable_replace(staging, to)
+        shutil.rmtree(old, ignore_errors=True)
+    except (ValueError, OSError) as e:  # model.py's plain ValueError too; a full disk: one line, nothing left
         shutil.rmtree(staging, ignore_errors=True)
-        raise UserError(str(e)) from None
-    old = to + ".export-old"  # the folder replaced, kept until the new one is in place
-    if os.path.exists(to):
-        os.replace(to, old)
-    durable_replace(staging, to)
-    shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(old) and not os.path.exists(to):  # an earlier export goes back where it was
+            os.replace(old, to)
+        raise UserError(str(e) if isinstance(e, ValueError) else written_nothing(args.to, e)) from None
     what = "a peft adapter" if args.adapter else "a Hugging Face model"
     print(f"wrote {what} to {args.to}" + (f" (tokenizer: {note})" if note else ""))
 
@@ -242,6 +258,7 @@ def export_gguf(args):
         raise UserError(f"{args.to} is a folder, not a file; choose another --to")
     if os.path.exists(args.to) and not args.overwrite:
         raise UserError(f"{args.to} exists; pass --overwrite to replace it, or choose another --to")
+    check_parent(args.to)
     staging = args.to + ".export-tmp"
     try:
         checkpoint_path = os.path.join(args.out_dir, args.ckpt)
@@ -250,6 +267,8 @@ def export_gguf(args):
         durable_replace(staging, args.to)
     except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same
         raise UserError(str(e)) from None
+    except OSError as e:  # a full disk, a quota, permissions
+        raise UserError(written_nothing(args.to, e)) from None
     finally:  # whatever stopped it, no half-written file stays behind
         if os.path.exists(staging):
             os.remove(staging)

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 
 import numpy as np
@@ -225,3 +226,32 @@ def test_eval_on_an_empty_val_split_and_sample_on_a_huge_prompt_file_end_in_one_
     prompt.write_text("hello world number 1.\n" * 50_000)  # 1.1 M characters
     done = script("sample.py", f"--out_dir={out}", f"--start=FILE:{prompt}", "--num_samples=1")
     assert_one_line(done, f"the prompt file {prompt} is longer than 1,048,576 characters: give the part to continue")
+
+
+def test_an_export_whose_destination_cannot_be_written_ends_in_one_line_and_leaves_nothing(runs, tmp_path,
+                                                                                          monkeypatch):
+    (tmp_path / "a_file").write_text("mine\n")
+    for to, said in ((tmp_path / "missing" / "model", f"{tmp_path / 'missing'} does not exist"),
+                     (tmp_path / "a_file" / "model", f"{tmp_path / 'a_file'} is not a folder"),
+                     (tmp_path / "missing" / "model.gguf", f"{tmp_path / 'missing'} does not exist")):
+        done = script("export.py", f"--out_dir={runs / 'files'}", f"--to={to}")
+        assert_one_line(done, said, "make that folder first, or choose another --to")
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+    # the disk fills while the new export is written over an earlier one: one line, the earlier one as it was
+    import export
+    to = tmp_path / "exported"
+    assert script("export.py", f"--out_dir={runs / 'files'}", f"--to={to}").returncode == 0
+    before = {p.name: p.read_bytes() for p in to.iterdir()}
+
+    def full_disk(model, tokenizer, checkpoint, folder, dtype):
+        os.makedirs(folder)
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(bytes(1000))
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(export, "write_model", full_disk)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (export.main installs its one-line hook)
+    with pytest.raises(ValueError, match=f"^cannot write --to={to} \\(No space left on device\\); nothing was left "
+                                         f"there: make room, or choose another --to$"):
+        export.main([f"--out_dir={runs / 'files'}", f"--to={to}", "--overwrite"])
+    assert {p.name: p.read_bytes() for p in to.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "exported"]
