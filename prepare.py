@@ -13,6 +13,7 @@ import argparse
 import errno
 import json
 import os
+import signal
 import sysconfig
 import time
 from collections import deque
@@ -513,5 +514,12 @@ def main(argv=None):
             f"make room, or choose another --out_dir")
 
 
+def stopped(signum, frame):
+    # SIGTERM (a scheduler's, a kill): raised here as an exception, so that temporary_outputs removes its .tmp files
+    # and the lock as it does for any other stop, where the signal's default would end the process at once
+    raise SystemExit("prepare.py: stopped by SIGTERM; no dataset was written, and its temporary files are removed")
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, stopped)
     main()
