@@ -181,6 +181,41 @@ def check_not_nanogpts(checkpoint, path):
                          f"anew on the same data folder (nanoGPT's prepared data works as it is)")
 
 
+def check_values(checkpoint, path):
+    """UserError in one line naming the value, where what a resume, sample.py, eval.py or export.py reads from a
+    checkpoint beside the weights is not of the kind train.py saves (a damaged or hand-edited file): checked here,
+    once, before anything uses it. model_args are checked against the weights (meta_model), the optimizer's
+    moments against the model's shapes where they are loaded (check_moments)."""
+    def count(value):
+        return type(value) is int and value >= 0
+
+    def rng(value):  # a process's random state, as torch keeps one: tensors of bytes
+        return isinstance(value, dict) and all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 or key == "cuda" and t is None
+            for key, t in ((k, value.get(k)) for k in ("cpu", "cuda")))
+
+    def optimizer(value):  # a state_dict: moments by parameter index, and the groups' settings
+        return isinstance(value, dict) and isinstance(value.get("state"), dict) and groups(value.get("param_groups"))
+
+    def groups(value):
+        return isinstance(value, list) and all(isinstance(group, dict) for group in value)
+
+    kinds = {"iter_num": count, "evals_without_gain": count, "skipped_in_a_row": count,
+             "world_size": lambda v: count(v) and v > 0, "best_val_loss": lambda v: type(v) is float,
+             "evaluated": lambda v: type(v) is bool,
+             "config": lambda v: isinstance(v, dict) and isinstance(v.get("data_dir", ""), str),
+             "model_args": lambda v: isinstance(v, dict), "scaler": lambda v: isinstance(v, dict),
+             "rng": lambda v: isinstance(v, list) and all(map(rng, v)), "optimizer": optimizer,
+             "more_optimizers": lambda v: isinstance(v, list) and all(map(optimizer, v)), "param_groups": groups,
+             "tokenizer_fingerprint": lambda v: isinstance(v, str), "data_dir": lambda v: isinstance(v, str),
+             "pretrained": lambda v: v is None or isinstance(v, str),
+             "base_fingerprint": lambda v: v is None or isinstance(v, str)}
+    for name, fits in kinds.items():
+        if name in checkpoint and not fits(checkpoint[name]):
+            raise UserError(f"{path} holds {name}={str(checkpoint[name])[:60]!r}, which train.py never saves: use "
+                             f"another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
+
+
 def check_moments(state, params, path):
     """UserError in one line where an optimizer's saved state (its state_dict: moments by parameter index) holds a
     tensor of another shape than the parameter it belongs to (a scalar, as Adam's step, belongs to none): loaded,

@@ -2,7 +2,7 @@
 Where a training run begins: from scratch, from a Hugging Face model folder, or from its own checkpoint in
 out_dir (a resume, or a run that already stopped early). train.py asks once and gets every fact the rest of
 the run needs, decided here from its settings and what out_dir holds; a checkpoint is resumed only once its values
-are of the kinds train.py saves (check_values) and this command can continue it (check_resume).
+are of the kinds train.py saves (checkpoint.check_values) and this command can continue it (check_resume).
 
     origin = begin(config, vocab_size=128, meta=read_meta("data/stdlib"), fsdp=False)
     model, model_args = first_model(origin, config, "float32")
@@ -264,39 +264,8 @@ def load_resume_state(path):
     if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
         raise UserError(f"{path} is not a checkpoint of this train.py (it lacks "
                          f"{', '.join(sorted(needed - set(checkpoint)))})")
-    check_values(checkpoint, path)
+    ckpt.check_values(checkpoint, path)
     return checkpoint
-
-
-def check_values(checkpoint, path):
-    """UserError in one line naming the value, where what a resume reads from a checkpoint beside the weights is
-    not of the kind train.py saves (a damaged or hand-edited file): checked here, once, before anything uses it.
-    The optimizer's moments are checked against the model's shapes where they are loaded (check_moments)."""
-    def count(value):
-        return type(value) is int and value >= 0
-
-    def rng(value):  # a process's random state, as torch keeps one: tensors of bytes
-        return isinstance(value, dict) and all(
-            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 or key == "cuda" and t is None
-            for key, t in ((k, value.get(k)) for k in ("cpu", "cuda")))
-
-    def optimizer(value):  # a state_dict: moments by parameter index, and the groups' settings
-        return isinstance(value, dict) and isinstance(value.get("state"), dict) and groups(value.get("param_groups"))
-
-    def groups(value):
-        return isinstance(value, list) and all(isinstance(group, dict) for group in value)
-
-    kinds = {"iter_num": count, "evals_without_gain": count, "skipped_in_a_row": count,
-             "world_size": lambda v: count(v) and v > 0, "best_val_loss": lambda v: type(v) is float,
-             "evaluated": lambda v: type(v) is bool, "config": lambda v: isinstance(v, dict),
-             "model_args": lambda v: isinstance(v, dict), "scaler": lambda v: isinstance(v, dict),
-             "rng": lambda v: isinstance(v, list) and all(map(rng, v)), "optimizer": optimizer,
-             "more_optimizers": lambda v: isinstance(v, list) and all(map(optimizer, v)), "param_groups": groups,
-             "tokenizer_fingerprint": lambda v: isinstance(v, str)}
-    for name, fits in kinds.items():
-        if name in checkpoint and not fits(checkpoint[name]):
-            raise UserError(f"{path} holds {name}={str(checkpoint[name])[:60]!r}, which train.py never saves: use "
-                             f"another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
 
 
 def starting_point(out_dir, init_from, found):

@@ -8,7 +8,8 @@ tokenizer of the data it was trained on, and the folder whose chat template it c
 
 import os
 
-from lib.checkpoint import check_not_nanogpts, find_checkpoint, load_checkpoint, model_from_checkpoint
+from lib.checkpoint import (check_not_nanogpts, check_values, find_checkpoint, load_checkpoint,
+                            model_from_checkpoint)
 from lib.errors import UserError
 from lib.hf import load_pretrained
 from lib.meta import read_meta, tokenizer_fingerprint
@@ -29,6 +30,7 @@ def load_model(path, base_dtype=None, data_dir=None):
         check_not_nanogpts(checkpoint, path)
     if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
         raise UserError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
+    check_values(checkpoint, path)
     model = model_from_checkpoint(checkpoint, base_dtype)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)

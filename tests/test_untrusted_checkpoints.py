@@ -242,3 +242,15 @@ def test_an_optimizer_moment_of_another_shape_is_refused_in_one_line(runs, tmp_p
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "holds an optimizer state 'exp_avg' for parameter 0 that does not fit the model" in done.stderr
     assert (out / "ckpt.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("which", ["sample", "eval", "export"])
+@pytest.mark.parametrize("name, value", [("config", "x"), ("config", {"data_dir": 5}), ("data_dir", 5),
+                                         ("pretrained", 3)])
+def test_a_damaged_value_is_named_by_every_reader_of_the_run(runs, tmp_path, which, name, value):
+    out = copy_run(runs, "files", tmp_path)
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    torch.save({**state, name: value}, out / "ckpt.pt")
+    done = run_script(which, out, tmp_path, runs / "data")
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"holds {name}=" in done.stderr and "which train.py never saves: use another checkpoint" in done.stderr
