@@ -4,15 +4,14 @@ Fused ops for the transformer's memory-bound work, each beside its plain PyTorch
     from kernels import rms_norm, swiglu, apply_rotary, linear_cross_entropy
     y = rms_norm(x, weight, 1e-5)
 
-Every public op `name` has a reference `name_ref` with the same signature. This file imports
-cleanly on a machine with neither a GPU nor Triton.
+Every public op `name` has a reference `name_ref` with the same signature. This file imports cleanly on a
+machine with neither a GPU nor Triton.
 
-The public ops run Triton kernels on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1
-was set before Triton was imported (that is how the CPU tests run them); otherwise they call
-the reference. Each is a torch.library custom op with a fake (meta) implementation and a
-registered backward, so torch.compile traces it as one opaque node, without graph breaks.
-Inside, every kernel loads its inputs (fp32, fp16 or bf16) and computes in fp32; fp64 inputs
-compute in fp64, so that gradcheck can test the kernels themselves.
+The public ops run Triton kernels on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1 was set before
+Triton was imported (that is how the CPU tests run them); otherwise they call the reference. Each is a
+torch.library custom op with a fake (meta) implementation and a registered backward, so torch.compile traces
+it as one opaque node, without graph breaks. Inside, every kernel loads its inputs (fp32, fp16 or bf16) and
+computes in fp32; fp64 inputs compute in fp64, so that gradcheck can test the kernels themselves.
 """
 
 import os
@@ -58,10 +57,9 @@ def apply_rotary_ref(x, cos, sin):
 
 
 def linear_cross_entropy_ref(x, weight, targets, ignore_index=-1):
-    # x: (N, C), weight: (V, C), targets: (N,) -> mean cross-entropy over non-ignored targets.
-    # A batch where every target is ignored gives 0 (not NaN) and zero gradients. All N x V logits exist at
-    # once here (twice for a half-precision x: in its dtype and in fp32); linear_cross_entropy's Triton op
-    # makes them a chunk of rows at a time.
+    # x: (N, C), weight: (V, C), targets: (N,) -> mean cross-entropy over non-ignored targets (0, not NaN, with
+    # zero gradients where all are ignored). All N x V logits exist at once here (twice for a half-precision x:
+    # in its dtype and in fp32); the Triton op makes them a chunk of rows at a time.
     logits = (x @ weight.t()).float()  # (N, V)
     loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     return loss / (targets != ignore_index).sum().clamp(min=1)

@@ -73,11 +73,10 @@ PROJECTIONS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "g
 
 
 def fused(use_kernels, x, compiled_too=False):
-    # Whether a call runs kernels.py's fused op (True) or its PyTorch reference beside it. use_kernels=None
-    # (auto): the fused op on CUDA; the reference on a CPU, where Triton could only interpret it, and under
-    # torch.compile unless compiled_too: there Inductor fuses the references of the norm, SwiGLU and rotary into
-    # the ops around them, where an opaque op stops it, and only the fused loss wins (a compiled step of 124M on
-    # an H200: BENCHMARKS.md, 2026-11-27). kernels.py falls back by itself where Triton cannot run at all.
+    # Whether a call runs kernels.py's fused op or its PyTorch reference. use_kernels=None (auto): the fused op
+    # on CUDA; the reference on a CPU, where Triton could only interpret it, and under torch.compile unless
+    # compiled_too: Inductor fuses the references of the norm, SwiGLU and rotary into the ops around them, which
+    # an opaque op prevents, and only the fused loss wins (124M compiled on an H200: BENCHMARKS.md, 2026-11-27).
     if use_kernels is None:
         return x.is_cuda and (compiled_too or not torch.compiler.is_compiling())
     return use_kernels
@@ -133,9 +132,8 @@ def attend(q, k, v, **kwargs):
 
 
 def flash_dtype(q):
-    # The half precision flash-attn computes in, or None where it cannot run: it needs a GPU and bf16 or fp16.
-    # Under autocast that is autocast's dtype, as SDPA's would be; the inputs themselves may still be fp32 there
-    # (fp32 master weights, a norm's fp32 output), so their own dtype alone would never choose flash-attn.
+    # The half precision flash-attn computes in (autocast's, as SDPA's would be: the inputs themselves may be fp32
+    # there), or None where it cannot run: it needs a GPU and bf16 or fp16.
     if flash_attn_func is None or not q.is_cuda:
         return None
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
@@ -151,9 +149,8 @@ def flex_dtype(v):
 
 
 def attention(q, k, v, mask, dropout, causal):
-    # (B, T, H, D) queries over (B, S, Hkv, D) keys and values -> (B, T, H, D), by the one backend that fits:
-    # FlexAttention for documents on CUDA (mask a block mask), SDPA with a boolean (B, 1, T, S) mask for them
-    # elsewhere, flash-attn where it can run (a GPU, half precision), else SDPA
+    # (B, T, H, D) queries over (B, S, Hkv, D) keys and values -> (B, T, H, D): FlexAttention for a block mask
+    # (documents on CUDA), SDPA for a boolean (B, 1, T, S) one, else flash-attn where it can run, or SDPA
     gqa = k.size(2) != q.size(2)
     if mask is not None and not isinstance(mask, torch.Tensor):
         q, k, v = (t.to(flex_dtype(v)) for t in (q, k, v))
@@ -179,10 +176,8 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_size, config.norm_eps, config.use_kernels)
             self.k_norm = RMSNorm(self.head_size, config.norm_eps, config.use_kernels)
-        self.qk_norm = config.qk_norm
-        self.dropout = config.dropout
+        self.qk_norm, self.dropout, self.use_kernels = config.qk_norm, config.dropout, config.use_kernels
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.use_kernels = config.use_kernels
 
     def forward(self, x, cos, sin, cache=None, mask=None):
         B, T, C = x.shape
@@ -241,11 +236,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.norm_f = RMSNorm(config.n_embd, config.norm_eps, config.use_kernels)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
-        cos, sin = rotary_tables(config.head_size, config.block_size, config.rope_theta, config.rope_scaling)
-        self.register_buffer("cos", cos, persistent=False)  # derived from the config: not saved
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("cos", None, persistent=False)  # derived from the config: not saved
+        self.register_buffer("sin", None, persistent=False)
+        self.materialize()
         self.apply(self._init_weights)
         # scaled init of the projections into the residual stream (GPT-2 paper)
         for name, p in self.named_parameters():
@@ -266,21 +259,18 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, cache=None, doc_ids=None, mask=None):
         # idx: (B, T) token ids. With targets (B, T) it returns (None, mean loss); without, (logits (B, T, V),
-        # None). The loss is kernels.linear_cross_entropy where fused() picks it and Triton can run it: that one
-        # makes the logits a chunk of rows at a time (about kernels.LCE_CHUNK_ELEMENTS values each), so a large
-        # batch's full (B*T, V) logits never exist at once. Otherwise (use_kernels=False, or a CPU under auto) its
-        # reference kernels.linear_cross_entropy_ref builds them all. cache: list of n_layer lists, see generate.
-        # doc_ids: (B, T) document numbers of packed sequences; a token then attends only to earlier
-        # tokens of its own document (for training and evaluation, not with a cache). mask: instead of
-        # doc_ids, their attention_mask made beforehand: outside a compiled model, as train.py makes it.
+        # None). The loss is kernels.linear_cross_entropy where fused() picks it: it makes the logits a chunk of
+        # rows at a time, so a large batch's full (B*T, V) logits never exist at once; its reference builds them
+        # all. cache: list of n_layer lists, see generate. doc_ids: (B, T) document numbers of packed sequences; a
+        # token then attends only to earlier tokens of its own document (for training and evaluation, not with a
+        # cache). mask: instead of doc_ids, their attention_mask made outside a compiled model, as train.py does.
         x = self.hidden(idx, cache, doc_ids, mask)
         if targets is None:
             return self.lm_head(x), None
         B, T = idx.shape
         cross_entropy = (kernels.linear_cross_entropy if fused(self.config.use_kernels, x, compiled_too=True)
                          else kernels.linear_cross_entropy_ref)
-        loss = cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
-        return None, loss
+        return None, cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
 
     def hidden(self, idx, cache=None, doc_ids=None, mask=None):
         # the final normed hidden states (B, T, C), on which the LM head computes the logits
@@ -301,9 +291,6 @@ class GPT(nn.Module):
         return self.norm_f(x)
 
     def attention_mask(self, doc_ids):
-        # The mask for packed documents doc_ids (B, T), in the form this model's attention takes on their
-        # device: FlexAttention's block mask on CUDA (it has no dropout), else SDPA's boolean one. A compiled
-        # model takes it made outside (train.py): the block mask's new function each batch would recompile it.
         return document_mask(doc_ids, flex=doc_ids.is_cuda and not (self.training and self.config.dropout > 0))
 
     @torch.no_grad()
@@ -324,11 +311,10 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop=None, vocab=None):
-        # idx: (B, T). Appends max_new_tokens sampled tokens (fewer once every row has written the token id
-        # stop), reusing keys and values of earlier positions (a KV cache). Past block_size, the window
-        # slides: the cache is rebuilt from the last block_size tokens, so every step sees exactly what a
-        # full forward pass would. vocab: the tokenizer's size; the ids past it, the rows vocab_size is
-        # padded with, are never drawn (they decode to nothing).
+        # idx: (B, T). Appends max_new_tokens sampled tokens (fewer once every row has written the token id stop),
+        # reusing keys and values of earlier positions (a KV cache). Past block_size the window slides: the cache
+        # is rebuilt from the last block_size tokens, so every step sees exactly what a full forward pass would.
+        # vocab: the tokenizer's size; ids past it (vocab_size's padding, decoding to nothing) are never drawn.
         cache, start = None, idx.shape[1]
         for _ in range(max_new_tokens):
             if cache is None or idx.shape[1] > self.config.block_size:
@@ -361,8 +347,8 @@ class GPT(nn.Module):
         return 6 * n - 2 * frozen + 12 * c.n_layer * c.n_head * c.head_size * keys
 
     def materialize(self):
-        # after a build on the meta device: the rotary tables are derived, not loaded, so they are
-        # made now; and the tied head is one tensor with the embedding again (filling made two)
+        # the rotary tables (derived, not loaded) and the tied head: made at build, and again after a build on
+        # the meta device, where filling made the head and the embedding two tensors
         c = self.config
         self.cos, self.sin = rotary_tables(c.head_size, c.block_size, c.rope_theta, c.rope_scaling)
         if c.tie_embeddings:
@@ -377,10 +363,9 @@ class GPT(nn.Module):
 
 
 def document_mask(doc_ids, flex=False):
-    """doc_ids (B, T) -> the attention mask that lets a token see only itself and earlier tokens of its
-    own document: FlexAttention's block mask (flex, on CUDA; it has no dropout), else a (B, 1, T, T) boolean
-    mask for SDPA. Made inside a compiled model, the block mask's new function each batch recompiles it: a
-    compiled model takes it made outside (GPT.forward's mask)."""
+    """doc_ids (B, T) -> the mask letting a token see only itself and earlier tokens of its own document:
+    FlexAttention's block mask (flex, on CUDA; it has no dropout), else a (B, 1, T, T) boolean one for SDPA. A
+    compiled model takes it made outside (GPT.forward's mask): a new block mask each batch recompiles it."""
     global flex_attention
     B, T = doc_ids.shape
     if flex:

@@ -1,9 +1,8 @@
 """
 What train.py trains and evaluates on, read from prepare.py's token files (and masks, for conversations): windows
-of the token stream (pretraining), every token once per epoch in an order drawn from the seed, or drawn at random
-places with replacement (as nanoGPT); or whole examples packed best-fit into sequences, every example once per
-epoch in an order drawn from the seed (fine-tuning). A batch is a pure function of the seed and its number, so a
-resumed run sees exactly the batches it would have seen.
+of the token stream (pretraining), each token once an epoch or at random places with replacement (as nanoGPT); or
+whole examples packed best-fit into sequences (fine-tuning), each once an epoch. An epoch's order is drawn from
+the seed; a batch is a pure function of the seed and its number, so a resumed run sees the same batches.
 
     from lib.data import Split
     train = Split("data/chat", "train", meta, 1024, seed=1337, examples=True, vocab_size=meta["vocab_size"])
@@ -31,8 +30,7 @@ class Mode(NamedTuple):
     epochs: bool  # an epoch draws every sequence once, in an order drawn from the seed (False: with replacement)
 
 
-# The ways to draw a run's training sequences (sequences=NAME), each said once here; the checks, the batches and
-# the epochs read it
+# the ways to draw a run's training sequences (sequences=NAME), read by the checks, the batches and the epochs
 SEQUENCES = {
     "windows": Mode(examples=False, epochs=True),  # every token once an epoch, in windows, shuffled (pretraining)
     "random": Mode(examples=False, epochs=False),  # windows at random places, with replacement (nanoGPT's)
@@ -82,10 +80,9 @@ class Split:
         return self.rows(starts.astype(np.int64), np.zeros(batch_size, dtype=np.int64), doc_mask)
 
     def shuffled(self, numbers, doc_mask, limit=None):
-        """Windows numbers of the run drawn without replacement (sequences='windows'), epoch after epoch: an epoch
-        is every target of the split once, in windows of block_size targets on a grid shifted by an offset and
-        taken in an order both drawn from (seed, epoch) (epoch()) -> (x, y, doc_ids or None). Numbers from
-        limit on are padding, as are the tokens a window reaches before the split's start or past its end."""
+        """Windows numbers of the run drawn without replacement (sequences='windows'), epoch after epoch (epoch())
+        -> (x, y, doc_ids or None). Numbers from limit on are padding, as are the tokens a window reaches before
+        the split's start or past its end."""
         end = len(self.tokens())
         starts = np.array([self.sequence(n) if limit is None or n < limit else end for n in numbers], dtype=np.int64)
         return self.rows(starts, np.zeros(len(numbers), dtype=np.int64), doc_mask)
@@ -98,20 +95,15 @@ class Split:
         return self.rows(starts, np.where(starts > 0, overlap, 0), doc_mask)
 
     def scored(self, numbers, overlap, doc_mask):
-        """Sequences numbers of the split scored whole, every target once -> (x, y, doc_ids or None). With
-        examples (conversations, fine-tuning), its whole examples packed in the file's order, each attending only
-        to itself and scored over its trained targets, as training sees them; else windows overlapping by overlap
-        tokens (whole()). train.py's evaluation and eval.py both score through this."""
-        if self.examples:
-            return self.packed(numbers)
-        return self.whole(numbers, overlap, doc_mask)
+        """Sequences numbers of the split scored whole, every target once (train.py's evaluation, eval.py) ->
+        (x, y, doc_ids or None): with examples, its examples in the file's order, each attending only to itself
+        and scored over its trained targets as in training; else whole()'s windows overlapping by overlap."""
+        return self.packed(numbers) if self.examples else self.whole(numbers, overlap, doc_mask)
 
     def scored_count(self, overlap):
-        """How many sequences scored() takes to score the whole split."""
-        return self.sequences_in(1) if self.examples else self.whole_windows(overlap)
-
-    def whole_windows(self, overlap):
-        """How many windows whole() takes to score every token of the split."""
+        """How many sequences scored() takes to score the whole split (whole examples, or windows)."""
+        if self.examples:
+            return self.sequences_in(1)
         return 1 + -(-max(0, len(self.tokens()) - 1 - self.block_size) // (self.block_size - overlap))
 
     def rows(self, starts, context, doc_mask):
@@ -169,8 +161,7 @@ class Split:
                 f"tokens")
 
     def check_targets(self):
-        """UserError where no example keeps a trained target within its first block_size + 1 tokens (examples=True;
-        longer ones are cut to that)."""
+        """UserError where no example keeps a trained target within the block_size + 1 tokens it is cut to."""
         if self.examples and self.targets[0] == 0:
             raise UserError(f"no {'val' if self.is_val else 'train'} example keeps a trained token within its first "
                             f"block_size + 1 = {self.block_size + 1} tokens ({self.cut} of {len(self.lengths)} are "
@@ -244,9 +235,8 @@ class Batches:
         self.doc_mask, self.eval_stride, self.device = doc_mask, eval_stride, device
         self.examples = self.mode.examples
         self.train_tokens, self.tokens_per_step = train_tokens, sequences_per_step * block_size
-        # Conversations are evaluated as they are trained: eval_full on a masked dataset, as every evaluation of
-        # a run on whole examples, scores each val example on its own over its trained targets; on text,
-        # eval_full's windows
+        # conversations are evaluated as they are trained: each val example on its own over its trained targets,
+        # under eval_full on a masked dataset as in every run on whole examples; on text, eval_full's windows
         self.val_by_example = self.examples or bool(eval_full and meta.get("masks"))
         self.splits = {"train": Split(data_dir, "train", meta, block_size, seed, self.examples, vocab_size),
                        "val": Split(data_dir, "val", meta, block_size, seed, self.val_by_example, vocab_size)}

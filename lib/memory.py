@@ -4,7 +4,6 @@ fake tensors (a model on the meta device will do), for planning a run (bench.py 
 checking one against torch.cuda.max_memory_allocated (train.py prints it before the first step).
 """
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -52,27 +51,23 @@ def nf4_bytes(n):
 
 def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="adamw", dp=1, tp=1, fsdp=False,
                     checkpointing=False, offload=False, quantized=None, micro_steps=1, device="cuda"):
-    """Bytes one training process holds, by kind (MEMORY_KINDS), for micro-batches of batch_size
-    sequences of block_size tokens. weights; grads (under DDP with its flat buckets beside them);
-    optimizer, its state; activations, what autograd keeps of the forward for the backward (with
-    checkpointing: each block's input, and one block's activations at a time); copies, the weights in
-    the compute dtype (the copies autocast keeps for the backward, or under FSDP the gathered root and
-    one block with its gradients); temporary, what lives only a moment at the loss (its buffers, forward and
-    backward, and the last block's backward's), at its peak; host, weights, gradients and optimizer state
-    when offloaded; device, the peak on the device: at the loss (gradients are None between steps, so only
-    DDP's buckets are there, and with micro_steps > 1 per process those kept between micro-steps) or, under
-    checkpointing, while the backward recomputes a block.
-    What a forward keeps (activations, copies, temporary) and the optimizer's state are measured: the model's
-    own forward is traced on fake tensors (traced_forward), and a step of the optimizers that lib.optim builds
-    for optimizer (the setting's name, or the run's settings: a dict) on them (traced_optimizer), so that an
-    edit of the model or a new optimizer needs none here. The layout is arithmetic:
-    dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2, like
-    torch.chunk: rank 0's share, the largest, is the one given), times tp tensor-parallel ones.
-    quantized: 'nf4' or 'int8', the frozen projections so held (a model quantized already is counted as it is;
-    int8: a value a byte, an fp32 scale and an int8 zero point a row; their activations as the unquantized
-    dtype's). device: its type. Not counted: document masks (doc_mask), the rotary tables (buffers), the
-    allocator's caching and what kernels allocate inside themselves, but for the fused loss's logits
-    (workspace)."""
+    """Bytes one training process holds, by kind (MEMORY_KINDS), for micro-batches of batch_size sequences of
+    block_size tokens. weights; grads (under DDP with its flat buckets beside them); optimizer, its state;
+    activations, what autograd keeps of the forward for the backward (with checkpointing: each block's input,
+    and one block's activations at a time); copies, the weights in the compute dtype (autocast's, kept for the
+    backward, or under FSDP the gathered root and one block with its gradients); temporary, what lives only a
+    moment at the loss (its buffers, forward and backward, and the last block's backward's), at its peak; host,
+    weights, gradients and optimizer state when offloaded; device, the peak on the device: at the loss
+    (gradients are None between steps, so only DDP's buckets are there, and with micro_steps > 1 those kept
+    between micro-steps) or, under checkpointing, while the backward recomputes a block with nearly every
+    gradient made. What a forward keeps and the optimizer's state are measured on fake tensors (traced_forward,
+    traced_optimizer; optimizer: the setting's name, or the run's settings), so that an edit of the model or a
+    new optimizer needs none here. The layout is arithmetic: dp data-parallel processes, each whole (DDP) or
+    sharding every parameter's dim 0 (FSDP2: rank 0's share, the largest), times tp tensor-parallel ones.
+    quantized: 'nf4' or 'int8', the frozen projections so held (int8: a byte a value, an fp32 scale and an int8
+    zero point a row; activations as the unquantized dtype's); a model quantized already is counted as it is.
+    device: its type. Not counted: document masks, the rotary tables, the allocator's caching and what kernels
+    allocate inside themselves, but for the fused loss's logits (workspace)."""
     c = model.config
     e = 4 if dtype == "float32" else 2  # a weight's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
@@ -86,8 +81,6 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     else:  # autocast's copies of the weights, kept for the backward (recomputed under checkpointing)
         copies = saved.head_copies + (1 if checkpointing else c.n_layer) * saved.block_copies
     stored = c.n_layer * (saved.block_input if checkpointing else saved.block)
-    # the peak comes at the loss, with the gradients kept from earlier micro-steps (and DDP's buckets); or,
-    # under checkpointing, while the backward recomputes a block with nearly every gradient made
     host = weights + grads + optim if offload else 0
     made = 0 if offload else grads  # offloaded, the gradients go to the host as they are made
     kept = made if micro_steps > 1 else made // 2 if ddp else 0
@@ -99,9 +92,8 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
 
 
 def held_values(name, p, dp=1, tp=1, shard=False):
-    """How many of the values of parameter p (named name) one process holds: tensor parallel over tp splits
-    the projections, FSDP (shard) every parameter's dim 0 over dp, as torch.chunk does (rank 0's share, the
-    largest)."""
+    """How many of parameter p's values (p named name) one process holds: tensor parallel over tp splits the
+    projections, FSDP (shard) every parameter's dim 0 over dp, like torch.chunk (rank 0's share, the largest)."""
     shape = list(p.shape)
     if tp > 1 and name.endswith(COLUMN_PARALLEL):
         shape[0] //= tp
@@ -114,8 +106,7 @@ def held_values(name, p, dp=1, tp=1, shard=False):
 
 def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
     """(weights, gradients, optimizer state) in bytes one process holds of params, [(name, parameter)], whose
-    optimizer keeps state (traced_optimizer's, by name): see memory_estimate; DDP keeps flat buckets beside the
-    gradients."""
+    optimizer keeps state (traced_optimizer's, by name): see memory_estimate."""
     def held(name, p):  # the bytes of this process's part
         if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not is_dtensor(p):
             # quantized already (nf4, int8): its parts, in proportion
@@ -128,7 +119,6 @@ def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
     trained = [(n, p) for n, p in params if p.requires_grad]
     weights = sum(held(n, p) for n, p in params)
     grads = sum(held_values(n, p, dp, tp, fsdp) * p.element_size() for n, p in trained) * (2 if ddp else 1)
-    # the optimizer's state of a parameter's shape is split as the parameter is; the rest is held whole
     optim = sum(state[n].per_value * held_values(n, p, dp, tp, fsdp) + state[n].whole for n, p in trained)
     return weights, grads, optim
 
@@ -142,49 +132,37 @@ class StateBytes(NamedTuple):
 
 
 def traced_optimizer(model, optimizer="adamw", tp=1):
-    """{name: StateBytes} for each trained parameter of model, of the state that its optimizers keep after a
-    step: those lib.optim.build_optimizers builds for optimizer, the setting's name (every other setting at its
-    default) or the run's settings (a dict). Measured as the activations are, so that a new optimizer needs no
-    edit here: one step of probe_model's copy (two blocks, tensor parallel's share over tp, fake, each tensor in
-    its twin's dtype) with a gradient for each parameter; the last block's state stands for every later block's.
-    That holds for an optimizer that makes all its state before any arithmetic of its step, as torch's do in
-    _init_group: a step may stop early on fake tensors (below), and state made after that point is not counted.
-    A parameter that the copy lacks (a module of this instance replaced by hand) is counted without state.
-    The optimizers are built for the meta device, where build_optimizers picks no fused kernel (torch's fused
-    SGD has no fake: it would run for real, on real tensors as large as two blocks); their foreach or per-tensor
-    steps keep the same state."""
+    """{name: StateBytes} for each trained parameter of model, of the state its optimizers (build_optimizers'
+    for optimizer: the setting's name, the other settings at their defaults, or the run's settings) keep after
+    one step of probe_model's copy (two blocks, tensor parallel's share over tp, fake, each tensor in its twin's
+    dtype); the last block's state stands for every later block's, and a parameter the copy lacks (a module
+    replaced by hand) has none. A step may stop early on fake tensors (below): this holds for an optimizer that
+    makes all its state before any arithmetic of its step, as torch's do in _init_group. The optimizers are
+    built for the meta device, where build_optimizers picks no fused kernel (torch's fused SGD has no fake: it
+    would run for real, on real tensors as large as two blocks); their foreach or per-tensor steps keep the same
+    state."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode, UnsupportedOperatorException)
     settings = {**defaults(), **(optimizer if isinstance(optimizer, dict) else {"optimizer": optimizer})}
-    with torch.device("meta"):
-        probe = probe_model(model, tp)
+    probe = probe_model(model, tp)
     with FakeTensorMode(allow_fallback_kernels=False):  # an op without a fake raises, never allocates
         made_fake(probe, model)
         for p in probe.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         optimizers = build_optimizers(probe, settings, "meta")
         for opt, group in [(opt, group) for opt in optimizers for group in opt.param_groups]:
-            try:  # a group at a time: a step that stops in one group would leave the later groups without state
-                with swapped_groups(opt, [group]):
-                    opt.step()
+            # a group at a time: a step that stops in one group would leave the later groups without state
+            kept, opt.param_groups = opt.param_groups, [group]
+            try:
+                opt.step()
             except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException):
-                # A step that asks a fake tensor for a value (Adafactor's step.item()) or runs an op without a
-                # fake stops there; torch's optimizers make all their state before their math (_init_group)
-                pass
+                pass  # it asked a fake tensor for a value (Adafactor's step.item()) or ran an op without a fake
+            finally:
+                opt.param_groups = kept
         traced = {name: state_of(p, optimizers) for name, p in probe.named_parameters()}
     last = len(probe.blocks) - 1
     return {name: traced.get(re.sub(r"^blocks\.(\d+)\.", lambda m: f"blocks.{min(int(m[1]), last)}.", name),
                              StateBytes(0, 0)) for name, p in model.named_parameters() if p.requires_grad}
-
-
-@contextlib.contextmanager
-def swapped_groups(opt, groups):
-    # opt with only groups for a while (traced_optimizer steps it a group at a time)
-    kept, opt.param_groups = opt.param_groups, groups
-    try:
-        yield
-    finally:
-        opt.param_groups = kept
 
 
 def state_of(p, optimizers):
@@ -200,12 +178,11 @@ def state_of(p, optimizers):
 
 
 class Saved(NamedTuple):
-    """What a training forward keeps for the backward, in bytes (traced_forward): one block's activations
-    and its weights' copies in the compute dtype (autocast's); the same for the rest of the model (the
-    embedding, the final norm and the loss: all that n_layer such blocks leave out); one block's input (what
-    checkpointing keeps of it); and, at its peak, what is alive beyond those from the last block's output
-    until the backward is back at its input (the loss's buffers, forward and backward, and that block's
-    backward's)."""
+    """What a training forward keeps for the backward, in bytes (traced_forward): one block's activations and its
+    weights' copies in the compute dtype (autocast's); the same for the rest of the model (the embedding, the
+    final norm and the loss: all that n_layer such blocks leave out); one block's input (what checkpointing keeps
+    of it); and, at its peak, what is alive beyond those from the last block's output until the backward is back
+    at its input (the loss's buffers, forward and backward, and that block's backward's)."""
     block: int
     block_copies: int
     head: int
@@ -227,8 +204,7 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
     RNG state), and a model that asks x.device instead of x.is_cuda is told the CPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     compute = getattr(torch, dtype)
-    with torch.device("meta"):  # built on the meta device, where module.to() works (add_lora); then made fake
-        probe = probe_model(model, tp)
+    probe = probe_model(model, tp)
     with FakeTensorMode():
         made_fake(probe, model, compute if fsdp else None)
         trace = Trace({storage_key(t) for t in [*probe.parameters(), *probe.buffers()]}, len(probe.blocks))
@@ -246,17 +222,18 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
 
 
 def probe_model(model, tp=1):
-    """model's class built again from its config with two blocks at most (a block's work, and the first
-    block's apart: under LoRA it keeps no input), tensor parallel's share over tp processes of the heads and
-    the MLP's width, and model's adapters. An edit of the class or of model.py is followed; one of this
-    instance's modules replaced by hand is not."""
+    """model's class built again from its config on the meta device (where module.to() works, for add_lora; made
+    fake after), with two blocks at most (a block's work, and the first block's apart: under LoRA it keeps no
+    input), tensor parallel's share over tp processes of the heads and the MLP's width, and model's adapters. An
+    edit of the class or of model.py is followed; one of this instance's modules replaced by hand is not."""
     c = model.config
     own = next(k for k in type(model).__mro__ if not k.__module__.startswith("torch."))  # not FSDP's FSDPGPT
-    probe = own(dataclasses.replace(c, n_layer=min(c.n_layer, 2), n_head=c.n_head // tp,
-                                    n_kv_head=c.n_kv_head // tp, mlp_hidden=c.mlp_hidden // tp, lora_rank=0))
-    if c.lora_rank:
-        from lib.lora import add_lora
-        add_lora(probe, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_targets)
+    with torch.device("meta"):
+        probe = own(dataclasses.replace(c, n_layer=min(c.n_layer, 2), n_head=c.n_head // tp,
+                                        n_kv_head=c.n_kv_head // tp, mlp_hidden=c.mlp_hidden // tp, lora_rank=0))
+        if c.lora_rank:
+            from lib.lora import add_lora
+            add_lora(probe, c.lora_rank, c.lora_alpha, c.lora_dropout, c.lora_targets)
     return probe
 
 
@@ -386,20 +363,19 @@ def memory_table(rows):
 
 
 def measured_mb(device):
-    """What this process has held at most so far, in MiB: on CUDA the allocator's peak, elsewhere the
-    process's peak resident memory."""
+    """This process's peak so far in MiB: on CUDA the allocator's, elsewhere its resident memory's."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    peak = proc_status_kib("VmHWM")  # ru_maxrss would start from the parent's when a big process launched us
+    peak = proc_kib("VmHWM")  # ru_maxrss would start from the parent's when a big process launched us
     if peak is not None:
         return peak / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
 
 
-def proc_status_kib(field):
-    # a field of Linux's /proc/self/status in KiB (VmRSS: resident now, VmHWM: its peak), or None without /proc
+def proc_kib(field, path="/proc/self/status"):
+    # a field of a Linux /proc file in KiB (status's VmRSS: resident now, VmHWM: its peak), or None without /proc
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
     except (OSError, StopIteration):
         return None
@@ -414,8 +390,8 @@ def available_memory(device):
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
     if kind == "mps":
         return torch.mps.recommended_max_memory()
-    resident = resident_bytes()
-    room = []
+    resident, available = resident_bytes(), proc_kib("MemAvailable", "/proc/meminfo")
+    room = [torch.iinfo(torch.int64).max if available is None else available * 1024 + resident]
     v1 = "/sys/fs/cgroup/memory/memory."
     for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, then v1
                          (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
@@ -424,17 +400,12 @@ def available_memory(device):
                 room.append(int(a.read()) - int(b.read()) + resident)
         except (OSError, ValueError):  # no such cgroup, or 'max': no limit
             pass
-    try:
-        with open("/proc/meminfo") as f:
-            room.append(next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")) + resident)
-    except (OSError, StopIteration):
-        room.append(torch.iinfo(torch.int64).max)
     return min(room)
 
 
 def resident_bytes():
     # this process's resident memory now (0 where /proc is not there to say)
-    return (proc_status_kib("VmRSS") or 0) * 1024
+    return (proc_kib("VmRSS") or 0) * 1024
 
 
 def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1):
@@ -466,14 +437,13 @@ def device_name(device):
 
 
 def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before, autocast, **estimate):
-    """batch_size='auto': each process's micro-batch for updates of `sequences` sequences of block_size tokens,
-    shared by layout's dp data-parallel replicas -> (micro-batch, a line saying how it was chosen). A resumed run
-    keeps the one it began with (before: its checkpoint) where the device, the budget and the processes are the
-    same. Else the largest whose peak, memory_estimate's for layout and estimate's dtype,
-    optimizer, quantized and device, fits in memory_budget GiB (0: the device's free memory, available_memory)
-    less a 10% margin (fit_micro_batch), tried once and halved if it runs out of memory (tried_micro_batch; not
-    under FSDP or tensor parallel, which rely on the estimate). On a CPU, what the process holds beside the model's
-    weights (Python, torch's libraries) counts too. The line ends with how the update is shared out."""
+    """batch_size='auto': each process's micro-batch for updates of `sequences` sequences of block_size tokens
+    over layout's dp replicas -> (micro-batch, a line saying how it was chosen and how the update is shared
+    out). A resumed run keeps the one it began with (before: its checkpoint) on the same device, budget and
+    processes. Else the largest whose peak (memory_estimate's for layout and estimate's settings; on a CPU, plus
+    what the process holds beside the weights: Python, torch's libraries) fits in memory_budget GiB (0:
+    available_memory) less a 10% margin (fit_micro_batch), tried once and halved if it runs out of memory
+    (tried_micro_batch; not under FSDP or tensor parallel, which rely on the estimate)."""
     device, share = estimate["device"], sequences // layout["dp"]
     where = device_name(device)
     config = before["config"] if before else {}
@@ -503,9 +473,8 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
 
 def micro_batch_fits(model, batch_size, block_size, device, autocast):
     """Whether one micro-step of batch_size sequences, forward and backward through model, fits in the device's
-    memory: False on torch.OutOfMemoryError. Its gradients are dropped and the random state kept, so the run
-    goes on as if it had not been tried. model must run without other processes (not under FSDP or tensor
-    parallel: one process out of memory would leave the others waiting)."""
+    memory (False on torch.OutOfMemoryError), leaving no gradients and the random state as it was. Not for a
+    model under FSDP or tensor parallel: one process out of memory would leave the others waiting."""
     x = torch.zeros((batch_size, block_size), dtype=torch.long, device=device)
     cuda = torch.device(device).type == "cuda"
     try:

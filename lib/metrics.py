@@ -62,11 +62,7 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
                 if key != "iter" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     tensorboard.add_scalar(key, value, record["iter"])
 
-    def close():
-        if tensorboard:
-            tensorboard.close()
-
-    return log, close
+    return log, tensorboard.close if tensorboard else (lambda: None)
 
 
 def cut_torn_record(path):

@@ -22,19 +22,14 @@ import torch
 from lib.errors import UserError
 from lib.parallel import is_dtensor
 
-# Every optimizer's function gets the trainable (name, parameter) pairs, the run's settings (config) and whether
-# torch's fused kernel may run; it returns the optimizers, the first one's learning rate learning_rate (the
-# schedule scales each optimizer's own peak, as its function set it).
 
-
-def adamw(named, config, fused):
-    return [torch.optim.AdamW(groups(named, config), lr=config["learning_rate"], betas=betas(config),
-                              fused=fused or None)]
+def adamw(named, config, fused, kind=torch.optim.AdamW):
+    return [kind(groups(named, config), lr=config["learning_rate"], betas=(config["beta1"], config["beta2"]),
+                 fused=fused or None)]
 
 
 def adam(named, config, fused):  # weight decay as torch's Adam does it: an L2 term added to the gradient
-    return [torch.optim.Adam(groups(named, config), lr=config["learning_rate"], betas=betas(config),
-                             fused=fused or None)]
+    return adamw(named, config, fused, torch.optim.Adam)
 
 
 def sgd(named, config, fused):  # its fused step has no rule for sharded (DTensor) parameters: foreach under FSDP
@@ -44,8 +39,7 @@ def sgd(named, config, fused):  # its fused step has no rule for sharded (DTenso
 
 
 def muon(named, config, fused):
-    # torch.optim.Muon at muon_lr for the blocks' 2-D matrices (it orthogonalizes whole matrices), AdamW at
-    # learning_rate beside it for the embedding, the head, the norms and any bias
+    # Muon at muon_lr for the blocks' 2-D matrices (orthogonalized whole), AdamW at learning_rate for the rest
     hidden = [(n, p) for n, p in named if n.startswith("blocks.") and p.dim() == 2]
     rest = [(n, p) for n, p in named if not (n.startswith("blocks.") and p.dim() == 2)]
     optimizers = adamw(rest, config, fused)
@@ -65,13 +59,9 @@ def groups(named, config):
             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def betas(config):
-    return config["beta1"], config["beta2"]
-
-
 def build_optimizers(model, config, device_type):
     """The list of optimizers of config["optimizer"] (OPTIMIZERS) over model's trainable parameters, with the
-    run's settings config; the first one covers what the others do not."""
+    run's settings config; the first covers what the others do not, at learning_rate."""
     check_optimizer(config)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # one fused kernel for all parameters where there is one (CUDA, and CPU since torch 2.4)
@@ -102,13 +92,11 @@ def reapply(optimizers, built):
 
 
 def one_of(key, value, known):
-    # the one line for a name a setting does not know: the setting, the value, and what it may be
     return UserError(f"{key}={value!r} is not one of {', '.join(map(repr, known))}")
 
 
 def check_optimizer(config):
-    """UserError, in one line with the fix, for an optimizer or a schedule of the settings config that no run
-    knows."""
+    """UserError, in one line with the fix, for settings config naming an optimizer or schedule no run knows."""
     if config["optimizer"] not in OPTIMIZERS:
         raise one_of("optimizer", config["optimizer"], OPTIMIZERS)
     if config["lr_schedule"] not in SCHEDULES:

@@ -1,11 +1,10 @@
 """
-Devices and processes: which device a run uses and its peak FLOP/s; the run's processes and their (data
-parallel, tensor parallel) mesh, with the layouts that cannot run refused, the group's generation and the
-settings every node must agree on, and the group's end; and one function that spreads a model over the mesh,
-as torchtitan does: tensor parallel, activation checkpointing, compile, then FSDP or DDP, in that order.
-Parameters keep their names throughout, so checkpoints move between layouts. Beside them, what the loop needs
-across processes: each micro-batch's share of an update's targets, the gradients clipped over meshes (is_dtensor
-tells a shard without importing DTensor), and preemption's stop request. model.py knows none of it.
+Devices and processes: the run's device and its peak FLOP/s; its processes and their (data parallel, tensor
+parallel) mesh, refusing the layouts that cannot run, with the group's generation, the settings every node must
+agree on and the group's end; parallelize, which spreads a model over the mesh as torchtitan does (tensor
+parallel, activation checkpointing, compile, then FSDP or DDP), keeping parameter names so that checkpoints move
+between layouts; and what the loop needs across processes: each micro-batch's share of an update's targets, the
+gradients clipped over meshes, and preemption's stop request. model.py knows none of it.
 
     model = parallelize(model, mesh, tp=2, fsdp=True, checkpointing=True, compile=True, dtype=torch.bfloat16)
 """
@@ -159,8 +158,7 @@ def generation(store, rank, world_size, timeout):
                     f"or its torchrun stopped (see its output)")
 
 
-# Settings that may differ between nodes: paths, where each node mounts the same files (its data is compared
-# by the files' sizes instead)
+# settings that may differ between nodes: paths, where each mounts the same files (data files compared by size)
 PER_NODE = ("out_dir", "data_dir", "eval_tasks_path")
 
 
@@ -170,10 +168,9 @@ def this_process():
 
 
 def check_same_settings(settings, data_dir):
-    """Stop every process, in one line, where any process's settings (train.py's, PER_NODE aside) or data files'
-    sizes differ from rank 0's: naming the first that differs, and the rank and node. Nodes started with
-    different commands would otherwise train on silently, their replicas drifting apart. Called by every process
-    once the group has formed; nothing to compare without one."""
+    """Stop every process, in one line naming the first difference and the rank and node, where any process's
+    settings (train.py's, PER_NODE aside) or data files' sizes differ from rank 0's: nodes started with
+    different commands would otherwise train on, their replicas drifting apart. Every process calls it."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     try:
@@ -203,8 +200,7 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
     ddp, rank, world_size = "RANK" in env, int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     device, dtype = pick_device(device, dtype)
-    # Under torchrun, 'cuda' and 'cuda:N' both mean each process's own GPU, the one of its local rank: one index
-    # for every process would put them all on one GPU.
+    # under torchrun, 'cuda' and 'cuda:N' both mean each process's own GPU (its local rank's), not one for all
     if device.startswith("cuda") and ddp:
         device = f"cuda:{local_rank}"
     device_type = device.split(":")[0]
@@ -230,8 +226,7 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
                                 timeout=timedelta(seconds=timeout))
     elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to offload a model past a GPU
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    # The tp_size processes of one model replica are neighbours (one node) and share their batches; the
-    # replicas split the data between them.
+    # a replica's tp_size processes are neighbours (one node) sharing its batches; the replicas split the data
     if tp_size < 1 or world_size % tp_size:
         raise UserError(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, "
                         f"N a multiple)")
