@@ -484,8 +484,10 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes_once_there_is_room(
     python = " ".join(map(shlex.quote, [sys.executable, "train.py", *on_cpu([*args, f"--out_dir={out}"])]))
     logs = f"> {tmp_path / 'full.out'} 2> {tmp_path / 'full.err'}"
     env = {**os.environ, **CPU_ENV}
-    if tmpfs_available():  # room for the checkpoint of step 3, not for step 6's beside it; then a bigger disk
-        script = (f"mount -t tmpfs -o size={size * 8 // 5 // 1024}k tmpfs {out.parent} && {python} {logs}; "
+    # room for the checkpoint of step 3 (ckpt.pt and ckpt_best.pt, each a file of its own), not for step 6's beside
+    # them; then a bigger disk
+    if tmpfs_available():
+        script = (f"mount -t tmpfs -o size={size * 5 // 2 // 1024}k tmpfs {out.parent} && {python} {logs}; "
                   f"ls -a {out} > {tmp_path / 'listing'}; mount -o remount,size=16m {out.parent} && "
                   f"{python} --init_from=auto > {tmp_path / 'resumed.out'} && cp -r {out} {tmp_path / 'final'}")
         subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=env, timeout=300, check=True)
