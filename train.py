@@ -175,7 +175,7 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
              "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
              "pretrained": origin.pretrained,  # the Hugging Face folder the run began from, if any
              "base_fingerprint": origin.base_fingerprint, "memory_device": device_name(device),
-             "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta)}  # (start.check_resume, trained.py)
+             "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta)}  # (start.resume, trained.load_model)
 saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,
                           tensorboard_log)  # (eval_only writes nothing)
