@@ -224,6 +224,14 @@ def save_checkpoint(loop, improved, finished_epoch=None, rng=None):
     ckpt.save(out_dir, state, raw_model, optimizers, improved=improved, finished_epoch=finished_epoch, **saving)
 
 
+def save_last(improved):
+    # The run ends here (its last step, an early stop, a signal): nothing comes after to vouch for this state. Where
+    # the last update was skipped, these very weights gave its non-finite gradient: nothing is saved, the run stops.
+    if loop["skipped_in_a_row"]:
+        raise ckpt.diverged(out_dir, loop["skipped_in_a_row"])
+    save_checkpoint(loop, improved)
+
+
 def evaluate(step):
     # The losses at this step, logged; its checkpoint saved (at the end) or held back (see held_back). Returns
     # True where the run ends here: eval_only, or no better val loss in early_stop_patience evaluations.
@@ -242,10 +250,8 @@ def evaluate(step):
         return True
     early_stop = early_stop_patience > 0 and loop["evals_without_gain"] >= early_stop_patience
     if step > 0 and (improved or always_save_checkpoint or early_stop or step == max_iters):
-        if step >= max_iters or early_stop:  # the run ends here: nothing comes after to vouch for this state,
-            if loop["skipped_in_a_row"]:  # and the last update's non-finite gradient was of these very weights
-                raise ckpt.diverged(out_dir, loop["skipped_in_a_row"])
-            save_checkpoint(loop, improved)
+        if step >= max_iters or early_stop:
+            save_last(improved)
         else:  # saved in the next update, once its gradient is finite (settle_held_back)
             held_back = (improved, rng_state(device_type))
     if early_stop:
@@ -378,9 +384,7 @@ while True:
     if save_every_epoch and int(batches.epoch(loop["iter_num"])) > epoch_before and not loop["skipped_in_a_row"]:
         save_checkpoint(loop, False, int(batches.epoch(loop["iter_num"])))
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step
-        if loop["skipped_in_a_row"]:  # (as at the run's end: these weights gave the last update's non-finite gradient)
-            raise ckpt.diverged(out_dir, loop["skipped_in_a_row"])
-        save_checkpoint(loop, False)
+        save_last(False)
         if master:  # one line for the run (a process that got no signal itself: one of another's)
             print(f"{preemption.by or 'a signal to another process'}: saved step {loop['iter_num']} in {out_dir} "
                   f"and stopped; the same command with --init_from=auto continues from it", flush=True)

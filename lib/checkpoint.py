@@ -222,7 +222,9 @@ def check_moments(state, params, path):
     it would fail inside the optimizer's first step, or worse."""
     for index, moments in state["state"].items():
         param = params[index] if type(index) is int and 0 <= index < len(params) else None
-        for name, value in (moments.items() if isinstance(moments, dict) and param is not None else [(index, None)]):
+        # (an index that names no parameter, or moments that are no dict, are refused as a state that does not fit)
+        named = moments.items() if isinstance(moments, dict) and param is not None else [(index, None)]
+        for name, value in named:
             if not isinstance(value, torch.Tensor) or value.dim() and value.shape != param.shape:
                 raise UserError(f"{path} holds an optimizer state {name!r} for parameter {index} that does not fit "
                                  f"the model: use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")

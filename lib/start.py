@@ -302,9 +302,7 @@ def check_resume(checkpoint, config, data_vocab, path):
     if checkpoint.get("format") != ckpt.FORMAT:
         raise UserError(f"{path} was written by another train.py (checkpoint format {checkpoint.get('format')}, "
                          f"this one resumes {ckpt.FORMAT}): resume it with the train.py that wrote it, or train anew")
-    args = checkpoint["model_args"]
-    if not isinstance(args, dict):
-        raise UserError(f"{path}'s model_args is not a dict: use another checkpoint")
+    args = checkpoint["model_args"]  # (a dict: checkpoint.check_values)
     check_sizes(args, f"{path}'s model_args", "use another checkpoint")
     # a sharded checkpoint's weights are read once the model is built: its blocks are counted by name first
     # (by the names its optimizer's param_groups hold; a file checkpoint's hold numbers, and model_from_checkpoint
