@@ -12,13 +12,14 @@ checkpoints checkpoint.py's, and spreading it over processes parallel.py's.
     out = model.generate(torch.zeros(1, 1, dtype=torch.long), 20)    # (1, 21)
 """
 
-import importlib.util
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import kernels
 
 try:  # optional: only used on CUDA for bf16/fp16 tensors
     from flash_attn import flash_attn_func
@@ -86,49 +87,7 @@ def runs_fused(config, device_type):
     use_kernels=True answers True anywhere: where Triton cannot run, kernels.py's ops then call their references."""
     if config.use_kernels is not None:
         return config.use_kernels
-    return device_type == "cuda" and importlib.util.find_spec("triton") is not None
-
-
-# -----------------------------------------------------------------------------
-# the math of the memory-bound ops in plain PyTorch, where kernels.py's fused ops (each named without _ref) are
-# not run
-
-def rms_norm_ref(x, weight, eps=1e-5):
-    # normalise in fp32 whatever the input dtype, then scale in the input dtype
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return y.to(x.dtype) * weight
-
-
-def swiglu_ref(gate, up):
-    return F.silu(gate) * up
-
-
-def apply_rotary_ref(x, cos, sin):
-    # x: (B, T, H, D); cos, sin: (T, D/2) fp32. Rotates the pair (x[i], x[i + D/2]): with x1, x2 the
-    # halves, (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin). Rolling the halves into place instead of
-    # slicing them saves a third of forward and backward on CPU: a roll's backward is a roll, while
-    # each slice's backward zero-fills a whole new tensor.
-    d = x.shape[-1] // 2
-    c = torch.cat([cos, cos], dim=-1)[:, None, :]  # (T, 1, D), broadcast over heads
-    s = torch.cat([-sin, sin], dim=-1)[:, None, :]
-    xf = x.float()
-    return (xf * c + xf.roll(d, dims=-1) * s).to(x.dtype)
-
-
-def linear_cross_entropy_ref(x, weight, targets, ignore_index=-1):
-    # x: (N, C), weight: (V, C), targets: (N,) -> mean cross-entropy over non-ignored targets (0, not NaN, with
-    # zero gradients where all are ignored). All N x V logits exist at once here (twice for a half-precision x:
-    # in its dtype and in fp32); the Triton op makes them a chunk of rows at a time.
-    logits = (x @ weight.t()).float()  # (N, V)
-    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
-    return loss / (targets != ignore_index).sum().clamp(min=1)
-
-
-def fused_ops():
-    # kernels.py, imported by the first call that runs a fused op (fused): a run on a CPU never reads it
-    import kernels
-    return kernels
+    return device_type == "cuda" and kernels.HAS_TRITON
 
 
 class RMSNorm(nn.Module):
@@ -138,7 +97,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        norm = fused_ops().rms_norm if fused(self.use_kernels, x) else rms_norm_ref
+        norm = kernels.rms_norm if fused(self.use_kernels, x) else kernels.rms_norm_ref
         return norm(x, self.weight, self.eps)
 
 
@@ -229,7 +188,7 @@ class Attention(nn.Module):
         if self.qk_norm:  # each with its own weight
             q, k = self.q_norm(q), self.k_norm(k)
         # rotated apart: joining them to rotate in one call costs a copy forward and another backward
-        rotate = fused_ops().apply_rotary if fused(self.use_kernels, x) else apply_rotary_ref
+        rotate = kernels.apply_rotary if fused(self.use_kernels, x) else kernels.apply_rotary_ref
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:  # generation: prepend the keys and values of earlier positions
             if cache:
@@ -251,7 +210,7 @@ class MLP(nn.Module):
         self.use_kernels = config.use_kernels
 
     def forward(self, x):
-        swiglu = fused_ops().swiglu if fused(self.use_kernels, x) else swiglu_ref
+        swiglu = kernels.swiglu if fused(self.use_kernels, x) else kernels.swiglu_ref
         return self.dropout(adapted(self.down, swiglu(adapted(self.gate, x), adapted(self.up, x))))
 
 
@@ -309,8 +268,8 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         B, T = idx.shape
-        cross_entropy = (fused_ops().linear_cross_entropy if fused(self.config.use_kernels, x, compiled_too=True)
-                         else linear_cross_entropy_ref)
+        cross_entropy = (kernels.linear_cross_entropy if fused(self.config.use_kernels, x, compiled_too=True)
+                         else kernels.linear_cross_entropy_ref)
         return None, cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
 
     def hidden(self, idx, cache=None, doc_ids=None, mask=None):

@@ -57,8 +57,7 @@ T = shape["block_size"]
 
 if a.lce == "fused":
     import kernels
-    import model
-    model.linear_cross_entropy_ref = kernels.linear_cross_entropy  # the fused loss, whatever use_kernels picks
+    kernels.linear_cross_entropy_ref = kernels.linear_cross_entropy
 if a.which == "ours":
     kernels = None if a.kernels is None else bool(a.kernels)
     model = GPT(GPTConfig(vocab_size=50304, dropout=0.0, use_kernels=kernels, **shape)).to(device)

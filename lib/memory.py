@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import kernels
 from lib.errors import UserError
 from lib.optim import build_optimizers
 from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT, is_dtensor
@@ -262,7 +263,6 @@ def storage_key(t):
 def workspace(func, args):
     # what an op allocates inside itself, which its fake does not show: the fused loss's chunk of logits
     if func.name() == "kernels::linear_cross_entropy":
-        import kernels  # (imported already: its op ran)
         x, weight = args[:2]
         return min(x.shape[0] * weight.shape[0], kernels.LCE_CHUNK_ELEMENTS) * x.element_size()
     return 0

@@ -249,13 +249,13 @@ def nan_config(tmp_path, from_call):
     # a config file that turns the training loss to NaN from the from_call-th loss computed on
     path = tmp_path / f"nan_from_{from_call}.py"
     path.write_text(
-        "import model as _m\n"
+        "import kernels as _k\n"
         "from torch._subclasses.fake_tensor import is_fake as _is_fake\n"
-        "_ref, _calls = _m.linear_cross_entropy_ref, [0]\n"
+        "_ref, _calls = _k.linear_cross_entropy_ref, [0]\n"
         "def _nan(x, w, t, ignore_index=-1):\n"
         "    _calls[0] += not _is_fake(x)  # (the memory estimate's trace on fake tensors is no training step)\n"
         f"    return _ref(x, w, t, ignore_index) * (float('nan') if _calls[0] in {from_call} else 1.0)\n"
-        "_m.linear_cross_entropy_ref = _nan\n"
+        "_k.linear_cross_entropy_ref = _nan\n"
     )
     return str(path)
 

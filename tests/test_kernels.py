@@ -355,11 +355,10 @@ def test_model_training_matches_reference(monkeypatch):
     # a few AdamW steps of a small GPT with the fused ops and with the references. One layer of 8 positions: every
     # op runs forward and backward all the same, and under Triton's interpreter the time goes with the rotary
     # kernel's programs, one per position and layer (two layers of 16 took four times as long)
-    import model as M
     from model import GPT, GPTConfig
     refs, called = ("rms_norm_ref", "swiglu_ref", "apply_rotary_ref", "linear_cross_entropy_ref"), []
-    for name in refs:  # each of model.py's references counted when called: the same losses cannot tell which ran
-        monkeypatch.setattr(M, name, lambda *args, name=name, ref=getattr(M, name): called.append(name) or ref(*args))
+    for name in refs:  # each reference counted when called: the same losses alone cannot tell which ops ran
+        monkeypatch.setattr(K, name, lambda *args, name=name, ref=getattr(K, name): called.append(name) or ref(*args))
 
     def train(use_kernels):
         called.clear()

@@ -13,12 +13,11 @@ LIB = {p.stem for p in (ROOT / "lib").glob("*.py")} - {"__init__"}
 BENCHMARKS = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__"}
 
 
-def project_imports(path, top_only=False):
-    # the project's modules a file imports, anywhere in it (top_only: at its top, where importing it imports them):
-    # 'lib.X' for the library's, 'benchmarks.X' for measurement's, else the root module's name
+def project_imports(path):
+    # the project's modules a file imports, anywhere in it: 'lib.X' for the library's, 'benchmarks.X' for
+    # measurement's, else the root module's name
     found = set()
-    tree = ast.parse(path.read_text(), str(path))
-    for node in tree.body if top_only else ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -38,12 +37,9 @@ def test_the_root_holds_the_scripts_and_the_named_files_only():
 
 
 def test_imports_run_one_way():
-    # scripts -> lib -> model -> torch; kernels.py's fused ops stand beside model.py's math (their references), and
-    # model.py imports them only where a call runs one, so that a run on a CPU never reads kernels.py; configurator
-    # (train.py's overrides, which bench.py applies too) imports nothing of the project's, not even lib.errors: it
-    # stops with its own one line (sys.exit)
-    assert project_imports(ROOT / "kernels.py") == {"model"}
-    assert project_imports(ROOT / "model.py", top_only=True) == set()
+    # scripts -> lib -> model -> kernels -> torch; configurator (train.py's overrides, which bench.py applies
+    # too) imports nothing of the project's, not even lib.errors: it stops with its own one line (sys.exit)
+    assert project_imports(ROOT / "kernels.py") == set()
     assert project_imports(ROOT / "model.py") == {"kernels"}
     assert project_imports(ROOT / "configurator.py") == set()
     for name in LIB:

@@ -126,14 +126,14 @@ def test_a_diverged_run_stops_with_the_checkpoint_from_before_the_update_that_br
 
 def poisoned(tmp_path, name, body):
     # a config file (Python, as config files are) that breaks training as a bug or a bad setting would: body runs
-    # after each real training step's loss (model.linear_cross_entropy_ref) or optimizer step (AdamW.step) with
+    # after each real training step's loss (kernels.linear_cross_entropy_ref) or optimizer step (AdamW.step) with
     # _calls[0], that step's number from 1 (the memory estimate's trace on fake tensors is not counted)
     path = tmp_path / f"{name}.py"
     path.write_text(
         "import torch as _torch\n"
-        "import model as _m\n"
+        "import kernels as _k\n"
         "from torch._subclasses.fake_tensor import is_fake as _is_fake\n"
-        "_loss, _step, _calls = _m.linear_cross_entropy_ref, _torch.optim.AdamW.step, [0]\n"
+        "_loss, _step, _calls = _k.linear_cross_entropy_ref, _torch.optim.AdamW.step, [0]\n"
         + body)
     return str(path)
 
@@ -148,7 +148,7 @@ def test_a_run_whose_last_update_failed_saves_nothing_and_says_so(runs, tmp_path
         "def _nan(x, w, t, ignore_index=-1):\n"
         "    _calls[0] += not _is_fake(x)\n"
         "    return _loss(x, w, t, ignore_index) * (float('nan') if _calls[0] == 2 else 1.0)\n"
-        "_m.linear_cross_entropy_ref = _nan\n"))
+        "_k.linear_cross_entropy_ref = _nan\n"))
     done = run(*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4",
                "--eval_interval=2", config, check=False)
     assert_one_line(done, "1 update in a row had a non-finite loss or gradient",
