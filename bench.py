@@ -1,26 +1,21 @@
 """
-Measurements. Training throughput of a config runs the real train.py, once per value of a setting
-(eager against torch.compile by default), and reports the median tokens/s, ms/iter and MFU of the
-steps after warmup, and peak memory:
+Measurements. By default, train.py's throughput once per value of a setting (eager against torch.compile):
+median tokens/s, ms/iter and MFU of the steps after warmup, and peak memory:
 
     python bench.py config/train_small.py
     python bench.py config/train_gpt2.py --synthetic --compare=use_kernels --steps=30
     python bench.py config/train_small.py --compare=optimizer --values=adamw,muon,adam,sgd
 
---mode=race gives every run the same wall time instead: it times --steps of each, then trains each for
-as many steps as fit in --seconds (its schedule ending there) and reports the validation loss reached.
---run names a whole set of overrides, once per run, instead of --compare's values (each optimizer wants its
-own learning rate):
+--mode=race gives every run the same --seconds of training (its schedule ending there) and reports the val loss
+reached. --run names a whole set of overrides per run instead (each optimizer wants its own learning rate):
 
     python bench.py config/train_shakespeare_char_cpu.py --mode=race --seconds=20 --compare=lr_schedule \
         --values=cosine,wsd
     python bench.py config/train_small.py --mode=race --seconds=120 \
         --run="--optimizer=adamw" --run="--optimizer=muon" --run="--optimizer=sgd --learning_rate=0.3"
---mode=seeds puts a recipe beside nanoGPT's own CPU "baby" run of Shakespeare's characters (its train.py, run
-unchanged from the folder --nanogpt names, its fixed seed moved by a wrapper) on the same train.bin/val.bin:
---seeds seeds of each, one after the other at --threads threads; each final checkpoint scored over the whole val
-split. NANOGPT_CLONE is a clone of nanoGPT, e.g. `git clone https://github.com/karpathy/nanoGPT`, and its
-`python data/shakespeare_char/prepare.py` makes the data:
+--mode=seeds runs --seeds seeds of nanoGPT's own CPU "baby" Shakespeare-char run (its train.py unchanged, only its
+seed moved), then of a recipe, at --threads threads on the same data, each scored over the whole val split.
+NANOGPT_CLONE: `git clone https://github.com/karpathy/nanoGPT`, data made by its data/shakespeare_char/prepare.py:
 
     python bench.py config/train_shakespeare_char_cpu.py --mode=seeds --nanogpt=NANOGPT_CLONE \
         --data_dir=NANOGPT_CLONE/data/shakespeare_char
@@ -33,9 +28,7 @@ split. NANOGPT_CLONE is a clone of nanoGPT, e.g. `git clone https://github.com/k
     python bench.py --mode=gpu --section=step --out=gpu   # one part alone: gpu/step.md, line by line
     python bench.py --mode=gpu --section=versus --nanogpt=NANOGPT_CLONE --out=gpu   # beside nanoGPT, profiled
 
---synthetic trains on random tokens (no prepared data needed); any other --key=value goes to train.py (under
---mode=encode, to prepare.py). The GPU report lives in benchmarks/gpu.py, the measuring shared by the modes
-in benchmarks/measure.py.
+--synthetic trains on random tokens; any other --key=value goes to train.py (prepare.py under --mode=encode).
 """
 
 import argparse
@@ -106,10 +99,8 @@ def parse_args():
 
 def each_run(args, train_args, measure_run):
     # (train.py's arguments common to every run, [(run's name, measure_run(its arguments, an out_dir))])
-    if args.run:
-        runs = [shlex.split(r) for r in args.run]
-    else:
-        runs = [[f"--{args.compare}={v}"] for v in args.values.split(",")]
+    runs = ([shlex.split(r) for r in args.run] if args.run
+            else [[f"--{args.compare}={v}"] for v in args.values.split(",")])
     common = list(train_args)
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:
@@ -156,10 +147,9 @@ def bench_race(args, train_args):
               f"| {r['val_accuracy']:.1%} |")
 
 # -----------------------------------------------------------------------------
-# --mode=seeds: nanoGPT's baby run and our recipe on the same data, each final checkpoint's loss over the whole val
-# split in windows of the baby's block (64), computed by the same code for both
+# --mode=seeds: nanoGPT's baby run and our recipe, each final checkpoint scored alike over the whole val split
 
-WINDOW = 64
+WINDOW = 64  # the baby's block_size
 TINY_SHAPE = ["--max_iters=20", "--lr_decay_iters=20", "--eval_interval=20", "--eval_iters=2", "--warmup_iters=2",
               "--n_layer=1", "--n_head=2", "--n_embd=32"]
 
@@ -205,8 +195,7 @@ def seeds_table(rows, header):
           f"{mean['nanoGPT'][1] / mean['ours'][1]:.2f}x)")
 
 # -----------------------------------------------------------------------------
-# --mode=kernels: each fused op of kernels.py against its reference, eager and compiled, in bf16 at Llama-like
-# sizes; forward, and forward+backward; median time and peak memory
+# --mode=kernels: kernels.py's fused ops against their references, eager and compiled, bf16, Llama-like sizes
 
 
 def bench_kernels(args, train_args):
@@ -218,9 +207,8 @@ def bench_kernels(args, train_args):
     kernel_table(kernel_cases("cuda"), "cuda")
 
 # -----------------------------------------------------------------------------
-# --mode=memory: memory.memory_estimate for a config (train.py's defaults, the config file, --key=value) in
-# the layouts a run on 1, 8 or 64 GPUs could take; the model is built on the meta device, so nothing is
-# allocated and no GPU is needed. The run is assumed on GPUs: bf16 where dtype is auto, the kernels on.
+# --mode=memory: memory_estimate for a config in the layouts a run on 1, 8 or 64 GPUs could take; the model is
+# built on the meta device (no GPU needed), assumed on GPUs: bf16 where dtype is auto, the kernels on.
 
 
 def runs_under(g, **layout):
@@ -240,8 +228,7 @@ def memory_layouts(g, shape):
     for gpus in (8, 64):
         layouts += [(gpus, dict(dp=gpus)), (gpus, dict(dp=gpus, fsdp=True)),
                     (gpus, dict(dp=gpus, fsdp=True, checkpointing=True))]
-        # tensor parallel within a node of 8 GPUs, over as many as the heads divide among, where train.py
-        # would run it (not for LoRA, nor for an optimizer that needs whole matrices)
+        # tensor parallel within a node of 8, over as many as the heads divide among, where train.py runs it
         tp = max(t for t in (8, 4, 2, 1) if shape.n_head % t == 0 and shape.n_kv_head % t == 0)
         if tp > 1 and runs_under(g, tp_size=tp, fsdp=True):
             layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=True, checkpointing=True)))  # TP brings FSDP
@@ -261,10 +248,8 @@ def bench_memory(args, train_args):
     print(memory_table(rows))
 
 # -----------------------------------------------------------------------------
-# --mode=load: peak memory of from_pretrained against reading the file into memory and then building
-# a model, each in a fresh process, on a generated Llama-shaped folder of ~1 GB. safetensors reads through
-# mmap, whose pages count in RSS but are the kernel's cache, dropped under pressure: the process's
-# own (anonymous) memory is what a load costs, so both are sampled from /proc every 2 ms.
+# --mode=load: peak memory of load_pretrained against a whole-file read, each in a fresh process. safetensors' mmap'd
+# pages count in RSS but are the kernel's cache: the process's own (anonymous) memory is what a load costs.
 
 LOADERS = {
     "baseline (import torch and model.py)": "pass",
@@ -310,13 +295,11 @@ def bench_load(args, train_args):
             print(f"| {name} | {anon:,.0f} | {anon - baseline:,.0f} | {rss:,.0f} |")
 
 # -----------------------------------------------------------------------------
-# --mode=encode: prepare.py's reading, cutting and encoding, timed as it reports them, against tiktoken's
-# encode_ordinary_batch alone, on the texts that run encoded; the other arguments are prepare.py's
+# --mode=encode: prepare.py's reading, cutting and encoding against tiktoken's encode_ordinary_batch alone
 
 
 def prepare_run(argv):
-    # prepare.py as a user runs it -> the seconds it reports it took to read, cut and encode the text (its
-    # start-up, the tokenizer's loading and the writing of the files left out, as they are for tiktoken)
+    # the seconds prepare.py reports for reading, cutting and encoding (start-up and writing left out, as for tiktoken)
     done = subprocess.run([sys.executable, "prepare.py", *argv], capture_output=True, text=True)
     if done.returncode:
         raise UserError(f"prepare.py failed: {done.stderr.strip()[-500:]}")

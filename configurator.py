@@ -3,14 +3,11 @@ Overrides for a run's settings (lib/settings.py), from config files and --key=va
 
     python train.py config/train_small.py --batch_size=32 --compile=False
 
-A config file is Python whose top-level assignments replace the defaults (names that start with
-an underscore, modules, functions and classes are its own helpers and are left alone). A --key=value is
-read with ast.literal_eval, falling back to a plain string. Every key must already exist, and every
-value must have its default's type (an int where a float is expected is fine): anything else stops
-with one line that names the closest key or the expected type. batch_size='auto' is the one value of another
-type: it sets batch_size_auto and leaves batch_size the number it was (with gradient_accumulation_steps, the
-sequences of an update, which train.py keeps). The settings and their defaults are lib/settings.py's;
-settings.check then refuses values that no run can use, in one line.
+A config file is Python whose top-level assignments replace the defaults (names starting with an underscore,
+modules, functions and classes are its own helpers). A --key=value is read with ast.literal_eval, else as a plain
+string. Every key must exist and every value have its default's type (an int for a float is fine), or one line
+names the closest key or the expected type. batch_size='auto' sets batch_size_auto instead, leaving batch_size the
+number it was (with gradient_accumulation_steps, the sequences of an update, which train.py keeps).
 """
 
 import ast
@@ -18,6 +15,8 @@ import difflib
 import sys
 import traceback
 import types
+
+_HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # a config file's own names
 
 
 def _check(config, key, value, source):
@@ -50,8 +49,7 @@ def configure(config, args):
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1]
                 sys.exit(f"config file {arg}, line {line}: {type(e).__name__}: {e}")
             for key, value in scope.items():
-                helper = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)
-                own = key.startswith("_") or isinstance(value, helper)
+                own = key.startswith("_") or isinstance(value, _HELPERS)
                 if not own and (key not in before or value is not before[key]):
                     _set(config, key, value, arg)
         else:

@@ -1,18 +1,17 @@
 """
-The loss and perplexity of a model over every token of a dataset's validation split, scored once each in windows
-of block_size that overlap by --stride tokens (the overlap is context; only the tokens after it count), the way
-perplexity is measured for papers. Conversations (a dataset with masks) and a run trained on whole examples are
-scored as train.py evaluates them: each example on its own, over its trained targets, so that a run's val loss
-here is the one its log shows. Deterministic: two runs, or a run and transformers on the same tokens, compare.
+The loss and perplexity of a model over every token of a dataset's val split, each scored once, in windows of
+block_size overlapping by --stride tokens of context, as papers measure perplexity. Conversations (a dataset with
+masks) and a run trained on whole examples are scored as train.py evaluates them, each example on its own over
+its trained targets, so a run's val loss here is the one its log shows. Deterministic, to compare with transformers.
 
     python eval.py --out_dir=out-small                                   # a run's checkpoint, on its own data
     python eval.py --model=models/Qwen3-0.6B --data_dir=data/finetune --block_size=1024 --stride=512
 
 Its last line: `val loss L perplexity P over N tokens`.
 
-With --tasks, lm-evaluation-harness's tasks instead (pip install lm_eval), on the model in this process: its
-table, and its results as JSON in out_dir/eval_tasks.json (--output). Local task files (a YAML pointing at a
-jsonl) work offline with --include_path; the harness's own tasks need their data downloaded once.
+With --tasks, lm-evaluation-harness's tasks instead (pip install lm_eval): its table, and its results as JSON in
+out_dir/eval_tasks.json (--output). Local task files (--include_path) work offline; the harness's own tasks need
+their data downloaded once.
 
     python eval.py --out_dir=out-small --tasks=hellaswag,arc_easy --limit=500
     python eval.py --model=models/Qwen3-0.6B --tasks=my_task --include_path=tasks/ --num_fewshot=5
@@ -114,8 +113,8 @@ try:
 except ValueError as e:
     raise UserError(str(e)) from None
 by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")
-# a run's window is the block_size it trained at; a folder's, the data's longest example (its limit, 32K or 128K
-# tokens, would cost minutes and gigabytes on short examples), or for text at most TEXT_WINDOW
+# a folder's window is the data's longest example, not its limit (32K or 128K tokens would cost minutes and
+# gigabytes on short examples), or for text at most TEXT_WINDOW
 if args.block_size:
     block_size, window_from = args.block_size, "--block_size"
 elif not args.model:
@@ -143,7 +142,7 @@ model.eval().to(device)
 # -----------------------------------------------------------------------------
 # every window (or sequence of whole examples); the loss summed over the scored tokens
 
-windows = val.scored_count(stride)  # sequences of whole examples, or windows
+windows = val.scored_count(stride)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
 loss_sum, count = 0.0, 0
 for first in range(0, windows, args.batch_size):

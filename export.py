@@ -1,9 +1,8 @@
 """
-Export a training run as a Hugging Face folder that transformers, vLLM and llama.cpp's converter read:
-config.json, model.safetensors (shards past 5 GB) and the tokenizer (tokenizer.json and
-tokenizer_config.json), which encodes exactly as the data the model was trained on. A LoRA run is
-merged into its base (W + alpha/rank B A, in fp32, then cast), or written alone as a peft adapter. A --to
-that ends in .gguf writes one GGUF file for llama.cpp and Ollama instead (gguf_export.py; pip install gguf).
+Export a training run as a Hugging Face folder for transformers, vLLM and llama.cpp's converter: config.json,
+model.safetensors (shards past 5 GB) and a tokenizer that encodes exactly as the training data was. A LoRA run
+is merged into its base (in fp32, then cast), or written alone as a peft adapter. A --to ending in .gguf writes
+one GGUF file for llama.cpp and Ollama instead (pip install gguf).
 
     python export.py --out_dir=out-finetune --to=models/finetuned
     python export.py --out_dir=out-finetune --ckpt=ckpt_best.pt --to=models/finetuned --dtype=bfloat16
@@ -34,7 +33,7 @@ from lib.trained import load_run
 
 
 def write_model(model, tokenizer, checkpoint, folder, dtype):
-    # merged (a LoRA run's adapters folded into the base) and cast; returns a note on the tokenizer
+    # merged and cast; returns a note on the tokenizer
     base = checkpoint.get("pretrained") or ""
     merge_lora(model).to(getattr(torch, export_dtype(dtype, base)))
     ids = run_special_ids(tokenizer, base)
@@ -43,8 +42,8 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     for name, text in files.items():
         with open_own(os.path.join(folder, name), "w", encoding="utf-8") as f:
             f.write(text)
-    # A base's own settings go along where they still hold: its generation defaults, and, when the data
-    # was made with its very tokenizer, its tokenizer_config.json (chat template, special tokens).
+    # A base's own settings go along where they still hold: its generation defaults, and its tokenizer_config.json
+    # (chat template, special tokens) when the data was made with its very tokenizer.
     names, jinja = ["generation_config.json"], None
     if bases_tokenizer(tokenizer, base):
         names += ["tokenizer_config.json", "special_tokens_map.json"]
@@ -55,8 +54,7 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         write_json(os.path.join(folder, "generation_config.json"), ids)
     if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
-        # prepare.py began a document with its tokenizer.json's BOS, or nothing, and ended it with its own
-        # end-of-text, whatever a base's tokenizer_config.json says: a prompt must be encoded as the data was.
+        # a prompt is encoded as prepare.py encoded the data (its BOS, if any, no EOS), whatever the base says
         config = read_json(os.path.join(folder, "tokenizer_config.json"))
         config.update({"chat_template": jinja} if jinja else {})
         write_json(os.path.join(folder, "tokenizer_config.json"),
@@ -77,7 +75,6 @@ def base_file(base, name, what, limit=1 << 20):
 
 
 def carry(base, name, folder):
-    # a base folder's file (base_file), copied byte for byte if it is the JSON object its name says
     path, data = base_file(base, name, "the JSON file its name says")
     try:
         if not isinstance(json.loads(data), dict):
@@ -102,8 +99,8 @@ def base_jinja(base):
 
 
 def run_special_ids(tokenizer, base):
-    """config.json's special token ids: a base's own for a model that began from one; else the BOS prepare.py
-    put before each document (none but a tokenizer.json's), and end-of-text to end and pad."""
+    """config.json's special token ids: a base's own; else the BOS prepare.py put before each document, if any,
+    and end-of-text to end and pad."""
     if base:
         return special_ids(base)
     if tokenizer.eot_id is None:  # nanoGPT's characters have no end-of-text
@@ -118,7 +115,6 @@ def write_json(path, content):
 
 
 def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
-    # the same model as write_model's folder, as one GGUF file, in the same dtype
     from lib.gguf_export import write_gguf
     merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
     base = checkpoint.get("pretrained") or ""
@@ -134,9 +130,8 @@ def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
 
 
 def write_chat(folder, chat, eot_id):
-    # A model trained on conversations: tokenizer_config.json gets the template it was trained with, whose
-    # markers are special tokens (not split into text), and generation stops at the end of its turn, as in
-    # sample.py --chat, in transformers' generate and in vLLM (generation_config.json's eos_token_id)
+    # A model trained on conversations: tokenizer_config.json gets its template, whose markers are special tokens,
+    # and generation stops at the end of its turn (generation_config.json's eos_token_id), as in sample.py --chat
     config = read_json(os.path.join(folder, "tokenizer_config.json"))
     config.update(chat_template=chat["template"], split_special_tokens=False)
     for name in ("bos_token", "eos_token"):  # the tokens the template was rendered with, which it names
@@ -168,7 +163,6 @@ EXPORTED = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|spe
 
 
 def check_parent(to):
-    # --to's folder must be there, a folder: a missing one, or a file in the path, is said before anything is read
     parent = os.path.dirname(os.path.abspath(to))
     if not os.path.isdir(parent):
         why = "is not a folder" if os.path.exists(parent) else "does not exist"
@@ -194,7 +188,7 @@ def check_destination(args):
 
 
 def written_nothing(to, error):
-    # the one line for an export the disk refused (ENOSPC, EDQUOT, EACCES, ...): what, why, and that nothing is left
+    # the one line for an export the disk refused (ENOSPC, EDQUOT, EACCES, ...)
     return (f"cannot write --to={to} ({error.strerror or error}); nothing was left there: make room, or choose "
             f"another --to")
 
@@ -216,10 +210,10 @@ def main(argv=None):
     if args.to.endswith(".gguf"):
         return export_gguf(args)
     check_destination(args)
-    # Everything is written beside the destination first and renamed into place at the end, so that a
-    # failure leaves no half-written folder and an --overwrite loses nothing until the new one is whole.
+    # Written beside the destination, then renamed into place: a failure leaves no half-written folder, and an
+    # --overwrite loses nothing until the new one is whole.
     to = os.path.abspath(args.to)  # "." too: its temporary folders go beside it, not inside
-    staging, old = to + ".export-tmp", to + ".export-old"  # (old: the folder replaced, until the new one is in)
+    staging, old = to + ".export-tmp", to + ".export-old"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         # a LoRA run's base in fp32, so that the adapters merge into it in fp32 before the cast
@@ -261,8 +255,7 @@ def export_gguf(args):
     check_parent(args.to)
     staging = args.to + ".export-tmp"
     try:
-        checkpoint_path = os.path.join(args.out_dir, args.ckpt)
-        model, tokenizer, checkpoint = load_run(checkpoint_path, torch.float32, args.data_dir)
+        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
         write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)
         durable_replace(staging, args.to)
     except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same

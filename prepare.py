@@ -43,10 +43,9 @@ SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", 
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
 def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes, min_length, starts):
-    """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text, whether each was
-    dropped): the tokenizer's BOS (if any) before a document's first piece (starts), end-of-text after its last;
-    a whole document (wholes) of fewer than min_length tokens dropped. A conversation (Chat) has masks: 1 for a
-    trained token, 0 for the end-of-text after it, which is never trained (train.py cuts there)."""
+    """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text, dropped per text):
+    the BOS (if any) before a document's first piece (starts), end-of-text after its last; a whole document (wholes)
+    under min_length tokens dropped. A Chat's mask: 1 per trained token, 0 for its end-of-text (train.py cuts there)."""
     masks = None
     if texts and isinstance(texts[0], Chat):
         pairs = [tokenizer.encode_chat(chat.text, chat.spans) for chat in texts]
@@ -66,17 +65,12 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes, min_length, star
             [len(t.encode("utf-8")) for t in texts], dropped)
 
 
-def document_pieces(docs, in_one_piece, stats):
-    # (text, is_last, is_val, ext, whole, is_first) for each piece of docs; whole: the document's only piece
-    for is_val, ext, doc, start, stop in docs:
-        for i, (text, end) in enumerate(pieces(doc, start, stop, in_one_piece, stats)):
-            yield text, end, is_val, ext, i == 0 and end, i == 0
-
-
 def encoded(docs, tokenizer, dtype, num_workers, in_one_piece, min_length, stats):
     """docs: (is_val, ext, doc, start, stop) -> yields ([(is_val, is_last, ext)], encode_batch's result) per
     batch, one entry per piece. Batches don't depend on num_workers, so neither do the outputs."""
-    items = document_pieces(docs, in_one_piece, stats)
+    # (text, is_last, is_val, ext, whole: the document's only piece, is_first) per piece
+    items = ((text, end, is_val, ext, i == 0 and end, i == 0) for is_val, ext, doc, start, stop in docs
+             for i, (text, end) in enumerate(pieces(doc, start, stop, in_one_piece, stats)))
     with ThreadPoolExecutor(num_workers) as pool:
         pending = deque()  # at most 2 batches per worker in flight, so that memory stays bounded
         batch, size = [], 0
@@ -110,9 +104,8 @@ def prepare(args):
     args.chat = chat_maker(args, None)
     tokenizer = make_tokenizer(args.tokenizer, texts)
     args.chat = chat_maker(args, tokenizer)
-    # a tokenizer.json, a tiktoken encoding or a dataset's tokenizer is loaded, not learned: no time to report
     learned = args.tokenizer == "char" or args.tokenizer.startswith(("bpe:", "wordpiece:"))
-    seconds = {"learn": time.time() - learning if learned else 0.0}
+    seconds = {"learn": time.time() - learning if learned else 0.0}  # one loaded, not learned: no time to report
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
 
     stats = new_stats()
@@ -120,8 +113,7 @@ def prepare(args):
     docs, split_method, single_ext = plan_split(args, inputs, docs, stats)
     with nullcontext({}) if args.analyze else temporary_outputs(out) as files:  # --analyze writes nothing
         encoding = time.time()
-        splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads,
-                                                   args.min_length)
+        splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, args.min_length)
         seconds["encode"] = max(time.time() - encoding, 1e-6)
         if single_ext is not None:  # the head and tail of one document were counted as two
             ext_stats(stats, single_ext)["documents"] -= 1
@@ -256,9 +248,8 @@ def plan_split(args, inputs, docs, stats):
 
 @contextmanager
 def temporary_outputs(out):
-    """The token and mask files under .tmp names, opened empty (what a killed run left there is truncated), in
-    out locked for this run alone (files.py: a second prepare.py into it is refused). After the run, finished or
-    stopped, no .tmp file stays, nor a folder it made and left empty."""
+    """The token and mask files under .tmp names, opened empty, in out locked for this run alone (files.py: a
+    second prepare.py is refused). After it, finished or stopped, no .tmp file stays, nor an empty folder it made."""
     created = not out.exists()
     held = lock_folder(out, "prepare.py")
     names = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin")
@@ -323,10 +314,9 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
 
 
 def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length):
-    """-> (ids, dropped) without a document of several pieces that ends in this batch shorter than min_length
-    tokens (encode_batch drops those of one piece), its last piece marked dropped. Documents come one after
-    another, so its pieces from earlier batches are at the end of its split's file: they are cut off there.
-    doc: {"pieces", "tokens", "begin" (in this batch's ids, or None), "file_start"} of the one under way."""
+    """-> (ids, dropped) without a document of several pieces (encode_batch drops those of one) ending in this
+    batch under min_length tokens: its last piece marked dropped, its pieces of earlier batches cut off the end of
+    its split's file. doc: the one under way, {"pieces", "tokens", "begin" (in this batch, or None), "file_start"}."""
     if not min_length:
         return ids, dropped
     keep, at, dropped = [np.ones(len(a), bool) for a in ids], [0, 0], list(dropped)
@@ -357,8 +347,7 @@ def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length):
 
 
 def balance_splits(splits, last, files, itemsize, masked):
-    """Each split gets at least one document: an empty one takes the other's last, moved from file to file
-    (with its mask, where there are masks)."""
+    """Each split gets at least one document: an empty one takes the other's last, with its mask if any."""
     for empty, full in (("val", "train"), ("train", "val")):
         if splits[empty]["documents"] == 0 and splits[full]["documents"] >= 2:
             ntokens, nbytes = last[full]
@@ -376,9 +365,8 @@ def balance_splits(splits, last, files, itemsize, masked):
 
 
 def move_into_place(out, files, tokenizer, meta):
-    """Rename the .tmp outputs into place, meta.json last. The old dataset stays whole until the marker is
-    made; from then until it is removed, killed or not, the folder says it is incomplete (train.py refuses
-    it, and a rerun replaces it)."""
+    """Rename the .tmp outputs into place, meta.json last. The old dataset stays whole until the marker is made;
+    until it is removed, killed or not, the folder says it is incomplete (train.py refuses it, a rerun replaces it)."""
     meta["tokenizer"], tokenizer_file = tokenizer.save(out)
     with open_own(out / "meta.json.tmp", "w", encoding="utf-8") as f:
         f.write(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
@@ -458,8 +446,7 @@ def report_skips(report):
 
 
 def report_analyze(meta):
-    ndocs = meta["train"]["documents"] + meta["val"]["documents"]
-    nbytes, ntokens = (meta["train"][key] + meta["val"][key] for key in ("bytes", "tokens"))
+    ndocs, nbytes, ntokens = (meta["train"][key] + meta["val"][key] for key in ("documents", "bytes", "tokens"))
     print(f"analyze (nothing written): {meta['files_read']} files, {ndocs:,} documents, {human(nbytes, 'B')}, "
           f"{ntokens:,} tokens with {meta['tokenizer']['name']} (counting one end-of-text per document)")
     print(f"{'extension':>12} {'files':>8} {'documents':>10} {'bytes':>9} {'tokens':>12}")
@@ -484,8 +471,7 @@ def main(argv=None):
     arg("--out_dir", help="where the dataset goes (default for the stdlib corpus: data/stdlib)")
     arg("--tokenizer", default="gpt2", help="gpt2 | cl100k_base | o200k_base | ... | char | bpe:N | wordpiece:N "
                                             "| path to tokenizer.json | a prepared dataset folder")
-    arg("--val_fraction", type=float, default=0.1,
-        help="share of documents for validation (one document: its tail)")
+    arg("--val_fraction", type=float, default=0.1, help="share of documents for validation (one document: its tail)")
     arg("--val_input", nargs="+", help="take validation documents from these files or folders instead")
     arg("--hf_config", help="hf:NAME: the dataset's configuration (e.g. wikitext-103-raw-v1)")
     arg("--field", help="the JSON field or parquet column holding the text (default: text, content or body)")
@@ -515,8 +501,7 @@ def main(argv=None):
 
 
 def stopped(signum, frame):
-    # SIGTERM (a scheduler's, a kill): raised here as an exception, so that temporary_outputs removes its .tmp files
-    # and the lock as it does for any other stop, where the signal's default would end the process at once
+    # SIGTERM (a scheduler's, a kill) as an exception, so that temporary_outputs removes its .tmp files and the lock
     raise SystemExit("prepare.py: stopped by SIGTERM; no dataset was written, and its temporary files are removed")
 
 

@@ -24,8 +24,7 @@ from lib.errors import UserError
 
 Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
 ROLES = ("system", "user", "assistant", "tool")
-# A template is code from the internet: one rendering may take so many loop steps and calls, and write so many
-# characters, far past what any conversation needs, and is refused past either instead of running on.
+# A rendering is refused past so many loop steps and calls, or characters written: far past any conversation's needs.
 MAX_STEPS = 1_000_000
 MAX_OUTPUT = 1 << 24
 TRAIN_ON = ("assistant", "completion", "all")
@@ -79,8 +78,7 @@ def compile_template(source):
         raise TemplateError(message)
 
     def tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
-        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[loopcontrols, generation_tags()])
@@ -112,9 +110,8 @@ def compile_template(source):
 
 def budget(env):
     # Counts what a rendering does in env, raising TemplateError past MAX_STEPS: each loop step (loops take their
-    # items through env.counted) and each call (as ten). A * or + may not make a value past MAX_OUTPUT, nor a **
-    # raise to a power past 64, and env.bounded refuses such a value where ~ joins. Returns the count, for
-    # render to set to 0.
+    # items through env.counted) and each call (as ten). A * or + may not make a value past MAX_OUTPUT, nor a ** raise
+    # to a power past 64, and env.bounded refuses such a value where ~ joins. -> the count, for render to reset.
     from jinja2.exceptions import TemplateError
     steps, sandbox_call, sandbox_binop = [0], env.call, env.call_binop
 
@@ -247,8 +244,7 @@ class ChatFormat:
                              f"a model could not learn where to stop: use a template that does (--chat_template)")
 
     @classmethod
-    def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None,
-                      text_bos=""):
+    def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None, text_bos=""):
         source, origin, tokens = find_template(folder, template_file)
         return cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on,
                    tokens.get("bos_token"), eot_text, text_bos)
@@ -331,8 +327,7 @@ class ChatFormat:
         # (start, end) of assistant message i's turn in text, the first after at. It begins where the conversation
         # before it, with the generation prompt, ends; or, where a template writes that otherwise when it ends the
         # conversation (Mistral's moves the system prompt to the last user turn), where a stand-in for the reply
-        # stands. The reply is then found backwards from the token that closes the turn (a think block before it
-        # may hold the same words), and the turn ends with that token.
+        # stands. The reply is found backwards from the token closing the turn (a think block may hold its words).
         before = self.render(messages[:i], add_generation_prompt=True)
         if text.startswith(before):
             begin = len(before)

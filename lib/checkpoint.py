@@ -1,17 +1,13 @@
 """
-Checkpoints: every read and write of a run's state. An out_dir holds one layout, the one its run began with:
-files (out_dir/ckpt.pt, written by the master, gathered from any shards) or, begun under FSDP or tensor
-parallel, sharded folders (out_dir/ckpt/, torch.distributed.checkpoint's: each process writes its own shards,
-nothing is gathered whole, then the master's state.pt holds everything else ckpt.pt holds). Both load into
-any other layout, by parameter name. ckpt_best and ckpt_NNNNNNN follow the same layout.
+Checkpoints: every read and write of a run's state. An out_dir keeps the layout its run began with: files
+(ckpt.pt, the master's, gathered from any shards) or, begun under FSDP or tensor parallel, sharded folders (ckpt/,
+torch.distributed.checkpoint's: each process writes its own shards; the master's state.pt holds all else).
+Either loads into any layout, by parameter name; ckpt_best and ckpt_NNNNNNN follow the same layout.
 
-Nothing is ever half written: a file is written under a temporary name, flushed and renamed; a folder
-counts as a checkpoint only with its state.pt, written after every shard and deleted before any, and it
-takes its name by two renames (the old one steps aside as NAME.old first, see publish). Reading runs no
-code: only tensors and plain values are unpickled, and a folder's .metadata only as DCP's own types
-(dcp_metadata.py).
+Nothing is ever half written: a file is written under a temporary name, flushed and renamed; a folder counts
+only with its state.pt, written after every shard and deleted before any (publish). Reading runs no code: only
+tensors and plain values are unpickled, and a folder's .metadata only as DCP's own types (dcp_metadata.py).
 
-    from lib.checkpoint import load_checkpoint
     checkpoint = load_checkpoint("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt (its state.pt)
 """
 
@@ -37,14 +33,12 @@ from model import GPT, GPTConfig
 
 
 def dcp():
-    # torch.distributed.checkpoint, imported where a sharded checkpoint is read or written: with the layouts it
-    # brings, ~1.3 s at a start that a run of files never needs
+    # imported only where shards are read or written: ~1.3 s at a start that a run of files never needs
     import torch.distributed.checkpoint
     return torch.distributed.checkpoint
 
 
-# The training loop's own state as a run begins: the step, the best val loss, the evaluations since it improved,
-# the updates skipped in a row, and whether the step's evaluation is done (a save on a signal may lack it)
+# the loop's state as a run begins (evaluated: the step's evaluation is done; a save on a signal may lack it)
 LOOP = {"iter_num": 0, "best_val_loss": float("inf"), "evals_without_gain": 0, "skipped_in_a_row": 0,
         "evaluated": False}
 NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", "rng", *LOOP}  # what one holds
@@ -54,12 +48,9 @@ FORMAT = 2  # what its values mean; a resume takes this format alone (an older o
 
 
 def find_checkpoint(path):
-    """The checkpoint of a name, as train.py writes them: 'out/ckpt.pt' (or 'out/ckpt') -> out/ckpt.pt (a file),
-    out/ckpt/ (a sharded folder: FSDP and tensor parallel write torch.distributed.checkpoint's) or out/ckpt.old/
-    (the previous folder, where a save was killed between its two renames). None if there is none. A folder
-    counts only with its state.pt. Only what this project's own saves leave is taken, whatever step a folder
-    claims: an out_dir holds one layout, so a ckpt.pt wins over any folder, and ckpt.old/ counts only without a
-    ckpt/ (publish renames ckpt/ aside before the new one takes its name, and removes ckpt.old/ after)."""
+    """The checkpoint train.py wrote under a name ('out/ckpt.pt' or 'out/ckpt'), or None: out/ckpt.pt, else the
+    sharded folder out/ckpt/, else out/ckpt.old/ (a save killed between publish's two renames); a folder counts
+    only with its state.pt. An out_dir holds one layout: ckpt.pt wins over any folder, whatever step it claims."""
     if os.path.isfile(path) and not path.endswith(".pt"):
         return path  # a file named otherwise: the caller's own
     stem = path.removesuffix(".pt").rstrip("/")
@@ -69,28 +60,24 @@ def find_checkpoint(path):
 
 
 def latest(out_dir, sharded=False):
-    """(path, step) of out_dir's latest checkpoint, ckpt.pt or the sharded ckpt/ (sharded: that one first), or
-    None where there is none."""
+    """(path, step) of out_dir's latest checkpoint (sharded: the folder ckpt/ first), or None."""
     found = find_checkpoint(os.path.join(out_dir, "ckpt" + ("" if sharded else ".pt")))
     return (found, load_checkpoint(found, mmap=True, weights=False, verify=False)["iter_num"]) if found else None
 
 
 def last_good(out_dir):
-    # which checkpoint a failed run leaves as its last good state, for its one line
     good = latest(out_dir)
     return f"{good[0]}, from step {good[1]}, is the last good state" if good else "no checkpoint was saved before it"
 
 
 def diverged(out_dir, skipped):
-    """The UserError that stops a run after skipped updates in a row with a non-finite loss or gradient (or whose
-    last update was skipped: the weights it ends with gave it, and are not saved)."""
+    """The UserError that stops a run whose last `skipped` updates had a non-finite loss or gradient."""
     return UserError(f"{skipped} update{'s' if skipped > 1 else ''} in a row had a non-finite loss or gradient; "
                      f"stopped, and {last_good(out_dir)} (lower learning_rate, or check the data)")
 
 
 def check_finite(model, out_dir, step):
-    """UserError in every process, before anything is written, where a trained weight of model holds a NaN or an
-    infinite value in any process's part: such weights are never saved (a frozen base cannot change)."""
+    """UserError in every process, before any write, where a trained weight (in any process's part) is not finite."""
     trained = [p.to_local() if is_dtensor(p) else p for p in model.parameters() if p.requires_grad]
     finite = torch.stack([torch.isfinite(p).all() for p in trained]).all().float().view(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -101,8 +88,7 @@ def check_finite(model, out_dir, step):
 
 
 def read_sharded(folder, device="cpu"):
-    """The model's weights of a sharded checkpoint, whole, in one process (no process group needed):
-    {name: tensor}, as a file checkpoint's "model" holds them."""
+    """A sharded checkpoint's weights, whole, in one process (no group needed), as a file's "model" holds them."""
     try:
         from lib.dcp_metadata import CheckedReader
         reader = CheckedReader(folder)  # UserError for metadata that is not DCP's own
@@ -123,11 +109,9 @@ def first_line(error):
 
 
 def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
-    # weights_only: a checkpoint is tensors and plain values; anything else is refused, and no code
-    # in it runs. mmap: tensors are read from the file as they are used (a reader that needs only
-    # the weights never reads the optimizer's moments). A damaged or foreign file is a UserError.
-    # verify: every byte checked against the checksums written with it first (check_crcs).
-    # A sharded folder: its state.pt, and (weights) the model's weights read whole from its shards.
+    # weights_only: tensors and plain values alone, and no code in it runs; mmap: tensors are read as they are
+    # used (the weights alone never read the optimizer's moments); verify: check_crcs first. A damaged or foreign
+    # file is a UserError. A sharded folder: its state.pt, and (weights) the weights read whole from its shards.
     if os.path.isdir(path):
         checkpoint = load_checkpoint(os.path.join(path, "state.pt"), device, mmap, verify=verify)
         if weights:
@@ -143,8 +127,7 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
             except RuntimeError:
                 if not mmap:
                     raise
-                # a file not in torch.save's zip format cannot be mapped: read it whole instead (the
-                # weights_only refusal of anything foreign happens there)
+                # a file not in torch.save's zip format cannot be mapped: read whole (weights_only refuses it there)
                 return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError:
         raise UserError(f"{path} holds objects other than tensors and plain values; refusing to load it "
@@ -155,10 +138,8 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
 
 
 def check_crcs(path):
-    """UserError in one line where a byte of the checkpoint file at path differs from what was saved: torch.save
-    writes a zip whose every part carries a CRC-32 of its bytes, which torch.load never checks, so a flipped bit
-    in a tensor would be resumed, sampled and exported without a word. Reads the file once (about a second a GB
-    from the page cache); a file that is not a zip is left to torch.load to name."""
+    """UserError where a byte of the file differs from what was saved: torch.save's zip holds CRC-32s that torch.load
+    never checks (about a second a GB from the page cache); a file that is not a zip is left to torch.load to name."""
     check_regular(path, "use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")  # a FIFO never ends
     try:
         with zipfile.ZipFile(path) as archive:
@@ -171,8 +152,7 @@ def check_crcs(path):
 
 
 def check_not_nanogpts(checkpoint, path):
-    """UserError in one line for nanoGPT's own ckpt.pt (its model_args name bias; its weights transformer.h.N):
-    GPT-2 blocks, which this model.py cannot hold."""
+    """UserError in one line for nanoGPT's own ckpt.pt (model_args name bias; weights transformer.h.N)."""
     args, weights = checkpoint.get("model_args"), checkpoint.get("model")
     names = [str(name).removeprefix("_orig_mod.") for name in weights] if isinstance(weights, dict) else []
     if isinstance(args, dict) and "bias" in args or any(name.startswith("transformer.h.") for name in names):
@@ -182,10 +162,8 @@ def check_not_nanogpts(checkpoint, path):
 
 
 def check_values(checkpoint, path):
-    """UserError in one line naming the value, where what a resume, sample.py, eval.py or export.py reads from a
-    checkpoint beside the weights is not of the kind train.py saves (a damaged or hand-edited file): checked here,
-    once, before anything uses it. model_args are checked against the weights (meta_model), the optimizer's
-    moments against the model's shapes where they are loaded (check_moments)."""
+    """UserError in one line naming a value beside the weights not of the kind train.py saves (a damaged or
+    hand-edited file); model_args and moments are checked against the weights later (meta_model, check_moments)."""
     def count(value):
         return type(value) is int and value >= 0
 
@@ -217,9 +195,8 @@ def check_values(checkpoint, path):
 
 
 def check_moments(state, params, path):
-    """UserError in one line where an optimizer's saved state (its state_dict: moments by parameter index) holds a
-    tensor of another shape than the parameter it belongs to (a scalar, as Adam's step, belongs to none): loaded,
-    it would fail inside the optimizer's first step, or worse."""
+    """UserError in one line where a saved moment has another shape than its parameter (a scalar, as Adam's step,
+    belongs to none): loaded, it would fail inside the optimizer's first step, or worse."""
     for index, moments in state["state"].items():
         param = params[index] if type(index) is int and 0 <= index < len(params) else None
         # (an index that names no parameter, or moments that are no dict, are refused as a state that does not fit)
@@ -237,9 +214,8 @@ def layer_count(names, prefix):
 
 
 def check_shapes(model, shapes, names, where, fix):
-    """UserError in one line at the first tensor of shapes ({its name: shape}, read from a file's headers or
-    its tensors) whose shape differs from the parameter that names ({its name: our parameter's}) maps it to, in
-    model (built on the meta device, so that a lie costs no memory)."""
+    """UserError in one line at the first of shapes ({name: shape}) that differs from model's parameter names maps
+    it to ({theirs: ours}); model is built on the meta device, so that a lie costs no memory."""
     params = dict(model.named_parameters())
     for theirs, ours in names.items():
         if theirs in shapes and ours in params and tuple(shapes[theirs]) != tuple(params[ours].shape):
@@ -248,9 +224,8 @@ def check_shapes(model, shapes, names, where, fix):
 
 
 def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
-    """A train.py checkpoint (as load_checkpoint returns it) -> GPT with its weights; overrides as in
-    hf.load_pretrained. A LoRA run's checkpoint holds only the adapters: they go onto its base folder
-    again, read in base_dtype, which must be the very model the run began from."""
+    """A train.py checkpoint (load_checkpoint's) -> GPT with its weights; overrides as in hf.load_pretrained. A LoRA
+    run's holds only the adapters: they go onto its unchanged base folder again, read in base_dtype."""
     if not isinstance(checkpoint["model_args"], dict) or not isinstance(checkpoint.get("model", {}), dict):
         raise UserError("the checkpoint's model_args or model is not a dict: use another checkpoint")
     args = {**checkpoint["model_args"], **overrides}
@@ -281,8 +256,8 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
 
 
 def meta_model(args, weights):
-    # GPT of model_args on the meta device (the checkpoint's tensors become its weights: no second copy), once
-    # its sizes are whole numbers and the tensors' own shapes (a sharded checkpoint's come later, in restore)
+    # GPT of args on the meta device (the tensors become its weights: no second copy), once its sizes, the
+    # tensors' shapes (a sharded checkpoint's come later, in restore) and values check
     fix = "use another checkpoint"
     check_sizes(args, "the checkpoint's model_args", fix)
     if weights and layer_count(weights, "blocks.") != args["n_layer"]:
@@ -318,9 +293,8 @@ FICLONE = 0x40049409  # Linux's ioctl that makes a file share another's blocks u
 
 
 def copy_file(src, dst):
-    # dst a file of its own with src's bytes, so that writing into one (cp over it, torch.save over it) changes
-    # that one alone, as a hard link would not: a copy-on-write clone where the file system makes them (btrfs,
-    # XFS: nothing copied), else the bytes copied; on the disk before it takes its name
+    # dst a file of its own with src's bytes (unlike a hard link, writing one leaves the other): a copy-on-write
+    # clone where the file system makes them (btrfs, XFS: nothing copied), else the bytes copied; fsynced
     with open(src, "rb") as source, open_own(dst, "wb") as target:
         try:
             fcntl.ioctl(target.fileno(), FICLONE, source.fileno())
@@ -341,9 +315,8 @@ def retire(path):
 
 
 def publish(tmp, dst):
-    # the finished folder tmp takes the name dst. A folder cannot replace another in one rename: the old one
-    # steps aside as dst.old first. A kill between the two renames leaves it there, whole, and
-    # find_checkpoint takes it; the next save removes it.
+    # the finished folder tmp takes the name dst. A folder cannot replace another in one rename: the old one steps
+    # aside as dst.old first, whole where a kill comes between (find_checkpoint takes it; the next save removes it)
     old = dst + ".old"
     if os.path.isdir(dst):
         retire(old)
@@ -367,15 +340,13 @@ def copy_checkpoint(src, dst):
 
 
 def trained_only(model, state):
-    # a state dict's entries for the parameters that train: under LoRA the adapters alone, the frozen
-    # base being its folder's (known again by its fingerprint)
+    # a state dict's entries for the parameters that train (under LoRA the adapters: the base is its folder's)
     trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
     return {n: t for n, t in state.items() if n in trained}
 
 
 def sharded_state(model, optimizers, lora):
-    # What a sharded checkpoint holds, each process its own shards of it: the weights (a LoRA run's adapters
-    # alone) and the optimizers' tensors, by parameter name, so that they load into any other layout
+    # this process's shards of the weights (LoRA: the adapters) and optimizers' tensors, by name: any layout loads them
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model_state, optim_state = get_state_dict(model, optimizers)
     return trained_only(model, model_state) if lora else model_state, optim_state
@@ -388,9 +359,8 @@ def parameter_names(model, optimizer):
 
 
 def whole_state(model, optimizers):
-    """The model's weights and the first optimizer's state as one process holds them (torch's own
-    state_dict layout, parameters by their index), gathered from the shards of FSDP or tensor parallel onto
-    the master's CPU (every process must call it then; the others get nothing)."""
+    """The weights and the first optimizer's state in torch's own layout (parameters by index), gathered from any
+    FSDP or tensor parallel shards onto the master's CPU (every process must call it then; the others get nothing)."""
     if not any(is_dtensor(p) for p in model.parameters()):
         return model.state_dict(), optimizers[0].state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -404,14 +374,10 @@ def whole_state(model, optimizers):
 
 
 def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_last_n=0, finished_epoch=None):
-    """Write the run's checkpoint: state (plain values: step, config, random states, ...) and the model's
-    and optimizers' tensors; also as ckpt_best when improved, as ckpt_NNNNNNN keeping the last keep_last_n of
-    those, and as ckpt_epoch_N at the end of epoch N (finished_epoch). Every process calls it. An out_dir holds
-    one layout, the one it began with, whatever the layout of the run that continues it: sharded folders (ckpt/,
-    each process writing its own part) or files (ckpt.pt, the master's, gathered from any shards).
-    A save that cannot be written (a full disk, a quota, permissions, a vanished mount) removes what it began
-    and raises UserError in one line: what, why, and which checkpoint is intact; in every process, or the
-    others would wait for this one at the next step. Weights that hold a NaN are refused first (check_finite)."""
+    """Write the run's checkpoint (every process calls it) in out_dir's layout: state (plain values) and the model's
+    and optimizers' tensors; also as ckpt_best when improved, ckpt_NNNNNNN keeping the last keep_last_n, and
+    ckpt_epoch_N at the end of epoch N. A save that cannot be written removes what it began and raises UserError in
+    one line (what, why, which checkpoint is intact) in every process, or the others would wait for this one."""
     check_finite(model, out_dir, state["iter_num"])
     failed = None
     try:
@@ -441,8 +407,7 @@ def nested_bytes(tree):
 
 
 def failed_save(out_dir, step, sharded, error, needed):
-    # the one line for a save that failed, once what it began is removed (the master's part; the others' shards
-    # are in the same folders)
+    # the one line for a failed save, once the master removed what it began (the others' shards are in its folders)
     if not dist.is_initialized() or dist.get_rank() == 0:
         for name in os.listdir(out_dir) if os.path.isdir(out_dir) else ():
             if re.fullmatch(r"ckpt.*\.tmp", name):
@@ -461,13 +426,10 @@ def failed_save(out_dir, step, sharded, error, needed):
 
 
 def check_room(out_dir, model, optimizer, lora):
-    """Before the first step: UserError in one line when out_dir cannot be written or has no room for one
-    checkpoint (the weights, a LoRA run's adapters alone, and the state of the optimizer, named as in
-    train.py); a warning (returned, else None) when it has none for two (a save writes the new one beside the
-    last)."""
+    """Before the first step: UserError in one line where out_dir cannot be written or hold one checkpoint; a warning
+    (returned, else None) where it cannot hold two (a save writes the new one beside the last)."""
     saved = [(name, p) for name, p in model.named_parameters() if p.requires_grad or not lora]
-    weights, _, optimizer_state = state_bytes(saved, traced_optimizer(model, optimizer), 1, 1, False, None,
-                                              False)
+    weights, _, optimizer_state = state_bytes(saved, traced_optimizer(model, optimizer), 1, 1, False, None, False)
     size = weights + optimizer_state
     probe = os.path.join(out_dir, f".write-test-{os.getpid()}.tmp")  # a name no other process writes
     try:
@@ -513,8 +475,7 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
         tmp = latest + ".tmp"
         if dist.is_initialized():
             dist.barrier()
-        # The optimizer's settings (plain values) go into state.pt, which is read without unpickling
-        # anything else. dcp.save returns on the master once every process has written its part.
+        # the optimizers' settings (plain values) go into state.pt; dcp.save returns on the master once all wrote theirs
         model_state, optim_state = sharded_state(model, optimizers, lora)
         with warnings.catch_warnings():  # without a process group it warns that it writes in one process
             warnings.simplefilter("ignore")
@@ -551,9 +512,8 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
 
 
 def restore(path, checkpoint, model, optimizers, sharded, lora):
-    """Load what the model built from checkpoint (model_from_checkpoint, or a fresh model for a sharded one)
-    still lacks: a sharded checkpoint's weights, resharded to this layout, and every optimizer's state,
-    whichever layout saved it. UserError in one line for a damaged checkpoint."""
+    """Load what the model built from checkpoint still lacks: a sharded checkpoint's weights, resharded to this
+    layout, and every optimizer's state, whichever layout saved it. UserError in one line for a damaged one."""
     if os.path.isdir(path) or sharded:  # torch's layouts, imported where shards are (dcp())
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     if os.path.isdir(path):  # each process reads what its shards need, resharded from however they were saved

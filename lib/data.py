@@ -1,15 +1,9 @@
 """
 What train.py trains and evaluates on, read from prepare.py's token files (and masks, for conversations): windows
 of the token stream (pretraining), each token once an epoch or at random places with replacement (as nanoGPT); or
-whole examples packed best-fit into sequences (fine-tuning), each once an epoch. An epoch's order is drawn from
-the seed; a batch is a pure function of the seed and its number, so a resumed run sees the same batches.
-
-    from lib.data import Split
-    train = Split("data/chat", "train", meta, 1024, seed=1337, examples=True, vocab_size=meta["vocab_size"])
-    x, y, doc_ids = train.packed(range(0, 8))   # sequences 0-7 of the run: (8, 1024) inputs, targets, documents
-
-A target is -1 where nothing is learned: a masked-out token (a user's turn), padding, or the first token of the
-next packed example, which nothing before it can predict.
+whole examples packed best-fit into sequences (fine-tuning), each once an epoch. A batch is a pure function of the
+seed and its number, so a resumed run sees the same batches. A target is -1 where nothing is learned: a masked-out
+token (a user's turn), padding, or an example's first token, which nothing before it predicts.
 """
 
 import bisect
@@ -56,9 +50,8 @@ class Split:
     def __init__(self, data_dir, split, meta, block_size, seed, examples, vocab_size):
         self.path = os.path.join(data_dir, f"{split}.bin")
         self.mask_path = os.path.join(data_dir, f"{split}.mask.bin") if meta.get("masks") else None
-        self.dtype, self.eot_id = np.dtype(meta["dtype"]), meta.get("eot_id")
+        self.dtype, self.eot_id, self.examples = np.dtype(meta["dtype"]), meta.get("eot_id"), examples
         self.block_size, self.seed, self.is_val, self.vocab_size = block_size, seed, split == "val", vocab_size
-        self.examples = examples
         self.epochs = {}  # epoch -> its sequences, each a list of example numbers (the first, the last two met)
         self.firsts = [0]  # the number of each epoch's first sequence, as far as epochs have been packed
         if examples:
@@ -80,24 +73,21 @@ class Split:
         return self.rows(starts.astype(np.int64), np.zeros(batch_size, dtype=np.int64), doc_mask)
 
     def shuffled(self, numbers, doc_mask, limit=None):
-        """Windows numbers of the run drawn without replacement (sequences='windows'), epoch after epoch (epoch())
-        -> (x, y, doc_ids or None). Numbers from limit on are padding, as are the tokens a window reaches before
-        the split's start or past its end."""
+        """Windows numbers of the run, every token once an epoch (sequences='windows') -> (x, y, doc_ids or None);
+        numbers from limit on are padding, as are the tokens a window reaches outside the split."""
         end = len(self.tokens())
         starts = np.array([self.sequence(n) if limit is None or n < limit else end for n in numbers], dtype=np.int64)
         return self.rows(starts, np.zeros(len(numbers), dtype=np.int64), doc_mask)
 
     def whole(self, numbers, overlap, doc_mask):
-        """Windows numbers of the split scored whole: each after the first begins block_size - overlap tokens
-        after the one before, so that every token is a target once, in the first window that holds it past its
-        first overlap tokens (the context) -> (x, y, doc_ids or None). Windows past the end are padding."""
+        """Windows numbers of the split, each block_size - overlap tokens after the one before and its first overlap
+        tokens context only, so every token is a target once -> (x, y, doc_ids or None); past the end: padding."""
         starts = np.array(numbers, dtype=np.int64) * (self.block_size - overlap)
         return self.rows(starts, np.where(starts > 0, overlap, 0), doc_mask)
 
     def scored(self, numbers, overlap, doc_mask):
-        """Sequences numbers of the split scored whole, every target once (train.py's evaluation, eval.py) ->
-        (x, y, doc_ids or None): with examples, its examples in the file's order, each attending only to itself
-        and scored over its trained targets as in training; else whole()'s windows overlapping by overlap."""
+        """Sequences numbers of the split scored whole, every target once (train.py's evaluation, eval.py): its
+        examples in the file's order, as packed() trains them, or whole()'s windows overlapping by overlap."""
         return self.packed(numbers) if self.examples else self.whole(numbers, overlap, doc_mask)
 
     def scored_count(self, overlap):
@@ -107,9 +97,8 @@ class Split:
         return 1 + -(-max(0, len(self.tokens()) - 1 - self.block_size) // (self.block_size - overlap))
 
     def rows(self, starts, context, doc_mask):
-        # block_size + 1 tokens from each start (end-of-text outside the split) -> x, y (-1 for the first
-        # context[b] targets, past the end, and where the mask says so). With doc_mask a document begins after
-        # each end-of-text (in conversations, one that is not a target: that one closes an assistant's turn).
+        # block_size + 1 tokens from each start (end-of-text outside the split) -> x, y: -1 for the first context[b]
+        # targets, past the end and where masked; a document begins after each end-of-text the mask does not train
         T, data, mask = self.block_size, self.tokens(), self.mask()
         tokens = np.full((len(starts), T + 1), self.eot_id or 0, dtype=np.int64)
         kept = np.zeros((len(starts), T + 1), dtype=bool)  # the mask file's, where there is one
@@ -147,7 +136,6 @@ class Split:
                 at += length
         self.check_ids(tokens, lambda b, t: None)
         y = np.where(trained[:, 1:], tokens[:, 1:], -1)
-        # contiguous copies, not views: a strided batch is pinned and copied to a GPU a row at a time
         x, doc_ids = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(doc_ids[:, :-1])
         return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(doc_ids)
 
@@ -186,24 +174,22 @@ class Split:
         return self.epoch(epoch)[n - self.firsts[epoch]]
 
     def epoch(self, epoch):
-        # one epoch's sequences: the examples in an order drawn from (seed, epoch), packed best-fit; or (windows)
-        # where each window starts: every block_size-th token from an offset in [1, block_size] drawn from (seed,
-        # epoch), less block_size, so that the windows' targets are every token after the first once (a window
-        # may begin before the split or end past it), in an order drawn from them too
-        if epoch not in self.epochs and not self.examples:
-            rng = np.random.default_rng([self.seed, epoch])
-            T, offset = self.block_size, 1 + int(rng.integers(self.block_size))
-            count = 1 + -(-(len(self.tokens()) - 1 - offset) // T)
-            self.epochs = {e: s for e, s in self.epochs.items() if e in (0, epoch - 1)}
-            self.epochs[epoch] = offset - T + T * rng.permutation(count)
+        # one epoch's sequences, drawn from (seed, epoch): the examples shuffled (val's in order), packed best-fit;
+        # or where each window starts, shuffled: every block_size-th token from an offset in [1, block_size], less
+        # block_size, so that every token after the first is a target once (windows may reach past the split)
         if epoch not in self.epochs:
-            order = np.arange(len(self.lengths))
-            if not self.is_val:
-                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
-            sizes = np.minimum(self.lengths[order], self.block_size + 1)
             # kept: the epoch before (a batch may straddle two) and the first (evaluation reads train's from it)
             self.epochs = {e: s for e, s in self.epochs.items() if e in (0, epoch - 1)}
-            self.epochs[epoch] = [order[b].tolist() for b in best_fit(sizes.tolist(), self.block_size + 1)]
+            if self.examples:
+                n = len(self.lengths)
+                order = np.arange(n) if self.is_val else np.random.default_rng([self.seed, epoch]).permutation(n)
+                sizes = np.minimum(self.lengths[order], self.block_size + 1)
+                self.epochs[epoch] = [order[b].tolist() for b in best_fit(sizes.tolist(), self.block_size + 1)]
+            else:
+                rng = np.random.default_rng([self.seed, epoch])
+                T, offset = self.block_size, 1 + int(rng.integers(self.block_size))
+                count = 1 + -(-(len(self.tokens()) - 1 - offset) // T)
+                self.epochs[epoch] = offset - T + T * rng.permutation(count)
         return self.epochs[epoch]
 
     def sequences_in(self, epochs):
@@ -220,9 +206,8 @@ class Split:
 
 
 class Batches:
-    """What a run reads, its mode decided once from its settings: the micro-batches of each step and of each
-    evaluation, on the device, and the epochs a step has reached. sequences: a name of SEQUENCES. Sequence n of
-    the run is the same however processes and micro-steps share an update's sequences_per_step.
+    """What a run reads, on the device: the micro-batches of each step and evaluation, and the epochs a step has
+    reached. Sequence n of the run is the same however processes and micro-steps share an update's sequences.
 
         batches = Batches("data/chat", meta, 1024, 1337, meta["vocab_size"], "examples", batch_size=8,
                           sequences_per_step=32, train_tokens=10**6)
@@ -233,10 +218,10 @@ class Batches:
                  train_tokens, doc_mask=False, eval_full=False, eval_stride=0, device="cpu"):
         self.mode, self.batch_size, self.sequences_per_step = SEQUENCES[sequences], batch_size, sequences_per_step
         self.doc_mask, self.eval_stride, self.device = doc_mask, eval_stride, device
+        self.pinned = device.startswith("cuda")  # batches copied from pinned memory while the GPU works on
         self.examples = self.mode.examples
         self.train_tokens, self.tokens_per_step = train_tokens, sequences_per_step * block_size
-        # conversations are evaluated as they are trained: each val example on its own over its trained targets,
-        # under eval_full on a masked dataset as in every run on whole examples; on text, eval_full's windows
+        # val as trained, each example on its own over its trained targets: with examples, or eval_full with masks
         self.val_by_example = self.examples or bool(eval_full and meta.get("masks"))
         self.splits = {"train": Split(data_dir, "train", meta, block_size, seed, self.examples, vocab_size),
                        "val": Split(data_dir, "val", meta, block_size, seed, self.val_by_example, vocab_size)}
@@ -298,8 +283,7 @@ class Batches:
         return f"val loss: {val}" + (f"\n{self.splits['train'].packing()}" if self.examples else "")
 
     def to_device(self, tensors):
-        pinned = self.device.startswith("cuda")  # copied from pinned memory while the GPU works on
-        return [t if t is None else (t.pin_memory() if pinned else t).to(self.device, non_blocking=pinned)
+        return [t if t is None else (t.pin_memory() if self.pinned else t).to(self.device, non_blocking=self.pinned)
                 for t in tensors]
 
 
@@ -310,8 +294,7 @@ def example_bounds(data, mask, eot_id):
     for at in range(0, len(data), CHUNK):
         found = np.flatnonzero(np.asarray(data[at:at + CHUNK]) == eot_id) + at
         ends.append(found[np.asarray(mask)[found] == 0] if mask is not None else found)
-    ends = np.concatenate(ends + [np.array([len(data) - 1])]) + 1  # one past each; a last one without end-of-text
-    ends = np.unique(ends)
+    ends = np.unique(np.concatenate(ends + [np.array([len(data) - 1])]) + 1)  # one past each, and the file's end
     starts = np.concatenate([[0], ends[:-1]])
     return starts, ends - starts
 
@@ -352,8 +335,7 @@ def best_fit(sizes, capacity):
     for i, size in enumerate(sizes):
         k = bisect.bisect_left(rooms, size)
         if k < len(rooms):
-            room = rooms[k]
-            b = by_room[room].pop()
+            room, b = rooms[k], by_room[rooms[k]].pop()
             if not by_room[room]:
                 del by_room[room]
                 rooms.pop(k)
@@ -363,7 +345,6 @@ def best_fit(sizes, capacity):
         bins[b].append(i)
         if room > size:
             if room - size not in by_room:
-                by_room[room - size] = []
                 bisect.insort(rooms, room - size)
-            by_room[room - size].append(b)
+            by_room.setdefault(room - size, []).append(b)
     return bins

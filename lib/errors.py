@@ -1,8 +1,7 @@
 """
-One way for every script to stop on a user's mistake. Library code raises UserError with one sentence that
-names the problem and the fix; the script that runs installs one_line_errors once, and an uncaught UserError
-is then printed as 'script.py: message' (exit status 1), with no traceback. Any other exception is a bug and
-keeps its traceback.
+One way for every script to stop on a user's mistake: library code raises UserError, one sentence naming the
+problem and the fix, and once a script has installed one_line_errors an uncaught one is printed as 'script.py:
+message' (exit status 1), with no traceback. Any other exception is a bug and keeps its traceback.
 """
 
 import sys
@@ -27,9 +26,8 @@ def one_line_errors(script):
 
 
 def end_group():
-    # a process group left to the interpreter's exit can abort the process ("terminate called without an active
-    # exception": gloo's threads, their peers gone) after the line was said: ended here first, which makes it rarer
-    # (a refusal of two processes under torchrun still aborted 1 run in 7 here; the line is said either way)
+    # a process group left to the interpreter's exit can abort the process after the line ("terminate called without
+    # an active exception": gloo's threads, their peers gone); ended here first, it is rarer (1 run in 7 under torchrun)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

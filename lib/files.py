@@ -1,20 +1,14 @@
 """
-How our outputs reach the disk safely. One writer per folder: prepare.py (its dataset folder) and train.py (its
-out_dir, the master process) hold an exclusive lock on the folder they write, so that a second run into it is
-refused at once instead of mixing its files with the first's. The lock is fcntl.flock on FOLDER/.lock, which holds
-the writer's name and pid: the OS drops it when the process ends, however it ends, and a lock file a killed run
-left behind locks nothing. And every finished output (datasets, checkpoints, exports) takes its name with
-durable_replace, once its bytes are on the disk, so that a crash leaves the old one or the new one, whole.
+How our outputs reach the disk safely. One writer per folder: prepare.py and train.py (its master) hold an
+exclusive lock, fcntl.flock on FOLDER/.lock (holding the writer's name and pid), on the folder they write, so that a
+second run into it is refused at once; the OS drops the lock when the process ends, however it ends. Every finished
+output (datasets, checkpoints, exports) takes its name with durable_replace once its bytes are on the disk, so that
+a crash leaves the old one or the new one, whole. And nothing is written through a symbolic link the project did not
+make (open_own): a downloaded folder may hold one planted where we write (out/metrics.jsonl -> ~/.bashrc).
 
-    from lib.files import durable_replace, lock_folder, unlock_folder
     held = lock_folder("out", "train.py")        # UserError if another process writes out/ now
-    ...
     durable_replace("out/ckpt.pt.tmp", "out/ckpt.pt")
     unlock_folder("out", held)                   # or let the process end
-
-Nothing is written through a symbolic link the project did not make: a folder a user downloaded (a run, a
-dataset, a model) may hold one planted where we write (out/metrics.jsonl -> ~/.bashrc). open_own opens our files
-without following links, and the lock file is opened so too.
 """
 
 import contextlib
@@ -47,14 +41,11 @@ def lock_folder(folder, writer):
             os.close(fd)
             raise UserError(f"{folder} is being written by {holder}: wait for it to finish, or write into "
                              f"another folder") from None
-        # The file may have been removed by the holder we waited for (unlock_folder) between our open and our
-        # lock: the lock is then on a file no one else can see, and we try again with the new one.
-        try:
-            same = os.path.samestat(os.fstat(fd), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
+        # the holder may have removed the file (unlock_folder) between our open and our lock: the lock is then on a
+        # file no one else can see, and we try again with the new one
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
         os.close(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{writer} (pid {os.getpid()})\n".encode(), 0)
@@ -87,17 +78,14 @@ def open_own(path, mode="w", encoding=None):
 
 def unlock_folder(folder, fd):
     # the lock file goes first, while still held, so that no one locks it after we let go of it
-    try:
+    with contextlib.suppress(FileNotFoundError):  # the folder went with it
         os.remove(os.path.join(folder, LOCK_NAME))
-    except FileNotFoundError:  # the folder went with it
-        pass
     os.close(fd)
 
 
 def durable_replace(src, dst):
     """Rename src to dst (a file or a folder, replacing a file) and make the rename itself survive a power cut:
-    the folder that holds the name is synced too. Every finished output (datasets, checkpoints, exports)
-    takes its name this way, after its bytes have reached the disk."""
+    the folder that holds the name is synced too."""
     os.replace(src, dst)
     try:
         folder = os.open(os.path.dirname(os.path.abspath(dst)), os.O_RDONLY)

@@ -1,7 +1,6 @@
 """
-A model as one GGUF file, the format llama.cpp and Ollama run: the weights, the hyperparameters
-llama.cpp reads and the tokenizer, written with the gguf package (llama.cpp's own Python library,
-pip install gguf) and its name tables. export.py calls it for a --to that ends in .gguf:
+A model as one GGUF file for llama.cpp and Ollama: weights, hyperparameters and tokenizer, written with llama.cpp's
+own gguf package (pip install gguf) and its name tables. export.py calls it for a --to that ends in .gguf:
 
     python export.py --out_dir=out --to=model.gguf --dtype=float16
     llama-cli -m model.gguf
@@ -52,8 +51,7 @@ INSTEAD = "export a Hugging Face folder and convert it with llama.cpp's convert_
 
 def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
     """model (float32) + its dataset's tokenizer -> a GGUF file at path, its matrices in dtype (torch's).
-    ids: the special token ids as config.json has them (export.run_special_ids). UserError in one line
-    for what GGUF, or this writer, cannot express."""
+    ids: the special token ids as config.json has them (export.run_special_ids)."""
     import gguf
     c = model.config
     check_exportable(c)
@@ -87,8 +85,7 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
                       ("pad_token_id", writer.add_pad_token_id)):
         if ids.get(name) is not None:
             add(first(ids[name]))
-    # prepare.py put before a document its tokenizer.json's BOS, or nothing, and ended it with the
-    # end-of-text id: so must a prompt be.
+    # a prompt is encoded as prepare.py encoded a document: its tokenizer.json's BOS, or nothing, and no EOS
     writer.add_add_bos_token(tokenizer.bos_id is not None)
     writer.add_add_eos_token(False)
     if chat_template:
@@ -120,8 +117,7 @@ def gguf_tensors(model, interleave):
 
 
 def interleave_rotary(weight, heads):
-    # Each head's rows hold the first halves of its rotated pairs, then the second halves; llama.cpp's
-    # llama architecture wants them alternating: row i of the first half, then row i of the second.
+    # each head's rows hold the first halves of its rotated pairs, then the second halves: alternated here
     return weight.reshape(heads, 2, -1, weight.shape[-1]).transpose(1, 2).reshape(weight.shape)
 
 
@@ -138,8 +134,7 @@ def add_tensor(writer, gguf, name, tensor, dtype):
 # the tokenizer: tokens in id order, their types, the merges, and the pre-tokenizer's name
 
 def vocabulary(tokenizer, vocab_size, gguf):
-    """(tokens, types, merges, pre) of a byte-level BPE, padded with unused tokens to the model's
-    vocab_size; UserError in one line for a tokenizer GGUF cannot hold as one."""
+    """(tokens, types, merges, pre) of a byte-level BPE, padded with unused tokens to the model's vocab_size."""
     refusal = f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: {INSTEAD}"
     if tokenizer.kind == "huggingface":
         vocab, added, merges, pattern = hf_json_parts(json.loads(tokenizer.hf_json), refusal)
@@ -168,8 +163,8 @@ def vocabulary(tokenizer, vocab_size, gguf):
 
 
 def hf_json_parts(hf, refusal):
-    """A tokenizer.json -> (vocab, added tokens {text: (id, special)}, merges as "a b", split pattern);
-    UserError unless it is a byte-level BPE (a SentencePiece-style BPE, WordPiece and Unigram are not)."""
+    """A byte-level BPE's tokenizer.json -> (vocab, added tokens {text: (id, special)}, merges as "a b", split
+    pattern); a SentencePiece-style BPE, WordPiece or Unigram is refused."""
     model, pre = hf.get("model", {}), hf.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     bytelevel = [s for s in steps if s.get("type") == "ByteLevel"]

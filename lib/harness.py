@@ -1,13 +1,10 @@
 """
-lm-evaluation-harness on our own model, in this process: Model gives the harness what it asks of a model
-(log-likelihoods of continuations, rolling log-likelihoods, greedy generation until a stop string, the chat
-template of a chat model) with our GPT, its KV cache and our tokenizer; run_tasks runs tasks by name, as
-`lm_eval --tasks` does, and task_metrics is what train.py logs at each evaluation. lm_eval is optional
-(pip install lm_eval): without it this module imports, and running a task says how to install it.
+lm-evaluation-harness on our own model, in this process: Model answers the harness's requests with our GPT, its
+KV cache and our tokenizer; run_tasks runs tasks by name, as `lm_eval --tasks` does; task_metrics is what train.py
+logs at each evaluation. lm_eval is optional (pip install lm_eval): running a task says how to install it.
 
-The requests are tokenized as lm_eval's Hugging Face model (HFLM) tokenizes them, through the same code
-(TemplateLM's context/continuation split, its rolling windows, its truncation), so that a checkpoint scores
-here what its export scores under `lm_eval --model hf`, item by item.
+Requests are tokenized through the code of lm_eval's Hugging Face model (HFLM), so that a checkpoint scores here
+what its export scores under `lm_eval --model hf`, item by item.
 """
 
 import json
@@ -31,7 +28,6 @@ except ImportError:  # optional: a script that runs a task says how to install i
 
 
 def import_lm_eval():
-    """The lm_eval package, or a UserError saying how to install it."""
     try:
         import lm_eval
         import lm_eval.api.model  # noqa: F401 (the submodules this file uses)
@@ -53,8 +49,6 @@ class Model(TemplateLM):
         self.chat_folder = chat_folder
         self.specials = set(tokenizer.special_tokens().values())
 
-    # -- what the harness reads of a model
-
     @property
     def eot_token_id(self):
         return self.tokenizer.eot_id
@@ -72,8 +66,8 @@ class Model(TemplateLM):
         return self.name
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
-        # As a Hugging Face tokenizer reads text: a special token written in it (<|im_end|>) is that token.
-        # No BOS is added: prepare.py puts none before a document, and export.py's folders add none either.
+        # as a Hugging Face tokenizer reads text: a special token written in it (<|im_end|>) is that token. No BOS:
+        # prepare.py puts none before a document, nor do export.py's folders.
         if self.specials:
             return self.tokenizer.encode_chat(string, [])[0].tolist()
         return self.tokenizer.encode(string)
@@ -87,8 +81,6 @@ class Model(TemplateLM):
                 raise UserError(f"--apply_chat_template needs a model trained on conversations: "
                                 f"{self.chat_folder} has no chat template")
         return self.chat.render(chat_history, add_generation_prompt=add_generation_prompt)
-
-    # -- the three kinds of request
 
     @torch.no_grad()
     def log_probs(self, inputs):
@@ -149,7 +141,6 @@ class Model(TemplateLM):
         return out
 
     def greedy(self, ids, max_new, until):
-        # the new ids, stopped once their text holds a stop string or end-of-text is written
         cache = [[] for _ in self.model.blocks]
         x, new = torch.tensor([ids], device=self.device), []
         for _ in range(max_new):
@@ -166,8 +157,7 @@ class Model(TemplateLM):
 # running tasks
 
 def load_tasks(names, include_path=None):
-    """A TaskManager that knows every task named (a comma-separated string), their data loaded once to fail
-    early; UserError in one line for a name the harness does not know or data it cannot reach."""
+    """(A TaskManager, the task names) of a comma-separated string, their data loaded once to fail early."""
     lm_eval = import_lm_eval()
     from lm_eval.tasks import TaskManager
     wanted = [name.strip() for name in names.split(",") if name.strip()]
@@ -176,8 +166,7 @@ def load_tasks(names, include_path=None):
     if include_path:  # a task folder is code, as a config file is (README: What is checked and what is trusted)
         print(f"task files from {os.path.abspath(include_path)}: lm-evaluation-harness runs their !function modules "
               f"and renders their templates unsandboxed (load only folders you trust)", flush=True)
-    # The harness's own index of its hundreds of tasks takes seconds to build: tasks that are all in include_path
-    # are found there alone
+    # the harness's own index of its hundreds of tasks takes seconds to build: not for tasks all in include_path
     manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
     if manager is None or any(name not in manager.all_tasks for name in wanted):
         manager = TaskManager(include_path=include_path)
@@ -196,8 +185,7 @@ def load_tasks(names, include_path=None):
 
 def run_tasks(lm, manager, names, limit=None, num_fewshot=None, apply_chat_template=False, log_samples=False,
               stderr=True):
-    """lm_eval's simple_evaluate on our model: its results dict (results, samples if asked, configs, ...), with
-    the metrics' standard errors unless stderr=False (their bootstrap can take longer than the tasks)."""
+    """lm_eval's simple_evaluate on our model; stderr=False skips the standard errors' bootstrap (slower than tasks)."""
     from lm_eval.evaluator import simple_evaluate
     lm.model.eval()
     return simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
@@ -206,7 +194,7 @@ def run_tasks(lm, manager, names, limit=None, num_fewshot=None, apply_chat_templ
 
 
 def main_metrics(results):
-    """{task/metric: value} of each task's first metric (its metric_list's first), as train.py logs them."""
+    """{task/metric: value} of each task's first metric, as train.py logs them."""
     out = {}
     for task, values in results["results"].items():
         metric = next(iter(results["higher_is_better"].get(task, {})), None)
@@ -217,16 +205,14 @@ def main_metrics(results):
 
 
 def for_training(model, data_dir, device, autocast, batch_size, tasks, include_path):
-    """train.py's (Model, TaskManager, task names): the model being trained with the tokenizer of its data, and the
-    tasks, checked and their data loaded before the first step."""
+    """train.py's (Model, TaskManager, task names), the tasks loaded before the first step."""
     manager, names = load_tasks(tasks, include_path or None)
     lm = Model(model, load_tokenizer(data_dir), device, autocast, batch_size, data_dir, "training")
     return lm, manager, names
 
 
 def task_metrics(lm, manager, names, limit=None):
-    """During training: main_metrics of the tasks on the model as it is now, leaving every random state (Python's,
-    numpy's, torch's) and the model's train/eval mode as it found them, so that the run goes on unchanged."""
+    """main_metrics of the model as it is now, leaving every random state and its train/eval mode unchanged."""
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     training = lm.model.training

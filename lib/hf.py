@@ -1,7 +1,6 @@
 """
-Hugging Face model folders in and out: config.json <-> GPTConfig, transformers' tensor names <-> ours,
-safetensors files (one, or shards with an index), and a fingerprint that knows a folder again. The
-Llama, Mistral, Qwen2 and Qwen3 families; what GPT does not implement is refused in one line.
+Hugging Face model folders (Llama, Mistral, Qwen2, Qwen3) in and out: config.json <-> GPTConfig, transformers'
+tensor names <-> ours, safetensors files (one, or shards with an index), and a fingerprint that knows a folder.
 
     from lib.hf import load_pretrained, save_pretrained
     model = load_pretrained("models/Qwen3-0.6B")          # a GPT with the folder's weights
@@ -53,8 +52,8 @@ def open_safetensors(file):
 
 
 def header_shapes(files):
-    """({tensor name: shape} of every tensor in files, read from their headers alone, the first tensor's dtype);
-    a file without tensors, or a tensor that is not floating point (where every weight is), a UserError."""
+    """({tensor name: shape} from the files' headers alone, the first tensor's dtype); UserError for a file
+    without tensors, or a tensor that is not floating point."""
     shapes, first = {}, None
     for file in files:
         with open_safetensors(file) as f:
@@ -89,10 +88,9 @@ def safetensors_files(path):
 
 
 def fingerprint(folder):
-    """A short hash of a Hugging Face folder, to know a LoRA run's base again without reading all of it:
-    its config.json, each safetensors file's size and header (names, shapes, offsets) and 64 KB from
-    each of 32 places spread over it. Fine-tuning changes nearly every weight, so two bases differ here
-    too; a change to a few tensors alone could pass unseen."""
+    """A short hash of a folder, to know a LoRA run's base again without reading it all: config.json, each
+    safetensors file's size, header and 64 KB at 32 places. Fine-tuning changes nearly every weight, so two
+    bases differ here too; a change to a few tensors alone could pass unseen."""
     digest = hashlib.sha256(json.dumps(read_json(Path(folder) / "config.json"), sort_keys=True).encode())
     for file in safetensors_files(Path(folder)):
         size = os.path.getsize(file)
@@ -118,8 +116,7 @@ def config_from_hf(hf, block_size=None):
         raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     if hf.get("mlp_bias") or (family != "qwen2" and hf.get("attention_bias")):
         raise UserError("biases on the attention output or the MLP (attention_bias/mlp_bias) are not supported")
-    # The Hub's released models hold rope_theta and rope_scaling at the top level; transformers 5
-    # writes both into rope_parameters. Either way, only the llama3 scaling (or none) is implemented.
+    # the Hub's released models hold rope_theta and rope_scaling at the top level, transformers 5 rope_parameters
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -154,22 +151,20 @@ def config_from_hf(hf, block_size=None):
 
 
 def special_ids(folder):
-    """{bos_token_id, eos_token_id, pad_token_id} as a Hugging Face folder's config.json has them (only
-    those it has), so that a model exported from a fine-tune of it keeps its base's ids."""
+    """The bos, eos and pad token ids a folder's config.json has, for an export of a fine-tune of it."""
     hf = read_json(Path(folder) / "config.json")
     return {name: hf[name] for name in ("bos_token_id", "eos_token_id", "pad_token_id") if name in hf}
 
 
 # GPTConfig's fields that config.json says (hf_config), or that no weight's meaning depends on (dropout, the
-# kernels, LoRA's: exported merged, or as an adapter apart). Any other, a model setting added to GPTConfig, has no
-# place in config.json: a model that sets it otherwise than its default is not one transformers would run.
+# kernels, LoRA's). A model that sets any other off its default is not one transformers would run.
 SAID = {"block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "tie_embeddings", "rope_theta",
         "norm_eps", "head_size", "mlp_hidden", "qkv_bias", "qk_norm", "rope_scaling", "family", "dropout",
         "use_kernels", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}
 
 
 def check_exportable(config):
-    """UserError in one line for a model (its GPTConfig) that sets a field config.json cannot say (SAID)."""
+    """UserError for a GPTConfig that sets a field config.json cannot say (SAID)."""
     unsaid = [f"{f.name}={getattr(config, f.name)!r}" for f in fields(config) if f.name not in SAID
               and getattr(config, f.name) != f.default]
     if unsaid:
@@ -178,8 +173,7 @@ def check_exportable(config):
 
 
 def hf_config(config, dtype, ids=None):
-    # GPTConfig -> config.json in the Hub's style (rope_theta and rope_scaling at the top level),
-    # which both transformers 4 and 5 and vLLM read; ids: its special token ids (see special_ids)
+    # GPTConfig -> config.json in the Hub's style, which transformers 4 and 5 and vLLM read; ids: special_ids's
     c = config
     check_exportable(c)
     scaling = {**c.rope_scaling, "rope_type": "llama3"} if c.rope_scaling else None
@@ -221,11 +215,9 @@ def hf_layout(config):
 
 
 def load_pretrained(path, dtype=None, block_size=None, **overrides):
-    """A Llama, Mistral, Qwen2 or Qwen3 folder (config.json + safetensors) -> GPT. dtype: None keeps
-    the weights'; block_size: the longest sequence it will be given, checked against the model's
-    limit (which stays its config.block_size); overrides: GPTConfig fields that leave the weights
-    alone (dropout, use_kernels). Tensors are copied one at a time into a model allocated once,
-    so loading takes about one copy of the weights. What GPT lacks is a one-line UserError."""
+    """A folder (config.json + safetensors) -> GPT. dtype: None keeps the weights'; block_size: the longest
+    sequence it will be given, checked against the model's limit (which stays its config.block_size); overrides:
+    dropout, use_kernels. Tensors are copied one at a time into a model allocated once: one copy of the weights."""
     path = Path(path)
     if set(overrides) - {"dropout", "use_kernels"}:
         raise UserError(f"load_pretrained takes dropout and use_kernels, not {sorted(overrides)} (LoRA: add_lora)")
@@ -244,8 +236,7 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
     files = safetensors_files(path)
     shapes, stored = header_shapes(files)
     dtype = dtype or SAFETENSORS_DTYPES.get(stored, torch.float32)  # the first tensor's is the folder's
-    # The sizes config.json states must be the weights' own before any memory is taken for them: a model of
-    # as many blocks as the files hold, built on the meta device (no memory yet, no time on a random init).
+    # config.json's sizes must be the weights' before any memory is taken: the model is built on the meta device
     fix = "fix config.json, or download the model again"
     if layer_count(shapes, "model.layers.") != config.n_layer:
         raise UserError(f"config.json says num_hidden_layers={config.n_layer}, but {path}'s weights hold "
@@ -254,7 +245,7 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
         model = GPT(config)
     layout = hf_layout(config)
     check_shapes(model, shapes, layout, path, fix)
-    absent = sorted(set(layout) - set(shapes))  # known now, before the memory is taken for them
+    absent = sorted(set(layout) - set(shapes))
     if absent:
         raise UserError(f"{path} lacks {len(absent)} tensor(s) the config needs, e.g. {absent[0]}")
     model = model.to(dtype).to_empty(device="cpu").materialize()
@@ -279,9 +270,8 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
 
 
 def save_pretrained(model, path, max_shard_bytes=5 * 2**30, ids=None):
-    """Write config.json and model.safetensors (or shards with an index past max_shard_bytes, as the
-    Hub does) in the model's dtype, for transformers, vLLM and llama.cpp's converter. ids: the special
-    token ids config.json states ({"eos_token_id": 2, ...}; see special_ids)."""
+    """Write config.json and model.safetensors (shards with an index past max_shard_bytes) in the model's dtype.
+    ids: the special token ids config.json states ({"eos_token_id": 2, ...}; see special_ids)."""
     from huggingface_hub import save_torch_state_dict
     if model.config.lora_rank or any(hasattr(p, "get_original_weight") for p in model.parameters()):
         raise UserError("save_pretrained writes plain weights: merge_lora() first, and load a 4-bit base "

@@ -1,7 +1,6 @@
 """
-LoRA: low-rank adapters beside a frozen model's projections (only they train), folded back into the
-weights for export, the frozen base held in 4 bits (QLoRA, through torchao), and the adapters alone
-in peft's layout.
+LoRA: low-rank adapters beside a frozen model's projections, folded back into the weights for export, the frozen
+base held in 4 bits (QLoRA, through torchao), and the adapters alone in peft's layout.
 
     from lib.lora import add_lora, merge_lora
     add_lora(model, rank=8)       # every weight frozen; q, k, v, o, gate, up, down adapted
@@ -24,9 +23,8 @@ from model import PROJECTIONS
 
 
 class LoRA(nn.Module):
-    """A low-rank adapter for a frozen projection: its output gains (alpha/rank)·B A x, with A (rank, in)
-    and B (out, rank). B starts at zero, so an adapted model starts exactly as its base. model.adapted
-    adds it to the projection it hangs on (linear.lora)."""
+    """A frozen projection's adapter (linear.lora): its output gains (alpha/rank)·B A x, A (rank, in), B (out, rank).
+    B starts at zero, so an adapted model starts exactly as its base."""
 
     def __init__(self, in_features, out_features, rank, alpha, dropout):
         super().__init__()
@@ -37,9 +35,8 @@ class LoRA(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        # in the adapter's own dtype (fp32) whatever the frozen base's: a bf16 base on a CPU without autocast
-        # would otherwise multiply bf16 by fp32. Under autocast the matmuls run in bf16 anyway, so x is not
-        # copied to fp32 on the way; the scale goes on the rank-wide middle, not the projection-wide output
+        # in the adapter's dtype (fp32): a bf16 base on a CPU without autocast would multiply bf16 by fp32. Under
+        # autocast x is not copied to fp32, and the scale goes on the rank-wide middle, not the wide output
         # (both: 8% faster and 9% less memory for an eager LoRA step on an H200, BENCHMARKS.md)
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.B.dtype)
@@ -51,8 +48,8 @@ class LoRA(nn.Module):
 
 
 def check_lora(asked, rank, base_dtype, tp, fsdp):
-    """UserError, in one line with the fix, for LoRA settings that cannot run: asked, the lora_rank set; rank,
-    the run's (the checkpoint's on a resume, 0 without a pretrained folder); base_dtype, lora_base_dtype."""
+    """UserError for LoRA settings that cannot run: asked, the lora_rank set; rank, the run's (the checkpoint's on
+    a resume, 0 without a pretrained folder); base_dtype, lora_base_dtype."""
     if asked and not rank:
         raise UserError("LoRA adapts a pretrained model: set init_from to a Hugging Face folder (export a run of "
                          "yours to one with export.py)")
@@ -67,8 +64,7 @@ def check_lora(asked, rank, base_dtype, tp, fsdp):
 
 
 def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down"):
-    """Freeze every weight and give the projections named in targets (comma-separated, of q, k, v,
-    o, gate, up, down) fp32 low-rank adapters: afterwards only the adapters get gradients."""
+    """Freeze every weight and give the projections named in targets fp32 low-rank adapters, which alone train."""
     chosen = set(targets.split(","))
     if chosen - set(PROJECTIONS) or rank < 1:
         raise UserError(f"lora_targets={targets!r} and lora_rank={rank} must name some of "
@@ -84,8 +80,7 @@ def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down
 
 
 def merge_lora(model):
-    """Fold every adapter into its weight, W + (alpha/rank)·B·A computed in fp32 and cast back to
-    W's dtype, and drop the adapters: a plain model again, with the same outputs."""
+    """Fold every adapter into its weight, W + (alpha/rank)·B·A in fp32 cast back to W's dtype: a plain model."""
     for _, _, linear in model.projections():
         if getattr(linear, "lora", None) is not None:
             weight = linear.weight.detach()
@@ -123,8 +118,7 @@ def quantize_base(model, kind="nf4"):
 
 
 def write_adapter(model, base, folder):
-    """peft's layout: adapter_config.json, and lora_A/lora_B of each adapted module under transformers'
-    names. base: the Hugging Face folder the adapters go on."""
+    """The adapters in peft's layout (transformers' names) in folder; base: the Hugging Face folder they go on."""
     from safetensors.torch import save_file
     c = model.config
     if not c.lora_rank:

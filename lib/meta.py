@@ -24,8 +24,6 @@ from lib.errors import UserError
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
 MAX_VOCAB = 1 << 24  # 16.7M ids: released tokenizers have up to ~262K
 
-# -----------------------------------------------------------------------------
-# what a dataset's folder says about itself
 
 def refuse_unfinished(data_dir):
     if (Path(data_dir) / MARKER).exists():
@@ -33,10 +31,8 @@ def refuse_unfinished(data_dir):
 
 
 def read_meta(data_dir):
-    """What a data folder says about itself: its meta.json, with dtype as numpy's name and vocab_size an
-    int (ours also hold eot_id, the tokenizer and counts); else, from nanoGPT's meta.pkl (a character
-    vocabulary), {dtype, vocab_size, eot_id: None, tokenizer}; else nanoGPT's default, GPT-2 tokens.
-    Every problem is a UserError of one line."""
+    """The folder's meta.json, with dtype as numpy's name and vocab_size an int (ours also hold eot_id, the tokenizer
+    and counts); else, from nanoGPT's meta.pkl (characters), {dtype, vocab_size, eot_id: None, tokenizer}."""
     refuse_unfinished(data_dir)
     path = Path(data_dir) / "meta.json"
     if path.exists():
@@ -68,10 +64,9 @@ def read_meta(data_dir):
 
 
 def tokenizer_fingerprint(data_dir, meta):
-    """A digest of what decides which ids the data folder's text became: meta's tokenizer entry, vocabulary size
-    and end-of-text id, and the bytes of the tokenizer's own file where it has one in the folder (a character list,
-    BPE ranks, a tokenizer.json, nanoGPT's meta.pkl). A checkpoint keeps its data's, and whoever reads the run
-    again refuses a folder prepared since with another tokenizer (the same kind learned from other text)."""
+    """A digest of what decides which ids the folder's text became: meta's tokenizer entry, vocab_size, eot_id and
+    the tokenizer's own file in the folder, if any. A checkpoint keeps its data's, so that whoever reads the run
+    again refuses a folder prepared since with another tokenizer (even the same kind learned from other text)."""
     digest = blake2b(digest_size=8)
     spec = meta.get("tokenizer")
     digest.update(json.dumps([spec, meta["vocab_size"], meta.get("eot_id")], sort_keys=True).encode())
@@ -91,8 +86,7 @@ class NotPlain(pickle.UnpicklingError):
 
 
 class PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain values only. A pickle runs code only by calling the classes and functions it names,
-    and every name goes through find_class, which refuses them all."""
+    """Unpickles plain values only: a pickle runs code only by calling what it names, and find_class refuses all."""
 
     def find_class(self, module, name):
         raise NotPlain(f"{module}.{name}")
@@ -137,9 +131,6 @@ def nanogpt_chars(path):
     return chars
 
 
-# -----------------------------------------------------------------------------
-# its token files
-
 def check_regular(path, fix):
     """UserError in one line where path is there but is not a regular file: a FIFO would hang its read, a device
     (/dev/zero) never end it."""
@@ -149,8 +140,8 @@ def check_regular(path, fix):
 
 def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
     """UserError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
-    (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has). It is
-    read in chunks of memory-mapped ids, about as fast as the disk reads."""
+    (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has), read in
+    memory-mapped chunks about as fast as the disk reads."""
     if not os.path.isfile(path):
         raise UserError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
     ids = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
@@ -163,10 +154,8 @@ def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
 
 
 def check_token_files(data_dir, meta, block_size):
-    """The training split's length in tokens, once train.bin and val.bin are there, whole tokens of meta's
-    dtype, as many as meta counted (prepare.py's meta.json does), longer than block_size, with a mask of as
-    many bytes where meta says there are masks, and every id one of meta's vocabulary (bounds.check_token_ids);
-    else UserError in one line with the fix."""
+    """The training split's length in tokens, once train.bin and val.bin hold whole tokens of meta's dtype, as many as
+    it counted and more than block_size, a mask byte each where it says so, ids in its vocabulary; else UserError."""
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in ("train", "val"):
         path = os.path.join(data_dir, f"{split}.bin")
@@ -195,10 +184,8 @@ def check_token_files(data_dir, meta, block_size):
 
 
 def check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_size):
-    """train.py's checks of its data: (the model's vocab_size, the training split's tokens). vocab_size 0 is the
-    data's, padded up to a multiple of 64; documents (doc_mask) and whole examples need meta's end-of-text id,
-    which is where one ends and the next begins; windows need token files longer than block_size (whole examples
-    need no minimum). Else a UserError in one line with the fix."""
+    """train.py's checks of its data -> (the model's vocab_size, 0 being the data's padded up to a multiple of 64;
+    the training split's tokens). Windows need token files longer than block_size; whole examples, no minimum."""
     from lib.data import SEQUENCES, check_sequences  # (here: prepare.py reads meta.py, and needs no torch)
     check_sequences(sequences, meta, doc_mask, os.path.join(data_dir, "meta.json"))
     vocab_size = vocab_size or 64 * math.ceil(meta["vocab_size"] / 64)

@@ -1,7 +1,6 @@
 """
-A run's records: out_dir/metrics.jsonl, one JSON object a line, and the same records in Weights & Biases and
-TensorBoard where the run asks for them. Only the master process records anything. And the run's clock: the
-time left, the finish time and the wall time its log lines give.
+A run's records, the master's only: out_dir/metrics.jsonl, one JSON object a line, and where asked Weights & Biases
+and TensorBoard; and the run's clock: the time left, the finish time and the wall time its log lines give.
 
     log, close = open_log("out", {"learning_rate": 6e-4}, master=True)
     log({"iter": 10, "loss": 2.5})
@@ -96,16 +95,14 @@ def report_evaluation(log, master, step, losses, task_scores, epoch, lr):
 
 
 def evaluations_left(steps_done, max_iters, eval_interval):
-    # the evaluations still to come after steps_done updates: at every multiple of eval_interval from steps_done
-    # (the loop evaluates a step before it updates it) to max_iters, and at max_iters itself
+    # at every multiple of eval_interval from steps_done (a step is evaluated before its update) and at max_iters
     multiples = max_iters // eval_interval - (steps_done - 1) // eval_interval
     return max(0, multiples + (max_iters % eval_interval != 0))
 
 
 def seconds_left(intervals, eval_seconds, steps_done, max_iters, eval_interval):
-    """The seconds a run has left after steps_done updates: each update to max_iters at the mean step time of
-    intervals, a list of (steps, seconds) of recent log intervals, and each evaluation still to come at
-    eval_seconds, the last one's time with the checkpoint it saved (None: none timed yet, counted as nothing)."""
+    """The seconds a run has left after steps_done updates: each update at the mean step time of intervals, recent
+    (steps, seconds), and each evaluation to come at eval_seconds, the last one's with its save (None: 0)."""
     step_seconds = sum(seconds for _, seconds in intervals) / sum(steps for steps, _ in intervals)
     evaluations = evaluations_left(steps_done, max_iters, eval_interval) * (eval_seconds or 0.0)
     return (max_iters - steps_done) * step_seconds + evaluations
@@ -131,15 +128,13 @@ def finish_time(seconds, now=None):
 
 
 def start_clock():
-    """What the time left is estimated from, measured in this process only (a resumed run's too): eval_seconds
-    is the last evaluation's time, set by the loop (with the time of the checkpoint saved after it added)."""
+    """What the time left is estimated from, measured in this process only; the loop sets eval_seconds."""
     return {"steps": 0, "intervals": [], "eval_seconds": None, "estimates": 0}
 
 
 def time_left(clock, steps_done, max_iters, eval_interval, step_seconds, steps):
-    """After a log interval of steps updates, step_seconds each (evaluations and saves left out), that ended at
-    steps_done: (the seconds left, None in the warm-up; the log line's note: ', 12m05s left', and on the first
-    lines after the warm-up ', ends ~14:32' too)."""
+    """After a log interval of steps updates, step_seconds each (evaluations and saves left out), ending at
+    steps_done -> (the seconds left, None in the warm-up; the log line's note: ', 12m05s left, ends ~14:32')."""
     warm = clock["steps"] >= WARMUP_STEPS  # the interval began after this process's first steps
     clock["steps"] += steps
     if not warm:
@@ -177,9 +172,8 @@ class Speedometer:
 
 
 def utilization(model, block_size, keys, tokens_per_s, peak):
-    """A process's MFU at tokens_per_s, in PaLM's convention (every query against all block_size keys, as nanoGPT
-    and nanochat report it), and of the FLOPs run (keys: the keys a query met, as masked: causal, within
-    documents) -> (mfu, mfu_run, the log line's note); both None where the device's peak is unknown."""
+    """A process's MFU at tokens_per_s in PaLM's convention (every query against all block_size keys, as nanoGPT) and
+    of the FLOPs run (keys: those a query met) -> (mfu, mfu_run, the log line's note), None where peak is unknown."""
     flops = [model.flops_per_token(block_size, k) * tokens_per_s for k in (None, keys)]
     mfu, mfu_run = (f / peak if peak else None for f in flops)
     return mfu, mfu_run, f"{mfu:.1%} PaLM, {mfu_run:.1%} run" if mfu else "n/a"
@@ -191,9 +185,8 @@ def wall_time(steps_done):
 
 
 def attended_keys(doc_ids):
-    """The keys a query attends to under doc_mask, summed over a batch's queries: in a document of n tokens,
-    1 + 2 + ... + n. doc_ids (B, T) never decrease along a row, so a token's document began at the first
-    position holding its number. A 0-d tensor on doc_ids' device, computed there without waiting for it."""
+    """The keys a batch's queries attend to under doc_mask (1 + 2 + ... + n in a document of n tokens), a 0-d tensor
+    on doc_ids' device. doc_ids never decrease along a row: a document begins where its number first appears."""
     positions = torch.arange(doc_ids.size(1), device=doc_ids.device)
     begins = torch.searchsorted(doc_ids, doc_ids)  # (B, T): where each token's document begins
     return (positions - begins + 1).sum()

@@ -1,17 +1,14 @@
 """
-The optimizers of a run: each one's construction (OPTIMIZERS, the one place their names are known), which settings
-of the learning rate schedule are valid, the fraction of its peak every learning rate has at a step, and setting it
-on the optimizers before each update.
+The optimizers of a run (OPTIMIZERS, the one place their names are known) and its learning rate schedule.
 
     optimizers = build_optimizers(model, {**settings.defaults(), "optimizer": "muon"}, "cpu")   # [AdamW, Muon]
     factor = lr_factor(500, lr_schedule="wsd", warmup_iters=100, lr_decay_iters=5000)    # 1.0: stable
 
 A new optimizer is a function here taking (named, config, fused): the trainable (name, parameter) pairs, the run's
-settings and whether torch's fused step may run; it returns a list of optimizers (groups() splits the decayed
-matrices from the rest), its settings' defaults in lib/settings.py; a checkpoint holds whatever the list holds.
-Its step must make all of its state before any arithmetic, as torch's optimizers do in _init_group: the memory
-estimate (lib/memory.py's traced_optimizer) steps it on fake tensors, where a step may stop at an op that asks for
-a value (a .item()), and counts the state made by then, so state made later would be left out of the estimate.
+settings (their defaults in lib/settings.py) and whether torch's fused step may run; it returns a list of optimizers
+(groups() splits the decayed matrices from the rest). Its step must make all of its state before any arithmetic, as
+torch's do in _init_group: the memory estimate (memory.py's traced_optimizer) steps it on fake tensors, where a step
+may stop at an op that asks for a value (a .item()), so state made later would be left out of the estimate.
 """
 
 import inspect
@@ -70,16 +67,15 @@ def build_optimizers(model, config, device_type):
 
 
 def hyperparameters(optimizers):
-    """Each group's hyperparameters as the optimizers were built (its parameters and learning rate aside: the
-    schedule sets that at every step), one list of dicts an optimizer: what reapply puts back after a resume."""
+    """Each group's hyperparameters but its parameters and learning rate (the schedule's), one list of dicts an
+    optimizer: what reapply puts back after a resume."""
     return [[{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
              for group in opt.param_groups] for opt in optimizers]
 
 
 def reapply(optimizers, built):
-    """After a resume restored the optimizers' state, their groups' hyperparameters as this command built them
-    (built: hyperparameters() before the restore), not as the checkpoint holds them -> the names of the numbers
-    that changed (weight_decay, betas, momentum, ...), for the run to say so."""
+    """After a resume, the groups' hyperparameters as this command built them (built: hyperparameters() before the
+    restore), not the checkpoint's -> the names of the numbers that changed, for the run to say so."""
     def number(v):
         return [number(x) for x in v] if isinstance(v, (tuple, list)) else v if isinstance(v, (int, float)) \
             and not isinstance(v, bool) else None
@@ -116,9 +112,8 @@ def check_optimizer(config):
 
 def lr_factor(it, decay_lr=True, lr_schedule="cosine", warmup_iters=100, lr_decay_iters=5000, learning_rate=6e-4,
               min_lr=6e-5, lr_decay_fraction=0.2, lr_cycle_iters=1000, lr_power=1.0):
-    """The fraction of its peak every learning rate has at step it (the settings are train.py's): a linear
-    warmup, then lr_schedule. Each decaying schedule goes from 1 down to the floor (min_lr's fraction of
-    learning_rate) at lr_decay_iters and keeps the floor after it; 'constant' stays at 1 and never reaches it."""
+    """The fraction of its peak every learning rate has at step it: a linear warmup, then lr_schedule, each decaying
+    one from 1 down to the floor (min_lr / learning_rate) at lr_decay_iters and kept there ('constant' stays at 1)."""
     if not decay_lr:
         return 1.0
     if it < warmup_iters:
@@ -141,7 +136,6 @@ def lr_factor(it, decay_lr=True, lr_schedule="cosine", warmup_iters=100, lr_deca
 
 
 def set_lr(optimizers, peak_lrs, factor):
-    # every optimizer's groups at factor times that optimizer's own peak (learning_rate, muon_lr)
     for opt, peak_lr in zip(optimizers, peak_lrs):
         for group in opt.param_groups:
             group["lr"] = peak_lr * factor

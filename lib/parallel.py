@@ -1,10 +1,7 @@
 """
-Devices and processes: the run's device and its peak FLOP/s; its processes and their (data parallel, tensor
-parallel) mesh, refusing the layouts that cannot run, with the group's generation, the settings every node must
-agree on and the group's end; parallelize, which spreads a model over the mesh as torchtitan does (tensor
-parallel, activation checkpointing, compile, then FSDP or DDP), keeping parameter names so that checkpoints move
-between layouts; and what the loop needs across processes: each micro-batch's share of an update's targets, the
-gradients clipped over meshes, and preemption's stop request. model.py knows none of it.
+Devices and processes: the run's device and its peak FLOP/s; its processes in a (data parallel, tensor parallel)
+mesh; parallelize, which spreads a model over the mesh as torchtitan does, keeping parameter names so that
+checkpoints move between layouts; and what the loop needs across processes. model.py knows none of it.
 
     model = parallelize(model, mesh, tp=2, fsdp=True, checkpointing=True, compile=True, dtype=torch.bfloat16)
 """
@@ -34,8 +31,7 @@ SPLIT_BY_OUTPUT, SPLIT_BY_INPUT = ("q", "k", "v", "gate", "up"), ("o", "down")
 
 
 def is_dtensor(t):
-    # a shard of FSDP or tensor parallel; where torch.distributed.tensor was never imported (~1.3 s at every start
-    # that a run without shards need not pay) none can be one
+    # a shard of FSDP or tensor parallel: none where torch.distributed.tensor (~1.3 s to import) never was
     dtensor = sys.modules.get("torch.distributed.tensor")
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
@@ -67,9 +63,8 @@ GPU_PEAKS = {"H100 NVL": (835e12, 418e12), "H100 PCIe": (756e12, 378e12), "H100 
 
 
 def gpu_peak(name, sm_count, half):
-    """The datasheet's dense peak FLOP/s of a GPU by its name (torch.cuda.get_device_name) and SM count, in half
-    precision (half) or tf32; None for a GPU not in GPU_PEAKS. Every H100 is named "NVIDIA H100 ..." without
-    saying which: the NVL has "NVL" in its name, the PCIe card has 114 SMs where the SXM has 132."""
+    """The dense peak FLOP/s of a GPU by its name and SM count, in half precision (half) or tf32; None if not in
+    GPU_PEAKS. An H100 but the NVL is named "NVIDIA H100" alone: the PCIe card has 114 SMs where the SXM has 132."""
     if "H100" in name and not any(form in name for form in ("NVL", "PCIe", "SXM")):
         name = name.replace("H100", "H100 PCIe" if sm_count == 114 else "H100 SXM")
     for key, (half_peak, tf32) in GPU_PEAKS.items():
@@ -85,8 +80,7 @@ def peak_flops(device, dtype):
         props = torch.cuda.get_device_properties(device)
         return gpu_peak(props.name, props.multi_processor_count, dtype in (torch.bfloat16, torch.float16))
     if device.type == "cpu":
-        # threads x clock x fp32 FLOPs per cycle of two FMA pipes: 64 with AVX-512, 32 with AVX2.
-        # A nominal figure: boost clocks and double-pumped AVX-512 make the real one differ.
+        # threads x clock x fp32 FLOPs a cycle of two FMA pipes (64 with AVX-512, 32 with AVX2): a nominal figure
         try:
             with open("/proc/cpuinfo") as f:
                 info = f.read()
@@ -126,12 +120,10 @@ class Processes(NamedTuple):
 
 
 def generation(store, rank, world_size, timeout):
-    """The number of this group of workers, the same in all of them, kept in torchrun's store (which outlives
-    the groups it starts). torchrun's TORCHELASTIC_RESTART_COUNT cannot be it: each node counts its own
-    restarts, and a node whose workers were stopped for another node's failure counts none. Rank 0 opens a new
-    generation; every other rank claims its place in the newest one it sees and takes it once rank 0 has
-    confirmed the claim. A dead group's generation is never taken: its places are claimed already, or its rank
-    0 is dead and never confirms, and the new rank 0 opens a newer one meanwhile. Waits timeout s at most."""
+    """This group of workers' number, kept in torchrun's store (TORCHELASTIC_RESTART_COUNT is each node's own: a node
+    stopped for another's failure counts none). Rank 0 opens a generation; every other rank claims its place in the
+    newest it sees and takes it once rank 0 confirms: a dead group's places are claimed already, or its rank 0 never
+    confirms while the new one opens a newer generation. Waits timeout s at most."""
     if rank == 0:
         number = store.add("generation", 1)
         claims = [f"generation_{number}/claim_{r}" for r in range(1, world_size)]
@@ -168,9 +160,8 @@ def this_process():
 
 
 def check_same_settings(settings, data_dir):
-    """Stop every process, in one line naming the first difference and the rank and node, where any process's
-    settings (train.py's, PER_NODE aside) or data files' sizes differ from rank 0's: nodes started with
-    different commands would otherwise train on, their replicas drifting apart. Every process calls it."""
+    """Every process calls it: all stop, in one line naming the first difference and its rank and node, where any
+    process's settings (PER_NODE aside) or data files' sizes differ from rank 0's (the replicas would drift)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     try:
@@ -183,9 +174,8 @@ def check_same_settings(settings, data_dir):
     first = [mine]
     dist.broadcast_object_list(first, src=0)
     differs = next((k for k in {**first[0], **mine} if first[0].get(k, "missing") != mine.get(k, "missing")), None)
-    where = this_process()
     said = [None] * dist.get_world_size()
-    dist.all_gather_object(said, differs and f"{differs} is {mine.get(differs, 'missing')!r} on {where} but "
+    dist.all_gather_object(said, differs and f"{differs} is {mine.get(differs, 'missing')!r} on {this_process()} but "
                                              f"{first[0].get(differs, 'missing')!r} on rank 0")
     found = next((line for line in said if line), None)
     if found:
@@ -216,10 +206,8 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
     if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
         backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if offload else "nccl"
     if ddp:
-        # torchrun's store outlives a restart of its workers, and so would the addresses the last group wrote
-        # there: each group keeps its keys apart under a generation all its workers agree on, or the new workers
-        # would dial their dead peers.
-        # Joining waits timeout seconds at most, so a group that cannot form fails, and torchrun tries again.
+        # torchrun's store outlives a restart: each group keeps its keys under its own generation, or the new
+        # workers would dial their dead peers. Joining waits timeout s at most: a group that cannot form fails
         store = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))[0]
         store = dist.PrefixStore(f"generation_{generation(store, rank, world_size, timeout)}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
@@ -231,10 +219,10 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
         raise UserError(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, "
                         f"N a multiple)")
     dp_size = world_size // tp_size
-    from torch.distributed.device_mesh import init_device_mesh  # here: torch.distributed's layouts cost ~1.3 s to
-    # import, which a run of one process never needs (is_dtensor)
-    mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp")) \
-        if dist.is_initialized() else None
+    mesh = None
+    if dist.is_initialized():  # imported here: torch.distributed's layouts cost ~1.3 s, which one process never needs
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
     return Processes(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, master=rank == 0,
                      device=device, device_type=device_type, dtype=dtype, backend=backend, fsdp=fsdp, mesh=mesh,
                      dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank() if mesh is not None else 0)
@@ -242,10 +230,9 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
 
 def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile=False, dtype=torch.float32,
                 offload=False, ddp=False, device_ids=None):
-    """Spread model over the processes of mesh (dims "dp" and "tp"), in place where it can be, and return
-    the module to call: tensor parallel over tp processes, activation checkpointing, compile, then FSDP
-    (fsdp) or DDP (ddp) over the data-parallel replicas. Under FSDP the shards stay fp32 master weights and,
-    with dtype bf16, the gathered weights are bf16 and gradients are reduced in fp32."""
+    """Spread model over mesh (dims "dp" and "tp"), in place where it can be, and return the module to call:
+    tensor parallel over tp processes, activation checkpointing, compile, then FSDP or DDP over the replicas.
+    Under FSDP with dtype bf16 the shards stay fp32, gathered as bf16, and gradients are reduced in fp32."""
     if model.config.n_head % tp or model.config.n_kv_head % tp:
         raise UserError(f"tp_size={tp} must divide n_head={model.config.n_head} and n_kv_head="
                         f"{model.config.n_kv_head} (attention is split by heads)")
@@ -265,8 +252,7 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
     if fsdp:
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                             register_fsdp_forward_method)
-        # Each block is one FSDP unit, gathered whole only while it computes (forward and backward) and split
-        # over the processes otherwise; the root unit holds the rest (embedding, final norm, head).
+        # each block one FSDP unit, gathered whole only while it computes; the root unit holds the rest
         mixed = MixedPrecisionPolicy()
         if dtype == torch.bfloat16:  # a unit's inputs are left as they come: the rotary tables stay fp32, as
             # DDP's autocast keeps them (cast to bf16, every block's rotation was rounded: a loss gap to DDP)
@@ -282,9 +268,8 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
 
 
 def end_processes():
-    """The process group's end, after the loop, once the caller has dropped its DDP module: DDP's reducer holds
-    gloo's pending work, and freed at interpreter exit instead it sometimes aborted a process ("terminate called
-    without an active exception", 1 run in ~12 here)."""
+    """The process group's end, once the caller has dropped its DDP module: its reducer holds gloo's pending work,
+    and freed at exit it aborted 1 run in ~12 here ("terminate called without an active exception")."""
     gc.collect()
     dist.barrier()  # let the master finish writing before any process tears the group down
     dist.destroy_process_group()
@@ -306,10 +291,9 @@ class StopRequest:
 
 
 def target_shares(micro_batches, dp_size, tp_size, ddp):
-    """Each micro-batch's weight in its update's loss, where micro-batches hold different numbers of targets (masks,
-    packed examples): its share of the targets of the whole update over every process, times the replicas, so
-    that the update's loss is the mean over its targets however they fall into micro-steps and processes. Stays
-    on the device: nothing waits for it."""
+    """Each micro-batch's weight in its update's loss (masks, packed examples): its share of the whole update's
+    targets over every process, times the replicas, so that the loss is the mean over the targets however they
+    fall into micro-steps and processes. Stays on the device: nothing waits for it."""
     targets = torch.stack([(y != -1).sum() for _, y, _ in micro_batches]).float()
     all_targets = targets.sum()
     if ddp:  # the tensor-parallel processes of a replica hold the same batches: counted tp_size times

@@ -1,14 +1,11 @@
 """
-Every setting of a training run, with its default: plain assignments that config files and --key=value arguments
-override (configurator.py). train.py, bench.py and the tests read them here, as a dict:
+Every setting of a training run, with its default: a module-level name of a plain type (int, float, bool, str or
+None) not beginning with an underscore, which config files and --key=value arguments override (configurator.py).
+The model's settings are GPTConfig's fields (model.py); the checks read the optimizers from optim.OPTIMIZERS and
+the ways to draw sequences from data.SEQUENCES.
 
-    from lib import settings
     config = settings.defaults()        # {'out_dir': 'out', 'eval_interval': 250, ...}
     settings.check(config)              # a UserError in one line for a value no run can use
-
-A setting is a module-level name of a plain type (int, float, bool, str or None) that does not begin with an
-underscore. Each kind of option has its home elsewhere, which the checks below read: the model's settings are
-GPTConfig's fields (model.py), the optimizers optim.OPTIMIZERS, the ways to draw sequences data.SEQUENCES.
 """
 
 import dataclasses as _dataclasses
@@ -46,7 +43,7 @@ tensorboard_log = False  # also write metrics.jsonl's records as TensorBoard eve
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
 dataset = ""  # nanoGPT's name for the data: 'NAME' reads data/NAME (its prepared folders work as they are)
 gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
-batch_size = 12  # sequences per micro-step per process; 'auto': the largest that fits, the update kept (docs/scaling.md)
+batch_size = 12  # sequences per micro-step per process; 'auto': the largest that fits, same update (docs/scaling.md)
 batch_size_auto = False  # set by batch_size='auto': batch_size then only counts an update's sequences (with the above)
 memory_budget = 0.0  # GiB a process may hold under batch_size='auto' (0: what its device has free)
 block_size = 256  # tokens per sequence (from a pretrained folder: at most its max_position_embeddings)
@@ -60,9 +57,8 @@ n_kv_head = 0  # key/value heads for grouped-query attention (0: as many as n_he
 n_embd = 384  # width of the residual stream (the token embedding's)
 dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
 vocab_size = 0  # 0: the dataset's vocabulary, padded up to a multiple of 64
-use_kernels = None  # kernels.py's Triton fused ops: True, False, or None for auto (model.fused): the fused
-# ops on CUDA where Triton is installed, the references on a CPU, and under torch.compile only the fused loss
-# (Inductor fuses the references of the norm, SwiGLU and rotary into the ops around them)
+use_kernels = None  # kernels.py's Triton fused ops: True, False, or None (auto: on CUDA with Triton, model.fused),
+# and under torch.compile only the fused loss (Inductor fuses the norm's, SwiGLU's and rotary's references itself)
 bias = False  # nanoGPT's biases in every linear and norm: this Llama-style block has none (qkv_bias: Qwen2's)
 doc_mask = False  # attend only within a document: end-of-text (meta.json's eot_id) begins a new one
 # LoRA: train low-rank adapters on a frozen pretrained model (init_from a Hugging Face folder)
@@ -83,13 +79,11 @@ momentum = 0.9  # SGD's
 muon_lr = 0.02  # Muon's peak learning rate for the blocks' matrices
 muon_momentum = 0.95  # Muon's, for the blocks' matrices (momentum is SGD's)
 grad_clip = 1.0  # clip gradients at this norm (0: off)
-# learning rate schedule: linear warmup over warmup_iters, then lr_schedule; every learning rate
-# (learning_rate, muon_lr) is scaled by the same factor, which the decaying schedules bring down to
-# min_lr / learning_rate of its peak at lr_decay_iters ('constant' stays at the peak)
+# learning rate schedule: linear warmup over warmup_iters, then lr_schedule, scaling every learning rate (learning_rate,
+# muon_lr) by one factor, which the decaying schedules bring to min_lr / learning_rate at lr_decay_iters
 decay_lr = True  # False: learning_rate throughout, no warmup and no schedule
-lr_schedule = "cosine"  # 'cosine', 'linear', 'polynomial' (peak to min_lr at lr_decay_iters), 'constant'
-# (the peak after warmup, never decaying), 'wsd', or 'cosine_restarts' (cosine to min_lr and back to the peak
-# every lr_cycle_iters, until lr_decay_iters)
+lr_schedule = "cosine"  # 'cosine', 'linear', 'polynomial', 'constant' (the peak after warmup), 'wsd', or
+# 'cosine_restarts' (cosine to min_lr and back to the peak every lr_cycle_iters, until lr_decay_iters)
 warmup_iters = 100  # steps of the linear warmup to the peak, whatever lr_schedule follows
 warmup_ratio = 0.0  # if above 0: warm up over this fraction of the run's steps instead of warmup_iters
 lr_decay_iters = 5000  # should be ~max_iters
@@ -98,10 +92,8 @@ min_lr = 6e-5  # ~learning_rate/10
 lr_cycle_iters = 1000  # cosine_restarts: steps from one restart to the next
 lr_power = 1.0  # polynomial: the decay's power (1: linear)
 # system
-backend = "auto"  # torch.distributed's: 'auto', 'nccl' or 'gloo'; auto: nccl on CUDA, else gloo
-# (with fsdp_cpu_offload both, 'cuda:nccl,cpu:gloo': offloaded shards' gradient norms are reduced on the CPU)
-dist_timeout = 600  # seconds joining the process group, or a collective, may wait for the others before failing
-# (so that torchrun can restart a group that lost a process, docs/checkpoints.md)
+backend = "auto"  # torch.distributed's: 'nccl', 'gloo', or auto: nccl on CUDA (with gloo under fsdp_cpu_offload)
+dist_timeout = 600  # seconds joining the group, or a collective, waits for the others before failing (and restarting)
 device = "auto"  # 'auto' (cuda, then mps, then cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = "auto"  # 'float32', 'bfloat16', 'float16' (with a gradient scaler); auto: bf16 where supported on CUDA
 compile = False  # torch.compile the model (slow first step, faster after)
@@ -114,7 +106,6 @@ gradient_checkpointing = False  # keep only each block's input; recompute the re
 
 # -----------------------------------------------------------------------------
 _PLAIN = (int, float, bool, str, type(None))
-__all__ = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, _PLAIN)]  # (the block above)
 
 LORA_BASE_DTYPES = ("auto", "float32", "bfloat16", "float16", "nf4", "int8")  # lora_base_dtype's choices
 
@@ -132,16 +123,15 @@ def defaults():
     return {**model_settings(), **own}
 
 
-# train.py's numbers that have a range: each must be at least its low and below its high
-_IN_RANGE = {"learning_rate": (0, _math.inf), "min_lr": (0, _math.inf), "muon_lr": (0, _math.inf),
-             "weight_decay": (0, _math.inf), "grad_clip": (0, _math.inf), "early_stop_min_delta": (0, _math.inf),
+# train.py's numbers that have a range, checked in this order: each must be at least its low and below its high (a
+# negative max_iters would train nothing and save nothing)
+_IN_RANGE = {**dict.fromkeys(("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size",
+                              "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout"), (1, _math.inf)),
+             **dict.fromkeys(("max_iters", "warmup_iters", "lr_decay_iters", "keep_last_n", "early_stop_patience",
+                              "lora_rank", "eval_tasks_limit", "learning_rate", "min_lr", "muon_lr", "weight_decay",
+                              "grad_clip", "early_stop_min_delta"), (0, _math.inf)),
              "beta1": (0, 1), "beta2": (0, 1), "momentum": (0, 1), "muon_momentum": (0, 1), "dropout": (0, 1),
              "seed": (0, 2**63), "lora_dropout": (0, 1), "lora_alpha": (0, _math.inf)}
-# counts that may be 0 but never negative (a negative max_iters would train nothing and save nothing)
-_AT_LEAST_ZERO = ("max_iters", "warmup_iters", "lr_decay_iters", "keep_last_n", "early_stop_patience", "lora_rank",
-                  "eval_tasks_limit")
-_AT_LEAST_ONE = ("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size",
-                 "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout")
 
 
 # The numbers sample.py and eval.py take, checked as a run's are (check_ranges): name -> (low, high), and "at most"
@@ -154,8 +144,7 @@ EVALUATION = {"batch_size": (1, _math.inf), "block_size": (1, _math.inf), "strid
 
 def check_ranges(values, ranges, flag=""):
     """UserError in one line for the first of values (name -> number; None: not given) outside its range in ranges
-    (name -> (low, high): at least low and below high, or at most high where the range says "at most"); NaN is
-    outside every range. flag: how the script spells a name ('--' for a command-line flag)."""
+    (name -> (low, high[, "at most"])); NaN is outside every range. flag: '--' for a command-line flag."""
     for key, (low, high, *at_most) in ranges.items():
         value = values.get(key)
         if value is not None and not (low <= value <= high if at_most else low <= value < high):
@@ -166,12 +155,6 @@ def check_ranges(values, ranges, flag=""):
 def check(config):
     """UserError, in one line with the fix, for a setting (config, every one of them) that no run can use; the
     optimizer's and the schedule's are optim.check_optimizer's, the sequences' data.check_sequences'."""
-    for key in _AT_LEAST_ONE:
-        if config[key] < 1:
-            raise _UserError(f"{key}={config[key]} must be at least 1")
-    for key in _AT_LEAST_ZERO:
-        if config[key] < 0:
-            raise _UserError(f"{key}={config[key]} must be at least 0")
     check_ranges(config, _IN_RANGE)  # else a traceback from torch's first step, or nonsense trained
     if config["lora_rank"] and config["lora_alpha"] == 0:  # the adapters' output times 0: nothing would train
         raise _UserError("lora_alpha=0 scales the adapters' output to nothing: set it above 0 (16 is usual)")
@@ -203,9 +186,8 @@ def check(config):
     _optim.check_optimizer(config)
 
 
-# A model's sizes, from whatever says them (this run's settings, a checkpoint, a config.json): the most positions a
-# model may hold rotary tables for is past every released model (Qwen2.5-1M has ~1M), and small enough that the
-# tables (positions x head size, twice) are not themselves the hostile input.
+# A model's sizes, from whatever says them (settings, a checkpoint, a config.json): positions past every released
+# model's (Qwen2.5-1M has ~1M), few enough that the rotary tables are not themselves the hostile input
 _MAX_POSITIONS = 1 << 21
 _MAX_TABLE = _MAX_POSITIONS * 256  # positions x head size: 2M positions of heads 256 wide (2 GiB of fp32 tables)
 _SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "head_size", "mlp_hidden")
@@ -213,9 +195,8 @@ _DERIVED = ("n_kv_head", "head_size", "mlp_hidden")  # 0 means "from the other s
 
 
 def check_sizes(args, where, fix):
-    """_UserError in one line unless every model size in args (GPTConfig's names) is a whole number above 0 (0
-    allowed where it means derived), block_size at most _MAX_POSITIONS, and rope_theta, norm_eps and dropout are
-    numbers in their range. where: the file that says them; fix: what to do about it."""
+    """UserError in one line, naming where (the file that says them) and fix, unless every model size in args is a
+    whole number above 0 (0 where derived), block_size within limits, rope_theta, norm_eps and dropout in range."""
     for name in _SIZES:
         value = args.get(name, 1)
         if type(value) is not int or value < (0 if name in _DERIVED else 1):

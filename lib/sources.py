@@ -34,22 +34,18 @@ HARD_CUT = 1 << 20
 # A JSON record (one line of a .jsonl) past this many bytes is skipped, and reported, without being held whole:
 # json.loads of one takes ~20x its size (a 315 MB line peaked at 7 GB)
 MAX_RECORD = 1 << 25
-# A .gz whose text comes out more than MAX_RATIO times the bytes read from disk, past its first INFLATED_FREE bytes,
-# is refused: text compresses 3 to 10 times, a bomb up to 1000 (a 1 MiB gzip of one letter held 1 GiB of text, over
-# 10 minutes to encode), and prepare.py's time should follow the size of what it is given.
+# A .gz whose text passes MAX_RATIO times the bytes read, past its first INFLATED_FREE bytes, is refused: text
+# compresses 3 to 10 times, a bomb up to 1000 (a 1 MiB gzip of one letter held 1 GiB of text, 10 minutes to encode).
 MAX_RATIO = 100
 INFLATED_FREE = 1 << 26
 BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
-# Where a text can be cut and its pieces encoded apart with the same tokens as the whole, for the
-# regex pre-tokenizers of GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before
-# a space or newline between two letters or digits, or after a newline between a non-space and a
-# letter or digit. (After any newline is not enough: "Z\n\n|X" and " \n|X" change GPT-2's tokens.)
+# Where a text can be cut so that its pieces, encoded apart, give the whole's tokens, for the regex pre-tokenizers of
+# GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before a space or newline between two letters or
+# digits, or after a newline between a non-space and a letter or digit (cutting "Z\n\n|X" or " \n|X" changes GPT-2's).
 SAFE_CUT = re.compile(r"(?<=[^\W_])(?=[ \n][^\W_])|(?<=\S\n)(?=[^\W_])")
 # The last SAFE_CUT in a text: the greedy .* backtracks from the end, so the first match is the last cut.
 LAST_CUT = re.compile(r"(?s:.*)(?:" + SAFE_CUT.pattern + ")")
 
-# -----------------------------------------------------------------------------
-# reading: files and folders -> documents, with everything skipped counted and listed
 
 class SkipFile(Exception):
     """A file that cannot be read as documents; its message is the reason."""
@@ -99,8 +95,7 @@ def hub_splits(name, config):
         raise UserError(f"cannot read the dataset hf:{name} ({why})") from None
 
 
-def read_rows(rows, field, chat):
-    """A Hugging Face dataset's or a parquet file's rows, read as JSON records are (see record_text)."""
+def read_rows(rows, field, chat):  # a Hugging Face dataset's or a parquet file's
     for row, record in enumerate(rows, 1):
         yield f"row {row}", *record_text(record, field, chat)
 
@@ -147,8 +142,7 @@ def file_ext(path):
 
 
 def record_text(obj, field, chat):
-    """(text, None) from a JSON record, (Chat, None) from a conversation's (chat: the ChatFormat's maker), or
-    (None, why not)."""
+    """JSON record -> (text, None), (Chat, None) for a conversation (chat: the ChatFormat's maker), or (None, why)."""
     if not isinstance(obj, dict):
         return None, f"not a JSON object ({type(obj).__name__})"
     if not field and is_conversation(obj):
@@ -194,7 +188,7 @@ def read_documents(path, field, dedup, chat):
                 line = line.removeprefix(codecs.BOM_UTF8) if n == 1 else line
                 if not line.strip():
                     continue
-                record, why = None, None
+                why = None
                 try:
                     record = json.loads(line)
                 except UnicodeDecodeError:

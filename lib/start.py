@@ -1,20 +1,17 @@
 """
-Where a training run begins: from scratch, from a Hugging Face model folder, or from its own checkpoint in
-out_dir (a resume, or a run that already stopped early). train.py asks once and gets every fact the rest of
-the run needs, decided here from its settings and what out_dir holds; a checkpoint is resumed only once its values
-are of the kinds train.py saves (checkpoint.check_values) and this command can continue it (check_resume).
+Where a training run begins: from scratch, a Hugging Face model folder, or its own checkpoint in out_dir (a resume,
+or a run that already stopped early), decided once from train.py's settings and what out_dir holds.
 
     origin = begin(config, vocab_size=128, meta=read_meta("data/stdlib"), fsdp=False)
     model, model_args = first_model(origin, config, "float32")
 """
 
 import atexit
-import dataclasses
 import os
 import re
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -30,7 +27,7 @@ from model import GPT, GPTConfig
 # GPTConfig's fields that a resume takes from its command (block_size only from scratch); every other but the
 # vocabulary (checked against the data's) is the model's shape, which a resume cannot change
 RUN_SETTINGS = ("dropout", "use_kernels", "block_size")
-SHAPE = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*RUN_SETTINGS, "vocab_size"))
+SHAPE = tuple(f.name for f in fields(GPTConfig) if f.name not in (*RUN_SETTINGS, "vocab_size"))
 LORA_SETTINGS = tuple(name for name in SHAPE if name.startswith("lora_"))  # the adapters' rank, scale, dropout, targets
 
 NAMES = r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?"  # the checkpoints of an out_dir, in either layout
@@ -38,14 +35,11 @@ NAMES = r"ckpt(_best|_[0-9]+)?(\.pt|\.old)?"  # the checkpoints of an out_dir, i
 
 @dataclass
 class Origin:
-    """Where a run begins, as begin decided it from the settings and what out_dir holds."""
     init_from: str  # 'scratch', 'resume' or a Hugging Face folder
     checkpoint: dict | None  # the checkpoint's state on a resume (train.py frees it once restored)
     found: str | None  # the checkpoint's path: ckpt.pt, or a sharded folder
     sharded: bool  # the layout of out_dir's checkpoints: sharded folders (FSDP, tensor parallel) or files
-    # GPTConfig's fields for a new model, or the checkpoint's with this run's dropout, kernels and (begun from
-    # scratch) block_size
-    model_args: dict
+    model_args: dict  # GPTConfig's fields: a new model's, or the checkpoint's with this run's RUN_SETTINGS
     loop: dict  # the training loop's state (checkpoint.LOOP's keys)
     lora_base_dtype: str
     lora: int = 0  # the adapters' rank, 0: off
@@ -56,9 +50,8 @@ class Origin:
 
 
 def claim(out_dir, master):
-    """One run writes an out_dir at a time (files.py): the master makes out_dir and holds its lock until it exits,
-    and a second run into it stops here, every process with the master's one line (a UserError), before it reads
-    or writes anything there. Every process calls it."""
+    """One run writes an out_dir at a time (files.py): the master makes it and holds its lock until it exits; a
+    second run stops here in every process with the master's one line, before it reads or writes anything there."""
     refused = None
     if master:
         try:
@@ -78,11 +71,9 @@ def claim(out_dir, master):
 
 
 def check_shared(out_dir, master, wait=10.0):
-    """Every process sees what the master writes in out_dir, or all stop here in one line, before anything is
-    trained: the master writes a probe file of a name no run had before, every process looks for it (for up to
-    wait s: a network file system may show a new file late), and the master removes it. A checkpoint is the
-    master's file, or a folder of every process's shards: on each node's own disk it would be lost, or never
-    whole. Nothing to check without a group."""
+    """Every process sees what the master writes in out_dir, or all stop here in one line before anything trains (on
+    each node's own disk a checkpoint would be lost, or never whole): each looks for the master's new probe file for
+    up to wait s, as a network file system may show a new file late."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
     token = [secrets.token_hex(8) if master else None]
@@ -108,13 +99,11 @@ def check_shared(out_dir, master, wait=10.0):
 
 
 def begin(config, vocab_size, meta, fsdp):
-    """Where the run of settings config (train.py's, as given) begins, on the data of meta with the model's
-    vocab_size, fsdp resolved (tensor parallel brings it). Every process calls it. Returns an Origin; a UserError
-    in one line for a run that cannot begin."""
+    """The Origin of the run of config (train.py's settings, as given) on the data of meta, with the model's
+    vocab_size and fsdp resolved (tensor parallel brings it). Every process calls it; UserError if it cannot begin."""
     model_args = {**{k: config[k] for k in model_settings()}, "vocab_size": vocab_size}  # GPTConfig's fields
     check_sizes(model_args, "this run", "set it to a whole number above 0")
     out_dir = config["out_dir"]
-    # ckpt.pt, or the sharded folder ckpt/ of a run begun under FSDP or tensor parallel (find_checkpoint)
     found = ckpt.find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     if dist.is_initialized() and dist.get_world_size() > 1:  # or the processes would start from different states
         seen = [None] * dist.get_world_size()
@@ -124,7 +113,6 @@ def begin(config, vocab_size, meta, fsdp):
             raise UserError(f"{named[0]} is visible to {len(named)} of {len(seen)} processes: out_dir must be on "
                             f"storage every node shares")
     init_from, checkpoint = starting_point(out_dir, config["init_from"], found)
-    # an out_dir keeps the layout it began with: sharded folders (FSDP, tensor parallel) or files
     sharded = os.path.isdir(found) if found else fsdp
     origin = Origin(init_from=init_from, checkpoint=checkpoint, found=found, sharded=sharded, model_args=model_args,
                     loop=dict(ckpt.LOOP), lora_base_dtype=config["lora_base_dtype"])
@@ -155,11 +143,9 @@ def begin(config, vocab_size, meta, fsdp):
 
 
 def first_model(origin, config, dtype):
-    """The model the run begins with, on the CPU, from where begin found it: the checkpoint's (a sharded one's
-    weights are read into it once it is laid out, ckpt.restore), a Hugging Face folder's with this run's LoRA
-    adapters on it, or a new one; and its model_args. Full fine-tuning keeps fp32 master weights whatever the
-    folder holds (autocast computes in dtype); a frozen LoRA base needs only the dtype it computes in, and nf4 or
-    int8 is quantized from that (lora.quantize_base)."""
+    """The model the run begins with, on the CPU, and its model_args: the checkpoint's (a sharded one's weights come
+    in ckpt.restore), a Hugging Face folder's with this run's LoRA adapters, or a new one. Full fine-tuning keeps fp32
+    weights (autocast computes in dtype); a frozen LoRA base is held in dtype, nf4 or int8 quantized from it later."""
     checkpoint, model_args = origin.checkpoint, origin.model_args
     lora, base = origin.lora, origin.lora_base_dtype
     base_dtype = getattr(torch, dtype if base in ("auto", "nf4", "int8") else base) if lora else torch.float32
@@ -182,16 +168,14 @@ def first_model(origin, config, dtype):
 
 
 def described(model, model_args, block_size):
-    """The model in one line for the log: its parameters, those trained, its shape (its sizes, and every other
-    setting that is not GPTConfig's default) with the block_size trained at, and a pretrained model's own limit
-    beside it where that is longer."""
+    """The model in one line for the log: its parameters, those trained, and its shape (sizes, settings off
+    GPTConfig's default, the block_size trained at, and a pretrained model's own limit where that is longer)."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     default = GPTConfig()
     shown = {k: v for k, v in {**model_args, "block_size": block_size}.items()
              if type(v) is int or not hasattr(default, k) or v != getattr(default, k)}
     limit = f" (the model's limit: {model_args['block_size']})" if model_args["block_size"] != block_size else ""
-    return (f"model: {model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, "
-            f"{shown}{limit}")
+    return f"model: {model.num_params() / 1e6:.2f}M parameters, {trained / 1e6:.2f}M of them trained, {shown}{limit}"
 
 
 def rng_state(device_type):
@@ -200,8 +184,7 @@ def rng_state(device_type):
 
 
 def resume_rng(rngs, rank, world_size, device_type):
-    # this process's random state as the checkpoint holds it (rngs: every process's), where the processes are
-    # as many as when it was saved; otherwise the streams begin afresh from the seed
+    # this process's random state from rngs (every process's) where as many saved them; else the seed's streams
     if len(rngs) == world_size:
         torch.set_rng_state(rngs[rank]["cpu"])
         if device_type == "cuda" and rngs[rank]["cuda"] is not None:
@@ -209,8 +192,7 @@ def resume_rng(rngs, rank, world_size, device_type):
 
 
 def resume(origin, config, meta):
-    # origin (begin's) from its checkpoint: the weights decide the model's shape, the checkpoint holds the loop's
-    # state, and a LoRA run's base is held as it was (4 bits stay 4 bits); notes on what this command changed
+    # origin from its checkpoint (a LoRA run's base held as it was: 4 bits stay 4 bits); notes on what changed
     checkpoint, found = origin.checkpoint, origin.found
     check_resume(checkpoint, config, meta["vocab_size"], found)
     trained_on = checkpoint.get("tokenizer_fingerprint")  # (none in a checkpoint from before it was kept)
@@ -219,8 +201,7 @@ def resume(origin, config, meta):
                         f"on (its ids would mean other words): resume on the data it was trained on, or train anew "
                         f"into another out_dir")
     pretrained = checkpoint.get("pretrained")
-    # dropout, the kernels and (from scratch) block_size are this run's; a pretrained model's block_size is its
-    # own limit, not the length trained on
+    # RUN_SETTINGS are this run's, but a pretrained model's block_size is its own limit, not the length trained on
     model_args = {**checkpoint["model_args"], **{k: config[k] for k in RUN_SETTINGS}}
     if pretrained:
         model_args["block_size"] = checkpoint["model_args"]["block_size"]
@@ -238,8 +219,7 @@ def resume(origin, config, meta):
                             f"{loop['evals_without_gain']} evaluations): nothing to do; raise early_stop_patience "
                             f"to train on")
         return
-    # the batches of a step depend on these alone, not on how many processes and micro-steps share an update's
-    # sequences (batch_size='auto' may share them otherwise than the command says)
+    # a step's batches depend on these alone, not on how processes and micro-steps share them (batch_size='auto')
     def shaping(c):
         return c.get("seed"), c.get("sequences"), c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0)
     if shaping(before) != shaping(config):
@@ -255,8 +235,7 @@ def resume(origin, config, meta):
 
 
 def load_resume_state(path):
-    """Everything but the weights of the checkpoint a run resumes from (a sharded one's are read into
-    its shards later, by restore), checked to be a checkpoint of this train.py."""
+    """The checkpoint a run resumes from, but a sharded one's weights (restore reads them), checked to be train.py's."""
     checkpoint = ckpt.load_checkpoint(path, weights=False)
     if isinstance(checkpoint, dict):
         ckpt.check_not_nanogpts(checkpoint, path)
@@ -269,11 +248,9 @@ def load_resume_state(path):
 
 
 def starting_point(out_dir, init_from, found):
-    """Where a run begins, from its init_from and what out_dir holds (found: its find_checkpoint): init_from
-    resolved to 'scratch', 'resume' or a Hugging Face folder, and on a resume the checkpoint's state
-    (load_resume_state). 'auto' resumes when there is a checkpoint; a folder resumes the run that began from
-    it (the same command after a preemption). UserError for a run that would overwrite another, or resume
-    nothing."""
+    """init_from resolved to 'scratch', 'resume' or a Hugging Face folder by what out_dir holds (found), and a
+    resume's checkpoint: 'auto' resumes any, a folder the run that began from it (the same command after a
+    preemption). UserError for a run that would overwrite another, or resume nothing."""
     if init_from == "auto":
         init_from = "resume" if found else "scratch"
     if init_from not in ("scratch", "resume"):  # a Hugging Face model folder to fine-tune
@@ -304,9 +281,8 @@ def check_resume(checkpoint, config, data_vocab, path):
                          f"this one resumes {ckpt.FORMAT}): resume it with the train.py that wrote it, or train anew")
     args = checkpoint["model_args"]  # (a dict: checkpoint.check_values)
     check_sizes(args, f"{path}'s model_args", "use another checkpoint")
-    # a sharded checkpoint's weights are read once the model is built: its blocks are counted by name first
-    # (by the names its optimizer's param_groups hold; a file checkpoint's hold numbers, and model_from_checkpoint
-    # counts its weights' names)
+    # a sharded checkpoint's weights come once the model is built: count its blocks first by the names its
+    # param_groups hold (a file checkpoint's hold numbers; model_from_checkpoint counts its weights' names)
     names = [name for group in checkpoint.get("param_groups") or [] for name in group.get("params", [])
              if isinstance(name, str)]
     if names and not args.get("lora_rank") and ckpt.layer_count(names, "blocks.") != args["n_layer"]:
@@ -327,10 +303,8 @@ def check_resume(checkpoint, config, data_vocab, path):
                          f"or train the new one into another out_dir")
     trained_with = checkpoint["config"].get("optimizer", "adamw")
     if trained_with != config["optimizer"]:
-        raise UserError(f"{path} was trained with optimizer={trained_with!r}: resume with "
-                         f"--optimizer={trained_with}")
+        raise UserError(f"{path} was trained with optimizer={trained_with!r}: resume with --optimizer={trained_with}")
 
 
 def existing(out_dir):
-    # the checkpoints in out_dir, by name
     return sorted(f for f in os.listdir(out_dir) if re.fullmatch(NAMES, f)) if os.path.isdir(out_dir) else []

@@ -1,9 +1,8 @@
 """
-Tokenizers of every kind prepare.py makes: tiktoken's encodings (gpt2, cl100k_base, o200k_base, ...), char
-(a corpus's characters), bpe:N (a byte-level BPE trained with rustbpe), wordpiece:N, a Hugging Face
-tokenizer.json and nanoGPT's character datasets (meta.pkl), all one Tokenizer (encode, decode, vocab_size,
-eot_id); a dataset's own (load_tokenizer), and whether it is another folder's (check_tokenizer). meta.py reads
-the rest of a dataset's meta.json (read_meta); tokenizer_json.py writes an exported model's tokenizer.json.
+Tokenizers of every kind prepare.py makes: tiktoken's encodings (gpt2, cl100k_base, o200k_base, ...), char (a corpus's
+characters), bpe:N (a byte-level BPE trained with rustbpe), wordpiece:N, a Hugging Face tokenizer.json and nanoGPT's
+character datasets (meta.pkl), all one Tokenizer (encode, decode, vocab_size, eot_id); a dataset's own (load_tokenizer),
+and whether it is another folder's (check_tokenizer). tokenizer_json.py writes an exported model's tokenizer.json.
 
     from lib.tokenizer import load_tokenizer, make_tokenizer
     tokenizer = load_tokenizer("data/stdlib")
@@ -27,12 +26,8 @@ from lib.meta import nanogpt_chars, refuse_unfinished
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # Hugging Face's, preferred first
 
 
-# -----------------------------------------------------------------------------
-# tokenizers: one object for every kind, made by the small constructors below it
-
 class Tokenizer:
-    """encode(str) -> list[int], decode(list[int]) -> str, vocab_size and eot_id, whatever the kind.
-    Exactly one of enc (tiktoken's, for tiktoken and bpe), chars and hf does the encoding."""
+    """Exactly one of enc (tiktoken's, for tiktoken and bpe), chars and hf does the encoding."""
 
     def __init__(self, kind, name, vocab_size, eot_id, enc=None, chars=None, hf=None,
                  hf_json=None, ranks=None, pattern=None, bos_id=None):
@@ -47,8 +42,7 @@ class Tokenizer:
             self.codes = codes[self.code_ids]
 
     def encode(self, text, bos=False):
-        """str -> list[int], without end-of-text; bos: with the BOS that begins a document (bos_id), as a
-        prompt begins."""
+        """str -> list[int], without end-of-text; bos: with the BOS (bos_id) first, as a document and a prompt begin."""
         return self.encode_docs([text], [False], [bos])[0].tolist()
 
     def decode(self, ids):
@@ -62,9 +56,8 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=False)
 
     def encode_docs(self, texts, ends, starts=None):
-        """list[str] -> list of uint32 arrays, each text's ids, after the BOS (bos_id) where starts[i] (a
-        document's first piece), then end-of-text where ends[i] (a document's last piece). Thread-safe; the
-        tiktoken and HF encoders release the GIL, so threads encode in parallel."""
+        """list[str] -> each text's ids (uint32), after the BOS (bos_id) where starts[i] (a document's first piece),
+        then end-of-text where ends[i] (its last). Thread-safe; tiktoken and HF release the GIL: threads run at once."""
         if self.enc is not None:  # encode_to_numpy with nothing special is encode_ordinary, minus the list
             out = [self.enc.encode_to_numpy(text, disallowed_special=()) for text in texts]
         elif self.chars is not None:
@@ -170,8 +163,7 @@ def tiktoken_tokenizer(name):
 def bpe_tokenizer(name, ranks, pattern):
     """Our byte-level BPE (rustbpe's ranks), run by tiktoken, with <|endoftext|> after the ranks."""
     import tiktoken
-    enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": len(ranks)})
+    enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)})
     return Tokenizer("bpe", name, enc.n_vocab, enc.eot_token, enc=enc, ranks=ranks, pattern=pattern)
 
 
@@ -219,9 +211,8 @@ def bases_tokenizer(tokenizer, base):
 
 
 def wordpiece_tokenizer(name, size, texts):
-    """A WordPiece vocabulary of size tokens learned from texts() with the tokenizers library, as BERT's: text
-    split at whitespace and punctuation (case kept), words into pieces marked ##; decoding joins the words with
-    single spaces. Saved as its tokenizer.json, a Hugging Face tokenizer from then on."""
+    """A WordPiece vocabulary of size tokens learned from texts(), as BERT's: split at whitespace and punctuation
+    (case kept), words into pieces marked ##, decoded with single spaces. Saved as a Hugging Face tokenizer.json."""
     try:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
@@ -280,8 +271,6 @@ def make_tokenizer(spec, texts):
     raise UserError(f"unknown tokenizer '{spec}' (use char, bpe:N, a path to a tokenizer.json, "
                     f"or one of {', '.join(tiktoken.list_encoding_names())})")
 
-# -----------------------------------------------------------------------------
-# a prepared dataset's tokenizer, and whether it is that of another folder
 
 def load_tokenizer(data_dir):
     """The tokenizer a dataset was made with: meta.json's, nanoGPT's meta.pkl's characters, or GPT-2 with
@@ -311,8 +300,7 @@ def load_tokenizer(data_dir):
         raise
     except BaseException as e:  # a pattern the regex engine refuses; the Rust libraries' panics are BaseExceptions
         why = (str(e).strip().splitlines() or [""])[0][:160]
-        raise UserError(f"cannot read the tokenizer in {path} ({type(e).__name__}: {why}): re-run prepare.py") \
-            from None
+        raise UserError(f"cannot read the tokenizer in {path} ({type(e).__name__}: {why}): re-run prepare.py") from None
 
 
 def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
@@ -344,8 +332,7 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     if ours.kind == theirs.kind == "huggingface" and ours.hf_json == theirs.hf_json:
         return  # the very same tokenizer.json. (Its text need not give a document's ids back: a SentencePiece-style
         # one, Mistral's, puts no "\u2581" before a text that begins with a space, and its decoding drops one.)
-    # conversations' markers (<|im_start|>, ...) are special tokens: their text reads as those; a text
-    # document begins with the BOS its tokenizer puts there, which is no text of it
+    # conversations' markers (<|im_start|>, ...) read as special tokens; a text document's BOS is no text of it
     encode = (lambda text: theirs.encode_chat(text, [])[0].tolist()) if meta.get("masks") else \
         (lambda text: theirs.encode(text, bos=True))
     skip = 1 if ours.bos_id is not None and not meta.get("masks") else 0

@@ -12,17 +12,15 @@ import re
 
 from lib.errors import UserError
 
-# Oniguruma, the regex engine of the tokenizers library, reads two things in tiktoken's patterns
-# differently from tiktoken's own engine: `X{1,3}+` is a repeat of `X{1,3}` there (possessive
-# only in tiktoken), and `$` is any end of line there (the end of the text only in tiktoken).
+# Oniguruma, the tokenizers library's regex engine, reads two things in tiktoken's patterns otherwise than tiktoken:
+# `X{1,3}+` is a repeat of `X{1,3}` (not possessive), and `$` any end of line (not only the text's end).
 # PATTERN_PIECE matches one atom with an optional `{n,m}+` after it, or a bare `$`.
 ATOM = r"\\[pP]\{\w+\}|\\.|\[(?:\\.|[^\]\\])*\]|[^\\\[\](){}|$]"
 PATTERN_PIECE = re.compile(rf"({ATOM})(\{{\d+(?:,\d*)?\}}\+)?|\$")
 
 
 def hf_tokenizer_files(tok):
-    """prepare.Tokenizer -> ({file name: text} to write beside the model, None), or ({}, why not)
-    when no tokenizer.json can encode exactly as tok.encode does."""
+    """Tokenizer -> ({file name: text} to write beside the model, None), or ({}, why none encodes exactly as it)."""
     if tok.kind in ("char", "nanogpt_char"):
         return {}, ("a character vocabulary has no faithful tokenizer.json; "
                     "the rest of the folder is written without one")
@@ -42,11 +40,10 @@ def hf_tokenizer_files(tok):
 
 
 def tokenizer_config(eos, bos=None):
-    """tokenizer_config.json's text. Our encode reads "<|endoftext|>" in a document as plain text (prepare.py
-    encodes ordinary text only), so transformers must too: split_special_tokens. prepare.py puts before a
-    document only the BOS bos of a tokenizer.json's post-processor (None: nothing) and writes the end-of-text
-    itself, so a runtime adds that BOS and no EOS to a prompt (llama.cpp adds a BOS unless told not to); and
-    decode must not "clean up" the spaces before punctuation."""
+    """tokenizer_config.json's text. prepare.py reads "<|endoftext|>" in a document as plain text, so transformers
+    must too: split_special_tokens. It puts before a document only the BOS bos of a tokenizer.json's post-processor
+    (None: nothing) and writes the end-of-text itself, so a runtime adds that BOS and no EOS to a prompt (llama.cpp
+    adds a BOS unless told not to); and decode must not "clean up" the spaces before punctuation."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
               **({"bos_token": bos} if bos else {}), "add_bos_token": bos is not None, "add_eos_token": False,
               "split_special_tokens": True, "clean_up_tokenization_spaces": False}
@@ -71,9 +68,8 @@ def bytelevel_tokenizer_json(ranks, pattern, specials):
         return "".join(chars[b] for b in token)
 
     vocab = {spell(token): i for token, i in ranks.items()}
-    # tokenizers gives an added token the next free id, wrong where tiktoken's ids have holes
-    # (cl100k's end-of-text is 100257, one past a gap): in the model's vocabulary it keeps its id.
-    # No merge makes one, so the model never produces one from text.
+    # tokenizers gives an added token the next free id, wrong where tiktoken's ids have holes (cl100k's end-of-text
+    # is 100257, one past a gap): in the model's vocabulary it keeps its id; no merge makes one from text.
     vocab.update(specials)
     if len(vocab) != len(ranks) + len(specials) or len(set(vocab.values())) != len(vocab):
         raise UserError("a special token repeats a token or an id of the vocabulary")
@@ -91,18 +87,16 @@ def bytelevel_tokenizer_json(ranks, pattern, specials):
 def byte_chars():
     """GPT-2's table of byte -> character that byte-level tokenizer.json files spell tokens in:
     the printable bytes stand for themselves, the other 68 take the characters from U+0100 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def bpe_merges(ranks):
-    """The merge rules, in rank order, that rebuild tiktoken's encoding from its ranks: for each token of two
-    bytes or more, the two tokens that merging its bytes in rank order, with only the tokens ranked below it,
-    leaves. tiktoken joins the adjacent pair that makes the lowest-ranked token, any such pair; these rules join
-    only the pair recorded for each token, in the same order. The two agree where tiktoken never makes a token
-    from another pair, as the tests check on real text and every code point (gpt2, cl100k, o200k, bpe:N)."""
+    """The merge rules, in rank order, that rebuild tiktoken's encoding from its ranks: for each token of two bytes
+    or more, the two parts merge_below leaves. tiktoken joins the adjacent pair that makes the lowest-ranked token,
+    any such pair; these rules join only the pair recorded for each token. The two agree where tiktoken never makes
+    a token from another pair, as the tests check on real text and every code point (gpt2, cl100k, o200k, bpe:N)."""
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) == 1:
@@ -124,8 +118,7 @@ def merge_below(ranks, token, rank):
             break
         i = pairs.index(best)  # the leftmost of the lowest, as tiktoken takes
         parts[i:i + 2] = [parts[i] + parts[i + 1]]
-        del pairs[i]
-        # only the pairs beside the merged part change
+        del pairs[i]  # only the pairs beside the merged part change
         if i > 0:
             pairs[i - 1] = ranks.get(parts[i - 1] + parts[i], rank)
         if i < len(pairs):

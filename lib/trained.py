@@ -17,10 +17,9 @@ from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make
 
 
 def load_model(path, base_dtype=None, data_dir=None):
-    """out_dir/ckpt.pt, or an FSDP run's sharded folder out_dir/ckpt/ -> (model, checkpoint), on the CPU.
-    A LoRA run's frozen base is read in base_dtype (None: its folder's). checkpoint["data_dir"] becomes where
-    the data the model was trained on is now: data_dir, else where that data was then, else where the run's
-    config says. UserError with one line for what is missing or damaged."""
+    """out_dir/ckpt.pt, or an FSDP run's sharded out_dir/ckpt/ -> (model, checkpoint), on the CPU. A LoRA run's
+    base is read in base_dtype (None: its folder's). checkpoint["data_dir"] becomes where the model's data is now:
+    data_dir, else where that data was then, else where the run's config says."""
     found = find_checkpoint(path)
     if found is None:
         raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
@@ -37,8 +36,7 @@ def load_model(path, base_dtype=None, data_dir=None):
     if found is None:
         raise UserError(f"the model was trained on {candidates[-1]}, which is not here: its data is needed "
                          f"(restore it, or pass --data_dir)")
-    # the data's tokenizer must be the one the run was trained with (a checkpoint from before it was kept:
-    # check_run_tokenizer compares the texts instead)
+    # the data's tokenizer must be the run's (without a fingerprint, check_run_tokenizer compares the texts)
     trained_with = checkpoint.get("tokenizer_fingerprint")
     if trained_with and tokenizer_fingerprint(found, read_meta(found)) != trained_with:
         fix = "leave --data_dir out" if data_dir else "pass --data_dir=DIR, a dataset prepared as the run's was"
@@ -50,9 +48,8 @@ def load_model(path, base_dtype=None, data_dir=None):
 
 
 def check_run_tokenizer(data_dir, checkpoint, model_vocab):
-    """UserError in one line unless another dataset than the run's (sample.py, export.py, eval.py --data_dir)
-    was made with the run's tokenizer: its ids would mean other words. Compared with the run's own data, else
-    with the folder it began from; with neither here, there is nothing to compare with."""
+    """UserError unless another dataset than the run's (--data_dir) was made with the run's tokenizer: its ids
+    would mean other words. Compared with the run's own data, else the folder it began from, if either is here."""
     if checkpoint.get("tokenizer_fingerprint"):  # compared already, exactly (load_model)
         return
     places = (checkpoint.get("trained_on"), checkpoint["config"]["data_dir"])
@@ -81,8 +78,7 @@ def load_run(path, base_dtype=None, data_dir=None):
 
 
 def load_folder_or_run(folder, path, dtype, data_dir, use):
-    """(model, tokenizer, None) of a Hugging Face folder (its weights in dtype, its tokenizer.json), else
-    load_run's of the checkpoint at path. use: what the folder's tokenizer encodes, named if it has none."""
+    """(model, tokenizer, None) of a Hugging Face folder, else load_run's; use: what the folder's tokenizer encodes."""
     if not folder:
         return load_run(path, dtype, data_dir)
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
@@ -91,9 +87,8 @@ def load_folder_or_run(folder, path, dtype, data_dir, use):
 
 
 def chat_folder(checkpoint, tokenizer):
-    """The folder whose chat template a run chats with (sample.py --chat), as export.py gives it: the data's,
-    where it was made from conversations with one; else the Hugging Face folder the run began from, where the
-    data was made with that folder's very tokenizer.json (a text fine-tune of a chat model); else the data's."""
+    """The folder whose chat template a run chats with, as in export.py: the one it began from where the data was
+    made with its very tokenizer.json, not from conversations (a text fine-tune of a chat model); else the data's."""
     data_dir, base = checkpoint["data_dir"], checkpoint.get("pretrained")
     if read_meta(data_dir).get("chat") or not bases_tokenizer(tokenizer, base):
         return data_dir
