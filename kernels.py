@@ -4,14 +4,11 @@ Fused ops for the transformer's memory-bound work, each beside its plain PyTorch
     from kernels import rms_norm, swiglu, apply_rotary, linear_cross_entropy
     y = rms_norm(x, weight, 1e-5)
 
-Every public op `name` has a reference `name_ref` with the same signature. This file imports cleanly on a
-machine with neither a GPU nor Triton.
-
-The public ops run Triton kernels on CUDA tensors, and on CPU tensors when TRITON_INTERPRET=1 was set before
-Triton was imported (that is how the CPU tests run them); otherwise they call the reference. Each is a
-torch.library custom op with a fake (meta) implementation and a registered backward, so torch.compile traces
-it as one opaque node, without graph breaks. Inside, every kernel loads its inputs (fp32, fp16 or bf16) and
-computes in fp32; fp64 inputs compute in fp64, so that gradcheck can test the kernels themselves.
+Every public op `name` has a reference `name_ref` with the same signature; this file imports without a GPU or
+Triton. The public ops run Triton kernels on CUDA tensors, and on CPU ones under TRITON_INTERPRET=1 (how the CPU
+tests run them); else the reference. Each is a torch.library custom op with a fake and a backward, so that
+torch.compile traces it as one node, without graph breaks. Kernels compute in fp32 (fp64 for fp64 inputs, so that
+gradcheck can test them).
 """
 
 import os
@@ -34,7 +31,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def rms_norm_ref(x, weight, eps=1e-5):
-    # normalise in fp32 whatever the input dtype, then scale in the input dtype
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return y.to(x.dtype) * weight
@@ -45,10 +41,9 @@ def swiglu_ref(gate, up):
 
 
 def apply_rotary_ref(x, cos, sin):
-    # x: (B, T, H, D); cos, sin: (T, D/2) fp32. Rotates the pair (x[i], x[i + D/2]): with x1, x2 the
-    # halves, (x1, x2) * (cos, cos) + (x2, x1) * (-sin, sin). Rolling the halves into place instead of
-    # slicing them saves a third of forward and backward on CPU: a roll's backward is a roll, while
-    # each slice's backward zero-fills a whole new tensor.
+    # x: (B, T, H, D); cos, sin: (T, D/2) fp32. Rotates each pair (x[i], x[i + D/2]); rolling the halves into place
+    # rather than slicing them saves a third of forward and backward on CPU: a roll's backward is a roll, while a
+    # slice's zero-fills a whole new tensor.
     d = x.shape[-1] // 2
     c = torch.cat([cos, cos], dim=-1)[:, None, :]  # (T, 1, D), broadcast over heads
     s = torch.cat([-sin, sin], dim=-1)[:, None, :]
@@ -57,9 +52,8 @@ def apply_rotary_ref(x, cos, sin):
 
 
 def linear_cross_entropy_ref(x, weight, targets, ignore_index=-1):
-    # x: (N, C), weight: (V, C), targets: (N,) -> mean cross-entropy over non-ignored targets (0, not NaN, with
-    # zero gradients where all are ignored). All N x V logits exist at once here (twice for a half-precision x:
-    # in its dtype and in fp32); the Triton op makes them a chunk of rows at a time.
+    # x: (N, C), weight: (V, C), targets: (N,) -> mean loss over non-ignored targets (0, not NaN, if none).
+    # All N x V logits exist at once here (twice for a half-precision x); the Triton op makes a chunk at a time.
     logits = (x @ weight.t()).float()  # (N, V)
     loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     return loss / (targets != ignore_index).sum().clamp(min=1)
@@ -195,9 +189,7 @@ if HAS_TRITON:
     _rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
     def rms_norm(x, weight, eps=1e-5):
-        if not triton_can_run(x):
-            return rms_norm_ref(x, weight, eps)
-        return _rms_norm_op(x, weight, eps)[0]
+        return _rms_norm_op(x, weight, eps)[0] if triton_can_run(x) else rms_norm_ref(x, weight, eps)
 
     # --- SwiGLU -------------------------------------------------------------------------
 
@@ -266,9 +258,7 @@ if HAS_TRITON:
     _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
     def swiglu(gate, up):
-        if not triton_can_run(gate):
-            return swiglu_ref(gate, up)
-        return _swiglu_op(gate, up)
+        return _swiglu_op(gate, up) if triton_can_run(gate) else swiglu_ref(gate, up)
 
     # --- rotary embeddings ----------------------------------------------------------------
 
@@ -276,8 +266,7 @@ if HAS_TRITON:
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, D2, sb, st, sh, sd,
                        SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                        ACC: tl.constexpr):
-        # one program per token (b, t): all its heads share one row of cos and sin.
-        # x may be any strided view (a slice of a wider tensor); y is contiguous (B, T, H, D).
+        # one program per token (b, t), its heads sharing a row of cos and sin; x may be strided, y is contiguous
         pid = tl.program_id(0)
         b, t = pid // T, pid % T
         h, d = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_D)[None, :]
@@ -320,9 +309,7 @@ if HAS_TRITON:
     _rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup)
 
     def apply_rotary(x, cos, sin):
-        if not triton_can_run(x):
-            return apply_rotary_ref(x, cos, sin)
-        return _rotary_op(x, cos, sin, False)
+        return _rotary_op(x, cos, sin, False) if triton_can_run(x) else apply_rotary_ref(x, cos, sin)
 
     # --- linear + cross-entropy -----------------------------------------------------------
 
@@ -359,9 +346,8 @@ if HAS_TRITON:
     @torch.library.custom_op("kernels::linear_cross_entropy", mutates_args=())
     def _lce_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
                 x_grad: bool, w_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-        # The gradients are computed here, in forward, chunk by chunk while each chunk's logits
-        # exist; backward only scales them. Returns (loss, grad_x, grad_weight), each gradient empty
-        # where it is not wanted (a frozen head under LoRA: no V x C matmul, no V x C buffer).
+        # -> (loss, grad_x, grad_weight): the gradients made here, a chunk at a time while its logits exist (backward
+        # only scales them), each empty where not wanted (a frozen head under LoRA: no V x C matmul or buffer)
         N, V, acc = x.shape[0], weight.shape[0], _acc(x, weight)
         targets = targets.contiguous()
         n_valid = (targets != ignore_index).sum().clamp(min=1)  # stays on device: no sync
@@ -380,9 +366,8 @@ if HAS_TRITON:
             if x_grad:  # logits now hold d(loss)/d(logits)
                 torch.mm(logits, weight, out=grad_x[s:s + rows])
             if w_grad:
-                # grad_weight accumulates in weight's dtype: an fp32 copy would cost twice the
-                # weight (2 GB at V=128K, C=4096), more than the chunking saves. cuBLAS sums
-                # each chunk in fp32 and rounds once per chunk, and chunks are few.
+                # in weight's dtype: an fp32 copy would cost twice the weight (2 GB at V=128K, C=4096), more
+                # than chunking saves; cuBLAS sums each chunk in fp32 and rounds once per chunk, and chunks are few
                 grad_w = logits.t() @ xc if grad_w is None else grad_w.addmm_(logits.t(), xc)
         return loss_rows.sum() * scale, grad_x, grad_w
 
@@ -393,8 +378,7 @@ if HAS_TRITON:
 
     def _lce_setup(ctx, inputs, output):
         ctx.save_for_backward(output[1], output[2])
-        # the two gradients are outputs that nothing differentiates: without this, autograd would fill zeros as large
-        # as x and as the head's weight for them at every backward
+        # the gradients are outputs nothing differentiates: else autograd fills zeros as large as them, every call
         ctx.set_materialize_grads(False)
 
     def _lce_backward(ctx, dloss, _dgx, _dgw):
@@ -413,8 +397,7 @@ if HAS_TRITON:
         if torch.is_autocast_enabled(dev):  # autocast would cast the reference's matmul, not our op
             x, weight = x.to(torch.get_autocast_dtype(dev)), weight.to(torch.get_autocast_dtype(dev))
         if x.dtype == torch.float16 or weight.dtype == torch.float16:
-            # the gradients are made in forward, before the loss scale is known: in fp16 the
-            # small ones (softmax / tokens) would underflow, so fp16 inputs are worked in fp32
+            # the gradients are made in forward, before the loss scale is known: fp16 would underflow small ones
             x, weight = x.float(), weight.float()
         grad = torch.is_grad_enabled()
         with torch.autocast(dev, enabled=False):  # inputs are cast already: the op's matmuls keep them
@@ -424,9 +407,8 @@ if HAS_TRITON:
     # --- every launch at a model's shape ----------------------------------------------------
 
     def launches(n_embd, mlp_hidden, n_head, n_kv_head, head_size, vocab_size):
-        """[(kernel, launch parameters)] of every kernel the model launches at this shape, the parameters
-        (constexpr block sizes and num_warps, ACC and SIGN aside) chosen as the wrappers above choose them:
-        tests/test_kernels.py compiles them for a GPU's architecture without one."""
+        """[(kernel, launch parameters)] of every kernel the model launches at this shape (ACC and SIGN aside), as the
+        wrappers choose them: tests/test_kernels.py compiles them for a GPU's architecture without one."""
         found = []
         for C in (n_embd, head_size):  # the blocks' norms, and qk_norm's over each head
             found += [(k, _rms_norm_config(C)) for k in (_rms_norm_fwd_kernel, _rms_norm_bwd_kernel)]

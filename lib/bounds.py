@@ -1,8 +1,7 @@
 """
-Bounds on what comes from disk that only some runs read: a file that a folder's index names is read only when it is
-a regular file inside that folder, and a tokenizer.json's normalizer and pre-tokenizer are checked to grow a text
-within a bound and to hold no regex that backtracks without one. (A model's sizes: settings.check_sizes; a
-checkpoint's shapes: checkpoint.check_shapes; a token file's ids: meta.check_token_ids.)
+Bounds on what comes from disk that only some runs read: a file a folder's index names is read only if it is a regular
+file inside that folder; a tokenizer.json's normalizer and pre-tokenizer must grow a text within a bound and hold no
+regex that backtracks without one. (Elsewhere: settings.check_sizes, checkpoint.check_shapes, meta.check_token_ids.)
 
     from lib.bounds import confined
     confined("data/mine", "tokenizer.json", "data/mine/meta.json")    # Path, or a one-line UserError
@@ -14,13 +13,12 @@ import re
 import stat
 from pathlib import Path
 
-
 from lib.errors import UserError
 
+
 def confined(folder, name, where):
-    """folder/name, where name is a relative path that stays inside folder (links resolved) and, if it is
-    there, a regular file (not a FIFO or a device, which would hang or never end); else a one-line UserError
-    saying that where (the file that named it) names it."""
+    """folder/name, where name is a relative path inside folder (links resolved) that, if there, is a regular file (not
+    a FIFO or a device: they would hang or never end); else a one-line UserError, where being the file that names it."""
     if not isinstance(name, str) or not name or os.path.isabs(name):
         raise UserError(f"{where} names {name!r}, not a file inside {folder}: replace it with the folder's own")
     root, real = os.path.realpath(folder), os.path.realpath(os.path.join(folder, name))
@@ -32,11 +30,10 @@ def confined(folder, name, where):
 
 
 # -----------------------------------------------------------------------------
-# a tokenizer.json's own rules: its normalizer and pre-tokenizer, which the tokenizers library runs as written
+# a tokenizer.json's normalizer and pre-tokenizer, which the tokenizers library runs as written
 
-# How many characters one character may become through a tokenizer's normalizer and pre-tokenizer, all their rules
-# in turn, at most: released tokenizers stay under ~80 by the count below (XLM-R's 72). A Replace of " " by 20,000
-# characters asked for 2 GB on 48 KB of text, and the tokenizers library aborted the process.
+# How many characters one may become through all their rules, at most: released tokenizers stay under ~80 by the count
+# below (XLM-R's 72). A Replace of " " by 20,000 characters asked for 2 GB on 48 KB of text, and the library aborted.
 MAX_GROWTH = 100
 # Unicode's normalizations grow a character at most this much (NFKC's worst, U+FDFA, is 18), and what one leaves is
 # normalized already: in a row they grow a text as much as the worst of them, not their product.

@@ -1,7 +1,6 @@
 """
-A sharded checkpoint's .metadata read as data. torch.distributed.checkpoint pickles it, and its own reader
-unpickles it with pickle.load, which calls whatever the file names; ours admits only the types DCP itself
-writes there, and checks that the folder holds what this project's sharded saves write.
+A sharded checkpoint's .metadata read as data: DCP's own reader unpickles it with pickle.load, which calls whatever
+the file names; ours admits only the types DCP writes there, and checks the folder holds what our sharded saves write.
 
     import torch.distributed.checkpoint as dcp
     from lib.dcp_metadata import CheckedReader

@@ -51,23 +51,21 @@ def nf4_bytes(n):
 
 def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="adamw", dp=1, tp=1, fsdp=False,
                     checkpointing=False, offload=False, quantized=None, micro_steps=1, device="cuda"):
-    """Bytes one training process holds, by kind (MEMORY_KINDS), for micro-batches of batch_size sequences of
-    block_size tokens. weights; grads (under DDP with its flat buckets beside them); optimizer, its state;
-    activations, what autograd keeps of the forward for the backward (with checkpointing: each block's input,
-    and one block's activations at a time); copies, the weights in the compute dtype (autocast's, kept for the
-    backward, or under FSDP the gathered root and one block with its gradients); temporary, what lives only a
-    moment at the loss (its buffers, forward and backward, and the last block's backward's), at its peak; host,
-    weights, gradients and optimizer state when offloaded; device, the peak on the device: at the loss
-    (gradients are None between steps, so only DDP's buckets are there, and with micro_steps > 1 those kept
-    between micro-steps) or, under checkpointing, while the backward recomputes a block with nearly every
-    gradient made. What a forward keeps and the optimizer's state are measured on fake tensors (traced_forward,
-    traced_optimizer; optimizer: the setting's name, or the run's settings), so that an edit of the model or a
-    new optimizer needs none here. The layout is arithmetic: dp data-parallel processes, each whole (DDP) or
-    sharding every parameter's dim 0 (FSDP2: rank 0's share, the largest), times tp tensor-parallel ones.
-    quantized: 'nf4' or 'int8', the frozen projections so held (int8: a byte a value, an fp32 scale and an int8
-    zero point a row; activations as the unquantized dtype's); a model quantized already is counted as it is.
-    device: its type. Not counted: document masks, the rotary tables, the allocator's caching and what kernels
-    allocate inside themselves, but for the fused loss's logits (workspace)."""
+    """Bytes one training process holds, by kind (MEMORY_KINDS), for micro-batches of batch_size x block_size tokens:
+    weights; grads (DDP's flat buckets beside them); optimizer, its state; activations, what autograd keeps for the
+    backward (with checkpointing: each block's input, and one block's activations at a time); copies, the weights in the
+    compute dtype (autocast's, kept for the backward; under FSDP the gathered root and one block with its gradients);
+    temporary, at its peak, what lives a moment at the loss (its buffers, forward and backward, and the last block's
+    backward's); host, what offload keeps there; device, the peak on the device: at the loss (gradients are None between
+    steps: only DDP's buckets, and with micro_steps > 1 those kept between micro-steps) or, under checkpointing, while
+    the backward recomputes a block with nearly every gradient made. A forward's activations and the optimizer's state
+    (optimizer: a setting's name, or the run's settings) are measured on fake tensors (traced_forward,
+    traced_optimizer), so that an edit of the model or a new optimizer needs none here. The layout is arithmetic: dp
+    data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2), times tp tensor-parallel
+    ones. quantized: 'nf4' or 'int8', the frozen projections so held (int8: a byte a value, an fp32 scale and an int8
+    zero point a row; activations as unquantized); a model quantized already counts as it is. device: its type. Not
+    counted: document masks, the rotary tables, the allocator's caching, and what kernels allocate inside themselves but
+    for the fused loss's logits (workspace)."""
     c = model.config
     e = 4 if dtype == "float32" else 2  # a weight's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
@@ -124,23 +122,21 @@ def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
 
 
 class StateBytes(NamedTuple):
-    """The bytes of one parameter's optimizer state (traced_optimizer): per value of the parameter, of the state
-    shaped like it (Adam's moments, a momentum), of which a process holds the part it holds of the parameter;
-    and whole, of the rest (Adam's step, a factored moment's rows and columns), counted as traced."""
+    """One parameter's optimizer state in bytes (traced_optimizer): per_value, per value of the parameter, of the state
+    shaped like it (Adam's moments, a momentum), which a process holds as it holds the parameter; whole, the rest
+    (Adam's step, a factored moment's rows and columns), as traced."""
     per_value: int
     whole: int
 
 
 def traced_optimizer(model, optimizer="adamw", tp=1):
-    """{name: StateBytes} for each trained parameter of model, of the state its optimizers (build_optimizers'
-    for optimizer: the setting's name, the other settings at their defaults, or the run's settings) keep after
-    one step of probe_model's copy (two blocks, tensor parallel's share over tp, fake, each tensor in its twin's
-    dtype); the last block's state stands for every later block's, and a parameter the copy lacks (a module
-    replaced by hand) has none. A step may stop early on fake tensors (below): this holds for an optimizer that
-    makes all its state before any arithmetic of its step, as torch's do in _init_group. The optimizers are
-    built for the meta device, where build_optimizers picks no fused kernel (torch's fused SGD has no fake: it
-    would run for real, on real tensors as large as two blocks); their foreach or per-tensor steps keep the same
-    state."""
+    """{name: StateBytes} for each trained parameter of model, of the state its optimizers (build_optimizers' for
+    optimizer: the setting's name with the other settings at their defaults, or the run's settings) keep after one step
+    of probe_model's fake copy (made_fake); the last block's state stands for every later block's, and a parameter the
+    copy lacks (a module replaced by hand) has none. A step may stop early on fake tensors (below): this holds for an
+    optimizer that makes all its state before any arithmetic of its step, as torch's do in _init_group. They are built
+    for the meta device, where build_optimizers picks no fused kernel (torch's fused SGD has no fake: it would run on
+    real tensors as large as two blocks); the foreach or per-tensor steps keep the same state."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode, UnsupportedOperatorException)
     settings = {**defaults(), **(optimizer if isinstance(optimizer, dict) else {"optimizer": optimizer})}
@@ -179,10 +175,9 @@ def state_of(p, optimizers):
 
 class Saved(NamedTuple):
     """What a training forward keeps for the backward, in bytes (traced_forward): one block's activations and its
-    weights' copies in the compute dtype (autocast's); the same for the rest of the model (the embedding, the
-    final norm and the loss: all that n_layer such blocks leave out); one block's input (what checkpointing keeps
-    of it); and, at its peak, what is alive beyond those from the last block's output until the backward is back
-    at its input (the loss's buffers, forward and backward, and that block's backward's)."""
+    weights' copies in the compute dtype (autocast's); the same for the rest of the model (embedding, final norm, loss:
+    all that n_layer such blocks leave out); one block's input (what checkpointing keeps of it); and temporary, the peak
+    of what is alive beyond those from the last block's output until the backward is back at its input."""
     block: int
     block_copies: int
     head: int
@@ -192,16 +187,14 @@ class Saved(NamedTuple):
 
 
 def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=False, device="cuda"):
-    """Saved for a micro-batch of batch_size x block_size tokens through model under dtype's autocast,
-    measured on probe_model's copy of it on fake tensors (no memory held): in one forward, the storages
-    that autograd's saved tensors live in (each once, by the block it was first saved in; the weights' own are
-    the weights); in its backward down to the last block's input, the peak of what is alive (Trace). The trace
-    runs on a CPU, as fake CUDA tensors need a CUDA build of torch; planned for another device, a tensor asked
-    x.is_cuda or x.is_cpu answers for that device (AskedAbout), so that the model makes that device's choices:
-    the fused kernels (whose fakes keep what the kernels keep), attention in bf16 (model.attend). The known
-    error of such a plan: the CPU's ops stand in for the device's where autograd's formulas do not decide what
-    is kept (SDPA's CPU flash keeps q, k, v, its output and logsumexp as CUDA's flash does, but not dropout's
-    RNG state), and a model that asks x.device instead of x.is_cuda is told the CPU."""
+    """Saved for a micro-batch of batch_size x block_size tokens through model under dtype's autocast, measured on
+    probe_model's fake copy (no memory held): in one forward, the storages that autograd's saved tensors live in (each
+    once, by the block that first saved it; the weights' own are the weights); in its backward down to the last block's
+    input, the peak of what is alive (Trace). The trace runs on a CPU, as fake CUDA tensors need a CUDA build of torch;
+    planned for another device, x.is_cuda and x.is_cpu answer for that device (AskedAbout), so that the model makes its
+    choices: the fused kernels (whose fakes keep what the kernels keep), attention in bf16 (model.attend). The known
+    error: the CPU's ops stand in for the device's where autograd's formulas do not decide what is kept (SDPA's CPU
+    flash keeps what CUDA's flash does, but not dropout's RNG state), and a model that asks x.device is told the CPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     compute = getattr(torch, dtype)
     probe = probe_model(model, tp)
@@ -238,9 +231,8 @@ def probe_model(model, tp=1):
 
 
 def made_fake(probe, model, param_dtype=None):
-    # Under FakeTensorMode: each of probe's parameters and buffers made a fake tensor with the dtype and the
-    # requires_grad of its twin in model (a quantized weight's dtype is the one it computes in); param_dtype,
-    # FSDP's gathered dtype, for every floating parameter
+    # Under FakeTensorMode: probe's parameters and buffers made fakes with the dtype (a quantized weight's: the one it
+    # computes in) and requires_grad of their twins in model; param_dtype, FSDP's gathered dtype, for floating ones
     twins = {**dict(model.named_parameters(remove_duplicate=False)),
              **dict(model.named_buffers(remove_duplicate=False))}
     made = {}  # a tied weight stays one tensor
@@ -269,11 +261,10 @@ def workspace(func, args):
 
 
 class Trace(TorchDispatchMode):
-    """The storages that the ops under it make on fake tensors, each once: the bytes alive now (alive) and at
-    their peak while window is open, from the last block's output until the backward is back at its input;
-    which of them are casts of a weight (autocast's copies); and, through saved_tensors_hooks (pack), which
-    autograd saves, by the block (its index, or None: outside the blocks) in whose forward each was first
-    saved. weights: the parameters' and buffers' storages, which are never counted."""
+    """The storages that the ops under it make on fake tensors, each once: the bytes alive now (alive) and at their peak
+    while window is open, from the last block's output until the backward is back at its input; which are casts of a
+    weight (autocast's copies); and, through saved_tensors_hooks (pack), which autograd saves, by the block (its index,
+    or None) whose forward first saved it. weights: the parameters' and buffers' storages, never counted."""
 
     def __init__(self, weights, blocks):
         super().__init__()
@@ -319,8 +310,7 @@ class Trace(TorchDispatchMode):
         self.window = False
 
     def saved_bytes(self):
-        # (the last block's activations and copies, the rest's beside n such blocks): the last block is the
-        # one that the others of a deeper model are like
+        # (the last block's activations and copies, the rest's beside n such blocks): deeper models' blocks are like it
         totals = {}
         for key, (nbytes, region) in self.saved.items():
             kind = (key in self.casts, region == self.blocks - 1)
@@ -409,9 +399,8 @@ def resident_bytes():
 
 
 def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1):
-    """batch_size='auto': the largest micro-batch b, a divisor of the sequences of an update each of the replicas
-    (data-parallel processes) trains, whose peak(b) (bytes a process holds, estimated) fits in budget bytes less
-    a margin -> (b, peak(b)). UserError when not even one sequence fits."""
+    """batch_size='auto': the largest micro-batch b dividing a replica's share of sequences whose peak(b) (a process's
+    bytes, estimated) fits in budget less a margin -> (b, peak(b)); UserError if one sequence does not fit."""
     share = sequences // replicas
     room = budget * (1 - margin)
     for b in sorted((d for d in range(1, share + 1) if share % d == 0), reverse=True):
@@ -425,8 +414,7 @@ def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1):
 
 
 def device_name(device):
-    """What a micro-batch is chosen for: a GPU's name and memory, or the kind of device (a CPU's with the
-    machine's memory)."""
+    """What a micro-batch is chosen for: a GPU's name and memory, a CPU's with the machine's, or the kind."""
     device = torch.device(device)
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
@@ -437,13 +425,12 @@ def device_name(device):
 
 
 def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before, autocast, **estimate):
-    """batch_size='auto': each process's micro-batch for updates of `sequences` sequences of block_size tokens
-    over layout's dp replicas -> (micro-batch, a line saying how it was chosen and how the update is shared
-    out). A resumed run keeps the one it began with (before: its checkpoint) on the same device, budget and
-    processes. Else the largest whose peak (memory_estimate's for layout and estimate's settings; on a CPU, plus
-    what the process holds beside the weights: Python, torch's libraries) fits in memory_budget GiB (0:
-    available_memory) less a 10% margin (fit_micro_batch), tried once and halved if it runs out of memory
-    (tried_micro_batch; not under FSDP or tensor parallel, which rely on the estimate)."""
+    """batch_size='auto': each process's micro-batch for updates of `sequences` sequences of block_size tokens over
+    layout's dp replicas -> (micro-batch, a line saying how it was chosen and the update shared out). A resumed run
+    keeps the one it began with (before: its checkpoint) on the same device, budget and processes. Else the largest
+    whose peak (memory_estimate's; on a CPU, plus what the process holds beside the weights) fits in memory_budget GiB
+    (0: available_memory) less 10% (fit_micro_batch), tried once and halved if it runs out of memory (tried_micro_batch;
+    not under FSDP or tensor parallel, which rely on the estimate)."""
     device, share = estimate["device"], sequences // layout["dp"]
     where = device_name(device)
     config = before["config"] if before else {}
@@ -495,10 +482,9 @@ def micro_batch_fits(model, batch_size, block_size, device, autocast):
 
 
 def tried_micro_batch(model, b, share, block_size, device, autocast):
-    """batch_size='auto': micro-batch b tried once before the first step (micro_batch_fits, in every process);
-    where it runs out of memory in any of them, halved once, to the largest divisor of share (the sequences of a
-    process's update) at most b / 2 -> (micro-batch, a line saying so, or None). Never a second try: a run that
-    still does not fit stops at its first step."""
+    """batch_size='auto': micro-batch b tried once in every process (micro_batch_fits); where any runs out of memory,
+    halved once to the largest divisor of share (a process's sequences an update) at most b / 2 -> (micro-batch, a line
+    saying so, or None). Never a second try: a run that still does not fit stops at its first step."""
     if smallest(int(micro_batch_fits(model, b, block_size, device, autocast)), device):  # fits in every process
         return b, None
     if b == 1:
