@@ -33,7 +33,7 @@ from lib.meta import read_meta
 from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
 from lib.tokenizer import check_tokenizer
-from lib.trained import check_run_tokenizer, load_folder_or_run, load_model
+from lib.trained import chat_folder, check_run_tokenizer, load_folder_or_run, load_model
 
 one_line_errors("eval.py")
 TEXT_WINDOW = 2048  # a folder's window over text without --block_size: at most this many tokens
@@ -70,11 +70,11 @@ def run_tasks():
     path = os.path.join(args.out_dir, args.ckpt)
     model, tokenizer, checkpoint = load_folder_or_run(args.model, path, getattr(torch, dtype), args.data_dir,
                                                       "the tasks' text")
-    # a folder's chat template is beside its weights; a run's, in its data's meta.json
-    chat_folder = args.model or checkpoint["data_dir"]
+    # a folder's chat template is beside its weights; a run's is the one sample.py chats with (trained.chat_folder)
+    template_folder = args.model or chat_folder(checkpoint, tokenizer)
     model.eval().to(device)
     autocast = None if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
-    lm = harness.Model(model, tokenizer, device, autocast, args.batch_size, chat_folder, args.model or path)
+    lm = harness.Model(model, tokenizer, device, autocast, args.batch_size, template_folder, args.model or path)
     limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
     from lm_eval.utils import make_table

@@ -397,11 +397,9 @@ def test_sft_config_on_conversations_with_lora_under_fsdp(pretrained, tmp_path):
     assert done.returncode != 0 and "has no chat template" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
-@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
-def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_does(pretrained, tmp_path, where):
-    # a base whose tokenizer_config.json (or, as newer folders, chat_template.jinja) holds a chat template,
-    # fine-tuned on text: the run's data has no template, and sample.py --chat takes the base's (the data was made
-    # with its very tokenizer.json), the one its export carries: the same reply from the run and from the export
+def text_fine_tune_of_a_chat_model(pretrained, tmp_path, where="tokenizer_config.json"):
+    # the tiny base given a chat template (in where), fine-tuned on text in tmp_path/run and exported to tmp_path/hf
+    # -> the template
     import shutil
     folder, data = pretrained
     base = shutil.copytree(folder, tmp_path / "chat-base")
@@ -416,6 +414,15 @@ def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_
     (base / "tokenizer_config.json").write_text(json.dumps(config))
     run(*FINETUNE, f"--data_dir={data}", f"--init_from={base}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
     export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    return template
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_does(pretrained, tmp_path, where):
+    # a base whose tokenizer_config.json (or, as newer folders, chat_template.jinja) holds a chat template,
+    # fine-tuned on text: the run's data has no template, and sample.py --chat takes the base's (the data was made
+    # with its very tokenizer.json), the one its export carries: the same reply from the run and from the export
+    template = text_fine_tune_of_a_chat_model(pretrained, tmp_path, where)
     chat = ["--chat", "--start=def main", "--max_new_tokens=8", "--temperature=0", "--device=cpu"]
     ours = script("sample.py", f"--out_dir={tmp_path / 'run'}", *chat)
     assert ours.returncode == 0, ours.stderr  # it answered: no "has no chat template"
@@ -423,6 +430,25 @@ def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_
     assert exported.returncode == 0, exported.stderr
     assert ours.stdout.strip() and ours.stdout == exported.stdout
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == template
+
+
+@pytest.mark.slow  # lm_eval's import alone is seconds, in each of two scripts
+def test_eval_tasks_through_a_text_fine_tunes_chat_template_score_as_its_export(pretrained, tmp_path):
+    # eval.py --tasks --apply_chat_template takes the template sample.py chats with (the base's: the run's data has
+    # none), so the run and its export (which carries that template) score the same, item for item
+    from test_harness import OFFLINE, ROOT_TASKS, needs_lm_eval, write_tasks
+    needs_lm_eval()
+    text_fine_tune_of_a_chat_model(pretrained, tmp_path)
+    tasks = write_tasks(tmp_path / "tasks")
+    scores = {}
+    for name, source in (("run", f"--out_dir={tmp_path / 'run'}"), ("hf", f"--model={tmp_path / 'hf'}")):
+        done = script("eval.py", source, f"--tasks={','.join(ROOT_TASKS)}", f"--include_path={tasks}",
+                      "--apply_chat_template", "--limit=3", "--batch_size=2", "--device=cpu",
+                      f"--output={tmp_path / name}.json", env=OFFLINE)
+        assert done.returncode == 0, done.stderr  # the run's: no "has no chat template"
+        scores[name] = json.loads((tmp_path / f"{name}.json").read_text())["results"]
+    assert set(ROOT_TASKS) <= scores["run"].keys()
+    assert scores["run"] == scores["hf"]
 
 
 def test_eval_sizes_a_folders_window_from_the_data_not_its_context(pretrained, tmp_path):
