@@ -82,14 +82,6 @@ def fused(use_kernels, x, compiled_too=False):
     return use_kernels
 
 
-def runs_fused(config, device_type):
-    """Whether a model of config runs kernels.py's fused ops on a device of device_type ('cuda', 'cpu'), eager.
-    use_kernels=True answers True anywhere: where Triton cannot run, kernels.py's ops then call their references."""
-    if config.use_kernels is not None:
-        return config.use_kernels
-    return device_type == "cuda" and kernels.HAS_TRITON
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps, use_kernels):
         super().__init__()
