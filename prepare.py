@@ -180,10 +180,9 @@ def chat_maker(args, tokenizer):
 def check_arguments(args):
     """-> (inputs, out_dir, whether it holds an incomplete dataset to replace); dies at a bad argument."""
     inputs = args.input or [sysconfig.get_paths()["stdlib"]]
-    hub = [i for i in inputs if i.startswith("hf:")]
-    if hub and args.val_input is None and len(inputs) == 1 and ":" not in hub[0][3:]:  # its validation split
-        if "validation" in hub_splits(hub[0][3:], args.hf_config):
-            args.val_input = [hub[0] + ":validation"]
+    if args.val_input is None and len(inputs) == 1 and inputs[0].startswith("hf:") and ":" not in inputs[0][3:]:
+        if "validation" in hub_splits(inputs[0][3:], args.hf_config):  # its validation split
+            args.val_input = [inputs[0] + ":validation"]
     inputs, args.val_input = ([hub_split(i, args.hf_config) if i.startswith("hf:") else i for i in paths]
                               for paths in (inputs, args.val_input or []))
     args.val_input = args.val_input or None

@@ -314,11 +314,10 @@ class ChatFormat:
             if not found.spans:
                 raise UserError("the chat template's {% generation %} blocks write nothing of it to train on")
             return found
-        spans, at = [], 0  # at: where the last turn found ends
+        spans = []  # each turn is looked for after where the last one found ends
         for i, message in enumerate(messages):
             if message["role"] == "assistant" and (self.train_on == "assistant" or i >= first_completion):
-                spans.append(self.turn(text, messages, i, at))
-                at = spans[-1][1]
+                spans.append(self.turn(text, messages, i, spans[-1][1] if spans else 0))
         if self.train_on == "completion":
             return Chat(text, [(spans[0][0], len(text))])
         return Chat(text, spans)
@@ -341,7 +340,7 @@ class ChatFormat:
         content = messages[i]["content"].strip()
         if not content:  # the record's fault, not the template's
             raise UserError(f"assistant message {i + 1} is empty: there is no reply to learn from")
-        start = text.rfind(content, begin, close) if close >= 0 and content else -1
+        start = text.rfind(content, begin, close) if close >= 0 else -1
         if start < 0 and "</think>" in content:  # reasoning templates drop it from earlier turns
             content = content.split("</think>")[-1].strip()
             start = text.rfind(content, begin, close)

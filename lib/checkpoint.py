@@ -11,6 +11,7 @@ tensors and plain values are unpickled, and a folder's .metadata only as DCP's o
     checkpoint = load_checkpoint("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt (its state.pt)
 """
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -260,9 +261,9 @@ def meta_model(args, weights):
     # tensors' shapes (a sharded checkpoint's come later, in restore) and values check
     fix = "use another checkpoint"
     check_sizes(args, "the checkpoint's model_args", fix)
-    if weights and layer_count(weights, "blocks.") != args["n_layer"]:
+    if weights and (blocks := layer_count(weights, "blocks.")) != args["n_layer"]:
         raise UserError(f"the checkpoint's model_args say n_layer={args['n_layer']}, but its weights hold "
-                         f"{layer_count(weights, 'blocks.')} blocks: {fix}")
+                         f"{blocks} blocks: {fix}")
     try:
         with torch.device("meta"):
             model = GPT(GPTConfig(**args))
@@ -364,8 +365,7 @@ def whole_state(model, optimizers):
     if not any(is_dtensor(p) for p in model.parameters()):
         return model.state_dict(), optimizers[0].state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    weights, optim = get_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True,
-                                                                                cpu_offload=True))
+    weights, optim = get_state_dict(model, optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not optim:  # not the master
         return weights, optim
     index = {n: i for i, n in enumerate(parameter_names(model, optimizers[0]))}
@@ -413,12 +413,10 @@ def failed_save(out_dir, step, sharded, error, needed):
             if re.fullmatch(r"ckpt.*\.tmp", name):
                 retire(os.path.join(out_dir, name))
     why = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
-    try:
+    with contextlib.suppress(OSError):  # (the folder itself is gone: the error says why)
         free = shutil.disk_usage(out_dir).free
         if free < needed or isinstance(error, OSError) and error.errno == errno.ENOSPC:
             why = f"No space left on device: about {needed / 2**20:,.1f} MB needed, {free / 2**20:,.1f} MB free"
-    except OSError:  # the folder itself is gone: the error says why
-        pass
     last = latest(out_dir, sharded)
     kept = f"{last[0]} from step {last[1]} is intact" if last else "no earlier checkpoint was written"
     return (f"could not write the checkpoint of step {step} in {out_dir} ({why}); {kept}: make room (or move "

@@ -192,21 +192,19 @@ def hf_config(config, dtype, ids=None):
 
 def hf_layout(config):
     """{transformers' name: our parameter's name} for every tensor of a model of this config."""
-    c = config
     out = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "norm_f.weight"}
-    if not c.tie_embeddings:
+    if not config.tie_embeddings:
         out["lm_head.weight"] = "lm_head.weight"
-    for i in range(c.n_layer):
+    for i in range(config.n_layer):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
         out.update({hf + "input_layernorm.weight": ours + "norm1.weight",
                     hf + "post_attention_layernorm.weight": ours + "norm2.weight"})
         for short, theirs in HF_PROJECTIONS.items():
             out[hf + theirs + ".weight"] = ours + PROJECTIONS[short] + ".weight"
-        if c.qkv_bias:
+        if config.qkv_bias:
             out.update({hf + f"self_attn.{x}_proj.bias": ours + f"attn.{x}.bias" for x in "qkv"})
-        if c.qk_norm:
-            out.update({hf + "self_attn.q_norm.weight": ours + "attn.q_norm.weight",
-                        hf + "self_attn.k_norm.weight": ours + "attn.k_norm.weight"})
+        if config.qk_norm:
+            out.update({hf + f"self_attn.{x}_norm.weight": ours + f"attn.{x}_norm.weight" for x in "qk"})
     return out
 
 

@@ -171,15 +171,14 @@ def record_text(obj, field, chat):
 def read_documents(path, field, dedup, chat):
     """Yield (position, text or BigText, None) per document, or (position, None, why) per bad record.
     Raises SkipFile for a file that cannot be read at all."""
+    ext = file_ext(path).removesuffix(".gz")
     if isinstance(path, HubSplit):
         import datasets
         yield from read_rows(datasets.load_dataset(path.name, path.config, split=path.split, streaming=True),
                              field, chat)
-        return
-    if not path.is_file():
+    elif not path.is_file():
         raise SkipFile("not a regular file")
-    ext = file_ext(path).removesuffix(".gz")
-    if ext in (".jsonl", ".ndjson"):
+    elif ext in (".jsonl", ".ndjson"):
         with open_input(path) as f:
             for n, line in enumerate(bounded_lines(f, MAX_RECORD), 1):  # bytes: split on \n only, as JSON Lines
                 if line is None:
@@ -239,7 +238,7 @@ def read_parquet(path, field, chat):
         rows = chain.from_iterable(batch.to_pylist() for batch in parquet.iter_batches(batch_size=1024))
         yield from read_rows(rows, None, chat)
         return
-    column = field if field else next((c for c in TEXT_FIELDS if c in names), None)
+    column = field or next((c for c in TEXT_FIELDS if c in names), None)
     if column not in names:
         raise SkipFile(f"no text column ({field or '/'.join(TEXT_FIELDS)}); it has {', '.join(names)[:80]}")
     kind = parquet.schema_arrow.field(column).type
@@ -330,8 +329,7 @@ def new_stats():
 
 
 def ext_stats(stats, ext):
-    counts = {"files": 0, "documents": 0, "bytes": 0, "tokens": 0}
-    return stats["extensions"].setdefault(ext or "(none)", counts)
+    return stats["extensions"].setdefault(ext or "(none)", {"files": 0, "documents": 0, "bytes": 0, "tokens": 0})
 
 
 def corpus(inputs, args, stats, only_py=False, exclude=None):

@@ -200,17 +200,15 @@ def resume(origin, config, meta):
         raise UserError(f"{config['data_dir']} was prepared with another tokenizer than the one {found} was trained "
                         f"on (its ids would mean other words): resume on the data it was trained on, or train anew "
                         f"into another out_dir")
-    pretrained = checkpoint.get("pretrained")
+    origin.pretrained, origin.base_fingerprint = checkpoint.get("pretrained"), checkpoint.get("base_fingerprint")
     # RUN_SETTINGS are this run's, but a pretrained model's block_size is its own limit, not the length trained on
-    model_args = {**checkpoint["model_args"], **{k: config[k] for k in RUN_SETTINGS}}
-    if pretrained:
-        model_args["block_size"] = checkpoint["model_args"]["block_size"]
-    loop = {k: checkpoint[k] for k in ckpt.LOOP}
-    lora = model_args.get("lora_rank", 0)
+    origin.model_args = {**checkpoint["model_args"], **{k: config[k] for k in RUN_SETTINGS}}
+    if origin.pretrained:
+        origin.model_args["block_size"] = checkpoint["model_args"]["block_size"]
+    loop = origin.loop = {k: checkpoint[k] for k in ckpt.LOOP}
+    origin.lora = origin.model_args.get("lora_rank", 0)
     before = checkpoint["config"]
-    origin.pretrained, origin.base_fingerprint = pretrained, checkpoint.get("base_fingerprint")
-    origin.model_args, origin.loop, origin.lora = model_args, loop, lora
-    if lora:  # the base as it was held
+    if origin.lora:  # the base as it was held
         origin.lora_base_dtype = before.get("lora_base_dtype", config["lora_base_dtype"])
     origin.notes.append(f"resuming {found} at step {loop['iter_num']}")
     if 0 < config["early_stop_patience"] <= loop["evals_without_gain"]:
@@ -265,8 +263,8 @@ def starting_point(out_dir, init_from, found):
                 raise UserError(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not "
                                  f"{os.path.abspath(init_from)}: train into another out_dir")
             init_from = "resume"
-    if init_from != "resume" and existing(out_dir):
-        raise UserError(f"{out_dir} holds a run already ({', '.join(existing(out_dir))}): continue it with "
+    if init_from != "resume" and (held := existing(out_dir)):
+        raise UserError(f"{out_dir} holds a run already ({', '.join(held)}): continue it with "
                          f"--init_from=resume, or train into another out_dir")
     if init_from == "resume" and not found:
         raise UserError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
@@ -285,9 +283,9 @@ def check_resume(checkpoint, config, data_vocab, path):
     # param_groups hold (a file checkpoint's hold numbers; model_from_checkpoint counts its weights' names)
     names = [name for group in checkpoint.get("param_groups") or [] for name in group.get("params", [])
              if isinstance(name, str)]
-    if names and not args.get("lora_rank") and ckpt.layer_count(names, "blocks.") != args["n_layer"]:
+    if names and not args.get("lora_rank") and (blocks := ckpt.layer_count(names, "blocks.")) != args["n_layer"]:
         raise UserError(f"{path}'s model_args say n_layer={args['n_layer']}, but it holds the weights of "
-                         f"{ckpt.layer_count(names, 'blocks.')} blocks: use another checkpoint")
+                         f"{blocks} blocks: use another checkpoint")
     if data_vocab > args["vocab_size"]:
         raise UserError(f"the checkpoint's vocab_size {args['vocab_size']} is smaller than the data's "
                          f"{data_vocab}: resume with the data it was trained on")

@@ -13,7 +13,7 @@ and whether it is another folder's (check_tokenizer). tokenizer_json.py writes a
 import base64
 import json
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +55,7 @@ class Tokenizer:
             return "".join(self.chars[i] if i < len(self.chars) else beyond for i in ids)
         return self.hf.decode(ids, skip_special_tokens=False)
 
-    def encode_docs(self, texts, ends, starts=None):
+    def encode_docs(self, texts, ends, starts):
         """list[str] -> each text's ids (uint32), after the BOS (bos_id) where starts[i] (a document's first piece),
         then end-of-text where ends[i] (its last). Thread-safe; tiktoken and HF release the GIL: threads run at once."""
         if self.enc is not None:  # encode_to_numpy with nothing special is encode_ordinary, minus the list
@@ -66,7 +66,7 @@ class Tokenizer:
             with stopped_in_one_line(self.name):
                 encodings = self.hf.encode_batch(texts, add_special_tokens=False)
             out = [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
-        if self.bos_id is not None and starts is not None:  # a document begins as AutoTokenizer begins it
+        if self.bos_id is not None:  # a document begins as AutoTokenizer begins it
             bos = np.array([self.bos_id], dtype=np.uint32)
             out = [np.concatenate([bos, ids]) if start else ids for ids, start in zip(out, starts)]
         if not any(ends):
@@ -126,8 +126,7 @@ class Tokenizer:
         elif self.kind == "char":
             name, data = "vocab.json", json.dumps({"kind": "char", "chars": self.chars})
         elif self.kind == "bpe":  # the ranks in order; byte-level, so each token is a base64 byte string
-            tokens = sorted(self.ranks, key=self.ranks.get)
-            ranks = [base64.b64encode(token).decode() for token in tokens]
+            ranks = [base64.b64encode(token).decode() for token in sorted(self.ranks, key=self.ranks.get)]
             name, data = "vocab.json", json.dumps({"kind": "bpe", "pattern": self.pattern, "ranks": ranks})
         else:  # nanoGPT's characters have no end-of-text, so no dataset of ours is made with them
             raise UserError(f"a {self.kind} tokenizer is not saved with a dataset")
@@ -201,13 +200,11 @@ def bases_tokenizer(tokenizer, base):
     if tokenizer.kind != "huggingface" or not base:
         return False
     path, ours = os.path.join(base, "tokenizer.json"), tokenizer.hf_json.encode("utf-8")
-    try:  # read only a regular file of our own one's size: a FIFO or a huge file there is not it
-        if not os.path.isfile(path) or os.path.getsize(path) != len(ours):
-            return False
-        with open(path, "rb") as f:
-            return f.read(len(ours) + 1) == ours
-    except OSError:
-        return False
+    with suppress(OSError):  # read only a regular file of our own one's size: a FIFO or a huge file there is not it
+        if os.path.isfile(path) and os.path.getsize(path) == len(ours):
+            with open(path, "rb") as f:
+                return f.read(len(ours) + 1) == ours
+    return False
 
 
 def wordpiece_tokenizer(name, size, texts):
@@ -337,10 +334,9 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
         (lambda text: theirs.encode(text, bos=True))
     skip = 1 if ours.bos_id is not None and not meta.get("masks") else 0
     for doc in documents or [ids[:512].tolist()]:
-        try:
+        again = None
+        with suppress(ValueError):  # a character the other vocabulary lacks, special tokens it has not
             again = encode(ours.decode(doc[skip:]))
-        except ValueError:  # a character the other vocabulary lacks, special tokens it has not
-            again = None
         compared = len(doc) if documents else len(doc) - 64  # a cut document's last word may split otherwise
         if again is None or again[:compared] != doc[:compared]:
             raise UserError(f"{data_dir} was not prepared with the tokenizer of {folder}: {fix}")
