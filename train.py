@@ -291,12 +291,12 @@ def log_progress(step, loss, lr, grad_norm):
     keys = speed.keys / (speed.steps * micro_steps * batch_size * block_size)  # this process's, per query
     mfu, mfu_run, mfu_note = utilization(raw_model, block_size, keys, tokens_per_s / world_size, peak)
     left, left_note = time_left(clock, step, max_iters, eval_interval, dt, speed.steps)
-    epoch = batches.epoch(step)
+    epoch, mem_mb = batches.epoch(step), measured_mb(device)
     print(f"iter {step}: loss {loss:.4f}, lr {lr:.2e}, grad norm {grad_norm:.3f}, epoch {epoch:.2f}, "
-          f"{dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU {mfu_note}, mem {measured_mb(device):,.0f} MB"
+          f"{dt * 1000:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, MFU {mfu_note}, mem {mem_mb:,.0f} MB"
           f"{memory_note}{left_note}")
     log({"iter": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms_per_iter": dt * 1000,
-         "tokens_per_s": tokens_per_s, "mfu": mfu, "mfu_run": mfu_run, "mem_mb": measured_mb(device),
+         "tokens_per_s": tokens_per_s, "mfu": mfu, "mfu_run": mfu_run, "mem_mb": mem_mb,
          "epoch": epoch, "time_left_s": left})
     speed.restart()
 

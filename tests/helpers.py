@@ -108,6 +108,20 @@ def exact_fsdp_run(shared, data_dir):
                                               torchrun=["--standalone", "--nproc_per_node=2"]))
 
 
+def poisoned_config(path, body):
+    # a config file (Python, as config files are) at path that breaks training as a bug or a bad setting would:
+    # body, run as the file is read, may wrap _loss (kernels.linear_cross_entropy_ref, each real training step's
+    # loss) or _step (AdamW.step), counting real steps in _calls[0] from 1 (_is_fake: the memory estimate's trace
+    # on fake tensors is no training step)
+    path.write_text(
+        "import torch as _torch\n"
+        "import kernels as _k\n"
+        "from torch._subclasses.fake_tensor import is_fake as _is_fake\n"
+        "_loss, _step, _calls = _k.linear_cross_entropy_ref, _torch.optim.AdamW.step, [0]\n"
+        + body)
+    return str(path)
+
+
 def run(*args, torchrun=(), check=True, env=None):
     # train.py as a user runs it: in one process, here in the test's own (in_process: a new Python would spend ~3 s
     # of CPU importing torch before its first step); with torchrun's arguments, under torchrun itself, its workers

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (CPU_ENV, EXACT, ROOT, TINY, exact_fsdp_run, kill_marked, losses, marked, on_cpu, run,
-                     script, torchrun_command, train_refusal, two_nodes, weights)
+from helpers import (CPU_ENV, EXACT, ROOT, TINY, exact_fsdp_run, kill_marked, losses, marked, on_cpu,
+                     poisoned_config, run, script, torchrun_command, train_refusal, two_nodes, weights)
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
 
@@ -247,17 +247,11 @@ def test_workers_that_refuse_end_lib_launch_in_one_line_after_theirs(data_dir, t
 
 def nan_config(tmp_path, from_call):
     # a config file that turns the training loss to NaN from the from_call-th loss computed on
-    path = tmp_path / f"nan_from_{from_call}.py"
-    path.write_text(
-        "import kernels as _k\n"
-        "from torch._subclasses.fake_tensor import is_fake as _is_fake\n"
-        "_ref, _calls = _k.linear_cross_entropy_ref, [0]\n"
+    return poisoned_config(tmp_path / f"nan_from_{from_call}.py", (
         "def _nan(x, w, t, ignore_index=-1):\n"
-        "    _calls[0] += not _is_fake(x)  # (the memory estimate's trace on fake tensors is no training step)\n"
-        f"    return _ref(x, w, t, ignore_index) * (float('nan') if _calls[0] in {from_call} else 1.0)\n"
-        "_k.linear_cross_entropy_ref = _nan\n"
-    )
-    return str(path)
+        "    _calls[0] += not _is_fake(x)\n"
+        f"    return _loss(x, w, t, ignore_index) * (float('nan') if _calls[0] in {from_call} else 1.0)\n"
+        "_k.linear_cross_entropy_ref = _nan\n"))
 
 
 def test_non_finite_loss_skips_the_update(data_dir, tmp_path):

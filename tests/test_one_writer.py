@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, TINY, new_python, on_cpu, run, script, train_refusal
+from helpers import ROOT, TINY, new_python, on_cpu, poisoned_config, run, script, train_refusal
 from test_untrusted_checkpoints import runs  # noqa: F401 (a fixture: a prepared dataset and a tiny run on it)
 
 
@@ -124,33 +124,26 @@ def test_a_diverged_run_stops_with_the_checkpoint_from_before_the_update_that_br
     assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
 
 
-def poisoned(tmp_path, name, body):
-    # a config file (Python, as config files are) that breaks training as a bug or a bad setting would: body runs
-    # after each real training step's loss (kernels.linear_cross_entropy_ref) or optimizer step (AdamW.step) with
-    # _calls[0], that step's number from 1 (the memory estimate's trace on fake tensors is not counted)
-    path = tmp_path / f"{name}.py"
-    path.write_text(
-        "import torch as _torch\n"
-        "import kernels as _k\n"
-        "from torch._subclasses.fake_tensor import is_fake as _is_fake\n"
-        "_loss, _step, _calls = _k.linear_cross_entropy_ref, _torch.optim.AdamW.step, [0]\n"
-        + body)
-    return str(path)
+def resumed_poisoned(runs, tmp_path, name, body, launch):
+    # the shared run's files resumed to step 4 under a config file that breaks training (helpers.poisoned_config),
+    # launched by launch(train.py's arguments) -> (its result, the out_dir, ckpt.pt's bytes before)
+    out = tmp_path / "out"
+    shutil.copytree(runs / "files", out)
+    before = (out / "ckpt.pt").read_bytes()
+    config = poisoned_config(tmp_path / f"{name}.py", body)
+    done = launch([*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4",
+                   "--eval_interval=2", config])
+    return done, out, before
 
 
 def test_a_run_whose_last_update_failed_saves_nothing_and_says_so(runs, tmp_path):
     # the last update's gradient is NaN: the weights at the end gave it, so they are not saved over the last good
     # state (which the resume came from), and the run ends in one line with a non-zero exit
-    out = tmp_path / "out"
-    shutil.copytree(runs / "files", out)
-    before = (out / "ckpt.pt").read_bytes()
-    config = poisoned(tmp_path, "nan_last", (
+    done, out, before = resumed_poisoned(runs, tmp_path, "nan_last", (
         "def _nan(x, w, t, ignore_index=-1):\n"
         "    _calls[0] += not _is_fake(x)\n"
         "    return _loss(x, w, t, ignore_index) * (float('nan') if _calls[0] == 2 else 1.0)\n"
-        "_k.linear_cross_entropy_ref = _nan\n"))
-    done = run(*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4",
-               "--eval_interval=2", config, check=False)
+        "_k.linear_cross_entropy_ref = _nan\n"), lambda args: run(*args, check=False))
     assert_one_line(done, "1 update in a row had a non-finite loss or gradient",
                     f"{out / 'ckpt.pt'}, from step 2, is the last good state")
     assert (out / "ckpt.pt").read_bytes() == before
@@ -159,11 +152,9 @@ def test_a_run_whose_last_update_failed_saves_nothing_and_says_so(runs, tmp_path
 
 def test_weights_that_hold_a_nan_are_never_written(runs, tmp_path):
     # an optimizer step that leaves a NaN in the weights (its loss and gradient were finite): the run's last save
-    # refuses them in one line, and ckpt.pt stays the last good state
-    out = tmp_path / "out"
-    shutil.copytree(runs / "files", out)
-    before = (out / "ckpt.pt").read_bytes()
-    config = poisoned(tmp_path, "nan_weights", (
+    # refuses them in one line, and ckpt.pt stays the last good state. In a new Python: the patch is of torch's
+    # own class, which a run in this process would leave patched
+    done, out, before = resumed_poisoned(runs, tmp_path, "nan_weights", (
         "def _poison(self, *args, **kwargs):\n"
         "    done = _step(self, *args, **kwargs)\n"
         "    first = self.param_groups[0]['params'][0]\n"
@@ -172,10 +163,7 @@ def test_weights_that_hold_a_nan_are_never_written(runs, tmp_path):
         "        with _torch.no_grad():\n"
         "            first.view(-1)[0] = float('nan')\n"
         "    return done\n"
-        "_torch.optim.AdamW.step = _poison\n"))
-    # in a new Python: the patch is of torch's own class, which a run in this process would leave patched
-    done = new_python("train.py", *on_cpu([*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}",
-                                           "--init_from=resume", "--max_iters=4", "--eval_interval=2", config]))
+        "_torch.optim.AdamW.step = _poison\n"), lambda args: new_python("train.py", *on_cpu(args)))
     assert_one_line(done, "the weights hold a NaN or an infinite value at step 4: not saved",
                     f"{out / 'ckpt.pt'}, from step 2, is the last good state")
     assert (out / "ckpt.pt").read_bytes() == before
