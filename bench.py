@@ -32,6 +32,7 @@ NANOGPT_CLONE: `git clone https://github.com/karpathy/nanoGPT`, data made by its
 """
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -265,12 +266,9 @@ def peak_memory(script):
     proc = subprocess.Popen([sys.executable, "-c", script])
     anon = rss = 0
     while proc.poll() is None:
-        try:
-            with open(f"/proc/{proc.pid}/status") as f:
-                status = {line.split(":")[0]: line.split()[1] for line in f if line.startswith(("RssAnon", "VmRSS"))}
+        with contextlib.suppress(OSError, KeyError), open(f"/proc/{proc.pid}/status") as f:
+            status = {line.split(":")[0]: line.split()[1] for line in f if line.startswith(("RssAnon", "VmRSS"))}
             anon, rss = max(anon, int(status["RssAnon"])), max(rss, int(status["VmRSS"]))
-        except (OSError, KeyError):
-            pass
         time.sleep(0.002)
     assert proc.returncode == 0, script
     return anon / 1024, rss / 1024

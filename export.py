@@ -43,8 +43,8 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
         with open_own(os.path.join(folder, name), "w", encoding="utf-8") as f:
             f.write(text)
     # A base's own settings go along where they still hold: its generation defaults, and its tokenizer_config.json
-    # (chat template, special tokens) when the data was made with its very tokenizer.
-    names, jinja = ["generation_config.json"], None
+    # (chat template, special tokens) when the data was made with its very tokenizer. A run from scratch has none.
+    names, jinja = ["generation_config.json"] if base else [], None
     if bases_tokenizer(tokenizer, base):
         names += ["tokenizer_config.json", "special_tokens_map.json"]
         jinja = base_jinja(base)  # a newer folder's template, beside tokenizer_config.json: into it here
@@ -53,12 +53,11 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
             carry(base, name, folder)
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         write_json(os.path.join(folder, "generation_config.json"), ids)
-    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(config_path):
         # a prompt is encoded as prepare.py encoded the data (its BOS, if any, no EOS), whatever the base says
-        config = read_json(os.path.join(folder, "tokenizer_config.json"))
-        config.update({"chat_template": jinja} if jinja else {})
-        write_json(os.path.join(folder, "tokenizer_config.json"),
-                   {**config, "add_bos_token": tokenizer.bos_id is not None, "add_eos_token": False})
+        config = read_json(config_path) | ({"chat_template": jinja} if jinja else {})
+        write_json(config_path, {**config, "add_bos_token": tokenizer.bos_id is not None, "add_eos_token": False})
     chat = read_meta(checkpoint["data_dir"]).get("chat")
     if chat and files:
         write_chat(folder, chat, tokenizer.eot_id)
@@ -258,10 +257,8 @@ def export_gguf(args):
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
         write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)
         durable_replace(staging, args.to)
-    except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same
-        raise UserError(str(e)) from None
-    except OSError as e:  # a full disk, a quota, permissions
-        raise UserError(written_nothing(args.to, e)) from None
+    except (ValueError, OSError) as e:  # gguf's and model.py's ValueErrors too; a full disk, a quota, permissions
+        raise UserError(str(e) if isinstance(e, ValueError) else written_nothing(args.to, e)) from None
     finally:  # whatever stopped it, no half-written file stays behind
         if os.path.exists(staging):
             os.remove(staging)

@@ -89,9 +89,7 @@ if HAS_TRITON:
         return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
     def _programs(t, n):  # enough programs to fill the GPU, but few for the slow interpreter
-        if t.is_cuda:
-            return min(n, 4 * torch.cuda.get_device_properties(t.device).multi_processor_count)
-        return min(n, 4)
+        return min(n, 4 * torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4)
 
     def _rows(t):  # (..., n) -> (M, n) with unit column stride, copying only when it must
         t = t.reshape(-1, t.shape[-1])
@@ -144,9 +142,8 @@ if HAS_TRITON:
 
     @torch.library.custom_op("kernels::rms_norm", mutates_args=())
     def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        C = x.shape[-1]
-        x2 = x.reshape(-1, C).contiguous()
-        M = x2.shape[0]
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        M, C = x2.shape
         y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         rstd = torch.empty(M, dtype=_acc(x, weight), device=x.device)
         cfg = _rms_norm_config(C)
@@ -161,9 +158,8 @@ if HAS_TRITON:
 
     @torch.library.custom_op("kernels::rms_norm_backward", mutates_args=())
     def _rms_norm_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-        C = x.shape[-1]
-        x2, dy2 = x.reshape(-1, C).contiguous(), dy.reshape(-1, C).contiguous()
-        M = x2.shape[0]
+        x2, dy2 = x.reshape(-1, x.shape[-1]).contiguous(), dy.reshape(-1, x.shape[-1]).contiguous()
+        M, C = x2.shape
         dx = torch.empty_like(x2)
         cfg = _rms_norm_config(C)
         P = _programs(x, triton.cdiv(M, cfg["ROWS"]))
@@ -183,8 +179,7 @@ if HAS_TRITON:
     def _rms_norm_backward(ctx, dy, _):
         if dy is None:  # no gradient reached y
             return None, None, None
-        x, weight, rstd = ctx.saved_tensors
-        return *_rms_norm_bwd_op(dy, x, weight, rstd), None
+        return *_rms_norm_bwd_op(dy, *ctx.saved_tensors), None
 
     _rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
@@ -303,8 +298,7 @@ if HAS_TRITON:
 
     def _rotary_backward(ctx, dy):
         # a rotation's gradient is the opposite rotation
-        cos, sin = ctx.saved_tensors
-        return _rotary_op(dy, cos, sin, not ctx.inverse), None, None, None
+        return _rotary_op(dy, *ctx.saved_tensors, not ctx.inverse), None, None, None
 
     _rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup)
 
@@ -355,8 +349,7 @@ if HAS_TRITON:
         loss_rows = torch.empty(N, dtype=acc, device=x.device)
         grad_x = torch.empty_like(x) if x_grad else x.new_empty(0)
         grad_w = None if w_grad else weight.new_empty(0)
-        n_chunks = triton.cdiv(N * V, LCE_CHUNK_ELEMENTS)
-        rows = triton.cdiv(N, n_chunks)
+        rows = triton.cdiv(N, triton.cdiv(N * V, LCE_CHUNK_ELEMENTS))  # per chunk, of as few chunks as fit
         cfg = _cross_entropy_config(V)
         for s in range(0, N, rows):
             xc = x[s:s + rows]

@@ -19,8 +19,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
-
 try:  # optional: only used on CUDA for bf16/fp16 tensors
     from flash_attn import flash_attn_func
 except ImportError:
@@ -73,13 +71,37 @@ PROJECTIONS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "g
 
 
 def fused(use_kernels, x, compiled_too=False):
-    # Whether a call runs kernels.py's fused op or its PyTorch reference. use_kernels=None (auto): the fused op
-    # on CUDA; the reference on a CPU, where Triton could only interpret it, and under torch.compile unless
-    # compiled_too: Inductor fuses the references of the norm, SwiGLU and rotary into the ops around them, which
-    # an opaque op prevents, and only the fused loss wins (124M compiled on an H200: BENCHMARKS.md, 2026-11-27).
+    # kernels.py where a call runs its fused op, else None: the plain PyTorch op below. use_kernels=None (auto):
+    # the fused op on CUDA; the plain one on a CPU, where Triton could only interpret it, and under torch.compile
+    # unless compiled_too: Inductor fuses the plain norm, SwiGLU and rotary into the ops around them, which an
+    # opaque op prevents, and only the fused loss wins (124M compiled on an H200: BENCHMARKS.md, 2026-11-27).
     if use_kernels is None:
-        return x.is_cuda and (compiled_too or not torch.compiler.is_compiling())
-    return use_kernels
+        use_kernels = x.is_cuda and (compiled_too or not torch.compiler.is_compiling())
+    if not use_kernels:
+        return None
+    import kernels  # here, where the option is taken: a run that fuses nothing (a CPU's) never reads kernels.py
+    return kernels
+
+
+# The plain ops, which kernels.py fuses; its references compute the same, so that each kernel is tested against
+# what this model computes without it.
+def rms_norm(x, weight, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def apply_rotary(x, cos, sin):
+    # x: (B, T, H, D); cos, sin: (T, D/2) fp32. Rotates each pair (x[i], x[i + D/2]), the halves rolled into place
+    # (a roll's backward is a roll; a slice's zero-fills a new tensor: a third slower on CPU)
+    c, s = torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]  # (T, 1, D)
+    xf = x.float()
+    return (xf * c + xf.roll(x.shape[-1] // 2, dims=-1) * s).to(x.dtype)
+
+
+def linear_cross_entropy(x, weight, targets, ignore_index=-1):
+    # (N, C) hidden states, (V, C) head, (N,) targets -> the mean loss over targets not ignored (0 where none)
+    loss = F.cross_entropy((x @ weight.t()).float(), targets, ignore_index=ignore_index, reduction="sum")
+    return loss / (targets != ignore_index).sum().clamp(min=1)
 
 
 class RMSNorm(nn.Module):
@@ -89,8 +111,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        norm = kernels.rms_norm if fused(self.use_kernels, x) else kernels.rms_norm_ref
-        return norm(x, self.weight, self.eps)
+        kernels = fused(self.use_kernels, x)
+        return (kernels.rms_norm if kernels else rms_norm)(x, self.weight, self.eps)
 
 
 def rotary_tables(head_size, length, theta, scaling=None):
@@ -180,7 +202,8 @@ class Attention(nn.Module):
         if self.qk_norm:  # each with its own weight
             q, k = self.q_norm(q), self.k_norm(k)
         # rotated apart: joining them to rotate in one call costs a copy forward and another backward
-        rotate = kernels.apply_rotary if fused(self.use_kernels, x) else kernels.apply_rotary_ref
+        kernels = fused(self.use_kernels, x)
+        rotate = kernels.apply_rotary if kernels else apply_rotary
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:  # generation: prepend the keys and values of earlier positions
             if cache:
@@ -202,8 +225,8 @@ class MLP(nn.Module):
         self.use_kernels = config.use_kernels
 
     def forward(self, x):
-        swiglu = kernels.swiglu if fused(self.use_kernels, x) else kernels.swiglu_ref
-        return self.dropout(adapted(self.down, swiglu(adapted(self.gate, x), adapted(self.up, x))))
+        gate, up, kernels = adapted(self.gate, x), adapted(self.up, x), fused(self.use_kernels, x)
+        return self.dropout(adapted(self.down, kernels.swiglu(gate, up) if kernels else F.silu(gate) * up))
 
 
 class Block(nn.Module):
@@ -252,7 +275,7 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None, doc_ids=None, mask=None):
         # idx: (B, T) token ids. With targets (B, T) it returns (None, mean loss); without, (logits (B, T, V),
         # None). The loss is kernels.linear_cross_entropy where fused() picks it: it makes the logits a chunk of
-        # rows at a time, so a large batch's full (B*T, V) logits never exist at once; its reference builds them
+        # rows at a time, so a large batch's full (B*T, V) logits never exist at once; the plain one builds them
         # all. cache: list of n_layer lists, see generate. doc_ids: (B, T) document numbers of packed sequences; a
         # token then attends only to earlier tokens of its own document (for training and evaluation, not with a
         # cache). mask: instead of doc_ids, their attention_mask made outside a compiled model, as train.py does.
@@ -260,8 +283,8 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         B, T = idx.shape
-        cross_entropy = (kernels.linear_cross_entropy if fused(self.config.use_kernels, x, compiled_too=True)
-                         else kernels.linear_cross_entropy_ref)
+        kernels = fused(self.config.use_kernels, x, compiled_too=True)
+        cross_entropy = kernels.linear_cross_entropy if kernels else linear_cross_entropy
         return None, cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
 
     def hidden(self, idx, cache=None, doc_ids=None, mask=None):

@@ -30,9 +30,8 @@ one_line_errors("sample.py")
 MAX_PROMPT = 1 << 20  # characters of a --start=FILE: prompt
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out_dir", default="out", help="folder holding the checkpoint")
-parser.add_argument("--ckpt", default="ckpt.pt",
-                    help="checkpoint in out_dir (ckpt_best.pt: best val loss; the sharded folder of an FSDP run, "
-                    "ckpt/, is found by the same name)")
+parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss; the "
+                    "sharded folder of an FSDP run, ckpt/, is found by the same name)")
 parser.add_argument("--model", default=None, help="a Hugging Face model folder to sample instead of a checkpoint")
 parser.add_argument("--init_from", default="resume", help="nanoGPT's flag: 'resume' (out_dir's checkpoint, the "
                     "default) or a Hugging Face model folder (as --model)")
@@ -70,6 +69,7 @@ except ValueError as e:
 folder = args.model or chat_folder(checkpoint, tokenizer)  # where the chat template is
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
+sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, vocab=tokenizer.vocab_size)
 torch.manual_seed(args.seed)
 
 start = args.start if args.start is not None or args.chat else "\n"
@@ -89,8 +89,7 @@ def reply(messages):
     ids = tokenizer.encode_chat(chat.render(messages, add_generation_prompt=True), [])[0].tolist()
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]
     with autocast:
-        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, stop=end_of_turn, vocab=tokenizer.vocab_size)[0, len(ids):].tolist()
+        y = model.generate(x, args.max_new_tokens, stop=end_of_turn, **sampling)[0, len(ids):].tolist()
     return tokenizer.decode(y[:y.index(end_of_turn)] if end_of_turn in y else y).strip()
 
 
@@ -140,7 +139,6 @@ if args.temperature == 0 and args.num_samples > 1:  # greedy decoding writes the
     args.num_samples = 1
 with autocast:
     for _ in range(args.num_samples):
-        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           vocab=tokenizer.vocab_size)
+        y = model.generate(x, args.max_new_tokens, **sampling)
         print(tokenizer.decode(y[0, skip:].tolist()))  # the prompt and its continuation, without the BOS
         print("---------------")

@@ -120,8 +120,7 @@ class Split:
     def packed(self, numbers, limit=None):
         """Sequences numbers of the run (epoch after epoch; none from limit on: all padding) -> (x, y, doc_ids),
         each (len(numbers), block_size). The validation split is one epoch in the file's order."""
-        T = self.block_size
-        data, mask = self.tokens(), self.mask()
+        T, data, mask = self.block_size, self.tokens(), self.mask()
         tokens = np.full((len(numbers), T + 1), self.eot_id, dtype=np.int64)
         trained = np.zeros((len(numbers), T + 1), dtype=bool)
         doc_ids = np.full((len(numbers), T + 1), T + 1, dtype=np.int64)  # padding: a document of its own
@@ -235,11 +234,10 @@ class Batches:
 
     def steps_for(self, max_epochs):
         """The steps that make max_epochs epochs; from then on a step's sequences are empty."""
-        if self.mode.epochs:
-            self.end_of_epochs = self.splits["train"].sequences_in(max_epochs)
-        if self.end_of_epochs:
-            return math.ceil(self.end_of_epochs / self.sequences_per_step)
-        return math.ceil(max_epochs * self.train_tokens / self.tokens_per_step)
+        if not self.mode.epochs:
+            return math.ceil(max_epochs * self.train_tokens / self.tokens_per_step)
+        self.end_of_epochs = self.splits["train"].sequences_in(max_epochs)
+        return math.ceil(self.end_of_epochs / self.sequences_per_step)
 
     def train(self, step, index):
         """The index-th micro-batch of step (over every process: a process takes its own indices) -> x, y,
@@ -256,10 +254,8 @@ class Batches:
     def evaluation(self, name, index):
         """The index-th micro-batch of split name's evaluation, the same every time -> x, y, doc_ids."""
         split, numbers = self.splits[name], range(index * self.batch_size, (index + 1) * self.batch_size)
-        if name == "val" and self.scored_val:
+        if self.examples or (name == "val" and self.scored_val):  # examples packed, or val's every target once
             return self.to_device(split.scored(numbers, self.eval_stride, self.doc_mask))
-        if self.examples:
-            return self.to_device(split.packed(numbers))
         return self.to_device(split.windows(-1, index, self.batch_size, self.doc_mask))
 
     def evaluation_batches(self, eval_iters, replicas):

@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lib.errors import UserError
 
-
 DCP_TYPES = {  # module -> names, as torch 2.13 pickles a checkpoint's metadata (torch's dtypes besides)
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
                                               "TensorProperties", "BytesStorageMetadata", "MetadataIndex",

@@ -19,6 +19,8 @@ ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3"
 # llama.cpp rotates the pairs (x[2i], x[2i + 1]) of a head for the llama architecture, and the halves
 # (x[i], x[i + D/2]) as model.py and transformers do for Qwen's: q and k are reordered for the first.
 INTERLEAVED_ROTARY = {"LLAMA"}
+# gguf.LlamaFileType's names for the dtypes the matrices may be written in
+FILE_TYPES = {torch.float32: "ALL_F32", torch.float16: "MOSTLY_F16", torch.bfloat16: "MOSTLY_BF16"}
 # The split patterns of every byte-level BPE we make or import -> the name llama.cpp knows each by
 # (tokenizer.ggml.pre). bpe:N (rustbpe's) and cl100k_base split the text exactly as Llama 3's does.
 BYTELEVEL_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -72,7 +74,7 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.norm_eps)
     writer.add_vocab_size(c.vocab_size)
-    writer.add_file_type(FILE_TYPES[dtype](gguf))
+    writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[dtype]])
     writer.add_tokenizer_model("gpt2")  # llama.cpp's name for a byte-level BPE
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -90,30 +92,16 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
     writer.add_add_eos_token(False)
     if chat_template:
         writer.add_chat_template(chat_template)
-    names = gguf.get_tensor_name_map(arch, c.n_layer)
-    for hf_name, tensor in gguf_tensors(model, arch.name in INTERLEAVED_ROTARY):
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        add_tensor(writer, gguf, name, tensor, dtype)
+    names, params = gguf.get_tensor_name_map(arch, c.n_layer), dict(model.named_parameters())
+    for hf_name, ours in hf_layout(c).items():  # every weight, q and k reordered for an interleaved rotary
+        tensor = params[ours].detach()
+        if arch.name in INTERLEAVED_ROTARY and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = interleave_rotary(tensor, c.n_head if "q_proj" in hf_name else c.n_kv_head)
+        add_tensor(writer, gguf, names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor, dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-FILE_TYPES = {torch.float32: lambda gguf: gguf.LlamaFileType.ALL_F32,
-              torch.float16: lambda gguf: gguf.LlamaFileType.MOSTLY_F16,
-              torch.bfloat16: lambda gguf: gguf.LlamaFileType.MOSTLY_BF16}
-
-
-def gguf_tensors(model, interleave):
-    """(transformers' name, tensor) for every weight, q and k reordered for an interleaved rotary."""
-    c = model.config
-    params = dict(model.named_parameters())
-    for hf_name, ours in hf_layout(c).items():
-        tensor = params[ours].detach()
-        if interleave and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            tensor = interleave_rotary(tensor, c.n_head if "q_proj" in hf_name else c.n_kv_head)
-        yield hf_name, tensor
 
 
 def interleave_rotary(weight, heads):

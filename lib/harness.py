@@ -40,13 +40,13 @@ def import_lm_eval():
 
 class Model(TemplateLM):
     """Our GPT and tokenizer as an lm_eval model (TemplateLM: lm_eval's LM, tokenizing requests as HFLM does)."""
+    max_gen_toks = 256  # HFLM's default
 
     def __init__(self, model, tokenizer, device="cpu", autocast=None, batch_size=8, chat_folder=None, name="gpt"):
         # chat_folder: where the model's chat template is (its data's meta.json, or its Hugging Face folder)
         super().__init__()
-        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.model, self.tokenizer, self.name, self.chat_folder = model, tokenizer, name, chat_folder
         self._device, self.autocast, self.batch_size = torch.device(device), autocast or nullcontext(), batch_size
-        self.chat_folder = chat_folder
         self.specials = set(tokenizer.special_tokens().values())
 
     @property
@@ -56,10 +56,6 @@ class Model(TemplateLM):
     @property
     def max_length(self):  # as HFLM reads it from config.json's max_position_embeddings: the model's limit
         return self.model.config.block_size
-
-    @property
-    def max_gen_toks(self):
-        return 256  # HFLM's default
 
     @property
     def tokenizer_name(self):
@@ -74,9 +70,8 @@ class Model(TemplateLM):
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True):
         if getattr(self, "chat", None) is None:
-            special = self.tokenizer.special_tokens()
-            eot_text = self.tokenizer.decode([self.eot_token_id])
-            self.chat = ChatFormat.for_tokenizer(self.chat_folder, special, eot_text)
+            self.chat = ChatFormat.for_tokenizer(self.chat_folder, self.tokenizer.special_tokens(),
+                                                 self.tokenizer.decode([self.eot_token_id]))
             if self.chat.origin == "built-in":
                 raise UserError(f"--apply_chat_template needs a model trained on conversations: "
                                 f"{self.chat_folder} has no chat template")
@@ -85,10 +80,8 @@ class Model(TemplateLM):
     @torch.no_grad()
     def log_probs(self, inputs):
         # inputs: lists of ids, at most max_length each -> their log-softmax (B, T, V) in float32, right-padded
-        width = max(len(ids) for ids in inputs)
-        x = torch.zeros(len(inputs), width, dtype=torch.long)
-        for i, ids in enumerate(inputs):
-            x[i, :len(ids)] = torch.tensor(ids)
+        x = torch.nn.utils.rnn.pad_sequence([torch.tensor(ids, dtype=torch.long) for ids in inputs],
+                                            batch_first=True)
         with self.autocast:
             logits, _ = self.model(x.to(self.device))
         return F.log_softmax(logits.float(), dim=-1)

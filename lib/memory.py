@@ -21,7 +21,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import kernels
 from lib.errors import UserError
 from lib.optim import build_optimizers
 from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT, is_dtensor
@@ -254,9 +253,10 @@ def storage_key(t):
 
 def workspace(func, args):
     # what an op allocates inside itself, which its fake does not show: the fused loss's chunk of logits
-    if func.name() == "kernels::linear_cross_entropy":
+    if func.name() == "kernels::linear_cross_entropy":  # (kernels.py is imported already, where its op ran)
+        from kernels import LCE_CHUNK_ELEMENTS
         x, weight = args[:2]
-        return min(x.shape[0] * weight.shape[0], kernels.LCE_CHUNK_ELEMENTS) * x.element_size()
+        return min(x.shape[0] * weight.shape[0], LCE_CHUNK_ELEMENTS) * x.element_size()
     return 0
 
 

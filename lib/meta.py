@@ -56,8 +56,7 @@ def read_meta(data_dir):
             raise UserError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
         return meta
     if (Path(data_dir) / "meta.pkl").exists():
-        chars = nanogpt_chars(Path(data_dir) / "meta.pkl")
-        return {"dtype": "uint16", "vocab_size": len(chars), "eot_id": None,
+        return {"dtype": "uint16", "vocab_size": len(nanogpt_chars(Path(data_dir) / "meta.pkl")), "eot_id": None,
                 "tokenizer": {"kind": "nanogpt_char", "file": "meta.pkl"}}
     return {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
             "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}

@@ -8,6 +8,7 @@ and TensorBoard; and the run's clock: the time left, the finish time and the wal
     seconds, note = time_left(clock, 20, max_iters=5000, eval_interval=250, step_seconds=0.12, steps=10)
 """
 
+import contextlib
 import json
 import math
 import os
@@ -69,15 +70,12 @@ def cut_torn_record(path):
     the resumed run's records would go on that line, and the file would not read. The piece goes first."""
     if not os.path.lexists(path):
         return
-    try:
-        with open_own(path, "a+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - TAIL_BYTES))
-            tail = f.read()
-            if tail and not tail.endswith(b"\n"):  # no newline in the tail: the whole tail is the piece
-                f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
-    except (OSError, UserError):
-        pass  # log() says once why it cannot write
+    with contextlib.suppress(OSError, UserError), open_own(path, "a+b") as f:  # log() says once why it fails
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - TAIL_BYTES))
+        tail = f.read()
+        if tail and not tail.endswith(b"\n"):  # no newline in the tail: the whole tail is the piece
+            f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
 
 
 def report_evaluation(log, master, step, losses, task_scores, epoch, lr):
@@ -145,9 +143,8 @@ def time_left(clock, steps_done, max_iters, eval_interval, step_seconds, steps):
     left = seconds_left(intervals, clock["eval_seconds"], steps_done, max_iters, eval_interval)
     clock["estimates"] += 1
     untimed = clock["eval_seconds"] is None and evaluations_left(steps_done, max_iters, eval_interval) > 0
-    untimed = " (evaluations not timed yet)" if untimed else ""
     finish = f", ends ~{finish_time(left)}" if clock["estimates"] <= FINISH_SHOWN else ""
-    return left, f", {duration(left)} left{untimed}{finish}"
+    return left, f", {duration(left)} left{' (evaluations not timed yet)' if untimed else ''}{finish}"
 
 
 class Speedometer:

@@ -197,8 +197,7 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
     if device_type == "cuda":
         if ":" in device:  # 'cuda' alone is the current GPU already, and set_device wants an index
             torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the float32 matmuls that remain
-        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # float32 matmuls in TF32
     # Tensor parallel shards the rest of each replica with FSDP too (over a mesh of one replica, if so): every
     # parameter is then a DTensor on the one mesh, which the fused optimizer step and the clipping need.
     check_layout(tp_size, fsdp, offload, device_type, dtype)
@@ -258,9 +257,8 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
             # DDP's autocast keeps them (cast to bf16, every block's rotation was rounded: a loss gap to DDP)
             mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         offload = CPUOffloadPolicy() if offload else OffloadPolicy()
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
-        fully_shard(model, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
+        for module in [*model.blocks, model]:  # the root last
+            fully_shard(module, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
         register_fsdp_forward_method(model, "loss_and_accuracy")  # evaluation calls it instead of forward
     elif ddp:
         return DDP(model, device_ids=device_ids)

@@ -63,10 +63,8 @@ def bytelevel_tokenizer_json(ranks, pattern, specials):
     split on the pattern, each piece as bytes, merged in rank order; special tokens kept whole."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     chars = byte_chars()
-
-    def spell(token):  # bytes -> the string a byte-level tokenizer.json names the token by
-        return "".join(chars[b] for b in token)
-
+    # bytes -> the string a byte-level tokenizer.json names the token by
+    spell = (lambda token: "".join(chars[b] for b in token))
     vocab = {spell(token): i for token, i in ranks.items()}
     # tokenizers gives an added token the next free id, wrong where tiktoken's ids have holes (cl100k's end-of-text
     # is 100257, one past a gap): in the model's vocabulary it keeps its id; no merge makes one from text.
@@ -132,9 +130,7 @@ def onig_pattern(pattern):
     def rewrite(m):
         if m.group(0) == "$":
             return r"\z"
-        if m.group(2):
-            return f"(?>{m.group(1)}{m.group(2)[:-1]})"
-        return m.group(0)
+        return f"(?>{m.group(1)}{m.group(2)[:-1]})" if m.group(2) else m.group(0)
     out = PATTERN_PIECE.sub(rewrite, pattern)
     if re.search(r"\)\{\d+(?:,\d*)?\}\+", out):
         raise UserError("its split pattern repeats a group possessively, which this rewrite does not handle")

@@ -53,8 +53,7 @@ def check_run_tokenizer(data_dir, checkpoint, model_vocab):
     if checkpoint.get("tokenizer_fingerprint"):  # compared already, exactly (load_model)
         return
     places = (checkpoint.get("trained_on"), checkpoint["config"]["data_dir"])
-    own = next((d for d in places if d and os.path.isdir(d)), None)
-    reference = own or checkpoint.get("pretrained")
+    reference = next((d for d in places if d and os.path.isdir(d)), None) or checkpoint.get("pretrained")
     if not reference or not os.path.isdir(reference) or os.path.abspath(reference) == os.path.abspath(data_dir):
         return
     fix = f"leave --data_dir out (the run's own data: {reference}), or prepare it with the run's tokenizer"
@@ -90,6 +89,4 @@ def chat_folder(checkpoint, tokenizer):
     """The folder whose chat template a run chats with, as in export.py: the one it began from where the data was
     made with its very tokenizer.json, not from conversations (a text fine-tune of a chat model); else the data's."""
     data_dir, base = checkpoint["data_dir"], checkpoint.get("pretrained")
-    if read_meta(data_dir).get("chat") or not bases_tokenizer(tokenizer, base):
-        return data_dir
-    return base
+    return data_dir if read_meta(data_dir).get("chat") or not bases_tokenizer(tokenizer, base) else base

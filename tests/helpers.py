@@ -110,14 +110,14 @@ def exact_fsdp_run(shared, data_dir):
 
 def poisoned_config(path, body):
     # a config file (Python, as config files are) at path that breaks training as a bug or a bad setting would:
-    # body, run as the file is read, may wrap _loss (kernels.linear_cross_entropy_ref, each real training step's
+    # body, run as the file is read, may wrap _loss (model.linear_cross_entropy, each real training step's
     # loss) or _step (AdamW.step), counting real steps in _calls[0] from 1 (_is_fake: the memory estimate's trace
     # on fake tensors is no training step)
     path.write_text(
         "import torch as _torch\n"
-        "import kernels as _k\n"
+        "import model as _m\n"
         "from torch._subclasses.fake_tensor import is_fake as _is_fake\n"
-        "_loss, _step, _calls = _k.linear_cross_entropy_ref, _torch.optim.AdamW.step, [0]\n"
+        "_loss, _step, _calls = _m.linear_cross_entropy, _torch.optim.AdamW.step, [0]\n"
         + body)
     return str(path)
 

@@ -3,6 +3,7 @@ weight of the run in the layout llama.cpp wants, the hyperparameters it reads an
 And the special tokens of both exports: as prepare.py made the data, or as an imported base has them.
 Run: python -m pytest -q tests/test_gguf.py"""
 
+import json
 import sys
 import sysconfig
 from pathlib import Path
@@ -208,7 +209,6 @@ def make_base(folder, family, text):
 @pytest.mark.slow  # a base, a dataset with its tokenizer and a short fine-tune
 @pytest.mark.parametrize("family", list(BASES))
 def test_a_fine_tuned_import_keeps_its_bases_ids(family, tmp_path):
-    import json
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[d-f]*.py"))
     text = "\n".join(f.read_text(errors="replace") for f in files)[:100_000]
     make_base(tmp_path / "base", family, text)
@@ -252,7 +252,6 @@ def write_gpt2_run(folder):
 
 @pytest.mark.parametrize("kind", ["bpe", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_autotokenizer_encodes_as_prepare_did(kind, bpe_run, shared, tmp_path):
-    import json
     transformers = pytest.importorskip("transformers")
     if kind == "gpt2":
         tiktoken = pytest.importorskip("tiktoken")
@@ -354,7 +353,6 @@ def write_bos_run(folder):
 
 
 def test_a_bos_adding_tokenizer_begins_every_text_with_it_everywhere(shared, tmp_path):
-    import json
     transformers = pytest.importorskip("transformers")
     folder = shared("gguf-bos-run", write_bos_run)
     done = script("export.py", f"--out_dir={folder / 'run'}", f"--to={tmp_path / 'hf'}")
@@ -392,3 +390,14 @@ def test_a_bos_adding_tokenizer_begins_every_text_with_it_everywhere(shared, tmp
     reader = exported(folder, tmp_path)
     assert value(reader, "tokenizer.ggml.add_bos_token") is True
     assert value(reader, "tokenizer.ggml.bos_token_id") == 0
+
+
+def test_a_scratch_runs_export_carries_no_file_of_the_folder_it_runs_in(bpe_run, tmp_path, monkeypatch):
+    # a run from scratch has no base folder: a generation_config.json where export.py is started is not its own
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7, "temperature": 0.01}')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (export.main installs its one-line hook)
+    export.main([f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'hf'}"])
+    written = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    eot = load_tokenizer(bpe_run / "data").eot_id
+    assert written["eos_token_id"] == eot != 7 and "temperature" not in written

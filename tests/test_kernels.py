@@ -68,6 +68,28 @@ def randn(*shape, grad=True):
 
 
 # -----------------------------------------------------------------------------
+# each reference is what model.py computes without the kernels: the kernels are tested against the model's ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_reference_is_the_models_plain_op_bit_for_bit(dtype):
+    import model
+    torch.manual_seed(0)
+    x, w, hidden, head = (torch.randn(*shape, dtype=dtype, requires_grad=True) for shape in [(3, 5, 2, 8), (8,),
+                                                                                            (7, 8), (11, 8)])
+    angles = torch.outer(torch.arange(5.0), torch.rand(4))
+    targets = torch.randint(-1, 11, (7,))
+    pairs = [(lambda x, w: model.rms_norm(x, w, 1e-5), lambda x, w: K.rms_norm_ref(x, w, 1e-5), [x, w]),
+             (lambda x: model.apply_rotary(x, angles.cos(), angles.sin()),
+              lambda x: K.apply_rotary_ref(x, angles.cos(), angles.sin()), [x]),
+             (model.linear_cross_entropy, K.linear_cross_entropy_ref, [hidden, head, targets])]
+    for ours, ref, inputs in pairs:
+        out, grads = fwd_bwd(ours, inputs)
+        out_ref, grads_ref = fwd_bwd(ref, inputs)
+        assert torch.equal(out, out_ref) and all(map(torch.equal, grads, grads_ref))
+
+
+# -----------------------------------------------------------------------------
 # each op against its reference
 
 

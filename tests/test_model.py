@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import model as M
+from helpers import ROOT
 from lib.errors import UserError
 from lib.lora import add_lora
 from lib.optim import build_optimizers
@@ -338,6 +339,22 @@ def test_use_kernels_none_follows_the_device_a_call_runs_on(monkeypatch):
     model(idx, idx)[1].backward()
     assert model.config.use_kernels is None
 
+
+
+def test_kernels_py_is_read_only_where_a_call_fuses():
+    # use_kernels=None on a CPU runs model.py's plain ops: kernels.py (and Triton with it) is imported at the one
+    # place the option is taken, so a CPU run never reads it, and use_kernels=True does. A new Python: the tests'
+    # own process has imported it by now.
+    import subprocess
+    import sys
+    code = ("import sys, torch\nfrom model import GPT, GPTConfig\nx = torch.randint(0, 64, (2, 16))\n"
+            "for fuse in (None, True):\n"
+            "    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32,\n"
+            "                          use_kernels=fuse))\n"
+            "    model(x, x)[1].backward()\n    model.generate(x[:, :2], 3)\n"
+            "    print('kernels' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"], done.stderr
 
 # greedy decoding and sampling both choose from logits cut at vocab= first: the quick tier keeps sampling
 @pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])

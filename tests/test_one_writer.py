@@ -143,7 +143,7 @@ def test_a_run_whose_last_update_failed_saves_nothing_and_says_so(runs, tmp_path
         "def _nan(x, w, t, ignore_index=-1):\n"
         "    _calls[0] += not _is_fake(x)\n"
         "    return _loss(x, w, t, ignore_index) * (float('nan') if _calls[0] == 2 else 1.0)\n"
-        "_k.linear_cross_entropy_ref = _nan\n"), lambda args: run(*args, check=False))
+        "_m.linear_cross_entropy = _nan\n"), lambda args: run(*args, check=False))
     assert_one_line(done, "1 update in a row had a non-finite loss or gradient",
                     f"{out / 'ckpt.pt'}, from step 2, is the last good state")
     assert (out / "ckpt.pt").read_bytes() == before

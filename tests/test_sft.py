@@ -10,10 +10,9 @@ import torch.nn.functional as F
 
 import prepare
 from helpers import assert_weights_close, losses, run, script, train_refusal, weights
-from kernels import linear_cross_entropy_ref
 from lib.data import Split, best_fit
 from lib.errors import UserError
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, linear_cross_entropy
 
 WORDS = "apple river stone cloud seven orange lamp tiger music paper green window silver forest quiet".split()
 SMALL = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--batch_size=4", "--eval_iters=2",
@@ -141,7 +140,7 @@ def test_ignored_targets_change_no_gradient(op):
             pytest.skip("no Triton")
         fn = kernels.linear_cross_entropy
     else:
-        fn = linear_cross_entropy_ref
+        fn = linear_cross_entropy
     torch.manual_seed(0)
     x, w = torch.randn(16, 32), torch.randn(96, 32)
     targets = torch.randint(0, 96, (16,))
