@@ -18,7 +18,7 @@ from lib.errors import UserError, one_line_errors
 
 def read_run(out_dir):
     """A run's records -> (steps, evaluations): the logged training steps (skipped updates left out) and the
-    evaluations, each a list of records in the order written, with "wall_s" added where the records have time."""
+    evaluations, each a list of records by step, with "wall_s" added where the records have time."""
     path = os.path.join(out_dir, "metrics.jsonl")
     try:
         with open(path) as f:
@@ -34,8 +34,10 @@ def read_run(out_dir):
                 offset += last
             last = record["elapsed_s"]
             record["wall_s"] = offset + last
-    evaluations = [r for r in records if "val_loss" in r]
-    steps = [r for r in records if "val_loss" not in r and not r.get("skipped") and "loss" in r]
+    # a resumed run logs again the steps after its checkpoint: a step's last record is the one that counts
+    evaluations = list({r["iter"]: r for r in records if "val_loss" in r}.values())
+    trained = [r for r in records if "val_loss" not in r and not r.get("skipped") and "loss" in r]
+    steps = list({r["iter"]: r for r in trained}.values())
     if not steps and not evaluations:
         raise UserError(f"{path} holds no step or evaluation yet: plot it after the first log line")
     return steps, evaluations

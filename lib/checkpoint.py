@@ -282,12 +282,11 @@ def meta_model(args, weights):
 
 
 def write_file(state, path):
-    tmp = path + ".tmp"
-    with open_own(tmp, "wb") as f:
+    # state saved as path, on the disk: a save's tmp, which takes its checkpoint's name once the save is finished
+    with open_own(path, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    durable_replace(tmp, path)
 
 
 FICLONE = 0x40049409  # Linux's ioctl that makes a file share another's blocks until either is written
@@ -465,12 +464,12 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
     master = not dist.is_initialized() or dist.get_rank() == 0
     suffix = "" if sharded else ".pt"
     latest = os.path.join(out_dir, "ckpt" + suffix)
+    tmp = latest + ".tmp"
     if master:  # what killed saves left unfinished (no save is under way now)
         for name in os.listdir(out_dir):
             if re.fullmatch(r"ckpt.*\.tmp", name):
                 retire(os.path.join(out_dir, name))
     if sharded:
-        tmp = latest + ".tmp"
         if dist.is_initialized():
             dist.barrier()
         # the optimizers' settings (plain values) go into state.pt; dcp.save returns on the master once all wrote theirs
@@ -482,22 +481,28 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
             return
         write_file({**state, "param_groups": optim_state["param_groups"]}, os.path.join(tmp, "state.pt"))
         check_shards(tmp, latest)
-        publish(tmp, latest)
     else:
         weights, optimizer = whole_state(model, optimizers)
         if not master:
             return
         state.update(model=trained_only(model, weights) if lora else weights, optimizer=optimizer,
                      more_optimizers=[opt.state_dict() for opt in optimizers[1:]])  # (optim.build_optimizers's)
-        write_file(state, latest)
+        write_file(state, tmp)
+    # The copies are made from the finished tmp, which takes the name ckpt last: a save that dies or fills the disk
+    # on the way leaves the ckpt before it, whose resume saves this step again, copies and all
     if improved:
-        copy_checkpoint(latest, os.path.join(out_dir, "ckpt_best" + suffix))
+        copy_checkpoint(tmp, os.path.join(out_dir, "ckpt_best" + suffix))
     if finished_epoch is not None:
-        copy_checkpoint(latest, os.path.join(out_dir, f"ckpt_epoch_{finished_epoch}{suffix}"))
+        copy_checkpoint(tmp, os.path.join(out_dir, f"ckpt_epoch_{finished_epoch}{suffix}"))
     if keep_last_n > 0:
-        copy_checkpoint(latest, os.path.join(out_dir, f"ckpt_{state['iter_num']:07d}{suffix}"))
+        copy_checkpoint(tmp, os.path.join(out_dir, f"ckpt_{state['iter_num']:07d}{suffix}"))
+    if sharded:
+        publish(tmp, latest)
+    else:
+        durable_replace(tmp, latest)
+    if keep_last_n > 0:  # the last keep_last_n up to this step: a later one is a run resumed from before it
         steps = [(int(m[1]), f) for f in os.listdir(out_dir)
-                 if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f))]
+                 if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f)) and int(m[1]) <= state["iter_num"]]
         kept = sorted({step for step, _ in steps})[-keep_last_n:]
         for step, old in steps:
             if step not in kept:

@@ -9,6 +9,7 @@ and TensorBoard; and the run's clock: the time left, the finish time and the wal
 """
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -47,9 +48,13 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
     def log(record):
         nonlocal failed
         record = {**record, "elapsed_s": round(time.time() - opened, 3)}  # this process's wall time (plot.py's)
+        line = (json.dumps(record) + "\n").encode()
         try:
-            with open_own(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with open_own(os.path.join(out_dir, "metrics.jsonl"), "ab") as f:
+                end = f.seek(0, os.SEEK_END)
+                if os.write(f.fileno(), line) < len(line):  # the disk filled within it: the piece goes, or the
+                    os.ftruncate(f.fileno(), end)  # records written once there is room again would join its line
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except (OSError, UserError) as e:  # a record lost is no reason to lose the run: said once
             if not failed:
                 why = e.strerror if isinstance(e, OSError) else "a symbolic link, never written through"

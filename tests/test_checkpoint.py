@@ -1,6 +1,8 @@
 """checkpoint.py and the atomic rename under it, in-process: no training run."""
 
+import errno
 import os
+import shutil
 import stat
 
 import pytest
@@ -77,6 +79,48 @@ def test_where_a_run_begins_and_what_it_refuses(tmp_path):
         start.starting_point(str(tmp_path), "scratch", found)
     with pytest.raises(ValueError, match="is not a checkpoint of this train.py"):  # plain_run's state is partial
         start.starting_point(str(tmp_path), "auto", found)
+    # a run's epoch checkpoints alone (ckpt.pt deleted to free room) are a run too, never trained over
+    epochs = tmp_path / "epochs"
+    epochs.mkdir()
+    shutil.copy(tmp_path / "ckpt.pt", epochs / "ckpt_epoch_1.pt")
+    (epochs / "ckpt_epoch_2").mkdir()  # a sharded run's
+    with pytest.raises(ValueError, match=r"holds a run already \(ckpt_epoch_1.pt, ckpt_epoch_2\)"):
+        start.starting_point(str(epochs), "auto", None)
+
+
+
+def test_keep_last_n_after_a_resume_from_an_earlier_step_keeps_the_new_steps(tmp_path):
+    # ckpt_best.pt copied over ckpt.pt to go back: the steps saved from there are kept, the later ones of the run
+    # left behind are not counted against them (each is saved over as the new run reaches its step)
+    model = GPT(GPTConfig(**SHAPE))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    for step in (2, 4, 6, 3, 5):
+        ckpt.save(str(tmp_path), {"iter_num": step}, model, optimizers, sharded=False, lora=0, keep_last_n=2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt_0000004.pt", "ckpt_0000005.pt", "ckpt_0000006.pt"]
+    assert ckpt.load_checkpoint(str(tmp_path / "ckpt_0000005.pt"))["iter_num"] == 5
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_a_save_that_fails_making_its_copies_leaves_the_checkpoint_before_it(tmp_path, monkeypatch, sharded):
+    # The disk fills (or the process dies) while the new best's copy is written: ckpt stays the step before, whose
+    # resume saves the new step again, so ckpt_best never lags behind a ckpt that already counted it the best
+    model = GPT(GPTConfig(**SHAPE))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    out, suffix = str(tmp_path), "" if sharded else ".pt"
+    ckpt.save(out, {"iter_num": 1}, model, optimizers, sharded=sharded, lora=0, improved=True)
+    copy_file = ckpt.copy_file
+
+    def full_disk(src, dst):
+        if "ckpt_best" in dst:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        copy_file(src, dst)
+    monkeypatch.setattr(ckpt, "copy_file", full_disk)
+    with pytest.raises(ckpt.UserError, match=f"could not write the checkpoint of step 2 .*/ckpt{suffix} from step 1 "
+                                             f"is intact"):
+        ckpt.save(out, {"iter_num": 2}, model, optimizers, sharded=sharded, lora=0, improved=True)
+    assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_best{suffix}"]
+    assert ckpt.latest(out, sharded)[1] == 1 and ckpt.load_checkpoint(out + f"/ckpt_best{suffix}")["iter_num"] == 1
+    monkeypatch.setattr(ckpt, "copy_file", copy_file)  # room again: the resumed run saves step 2, copies and all
+    ckpt.save(out, {"iter_num": 2}, model, optimizers, sharded=sharded, lora=0, improved=True)
+    assert [ckpt.load_checkpoint(out + f"/{name}{suffix}")["iter_num"] for name in ("ckpt", "ckpt_best")] == [2, 2]
 
 
 def test_a_sharded_save_whose_shards_are_not_all_in_place_is_never_published(tmp_path, monkeypatch):

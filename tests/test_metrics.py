@@ -2,14 +2,15 @@
 log lines giving it, the finish time and the wall time."""
 
 import json
+import os
 import re
 import time
 
 import pytest
 
 from helpers import TINY, run
-from lib.metrics import (RECENT_STEPS, WARMUP_STEPS, duration, evaluations_left, finish_time, seconds_left, start_clock,
-                     time_left)
+from lib.metrics import (RECENT_STEPS, WARMUP_STEPS, duration, evaluations_left, finish_time, open_log, seconds_left,
+                         start_clock, time_left)
 
 
 def test_evaluations_left_counts_every_interval_and_the_end():
@@ -122,3 +123,17 @@ def test_a_record_cut_by_a_kill_goes_before_the_resumed_run_writes(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"iter": 1, "lo')
     open_log(str(tmp_path), {}, master=True)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_record_the_disk_had_room_for_only_in_part_leaves_no_piece(tmp_path, monkeypatch):
+    # A full disk takes part of a record: the piece goes, so that the records written once there is room again each
+    # begin their own line (else plot.py, and any reader, refuses the whole file)
+    log, _ = open_log(str(tmp_path), {}, True)
+    log({"iter": 1, "loss": 1.0})
+    write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: write(fd, data[:10]))
+    log({"iter": 2, "loss": 2.0})
+    monkeypatch.setattr(os, "write", write)
+    log({"iter": 3, "loss": 3.0})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iter"] for line in lines] == [1, 3]

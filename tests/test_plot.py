@@ -38,6 +38,13 @@ def test_a_resumed_runs_clock_continues_and_an_empty_run_is_refused(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     steps, evaluations = read_run(tmp_path)
     assert [r["wall_s"] for r in steps] == [5.0, 8.0] and [r["wall_s"] for r in evaluations] == [6.0]
+    # the steps a killed run had logged past its checkpoint, logged again by its resume: the last records count
+    killed = [{"iter": i, "loss": 5.0 - i, "lr": 1e-3} for i in (1, 2, 3, 4)] + [{"iter": 2, "val_loss": 3.6}]
+    records = killed + [{"iter": i, "loss": 9.0 - i, "lr": 2e-3} for i in (3, 4, 5)] + [{"iter": 2, "val_loss": 3.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps, evaluations = read_run(tmp_path)
+    assert [(r["iter"], r["loss"]) for r in steps] == [(1, 4.0), (2, 3.0), (3, 6.0), (4, 5.0), (5, 4.0)]
+    assert [r["val_loss"] for r in evaluations] == [3.5]
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     done = script("plot.py", tmp_path / "empty")
