@@ -95,7 +95,9 @@ def prepare(args):
     """Run prepare.py with parsed args; returns meta.json's content (or the --analyze report)."""
     started = time.time()
     inputs, out, replacing = check_arguments(args)
-    exclude = out.resolve() if not args.analyze else None  # an out_dir inside an input is not read
+    # an out_dir inside an input is not read; nor, as training data, are --val_input's files an input holds
+    local = [p for p in [*(args.val_input or []), *([] if args.analyze else [out])] if isinstance(p, (str, Path))]
+    exclude = {Path(p).resolve() for p in local}
     threads = max(1, args.num_workers or cpu_count())
 
     learning = time.time()  # char and bpe:N learn their vocabulary in a first pass over the corpus
@@ -206,12 +208,14 @@ def check_arguments(args):
 
 def labelled_documents(args, inputs, exclude, stats):
     """Yield (is_val, ext, doc, start, stop) for the corpus, --val_input last: characters start:stop of doc.
-    Without --val_input, a hash of its name gives a document's split: the same every run, any worker count."""
-    for key, ext, doc in corpus(inputs, args, stats, only_py=not args.input, exclude=exclude):
+    Without --val_input, a hash of its name gives a document's split: the same every run, any worker count.
+    --dedup drops a document seen before in either split (a val one that training holds too)."""
+    seen = set()
+    for key, ext, doc in corpus(inputs, args, stats, only_py=not args.input, exclude=exclude, seen=seen):
         digest = blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
         is_val = args.val_input is None and int.from_bytes(digest, "little") < args.val_fraction * 2**64
         yield is_val, ext, doc, 0, None
-    for key, ext, doc in corpus(args.val_input or [], args, stats, exclude=exclude):
+    for key, ext, doc in corpus(args.val_input or [], args, stats, exclude=exclude, seen=seen):
         yield True, ext, doc, 0, None
 
 

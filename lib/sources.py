@@ -100,8 +100,9 @@ def read_rows(rows, field, chat):  # a Hugging Face dataset's or a parquet file'
         yield f"row {row}", *record_text(record, field, chat)
 
 
-def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
-    """Yield (path, path relative to the INPUT) for every file under folder (or folder, a file), sorted."""
+def input_files(folder, stats, only_py=False, exclude=frozenset(), rel_folder=""):
+    """Yield (path, path relative to the INPUT) for every file under folder (or folder, a file), sorted, but those
+    under a resolved path in exclude (the dataset being written, the --val_input ones)."""
     if isinstance(folder, HubSplit):
         yield folder, str(folder)
         return
@@ -127,9 +128,9 @@ def input_files(folder, stats, only_py=False, exclude=None, rel_folder=""):
             stats["skipped_files"].append({"path": str(path), "reason": why})
         elif entry.is_dir(follow_symlinks=False):
             # Installed packages are not the stdlib, and a dataset we write must not be read back in.
-            if not (only_py and entry.name == "site-packages") and path.resolve() != exclude:
+            if not (only_py and entry.name == "site-packages") and path.resolve() not in exclude:
                 yield from input_files(path, stats, only_py, exclude, rel + "/")
-        elif not only_py or entry.name.endswith(".py"):
+        elif (not only_py or entry.name.endswith(".py")) and path.resolve() not in exclude:
             yield path, rel
 
 
@@ -204,6 +205,8 @@ def read_documents(path, field, dedup, chat):
             obj = json.loads("".join(text for _, text in decoded(path)))
         except json.JSONDecodeError as e:
             raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
+        except ValueError as e:  # an integer past Python's 4,300 digits
+            raise SkipFile(f"malformed JSON ({e})")
         except RecursionError:
             raise SkipFile("JSON nested too deeply")
         for i, item in enumerate(obj, 1) if isinstance(obj, list) else [(0, obj)]:
@@ -332,10 +335,11 @@ def ext_stats(stats, ext):
     return stats["extensions"].setdefault(ext or "(none)", {"files": 0, "documents": 0, "bytes": 0, "tokens": 0})
 
 
-def corpus(inputs, args, stats, only_py=False, exclude=None):
+def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
     """Yield (key, ext, text or BigText) for every accepted document of inputs, in a fixed order.
-    key names the document (path within its INPUT, position) for the train/val split."""
-    seen = set()  # 16-byte digests of the documents kept, for --dedup
+    key names the document (path within its INPUT, position) for the train/val split. seen: the 16-byte digests of
+    the documents kept before (--dedup), which it adds to."""
+    seen = set() if seen is None else seen
 
     def reject(where, why, whole_file):
         if args.strict:
