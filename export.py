@@ -26,10 +26,9 @@ from lib.errors import UserError, one_line_errors
 from lib.files import durable_replace, open_own
 from lib.hf import read_json, save_pretrained, special_ids
 from lib.lora import merge_lora, write_adapter
-from lib.meta import read_meta
 from lib.tokenizer import bases_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files
-from lib.trained import load_run
+from lib.trained import load_run, run_chat
 
 
 def write_model(model, tokenizer, checkpoint, folder, dtype):
@@ -58,7 +57,7 @@ def write_model(model, tokenizer, checkpoint, folder, dtype):
         # a prompt is encoded as prepare.py encoded the data (its BOS, if any, no EOS), whatever the base says
         config = read_json(config_path) | ({"chat_template": jinja} if jinja else {})
         write_json(config_path, {**config, "add_bos_token": tokenizer.bos_id is not None, "add_eos_token": False})
-    chat = read_meta(checkpoint["data_dir"]).get("chat")
+    chat = run_chat(checkpoint)
     if chat and files:
         write_chat(folder, chat, tokenizer.eot_id)
     return note
@@ -117,7 +116,7 @@ def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
     from lib.gguf_export import write_gguf
     merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
     base = checkpoint.get("pretrained") or ""
-    chat = read_meta(checkpoint["data_dir"]).get("chat")
+    chat = run_chat(checkpoint)
     template = chat["template"] if chat else None
     ids = run_special_ids(tokenizer, base)
     if chat:  # generation stops at the end of the assistant's turn, as in write_chat

@@ -33,7 +33,7 @@ from lib import settings
 from lib.data import Batches
 from lib.errors import UserError, one_line_errors
 from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
-from lib.meta import check_data_for_run, read_meta, tokenizer_fingerprint
+from lib.meta import check_data_for_run, data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
                          utilization, wall_time)
 from lib.optim import build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
@@ -175,7 +175,8 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
              "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
              "pretrained": origin.pretrained,  # the Hugging Face folder the run began from, if any
              "base_fingerprint": origin.base_fingerprint, "memory_device": device_name(device),
-             "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta)}  # (start.resume, trained.load_model)
+             "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta),  # (start.resume, trained.load_model)
+             "data_fingerprint": data_fingerprint(meta)}  # its splits, chat template (start.resume, trained.run_chat)
 saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,
                           tensorboard_log)  # (eval_only writes nothing)

@@ -187,6 +187,8 @@ def check_values(checkpoint, path):
              "rng": lambda v: isinstance(v, list) and all(map(rng, v)), "optimizer": optimizer,
              "more_optimizers": lambda v: isinstance(v, list) and all(map(optimizer, v)), "param_groups": groups,
              "tokenizer_fingerprint": lambda v: isinstance(v, str), "data_dir": lambda v: isinstance(v, str),
+             "data_fingerprint": lambda v: isinstance(v, dict) and all(isinstance(x, (str, type(None)))
+                                                                       for x in v.values()),
              "pretrained": lambda v: v is None or isinstance(v, str),
              "base_fingerprint": lambda v: v is None or isinstance(v, str)}
     for name, fits in kinds.items():

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lib import checkpoint as ckpt
 from lib.errors import UserError
 from lib.files import lock_folder, unlock_folder
-from lib.meta import tokenizer_fingerprint
+from lib.meta import data_fingerprint, tokenizer_fingerprint
 from lib.parallel import this_process
 from lib.settings import check_sizes, model_settings
 from model import GPT, GPTConfig
@@ -211,6 +211,9 @@ def resume(origin, config, meta):
     if origin.lora:  # the base as it was held
         origin.lora_base_dtype = before.get("lora_base_dtype", config["lora_base_dtype"])
     origin.notes.append(f"resuming {found} at step {loop['iter_num']}")
+    if checkpoint.get("data_fingerprint", {}).get("splits") not in (None, data_fingerprint(meta)["splits"]):
+        origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
+                            f"sizes differ): the run goes on through other sequences than it would have seen")
     if 0 < config["early_stop_patience"] <= loop["evals_without_gain"]:
         origin.stopped = True
         origin.notes.append(f"this run stopped early at step {loop['iter_num']} (no better val loss in "

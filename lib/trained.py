@@ -12,7 +12,7 @@ from lib.checkpoint import (check_not_nanogpts, check_values, find_checkpoint, l
                             model_from_checkpoint)
 from lib.errors import UserError
 from lib.hf import load_pretrained
-from lib.meta import read_meta, tokenizer_fingerprint
+from lib.meta import data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 
@@ -89,4 +89,17 @@ def chat_folder(checkpoint, tokenizer):
     """The folder whose chat template a run chats with, as in export.py: the one it began from where the data was
     made with its very tokenizer.json, not from conversations (a text fine-tune of a chat model); else the data's."""
     data_dir, base = checkpoint["data_dir"], checkpoint.get("pretrained")
-    return data_dir if read_meta(data_dir).get("chat") or not bases_tokenizer(tokenizer, base) else base
+    return data_dir if run_chat(checkpoint) or not bases_tokenizer(tokenizer, base) else base
+
+
+def run_chat(checkpoint):
+    """meta.json's chat entry of the run's data folder (its conversations' template), None without one; UserError
+    where the folder holds conversations made since with another template than the run's were."""
+    data_dir = checkpoint["data_dir"]
+    meta = read_meta(data_dir)
+    trained_with = checkpoint.get("data_fingerprint", {}).get("chat")
+    if trained_with and data_fingerprint(meta)["chat"] != trained_with:
+        raise UserError(f"{data_dir} was prepared with another chat template than the run's conversations (prepared "
+                        f"again since): prepare it with the run's --chat_template, or pass --data_dir=DIR, a dataset "
+                        f"prepared so")
+    return meta.get("chat")

@@ -379,6 +379,39 @@ def test_sharegpt_conversations_are_those_of_messages_in_files_and_hub_datasets(
         "bad_records"]["examples"][0]
 
 
+@pytest.mark.slow
+def test_data_prepared_again_is_noted_by_a_resume_and_another_template_refused_by_sample_and_export(chat_data,
+                                                                                                   tmp_path):
+    # The run's folder prepared again with the same tokenizer (a model's tokenizer.json): other splits change the
+    # sequences a resume goes on through (said in a note); another chat template is not the one the run's
+    # conversations were made with, so sample.py and export.py refuse it in one line rather than chat through it
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer.train_from_iterator(WORDS * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+
+    def prepare_again(colons, *args):
+        template.write_text("{% for m in messages %}{{ m.role }}" + ":" * colons + " {{ m.content }}<|endoftext|>"
+                            "{% endfor %}")
+        prepare.main([str(chat_data.parent / "chats.jsonl"), f"--tokenizer={tmp_path / 'tokenizer.json'}",
+                      f"--out_dir={data}", "--overwrite", f"--chat_template={template}", *args])
+    data, out, template = tmp_path / "data", tmp_path / "run", tmp_path / "t.jinja"
+    prepare_again(1)
+    common = [*SMALL, f"--data_dir={data}", f"--out_dir={out}", "--eval_interval=1"]
+    run(*common, "--max_iters=1")
+    prepare_again(1, "--val_fraction=0.3")
+    done = run(*common, "--max_iters=2", "--init_from=resume")
+    assert f"note: {data} was prepared again since {out / 'ckpt.pt'} was saved (its splits' sizes differ)" in done.stdout
+    assert "prepared again" not in run(*common, "--max_iters=3", "--init_from=resume").stdout  # (as it was saved)
+    prepare_again(2, "--val_fraction=0.3")
+    for command in [("sample.py", "--start=apple", "--max_new_tokens=2"), ("export.py", f"--to={tmp_path / 'hf'}")]:
+        done = script(*command, f"--out_dir={out}")
+        assert done.returncode != 0 and done.stderr.count("\n") == 1, (command, done.stderr)
+        assert f"{data} was prepared with another chat template than the run's conversations" in done.stderr
+    assert not (tmp_path / "hf").exists()
+
 def test_a_template_that_hides_the_replies_selects_nothing_and_is_refused(tmp_path):
     # the mask must never silently select nothing: a template that does not write the assistant's replies is
     # refused in one line before anything is written
