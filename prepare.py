@@ -45,7 +45,8 @@ SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", 
 def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes, min_length, starts):
     """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text, dropped per text):
     the BOS (if any) before a document's first piece (starts), end-of-text after its last; a whole document (wholes)
-    under min_length tokens dropped. A Chat's mask: 1 per trained token, 0 for its end-of-text (train.py cuts there)."""
+    under min_length tokens of its text dropped. A Chat's mask: 1 per trained token, 0 for its end-of-text (train.py
+    cuts there)."""
     masks = None
     if texts and isinstance(texts[0], Chat):
         pairs = [tokenizer.encode_chat(chat.text, chat.spans) for chat in texts]
@@ -54,7 +55,8 @@ def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes, min_length, star
         texts = [chat.text for chat in texts]
     else:  # a conversation's BOS is in its text: the template's, or the tokenizer's before plain prompt strings
         ids = tokenizer.encode_docs(texts, ends, starts)
-    dropped = [bool(whole) and len(a) - end < min_length for a, end, whole in zip(ids, ends, wholes)]
+    bos = int(masks is None and tokenizer.bos_id is not None)  # the tokenizer's, before a whole document's text
+    dropped = [bool(whole) and len(a) - end - bos < min_length for a, end, whole in zip(ids, ends, wholes)]
 
     def by_split(arrays, kind):
         parts = ([a for a, v, d in zip(arrays, is_val, dropped) if not v and not d],
@@ -281,6 +283,7 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
     in_one_piece = tokenizer.kind == "huggingface" or (tokenizer.kind == "tiktoken"
                                                        and tokenizer.name not in SAFE_ENCODINGS)
     doc = {"pieces": 0}  # the document under way, for drop_short_pieces
+    framing = 1 + (tokenizer.bos_id is not None and not stats["conversations"])  # end-of-text, BOS: not its text
     for infos, (ids, masks, lens, sizes, dropped) in encoded(docs, tokenizer, dtype, threads, in_one_piece,
                                                              min_length, stats):
         ids, dropped = drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length)
@@ -306,7 +309,7 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
                 counts["tokens"] += doc_tokens
                 counts["bytes"] += doc_bytes
             last[split] = (doc_tokens, doc_bytes)
-            bucket = (doc_tokens - 1).bit_length() - 1  # a power of two, of the length without end-of-text
+            bucket = (doc_tokens - framing).bit_length() - 1  # a power of two, of the text's length
             histogram[bucket] = histogram.get(bucket, 0) + 1
             doc_tokens = doc_bytes = 0
         bar.update(sum(sizes))
@@ -319,7 +322,8 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
 def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length):
     """-> (ids, dropped) without a document of several pieces (encode_batch drops those of one) ending in this
     batch under min_length tokens: its last piece marked dropped, its pieces of earlier batches cut off the end of
-    its split's file. doc: the one under way, {"pieces", "tokens", "begin" (in this batch, or None), "file_start"}."""
+    its split's file. doc: the one under way, {"pieces", "tokens", "begin" (in this batch, or None), "file_start"}.
+    (Only tokenizers without a BOS cut a document in pieces: encoded's in_one_piece.)"""
     if not min_length:
         return ids, dropped
     keep, at, dropped = [np.ones(len(a), bool) for a in ids], [0, 0], list(dropped)

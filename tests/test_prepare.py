@@ -595,6 +595,23 @@ def test_val_input_inside_an_input_is_not_trained_on_and_dedup_spans_both_splits
     assert meta["skipped_files"][0]["reason"].startswith("malformed JSON")
     assert meta["train"]["documents"] + meta["val"]["documents"] == 2
 
+def test_min_length_counts_a_documents_own_tokens_not_the_bos_its_tokenizer_adds(tmp_path):
+    # a tokenizer.json whose post-processor puts <s> before a text (Llama 3's way): a document of 2 words is under
+    # --min_length=3 words, its BOS and end-of-text beside it not counted (nor in the length histogram)
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    words = {"<|endoftext|>": 0, "<s>": 1, "[UNK]": 2, "a": 3, "b": 4, "c": 5}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.add_special_tokens(["<|endoftext|>", "<s>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    write(tmp_path / "docs" / "short.txt", "a b")
+    write(tmp_path / "docs" / "long.txt", "a b c")
+    meta = run(tmp_path / "docs", "--out_dir", tmp_path / "out", f"--tokenizer={tmp_path / 'tokenizer.json'}",
+               "--min_length", "3", "--val_fraction", "0")
+    assert meta["short_dropped"] == 1 and meta["train"]["documents"] == 1 and meta["train"]["tokens"] == 5
+    assert meta["document_tokens_histogram"] == {"2-3": 1}
+
 def test_analyze_writes_nothing(tmp_path, capsys):
     src = text_tree(tmp_path / "src")
     write(src / "bin.dat", b"\x00\x01")
