@@ -121,7 +121,7 @@ if checkpoint is not None:
         print(f"note: the optimizer's {', '.join(changed)} are this command's, not the checkpoint's")
 torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None:  # each process's own random stream again, where the processes are as many
-    resume_rng(checkpoint["rng"], rank, world_size, device_type)
+    resume_rng(checkpoint, rank, world_size, tp_size, device_type)
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
 if batch_size_auto:  # the largest micro-batch that fits, for the same updates (memory.py; docs/scaling.md)
     sequences_per_step = gradient_accumulation_steps * batch_size

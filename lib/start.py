@@ -183,9 +183,11 @@ def rng_state(device_type):
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
 
 
-def resume_rng(rngs, rank, world_size, device_type):
-    # this process's random state from rngs (every process's) where as many saved them; else the seed's streams
-    if len(rngs) == world_size:
+def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
+    # this process's random state from the checkpoint's (every process's) where as many saved them in replicas of as
+    # many processes (a replica's tensor-parallel processes share one dropout stream); else the seed's streams
+    rngs = checkpoint["rng"]
+    if len(rngs) == world_size and checkpoint["config"].get("tp_size", 1) == tp_size:
         torch.set_rng_state(rngs[rank]["cpu"])
         if device_type == "cuda" and rngs[rank]["cuda"] is not None:
             torch.cuda.set_rng_state(rngs[rank]["cuda"])

@@ -98,6 +98,19 @@ def test_keep_last_n_after_a_resume_from_an_earlier_step_keeps_the_new_steps(tmp
         ckpt.save(str(tmp_path), {"iter_num": step}, model, optimizers, sharded=False, lora=0, keep_last_n=2)
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt_0000004.pt", "ckpt_0000005.pt", "ckpt_0000006.pt"]
     assert ckpt.load_checkpoint(str(tmp_path / "ckpt_0000005.pt"))["iter_num"] == 5
+
+
+def test_a_resume_takes_each_processs_random_state_only_in_the_same_replicas():
+    # two DDP replicas' dropout streams resumed as one tensor-parallel replica over the same two processes would
+    # give its halves different dropout masks (and the weights both hold would drift apart): the seed's streams then
+    saved = [{"cpu": torch.manual_seed(seed).get_state(), "cuda": None} for seed in (10, 11)]
+    checkpoint = {"rng": saved, "config": {"tp_size": 1}}
+    for tp_size, taken in ((1, True), (2, False)):
+        torch.manual_seed(0)
+        start.resume_rng(checkpoint, 1, 2, tp_size, "cpu")
+        assert torch.equal(torch.get_rng_state(), saved[1]["cpu"]) is taken
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
 def test_a_save_that_fails_making_its_copies_leaves_the_checkpoint_before_it(tmp_path, monkeypatch, sharded):
     # The disk fills (or the process dies) while the new best's copy is written: ckpt stays the step before, whose
