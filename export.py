@@ -33,10 +33,16 @@ from lib.trained import load_run, run_chat
 
 def write_model(model, tokenizer, checkpoint, folder, dtype):
     # merged and cast; returns a note on the tokenizer
+    merge_lora(model).to(getattr(torch, export_dtype(dtype, checkpoint.get("pretrained") or "")))
+    save_pretrained(model, folder, ids=run_special_ids(tokenizer, checkpoint.get("pretrained") or ""))
+    return write_tokenizer(tokenizer, checkpoint, folder)
+
+
+def write_tokenizer(tokenizer, checkpoint, folder):
+    """The run's tokenizer in transformers' files beside its model (or its peft adapter, which vLLM and peft read
+    a tokenizer from too), with its chat template; returns a note on the tokenizer."""
     base = checkpoint.get("pretrained") or ""
-    merge_lora(model).to(getattr(torch, export_dtype(dtype, base)))
     ids = run_special_ids(tokenizer, base)
-    save_pretrained(model, folder, ids=ids)
     files, note = hf_tokenizer_files(tokenizer)
     for name, text in files.items():
         with open_own(os.path.join(folder, name), "w", encoding="utf-8") as f:
@@ -216,9 +222,9 @@ def main(argv=None):
     try:
         # a LoRA run's base in fp32, so that the adapters merge into it in fp32 before the cast
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
-        if args.adapter:
+        if args.adapter:  # with its tokenizer: a run on conversations has its own chat template
             write_adapter(model, checkpoint["pretrained"], staging)
-            note = None
+            note = write_tokenizer(tokenizer, checkpoint, staging)
         else:
             note = write_model(model, tokenizer, checkpoint, staging, args.dtype)
         base = checkpoint.get("pretrained")

@@ -131,7 +131,10 @@ def config_from_hf(hf, block_size=None):
             raise UserError(f"rope_scaling {scaling} must hold numbers above 0, high_freq_factor above "
                             f"low_freq_factor: fix config.json, or download the model again")
     max_len = hf.get("max_position_embeddings", 2048)
-    window = hf.get("sliding_window") if family == "mistral" or hf.get("use_sliding_window") else None
+    if family == "mistral":  # within 4,096 tokens where config.json does not say (transformers' default); null: none
+        window = hf.get("sliding_window", 4096)
+    else:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     if block_size is not None and block_size > max_len:
         raise UserError(f"block_size={block_size} is past the model's max_position_embeddings={max_len}")
     if block_size is not None and window and window < block_size:

@@ -18,7 +18,7 @@ from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make
 
 def load_model(path, base_dtype=None, data_dir=None):
     """out_dir/ckpt.pt, or an FSDP run's sharded out_dir/ckpt/ -> (model, checkpoint), on the CPU. A LoRA run's
-    base is read in base_dtype (None: its folder's). checkpoint["data_dir"] becomes where the model's data is now:
+    base is read in base_dtype (None: its folder's), in nf4 or int8 again where the run held it so. checkpoint["data_dir"] becomes where the model's data is now:
     data_dir, else where that data was then, else where the run's config says."""
     found = find_checkpoint(path)
     if found is None:
@@ -31,6 +31,10 @@ def load_model(path, base_dtype=None, data_dir=None):
         raise UserError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
     check_values(checkpoint, path)
     model = model_from_checkpoint(checkpoint, base_dtype)
+    quantized = checkpoint["config"].get("lora_base_dtype")
+    if model.config.lora_rank and quantized in ("nf4", "int8"):  # QLoRA's adapters on the base they trained on
+        from lib.lora import quantize_base
+        quantize_base(model, quantized)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
     if found is None:

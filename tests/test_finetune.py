@@ -218,6 +218,7 @@ PROJECTIONS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.wei
 def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
     pytest.importorskip("torchao", reason="a 4-bit or 8-bit base needs torchao (pip install torchao)")
     from lib.lora import merge_lora
+    from lib.trained import load_model
     folder, data = pretrained
     # quantize_base holds every projection's weight in NF4 (or int8), and nothing else
     model = quantize_base(add_lora(load_pretrained(folder), 4), kind)
@@ -233,12 +234,21 @@ def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
     torch.testing.assert_close(logits_of(merged, ids), before, atol=1e-4, rtol=1e-4)
     (tmp_path / "frozen_types.py").write_text(FROZEN_TYPES)
     out = run(*LORA, f"--lora_base_dtype={kind}", f"--data_dir={data}", f"--init_from={folder}",
-              f"--out_dir={tmp_path / 'run'}", "--max_iters=10", str(tmp_path / "frozen_types.py"))
+              f"--out_dir={tmp_path / 'run'}", "--max_iters=10", "--eval_full=True", "--eval_stride=8",
+              str(tmp_path / "frozen_types.py"))
     frozen = json.loads(out.stdout.split("FROZEN ")[1].splitlines()[0])
     assert {name for name, kind in frozen.items() if kind == tensor} == quantized  # train.py's model too
     val = [r["val_loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05
+    # sample.py, eval.py and export.py rebuild the run on its base held as it trained (nf4 or int8): eval.py's val
+    # loss is the one its log shows (the two sum 15,000 fp32 losses in other orders; the unquantized base's is
+    # ~5e-6 off at this tiny size)
+    model, _ = load_model(str(tmp_path / "run" / "ckpt.pt"))
+    assert {name for name, p in model.named_parameters() if type(p).__name__ == tensor} == quantized
+    done = script("eval.py", f"--out_dir={tmp_path / 'run'}", "--device=cpu", "--block_size=32", "--stride=8")
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.strip().splitlines()[-1].split()[2]) == pytest.approx(val[-1], rel=2e-6)
 
 
 # -----------------------------------------------------------------------------
@@ -395,6 +405,14 @@ def test_sft_config_on_conversations_with_lora_under_fsdp(pretrained, tmp_path):
     # the folder itself has no chat template: it never learned one, and --chat says so in one line
     done = script("sample.py", f"--model={folder}", "--chat", "--start=apple river", "--device=cpu")
     assert done.returncode != 0 and "has no chat template" in done.stderr and len(done.stderr.splitlines()) == 1
+    # its adapter alone carries the run's tokenizer and chat template (the base folder has none), as its merged
+    # export does: peft and vLLM read a tokenizer beside the adapter
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "adapter", "--adapter")
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "merged")
+    messages = [{"role": "user", "content": "apple river"}]
+    chats = [transformers.AutoTokenizer.from_pretrained(tmp_path / name).apply_chat_template(messages, tokenize=False)
+             for name in ("adapter", "merged")]
+    assert chats[0] == chats[1] and "apple river" in chats[0]
 
 
 def text_fine_tune_of_a_chat_model(pretrained, tmp_path, where="tokenizer_config.json"):

@@ -327,6 +327,12 @@ def test_refuses_sliding_window_shorter_than_block_size(hf_folder, tmp_path):
     shutil.copytree(hf_folder("mistral_window")[0], tmp_path, dirs_exist_ok=True)
     write_config(tmp_path, {**read_config(tmp_path), "sliding_window": 16})
     assert_refused(tmp_path, ["sliding_window", "sliding window"], block_size=64)
+    # a Mistral config.json without the key attends within transformers' default 4,096 tokens, as transformers does
+    config = {**read_config(tmp_path), "max_position_embeddings": 8192}
+    del config["sliding_window"]
+    write_config(tmp_path, config)
+    assert_refused(tmp_path, ["sliding_window of 4096"], block_size=4100)
+    assert load_pretrained(tmp_path).config.block_size == 4096
 
 
 def test_refuses_missing_tensor(llama_copy):
