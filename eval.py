@@ -46,7 +46,7 @@ parser.add_argument("--data_dir", default=None, help="the prepared dataset (defa
 parser.add_argument("--block_size", type=int, default=None, help="the window (default: the run's block_size; for "
                     f"a folder, the longest val example, at most its limit, or {TEXT_WINDOW} tokens for text)")
 parser.add_argument("--stride", type=int, default=None, help="tokens a window shares with the one before, its "
-                    "context (default: half the window)")
+                    "context (default: a run's eval_stride, where it fits the window; else half the window)")
 parser.add_argument("--batch_size", type=int, default=8, help="windows (or a task's requests) at a time")
 parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'mps'")
 parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: bf16 on CUDA")
@@ -125,7 +125,11 @@ else:
     block_size = max(1, min(longest - 1, limit))
     window_from = (f"the longest val {'example' if by_example else 'document'} ({longest} tokens)"
                    + (f", cut to {limit}" if longest - 1 > limit else "") + "; --block_size sets it")
-stride = block_size // 2 if args.stride is None else args.stride
+run = {} if args.model else checkpoint["config"]  # a run's windows are scored as its eval_full scored them
+stride = args.stride
+if stride is None:  # a run's eval_stride where it fits the window, else half the window
+    stride = run["eval_stride"] if 0 <= run.get("eval_stride", -1) < block_size else block_size // 2
+doc_mask = bool(run.get("doc_mask"))  # attending within documents, as it trained
 if not 0 < block_size <= model.config.block_size or not 0 <= stride < block_size:
     raise UserError(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit) and "
                     f"--stride={stride} in 0..{block_size - 1}")
@@ -147,7 +151,7 @@ autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(
 loss_sum, count = 0.0, 0
 for first in range(0, windows, args.batch_size):
     try:
-        x, y, doc_ids = val.scored(range(first, min(first + args.batch_size, windows)), stride, doc_mask=False)
+        x, y, doc_ids = val.scored(range(first, min(first + args.batch_size, windows)), stride, doc_mask)
     except ValueError as e:
         raise UserError(str(e)) from None
     with autocast:
@@ -161,5 +165,6 @@ if by_example:
     print(f"{len(val.lengths)} examples of {data_dir}/val.bin, each on its own (packed into {windows} sequences of "
           f"{block_size} tokens, attending within their example), over their trained targets")
 else:
-    print(f"{windows} windows of {block_size} tokens overlapping by {stride}, {data_dir}/val.bin")
+    print(f"{windows} windows of {block_size} tokens overlapping by {stride}, {data_dir}/val.bin"
+          + (", attending within documents (the run's doc_mask)" if doc_mask else ""))
 print(f"val loss {loss:.6f} perplexity {math.exp(min(loss, 50)):.4f} over {count} tokens")

@@ -49,7 +49,7 @@ config = settings.defaults()
 configure(config, sys.argv[1:])
 one_line_errors("train.py")  # a UserError, ours or a library's, stops the run with its one line (errors.py)
 settings.check(config)
-if config["dataset"]:  # as nanoGPT's config files name their data: its folder data/NAME
+if config["dataset"] and config["data_dir"] == settings.data_dir:  # nanoGPT's name for data/NAME; a data_dir wins
     config["data_dir"] = os.path.join("data", config["dataset"])
 globals().update(config)  # every setting a global of its own name from here on, as at nanoGPT's top
 
@@ -273,12 +273,16 @@ def settle_held_back(finite):
     global held_back
     if held_back and finite:
         improved_then, rng_then = held_back
-        saving_since = time.time()
-        save_checkpoint(loop, improved_then, rng=rng_then)
-        saved = time.time() - saving_since  # saving time is not training time either: the evaluation's
-        speed.pause(saved)
-        clock["eval_seconds"] += saved
+        clock["eval_seconds"] += untimed_save(loop, improved_then, rng=rng_then)  # the evaluation's time
     held_back = None
+
+
+def untimed_save(*args, **kwargs):
+    # save_checkpoint, its time taken out of the training time that tokens/s and the time left measure -> seconds
+    began = time.time()
+    save_checkpoint(*args, **kwargs)
+    speed.pause(time.time() - began)
+    return time.time() - began
 
 
 def log_progress(step, loss, lr, grad_norm):
@@ -358,12 +362,17 @@ while True:
     step_values = torch.cat([loss_sum.view(1), grad_norm, stop, keys_run.view(1).float()])
     loss_value, grad_norm_value, stop_value, keys_value = step_values.tolist()
     finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
-    settle_held_back(finite)
+    # float16's gradient scaler overflowing (a finite loss, an infinite gradient at a scale of 1 or more) is no
+    # divergence: it skips the update and halves its scale, as it does every so often, and the weights stay those
+    # a checkpoint held back is of
+    overflowed = not finite and math.isfinite(loss_value) and scaler.is_enabled() and scaler.get_scale() >= 1
+    if not overflowed:
+        settle_held_back(finite)
     if finite:
         for opt in optimizers:
             scaler.step(opt)
         loop["skipped_in_a_row"] = 0
-    else:  # a non-finite loss or gradient: apply nothing, not even to the optimizer's moments
+    elif not overflowed:  # a non-finite loss or gradient: apply nothing, not even to the optimizer's moments
         loop["skipped_in_a_row"] += 1
         if master:
             print(f"iter {step + 1}: skipped, loss {loss_value}, grad norm {grad_norm_value} "
@@ -378,12 +387,12 @@ while True:
     loop["evaluated"] = False  # the new step's evaluation is still to come
     speed.step(keys_value)
 
-    if loop["iter_num"] % log_interval == 0 and master and loop["skipped_in_a_row"] == 0:
+    if loop["iter_num"] % log_interval == 0 and master and finite:
         log_progress(loop["iter_num"], loss_value, lr, grad_norm_value)
     # this step finished an epoch: kept as ckpt_epoch_N, where its update was applied (a skipped one's weights gave
     # a non-finite gradient)
     if save_every_epoch and int(batches.epoch(loop["iter_num"])) > epoch_before and not loop["skipped_in_a_row"]:
-        save_checkpoint(loop, False, int(batches.epoch(loop["iter_num"])))
+        untimed_save(loop, False, int(batches.epoch(loop["iter_num"])))
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step
         save_last(False)
         if master:  # one line for the run (a process that got no signal itself: one of another's)

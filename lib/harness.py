@@ -50,8 +50,16 @@ class Model(TemplateLM):
         self.specials = set(tokenizer.special_tokens().values())
 
     @property
+    def device(self):
+        return self._device
+
+    @property
     def eot_token_id(self):
         return self.tokenizer.eot_id
+
+    @property
+    def prefix_token_id(self):  # HFLM's: what an empty context and the rolling windows begin with
+        return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.eot_token_id
 
     @property
     def max_length(self):  # as HFLM reads it from config.json's max_position_embeddings: the model's limit
@@ -62,11 +70,15 @@ class Model(TemplateLM):
         return self.name
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
-        # as a Hugging Face tokenizer reads text: a special token written in it (<|im_end|>) is that token. No BOS:
-        # prepare.py puts none before a document, nor do export.py's folders.
-        if self.specials:
-            return self.tokenizer.encode_chat(string, [])[0].tolist()
-        return self.tokenizer.encode(string)
+        # as HFLM reads text with a Hugging Face tokenizer: a special token written in it (<|im_end|>) is that token,
+        # and the BOS a tokenizer.json puts first (Llama 3's; prepare.py puts it before each document) comes first
+        # unless asked not to or the text begins with it
+        ids = self.tokenizer.encode_chat(string, [])[0].tolist() if self.specials else self.tokenizer.encode(string)
+        bos = self.tokenizer.bos_id
+        written = bos is not None and string.startswith(self.tokenizer.decode([bos]))
+        if bos is not None and add_special_tokens is not False and not written:
+            ids = [bos, *ids]
+        return ids
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True):
         if getattr(self, "chat", None) is None:
@@ -107,7 +119,7 @@ class Model(TemplateLM):
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
         totals = []
         for (text,) in [request.args for request in requests]:
-            windows = get_rolling_token_windows(self.tok_encode(text), self.eot_token_id, self.max_length, 1)
+            windows = get_rolling_token_windows(self.tok_encode(text), self.prefix_token_id, self.max_length, 1)
             pieces = [(None, *make_disjoint_window(window)) for window in windows]
             totals.append(sum(ll for ll, _ in self._loglikelihood_tokens(pieces)))
         return totals
@@ -139,7 +151,7 @@ class Model(TemplateLM):
         for _ in range(max_new):
             with self.autocast:
                 logits, _ = self.model(x, cache=cache)
-            new.append(int(logits[0, -1].float().argmax()))
+            new.append(int(logits[0, -1, :self.tokenizer.vocab_size].float().argmax()))  # not a padding row
             if new[-1] == self.eot_token_id or any(stop in self.tokenizer.decode(new) for stop in until):
                 break
             x = torch.tensor([new[-1:]], device=self.device)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (CPU_ENV, EXACT, ROOT, TINY, exact_fsdp_run, kill_marked, losses, marked, on_cpu,
+from helpers import (CPU_ENV, EXACT, ROOT, TINY, exact_fsdp_run, kill_marked, losses, marked, new_python, on_cpu,
                      poisoned_config, run, script, torchrun_command, train_refusal, two_nodes, weights)
 
 COMMON = [*TINY, "--eval_interval=3", "--dropout=0.1"]
@@ -269,6 +269,25 @@ def test_non_finite_loss_skips_the_update(data_dir, tmp_path):
     assert steps == {4.0}  # 5 steps, one of them applied to nothing, the optimizer's moments included
     assert all(torch.isfinite(p).all() for p in state["model"].values())
 
+
+def test_a_float16_scalers_overflow_is_no_divergence(data_dir, tmp_path):
+    # float16's gradient scaler starting high (as it climbs back every 2,000 steps): its first updates' gradients
+    # overflow, which it skips while halving its scale. No step counts as skipped, the evaluated checkpoints are
+    # kept and the last one saved. A new Python: the config file replaces torch's GradScaler for its process
+    (tmp_path / "high_scale.py").write_text(
+        "import torch as _torch\n"
+        "class _High(_torch.amp.GradScaler):\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        super().__init__(*args, **{**kwargs, 'init_scale': 2.0 ** 24})\n"
+        "_torch.amp.GradScaler = _High\n")
+    done = new_python("train.py", *on_cpu([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
+                                          "--dtype=float16", "--max_iters=6", "--eval_interval=3", "--eval_iters=1",
+                                          "--max_skipped_steps=1", str(tmp_path / "high_scale.py")]))
+    assert done.returncode == 0 and "skipped" not in done.stdout, done.stdout + done.stderr
+    state = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    assert state["iter_num"] == 6 and state["scaler"]["scale"] < 2.0 ** 24  # it overflowed, and halved
+    records = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert "Infinity" not in records and "NaN" not in records
 
 @pytest.mark.slow
 def test_too_many_non_finite_steps_stop_and_keep_the_last_good_checkpoint(data_dir, tmp_path):

@@ -275,3 +275,72 @@ def test_training_refuses_a_task_it_cannot_load_before_the_first_step(run_here, 
                f"--eval_tasks_path={remote_task(tmp_path / 'tasks')}", "--max_iters=2", check=False, env=OFFLINE)
     assert done.returncode != 0 and "cannot load the data of remote_task" in done.stderr
     assert "iter 1" not in done.stdout
+
+
+def bos_llama(folder):
+    # a tiny Llama whose tokenizer.json puts <|begin_of_text|> before a text (Llama 3's way), its weights scaled up
+    # from transformers' init so that what it is given (a BOS or not) changes its scores
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(corpus_lines(), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|begin_of_text|>", "<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", 0)])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+              "eos_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow  # lm_eval's Hugging Face model beside ours: ~10 s
+def test_a_folder_whose_tokenizer_adds_a_bos_scores_as_under_lm_eval_hf(tmp_path):
+    # loglikelihood (an empty context too), rolling windows and generation read the text with its BOS first and
+    # begin empty contexts and windows with it, as HFLM does
+    needs_lm_eval()
+    import torch
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lib import harness
+    from lib.hf import load_pretrained
+    from lib.tokenizer import make_tokenizer
+    folder = str(bos_llama(tmp_path / "llama"))
+    mine = harness.Model(load_pretrained(folder, torch.float32).eval(), make_tokenizer(folder, None), batch_size=4,
+                         chat_folder=folder)
+    hf = HFLM(pretrained=folder, dtype="float32", device="cpu", batch_size=4)
+    pairs = [("def foo(x):", " return x"), ("import", " sys"), ("", "import os")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    assert_same(mine.loglikelihood(requests), hf.loglikelihood(requests), "loglikelihood")
+    requests = [Instance("loglikelihood_rolling", {}, ("import os\nimport sys\n" * 12,), 0)]
+    assert_same(mine.loglikelihood_rolling(requests), hf.loglikelihood_rolling(requests), "rolling")
+    requests = [Instance("generate_until", {}, ("def foo(x):", {"until": ["\n\n"], "max_gen_toks": 10}), 0)]
+    assert_same(mine.generate_until(requests), hf.generate_until(requests), "generate_until")
+
+
+def test_generation_never_writes_a_padding_row(tmp_path):
+    # the model's vocabulary is the tokenizer's padded to a multiple of 64: the rows past it decode to nothing (a
+    # bpe tokenizer's decode raises), so the tasks' generation leaves them out, as sample.py does
+    needs_lm_eval()
+    import torch
+    from lib import harness
+    from lib.tokenizer import make_tokenizer
+    from model import GPT, GPTConfig
+    tokenizer = make_tokenizer("char", lambda: iter(["an apple a day\n"]))
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32, tie_embeddings=False)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.vocab_size:] = 5 * model.lm_head.weight[:tokenizer.vocab_size].abs().max()
+    new = harness.Model(model, tokenizer).greedy(tokenizer.encode("an apple"), 8, [])
+    assert new and max(new) < tokenizer.vocab_size

@@ -4,6 +4,7 @@ that reads one, and its GPT-2 starting points (init_from='gpt2', a GPT-2 folder)
 The checkpoint is one made here in nanoGPT's format (its keys and weight names), not by nanoGPT's code."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -63,6 +64,13 @@ def test_nanogpts_config_file_runs_as_it_is_and_eval_only_writes_nothing(nanogpt
     assert done.returncode == 0, done.stderr
     assert "step 4: train loss" in done.stdout and "iter 5" not in done.stdout  # evaluated, nothing trained
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written
+    # its dataset= names a folder of data/; a --data_dir given beside it is the data the run reads
+    shutil.copytree(nanogpt_folder / "data" / "shakespeare_char", nanogpt_folder / "elsewhere")
+    done = script("train.py", "config/train_shakespeare_char.py", *SMALL, f"--out_dir={nanogpt_folder / 'out2'}",
+                  f"--data_dir={nanogpt_folder / 'elsewhere'}", cwd=nanogpt_folder)
+    assert done.returncode == 0, done.stderr
+    assert torch.load(nanogpt_folder / "out2" / "ckpt.pt", weights_only=True)["config"]["data_dir"] == str(
+        nanogpt_folder / "elsewhere")
 
 
 def test_bias_false_is_this_model_and_bias_true_is_refused(nanogpt_folder):

@@ -460,15 +460,16 @@ def test_bench_races_optimizers_on_equal_time(data_dir):
 @pytest.mark.slow  # eval_full in the quick tier: test_sft.py's, on conversations
 def test_eval_full_scores_the_whole_val_split_as_eval_py_does(data_dir, tmp_path):
     # eval_full: every token of val.bin once, in windows of 32 overlapping by 8; the same loss eval.py reports
-    # for the checkpoint, and again the same on a second evaluation of the same weights. The validation split
-    # cut to 3,001 tokens (not a whole number of windows) keeps the four evaluations of every token short.
+    # for the checkpoint (by default in the run's windows, attending within documents as its doc_mask did), and
+    # again the same on a second evaluation of the same weights. The validation split cut to 3,001 tokens (not a
+    # whole number of windows) keeps the four evaluations of every token short.
     data_dir = copy_dataset(data_dir, tmp_path / "data", val_tokens=3001)
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=4",
-        "--eval_full=True", "--eval_stride=8")
+        "--eval_full=True", "--eval_stride=8", "--doc_mask=True")
     val = [json.loads(line)["val_loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
            if "val_loss" in line]
-    done = script("eval.py", f"--out_dir={tmp_path}", "--stride=8", "--device=cpu")
-    assert done.returncode == 0, done.stderr
+    done = script("eval.py", f"--out_dir={tmp_path}", "--device=cpu")
+    assert done.returncode == 0 and "overlapping by 8" in done.stdout and "within documents" in done.stdout, done
     last = done.stdout.strip().splitlines()[-1]
     val_tokens = (data_dir / "val.bin").stat().st_size // 2
     assert last.endswith(f"over {val_tokens - 1} tokens")  # every token but the first, once
