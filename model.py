@@ -338,7 +338,7 @@ class GPT(nn.Module):
             else:
                 logits, _ = self(idx[:, -1:], cache=cache)
             logits = logits[:, -1, :vocab].float()  # (B, V)
-            if temperature == 0:  # greedy
+            if temperature < 1e-5:  # greedy: 0, or so low that the logits divided by it would overflow
                 idx_next = logits.argmax(dim=-1, keepdim=True)
             else:
                 probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)

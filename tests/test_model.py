@@ -371,6 +371,12 @@ def test_generate_never_draws_the_padding_rows_past_the_tokenizers_vocabulary(te
     assert (model.generate(prompt, 20, temperature=temperature, vocab=97)[:, 5:] < 97).all()
 
 
+def test_a_temperature_too_low_to_divide_by_is_greedy():
+    # logits divided by 1e-45 overflow to inf, and inf - inf is NaN: no distribution to draw from, so greedy
+    model, prompt = tiny().eval(), torch.randint(0, 97, (2, 5))
+    assert torch.equal(model.generate(prompt, 8, temperature=1e-45), model.generate(prompt, 8, temperature=0))
+
+
 def test_use_kernels_none_under_compile_keeps_only_the_fused_loss(monkeypatch):
     # measured on an H200 (BENCHMARKS.md, 2026-11-27): in a compiled step Inductor's fusion of the references
     # beats the opaque fused norm, SwiGLU and rotary, while the fused loss still wins; eager, all four are fused
