@@ -46,7 +46,7 @@ parser.add_argument("--data_dir", default=None, help="the prepared dataset (defa
 parser.add_argument("--block_size", type=int, default=None, help="the window (default: the run's block_size; for "
                     f"a folder, the longest val example, at most its limit, or {TEXT_WINDOW} tokens for text)")
 parser.add_argument("--stride", type=int, default=None, help="tokens a window shares with the one before, its "
-                    "context (default: a run's eval_stride, where it fits the window; else half the window)")
+                    "context (default: a run's eval_stride under eval_full, where it fits; else half the window)")
 parser.add_argument("--batch_size", type=int, default=8, help="windows (or a task's requests) at a time")
 parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'mps'")
 parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: bf16 on CUDA")
@@ -127,8 +127,9 @@ else:
                    + (f", cut to {limit}" if longest - 1 > limit else "") + "; --block_size sets it")
 run = {} if args.model else checkpoint["config"]  # a run's windows are scored as its eval_full scored them
 stride = args.stride
-if stride is None:  # a run's eval_stride where it fits the window, else half the window
-    stride = run["eval_stride"] if 0 <= run.get("eval_stride", -1) < block_size else block_size // 2
+if stride is None:  # the eval_stride a run's eval_full scored with, where it fits the window; else half the window
+    full = run.get("eval_full") and 0 <= run.get("eval_stride", -1) < block_size
+    stride = run["eval_stride"] if full else block_size // 2
 doc_mask = bool(run.get("doc_mask"))  # attending within documents, as it trained
 if not 0 < block_size <= model.config.block_size or not 0 <= stride < block_size:
     raise UserError(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit) and "

@@ -89,7 +89,7 @@ if HAS_TRITON:
         return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
     def _programs(t, n):  # enough programs to fill the GPU, but few for the slow interpreter
-        return min(n, 4 * torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4)
+        return min(n, (4 * torch.cuda.get_device_properties(t.device).multi_processor_count) if t.is_cuda else 4)
 
     def _rows(t):  # (..., n) -> (M, n) with unit column stride, copying only when it must
         t = t.reshape(-1, t.shape[-1])

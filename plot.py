@@ -35,9 +35,9 @@ def read_run(out_dir):
             last = record["elapsed_s"]
             record["wall_s"] = offset + last
     # a resumed run logs again the steps after its checkpoint: a step's last record is the one that counts
-    evaluations = list({r["iter"]: r for r in records if "val_loss" in r}.values())
+    evaluations = sorted({r["iter"]: r for r in records if "val_loss" in r}.values(), key=lambda r: r["iter"])
     trained = [r for r in records if "val_loss" not in r and not r.get("skipped") and "loss" in r]
-    steps = list({r["iter"]: r for r in trained}.values())
+    steps = sorted({r["iter"]: r for r in trained}.values(), key=lambda r: r["iter"])
     if not steps and not evaluations:
         raise UserError(f"{path} holds no step or evaluation yet: plot it after the first log line")
     return steps, evaluations

@@ -133,7 +133,7 @@ if not ids:
 
 x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]  # (1, T)
 skip = int(tokenizer.bos_id is not None)
-if args.temperature == 0 and args.num_samples > 1:  # greedy decoding writes the same text every time
+if args.temperature < 1e-5 and args.num_samples > 1:  # greedy (model.generate): the same text every time
     print(f"note: --temperature=0 is greedy, so its {args.num_samples} samples would be identical: printing one",
           file=sys.stderr)
     args.num_samples = 1

@@ -169,7 +169,7 @@ schedule = dict(decay_lr=decay_lr, lr_schedule=lr_schedule, warmup_iters=warmup_
 # 7. what the loop calls: evaluation, checkpoints, logging
 
 config.update(device=device, dtype=dtype, backend=backend, vocab_size=model_args["vocab_size"],
-              init_from=origin.init_from)  # as resolved
+              init_from=origin.init_from, lora_base_dtype=origin.lora_base_dtype)  # as resolved
 # what every checkpoint holds beside the tensors, the loop's state and the random states
 about_run = {"model_args": model_args, "config": config, "world_size": world_size,
              "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
@@ -281,8 +281,9 @@ def untimed_save(*args, **kwargs):
     # save_checkpoint, its time taken out of the training time that tokens/s and the time left measure -> seconds
     began = time.time()
     save_checkpoint(*args, **kwargs)
-    speed.pause(time.time() - began)
-    return time.time() - began
+    seconds = time.time() - began
+    speed.pause(seconds)
+    return seconds
 
 
 def log_progress(step, loss, lr, grad_norm):
@@ -363,11 +364,10 @@ while True:
     loss_value, grad_norm_value, stop_value, keys_value = step_values.tolist()
     finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
     # float16's gradient scaler overflowing (a finite loss, an infinite gradient at a scale of 1 or more) is no
-    # divergence: it skips the update and halves its scale, as it does every so often, and the weights stay those
-    # a checkpoint held back is of
+    # divergence: it skips the update and halves its scale, as it does every so often, and says nothing against
+    # the weights a checkpoint held back is of
     overflowed = not finite and math.isfinite(loss_value) and scaler.is_enabled() and scaler.get_scale() >= 1
-    if not overflowed:
-        settle_held_back(finite)
+    settle_held_back(finite or overflowed)
     if finite:
         for opt in optimizers:
             scaler.step(opt)

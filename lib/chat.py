@@ -66,6 +66,14 @@ def sharegpt_messages(turns):
     return messages
 
 
+def with_reasoning(message):
+    # a message's reasoning under any of its names, as transformers passes it to a template: its reasoning_content
+    # (Qwen3's templates read it) and thinking (gpt-oss's)
+    reasoning = next((message[key] for key in ("reasoning_content", "thinking", "reasoning")
+                      if isinstance(message, dict) and message.get(key) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
 def compile_template(source):
     """A chat template's text -> render(**context) -> str, run in the sandbox with what transformers gives
     templates, under MAX_STEPS and MAX_OUTPUT (a TemplateError past them)."""
@@ -258,6 +266,7 @@ class ChatFormat:
     def render(self, messages, add_generation_prompt=False, marks=False):
         # marks: with MARKS around what {% generation %} blocks wrote
         from jinja2.exceptions import TemplateError
+        messages = [with_reasoning(m) for m in messages]
         try:
             text = self.template(messages=messages, add_generation_prompt=add_generation_prompt, **self.context)
         except (TemplateError, TypeError) as e:  # its raise_exception, what the sandbox refused, an {% include %}

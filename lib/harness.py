@@ -50,7 +50,7 @@ class Model(TemplateLM):
         self.specials = set(tokenizer.special_tokens().values())
 
     @property
-    def device(self):
+    def device(self):  # (lm_eval's LM has it too; here also where this module was imported without lm_eval)
         return self._device
 
     @property

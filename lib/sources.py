@@ -149,7 +149,11 @@ def record_text(obj, field, chat):
     if not field and is_conversation(obj):
         chat_format = chat()  # a template that cannot be used stops the run (UserError): no record is to blame
         try:
-            return chat_format.record(obj), None
+            chat = chat_format.record(obj)
+            chat.text.encode("utf-8")  # a lone surrogate (\ud83d in JSON) no tokenizer can read
+            return chat, None
+        except UnicodeEncodeError:
+            return None, "invalid unicode (lone surrogate)"
         except ValueError as e:
             return None, str(e)
     names = [field] if field else TEXT_FIELDS

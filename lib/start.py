@@ -269,8 +269,9 @@ def starting_point(out_dir, init_from, found):
                                  f"{os.path.abspath(init_from)}: train into another out_dir")
             init_from = "resume"
     if init_from != "resume" and (held := existing(out_dir)):
-        raise UserError(f"{out_dir} holds a run already ({', '.join(held)}): continue it with "
-                         f"--init_from=resume, or train into another out_dir")
+        how = "--init_from=resume" if found else "--init_from=resume once one of them is copied to ckpt.pt"
+        raise UserError(f"{out_dir} holds a run already ({', '.join(held)}): continue it with {how}, or train into "
+                        f"another out_dir")
     if init_from == "resume" and not found:
         raise UserError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
                          f"set init_from='scratch')")

@@ -102,7 +102,9 @@ class Tokenizer:
             raise UserError(f"a {self.kind} tokenizer has no special tokens for a chat template: use bpe:N, "
                              f"a tiktoken encoding or a model's tokenizer.json")
         starts = np.array(starts, dtype=np.int64)
-        ends = np.append(starts[1:], len(text))
+        # a token ends where the next begins, or a character later: the byte tokens of one character split (an emoji)
+        # all begin where it does
+        ends = np.maximum(np.append(starts[1:], len(text)), starts + 1)
         mask = np.zeros(len(ids), dtype=np.uint8)
         for start, end in spans:  # a token overlapping the span is trained: " Hello" whose space is outside it
             mask[(starts < end) & (ends > start)] = 1

@@ -63,8 +63,9 @@ def bytelevel_tokenizer_json(ranks, pattern, specials):
     split on the pattern, each piece as bytes, merged in rank order; special tokens kept whole."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     chars = byte_chars()
-    # bytes -> the string a byte-level tokenizer.json names the token by
-    spell = (lambda token: "".join(chars[b] for b in token))
+
+    def spell(token):  # bytes -> the string a byte-level tokenizer.json names the token by
+        return "".join(chars[b] for b in token)
     vocab = {spell(token): i for token, i in ranks.items()}
     # tokenizers gives an added token the next free id, wrong where tiktoken's ids have holes (cl100k's end-of-text
     # is 100257, one past a gap): in the model's vocabulary it keeps its id; no merge makes one from text.

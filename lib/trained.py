@@ -18,8 +18,9 @@ from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make
 
 def load_model(path, base_dtype=None, data_dir=None):
     """out_dir/ckpt.pt, or an FSDP run's sharded out_dir/ckpt/ -> (model, checkpoint), on the CPU. A LoRA run's
-    base is read in base_dtype (None: its folder's), in nf4 or int8 again where the run held it so. checkpoint["data_dir"] becomes where the model's data is now:
-    data_dir, else where that data was then, else where the run's config says."""
+    base is read in base_dtype (None: its folder's), in nf4 or int8 again where the run held it so.
+    checkpoint["data_dir"] becomes where the model's data is now: data_dir, else where that data was then, else
+    where the run's config says."""
     found = find_checkpoint(path)
     if found is None:
         raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")

@@ -315,6 +315,30 @@ def test_qwen3_reasoning_of_earlier_turns_is_dropped_and_their_replies_trained(s
     assert runs == ["4<|im_end|>", "<think>\nthree twice\n</think>\n\n6<|im_end|>"]  # the last one's reasoning too
 
 
+@pytest.mark.parametrize("style", ["qwen3"], indirect=True)
+def test_a_conversation_with_a_lone_surrogate_is_skipped_and_listed(style, tmp_path):
+    # "\ud83d" alone in JSON is no text a tokenizer reads: the record is skipped and listed, as a text one would be
+    name, folder, theirs, ours = style
+    records = [{"messages": MESSAGES[1:3]}, {"messages": [{"role": "user", "content": "Hi \ud83d"},
+                                                          {"role": "assistant", "content": "Hello"}]}]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
+                         "--val_fraction=0"])
+    assert meta["train"]["documents"] == 1 and meta["bad_records"]["count"] == 1
+    assert "invalid unicode (lone surrogate)" in meta["bad_records"]["examples"][0]
+
+
+@pytest.mark.parametrize("style", ["qwen3"], indirect=True)
+@pytest.mark.parametrize("key", ["reasoning_content", "thinking", "reasoning"])
+def test_a_replys_reasoning_under_any_of_its_names_is_rendered_as_transformers_does(style, key):
+    # transformers gives a template a message's reasoning as reasoning_content (Qwen3's read it) and thinking
+    # (gpt-oss's), whichever name the data keeps it under
+    name, folder, theirs, ours = style
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", key: "two plus two"}]
+    text = chat_format(folder, ours).render(messages)
+    assert text == theirs.apply_chat_template(messages, tokenize=False) and "two plus two" in text
+
+
 # Mistral v0.3's: the system prompt goes into the last user turn, so the conversation before a reply is written
 # otherwise when it ends there
 MISTRAL_V03 = """{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}
@@ -414,7 +438,9 @@ def test_generation_template_masks_are_transformers(style, tmp_path):
     # --train_on=assistant equal transformers' return_assistant_tokens_mask, in chat.py and through prepare.py
     name, folder, theirs, ours = style
     fmt = chat.ChatFormat(GENERATION, "test", ours.special_tokens(), ours.decode([ours.eot_id]))
-    conversations = [MESSAGES, MESSAGES[1:], MESSAGES[1:3]]
+    # (a reply that begins with a character the vocabulary splits into bytes, an emoji: each of its tokens trained)
+    emoji = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\U0001F600 Paris"}]
+    conversations = [MESSAGES, MESSAGES[1:], MESSAGES[1:3], emoji]
     for messages in conversations:
         out = theirs.apply_chat_template(messages, chat_template=GENERATION, tokenize=True, return_dict=True,
                                          return_assistant_tokens_mask=True)
@@ -437,6 +463,7 @@ def test_generation_template_masks_are_transformers(style, tmp_path):
         want_mask += list(out["assistant_masks"]) + [0]
     assert np.fromfile(tmp_path / "data" / "train.bin", dtype=meta["dtype"]).tolist() == want_ids
     assert np.fromfile(tmp_path / "data" / "train.mask.bin", dtype=np.uint8).tolist() == want_mask
+
 
 @pytest.mark.parametrize("style", ["qwen3"], indirect=True)
 def test_a_folder_without_a_template_gets_the_built_in_one_with_a_warning(style, tmp_path, capsys):

@@ -84,9 +84,9 @@ def test_where_a_run_begins_and_what_it_refuses(tmp_path):
     epochs.mkdir()
     shutil.copy(tmp_path / "ckpt.pt", epochs / "ckpt_epoch_1.pt")
     (epochs / "ckpt_epoch_2").mkdir()  # a sharded run's
-    with pytest.raises(ValueError, match=r"holds a run already \(ckpt_epoch_1.pt, ckpt_epoch_2\)"):
+    with pytest.raises(ValueError, match=r"holds a run already \(ckpt_epoch_1.pt, ckpt_epoch_2\): continue it with "
+                                         r"--init_from=resume once one of them is copied to ckpt.pt"):
         start.starting_point(str(epochs), "auto", None)
-
 
 
 def test_keep_last_n_after_a_resume_from_an_earlier_step_keeps_the_new_steps(tmp_path):

@@ -234,10 +234,14 @@ def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
     torch.testing.assert_close(logits_of(merged, ids), before, atol=1e-4, rtol=1e-4)
     (tmp_path / "frozen_types.py").write_text(FROZEN_TYPES)
     out = run(*LORA, f"--lora_base_dtype={kind}", f"--data_dir={data}", f"--init_from={folder}",
-              f"--out_dir={tmp_path / 'run'}", "--max_iters=10", "--eval_full=True", "--eval_stride=8",
+              f"--out_dir={tmp_path / 'run'}", "--max_iters=5", "--eval_full=True", "--eval_stride=8",
               str(tmp_path / "frozen_types.py"))
     frozen = json.loads(out.stdout.split("FROZEN ")[1].splitlines()[0])
     assert {name for name, kind in frozen.items() if kind == tensor} == quantized  # train.py's model too
+    # a resume without the setting holds the base as it was, and says so in the checkpoints it writes
+    run(*LORA, f"--data_dir={data}", "--init_from=resume", f"--out_dir={tmp_path / 'run'}", "--max_iters=10",
+        "--eval_full=True", "--eval_stride=8")
+    assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["config"]["lora_base_dtype"] == kind
     val = [r["val_loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05

@@ -45,6 +45,10 @@ def test_a_resumed_runs_clock_continues_and_an_empty_run_is_refused(tmp_path):
     steps, evaluations = read_run(tmp_path)
     assert [(r["iter"], r["loss"]) for r in steps] == [(1, 4.0), (2, 3.0), (3, 6.0), (4, 5.0), (5, 4.0)]
     assert [r["val_loss"] for r in evaluations] == [3.5]
+    # a resume that logs at other steps than the killed run did: by step all the same
+    records = [{"iter": i, "loss": 1.0, "lr": 1e-3} for i in (10, 20, 30, 15, 20, 25, 30, 35)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [r["iter"] for r in read_run(tmp_path)[0]] == [10, 15, 20, 25, 30, 35]
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     done = script("plot.py", tmp_path / "empty")

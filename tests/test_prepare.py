@@ -579,7 +579,6 @@ def test_val_input(tmp_path):
     assert meta["split"]["method"] == "val_input" and meta["val_inputs"] == [str(tmp_path / "val")]
 
 
-
 def test_val_input_inside_an_input_is_not_trained_on_and_dedup_spans_both_splits(tmp_path):
     # corpus/ holding its val/ folder: those documents are val's alone; with --dedup a val document training holds
     # too (here a copy under another name) is dropped from val, so the val loss is never of trained text
@@ -591,9 +590,11 @@ def test_val_input_inside_an_input_is_not_trained_on_and_dedup_spans_both_splits
     assert sorted(read_split(tmp_path / "out", "train")) == sorted(DOCS)
     assert read_split(tmp_path / "out", "val") == ["validation one"] and meta["duplicates_dropped"] == 1
     write(tmp_path / "more.json", '{"text": ' + "1" * 5000 + "}")  # past Python's digits: skipped, listed
-    meta = run(tmp_path / "more.json", tmp_path / "corpus" / "val", "--out_dir", tmp_path / "out2", "--tokenizer", "char")
+    meta = run(tmp_path / "more.json", tmp_path / "corpus" / "val", "--out_dir", tmp_path / "out2",
+               "--tokenizer", "char")
     assert meta["skipped_files"][0]["reason"].startswith("malformed JSON")
     assert meta["train"]["documents"] + meta["val"]["documents"] == 2
+
 
 def test_min_length_counts_a_documents_own_tokens_not_the_bos_its_tokenizer_adds(tmp_path):
     # a tokenizer.json whose post-processor puts <s> before a text (Llama 3's way): a document of 2 words is under
