@@ -33,16 +33,17 @@ from lib.trained import load_run, run_chat
 
 def write_model(model, tokenizer, checkpoint, folder, dtype):
     # merged and cast; returns a note on the tokenizer
-    merge_lora(model).to(getattr(torch, export_dtype(dtype, checkpoint.get("pretrained") or "")))
-    save_pretrained(model, folder, ids=run_special_ids(tokenizer, checkpoint.get("pretrained") or ""))
-    return write_tokenizer(tokenizer, checkpoint, folder)
-
-
-def write_tokenizer(tokenizer, checkpoint, folder):
-    """The run's tokenizer in transformers' files beside its model (or its peft adapter, which vLLM and peft read
-    a tokenizer from too), with its chat template; returns a note on the tokenizer."""
     base = checkpoint.get("pretrained") or ""
+    merge_lora(model).to(getattr(torch, export_dtype(dtype, base)))
     ids = run_special_ids(tokenizer, base)
+    save_pretrained(model, folder, ids=ids)
+    return write_tokenizer(tokenizer, checkpoint, folder, ids)
+
+
+def write_tokenizer(tokenizer, checkpoint, folder, ids):
+    """The run's tokenizer in transformers' files beside its model (or its peft adapter, which vLLM and peft read
+    a tokenizer from too), with its chat template; ids: run_special_ids'. Returns a note on the tokenizer."""
+    base = checkpoint.get("pretrained") or ""
     files, note = hf_tokenizer_files(tokenizer)
     for name, text in files.items():
         with open_own(os.path.join(folder, name), "w", encoding="utf-8") as f:
@@ -224,7 +225,8 @@ def main(argv=None):
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
         if args.adapter:  # with its tokenizer: a run on conversations has its own chat template
             write_adapter(model, checkpoint["pretrained"], staging)
-            note = write_tokenizer(tokenizer, checkpoint, staging)
+            ids = run_special_ids(tokenizer, checkpoint["pretrained"])
+            note = write_tokenizer(tokenizer, checkpoint, staging, ids)
         else:
             note = write_model(model, tokenizer, checkpoint, staging, args.dtype)
         base = checkpoint.get("pretrained")
@@ -262,8 +264,10 @@ def export_gguf(args):
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
         write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)
         durable_replace(staging, args.to)
-    except (ValueError, OSError) as e:  # gguf's and model.py's ValueErrors too; a full disk, a quota, permissions
-        raise UserError(str(e) if isinstance(e, ValueError) else written_nothing(args.to, e)) from None
+    except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same
+        raise UserError(str(e)) from None
+    except OSError as e:  # a full disk, a quota, permissions
+        raise UserError(written_nothing(args.to, e)) from None
     finally:  # whatever stopped it, no half-written file stays behind
         if os.path.exists(staging):
             os.remove(staging)

@@ -130,8 +130,10 @@ def input_files(folder, stats, only_py=False, exclude=frozenset(), rel_folder=""
             # Installed packages are not the stdlib, and a dataset we write must not be read back in.
             if not (only_py and entry.name == "site-packages") and path.resolve() not in exclude:
                 yield from input_files(path, stats, only_py, exclude, rel + "/")
-        elif (not only_py or entry.name.endswith(".py")) and path.resolve() not in exclude:
-            yield path, rel
+        elif not only_py or entry.name.endswith(".py"):
+            # a --val_input file the walk meets is left out; resolved only where its name is one of theirs
+            if not any(entry.name == p.name for p in exclude) or path.resolve() not in exclude:
+                yield path, rel
 
 
 def file_ext(path):
