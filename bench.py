@@ -50,12 +50,11 @@ from benchmarks.gpu import bench_gpu
 from benchmarks.measure import (bench_lora, kernel_cases, kernel_table, planned_model, run_nanogpt, run_ours,
                                 run_train, split_loss, throughput)
 from lib import settings
-from lib.errors import UserError, one_line_errors
+from lib.files import UserError, one_line_errors, read_meta
 from lib.hf import save_pretrained
 from configurator import configure
 from lib.lora import check_lora
 from lib.memory import memory_estimate, memory_layout, memory_table
-from lib.meta import read_meta
 from lib.optim import check_optimizer
 from lib.tokenizer import make_tokenizer
 from model import GPT, GPTConfig

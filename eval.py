@@ -27,9 +27,8 @@ import torch
 
 from lib import harness
 from lib.data import Split, longest_example
-from lib.errors import UserError, one_line_errors
+from lib.files import UserError, one_line_errors, read_meta
 from lib.hf import load_pretrained
-from lib.meta import read_meta
 from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
 from lib.tokenizer import check_tokenizer

@@ -22,8 +22,7 @@ import shutil
 import torch
 
 from lib.bounds import confined
-from lib.errors import UserError, one_line_errors
-from lib.files import durable_replace, open_own
+from lib.files import UserError, durable_replace, one_line_errors, open_own
 from lib.hf import read_json, save_pretrained, special_ids
 from lib.lora import merge_lora, write_adapter
 from lib.tokenizer import bases_tokenizer

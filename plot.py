@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 
-from lib.errors import UserError, one_line_errors
+from lib.files import UserError, one_line_errors
 
 
 def read_run(out_dir):

@@ -28,9 +28,8 @@ import numpy as np
 from tqdm import tqdm
 
 from lib.chat import TRAIN_ON, Chat, ChatFormat
-from lib.errors import UserError, one_line_errors
-from lib.files import durable_replace, lock_folder, open_own, unlock_folder
-from lib.meta import MARKER
+from lib.files import (MARKER, UserError, durable_replace, lock_folder, one_line_errors, open_own,
+                      unlock_folder)
 from lib.sources import HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces
 from lib.tokenizer import make_tokenizer
 

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from lib.chat import ChatFormat
-from lib.errors import UserError, one_line_errors
+from lib.files import UserError, one_line_errors
 from lib.parallel import pick_device
 from lib.settings import SAMPLING, check_ranges
 from lib.trained import chat_folder, load_folder_or_run

@@ -31,9 +31,9 @@ from configurator import configure
 from lib import checkpoint as ckpt
 from lib import settings
 from lib.data import Batches
-from lib.errors import UserError, one_line_errors
+from lib.files import (UserError, check_data_for_run, data_fingerprint, one_line_errors, read_meta,
+                      tokenizer_fingerprint)
 from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
-from lib.meta import check_data_for_run, data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
                          utilization, wall_time)
 from lib.optim import build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
@@ -47,7 +47,7 @@ from lib.start import begin, claim, described, first_model, resume_rng, rng_stat
 
 config = settings.defaults()
 configure(config, sys.argv[1:])
-one_line_errors("train.py")  # a UserError, ours or a library's, stops the run with its one line (errors.py)
+one_line_errors("train.py")  # a UserError, ours or a library's, stops the run with its one line (files.py)
 settings.check(config)
 if config["dataset"] and config["data_dir"] == settings.data_dir:  # nanoGPT's name for data/NAME; a data_dir wins
     config["data_dir"] = os.path.join("data", config["dataset"])

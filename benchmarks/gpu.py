@@ -38,7 +38,7 @@ from benchmarks import measure
 from benchmarks.measure import (QWEN3_06B, bench_lora, kernel_cases, kernel_table, matmul_peak, nanogpt_command,
                                 nanogpt_model, nanogpt_module, out_of_time, planned_model, profiled_step, run_ours,
                                 run_train, split_loss, throughput, timed_run)
-from lib.errors import UserError
+from lib.files import UserError
 from lib.memory import memory_estimate
 from lib.parallel import peak_flops
 from model import GPT, GPTConfig, flash_attn_func

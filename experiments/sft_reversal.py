@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from lib.data import Split
-from lib.errors import UserError, one_line_errors
-from lib.meta import read_meta
+from lib.files import UserError, one_line_errors, read_meta
 from lib.trained import load_run
 
 WORDS = ("ant bee cat dog eel fox gnu hen ibis jay kite lynx mole newt owl pig quail rat seal toad urchin vole wasp "

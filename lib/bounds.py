@@ -1,7 +1,7 @@
 """
 Bounds on what comes from disk that only some runs read: a file a folder's index names is read only if it is a regular
 file inside that folder; a tokenizer.json's normalizer and pre-tokenizer must grow a text within a bound and hold no
-regex that backtracks without one. (Elsewhere: settings.check_sizes, checkpoint.check_shapes, meta.check_token_ids.)
+regex that backtracks without one. (Elsewhere: settings.check_sizes, checkpoint.check_shapes, files.check_token_ids.)
 
     from lib.bounds import confined
     confined("data/mine", "tokenizer.json", "data/mine/meta.json")    # Path, or a one-line UserError
@@ -13,7 +13,7 @@ import re
 import stat
 from pathlib import Path
 
-from lib.errors import UserError
+from lib.files import UserError
 
 
 def confined(folder, name, where):

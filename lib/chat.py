@@ -20,7 +20,7 @@ from collections import namedtuple
 from datetime import datetime
 from pathlib import Path
 
-from lib.errors import UserError
+from lib.files import UserError
 
 Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
 ROLES = ("system", "user", "assistant", "tool")

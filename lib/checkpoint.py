@@ -24,9 +24,7 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from lib.errors import UserError
-from lib.files import durable_replace, open_own
-from lib.meta import check_regular
+from lib.files import UserError, check_regular, durable_replace, open_own
 from lib.memory import state_bytes, traced_optimizer
 from lib.parallel import is_dtensor
 from lib.settings import check_sizes

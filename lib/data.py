@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from lib.errors import UserError
+from lib.files import UserError
 
 CHUNK = 1 << 26  # tokens scanned at a time for the examples' ends
 

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lib.errors import UserError
+from lib.files import UserError
 
 DCP_TYPES = {  # module -> names, as torch 2.13 pickles a checkpoint's metadata (torch's dtypes besides)
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",

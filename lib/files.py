@@ -1,4 +1,9 @@
 """
+The user's mistakes and the project's files, without torch (prepare.py reads this too).
+
+One-line errors: library code raises UserError, one sentence naming the problem and the fix, and once a script has installed one_line_errors an uncaught one is printed as 'script.py:
+message' (exit status 1), with no traceback. Any other exception is a bug and keeps its traceback.
+
 How our outputs reach the disk safely. One writer per folder: prepare.py and train.py (its master) hold an
 exclusive lock, fcntl.flock on FOLDER/.lock (holding the writer's name and pid), on the folder they write, so that a
 second run into it is refused at once; the OS drops the lock when the process ends, however it ends. Every finished
@@ -9,14 +14,60 @@ make (open_own): a downloaded folder may hold one planted where we write (out/me
     held = lock_folder("out", "train.py")        # UserError if another process writes out/ now
     durable_replace("out/ckpt.pt.tmp", "out/ckpt.pt")
     unlock_folder("out", held)                   # or let the process end
+
+A prepared dataset read back: what its folder says about itself (meta.json, or nanoGPT's meta.pkl read as plain
+values only, or nanoGPT's default: GPT-2 tokens), whether prepare.py finished it, and its token files checked
+against what meta.json says before training reads them. Every problem is a UserError of one line.
+
+    from lib.files import check_token_files, read_meta
+    meta = read_meta("data/stdlib")  # {"dtype": "uint16", "vocab_size": 4097, "eot_id": 4096, ...}
+    ntokens = check_token_files("data/stdlib", meta, block_size=1024)
 """
 
 import contextlib
 import errno
 import fcntl
+import json
+import math
 import os
+import pickle
+import stat
+import sys
+from hashlib import blake2b
+from itertools import chain
+from pathlib import Path
 
-from lib.errors import UserError
+import numpy as np
+
+
+class UserError(ValueError):
+    """A mistake in what the user gave (a setting, a file, a folder); the message says what and how to fix it."""
+
+
+def one_line_errors(script):
+    """Print an uncaught UserError as one line labelled with the running script's name (train.py, ...)."""
+    default = sys.excepthook
+
+    def hook(kind, error, traceback):
+        if issubclass(kind, UserError):
+            print(f"{script}: {error}", file=sys.stderr, flush=True)
+            end_group()
+        else:
+            default(kind, error, traceback)
+
+    sys.excepthook = hook
+
+
+def end_group():
+    # a process group left to the interpreter's exit can abort the process after the line ("terminate called without
+    # an active exception": gloo's threads, their peers gone); ended here first, it is rarer (1 run in 7 under torchrun)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# How our outputs reach the disk safely
 
 LOCK_NAME = ".lock"
 
@@ -95,3 +146,189 @@ def durable_replace(src, dst):
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+# -----------------------------------------------------------------------------
+# A prepared dataset read back
+
+MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
+MAX_VOCAB = 1 << 24  # 16.7M ids: released tokenizers have up to ~262K
+
+
+def refuse_unfinished(data_dir):
+    if (Path(data_dir) / MARKER).exists():
+        raise UserError(f"{data_dir} is a dataset prepare.py did not finish (re-run prepare.py)")
+
+
+def read_meta(data_dir):
+    """The folder's meta.json, with dtype as numpy's name and vocab_size an int (ours also hold eot_id, the tokenizer
+    and counts); else, from nanoGPT's meta.pkl (characters), {dtype, vocab_size, eot_id: None, tokenizer}."""
+    refuse_unfinished(data_dir)
+    path = Path(data_dir) / "meta.json"
+    if path.exists():
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+            meta["dtype"] = np.dtype(meta["dtype"]).name
+            vocab_size, eot_id = meta["vocab_size"], meta.get("eot_id")
+            if meta["dtype"] not in ("uint16", "uint32"):  # uint8 over a uint16 file reads each id as two
+                raise UserError(f"dtype {meta['dtype']} is not uint16 or uint32, what token files hold")
+            if type(vocab_size) is not int or vocab_size < 1:
+                raise UserError(f"vocab_size {vocab_size!r} is not a whole number above 0")
+            if meta["dtype"] == "uint16" and vocab_size > 1 << 16:
+                raise UserError(f"dtype uint16 cannot hold the ids of a vocab_size of {vocab_size}")
+            if vocab_size > MAX_VOCAB:  # the model's embedding is sized from it before any token is read
+                raise UserError(f"vocab_size {vocab_size:,} is past {MAX_VOCAB:,}, more than any tokenizer has "
+                                f"(its embedding alone would not fit in memory): prepare the data again")
+            if eot_id is not None and (type(eot_id) is not int or not 0 <= eot_id < vocab_size):
+                raise UserError(f"eot_id {eot_id!r} is not a token id below vocab_size {vocab_size}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            why = f"{type(e).__name__}: {e}"
+            raise UserError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
+        return meta
+    if (Path(data_dir) / "meta.pkl").exists():
+        return {"dtype": "uint16", "vocab_size": len(nanogpt_chars(Path(data_dir) / "meta.pkl")), "eot_id": None,
+                "tokenizer": {"kind": "nanogpt_char", "file": "meta.pkl"}}
+    return {"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
+            "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}
+
+
+def tokenizer_fingerprint(data_dir, meta):
+    """A digest of what decides which ids the folder's text became: meta's tokenizer entry, vocab_size, eot_id and
+    the tokenizer's own file in the folder, if any. A checkpoint keeps its data's, so that whoever reads the run
+    again refuses a folder prepared since with another tokenizer (even the same kind learned from other text)."""
+    digest = blake2b(digest_size=8)
+    spec = meta.get("tokenizer")
+    digest.update(json.dumps([spec, meta["vocab_size"], meta.get("eot_id")], sort_keys=True).encode())
+    name = spec.get("file") if isinstance(spec, dict) else None
+    if isinstance(name, str) and name and name == os.path.basename(name):  # a file of the folder's own
+        path = os.path.join(data_dir, name)
+        check_regular(path, "prepare the data again (python prepare.py ...)")
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
+def data_fingerprint(meta):
+    """What a checkpoint keeps of its data beside its tokenizer's fingerprint: digests of the splits' sizes and of
+    the chat template its conversations were made with (None without one), which preparing the folder again may
+    change: a resume says so (start.resume); sample.py and export.py refuse another template (trained.run_chat)."""
+    chat = meta.get("chat") and {k: v for k, v in meta["chat"].items() if k not in ("template_from", "train_on")}
+    splits = [meta.get(split, {}).get("tokens") for split in ("train", "val")]
+    return {name: None if value is None else blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=8)
+            .hexdigest() for name, value in (("splits", splits), ("chat", chat))}
+
+
+class NotPlain(pickle.UnpicklingError):
+    """A pickle names a class or a function: what it would call to build its objects."""
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain values only: a pickle runs code only by calling what it names, and find_class refuses all."""
+
+    def find_class(self, module, name):
+        raise NotPlain(f"{module}.{name}")
+
+
+def read_plain_pickle(path):
+    """The value pickled in path if it holds only dicts, lists, tuples, strings, numbers, booleans and None;
+    else a UserError of one line. Nothing in the file is ever run."""
+    def refused(what):
+        return UserError(f"{path} holds objects other than plain values ({what}) and is not loaded; "
+                          f"nanoGPT's meta.pkl holds only dicts, strings and integers")
+
+    try:
+        with open(path, "rb") as f:
+            value = PlainUnpickler(f).load()
+    except NotPlain as e:
+        raise refused(e) from None
+    except Exception as e:  # a damaged pickle fails in many ways
+        raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
+    seen, todo = set(), [value]
+    while todo:  # a loop, not recursion: the nesting may be deep, and a list may hold itself
+        item = todo.pop()
+        if type(item) not in (dict, list, tuple, str, int, float, bool, type(None)):
+            raise refused(f"a {type(item).__name__}")
+        if isinstance(item, (dict, list, tuple)) and id(item) not in seen:
+            seen.add(id(item))
+            todo.extend(chain(item.keys(), item.values()) if isinstance(item, dict) else item)
+    return value
+
+
+def nanogpt_chars(path):
+    """The characters of nanoGPT's meta.pkl, in id order: {'vocab_size': n, 'itos': {id: char},
+    'stoi': {char: id}} for the ids 0..n-1, as its data/shakespeare_char/prepare.py writes it."""
+    meta = read_plain_pickle(path)
+    itos = meta.get("itos") if isinstance(meta, dict) else None
+    chars = [itos.get(i) for i in range(len(itos))] if isinstance(itos, dict) else []
+    characters = chars and all(isinstance(c, str) and len(c) == 1 for c in chars)
+    stoi = {c: i for i, c in enumerate(chars)} if characters else None  # also what makes them distinct
+    if not (characters and meta.get("stoi") == stoi and len(stoi) == meta.get("vocab_size") == len(chars)):
+        raise UserError(f"{path} is not nanoGPT's meta.pkl of a character dataset (it needs vocab_size, "
+                         f"and itos and stoi between the ids 0..vocab_size-1 and single characters)")
+    return chars
+
+
+def check_regular(path, fix):
+    """UserError in one line where path is there but is not a regular file: a FIFO would hang its read, a device
+    (/dev/zero) never end it."""
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise UserError(f"{path} is not a regular file (a FIFO, a device or a folder): {fix}")
+
+
+def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
+    """UserError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
+    (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has), read in
+    memory-mapped chunks about as fast as the disk reads."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
+    ids = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+    for start in range(0, len(ids), chunk):
+        piece = ids[start:start + chunk]
+        if int(piece.max()) >= vocab_size:
+            at = int(np.argmax(piece >= vocab_size))  # the first one, to name where the file goes wrong
+            raise UserError(f"{path} holds token id {int(piece[at])} at position {start + at}, past meta.json's "
+                             f"vocab_size {vocab_size}: it is not the data meta.json describes (prepare it again)")
+
+
+def check_token_files(data_dir, meta, block_size):
+    """The training split's length in tokens, once train.bin and val.bin hold whole tokens of meta's dtype, as many as
+    it counted and more than block_size, a mask byte each where it says so, ids in its vocabulary; else UserError."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in ("train", "val"):
+        path = os.path.join(data_dir, f"{split}.bin")
+        if not os.path.exists(path):
+            raise UserError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
+        check_regular(path, "prepare the data again (python prepare.py ...)")  # /dev/zero's size is 0
+        size = os.path.getsize(path)
+        if size == 0:
+            raise UserError(f"{path} is empty: prepare the data with --val_fraction above 0 or --val_input")
+        if size % itemsize:
+            raise UserError(f"{path} has {size} bytes, not a whole number of {meta['dtype']} tokens: it is corrupt "
+                             f"or meta.json's dtype is wrong (re-run prepare.py)")
+        counted = meta[split].get("tokens") if isinstance(meta.get(split), dict) else None
+        if isinstance(counted, int) and size // itemsize != counted:
+            raise UserError(f"{path} holds {size // itemsize:,} {meta['dtype']} tokens where meta.json says "
+                             f"{counted:,}: they are not from one prepare.py run (re-run prepare.py)")
+        if size // itemsize <= block_size:
+            raise UserError(f"{path} has {size // itemsize} tokens, too few for block_size={block_size} "
+                             f"(lower block_size or prepare more data)")
+        mask = os.path.join(data_dir, f"{split}.mask.bin")
+        if meta.get("masks") and (not os.path.exists(mask) or os.path.getsize(mask) != size // itemsize):
+            raise UserError(f"{mask} is missing or does not hold one byte per token of {path} (re-run prepare.py)")
+    for split in ("train", "val"):
+        check_token_ids(os.path.join(data_dir, f"{split}.bin"), meta["dtype"], meta["vocab_size"])
+    return os.path.getsize(os.path.join(data_dir, "train.bin")) // itemsize
+
+
+def check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_size):
+    """train.py's checks of its data -> (the model's vocab_size, 0 being the data's padded up to a multiple of 64;
+    the training split's tokens). Windows need token files longer than block_size; whole examples, no minimum."""
+    from lib.data import SEQUENCES, check_sequences  # (here: prepare.py reads files.py, and needs no torch)
+    check_sequences(sequences, meta, doc_mask, os.path.join(data_dir, "meta.json"))
+    vocab_size = vocab_size or 64 * math.ceil(meta["vocab_size"] / 64)
+    if meta["vocab_size"] > vocab_size:
+        raise UserError(f"{os.path.join(data_dir, 'meta.json')} says the data has {meta['vocab_size']} token ids "
+                        f"but the model's vocab_size is {vocab_size} (set vocab_size=0 to follow the data)")
+    return vocab_size, check_token_files(data_dir, meta, 0 if SEQUENCES[sequences].examples else block_size)

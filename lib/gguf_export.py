@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from lib.errors import UserError
+from lib.files import UserError
 from lib.hf import check_exportable, hf_layout
 from lib.tokenizer_json import bpe_merges, bpe_parts, byte_chars
 

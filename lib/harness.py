@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lib.chat import ChatFormat
-from lib.errors import UserError
-from lib.files import open_own
+from lib.files import UserError, open_own
 from lib.tokenizer import load_tokenizer
 
 try:

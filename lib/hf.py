@@ -18,9 +18,7 @@ import torch
 
 from lib.bounds import confined
 from lib.checkpoint import check_shapes, layer_count
-from lib.errors import UserError
-from lib.files import open_own
-from lib.meta import check_regular
+from lib.files import UserError, check_regular, open_own
 from lib.settings import check_sizes
 from model import GPT, PROJECTIONS, GPTConfig
 

@@ -15,8 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lib.errors import UserError
-from lib.files import open_own
+from lib.files import UserError, open_own
 from lib.hf import HF_PROJECTIONS
 from lib.settings import LORA_BASE_DTYPES
 from model import PROJECTIONS

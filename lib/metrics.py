@@ -17,8 +17,7 @@ import time
 
 import torch
 
-from lib.errors import UserError
-from lib.files import open_own
+from lib.files import UserError, open_own
 
 # train.py imports this module at its top, so the run's wall time (its last line) counts from here: from the
 # script's start, less the second or two its imports of torch take before this one

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from lib.errors import UserError
+from lib.files import UserError
 from lib.parallel import is_dtensor
 
 

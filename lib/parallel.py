@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lib.errors import UserError
+from lib.files import UserError
 from model import PROJECTIONS
 
 # Tensor parallel splits q, k, v, gate and up by their outputs (heads, hidden units) and their consumers by

@@ -13,7 +13,7 @@ import math as _math
 
 from lib import data as _data
 from lib import optim as _optim
-from lib.errors import UserError as _UserError
+from lib.files import UserError as _UserError
 from model import GPTConfig as _GPTConfig
 
 # I/O

@@ -23,7 +23,7 @@ from itertools import chain
 from pathlib import Path
 
 from lib.chat import Chat, is_conversation
-from lib.errors import UserError
+from lib.files import UserError
 
 TEXT_FIELDS = ("text", "content", "body")
 MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)

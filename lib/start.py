@@ -17,9 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lib import checkpoint as ckpt
-from lib.errors import UserError
-from lib.files import lock_folder, unlock_folder
-from lib.meta import data_fingerprint, tokenizer_fingerprint
+from lib.files import UserError, data_fingerprint, lock_folder, tokenizer_fingerprint, unlock_folder
 from lib.parallel import this_process
 from lib.settings import check_sizes, model_settings
 from model import GPT, GPTConfig

@@ -19,9 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from lib.bounds import check_tokenizer_rules, confined
-from lib.errors import UserError
-from lib.files import open_own
-from lib.meta import nanogpt_chars, refuse_unfinished
+from lib.files import UserError, nanogpt_chars, open_own, refuse_unfinished
 
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # Hugging Face's, preferred first
 

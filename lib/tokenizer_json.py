@@ -10,7 +10,7 @@ rebuilt as merges, which gguf_export.py writes into a GGUF file too.
 import json
 import re
 
-from lib.errors import UserError
+from lib.files import UserError
 
 # Oniguruma, the tokenizers library's regex engine, reads two things in tiktoken's patterns otherwise than tiktoken:
 # `X{1,3}+` is a repeat of `X{1,3}` (not possessive), and `$` any end of line (not only the text's end).

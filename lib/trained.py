@@ -10,9 +10,8 @@ import os
 
 from lib.checkpoint import (check_not_nanogpts, check_values, find_checkpoint, load_checkpoint,
                             model_from_checkpoint)
-from lib.errors import UserError
+from lib.files import UserError, data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.hf import load_pretrained
-from lib.meta import data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 

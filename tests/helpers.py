@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lib.errors import UserError
+from lib.files import UserError
 
 # The environment of the processes the CPU tests start (train.py and the other scripts, with --device=cpu), on a
 # machine with a GPU too: the GPU hidden, so that nothing in them reaches for it, and Triton's interpreter only
@@ -202,7 +202,7 @@ def new_python(*args, cwd=ROOT, env=None, timeout=300):
 def in_process(path, args, cwd=ROOT, env=None):
     # `python PATH ARGS` from cwd (PATH relative to the project's folder), run in this process as Python runs a
     # script (runpy, as __main__), with env's variables set meanwhile -> a CompletedProcess of its exit status, its
-    # stdout, and its stderr: for a UserError what the script's own hook prints (errors.one_line_errors), status 1.
+    # stdout, and its stderr: for a UserError what the script's own hook prints (files.one_line_errors), status 1.
     # Any other exception is a bug, and the test's: raised here. What a process's end does is done at the script's
     # end: the exit functions the project (and its config files) registered run (an out_dir's lock is let go), a
     # process group left is ended, and the signal handlers, warning filters and exception hook are put back; so are

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from lib import chat  # noqa: E402
 import prepare  # noqa: E402
-from lib.errors import UserError  # noqa: E402
+from lib.files import UserError  # noqa: E402
 from lib.tokenizer import load_tokenizer, make_tokenizer  # noqa: E402
 
 # -----------------------------------------------------------------------------

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from lib.data import Split
-from lib.errors import UserError
-from lib.meta import check_data_for_run
+from lib.files import UserError, check_data_for_run
 
 
 @pytest.mark.parametrize("kind", ["windows", "whole", "packed"])
@@ -76,7 +75,7 @@ def test_shuffled_windows_are_a_pure_function_of_seed_and_number(tmp_path):
 
 
 def test_the_data_is_checked_for_the_run(tmp_path):
-    # train.py's checks of its data (meta.check_data_for_run), in process: the model's vocabulary is the data's
+    # train.py's checks of its data (files.check_data_for_run), in process: the model's vocabulary is the data's
     # padded to a multiple of 64, or refused below it; documents and examples need the end-of-text id; windows
     # need files longer than block_size, whole examples do not
     for split in ("train", "val"):

@@ -14,7 +14,7 @@ import torch
 
 import export
 from helpers import TINY, run, script
-from lib.errors import UserError
+from lib.files import UserError
 from lib.gguf_export import PRE_TOKENIZERS, interleave_rotary, vocabulary
 from lib.hf import hf_layout
 from lib.tokenizer import load_tokenizer, make_tokenizer
@@ -373,7 +373,7 @@ def test_a_bos_adding_tokenizer_begins_every_text_with_it_everywhere(shared, tmp
         start = end + 1
     assert sorted(documents) == sorted(auto(text)["input_ids"] + [eot] for text in texts)
     # and the data is the folder's tokenizer's, as train.py --init_from and eval.py --model check it
-    from lib.meta import read_meta
+    from lib.files import read_meta
     from lib.tokenizer import check_tokenizer
     check_tokenizer(folder / "data", read_meta(folder / "data"), str(tmp_path / "hf"), len(auto))
     # sample.py's prompt: greedy, its text is transformers' greedy continuation of AutoTokenizer's ids; an empty

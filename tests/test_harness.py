@@ -227,7 +227,7 @@ def remote_task(folder):
 def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
     needs_lm_eval()
     from lib import harness
-    from lib.errors import UserError
+    from lib.files import UserError
     # The unknown name in this process (the index built once, not in a script each time): eval.py and train.py
     # raise load_tasks's UserError uncaught, and their one_line_errors print it, as the data below shows end to end
     with pytest.raises(UserError, match="no task no_such_task") as refused:

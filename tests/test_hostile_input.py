@@ -27,8 +27,7 @@ from helpers import needs_tiktoken, new_python, train_refusal
 from lib import checkpoint as ckpt
 from lib import start
 from lib import hf
-from lib.errors import UserError
-from lib.meta import read_meta
+from lib.files import UserError, read_meta
 from lib.tokenizer import load_tokenizer
 from model import GPT, GPTConfig
 
@@ -609,7 +608,7 @@ def test_a_vocab_no_tokenizer_has_is_refused_before_an_embedding_is_sized(tmp_pa
 
 
 def test_a_token_file_that_is_a_device_is_named_as_one(tmp_path):
-    from lib.meta import check_token_files
+    from lib.files import check_token_files
     (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 64, "eot_id": 0}))
     os.symlink("/dev/zero", tmp_path / "train.bin")
     (tmp_path / "val.bin").write_bytes(b"\0\0" * 100)

@@ -38,7 +38,7 @@ def test_the_root_holds_the_scripts_and_the_named_files_only():
 
 def test_imports_run_one_way():
     # scripts -> lib -> model -> kernels -> torch; configurator (train.py's overrides, which bench.py applies
-    # too) imports nothing of the project's, not even lib.errors: it stops with its own one line (sys.exit)
+    # too) imports nothing of the project's, not even lib.files: it stops with its own one line (sys.exit)
     assert project_imports(ROOT / "kernels.py") == set()
     assert project_imports(ROOT / "model.py") == {"kernels"}
     assert project_imports(ROOT / "configurator.py") == set()

@@ -13,7 +13,7 @@ import torch
 from configurator import configure
 from helpers import free_port, script
 from lib import memory, optim
-from lib.errors import UserError
+from lib.files import UserError
 from lib.lora import add_lora, quantize_base
 from lib.memory import memory_estimate, nf4_bytes, tensor_bytes
 from model import GPT, GPTConfig

@@ -5,7 +5,7 @@ import torch
 
 import model as M
 from helpers import ROOT
-from lib.errors import UserError
+from lib.files import UserError
 from lib.lora import add_lora
 from lib.optim import build_optimizers
 from lib.settings import defaults

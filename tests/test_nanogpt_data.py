@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import SHAKESPEARE
-from lib.meta import read_meta
+from lib.files import read_meta
 from lib.tokenizer import load_tokenizer
 
 # Used when tinyshakespeare is not beside the checkout: a few lines in its manner.

@@ -124,7 +124,7 @@ def test_gpt2_starting_points_say_what_to_start_from(nanogpt_folder):
     folder = tmp_path / "gpt2"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "vocab_size": 64}))
-    from lib.errors import UserError
+    from lib.files import UserError
     from lib.hf import load_pretrained
     with pytest.raises(UserError, match="GPT-2's blocks .* are nanoGPT's, not this model's"):
         load_pretrained(folder)

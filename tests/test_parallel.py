@@ -4,10 +4,9 @@ import pytest
 
 from helpers import STANDARD, TINY, losses, run, standard_run, train_refusal
 
-from lib.errors import UserError
+from lib.files import UserError, read_meta
 from lib.hf import save_pretrained
 from lib.settings import defaults
-from lib.meta import read_meta
 from lib.parallel import parallelize
 from lib.start import begin
 from model import GPT, GPTConfig

@@ -19,7 +19,7 @@ import pytest
 import prepare
 from helpers import SHAKESPEARE, TIKTOKEN_CACHE, needs_tiktoken, script
 from lib import sources
-from lib.errors import UserError
+from lib.files import UserError
 from lib.tokenizer import load_tokenizer, make_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files
 
@@ -232,7 +232,7 @@ def test_a_sentencepiece_style_tokenizer_json_is_its_own_models(tmp_path):
     # tokenizer makes (with its BOS), and a model folder holding the very same tokenizer.json is its model's
     # (train.py --init_from and eval.py --model check so; refused before)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from lib.meta import read_meta
+    from lib.files import read_meta
     from lib.tokenizer import check_tokenizer
     tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402 (after the skip: safetensors comes with transformers)
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from lib.errors import UserError
+from lib.files import UserError
 from lib.hf import load_pretrained, save_pretrained
 from model import GPT, GPTConfig  # noqa: E402
 

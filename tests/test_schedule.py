@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import TINY, run
-from lib.errors import UserError
+from lib.files import UserError
 from lib.optim import check_optimizer, lr_factor, run_steps, set_lr
 from lib.settings import defaults
 

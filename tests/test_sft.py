@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import prepare
 from helpers import assert_weights_close, losses, run, script, train_refusal, weights
 from lib.data import Split, best_fit
-from lib.errors import UserError
+from lib.files import UserError
 from model import GPT, GPTConfig, linear_cross_entropy
 
 WORDS = "apple river stone cloud seven orange lamp tiger music paper green window silver forest quiet".split()
