@@ -1,8 +1,9 @@
 """
 The user's mistakes and the project's files, without torch (prepare.py reads this too).
 
-One-line errors: library code raises UserError, one sentence naming the problem and the fix, and once a script has installed one_line_errors an uncaught one is printed as 'script.py:
-message' (exit status 1), with no traceback. Any other exception is a bug and keeps its traceback.
+One-line errors: library code raises UserError, one sentence naming the problem and the fix, and once a script
+has installed one_line_errors an uncaught one is printed as 'script.py: message' (exit status 1), with no
+traceback. Any other exception is a bug and keeps its traceback.
 
 How our outputs reach the disk safely. One writer per folder: prepare.py and train.py (its master) hold an
 exclusive lock, fcntl.flock on FOLDER/.lock (holding the writer's name and pid), on the folder they write, so that a
