@@ -30,7 +30,8 @@ from tqdm import tqdm
 from lib.chat import TRAIN_ON, Chat, ChatFormat
 from lib.files import (MARKER, UserError, durable_replace, lock_folder, one_line_errors, open_own,
                       unlock_folder)
-from lib.sources import HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces
+from lib.sources import (HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces,
+                         shown)
 from lib.tokenizer import make_tokenizer
 
 FORMAT_VERSION = 1
@@ -116,10 +117,17 @@ def prepare(args):
     docs, split_method, single_ext = plan_split(args, inputs, docs, stats)
     with nullcontext({}) if args.analyze else temporary_outputs(out) as files:  # --analyze writes nothing
         encoding = time.time()
-        splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, args.min_length)
+        # the head and tail of one document are kept whole: --min_length is the whole document's, below
+        min_length = 0 if single_ext is not None else args.min_length
+        splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length)
         seconds["encode"] = max(time.time() - encoding, 1e-6)
         if single_ext is not None:  # the head and tail of one document were counted as two
             ext_stats(stats, single_ext)["documents"] -= 1
+            framing = 1 + (tokenizer.bos_id is not None)  # each half's end-of-text, and BOS
+            text_tokens = splits["train"]["tokens"] + splits["val"]["tokens"] - 2 * framing
+            if text_tokens < args.min_length:
+                raise UserError(f"the one document has {text_tokens:,} tokens, fewer than --min_length="
+                                f"{args.min_length}: nothing is left to train on (lower --min_length)")
         elif files and args.val_input is None and args.val_fraction > 0:
             balance_splits(splits, last, files, np.dtype(dtype).itemsize, stats["conversations"])
         conversations = stats.pop("conversations")
@@ -130,7 +138,7 @@ def prepare(args):
             "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name}, **splits,  # train, val
             "split": {"method": split_method, "val_fraction": None if args.val_input else args.val_fraction},
             "masks": bool(conversations), **({"chat": args.chat().meta(tokenizer)} if conversations else {}),
-            "inputs": [str(p) for p in inputs], "val_inputs": [str(p) for p in args.val_input or []],
+            "inputs": [shown(p) for p in inputs], "val_inputs": [shown(p) for p in args.val_input or []],
             **stats,  # files_read ... duplicates_dropped: what was read and skipped
             "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)},
         }
@@ -192,6 +200,10 @@ def check_arguments(args):
     for path in inputs + (args.val_input or []):
         if not isinstance(path, HubSplit) and not os.path.exists(path):
             raise UserError(f"no such input: {path} (check the path)")
+    for path, val in [(p, v) for p in inputs for v in args.val_input or [] if not isinstance(p, HubSplit)
+                      and not isinstance(v, HubSplit)]:
+        if Path(path).resolve().is_relative_to(Path(val).resolve()):  # it would be trained on and validated on
+            raise UserError(f"{path} is --val_input {val} or inside it: pass it as an input or as --val_input")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
     out = Path(args.out_dir or ("data/stdlib" if not args.input else ""))

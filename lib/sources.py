@@ -1,5 +1,5 @@
 """
-Reading a corpus: files, folders, JSON records, parquet and Hugging Face datasets -> documents, with everything
+Reading a corpus: files, folders, JSON, CSV and parquet records, and Hugging Face datasets -> documents, with everything
 skipped counted and listed. Memory stays bounded for any input: a big plain-text file is checked whole first, then
 given out in pieces cut where the tokens cannot change (SAFE_CUT). prepare.py encodes what comes out.
 
@@ -10,8 +10,10 @@ given out in pieces cut where the tokens cannot change (SAFE_CUT). prepare.py en
 """
 
 import codecs
+import csv
 import errno
 import gzip
+import io
 import json
 import os
 import re
@@ -100,9 +102,10 @@ def read_rows(rows, field, chat):  # a Hugging Face dataset's or a parquet file'
         yield f"row {row}", *record_text(record, field, chat)
 
 
-def input_files(folder, stats, only_py=False, exclude=frozenset(), rel_folder=""):
+def input_files(folder, stats, skip, only_py=False, exclude=frozenset(), rel_folder=""):
     """Yield (path, path relative to the INPUT) for every file under folder (or folder, a file), sorted, but those
-    under a resolved path in exclude (the dataset being written, the --val_input ones)."""
+    under a resolved path in exclude (the dataset being written, the --val_input ones); skip(path, why) for a link
+    or a folder it cannot follow."""
     if isinstance(folder, HubSplit):
         yield folder, str(folder)
         return
@@ -113,7 +116,7 @@ def input_files(folder, stats, only_py=False, exclude=frozenset(), rel_folder=""
     try:
         entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
     except OSError as e:
-        stats["skipped_files"].append({"path": str(folder), "reason": f"unreadable folder: {e.strerror}"})
+        skip(folder, f"unreadable folder: {e.strerror}")
         return
     for entry in entries:
         path, rel = Path(entry.path), f"{rel_folder}{entry.name}"
@@ -125,15 +128,20 @@ def input_files(folder, stats, only_py=False, exclude=frozenset(), rel_folder=""
         if entry.name.startswith("."):
             stats["hidden_skipped"] += 1  # .git, .venv, .DS_Store: counted, not listed
         elif why:
-            stats["skipped_files"].append({"path": str(path), "reason": why})
+            skip(path, why)
         elif entry.is_dir(follow_symlinks=False):
             # Installed packages are not the stdlib, and a dataset we write must not be read back in.
             if not (only_py and entry.name == "site-packages") and path.resolve() not in exclude:
-                yield from input_files(path, stats, only_py, exclude, rel + "/")
+                yield from input_files(path, stats, skip, only_py, exclude, rel + "/")
         elif not only_py or entry.name.endswith(".py"):
             # a --val_input file the walk meets is left out; resolved only where its name is one of theirs
             if not any(entry.name == p.name for p in exclude) or path.resolve() not in exclude:
                 yield path, rel
+
+
+def shown(path):
+    # a path as text that meta.json and the report can hold: a name that isn't UTF-8 keeps its bytes as \xNN
+    return str(path).encode("utf-8", "backslashreplace").decode()
 
 
 def file_ext(path):
@@ -206,6 +214,14 @@ def read_documents(path, field, dedup, chat):
                 yield str(n), *(record_text(record, field, chat) if why is None else (None, why))
     elif ext == ".parquet":
         yield from read_parquet(path, field, chat)
+    elif ext in (".csv", ".tsv"):  # a header row naming the columns, then a record a row
+        csv.field_size_limit(MAX_RECORD)
+        with io.TextIOWrapper(open_input(path), encoding="utf-8-sig", newline="") as f:
+            try:
+                for n, row in enumerate(csv.DictReader(f, dialect="excel-tab" if ext == ".tsv" else "excel"), 2):
+                    yield f"line {n}", *record_text(row, field, chat)
+            except (csv.Error, UnicodeDecodeError) as e:
+                raise SkipFile(f"not a readable {ext[1:]} file ({str(e)[:80]})")
     elif ext == ".json":
         try:
             obj = json.loads("".join(text for _, text in decoded(path)))
@@ -251,7 +267,8 @@ def read_parquet(path, field, chat):
     if column not in names:
         raise SkipFile(f"no text column ({field or '/'.join(TEXT_FIELDS)}); it has {', '.join(names)[:80]}")
     kind = parquet.schema_arrow.field(column).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    kind = kind.value_type if pa.types.is_dictionary(kind) else kind  # pandas' category: its values
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
         raise SkipFile(f"column '{column}' holds {kind}, not text")
     batches = parquet.iter_batches(columns=[column], batch_size=1024)  # streams, one batch at a time
     for row, text in enumerate(chain.from_iterable(batch.column(0).to_pylist() for batch in batches), 1):
@@ -358,9 +375,8 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
             stats["bad_records"]["examples"].append(f"{where}: {why}")
 
     for root in inputs:
-        for path, rel in input_files(root, stats, only_py, exclude):
-            ext, kept = file_ext(path), 0
-            where = str(path).encode("utf-8", "backslashreplace").decode()  # a file name that isn't UTF-8
+        for path, rel in input_files(root, stats, lambda path, why: reject(shown(path), why, True), only_py, exclude):
+            ext, kept, where = file_ext(path), 0, shown(path)
             try:
                 for pos, doc, why in read_documents(path, args.field, args.dedup, args.chat):
                     chat = isinstance(doc, Chat)

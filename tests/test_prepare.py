@@ -613,6 +613,55 @@ def test_min_length_counts_a_documents_own_tokens_not_the_bos_its_tokenizer_adds
     assert meta["short_dropped"] == 1 and meta["train"]["documents"] == 1 and meta["train"]["tokens"] == 5
     assert meta["document_tokens_histogram"] == {"2-3": 1}
 
+def test_min_length_is_the_single_documents_whole_length_not_its_halves(tmp_path):
+    # one document, cut into a train head and a val tail: --min_length weighs the whole document (1,640 characters),
+    # never a half, so neither half is dropped; a document under it leaves nothing to train on, said in one line
+    text = "".join(f"line {i} of the one document here\n" for i in range(50))
+    write(tmp_path / "one.txt", text)
+    meta = run(tmp_path / "one.txt", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--min_length", "1500")
+    (train,), (val,) = read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "val")
+    assert train + val == text and val and meta["short_dropped"] == 0
+    assert meta["extensions"][".txt"]["documents"] == 1
+    one_line_error(cli(tmp_path / "one.txt", "--out_dir", tmp_path / "out2", "--tokenizer", "char",
+                       "--min_length", "1641"), "1,640 tokens", "--min_length=1641")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_an_input_inside_a_val_input_is_refused(tmp_path):
+    # trained on and validated on at once: the same folder, or a file of it, given as an input and as --val_input
+    text_tree(tmp_path / "corpus")
+    for given in (tmp_path / "corpus", tmp_path / "corpus" / "d0" / "sub0" / "doc0.txt"):
+        one_line_error(cli(given, "--val_input", tmp_path / "corpus", "--out_dir", tmp_path / "out", "--tokenizer",
+                           "char"), str(given), "--val_input")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_link_named_in_bytes_that_are_not_utf8_is_listed_and_strict_stops_at_it(tmp_path):
+    # a broken link (or any skipped path) whose name is not UTF-8 is listed with its bytes as \xNN text, in a
+    # meta.json that can hold it; --strict stops at it, as at any file it would skip
+    src = tmp_path / "src"
+    make_good(src)
+    os.symlink(b"/nonexistent", os.fsencode(src) + b"/bad\xff.txt")
+    meta = run(src, "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert meta["skipped_files"] == [{"path": f"{src}/bad\\udcff.txt", "reason": "broken symlink"}]
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
+    one_line_error(cli(src, "--out_dir", tmp_path / "strict", "--tokenizer", "char", "--strict"), "broken symlink")
+
+
+def test_csv_and_tsv_rows_are_records_and_category_parquet_columns_are_text(tmp_path):
+    # a .csv's header names its columns, each row a record (quoted commas and quotes kept as text); a .tsv the same
+    # with tabs; a parquet column pandas wrote as a category holds strings too
+    write(tmp_path / "src" / "a.csv", 'id,article\n1,"First, with a comma"\n2,"A ""quoted"" word"\n')
+    write(tmp_path / "src" / "b.tsv", "article\tid\ntab row\t3\n")
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"article": pa.array(["cat one", "cat two"]).dictionary_encode()}),
+                   tmp_path / "src" / "c.parquet")
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--field", "article")
+    assert sorted(read_all(tmp_path / "out")) == ['A "quoted" word', "First, with a comma", "cat one", "cat two",
+                                                  "tab row"]
+    assert meta["skipped_files"] == [] and meta["extensions"][".csv"]["documents"] == 2
+
+
 def test_analyze_writes_nothing(tmp_path, capsys):
     src = text_tree(tmp_path / "src")
     write(src / "bin.dat", b"\x00\x01")
