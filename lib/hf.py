@@ -165,12 +165,19 @@ SAID = {"block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", 
 
 
 def check_exportable(config):
-    """UserError for a GPTConfig that sets a field config.json cannot say (SAID)."""
+    """UserError for a GPTConfig that sets a field config.json cannot say (SAID), or whose attention is not its
+    family's: config.json says q, k and v biases by naming Qwen2, and q and k norms by naming Qwen3."""
     unsaid = [f"{f.name}={getattr(config, f.name)!r}" for f in fields(config) if f.name not in SAID
               and getattr(config, f.name) != f.default]
     if unsaid:
         raise UserError(f"this model's {', '.join(unsaid)} has no Hugging Face config.json field: transformers, "
                         f"vLLM and llama.cpp would run another model (sample it with sample.py instead)")
+    for field, family in (("qkv_bias", "qwen2"), ("qk_norm", "qwen3")):
+        if getattr(config, field) != (config.family == family):
+            raise UserError(f"this model's {field}={getattr(config, field)} with family={config.family!r}: "
+                            f"config.json says {field} only by naming {family} as the family, so transformers, vLLM "
+                            f"and llama.cpp would run another model (train with family='{family}' and {field}=True "
+                            f"or neither; sample this one with sample.py)")
 
 
 def hf_config(config, dtype, ids=None):

@@ -26,9 +26,17 @@ def hf_tokenizer_files(tok):
                     "the rest of the folder is written without one")
     if tok.kind == "huggingface":
         from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers.processors import TemplateProcessing
         hf = HFTokenizer.from_str(tok.hf_json)
         eos, bos = hf.id_to_token(tok.eot_id), hf.id_to_token(tok.bos_id) if tok.bos_id is not None else None
-        return {"tokenizer.json": tok.hf_json, "tokenizer_config.json": tokenizer_config(eos, bos)}, None
+        text = tok.hf_json
+        if hf.encode("a").ids != [tok.bos_id] * (bos is not None) + hf.encode("a", add_special_tokens=False).ids:
+            # its post-processor adds more than the BOS (an EOS after every text, '<s> $A </s>'), which prepare.py
+            # never wrote and transformers would add to every prompt: it puts the BOS alone
+            hf.post_processor = TemplateProcessing(single=f"{bos} $A" if bos else "$A",
+                                                   special_tokens=[(bos, tok.bos_id)] if bos else [])
+            text = hf.to_str()
+        return {"tokenizer.json": text, "tokenizer_config.json": tokenizer_config(eos, bos)}, None
     ranks, pattern, specials = bpe_parts(tok)
     try:
         tokenizer_json = bytelevel_tokenizer_json(ranks, pattern, specials)

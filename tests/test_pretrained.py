@@ -438,6 +438,18 @@ def test_scratch_model_loads_as_llama(tied, tmp_path):
     assert_same_logits(our_logits(load_pretrained(tmp_path), ids), expected)
 
 
+@pytest.mark.parametrize("shape", [dict(qk_norm=True), dict(qkv_bias=True), dict(family="qwen3"),
+                                   dict(family="mistral", qk_norm=True)])
+def test_an_attention_its_family_does_not_have_is_refused_by_the_export(tmp_path, shape):
+    # config.json says q and k norms only as Qwen3, q, k and v biases only as Qwen2: a scratch run's qk_norm=True
+    # under family 'llama' would go out as a Llama whose norms transformers drops (its logits off by as much as they
+    # are); a 'qwen3' without the norms as one transformers gives norms of ones. Refused in one line, nothing written
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16, **shape))
+    with pytest.raises(UserError, match="config.json says (qk_norm|qkv_bias) only by naming"):
+        save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
 def test_a_model_setting_config_json_cannot_say_is_refused_by_the_export(tmp_path):
     # a field added to GPTConfig (here by a subclass, as an edit of model.py would add it) and set otherwise than
     # its default has no place in config.json: the export says so in one line instead of writing another model
