@@ -402,7 +402,7 @@ def filter_logits(logits, top_k=None, top_p=None):
         logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum - sorted_logits.softmax(dim=-1) > top_p  # mass before this token already reaches top_p
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches top_p
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     return logits

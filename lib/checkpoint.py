@@ -41,6 +41,7 @@ def dcp():
 LOOP = {"iter_num": 0, "best_val_loss": float("inf"), "evals_without_gain": 0, "skipped_in_a_row": 0,
         "evaluated": False}
 NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", "rng", *LOOP}  # what one holds
+COPIES = r"ckpt_(best|[0-9]+|epoch_[0-9]+)(\.pt)?"  # the copies a save makes of its checkpoint, in either layout
 FORMAT = 2  # what its values mean; a resume takes this format alone (an older one: resume with its train.py)
 # -----------------------------------------------------------------------------
 # reading
@@ -56,6 +57,17 @@ def find_checkpoint(path):
     if os.path.isfile(stem + ".pt"):
         return stem + ".pt"
     return next((p for p in (stem, stem + ".old") if os.path.isfile(os.path.join(p, "state.pt"))), None)
+
+
+def recover_first_save(out_dir):
+    """A run's first save killed after its copies (ckpt_best, ckpt_epoch_N, ckpt_NNNNNNN), before its finished tmp
+    took the name ckpt, left them beside the tmp and no ckpt: the copies are that checkpoint, byte for byte, and one
+    becomes ckpt, so that the run resumes from it. The master calls it at start, out_dir locked."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    copies = sorted(name for name in names if re.fullmatch(COPIES, name))
+    if copies and {"ckpt.pt.tmp", "ckpt.tmp"} & set(names) and not find_checkpoint(os.path.join(out_dir, "ckpt.pt")):
+        copy_checkpoint(os.path.join(out_dir, copies[0]), os.path.join(out_dir, "ckpt" + ".pt" * (
+            copies[0].endswith(".pt"))))
 
 
 def latest(out_dir, sharded=False):
@@ -406,11 +418,14 @@ def nested_bytes(tree):
 
 
 def failed_save(out_dir, step, sharded, error, needed):
-    # the one line for a failed save, once the master removed what it began (the others' shards are in its folders)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        for name in os.listdir(out_dir) if os.path.isdir(out_dir) else ():
-            if re.fullmatch(r"ckpt.*\.tmp", name):
-                retire(os.path.join(out_dir, name))
+    # the one line for a failed save, once the master removed what it began (the others' shards are in its folders):
+    # its tmp, and where no ckpt was ever published, the copies it made (with none, the run begins again)
+    master = not dist.is_initialized() or dist.get_rank() == 0
+    names = os.listdir(out_dir) if master and os.path.isdir(out_dir) else []
+    first = not find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    for name in names:
+        if re.fullmatch(r"ckpt.*\.tmp", name) or first and re.fullmatch(COPIES, name):
+            retire(os.path.join(out_dir, name))
     why = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
     with contextlib.suppress(OSError):  # (the folder itself is gone: the error says why)
         free = shutil.disk_usage(out_dir).free

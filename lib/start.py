@@ -49,12 +49,14 @@ class Origin:
 
 def claim(out_dir, master):
     """One run writes an out_dir at a time (files.py): the master makes it and holds its lock until it exits; a
-    second run stops here in every process with the master's one line, before it reads or writes anything there."""
+    second run stops here in every process with the master's one line, before it reads or writes anything there.
+    The master then makes the ckpt a killed first save did not (checkpoint.recover_first_save)."""
     refused = None
     if master:
         try:
             os.makedirs(out_dir, exist_ok=True)
             atexit.register(unlock_folder, out_dir, lock_folder(out_dir, "train.py"))
+            ckpt.recover_first_save(out_dir)
         except OSError as e:
             refused = f"cannot make out_dir={out_dir} ({e.strerror}): choose a folder this user can write to"
         except UserError as e:
@@ -214,7 +216,7 @@ def resume(origin, config, meta):
     if checkpoint.get("data_fingerprint", {}).get("splits") not in (None, data_fingerprint(meta)["splits"]):
         origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
                             f"sizes differ): the run goes on through other sequences than it would have seen")
-    if 0 < config["early_stop_patience"] <= loop["evals_without_gain"]:
+    if 0 < config["early_stop_patience"] <= loop["evals_without_gain"] and not config["eval_only"]:
         origin.stopped = True
         origin.notes.append(f"this run stopped early at step {loop['iter_num']} (no better val loss in "
                             f"{loop['evals_without_gain']} evaluations): nothing to do; raise early_stop_patience "
@@ -222,9 +224,10 @@ def resume(origin, config, meta):
         return
     # a step's batches depend on these alone, not on how processes and micro-steps share them (batch_size='auto')
     def shaping(c):
-        return c.get("seed"), c.get("sequences"), c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0)
+        return (c.get("seed"), c.get("sequences"), c.get("block_size"),
+                c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0))
     if shaping(before) != shaping(config):
-        origin.notes.append("warning: seed, sequences or the sequences of an update (batch_size x "
+        origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "
                             "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
                             "not on the batches the first run would have seen")
     if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule

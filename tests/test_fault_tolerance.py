@@ -528,6 +528,58 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes_once_there_is_room(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "disk full"])
+def test_a_first_save_that_dies_after_its_copies_leaves_a_run_that_resumes(data_dir, tmp_path, how):
+    # The run's first save (step 3) makes its copies (ckpt_best, ckpt_0000003) from its finished tmp, then dies as the
+    # tmp takes the name ckpt.pt: killed there, the copies are that checkpoint and the next start makes ckpt.pt of
+    # one (the run resumes at step 3); failing there (a full disk), it removes the copies with the tmp (the run
+    # begins again). Either way --init_from=auto (torchrun's restarts) ends as the uninterrupted run, where it used
+    # to be refused for an out_dir holding a run already
+    args = [*COMMON, f"--data_dir={data_dir}", "--max_iters=9", "--keep_last_n=2"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}")
+    dies = tmp_path / "dies.py"
+    dies.write_text("import errno as _errno, os as _os\n"
+                    "_replace = _os.replace\n"
+                    "def _dies(src, dst, *a, **k):\n"
+                    "    if str(dst).endswith('/ckpt.pt'):\n"
+                    + ("        _os._exit(9)\n" if how == "killed" else
+                       "        raise OSError(_errno.ENOSPC, 'No space left on device')\n") +
+                    "    return _replace(src, dst, *a, **k)\n"
+                    "_os.replace = _dies\n")
+    out = tmp_path / "out"
+    done = new_python("train.py", *on_cpu([*args, f"--out_dir={out}", str(dies)]))
+    left = sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt"))
+    if how == "killed":
+        assert done.returncode == 9 and left == ["ckpt.pt.tmp", "ckpt_0000003.pt", "ckpt_best.pt"]
+    else:
+        assert done.returncode == 1 and left == [] and "no earlier checkpoint was written" in done.stderr
+    resumed = run(*args, f"--out_dir={out}", "--init_from=auto")
+    assert ("resuming" in resumed.stdout) == (how == "killed")
+    assert losses(tmp_path / "whole") == losses(out)
+    assert_same_weights(weights(tmp_path / "whole"), weights(out))
+    assert_same_weights(weights(tmp_path / "whole", "ckpt_best.pt"), weights(out, "ckpt_best.pt"))
+
+
+def test_eval_only_evaluates_a_run_that_stopped_early(data_dir, tmp_path):
+    # a run that stopped early has nothing left to train, but eval_only asks for its losses, not for training
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100", "--eval_interval=2",
+            "--learning_rate=0", "--min_lr=0", "--early_stop_patience=1"]
+    run(*args)
+    out = run(*args, "--init_from=resume", "--eval_only=True")
+    assert re.search(r"step 2: train loss [\d.]+, val loss [\d.]+", out.stdout), out.stdout
+
+
+def test_a_resume_at_another_block_size_says_its_batches_differ(data_dir, tmp_path):
+    # the windows a step draws follow block_size: a resume with another one trains on, saying so
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2"]
+    run(*args, "--max_iters=2")
+    out = run(*args, "--max_iters=4", "--init_from=resume", "--block_size=8")
+    assert "warning: seed, sequences, block_size or the sequences of an update" in out.stdout
+    out = run(*args, "--max_iters=6", "--init_from=resume", "--block_size=8")
+    assert "warning" not in out.stdout
+
+
+@pytest.mark.slow
 def test_out_dir_that_cannot_be_written_or_holds_no_checkpoint_is_refused_before_training(data_dir, tmp_path):
     (tmp_path / "file").write_text("")
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'file' / 'out'}", check=False)

@@ -137,6 +137,10 @@ def test_filter_logits_top_p():
     assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7 needs the 0.3 as well
     kept = filter_logits(logits, top_k=1).isfinite()
     assert kept.tolist() == [[True, False, False, False]]
+    # a set whose mass is top_p exactly reaches it, as transformers' TopPLogitsWarper has it: nothing more is kept
+    halves = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))  # (sums exact in binary)
+    assert filter_logits(halves, top_p=0.5).isfinite().tolist() == [[True, False, False, False]]
+    assert filter_logits(halves, top_p=0.75).isfinite().tolist() == [[True, True, False, False]]
 
 
 def test_sequence_longer_than_block_is_refused():
