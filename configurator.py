@@ -19,6 +19,18 @@ import types
 _HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # a config file's own names
 
 
+class _Assigned(dict):
+    # a config file's top-level assignments as it makes them (exec's locals), each also set in its globals, scope,
+    # where the file's own functions look names up
+    def __init__(self, scope):
+        super().__init__()
+        self.scope = scope
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.scope[key] = value
+
+
 def _check(config, key, value, source):
     if key not in config:
         close = difflib.get_close_matches(key, config, n=1)
@@ -37,20 +49,22 @@ def configure(config, args):
     for arg in args:
         if not arg.startswith("--"):
             try:
-                with open(arg) as f:
+                with open(arg, encoding="utf-8") as f:
                     code = f.read()
             except OSError as e:
                 sys.exit(f"config file {arg}: {e.strerror} (give a path like config/train_small.py)")
-            scope, before = dict(config), dict(config)  # (before: batch_size='auto' changes batch_size_auto)
+            except UnicodeDecodeError:
+                sys.exit(f"config file {arg}: not UTF-8 text (save it as UTF-8)")
+            scope = dict(config)  # what the file reads: the settings so far
+            assigned = _Assigned(scope)
             try:
-                exec(compile(code, arg, "exec"), scope)
+                exec(compile(code, arg, "exec"), scope, assigned)
             except Exception as e:  # a mistake in the user's file: name it, no traceback
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
-                line = e.lineno if isinstance(e, SyntaxError) else frames[-1]
-                sys.exit(f"config file {arg}, line {line}: {type(e).__name__}: {e}")
-            for key, value in scope.items():
-                own = key.startswith("_") or isinstance(value, _HELPERS)
-                if not own and (key not in before or value is not before[key]):
+                line = e.lineno if isinstance(e, SyntaxError) else frames[-1] if frames else None
+                sys.exit(f"config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}")
+            for key, value in assigned.items():
+                if not (key.startswith("_") or isinstance(value, _HELPERS)):
                     _set(config, key, value, arg)
         else:
             key, eq, text = arg[2:].partition("=")

@@ -22,11 +22,15 @@ def read_run(out_dir):
     path = os.path.join(out_dir, "metrics.jsonl")
     try:
         with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            lines = f.read().split("\n")
     except OSError as e:
         raise UserError(f"cannot read {path} ({e.strerror}): name a run's out_dir (train.py writes it there)")
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not one JSON record a line ({e.msg} at line {e.lineno})") from None
+    records = []
+    for number, line in enumerate(lines[:-1], 1):  # the last, without its newline, is a record being written
+        try:
+            records += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} is not one JSON record a line ({e.msg} at line {number})") from None
     offset, last = 0.0, 0.0
     for record in records:  # a resumed run's process starts its clock again: its times follow the last one's
         if "elapsed_s" in record:

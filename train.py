@@ -63,7 +63,7 @@ device, dtype, backend, fsdp = procs.device, procs.dtype, procs.backend, procs.f
 ddp, master, rank, world_size = procs.ddp, procs.master, procs.rank, procs.world_size
 device_type, dp_size, dp_rank = procs.device_type, procs.dp_size, procs.dp_rank
 check_same_settings(config, data_dir)  # every node started with rank 0's settings and data, or all stop here
-if gradient_accumulation_steps % dp_size:
+if gradient_accumulation_steps % dp_size and not batch_size_auto:  # (under 'auto': memory.auto_micro_batch's)
     raise UserError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                     f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")
 micro_steps = gradient_accumulation_steps // dp_size  # this replica's share

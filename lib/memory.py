@@ -398,19 +398,25 @@ def resident_bytes():
     return (proc_kib("VmRSS") or 0) * 1024
 
 
-def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1):
+def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1, held=0):
     """batch_size='auto': the largest micro-batch b dividing a replica's share of sequences whose peak(b) (a process's
-    bytes, estimated) fits in budget less a margin -> (b, peak(b)); UserError if one sequence does not fit."""
+    bytes, estimated, held of them by the process already) fits in budget less a margin -> (b, peak(b)); UserError if
+    the replicas do not share the sequences evenly, or one sequence does not fit."""
+    if sequences % replicas:
+        raise UserError(f"batch_size='auto': the {sequences} sequences of an update (batch_size x "
+                        f"gradient_accumulation_steps) must be a multiple of the {replicas} data-parallel replicas")
     share = sequences // replicas
     room = budget * (1 - margin)
     for b in sorted((d for d in range(1, share + 1) if share % d == 0), reverse=True):
         if peak(b) <= room:
             return b, peak(b)
     need = peak(1)
-    raise UserError(f"batch_size='auto': one sequence needs {need / 2**30:.2f} GiB where {room / 2**30:.2f} GiB may "
-                    f"be used ({1 - margin:.0%} of {budget / 2**30:.2f} GiB), {(need - room) / 2**30:.2f} GiB short; "
-                    f"turn on gradient_checkpointing, train LoRA adapters (lora_rank, with lora_base_dtype='nf4' for a "
-                    f"4-bit base), lower block_size, or spread the model over more processes (fsdp=True)")
+    already = f" ({held / 2**30:.2f} GiB of it held already: Python, torch, the data)" if held else ""
+    raise UserError(f"batch_size='auto': one sequence needs {need / 2**30:.2f} GiB{already} where {room / 2**30:.2f} "
+                    f"GiB may be used ({1 - margin:.0%} of {budget / 2**30:.2f} GiB), {(need - room) / 2**30:.2f} GiB "
+                    f"short; raise memory_budget if it is set, turn on gradient_checkpointing, train LoRA adapters "
+                    f"(lora_rank, with lora_base_dtype='nf4' for a 4-bit base), lower block_size, or spread the model "
+                    f"over more processes (fsdp=True)")
 
 
 def device_name(device):
@@ -448,7 +454,7 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
 
     def peak(b):
         return besides + memory_estimate(model, b, block_size, micro_steps=share // b, **estimate)["device"]
-    b, need = fit_micro_batch(peak, sequences, layout["dp"], budget)
+    b, need = fit_micro_batch(peak, sequences, layout["dp"], budget, held=besides)
     b = smallest(b, device)  # every process takes the same micro-batch (their free memory may differ)
     note = (f"batch_size='auto': micro-batch {b} of {share} sequences a process, estimated peak {need / 2**30:.2f} "
             f"GiB of {budget / 2**30:.2f} GiB ({'memory_budget' if memory_budget > 0 else where})")

@@ -36,7 +36,11 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
         return (lambda record: None), (lambda: None)
     if wandb_log:  # optional: imported only when asked for
         import wandb
-        wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
+        try:
+            wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
+        except Exception as e:  # not logged in, no network, ...: wandb's own errors are many
+            raise UserError(f"wandb_log=True: Weights & Biases did not start ({str(e).strip().splitlines()[0]}): "
+                            f"run `wandb login`, or set wandb_log=False") from None
     tensorboard = None
     if tensorboard_log:
         from torch.utils.tensorboard import SummaryWriter
@@ -59,12 +63,15 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
                 why = e.strerror if isinstance(e, OSError) else "a symbolic link, never written through"
                 print(f"warning: cannot write {out_dir}/metrics.jsonl ({why}); training goes on without it")
             failed = True
+        # for the dashboards an evaluation's numbers go under eval/: its train loss and next step's lr are not the
+        # step's own, which the record of the same step's update holds under the same keys
+        numbers = {("eval/" if "val_loss" in record else "") + key: value for key, value in record.items()
+                   if key != "iter" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if wandb_log:
-            wandb.log(record, step=record["iter"])
+            wandb.log(numbers, step=record["iter"])
         if tensorboard:
-            for key, value in record.items():  # the numbers: not the step itself, a None or the skipped flag
-                if key != "iter" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    tensorboard.add_scalar(key, value, record["iter"])
+            for key, value in numbers.items():
+                tensorboard.add_scalar(key, value, record["iter"])
 
     return log, tensorboard.close if tensorboard else (lambda: None)
 

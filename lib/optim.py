@@ -97,7 +97,7 @@ def check_optimizer(config):
         raise one_of("optimizer", config["optimizer"], OPTIMIZERS)
     if config["lr_schedule"] not in SCHEDULES:
         raise one_of("lr_schedule", config["lr_schedule"], SCHEDULES)
-    if config["lr_cycle_iters"] < 1 or config["lr_power"] <= 0:
+    if config["lr_cycle_iters"] < 1 or not config["lr_power"] > 0:  # (not NaN either)
         raise UserError(f"lr_cycle_iters={config['lr_cycle_iters']} must be at least 1 and lr_power="
                         f"{config['lr_power']} above 0")
     if not 0 <= config["lr_decay_fraction"] <= 1:

@@ -180,6 +180,10 @@ def check(config):
     if config["max_epochs"] < 0 or not 0 <= config["warmup_ratio"] < 1:
         raise _UserError(f"max_epochs={config['max_epochs']} must be at least 0 and warmup_ratio="
                          f"{config['warmup_ratio']} in [0, 1)")
+    if config["family"] != "llama":  # the Hugging Face model type the weights are named and exported as
+        from lib.hf import HF_ARCHITECTURES
+        if config["family"] not in HF_ARCHITECTURES:
+            raise _UserError(f"family={config['family']!r} is not one of {', '.join(map(repr, HF_ARCHITECTURES))}")
     if config["lora_base_dtype"] not in LORA_BASE_DTYPES:
         raise _UserError(f"lora_base_dtype={config['lora_base_dtype']!r} is not one of {', '.join(LORA_BASE_DTYPES)}")
     _data.check_sequences(config["sequences"])

@@ -424,3 +424,18 @@ def test_batch_size_auto_keeps_the_number_it_replaces(tmp_path):
     (tmp_path / "auto.py").write_text("batch_size = 'auto'\n")
     configure(config, [str(tmp_path / "auto.py")])
     assert config["batch_size"] == 8 and config["batch_size_auto"]
+    # a config file's batch_size = 8 turns it off too: the number it was (Python keeps one object of each small
+    # int) is the file's own assignment all the same
+    (tmp_path / "eight.py").write_text("batch_size = 8\n")
+    configure(config, [str(tmp_path / "eight.py")])
+    assert config["batch_size"] == 8 and not config["batch_size_auto"]
+
+
+def test_batch_size_auto_shares_an_update_over_replicas_or_names_what_fits():
+    # an update of 12 sequences over 2 replicas is 6 each, whatever gradient_accumulation_steps said; 13 are not
+    # shared evenly; where the process itself holds most of the budget, the line says so and names memory_budget
+    assert memory.fit_micro_batch(lambda b: b, 12, 2, 100) == (6, 6)
+    with pytest.raises(UserError, match="the 13 sequences of an update .* multiple of the 2 data-parallel replicas"):
+        memory.fit_micro_batch(lambda b: b, 13, 2, 100)
+    with pytest.raises(UserError, match=r"needs 1.00 GiB \(0.90 GiB of it held already.*raise memory_budget"):
+        memory.fit_micro_batch(lambda b: 2**30, 4, 1, 2**29, held=0.9 * 2**30)

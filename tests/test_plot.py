@@ -55,3 +55,15 @@ def test_a_resumed_runs_clock_continues_and_an_empty_run_is_refused(tmp_path):
     assert done.returncode == 1 and "holds no step or evaluation yet" in done.stderr
     done = script("plot.py", tmp_path / "nowhere")
     assert done.returncode == 1 and "cannot read" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_record_being_written_is_left_out_and_a_bad_line_is_named(tmp_path):
+    # the last line without its newline is a record train.py is writing (or a killed one left, which its resume
+    # cuts off): read without it; a bad line before the last is refused, named by its number in the file
+    from plot import read_run
+    records = "".join(json.dumps({"iter": i, "loss": 3.0 - i, "lr": 1e-3}) + "\n" for i in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(records + '{"iter": 4, "loss": 4.7')
+    assert [r["iter"] for r in read_run(tmp_path)[0]] == [1, 2, 3]
+    (tmp_path / "metrics.jsonl").write_text(records + '{"iter": 4, "loss": 4.7\n' + records)
+    done = script("plot.py", tmp_path)
+    assert done.returncode == 1 and "not one JSON record a line" in done.stderr and "at line 4)" in done.stderr

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from helpers import (ROOT, TINY, assert_every_kernel_ran, assert_weights_close, kernel_counter, kernel_launches,
-                     losses, new_python, run, script, standard_run, train_refusal, two_nodes, weights)
+                     losses, new_python, run, script, standard_run, train_refusal, train_settings,
+                     two_nodes, weights)
 from lib.data import Split
 
 
@@ -190,9 +191,19 @@ def test_batch_size_auto_keeps_the_update_and_its_micro_batch_on_resume(data_dir
     # a budget that cannot hold one sequence: one line naming the shortfall and what would help, exit status 1
     out = run(*auto, f"--out_dir={tmp_path / 'small'}", "--memory_budget=0.01", check=False)
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert re.match(r"train.py: batch_size='auto': one sequence needs [0-9.]+ GiB where 0.01 GiB may be used \(90% of "
-                    r"0.01 GiB\), [0-9.]+ GiB short; turn on gradient_checkpointing", out.stderr)
+    assert re.match(r"train.py: batch_size='auto': one sequence needs [0-9.]+ GiB \([0-9.]+ GiB of it held already: "
+                    r"Python, torch, the data\) where 0.01 GiB may be used \(90% of 0.01 GiB\), [0-9.]+ GiB short; "
+                    r"raise memory_budget if it is set, turn on gradient_checkpointing", out.stderr)
 
+
+
+@pytest.mark.slow
+def test_batch_size_auto_shares_one_micro_step_of_an_update_over_two_processes(data_dir, tmp_path):
+    # 4 sequences an update, gradient_accumulation_steps=1, over 2 replicas: 2 each in one micro-step (a number there
+    # must be a multiple of the replicas; under 'auto' it is recomputed, and only the update's sequences must be)
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2", "--eval_interval=2",
+              "--batch_size=auto", "--memory_budget=4", torchrun=["--standalone", "--nproc_per_node=2"])
+    assert "micro-batch 2 x 1 accumulation x 2 processes x 32 tokens = 128 tokens per update" in out.stdout
 
 # -----------------------------------------------------------------------------
 # a user's mistakes end with one line naming the problem and the fix
@@ -225,6 +236,7 @@ def test_batch_size_auto_keeps_the_update_and_its_micro_batch_on_resume(data_dir
     (["--lora_dropout=1.0"], "lora_dropout=1.0 must be at least 0 and below 1"),
     (["--lora_alpha=-1.0"], "lora_alpha=-1.0 must be at least 0"),
     (["--lora_rank=4", "--lora_alpha=0.0"], "lora_alpha=0 scales the adapters' output to nothing"),
+    (["--family=banana"], "family='banana' is not one of 'llama', 'mistral', 'qwen2', 'qwen3'"),
 ])
 def test_config_errors(data_dir, tmp_path, args, message):
     assert message in train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args)
@@ -250,6 +262,18 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("n_layers = 4\n")
     assert "unknown config key 'n_layers' (did you mean 'n_layer'?)" in train_refusal(str(bad))
+    latin1 = tmp_path / "latin1.py"
+    latin1.write_bytes(b'out_dir = "caf\xe9"\n')
+    assert "config file " + str(latin1) + ": not UTF-8 text (save it as UTF-8)" in train_refusal(str(latin1))
+    nul = tmp_path / "nul.py"
+    nul.write_bytes(b"max_iters = 2\0\n")
+    assert f"config file {nul}: SyntaxError: source code string cannot contain null bytes" in train_refusal(str(nul))
+    nan = tmp_path / "nan.py"
+    nan.write_text("lr_schedule = 'polynomial'\nlr_power = float('nan')\n")
+    assert "lr_power=nan above 0" in train_refusal(*TINY, str(nan))
+    helper = tmp_path / "helper.py"  # a file's function reads the file's own names
+    helper.write_text("_width = 16\ndef _heads():\n    return _width // 8\nn_embd = _width\nn_head = _heads()\n")
+    assert train_settings([helper])["n_head"] == 2
 
 
 def test_data_errors(data_dir, tmp_path):
@@ -434,10 +458,26 @@ def test_tensorboard_gets_the_records_of_metrics_jsonl(data_dir, tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     scalars = events.Tags()["scalars"]
-    assert {"loss", "val_loss", "val_accuracy", "lr", "epoch", "tokens_per_s"} <= set(scalars)
+    assert {"loss", "lr", "epoch", "tokens_per_s", "eval/loss", "eval/val_loss", "eval/lr"} <= set(scalars)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     val = {r["iter"]: r["val_loss"] for r in records if "val_loss" in r}
-    assert {e.step: e.value for e in events.Scalars("val_loss")} == pytest.approx(val)
+    assert {e.step: e.value for e in events.Scalars("eval/val_loss")} == pytest.approx(val)
+    # a step's update and its evaluation share a step: each keeps its own train loss and lr, one value a step
+    for tag, key in (("loss", "loss"), ("eval/loss", "loss"), ("lr", "lr")):
+        steps = [e.step for e in events.Scalars(tag)]
+        mine = {r["iter"]: r[key] for r in records if ("val_loss" in r) == tag.startswith("eval/")}
+        assert len(steps) == len(set(steps)) and {e.step: e.value for e in events.Scalars(tag)} == pytest.approx(mine)
+
+
+def test_wandb_that_does_not_start_is_one_line(data_dir, tmp_path, monkeypatch):
+    # not logged in, or no network: wandb.init raises one of its own errors, named in one line with the fix
+    def init(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login(key=[your_api_key])")
+    monkeypatch.setitem(sys.modules, "wandb", type(sys)("wandb"))
+    monkeypatch.setattr(sys.modules["wandb"], "init", init, raising=False)
+    said = train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", "--wandb_log=True")
+    assert said == ("wandb_log=True: Weights & Biases did not start (api_key not configured (no-tty)): run `wandb "
+                    "login`, or set wandb_log=False")
 
 
 def test_tensorboard_missing_is_one_line(data_dir, tmp_path, monkeypatch):
