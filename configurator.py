@@ -21,7 +21,7 @@ _HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, typ
 
 class _Assigned(dict):
     # a config file's top-level assignments as it makes them (exec's locals), each also set in its globals, scope,
-    # where the file's own functions look names up
+    # where the file's own functions look names up (and set them: `global`, read after the file ran)
     def __init__(self, scope):
         super().__init__()
         self.scope = scope
@@ -29,6 +29,10 @@ class _Assigned(dict):
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         self.scope[key] = value
+
+    def __delitem__(self, key):  # `del name`: no override of it
+        self.pop(key, None)
+        self.scope.pop(key, None)
 
 
 def _check(config, key, value, source):
@@ -55,7 +59,7 @@ def configure(config, args):
                 sys.exit(f"config file {arg}: {e.strerror} (give a path like config/train_small.py)")
             except UnicodeDecodeError:
                 sys.exit(f"config file {arg}: not UTF-8 text (save it as UTF-8)")
-            scope = dict(config)  # what the file reads: the settings so far
+            scope, before = dict(config), dict(config)  # what the file reads: the settings so far
             assigned = _Assigned(scope)
             try:
                 exec(compile(code, arg, "exec"), scope, assigned)
@@ -63,7 +67,9 @@ def configure(config, args):
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1] if frames else None
                 sys.exit(f"config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}")
-            for key, value in assigned.items():
+            # its top-level assignments, and what its functions set through `global` (or globals())
+            changed = {k: v for k, v in scope.items() if k != "__builtins__" and before.get(k, scope) is not v}
+            for key, value in {**changed, **assigned}.items():
                 if not (key.startswith("_") or isinstance(value, _HELPERS)):
                     _set(config, key, value, arg)
         else:

@@ -404,5 +404,6 @@ def filter_logits(logits, top_k=None, top_p=None):
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches top_p
+        drop[:, 0] = False  # the likeliest token stays (top_p=0 keeps it alone)
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     return logits

@@ -117,17 +117,12 @@ def prepare(args):
     docs, split_method, single_ext = plan_split(args, inputs, docs, stats)
     with nullcontext({}) if args.analyze else temporary_outputs(out) as files:  # --analyze writes nothing
         encoding = time.time()
-        # the head and tail of one document are kept whole: --min_length is the whole document's, below
-        min_length = 0 if single_ext is not None else args.min_length
+        min_length = 0 if single_ext is not None else args.min_length  # a single document's is its whole's
         splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length)
         seconds["encode"] = max(time.time() - encoding, 1e-6)
         if single_ext is not None:  # the head and tail of one document were counted as two
             ext_stats(stats, single_ext)["documents"] -= 1
-            framing = 1 + (tokenizer.bos_id is not None)  # each half's end-of-text, and BOS
-            text_tokens = splits["train"]["tokens"] + splits["val"]["tokens"] - 2 * framing
-            if text_tokens < args.min_length:
-                raise UserError(f"the one document has {text_tokens:,} tokens, fewer than --min_length="
-                                f"{args.min_length}: nothing is left to train on (lower --min_length)")
+            check_whole_length(splits, tokenizer, args.min_length)
         elif files and args.val_input is None and args.val_fraction > 0:
             balance_splits(splits, last, files, np.dtype(dtype).itemsize, stats["conversations"])
         conversations = stats.pop("conversations")
@@ -200,9 +195,9 @@ def check_arguments(args):
     for path in inputs + (args.val_input or []):
         if not isinstance(path, HubSplit) and not os.path.exists(path):
             raise UserError(f"no such input: {path} (check the path)")
-    for path, val in [(p, v) for p in inputs for v in args.val_input or [] if not isinstance(p, HubSplit)
-                      and not isinstance(v, HubSplit)]:
-        if Path(path).resolve().is_relative_to(Path(val).resolve()):  # it would be trained on and validated on
+    for path, val in [(p, v) for p in inputs for v in args.val_input or []]:  # trained on and validated on
+        files = not isinstance(path, HubSplit) and not isinstance(val, HubSplit)
+        if path == val or files and Path(path).resolve().is_relative_to(Path(val).resolve()):
             raise UserError(f"{path} is --val_input {val} or inside it: pass it as an input or as --val_input")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
@@ -362,6 +357,15 @@ def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length):
             doc["file_start"] = files["val" if is_val else "train"].tell() + kept_before * ids[is_val].itemsize
         doc["begin"] = None
     return [a[k] for a, k in zip(ids, keep)], dropped
+
+
+def check_whole_length(splits, tokenizer, min_length):
+    # --min_length for the single document whose head is train and tail val: the whole document's tokens
+    framing = 1 + (tokenizer.bos_id is not None)  # each half's end-of-text, and BOS
+    text_tokens = splits["train"]["tokens"] + splits["val"]["tokens"] - 2 * framing
+    if text_tokens < min_length:
+        raise UserError(f"the one document has {text_tokens:,} tokens, fewer than --min_length={min_length}: "
+                        f"nothing is left to train on (lower --min_length)")
 
 
 def balance_splits(splits, last, files, itemsize, masked):

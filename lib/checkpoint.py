@@ -60,14 +60,15 @@ def find_checkpoint(path):
 
 
 def recover_first_save(out_dir):
-    """A run's first save killed after its copies (ckpt_best, ckpt_epoch_N, ckpt_NNNNNNN), before its finished tmp
-    took the name ckpt, left them beside the tmp and no ckpt: the copies are that checkpoint, byte for byte, and one
-    becomes ckpt, so that the run resumes from it. The master calls it at start, out_dir locked."""
+    """A run's first save killed after its copies (ckpt_best, ckpt_epoch_N, ckpt_NNNNNNN), before its tmp took the
+    name ckpt, left them beside the tmp and no ckpt: the copies were made from the finished tmp, which takes the name
+    now, so that the run resumes from it. The master calls it at start, out_dir locked."""
     names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
-    copies = sorted(name for name in names if re.fullmatch(COPIES, name))
-    if copies and {"ckpt.pt.tmp", "ckpt.tmp"} & set(names) and not find_checkpoint(os.path.join(out_dir, "ckpt.pt")):
-        copy_checkpoint(os.path.join(out_dir, copies[0]), os.path.join(out_dir, "ckpt" + ".pt" * (
-            copies[0].endswith(".pt"))))
+    if any(re.fullmatch(COPIES, name) for name in names) and not find_checkpoint(os.path.join(out_dir, "ckpt.pt")):
+        if "ckpt.pt.tmp" in names:
+            durable_replace(os.path.join(out_dir, "ckpt.pt.tmp"), os.path.join(out_dir, "ckpt.pt"))
+        elif os.path.isfile(os.path.join(out_dir, "ckpt.tmp", "state.pt")):  # (state.pt: a folder's last file)
+            publish(os.path.join(out_dir, "ckpt.tmp"), os.path.join(out_dir, "ckpt"))
 
 
 def latest(out_dir, sharded=False):
@@ -422,7 +423,7 @@ def failed_save(out_dir, step, sharded, error, needed):
     # its tmp, and where no ckpt was ever published, the copies it made (with none, the run begins again)
     master = not dist.is_initialized() or dist.get_rank() == 0
     names = os.listdir(out_dir) if master and os.path.isdir(out_dir) else []
-    first = not find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    first = bool(names) and not find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     for name in names:
         if re.fullmatch(r"ckpt.*\.tmp", name) or first and re.fullmatch(COPIES, name):
             retire(os.path.join(out_dir, name))

@@ -401,10 +401,7 @@ def resident_bytes():
 def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1, held=0):
     """batch_size='auto': the largest micro-batch b dividing a replica's share of sequences whose peak(b) (a process's
     bytes, estimated, held of them by the process already) fits in budget less a margin -> (b, peak(b)); UserError if
-    the replicas do not share the sequences evenly, or one sequence does not fit."""
-    if sequences % replicas:
-        raise UserError(f"batch_size='auto': the {sequences} sequences of an update (batch_size x "
-                        f"gradient_accumulation_steps) must be a multiple of the {replicas} data-parallel replicas")
+    one sequence does not fit."""
     share = sequences // replicas
     room = budget * (1 - margin)
     for b in sorted((d for d in range(1, share + 1) if share % d == 0), reverse=True):
@@ -437,6 +434,9 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
     whose peak (memory_estimate's; on a CPU, plus what the process holds beside the weights) fits in memory_budget GiB
     (0: available_memory) less 10% (fit_micro_batch), tried once and halved if it runs out of memory (tried_micro_batch;
     not under FSDP or tensor parallel, which rely on the estimate)."""
+    if sequences % layout["dp"]:
+        raise UserError(f"batch_size='auto': the {sequences} sequences of an update (batch_size x "
+                        f"gradient_accumulation_steps) must be a multiple of the {layout['dp']} data-parallel replicas")
     device, share = estimate["device"], sequences // layout["dp"]
     where = device_name(device)
     config = before["config"] if before else {}

@@ -13,7 +13,6 @@ import codecs
 import csv
 import errno
 import gzip
-import io
 import json
 import os
 import re
@@ -141,7 +140,7 @@ def input_files(folder, stats, skip, only_py=False, exclude=frozenset(), rel_fol
 
 def shown(path):
     # a path as text that meta.json and the report can hold: a name that isn't UTF-8 keeps its bytes as \xNN
-    return str(path).encode("utf-8", "backslashreplace").decode()
+    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
 
 
 def file_ext(path):
@@ -214,14 +213,8 @@ def read_documents(path, field, dedup, chat):
                 yield str(n), *(record_text(record, field, chat) if why is None else (None, why))
     elif ext == ".parquet":
         yield from read_parquet(path, field, chat)
-    elif ext in (".csv", ".tsv"):  # a header row naming the columns, then a record a row
-        csv.field_size_limit(MAX_RECORD)
-        with io.TextIOWrapper(open_input(path), encoding="utf-8-sig", newline="") as f:
-            try:
-                for n, row in enumerate(csv.DictReader(f, dialect="excel-tab" if ext == ".tsv" else "excel"), 2):
-                    yield f"line {n}", *record_text(row, field, chat)
-            except (csv.Error, UnicodeDecodeError) as e:
-                raise SkipFile(f"not a readable {ext[1:]} file ({str(e)[:80]})")
+    elif ext in (".csv", ".tsv"):
+        yield from read_csv(path, field, chat, ext)
     elif ext == ".json":
         try:
             obj = json.loads("".join(text for _, text in decoded(path)))
@@ -246,6 +239,24 @@ def bounded_lines(f, limit):
         while not line.endswith(b"\n") and (line := f.readline(PIECE)):  # the rest of it, a piece at a time
             pass
         yield None
+
+
+def read_csv(path, field, chat, ext):
+    # a header row naming the columns, then a record a row (a quoted field may span lines), read a line at a time
+    def lines(f):
+        for n, line in enumerate(bounded_lines(f, MAX_RECORD), 1):
+            if line is None:
+                raise SkipFile(f"line {n} is over {MAX_RECORD >> 20} MB")
+            yield line.decode("utf-8-sig" if n == 1 else "utf-8")
+
+    csv.field_size_limit(MAX_RECORD)
+    with open_input(path) as f:
+        rows = csv.DictReader(lines(f), dialect="excel-tab" if ext == ".tsv" else "excel")
+        try:
+            for row in rows:
+                yield f"line {rows.line_num}", *record_text(row, field, chat)
+        except (csv.Error, UnicodeDecodeError) as e:
+            raise SkipFile(f"not a readable {ext[1:]} file ({str(e)[:80]})")
 
 
 def read_parquet(path, field, chat):
@@ -403,7 +414,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
                     kept += 1
                     yield f"{rel}:{pos}", ext, doc
             except SkipFile as e:
-                reject(where, str(e), whole_file=True)
+                reject(where, f"{e} after {kept} documents (those are kept)" if kept else str(e), whole_file=True)
             except (OSError, EOFError, zlib.error) as e:  # permissions, broken links, corrupt gzip, ...
                 why = {errno.ELOOP: "symlink loop", errno.ENOENT: "broken symlink"}.get(
                     getattr(e, "errno", None), f"unreadable ({getattr(e, 'strerror', None) or e})")

@@ -26,16 +26,22 @@ def hf_tokenizer_files(tok):
                     "the rest of the folder is written without one")
     if tok.kind == "huggingface":
         from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers.processors import TemplateProcessing
         hf = HFTokenizer.from_str(tok.hf_json)
         eos, bos = hf.id_to_token(tok.eot_id), hf.id_to_token(tok.bos_id) if tok.bos_id is not None else None
         text = tok.hf_json
-        if hf.encode("a").ids != [tok.bos_id] * (bos is not None) + hf.encode("a", add_special_tokens=False).ids:
-            # its post-processor adds more than the BOS (an EOS after every text, '<s> $A </s>'), which prepare.py
-            # never wrote and transformers would add to every prompt: it puts the BOS alone
-            hf.post_processor = TemplateProcessing(single=f"{bos} $A" if bos else "$A",
-                                                   special_tokens=[(bos, tok.bos_id)] if bos else [])
-            text = hf.to_str()
+
+        def framed(text):  # whether a text is encoded as prepare.py wrote it: the BOS (if any) and no more
+            tokenizer = HFTokenizer.from_str(text)
+            plain = tokenizer.encode("a", add_special_tokens=False).ids
+            return tokenizer.encode("a").ids == [tok.bos_id] * (bos is not None) + plain
+        if not framed(text):  # its post-processor adds more (an EOS after every text: '<s> $A </s>'), which
+            # transformers would add to every prompt: it goes out putting the BOS alone
+            whole = json.loads(text)
+            text = json.dumps({**whole, "post_processor": bos_only(whole["post_processor"], bos, tok.bos_id)},
+                              ensure_ascii=False)
+            if not framed(text):
+                return {}, "no faithful tokenizer.json (its post-processor adds tokens after a text); " \
+                           "the rest of the folder is written without one"
         return {"tokenizer.json": text, "tokenizer_config.json": tokenizer_config(eos, bos)}, None
     ranks, pattern, specials = bpe_parts(tok)
     try:
@@ -45,6 +51,21 @@ def hf_tokenizer_files(tok):
                     "the rest of the folder is written without one")
     eos = next(s for s, i in specials.items() if i == tok.eot_id)
     return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tokenizer_config(eos)}, None
+
+
+def bos_only(processor, bos, bos_id):
+    """A tokenizer.json's post-processor (JSON) that puts the BOS bos (None: nothing) before a text and adds no other
+    token: a template keeps its texts and a leading BOS; Bert's and Roberta's become such a template; the other
+    steps of a Sequence (ByteLevel's offsets) stay."""
+    kind = processor.get("type")
+    if kind == "Sequence":
+        return {**processor, "processors": [bos_only(p, bos, bos_id) for p in processor["processors"]]}
+    if kind not in ("TemplateProcessing", "BertProcessing", "RobertaProcessing"):
+        return processor  # it adds no token
+    first = [{"SpecialToken": {"id": bos, "type_id": 0}}] if bos else []
+    texts = [{"Sequence": {"id": name, "type_id": 0}} for name in "AB"]
+    return {"type": "TemplateProcessing", "single": first + texts[:1], "pair": first + texts,
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}} if bos else {}}
 
 
 def tokenizer_config(eos, bos=None):

@@ -379,8 +379,8 @@ def test_auto_micro_batch_is_the_largest_whose_peak_fits_the_budget(monkeypatch)
             assert accumulated_peak(model, bigger, 64, 32 // bigger) > room
         chosen.append(b)
     assert chosen == sorted(chosen) and chosen[0] < chosen[-1]  # a larger budget, a larger micro-batch
-    with pytest.raises(UserError, match=r"^batch_size='auto': one sequence needs .* GiB short; turn on "
-                                        r"gradient_checkpointing"):
+    with pytest.raises(UserError, match=r"^batch_size='auto': one sequence needs .* GiB short; raise memory_budget "
+                                        r"if it is set, turn on gradient_checkpointing"):
         memory.auto_micro_batch(model, 32, 64, 0.001, layout, None, None, **settings)
     # a resumed run keeps its micro-batch on the same device, budget and processes; on another, chooses again
     before = {"config": {"batch_size_auto": True, "batch_size": 2, "memory_budget": 0.05}, "world_size": 1,
@@ -435,7 +435,10 @@ def test_batch_size_auto_shares_an_update_over_replicas_or_names_what_fits():
     # an update of 12 sequences over 2 replicas is 6 each, whatever gradient_accumulation_steps said; 13 are not
     # shared evenly; where the process itself holds most of the budget, the line says so and names memory_budget
     assert memory.fit_micro_batch(lambda b: b, 12, 2, 100) == (6, 6)
-    with pytest.raises(UserError, match="the 13 sequences of an update .* multiple of the 2 data-parallel replicas"):
-        memory.fit_micro_batch(lambda b: b, 13, 2, 100)
+    layout = dict(dp=2, tp=1, fsdp=False, checkpointing=False, offload=False)
+    resumed = {"config": {"batch_size_auto": True, "batch_size": 2}, "world_size": 2, "memory_device": "cpu"}
+    for before in (None, resumed):  # chosen anew, or the micro-batch a resumed run began with
+        with pytest.raises(UserError, match="the 13 sequences of an update .* multiple of the 2 data-parallel"):
+            memory.auto_micro_batch(None, 13, 64, 0.0, layout, before, None, device="cpu")
     with pytest.raises(UserError, match=r"needs 1.00 GiB \(0.90 GiB of it held already.*raise memory_budget"):
         memory.fit_micro_batch(lambda b: 2**30, 4, 1, 2**29, held=0.9 * 2**30)

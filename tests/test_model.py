@@ -141,6 +141,7 @@ def test_filter_logits_top_p():
     halves = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))  # (sums exact in binary)
     assert filter_logits(halves, top_p=0.5).isfinite().tolist() == [[True, False, False, False]]
     assert filter_logits(halves, top_p=0.75).isfinite().tolist() == [[True, True, False, False]]
+    assert filter_logits(halves, top_p=0.0).isfinite().tolist() == [[True, False, False, False]]  # the likeliest
 
 
 def test_sequence_longer_than_block_is_refused():

@@ -633,6 +633,8 @@ def test_an_input_inside_a_val_input_is_refused(tmp_path):
     for given in (tmp_path / "corpus", tmp_path / "corpus" / "d0" / "sub0" / "doc0.txt"):
         one_line_error(cli(given, "--val_input", tmp_path / "corpus", "--out_dir", tmp_path / "out", "--tokenizer",
                            "char"), str(given), "--val_input")
+    one_line_error(cli("hf:some/dataset", "--val_input", "hf:some/dataset", "--out_dir", tmp_path / "out"),
+                   "hf:some/dataset:train is --val_input")  # (refused before the Hub is asked anything)
     assert not (tmp_path / "out").exists()
 
 
@@ -643,7 +645,7 @@ def test_a_link_named_in_bytes_that_are_not_utf8_is_listed_and_strict_stops_at_i
     make_good(src)
     os.symlink(b"/nonexistent", os.fsencode(src) + b"/bad\xff.txt")
     meta = run(src, "--out_dir", tmp_path / "out", "--tokenizer", "char")
-    assert meta["skipped_files"] == [{"path": f"{src}/bad\\udcff.txt", "reason": "broken symlink"}]
+    assert meta["skipped_files"] == [{"path": f"{src}/bad\\xff.txt", "reason": "broken symlink"}]
     assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
     one_line_error(cli(src, "--out_dir", tmp_path / "strict", "--tokenizer", "char", "--strict"), "broken symlink")
 
@@ -660,6 +662,15 @@ def test_csv_and_tsv_rows_are_records_and_category_parquet_columns_are_text(tmp_
     assert sorted(read_all(tmp_path / "out")) == ['A "quoted" word', "First, with a comma", "cat one", "cat two",
                                                   "tab row"]
     assert meta["skipped_files"] == [] and meta["extensions"][".csv"]["documents"] == 2
+    # a quoted field over two lines is one record, a bad record is named by its line in the file, and bytes that are
+    # not UTF-8 skip the rest of a file, the records before them kept and said so
+    write(tmp_path / "more" / "d.csv", 'article\n"two\nlines"\n"ok"\n')
+    write(tmp_path / "more" / "e.csv", b'id,article\n1,fine\n2\n3,x\xff\n')
+    meta = run(tmp_path / "more", "--out_dir", tmp_path / "out2", "--tokenizer", "char", "--field", "article")
+    assert sorted(read_all(tmp_path / "out2")) == ["fine", "ok", "two\nlines"]
+    assert meta["bad_records"]["examples"] == [f"{tmp_path / 'more' / 'e.csv'}:line 3: field 'article' is not a "
+                                               f"string (NoneType)"]
+    assert meta["skipped_files"][0]["reason"].endswith("after 1 documents (those are kept)")
 
 
 def test_analyze_writes_nothing(tmp_path, capsys):

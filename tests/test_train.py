@@ -271,9 +271,12 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     nan = tmp_path / "nan.py"
     nan.write_text("lr_schedule = 'polynomial'\nlr_power = float('nan')\n")
     assert "lr_power=nan above 0" in train_refusal(*TINY, str(nan))
-    helper = tmp_path / "helper.py"  # a file's function reads the file's own names
-    helper.write_text("_width = 16\ndef _heads():\n    return _width // 8\nn_embd = _width\nn_head = _heads()\n")
-    assert train_settings([helper])["n_head"] == 2
+    helper = tmp_path / "helper.py"  # a file's function reads the file's own names, and may set a setting
+    helper.write_text("_width = 16\ndef _heads():\n    return _width // 8\nn_embd = _width\nn_head = _heads()\n"
+                      "def _more():\n    global max_iters\n    max_iters = 7\n_more()\ndel n_layer\n"
+                      "_steps = [(eval_interval := i) for i in range(1, 4)]\n")
+    assert {k: train_settings([helper])[k] for k in ("n_head", "n_embd", "max_iters", "n_layer", "eval_interval")} \
+        == {"n_head": 2, "n_embd": 16, "max_iters": 7, "n_layer": 6, "eval_interval": 3}
 
 
 def test_data_errors(data_dir, tmp_path):
