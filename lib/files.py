@@ -1,27 +1,21 @@
 """
 The user's mistakes and the project's files, without torch (prepare.py reads this too).
 
-One-line errors: library code raises UserError, one sentence naming the problem and the fix, and once a script
-has installed one_line_errors an uncaught one is printed as 'script.py: message' (exit status 1), with no
-traceback. Any other exception is a bug and keeps its traceback.
+One-line errors: library code raises UserError, one sentence naming the problem and the fix; once a script has
+installed one_line_errors, an uncaught one prints as 'script.py: message' (exit status 1). Any other exception is a
+bug and keeps its traceback.
 
-How our outputs reach the disk safely. One writer per folder: prepare.py and train.py (its master) hold an
-exclusive lock, fcntl.flock on FOLDER/.lock (holding the writer's name and pid), on the folder they write, so that a
-second run into it is refused at once; the OS drops the lock when the process ends, however it ends. Every finished
-output (datasets, checkpoints, exports) takes its name with durable_replace once its bytes are on the disk, so that
-a crash leaves the old one or the new one, whole. And nothing is written through a symbolic link the project did not
-make (open_own): a downloaded folder may hold one planted where we write (out/metrics.jsonl -> ~/.bashrc).
+Safe writes. One writer per folder: prepare.py and train.py (its master) hold fcntl.flock on FOLDER/.lock (naming
+the writer), so a second run into it is refused at once; the OS drops the lock however the process ends. A finished
+output takes its name with durable_replace once its bytes are on the disk (a crash leaves the old one or the new one,
+whole), and nothing is written through a symbolic link the project did not make (open_own): a downloaded folder may
+plant one where we write (out/metrics.jsonl -> ~/.bashrc).
+
+A prepared dataset read back: meta.json (or nanoGPT's meta.pkl, read as plain values only, or nanoGPT's default:
+GPT-2 tokens), whether prepare.py finished it, and its token files checked against it before training reads them.
 
     held = lock_folder("out", "train.py")        # UserError if another process writes out/ now
-    durable_replace("out/ckpt.pt.tmp", "out/ckpt.pt")
-    unlock_folder("out", held)                   # or let the process end
-
-A prepared dataset read back: what its folder says about itself (meta.json, or nanoGPT's meta.pkl read as plain
-values only, or nanoGPT's default: GPT-2 tokens), whether prepare.py finished it, and its token files checked
-against what meta.json says before training reads them. Every problem is a UserError of one line.
-
-    from lib.files import check_token_files, read_meta
-    meta = read_meta("data/stdlib")  # {"dtype": "uint16", "vocab_size": 4097, "eot_id": 4096, ...}
+    meta = read_meta("data/stdlib")              # {"dtype": "uint16", "vocab_size": 4097, "eot_id": 4096, ...}
     ntokens = check_token_files("data/stdlib", meta, block_size=1024)
 """
 
