@@ -59,8 +59,8 @@ def parse_args():
         "encoder; gpu: all a GPU must show, as Markdown for BENCHMARKS.md")
     add("--tiny", action="store_true", help="--mode=gpu at tiny shapes on a CPU, --mode=seeds and --mode=load at "
                                             "tiny ones: a smoke check")
-    add("--section", default="all", help="--mode=gpu: the parts of the report to run, comma-separated: kernels, "
-        "step, memory, optimizers, finetune, tests (docs/measuring.md, 'Measuring on a GPU')")
+    add("--section", default="all", help="--mode=gpu: the parts of the report to run, comma-separated: versus, "
+        "race, kernels, step, memory, optimizers, finetune, tests (docs/measuring.md, 'Measuring on a GPU')")
     add("--out", help="--mode=gpu: a folder for each section's Markdown (SECTION.md), written as it goes")
     add("--commit", help="--mode=gpu: the commit the report names (default: git describe, else the "
                          "wheels/COMMIT that wheels.py writes)")

@@ -9,8 +9,8 @@
 # The baby's depth, block and batch, but 96 wide instead of 128 (3 heads of 32): a step costs ~2/3 of the
 # baby's, and this model (rotary, SwiGLU, RMSNorm) learns more per step. A short warmup, a higher peak
 # rate held stable and a linear decay to ~0 over the last 40% of the steps (lr_schedule='wsd') get
-# there in 760 steps. Muon is not used: torch's runs its orthogonalization in bf16, which this kind of
-# CPU computes ~15x slower than fp32 (it is made for GPUs, whose bf16 is fast).
+# there in 760 steps. Muon is not used: torch's orthogonalizes in bf16, made for GPUs; on a 2-core CPU a step
+# of it took 24x AdamW's (BENCHMARKS.md, 2026-11-27).
 out_dir = "out-shakespeare-char-cpu"
 data_dir = "data/shakespeare_char"
 device = "cpu"

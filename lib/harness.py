@@ -167,7 +167,7 @@ def load_tasks(names, include_path=None):
     wanted = [name.strip() for name in names.split(",") if name.strip()]
     if not wanted:
         raise UserError("no task named: give --tasks=NAME[,NAME...] (hellaswag, arc_easy, or a local task file's)")
-    if include_path:  # a task folder is code, as a config file is (README: What is checked and what is trusted)
+    if include_path:  # a task folder is code, as a config file is (docs/checkpoints.md, 'What is checked')
         print(f"task files from {os.path.abspath(include_path)}: lm-evaluation-harness runs their !function modules "
               f"and renders their templates unsandboxed (load only folders you trust)", flush=True)
     # the harness's own index of its hundreds of tasks takes seconds to build: not for tasks all in include_path
