@@ -12,6 +12,7 @@ number it was (with gradient_accumulation_steps, the sequences of an update, whi
 
 import ast
 import difflib
+import dis
 import sys
 import traceback
 import types
@@ -35,6 +36,12 @@ class _Assigned(dict):
         self.scope.pop(key, None)
 
 
+def _globals_set(code):
+    # the names a config file's code sets as globals (`global NAME` in it or in its functions)
+    names = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_GLOBAL"}
+    return names.union(*(_globals_set(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
 def _check(config, key, value, source):
     if key not in config:
         close = difflib.get_close_matches(key, config, n=1)
@@ -43,7 +50,7 @@ def _check(config, key, value, source):
     default = config[key]
     if default is None or type(value) is type(default):
         return value
-    if type(default) is float and type(value) is int:
+    if type(default) is float and type(value) is int and abs(value) < 2**1024:  # (past it: no float)
         return float(value)
     sys.exit(f"{source}: {key} must be {type(default).__name__} like its default {default!r}, got {value!r}")
 
@@ -62,16 +69,18 @@ def configure(config, args):
             scope, before = dict(config), dict(config)  # what the file reads: the settings so far
             assigned = _Assigned(scope)
             try:
-                exec(compile(code, arg, "exec"), scope, assigned)
+                compiled = compile(code, arg, "exec")
+                exec(compiled, scope, assigned)
             except Exception as e:  # a mistake in the user's file: name it, no traceback
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1] if frames else None
                 sys.exit(f"config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}")
-            # its top-level assignments, and what its functions set through `global` (or globals())
-            changed = {k: v for k, v in scope.items() if k != "__builtins__" and before.get(k, scope) is not v}
-            for key, value in {**changed, **assigned}.items():
-                if not (key.startswith("_") or isinstance(value, _HELPERS)):
-                    _set(config, key, value, arg)
+            # what it set, each to its last value: its top-level assignments, the names it declares global (its
+            # functions'), and any other it changed (through globals())
+            changed = [k for k, v in scope.items() if k != "__builtins__" and before.get(k, scope) is not v]
+            for key in dict.fromkeys([*assigned, *sorted(_globals_set(compiled)), *changed]):
+                if key in scope and not (key.startswith("_") or isinstance(scope[key], _HELPERS)):
+                    _set(config, key, scope[key], arg)
         else:
             key, eq, text = arg[2:].partition("=")
             if not eq:

@@ -242,18 +242,26 @@ def bounded_lines(f, limit):
 
 
 def read_csv(path, field, chat, ext):
-    # a header row naming the columns, then a record a row (a quoted field may span lines), read a line at a time
+    # a header row naming the columns, then a record a row (a quoted field may span lines), read a line at a time,
+    # a record of at most MAX_RECORD bytes
     def lines(f):
         for n, line in enumerate(bounded_lines(f, MAX_RECORD), 1):
-            if line is None:
-                raise SkipFile(f"line {n} is over {MAX_RECORD >> 20} MB")
+            record[0] += len(line or b"")
+            if line is None or record[0] > MAX_RECORD:
+                raise SkipFile(f"a record over {MAX_RECORD >> 20} MB at line {n}")
             yield line.decode("utf-8-sig" if n == 1 else "utf-8")
 
     csv.field_size_limit(MAX_RECORD)
+    record = [0]  # the bytes of the record being read
     with open_input(path) as f:
         rows = csv.DictReader(lines(f), dialect="excel-tab" if ext == ".tsv" else "excel")
         try:
             for row in rows:
+                record[0] = 0
+                if None in row:  # more fields than the header names: where the text ends is unknown
+                    yield f"line {rows.line_num}", None, f"{len(row) - 1 + len(row[None])} fields, the header " \
+                                                        f"names {len(rows.fieldnames)}"
+                    continue
                 yield f"line {rows.line_num}", *record_text(row, field, chat)
         except (csv.Error, UnicodeDecodeError) as e:
             raise SkipFile(f"not a readable {ext[1:]} file ({str(e)[:80]})")

@@ -30,10 +30,11 @@ def hf_tokenizer_files(tok):
         eos, bos = hf.id_to_token(tok.eot_id), hf.id_to_token(tok.bos_id) if tok.bos_id is not None else None
         text = tok.hf_json
 
-        def framed(text):  # whether a text is encoded as prepare.py wrote it: the BOS (if any) and no more
-            tokenizer = HFTokenizer.from_str(text)
+        def framed(text):  # whether a text is encoded as prepare.py wrote it: the BOS (if any) and no more; a pair
+            tokenizer = HFTokenizer.from_str(text)  # with no other token
             plain = tokenizer.encode("a", add_special_tokens=False).ids
-            return tokenizer.encode("a").ids == [tok.bos_id] * (bos is not None) + plain
+            pair = set(tokenizer.encode("a", "a").ids) - set(plain) - {tok.bos_id}
+            return tokenizer.encode("a").ids == [tok.bos_id] * (bos is not None) + plain and not pair
         if not framed(text):  # its post-processor adds more (an EOS after every text: '<s> $A </s>'), which
             # transformers would add to every prompt: it goes out putting the BOS alone
             whole = json.loads(text)

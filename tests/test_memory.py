@@ -429,6 +429,9 @@ def test_batch_size_auto_keeps_the_number_it_replaces(tmp_path):
     (tmp_path / "eight.py").write_text("batch_size = 8\n")
     configure(config, [str(tmp_path / "eight.py")])
     assert config["batch_size"] == 8 and not config["batch_size_auto"]
+    (tmp_path / "global.py").write_text("def _same():\n    global batch_size\n    batch_size = 8\n_same()\n")
+    configure(config, ["--batch_size=auto", str(tmp_path / "global.py")])  # set through `global`: the same
+    assert config["batch_size"] == 8 and not config["batch_size_auto"]
 
 
 def test_batch_size_auto_shares_an_update_over_replicas_or_names_what_fits():

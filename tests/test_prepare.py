@@ -673,6 +673,20 @@ def test_csv_and_tsv_rows_are_records_and_category_parquet_columns_are_text(tmp_
     assert meta["skipped_files"][0]["reason"].endswith("after 1 documents (those are kept)")
 
 
+def test_a_csv_row_with_more_fields_than_its_header_or_past_a_records_bytes_is_refused(tmp_path, monkeypatch):
+    # an unquoted comma in the text gives a row more fields than the header: where its text ends is unknown, a bad
+    # record (it was read cut at the comma); a record past MAX_RECORD bytes (a quoted field over many lines, or
+    # one line of countless fields) stops the file, never held whole
+    write(tmp_path / "src" / "a.csv", "text,id\nHello, world,1\nfine,2\n")
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction", "0")
+    assert read_all(tmp_path / "out") == ["fine"]
+    assert meta["bad_records"]["examples"] == [f"{tmp_path / 'src' / 'a.csv'}:line 2: 3 fields, the header names 2"]
+    monkeypatch.setattr(sources, "MAX_RECORD", 64)
+    write(tmp_path / "big" / "b.csv", 'text\nshort\n"' + "long line\n" * 10 + '"\nafter\n')
+    meta = run(tmp_path / "big", "--out_dir", tmp_path / "out2", "--tokenizer", "char", "--val_fraction", "0")
+    assert read_all(tmp_path / "out2") == ["short"] and "a record over" in meta["skipped_files"][0]["reason"]
+
+
 def test_analyze_writes_nothing(tmp_path, capsys):
     src = text_tree(tmp_path / "src")
     write(src / "bin.dat", b"\x00\x01")

@@ -220,6 +220,21 @@ def test_a_post_processor_adding_an_eos_goes_out_adding_the_bos_alone(tmp_path, 
     assert [p["type"] for p in kept.get("processors", [kept])] == ["ByteLevel"] * in_sequence + ["TemplateProcessing"]
 
 
+def test_a_pair_template_adding_eos_is_mended_though_the_single_one_adds_none(tmp_path, corpus):
+    from tokenizers import Tokenizer, processors
+    huggingface_case(tmp_path, corpus)
+    hf = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A </s> </s> $B </s>",
+                                                      special_tokens=[("<s>", 0), ("</s>", 1)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    ours = tokenizer.make_tokenizer(str(tmp_path / "tokenizer.json"), lambda: iter(()))
+    files, _ = tokenizer_json.hf_tokenizer_files(ours)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert auto.encode("abc", "def") == [0] + ours.encode("abc") + ours.encode("def")
+
+
 def test_char_has_no_tokenizer_json():
     tok = tokenizer.make_tokenizer("char", lambda: iter(["hello world"]))
     files, note = tokenizer_json.hf_tokenizer_files(tok)

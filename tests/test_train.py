@@ -277,6 +277,12 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
                       "_steps = [(eval_interval := i) for i in range(1, 4)]\n")
     assert {k: train_settings([helper])[k] for k in ("n_head", "n_embd", "max_iters", "n_layer", "eval_interval")} \
         == {"n_head": 2, "n_embd": 16, "max_iters": 7, "n_layer": 6, "eval_interval": 3}
+    later = tmp_path / "later.py"  # the last value a file gives a setting, however it gives it
+    later.write_text("max_iters = 100\nglobals()['max_iters'] = 200\n")
+    assert train_settings([later])["max_iters"] == 200
+    huge = tmp_path / "huge.py"  # an int past any float: the type's line, no traceback
+    huge.write_text("learning_rate = 10**400\n")
+    assert "learning_rate must be float like its default" in train_refusal(str(huge))
 
 
 def test_data_errors(data_dir, tmp_path):
