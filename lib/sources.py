@@ -10,6 +10,7 @@ given out in pieces cut where the tokens cannot change (SAFE_CUT). prepare.py en
 """
 
 import codecs
+import contextlib
 import csv
 import errno
 import gzip
@@ -251,9 +252,10 @@ def read_csv(path, field, chat, ext):
                 raise SkipFile(f"a record over {MAX_RECORD >> 20} MB at line {n}")
             yield line.decode("utf-8-sig" if n == 1 else "utf-8")
 
-    csv.field_size_limit(MAX_RECORD)
     record = [0]  # the bytes of the record being read
-    with open_input(path) as f:
+    limit = csv.field_size_limit(MAX_RECORD)  # (the csv module's, for every caller: put back after)
+    with open_input(path) as f, contextlib.ExitStack() as stack:
+        stack.callback(csv.field_size_limit, limit)
         rows = csv.DictReader(lines(f), dialect="excel-tab" if ext == ".tsv" else "excel")
         try:
             for row in rows:

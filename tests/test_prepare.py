@@ -681,10 +681,13 @@ def test_a_csv_row_with_more_fields_than_its_header_or_past_a_records_bytes_is_r
     meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction", "0")
     assert read_all(tmp_path / "out") == ["fine"]
     assert meta["bad_records"]["examples"] == [f"{tmp_path / 'src' / 'a.csv'}:line 2: 3 fields, the header names 2"]
+    import csv
+    limit = csv.field_size_limit()
     monkeypatch.setattr(sources, "MAX_RECORD", 64)
     write(tmp_path / "big" / "b.csv", 'text\nshort\n"' + "long line\n" * 10 + '"\nafter\n')
     meta = run(tmp_path / "big", "--out_dir", tmp_path / "out2", "--tokenizer", "char", "--val_fraction", "0")
     assert read_all(tmp_path / "out2") == ["short"] and "a record over" in meta["skipped_files"][0]["reason"]
+    assert csv.field_size_limit() == limit  # the csv module's own limit, every caller's, is put back
 
 
 def test_analyze_writes_nothing(tmp_path, capsys):
