@@ -20,26 +20,12 @@ import types
 _HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # a config file's own names
 
 
-class _Assigned(dict):
-    # a config file's top-level assignments as it makes them (exec's locals), each also set in its globals, scope,
-    # where the file's own functions look names up (and set them: `global`, read after the file ran)
-    def __init__(self, scope):
-        super().__init__()
-        self.scope = scope
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        self.scope[key] = value
-
-    def __delitem__(self, key):  # `del name`: no override of it
-        self.pop(key, None)
-        self.scope.pop(key, None)
-
-
-def _globals_set(code):
-    # the names a config file's code sets as globals (`global NAME` in it or in its functions)
-    names = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_GLOBAL"}
-    return names.union(*(_globals_set(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+def _names_set(code, top=True):
+    # the names a config file's code sets, in order: its top-level assignments, and the names it or its functions
+    # declare global (a class's body sets its own)
+    stores = ("STORE_NAME", "STORE_GLOBAL") if top else ("STORE_GLOBAL",)
+    names = [i.argval for i in dis.get_instructions(code) if i.opname in stores]
+    return names + [n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names_set(c, False)]
 
 
 def _check(config, key, value, source):
@@ -67,18 +53,17 @@ def configure(config, args):
             except UnicodeDecodeError:
                 sys.exit(f"config file {arg}: not UTF-8 text (save it as UTF-8)")
             scope, before = dict(config), dict(config)  # what the file reads: the settings so far
-            assigned = _Assigned(scope)
             try:
                 compiled = compile(code, arg, "exec")
-                exec(compiled, scope, assigned)
+                exec(compiled, scope)
             except Exception as e:  # a mistake in the user's file: name it, no traceback
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1] if frames else None
                 sys.exit(f"config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}")
-            # what it set, each to its last value: its top-level assignments, the names it declares global (its
-            # functions'), and any other it changed (through globals())
+            # what it set, each to its last value (one it deleted: none): the names its code sets, and any other it
+            # changed (through globals()); a name set to the value it had counts (batch_size = 12 after 'auto')
             changed = [k for k, v in scope.items() if k != "__builtins__" and before.get(k, scope) is not v]
-            for key in dict.fromkeys([*assigned, *sorted(_globals_set(compiled)), *changed]):
+            for key in dict.fromkeys([*_names_set(compiled), *changed]):
                 if key in scope and not (key.startswith("_") or isinstance(scope[key], _HELPERS)):
                     _set(config, key, scope[key], arg)
         else:
