@@ -41,7 +41,11 @@ def dcp():
 LOOP = {"iter_num": 0, "best_val_loss": float("inf"), "evals_without_gain": 0, "skipped_in_a_row": 0,
         "evaluated": False}
 NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", "rng", *LOOP}  # what one holds
-COPIES = r"ckpt_(best|[0-9]+|epoch_[0-9]+)(\.pt)?"  # the copies a save makes of its checkpoint, in either layout
+# an out_dir's names, in either layout: the copies a save makes of its checkpoint, every checkpoint (a folder
+# stepping aside as .old too), and what a save leaves unfinished
+COPIES = r"ckpt_(best|[0-9]+|epoch_[0-9]+)(\.pt)?"
+NAMES = r"ckpt(_best|_[0-9]+|_epoch_[0-9]+)?(\.pt|\.old)?"
+UNFINISHED = r"ckpt.*\.tmp"
 FORMAT = 2  # what its values mean; a resume takes this format alone (an older one: resume with its train.py)
 # -----------------------------------------------------------------------------
 # reading
@@ -425,7 +429,7 @@ def failed_save(out_dir, step, sharded, error, needed):
     names = os.listdir(out_dir) if master and os.path.isdir(out_dir) else []
     first = bool(names) and not find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     for name in names:
-        if re.fullmatch(r"ckpt.*\.tmp", name) or first and re.fullmatch(COPIES, name):
+        if re.fullmatch(UNFINISHED, name) or first and re.fullmatch(COPIES, name):
             retire(os.path.join(out_dir, name))
     why = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
     with contextlib.suppress(OSError):  # (the folder itself is gone: the error says why)
@@ -483,7 +487,7 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
     tmp = latest + ".tmp"
     if master:  # what killed saves left unfinished (no save is under way now)
         for name in os.listdir(out_dir):
-            if re.fullmatch(r"ckpt.*\.tmp", name):
+            if re.fullmatch(UNFINISHED, name):
                 retire(os.path.join(out_dir, name))
     if sharded:
         if dist.is_initialized():

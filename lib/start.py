@@ -28,8 +28,6 @@ RUN_SETTINGS = ("dropout", "use_kernels", "block_size")
 SHAPE = tuple(f.name for f in fields(GPTConfig) if f.name not in (*RUN_SETTINGS, "vocab_size"))
 LORA_SETTINGS = tuple(name for name in SHAPE if name.startswith("lora_"))  # the adapters' rank, scale, dropout, targets
 
-NAMES = r"ckpt(_best|_[0-9]+|_epoch_[0-9]+)?(\.pt|\.old)?"  # an out_dir's checkpoints, in either layout
-
 
 @dataclass
 class Origin:
@@ -312,4 +310,4 @@ def check_resume(checkpoint, config, data_vocab, path):
 
 
 def existing(out_dir):
-    return sorted(f for f in os.listdir(out_dir) if re.fullmatch(NAMES, f)) if os.path.isdir(out_dir) else []
+    return sorted(f for f in os.listdir(out_dir) if re.fullmatch(ckpt.NAMES, f)) if os.path.isdir(out_dir) else []
