@@ -30,15 +30,6 @@ from lib.tokenizer_json import hf_tokenizer_files
 from lib.trained import load_run, run_chat
 
 
-def write_model(model, tokenizer, checkpoint, folder, dtype):
-    # merged and cast; returns a note on the tokenizer
-    base = checkpoint.get("pretrained") or ""
-    merge_lora(model).to(getattr(torch, export_dtype(dtype, base)))
-    ids = run_special_ids(tokenizer, base)
-    save_pretrained(model, folder, ids=ids)
-    return write_tokenizer(tokenizer, checkpoint, folder, ids)
-
-
 def write_tokenizer(tokenizer, checkpoint, folder, ids):
     """The run's tokenizer in transformers' files beside its model (or its peft adapter, which vLLM and peft read
     a tokenizer from too), with its chat template; ids: run_special_ids'. Returns a note on the tokenizer."""
@@ -141,7 +132,7 @@ def write_chat(folder, chat, eot_id):
     for name in ("bos_token", "eos_token"):  # the tokens the template was rendered with, which it names
         if chat.get(name) and name not in config:
             config[name] = chat[name]
-    generation = read_json(os.path.join(folder, "generation_config.json"))  # the base's, or write_model's
+    generation = read_json(os.path.join(folder, "generation_config.json"))  # the base's, or write_tokenizer's
     eos = generation.get("eos_token_id", [])
     eos = [i for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
     generation["eos_token_id"] = list(dict.fromkeys([chat["end_of_turn_id"], *eos, eot_id]))
@@ -222,13 +213,15 @@ def main(argv=None):
     try:
         # a LoRA run's base in fp32, so that the adapters merge into it in fp32 before the cast
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
+        base = checkpoint.get("pretrained") or ""
         if args.adapter:  # with its tokenizer: a run on conversations has its own chat template
             write_adapter(model, checkpoint["pretrained"], staging)
-            ids = run_special_ids(tokenizer, checkpoint["pretrained"])
-            note = write_tokenizer(tokenizer, checkpoint, staging, ids)
-        else:
-            note = write_model(model, tokenizer, checkpoint, staging, args.dtype)
-        base = checkpoint.get("pretrained")
+            ids = run_special_ids(tokenizer, base)
+        else:  # merged and cast
+            merge_lora(model).to(getattr(torch, export_dtype(args.dtype, base)))
+            ids = run_special_ids(tokenizer, base)
+            save_pretrained(model, staging, ids=ids)
+        note = write_tokenizer(tokenizer, checkpoint, staging, ids)
         if base and os.path.abspath(base) == to:
             raise UserError(f"--to={args.to} is the base model this run began from; choose another --to")
         if os.path.exists(to):

@@ -82,23 +82,20 @@ def nested_repeat(pattern):
     (?>...) gives nothing back, and is left alone. No released tokenizer repeats a group."""
     holds, atomic, closed = [False], [False], False  # per open group: whether it holds a repeat, is atomic
     for token in REGEX_TOKEN.findall(pattern):
+        after_group, closed = closed, False  # whether the token before closed a group that holds a repeat
         if token in ("(", "(?>"):
             holds.append(False)
             atomic.append(token == "(?>")
-            closed = False
         elif token == ")" and len(holds) > 1:
             inner = holds.pop() and not atomic.pop()
             holds[-1] = holds[-1] or inner
             closed = inner
         elif token == "|":
             holds[-1] = True
-            closed = False
         elif token in "*+" or (token[0] == "{" and re.search(r"[2-9]|\d\d|,\}|,$", token[1:-1])):
-            if closed:
+            if after_group:
                 return True
             holds[-1] = True
-        else:
-            closed = False
     return False
 
 

@@ -510,16 +510,11 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
         write_file(state, tmp)
     # The copies are made from the finished tmp, which takes the name ckpt last: a save that dies or fills the disk
     # on the way leaves the ckpt before it, whose resume saves this step again, copies and all
-    if improved:
-        copy_checkpoint(tmp, os.path.join(out_dir, "ckpt_best" + suffix))
-    if finished_epoch is not None:
-        copy_checkpoint(tmp, os.path.join(out_dir, f"ckpt_epoch_{finished_epoch}{suffix}"))
-    if keep_last_n > 0:
-        copy_checkpoint(tmp, os.path.join(out_dir, f"ckpt_{state['iter_num']:07d}{suffix}"))
-    if sharded:
-        publish(tmp, latest)
-    else:
-        durable_replace(tmp, latest)
+    copies = {"ckpt_best": improved, f"ckpt_epoch_{finished_epoch}": finished_epoch is not None,
+              f"ckpt_{state['iter_num']:07d}": keep_last_n > 0}
+    for name in [name for name, wanted in copies.items() if wanted]:
+        copy_checkpoint(tmp, os.path.join(out_dir, name + suffix))
+    (publish if sharded else durable_replace)(tmp, latest)
     if keep_last_n > 0:  # the last keep_last_n up to this step: a later one is a run resumed from before it
         steps = [(int(m[1]), f) for f in os.listdir(out_dir)
                  if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f)) and int(m[1]) <= state["iter_num"]]

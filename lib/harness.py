@@ -22,19 +22,8 @@ from lib.tokenizer import load_tokenizer
 
 try:
     from lm_eval.api.model import TemplateLM
-except ImportError:  # optional: a script that runs a task says how to install it (import_lm_eval)
+except ImportError:  # optional: a script that runs a task says how to install it (load_tasks)
     TemplateLM = object
-
-
-def import_lm_eval():
-    try:
-        import lm_eval
-        import lm_eval.api.model  # noqa: F401 (the submodules this file uses)
-        import lm_eval.models.utils  # noqa: F401
-        import lm_eval.tasks  # noqa: F401
-    except ImportError:
-        raise UserError("the evaluation harness is not installed: pip install lm_eval") from None
-    return lm_eval
 
 
 class Model(TemplateLM):
@@ -162,7 +151,13 @@ class Model(TemplateLM):
 
 def load_tasks(names, include_path=None):
     """(A TaskManager, the task names) of a comma-separated string, their data loaded once to fail early."""
-    lm_eval = import_lm_eval()
+    try:
+        import lm_eval
+        import lm_eval.api.model  # noqa: F401 (the submodules this file uses)
+        import lm_eval.models.utils  # noqa: F401
+        import lm_eval.tasks  # noqa: F401
+    except ImportError:
+        raise UserError("the evaluation harness is not installed: pip install lm_eval") from None
     from lm_eval.tasks import TaskManager
     wanted = [name.strip() for name in names.split(",") if name.strip()]
     if not wanted:

@@ -73,8 +73,7 @@ def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down
     model.requires_grad_(False)
     for _, name, linear in model.projections():
         if name in chosen:
-            lora = LoRA(linear.in_features, linear.out_features, rank, alpha, dropout)
-            linear.lora = lora.to(linear.weight.device)
+            linear.lora = LoRA(linear.in_features, linear.out_features, rank, alpha, dropout).to(linear.weight.device)
     return model
 
 

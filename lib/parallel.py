@@ -92,16 +92,6 @@ def peak_flops(device, dtype):
     return None
 
 
-def check_layout(tp, fsdp, offload, device_type, dtype):
-    """UserError, in one line with the fix, for a layout that cannot run (tensor parallel brings FSDP)."""
-    if (fsdp or tp > 1) and dtype == "float16":
-        raise UserError("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
-                         "gradients): use dtype='bfloat16' or 'float32'")
-    if offload and not ((fsdp or tp > 1) and device_type == "cuda"):
-        raise UserError("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True "
-                         "and a CUDA device")
-
-
 class Processes(NamedTuple):
     """This process among the run's, as init_distributed found them; train.py names each value at the call."""
     ddp: bool  # started by torchrun
@@ -200,8 +190,13 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # float32 matmuls in TF32
     # Tensor parallel shards the rest of each replica with FSDP too (over a mesh of one replica, if so): every
     # parameter is then a DTensor on the one mesh, which the fused optimizer step and the clipping need.
-    check_layout(tp_size, fsdp, offload, device_type, dtype)
     fsdp = fsdp or tp_size > 1
+    if fsdp and dtype == "float16":
+        raise UserError("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
+                         "gradients): use dtype='bfloat16' or 'float32'")
+    if offload and not (fsdp and device_type == "cuda"):
+        raise UserError("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True "
+                         "and a CUDA device")
     if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
         backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if offload else "nccl"
     if ddp:

@@ -423,13 +423,10 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
                     stats["conversations"] = chat
                     kept += 1
                     yield f"{rel}:{pos}", ext, doc
-            except SkipFile as e:
-                reject(where, f"{e} after {kept} documents (those are kept)" if kept else str(e), whole_file=True)
-            except (OSError, EOFError, zlib.error) as e:  # permissions, broken links, corrupt gzip, ...
-                why = {errno.ELOOP: "symlink loop", errno.ENOENT: "broken symlink"}.get(
-                    getattr(e, "errno", None), f"unreadable ({getattr(e, 'strerror', None) or e})")
-                why += f" after {kept} documents (those are kept)" if kept else ""
-                reject(where, why, whole_file=True)
+            except (SkipFile, OSError, EOFError, zlib.error) as e:  # SkipFile; permissions, broken links, corrupt gzip
+                why = str(e) if isinstance(e, SkipFile) else f"unreadable ({getattr(e, 'strerror', None) or e})"
+                why = {errno.ELOOP: "symlink loop", errno.ENOENT: "broken symlink"}.get(getattr(e, "errno", None), why)
+                reject(where, f"{why} after {kept} documents (those are kept)" if kept else why, whole_file=True)
             else:
                 stats["files_read"] += 1
                 ext_stats(stats, ext)["files"] += 1

@@ -17,13 +17,13 @@ from lib.files import UserError
 # PATTERN_PIECE matches one atom with an optional `{n,m}+` after it, or a bare `$`.
 ATOM = r"\\[pP]\{\w+\}|\\.|\[(?:\\.|[^\]\\])*\]|[^\\\[\](){}|$]"
 PATTERN_PIECE = re.compile(rf"({ATOM})(\{{\d+(?:,\d*)?\}}\+)?|\$")
+WITHOUT = "the rest of the folder is written without one"  # the end of each note on a tokenizer not written
 
 
 def hf_tokenizer_files(tok):
     """Tokenizer -> ({file name: text} to write beside the model, None), or ({}, why none encodes exactly as it)."""
     if tok.kind in ("char", "nanogpt_char"):
-        return {}, ("a character vocabulary has no faithful tokenizer.json; "
-                    "the rest of the folder is written without one")
+        return {}, f"a character vocabulary has no faithful tokenizer.json; {WITHOUT}"
     if tok.kind == "huggingface":
         from tokenizers import Tokenizer as HFTokenizer
         hf = HFTokenizer.from_str(tok.hf_json)
@@ -41,15 +41,13 @@ def hf_tokenizer_files(tok):
             text = json.dumps({**whole, "post_processor": bos_only(whole["post_processor"], bos, tok.bos_id)},
                               ensure_ascii=False)
             if not framed(text):
-                return {}, "no faithful tokenizer.json (its post-processor adds tokens after a text); " \
-                           "the rest of the folder is written without one"
+                return {}, f"no faithful tokenizer.json (its post-processor adds tokens after a text); {WITHOUT}"
         return {"tokenizer.json": text, "tokenizer_config.json": tokenizer_config(eos, bos)}, None
     ranks, pattern, specials = bpe_parts(tok)
     try:
         tokenizer_json = bytelevel_tokenizer_json(ranks, pattern, specials)
     except ValueError as e:
-        return {}, (f"no faithful tokenizer.json for {tok.name} ({e}); "
-                    "the rest of the folder is written without one")
+        return {}, f"no faithful tokenizer.json for {tok.name} ({e}); {WITHOUT}"
     eos = next(s for s, i in specials.items() if i == tok.eot_id)
     return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": tokenizer_config(eos)}, None
 

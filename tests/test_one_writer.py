@@ -231,12 +231,12 @@ def test_an_export_whose_destination_cannot_be_written_ends_in_one_line_and_leav
     assert script("export.py", f"--out_dir={runs / 'files'}", f"--to={to}").returncode == 0
     before = {p.name: p.read_bytes() for p in to.iterdir()}
 
-    def full_disk(model, tokenizer, checkpoint, folder, dtype):
+    def full_disk(model, folder, ids=None):
         os.makedirs(folder)
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
             f.write(bytes(1000))
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(export, "write_model", full_disk)
+    monkeypatch.setattr(export, "save_pretrained", full_disk)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # (export.main installs its one-line hook)
     with pytest.raises(ValueError, match=f"^cannot write --to={to} \\(No space left on device\\); nothing was left "
                                          f"there: make room, or choose another --to$"):
