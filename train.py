@@ -186,11 +186,11 @@ if eval_tasks and master:  # the tasks are checked, and their data loaded, befor
 preemption = StopRequest()  # SIGTERM or SIGINT: the current step finishes, saves, and the run exits 0
 speed, logged = Speedometer(), False  # the steps since the last log line: their time and attention keys
 clock = start_clock()  # the time left (metrics.py), from the step and evaluation times of this process
-# A checkpoint of an evaluated step is held back until the next update has computed its gradient at those
-# weights: written then if the gradient is finite, dropped if not (settle_held_back). So every checkpoint written
-# along the way is of weights that still gave a finite gradient, and a run that diverges (learning_rate=1e9: one
-# finite update, then nothing but NaN) stops with ckpt.pt from before the update that broke it.
-held_back = None  # (improved, the random state at that step) of the checkpoint held back
+# A checkpoint of an evaluated step (or of one that ends an epoch) is held back until the next update has computed
+# its gradient at those weights: written then if the gradient is finite, dropped if not (settle_held_back). So every
+# checkpoint written along the way is of weights that still gave a finite gradient, and a run that diverges
+# (learning_rate=1e9: one finite update, then nothing but NaN) stops with ckpt.pt from before the update that broke it.
+held_back = None  # the checkpoint held back (hold_back): why it is saved, and the random state at that step
 
 
 @torch.no_grad()
@@ -230,13 +230,20 @@ def save_last(improved):
     # the last update was skipped, these very weights gave its non-finite gradient: nothing is saved, the run stops.
     if loop["skipped_in_a_row"]:
         raise ckpt.diverged(out_dir, loop["skipped_in_a_row"])
-    save_checkpoint(loop, improved)
+    save_checkpoint(loop, improved, held_back and held_back["epoch"])  # (the epoch this step ended, if it did)
+
+
+def hold_back(**why):
+    # This step's checkpoint, for its evaluation (improved, evaluated) or for the epoch it ended (epoch), or both in
+    # one save, waits for the next update's gradient (settle_held_back)
+    global held_back
+    held_back = {"improved": False, "epoch": None, "evaluated": False, "rng": rng_state(device_type),
+                 **(held_back or {}), **why}
 
 
 def evaluate(step):
     # The losses at this step, logged; its checkpoint saved (at the end) or held back (see held_back). Returns
     # True where the run ends here: eval_only, or no better val loss in early_stop_patience evaluations.
-    global held_back
     eval_began = time.time()
     losses = estimate_loss(model, raw_model)
     loop["evaluated"] = True
@@ -254,7 +261,7 @@ def evaluate(step):
         if step >= max_iters or early_stop:
             save_last(improved)
         else:  # saved in the next update, once its gradient is finite (settle_held_back)
-            held_back = (improved, rng_state(device_type))
+            hold_back(improved=improved, evaluated=True)
     if early_stop:
         if master:
             print(f"early stop: no better val loss in {early_stop_patience} evaluations")
@@ -272,8 +279,8 @@ def settle_held_back(finite):
     # written if the gradient is finite (a good state), and dropped if not (ckpt.pt stays the last good state).
     global held_back
     if held_back and finite:
-        improved_then, rng_then = held_back
-        clock["eval_seconds"] += untimed_save(loop, improved_then, rng=rng_then)  # the evaluation's time
+        seconds = untimed_save(loop, held_back["improved"], held_back["epoch"], rng=held_back["rng"])
+        clock["eval_seconds"] += seconds if held_back["evaluated"] else 0  # the evaluation's time
     held_back = None
 
 
@@ -332,7 +339,7 @@ while True:
     loss_sum = torch.zeros((), device=device)
     keys_run = torch.zeros((), device=device, dtype=torch.long)  # keys the queries attend to: the FLOPs run
     micro_batches = upcoming or step_batches(step)  # fetched while the step before computed
-    # micro-batches of masks or packed examples hold different numbers of targets: each one's loss weighed
+    # micro-batches that hold different numbers of targets (batches.weighted): each one's loss weighed by its share
     shares = target_shares(micro_batches, dp_size, tp_size, ddp) if batches.weighted else None
     for micro, (x, y, doc_ids) in enumerate(micro_batches):
         last = micro == micro_steps - 1
@@ -389,10 +396,10 @@ while True:
 
     if loop["iter_num"] % log_interval == 0 and master and finite:
         log_progress(loop["iter_num"], loss_value, lr, grad_norm_value)
-    # this step finished an epoch: kept as ckpt_epoch_N, where its update was applied (a skipped one's weights gave
-    # a non-finite gradient)
+    # this step finished an epoch: kept as ckpt_epoch_N (held back as an evaluation's checkpoint is), where its update
+    # was applied (a skipped one's weights gave a non-finite gradient)
     if save_every_epoch and int(batches.epoch(loop["iter_num"])) > epoch_before and not loop["skipped_in_a_row"]:
-        untimed_save(loop, False, int(batches.epoch(loop["iter_num"])))
+        hold_back(epoch=int(batches.epoch(loop["iter_num"])))
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step
         save_last(False)
         if master:  # one line for the run (a process that got no signal itself: one of another's)

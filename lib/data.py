@@ -226,8 +226,9 @@ class Batches:
                        "val": Split(data_dir, "val", meta, block_size, seed, self.val_by_example, vocab_size)}
         # val scored whole, every target once: its examples, or strided windows
         self.scored_val = eval_full or self.examples
-        # micro-batches hold different numbers of targets: the loop weighs each one's loss by its share
-        self.weighted = self.examples or meta.get("masks", False)
+        # micro-batches hold different numbers of targets (an epoch's part windows at the split's ends, a last step's
+        # padding past max_epochs, masks, packed examples): the loop weighs each one's loss by its share
+        self.weighted = self.mode.epochs or meta.get("masks", False)
         self.end_of_epochs = None  # sequences in max_epochs epochs (steps_for); past them, a step's are empty
         for split in self.splits.values():  # whole examples are cut to block_size: some may keep nothing to train
             split.check_targets()

@@ -87,16 +87,11 @@ def reapply(optimizers, built):
     return sorted(changed)
 
 
-def one_of(key, value, known):
-    return UserError(f"{key}={value!r} is not one of {', '.join(map(repr, known))}")
-
-
 def check_optimizer(config):
     """UserError, in one line with the fix, for settings config naming an optimizer or schedule no run knows."""
-    if config["optimizer"] not in OPTIMIZERS:
-        raise one_of("optimizer", config["optimizer"], OPTIMIZERS)
-    if config["lr_schedule"] not in SCHEDULES:
-        raise one_of("lr_schedule", config["lr_schedule"], SCHEDULES)
+    for key, known in (("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES)):
+        if config[key] not in known:
+            raise UserError(f"{key}={config[key]!r} is not one of {', '.join(map(repr, known))}")
     if config["lr_cycle_iters"] < 1 or not config["lr_power"] > 0:  # (not NaN either)
         raise UserError(f"lr_cycle_iters={config['lr_cycle_iters']} must be at least 1 and lr_power="
                         f"{config['lr_power']} above 0")
@@ -146,8 +141,8 @@ def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epo
     max_iters, lr_decay_iters, warmup_iters, and what train.py says about them ('' without max_epochs)."""
     if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
         max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
-    if warmup_ratio > 0:
-        warmup_iters = math.ceil(warmup_ratio * max_iters)
+    if warmup_ratio > 0:  # a share of the run's steps: its epochs', whether or not max_iters stops it before them
+        warmup_iters = math.ceil(warmup_ratio * (epoch_steps if max_epochs > 0 else max_iters))
     if max_epochs <= 0:
         return max_iters, lr_decay_iters, warmup_iters, ""
     note = f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})"

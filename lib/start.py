@@ -231,9 +231,10 @@ def resume(origin, config, meta):
     if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""
+        cut = f" (or at the {config['max_epochs']} epochs' last, if sooner)" if config["max_epochs"] > 0 else ""
         origin.notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's "
-                            f"{before.get('max_iters')}: the run ends at step {config['max_iters']}; "
-                            f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{was}")
+                            f"{before.get('max_iters')}: the run ends at step {config['max_iters']}{cut}; "
+                            f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{cut}{was}")
 
 
 def load_resume_state(path):

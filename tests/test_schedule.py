@@ -107,6 +107,8 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
     # max_iters ends it first: the schedule keeps lr_decay_iters, and the note says so with the fix
     steps = run_steps(10, 90, 5, max_epochs=2, epoch_steps=30)
     assert steps[:3] == (10, 30, 5) and "set lr_decay_iters=10" in steps[3]
+    # and warmup_ratio the epochs' steps, as the whole run's: its first part, resumed, goes on on the same schedule
+    assert run_steps(10, 90, 5, 0.25, max_epochs=2, epoch_steps=30)[:3] == (10, 30, 8)
 
 
 def test_a_resume_takes_the_commands_optimizer_settings_and_says_so(data_dir, tmp_path):

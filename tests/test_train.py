@@ -171,6 +171,37 @@ def test_windows_epochs_end_the_run_and_a_resume_in_mid_epoch_is_exact(data_dir,
     assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
 
 
+
+def test_an_epochs_checkpoint_waits_for_a_finite_gradient_as_an_evaluations_does(data_dir, tmp_path):
+    # the 640 tokens' 21 windows of 32 by 4 a step: update 6 ends epoch 1. Resumed at step 5 with learning_rate=1e9,
+    # that update is finite and wrecks the weights, every gradient after it is NaN: the epoch's checkpoint of them is
+    # dropped, and ckpt.pt stays the one from step 5 (it had been written over, named the last good state)
+    small = copy_dataset(data_dir, tmp_path / "small", 2000)
+    (small / "train.bin").write_bytes((data_dir / "train.bin").read_bytes()[:2 * 640])
+    common = [*TINY, f"--data_dir={small}", f"--out_dir={tmp_path / 'out'}", "--eval_interval=5", "--max_epochs=2",
+              "--save_every_epoch=True"]
+    run(*common, "--max_iters=5")
+    before = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    said = train_refusal(*common, "--max_iters=100", "--init_from=resume", "--learning_rate=1e9",
+                         "--max_skipped_steps=2")
+    assert f"{tmp_path / 'out' / 'ckpt.pt'}, from step 5, is the last good state" in said
+    after = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    assert after["iter_num"] == 5 and not (tmp_path / "out" / "ckpt_epoch_1.pt").exists()
+    assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
+
+
+def test_an_update_split_into_micro_steps_weighs_its_part_windows_and_padding_as_one_micro_batch(data_dir, tmp_path):
+    # 21 windows of 32 an epoch, two of them part windows, 8 an update: the third (last) update holds 5 and 3 of
+    # padding. 4 micro-steps of 2 are one micro-batch of 8: the mean loss over the same targets, the same weights
+    small = copy_dataset(data_dir, tmp_path / "small", 2000)
+    (small / "train.bin").write_bytes((data_dir / "train.bin").read_bytes()[:2 * 640])
+    common = [*TINY, f"--data_dir={small}", "--eval_interval=100", "--max_epochs=1", "--max_iters=100"]
+    run(*common, f"--out_dir={tmp_path / 'one'}", "--batch_size=8")
+    run(*common, f"--out_dir={tmp_path / 'four'}", "--batch_size=2", "--gradient_accumulation_steps=4")
+    one, four = losses(tmp_path / "one"), losses(tmp_path / "four")
+    assert list(one) == [1, 2, 3] and four == pytest.approx(one, rel=1e-5)
+    assert_weights_close(weights(tmp_path / "one"), weights(tmp_path / "four"))
+
 def test_batch_size_auto_keeps_the_update_and_its_micro_batch_on_resume(data_dir, tmp_path):
     # TINY's batch_size=4 x 2 micro-steps: 8 sequences an update, which a budget of 4 GiB holds in one micro-batch
     common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=3", "--dropout=0.1"]
