@@ -129,9 +129,10 @@ _IN_RANGE = {**dict.fromkeys(("eval_interval", "log_interval", "eval_iters", "ba
                               "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout"), (1, _math.inf)),
              **dict.fromkeys(("max_iters", "warmup_iters", "lr_decay_iters", "keep_last_n", "early_stop_patience",
                               "lora_rank", "eval_tasks_limit", "learning_rate", "min_lr", "muon_lr", "weight_decay",
-                              "grad_clip", "early_stop_min_delta"), (0, _math.inf)),
-             "beta1": (0, 1), "beta2": (0, 1), "momentum": (0, 1), "muon_momentum": (0, 1), "dropout": (0, 1),
-             "seed": (0, 2**63), "lora_dropout": (0, 1), "lora_alpha": (0, _math.inf)}
+                              "grad_clip", "early_stop_min_delta", "max_epochs", "memory_budget"), (0, _math.inf)),
+             **dict.fromkeys(("warmup_ratio", "beta1", "beta2", "momentum", "muon_momentum", "dropout", "lora_dropout"),
+                             (0, 1)),
+             "seed": (0, 2**63), "lora_alpha": (0, _math.inf)}
 
 
 # The numbers sample.py and eval.py take, checked as a run's are (check_ranges): name -> (low, high), and "at most"
@@ -158,9 +159,6 @@ def check(config):
     check_ranges(config, _IN_RANGE)  # else a traceback from torch's first step, or nonsense trained
     if config["lora_rank"] and config["lora_alpha"] == 0:  # the adapters' output times 0: nothing would train
         raise _UserError("lora_alpha=0 scales the adapters' output to nothing: set it above 0 (16 is usual)")
-    if config["memory_budget"] < 0:
-        raise _UserError(f"memory_budget={config['memory_budget']} must be at least 0 (GiB; 0: what the device has "
-                         f"free)")
     if config["tensorboard_log"]:  # found out now, not at the first record
         try:
             import torch.utils.tensorboard  # noqa: F401 (metrics.py writes with it)
@@ -177,9 +175,6 @@ def check(config):
     if config["eval_tasks"] and (config["fsdp"] or config["tp_size"] > 1):
         raise _UserError("eval_tasks runs on the master process alone, which holds the whole model only without "
                          "fsdp and tp_size")
-    if config["max_epochs"] < 0 or not 0 <= config["warmup_ratio"] < 1:
-        raise _UserError(f"max_epochs={config['max_epochs']} must be at least 0 and warmup_ratio="
-                         f"{config['warmup_ratio']} in [0, 1)")
     if config["family"] != "llama":  # the Hugging Face model type the weights are named and exported as
         from lib.hf import HF_ARCHITECTURES
         if config["family"] not in HF_ARCHITECTURES:
