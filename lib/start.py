@@ -225,9 +225,11 @@ def resume(origin, config, meta):
         return (c.get("seed"), c.get("sequences"), c.get("block_size"),
                 c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0))
     if shaping(before) != shaping(config):
+        epochs = " (and its epochs are counted anew: a ckpt_epoch_N may be written again)" if config["max_epochs"] \
+            else ""
         origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "
                             "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
-                            "not on the batches the first run would have seen")
+                            f"not on the batches the first run would have seen{epochs}")
     if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""

@@ -577,6 +577,9 @@ def test_a_resume_at_another_block_size_says_its_batches_differ(data_dir, tmp_pa
     assert "warning: seed, sequences, block_size or the sequences of an update" in out.stdout
     out = run(*args, "--max_iters=6", "--init_from=resume", "--block_size=8")
     assert "warning" not in out.stdout
+    # under max_epochs an update of another size counts the epochs anew: their checkpoints may come again
+    out = run(*args, "--max_iters=8", "--init_from=resume", "--block_size=8", "--batch_size=2", "--max_epochs=9")
+    assert "(and its epochs are counted anew: a ckpt_epoch_N may be written again)" in out.stdout
 
 
 @pytest.mark.slow
