@@ -51,7 +51,7 @@ parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'mp
 parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: bf16 on CUDA")
 parser.add_argument("--tasks", default=None, help="lm-evaluation-harness tasks to run instead, comma-separated")
 parser.add_argument("--limit", type=float, default=None, help="--tasks: at most this many items of each task "
-                    "(below 1: this share of them)")
+                    "(below 1: this share of them; 0: all)")
 parser.add_argument("--num_fewshot", type=int, default=None, help="--tasks: examples in each prompt (default: "
                     "the task's own)")
 parser.add_argument("--include_path", default=None, help="--tasks: a folder of task files (YAML) of your own")

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from lib.chat import ChatFormat
+from lib.chat import ChatFormat, find_template
 from lib.files import UserError, one_line_errors
 from lib.parallel import pick_device
 from lib.settings import SAMPLING, check_ranges
@@ -95,13 +95,17 @@ def reply(messages):
 
 if args.chat:  # one reply to --start, or a conversation typed in the terminal
     try:
-        chat = ChatFormat.for_tokenizer(folder, tokenizer.special_tokens(), tokenizer.decode([tokenizer.eot_id]))
-        end_of_turn = tokenizer.special_tokens()[chat.end_of_turn]
+        learned = tokenizer.eot_id is not None and find_template(folder)[1] != "built-in"
+        if learned:  # (else it never learned one: a template of ours would only confuse it)
+            chat = ChatFormat.for_tokenizer(folder, tokenizer.special_tokens(), tokenizer.decode([tokenizer.eot_id]))
+            end_of_turn = tokenizer.special_tokens()[chat.end_of_turn]
     except (ValueError, OSError, KeyError) as e:
         raise UserError(f"cannot chat with this model's template ({e})") from None
-    if chat.origin == "built-in":  # it never learned one: a template of ours would only confuse it
+    if not learned:
         raise UserError(f"--chat needs a model trained on conversations, or begun from a folder with a chat template: "
                         f"{folder} has no chat template; sample without --chat")
+    if start is not None and not start.strip():
+        raise UserError("--start is empty: give the message to answer (or leave --start out to type messages)")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:
@@ -127,6 +131,9 @@ except ValueError as e:  # e.g. a character the char vocabulary lacks
     raise UserError(f"the prompt cannot be encoded: {e}") from None
 if not ids:
     raise UserError("the prompt encodes to no tokens (give a non-empty --start)")
+if len(ids) > model.config.block_size:  # generate slides its window over it
+    print(f"note: the prompt is {len(ids)} tokens, of which the model sees the last {model.config.block_size} "
+          f"(its block_size)", file=sys.stderr)
 
 # -----------------------------------------------------------------------------
 # generate
@@ -141,4 +148,4 @@ with autocast:
     for _ in range(args.num_samples):
         y = model.generate(x, args.max_new_tokens, **sampling)
         print(tokenizer.decode(y[0, skip:].tolist()))  # the prompt and its continuation, without the BOS
-        print("---------------")
+        print("---------------", flush=True)  # each sample as it comes

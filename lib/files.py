@@ -40,13 +40,16 @@ class UserError(ValueError):
 
 
 def one_line_errors(script):
-    """Print an uncaught UserError as one line labelled with the running script's name (train.py, ...)."""
+    """Print an uncaught UserError as one line labelled with the running script's name (train.py, ...), and nothing
+    for output cut short by its reader (a BrokenPipeError)."""
     default = sys.excepthook
 
     def hook(kind, error, traceback):
         if issubclass(kind, UserError):
             print(f"{script}: {error}", file=sys.stderr, flush=True)
             end_group()
+        elif issubclass(kind, BrokenPipeError):  # the reader of its output is gone (sample.py | head): no more to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at exit, flushing what is left)
         else:
             default(kind, error, traceback)
 

@@ -33,6 +33,9 @@ class Model(TemplateLM):
     def __init__(self, model, tokenizer, device="cpu", autocast=None, batch_size=8, chat_folder=None, name="gpt"):
         # chat_folder: where the model's chat template is (its data's meta.json, or its Hugging Face folder)
         super().__init__()
+        if tokenizer.eot_id is None:  # what ends a generated answer, and begins a rolling window
+            raise UserError("lm-evaluation-harness tasks need an end-of-text token, which nanoGPT's characters "
+                            "(meta.pkl) lack: prepare the text with prepare.py (--tokenizer=char has one)")
         self.model, self.tokenizer, self.name, self.chat_folder = model, tokenizer, name, chat_folder
         self._device, self.autocast, self.batch_size = torch.device(device), autocast or nullcontext(), batch_size
         self.specials = set(tokenizer.special_tokens().values())
@@ -184,10 +187,11 @@ def load_tasks(names, include_path=None):
 
 def run_tasks(lm, manager, names, limit=None, num_fewshot=None, apply_chat_template=False, log_samples=False,
               stderr=True):
-    """lm_eval's simple_evaluate on our model; stderr=False skips the standard errors' bootstrap (slower than tasks)."""
+    """lm_eval's simple_evaluate on our model; limit: at most this many items of each task (below 1: this share of
+    them; 0 or None: all); stderr=False skips the standard errors' bootstrap (slower than tasks)."""
     from lm_eval.evaluator import simple_evaluate
     lm.model.eval()
-    return simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+    return simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit or None, num_fewshot=num_fewshot,
                            apply_chat_template=apply_chat_template, log_samples=log_samples,
                            bootstrap_iters=100_000 if stderr else 0, verbosity="WARNING")
 
@@ -216,7 +220,7 @@ def task_metrics(lm, manager, names, limit=None):
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     training = lm.model.training
     try:
-        return main_metrics(run_tasks(lm, manager, names, limit=limit or None, stderr=False))
+        return main_metrics(run_tasks(lm, manager, names, limit=limit, stderr=False))
     finally:
         lm.model.train(training)
         random.setstate(states[0])

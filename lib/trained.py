@@ -37,6 +37,8 @@ def load_model(path, base_dtype=None, data_dir=None):
         quantize_base(model, quantized)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
+    if found is None and data_dir:
+        raise UserError(f"--data_dir={data_dir} is not a folder: give a prepared dataset's, or leave it out")
     if found is None:
         raise UserError(f"the model was trained on {candidates[-1]}, which is not here: its data is needed "
                          f"(restore it, or pass --data_dir)")
@@ -84,6 +86,8 @@ def load_folder_or_run(folder, path, dtype, data_dir, use):
     """(model, tokenizer, None) of a Hugging Face folder, else load_run's; use: what the folder's tokenizer encodes."""
     if not folder:
         return load_run(path, dtype, data_dir)
+    if data_dir:  # the folder's own tokenizer.json is the one its ids mean
+        raise UserError(f"--data_dir is a run's dataset, and {folder} brings its own tokenizer: leave --data_dir out")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         raise UserError(f"{folder} has no tokenizer.json to encode {use} with")
     return load_pretrained(folder, dtype), make_tokenizer(folder, None), None

@@ -137,6 +137,9 @@ def test_greedy_sampling_prints_one_sample_with_a_note(pretrained):
                   "--num_samples=3", "--device=cpu")
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("---------------") == 1 and "would be identical: printing one" in done.stderr
+    # a run's dataset names a tokenizer, which a folder brings its own of: the pair is refused, not half taken
+    done = script("sample.py", f"--model={folder}", f"--data_dir={folder}", "--device=cpu")
+    assert done.returncode == 1 and "leave --data_dir out" in done.stderr
 
 
 # -----------------------------------------------------------------------------

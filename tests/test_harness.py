@@ -8,6 +8,7 @@ import math
 import pytest
 
 from helpers import ROOT, losses, run, script
+from lib.files import UserError
 
 ROOT_TASKS = ("tiny_hellaswag", "tiny_perplexity", "tiny_generate")
 SHAPE = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=64", "--block_size=64", "--batch_size=4",
@@ -222,6 +223,29 @@ def remote_task(folder):
         "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_target: 0\ndoc_to_choice: ['a', 'b']\n")
     return folder
 
+
+
+@pytest.mark.slow  # lm_eval's import alone is seconds
+def test_a_limit_of_0_scores_every_item_as_train_pys_eval_tasks_limit_does(run_here, tasks):
+    needs_lm_eval()
+    import torch
+    from lib import harness
+    from lib.trained import load_run
+    model, tokenizer, _ = load_run(str(run_here[0] / "ckpt.pt"), torch.float32)
+    lm = harness.Model(model.eval(), tokenizer, batch_size=4)
+    manager, names = harness.load_tasks("tiny_hellaswag", str(tasks))
+    counts = [harness.run_tasks(lm, manager, names, limit=limit, stderr=False)["n-samples"]["tiny_hellaswag"]
+              for limit in (0, None, 2)]
+    assert counts[0] == counts[1] and counts[0]["effective"] > counts[2]["effective"] == 2
+
+
+def test_tasks_need_an_end_of_text_token_which_nanogpts_characters_lack():
+    from lib import harness
+    from lib.tokenizer import Tokenizer
+    from model import GPT, GPTConfig
+    characters = Tokenizer("nanogpt_char", "nanogpt_char", 3, None, chars=["a", "b", "c"])
+    with pytest.raises(UserError, match="^lm-evaluation-harness tasks need an end-of-text token"):
+        harness.Model(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)), characters)
 
 @pytest.mark.slow  # an unknown name is looked for in the harness's whole index of tasks: ~15 s
 def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):

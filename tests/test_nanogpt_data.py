@@ -7,11 +7,13 @@ Run: python -m pytest -q tests/test_nanogpt_data.py"""
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from helpers import SHAKESPEARE
+from helpers import CPU_ENV, ROOT, SHAKESPEARE
 from lib.files import read_meta
 from lib.tokenizer import load_tokenizer
 
@@ -225,3 +227,17 @@ def test_a_nanogpt_folder_trains_and_samples_its_characters(tmp_path, text):
     assert done.returncode == 0, done.stderr
     sample = done.stdout.split("\n---------------")[0]
     assert sample.startswith("First") and len(sample) > 150 and set(sample) <= set(chars) | {"\ufffd"}
+    # a prompt past the model's block_size (TINY's 32) is said to be seen in part; --chat, which needs an
+    # end-of-text token, is refused in one line
+    done = script("sample.py", f"--out_dir={tmp_path / 'out'}", f"--start={text[:40]}", "--num_samples=1",
+                  "--max_new_tokens=2")
+    assert "note: the prompt is 40 tokens, of which the model sees the last 32 (its block_size)" in done.stderr
+    done = script("sample.py", f"--out_dir={tmp_path / 'out'}", "--chat", "--start=hi")
+    assert done.returncode == 1 and done.stderr.startswith("sample.py: --chat needs a model trained on conversations")
+    # its output cut short by its reader (| head -1): no traceback
+    reader = subprocess.Popen([sys.executable, "sample.py", f"--out_dir={tmp_path / 'out'}", "--device=cpu",
+                               "--num_samples=200", "--max_new_tokens=50"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**os.environ, **CPU_ENV})
+    reader.stdout.readline()
+    reader.stdout.close()
+    assert reader.wait(timeout=300) in (0, 1) and reader.stderr.read() == b""  # (0: it had printed all)

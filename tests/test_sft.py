@@ -292,6 +292,8 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
     out = model.eval().generate(torch.tensor([ids]), 20, temperature=0)[0, len(ids):].tolist()
     out = out[:out.index(tokenizer.eot_id)] if tokenizer.eot_id in out else out
     assert done.stdout.strip() == tokenizer.decode(out).strip()
+    empty = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start= ", "--device=cpu")
+    assert empty.returncode == 1 and empty.stderr.startswith("sample.py: --start is empty: give the message")
     # export: the template and the end-of-turn token as generation's eos go along
     done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}")
     assert done.returncode == 0, done.stderr

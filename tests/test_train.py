@@ -463,7 +463,7 @@ def test_sample_finds_the_tokenizer_or_says_why_not(data_dir, tmp_path):
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2")
     moved = tmp_path / "moved"
     out = script("sample.py", f"--out_dir={tmp_path / 'out'}", f"--data_dir={moved}")
-    assert out.returncode != 0 and f"trained on {moved}, which is not here" in out.stderr
+    assert out.returncode != 0 and f"--data_dir={moved} is not a folder: give a prepared dataset's" in out.stderr
     moved.mkdir()
     # another tokenizer's data (GPT-2's): the checkpoint's fingerprint of its own data's tokenizer tells them apart
     (moved / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 50257, "eot_id": 50256,
