@@ -28,19 +28,6 @@ def _names_set(code, top=True):
     return names + [n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names_set(c, False)]
 
 
-def _check(config, key, value, source):
-    if key not in config:
-        close = difflib.get_close_matches(key, config, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "see lib/settings.py"
-        sys.exit(f"{source}: unknown config key '{key}' ({hint})")
-    default = config[key]
-    if default is None or type(value) is type(default):
-        return value
-    if type(default) is float and type(value) is int and abs(value) < 2**1024:  # (past it: no float)
-        return float(value)
-    sys.exit(f"{source}: {key} must be {type(default).__name__} like its default {default!r}, got {value!r}")
-
-
 def configure(config, args):
     """Apply the config files and --key=value overrides in args to the dict config, in place."""
     for arg in args:
@@ -84,4 +71,13 @@ def _set(config, key, value, source):
         config["batch_size_auto"] = value == "auto"
         if value == "auto":
             return
-    config[key] = _check(config, key, value, source)
+    if key not in config:
+        close = difflib.get_close_matches(key, config, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "see lib/settings.py"
+        sys.exit(f"{source}: unknown config key '{key}' ({hint})")
+    default = config[key]
+    if type(default) is float and type(value) is int and abs(value) < 2**1024:  # (past it: no float)
+        value = float(value)
+    elif default is not None and type(value) is not type(default):
+        sys.exit(f"{source}: {key} must be {type(default).__name__} like its default {default!r}, got {value!r}")
+    config[key] = value

@@ -154,20 +154,16 @@ def flash_dtype(q):
     return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
-def flex_dtype(v):
-    # FlexAttention runs outside autocast and wants q, k and v in one dtype: autocast's where it is on, as SDPA
-    # would compute in. qk-norm with fp32 norm weights (a Qwen3 fully fine-tuned) makes q and k fp32 beside a
-    # bf16 v, which it refuses, or on newer builds runs wholly in fp32 with a much slower backward.
-    on = torch.is_autocast_enabled(v.device.type)
-    return torch.get_autocast_dtype(v.device.type) if on else v.dtype
-
-
 def attention(q, k, v, mask, dropout, causal):
     # (B, T, H, D) queries over (B, S, Hkv, D) keys and values -> (B, T, H, D): FlexAttention for a block mask
     # (documents on CUDA), SDPA for a boolean (B, 1, T, S) one, else flash-attn where it can run, or SDPA
     gqa = k.size(2) != q.size(2)
     if mask is not None and not isinstance(mask, torch.Tensor):
-        q, k, v = (t.to(flex_dtype(v)) for t in (q, k, v))
+        # FlexAttention runs outside autocast and wants q, k and v in one dtype: autocast's where it is on, as SDPA
+        # would compute in. qk-norm with fp32 norm weights (a Qwen3 fully fine-tuned) makes q and k fp32 beside a
+        # bf16 v, which it refuses, or on newer builds runs wholly in fp32 with a much slower backward.
+        dtype = torch.get_autocast_dtype(v.device.type) if torch.is_autocast_enabled(v.device.type) else v.dtype
+        q, k, v = (t.to(dtype) for t in (q, k, v))
         return flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                               enable_gqa=gqa).transpose(1, 2)
     if mask is not None:  # True where a query looks
@@ -268,9 +264,7 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding=False):
         n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once
-        if non_embedding:
-            n -= self.wte.weight.numel()
-        return n
+        return n - self.wte.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None, cache=None, doc_ids=None, mask=None):
         # idx: (B, T) token ids. With targets (B, T) it returns (None, mean loss); without, (logits (B, T, V),
@@ -282,10 +276,9 @@ class GPT(nn.Module):
         x = self.hidden(idx, cache, doc_ids, mask)
         if targets is None:
             return self.lm_head(x), None
-        B, T = idx.shape
         kernels = fused(self.config.use_kernels, x, compiled_too=True)
         cross_entropy = kernels.linear_cross_entropy if kernels else linear_cross_entropy
-        return None, cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(B * T))
+        return None, cross_entropy(x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
 
     def hidden(self, idx, cache=None, doc_ids=None, mask=None):
         # the final normed hidden states (B, T, C), on which the LM head computes the logits
@@ -332,11 +325,9 @@ class GPT(nn.Module):
         # vocab: the tokenizer's size; ids past it (vocab_size's padding, decoding to nothing) are never drawn.
         cache, start = None, idx.shape[1]
         for _ in range(max_new_tokens):
-            if cache is None or idx.shape[1] > self.config.block_size:
-                cache = [[] for _ in self.blocks]
-                logits, _ = self(idx[:, -self.config.block_size:], cache=cache)
-            else:
-                logits, _ = self(idx[:, -1:], cache=cache)
+            fresh = cache is None or idx.shape[1] > self.config.block_size  # a cache of the last block_size tokens
+            cache = [[] for _ in self.blocks] if fresh else cache
+            logits, _ = self(idx[:, -self.config.block_size:] if fresh else idx[:, -1:], cache=cache)
             logits = logits[:, -1, :vocab].float()  # (B, V)
             if temperature < 1e-5:  # greedy: 0, or so low that the logits divided by it would overflow
                 idx_next = logits.argmax(dim=-1, keepdim=True)

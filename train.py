@@ -112,6 +112,7 @@ model = parallelize(model, procs.mesh, tp_size, fsdp, gradient_checkpointing, co
 optimizers = build_optimizers(raw_model, config, device_type)  # optim.OPTIMIZERS[optimizer]
 peak_lrs = [opt.param_groups[0]["lr"] for opt in optimizers]  # the schedule scales each optimizer's own peak
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
+torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None:
     built = hyperparameters(optimizers)  # this command's weight_decay, betas, ...: they stay after the restore
     ckpt.restore(origin.found, checkpoint, raw_model, optimizers, fsdp, lora)
@@ -119,9 +120,7 @@ if checkpoint is not None:
     changed = reapply(optimizers, built)
     if changed and master:
         print(f"note: the optimizer's {', '.join(changed)} are this command's, not the checkpoint's")
-torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
-if checkpoint is not None:  # each process's own random stream again, where the processes are as many
-    resume_rng(checkpoint, rank, world_size, tp_size, device_type)
+    resume_rng(checkpoint, rank, world_size, tp_size, device_type)  # its saved dropout stream, if as many processes
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
 if batch_size_auto:  # the largest micro-batch that fits, for the same updates (memory.py; docs/scaling.md)
     sequences_per_step = gradient_accumulation_steps * batch_size
@@ -132,12 +131,11 @@ if batch_size_auto:  # the largest micro-batch that fits, for the same updates (
     config.update(batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps)  # for a resume
     if master:
         print(note)
-if master:  # the sizes as they are now (batch_size='auto' has shared out the sequences of an update)
-    print(f"{world_size} process(es) on {device_type}, {dtype}; tokens per update: {tokens_per_iter:,} "
-          f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
 checkpoint = origin.checkpoint = None  # free it
 peak = peak_flops(device, ptdtype)
-if master:
+if master:  # the sizes as they are now (batch_size='auto' has shared out the sequences of an update), and the model
+    print(f"{world_size} process(es) on {device_type}, {dtype}; tokens per update: {tokens_per_iter:,} "
+          f"({gradient_accumulation_steps} micro-steps x {batch_size} sequences x {block_size} tokens)")
     print(described(raw_model, model_args, block_size))
 # what each process should hold, by kind, before the first step (on CUDA the first log line adds the measured)
 memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, quantized=quantized,
@@ -276,21 +274,16 @@ def evaluate(step):
 
 def settle_held_back(finite):
     # Once per update, when its gradient is known: the checkpoint held back for the weights it was computed at is
-    # written if the gradient is finite (a good state), and dropped if not (ckpt.pt stays the last good state).
+    # written if the gradient is finite (a good state), and dropped if not (ckpt.pt stays the last good state). The
+    # save's time is taken out of the training time that tokens/s and the time left measure.
     global held_back
     if held_back and finite:
-        seconds = untimed_save(loop, held_back["improved"], held_back["epoch"], rng=held_back["rng"])
+        began = time.time()
+        save_checkpoint(loop, held_back["improved"], held_back["epoch"], rng=held_back["rng"])
+        seconds = time.time() - began
+        speed.pause(seconds)
         clock["eval_seconds"] += seconds if held_back["evaluated"] else 0  # the evaluation's time
     held_back = None
-
-
-def untimed_save(*args, **kwargs):
-    # save_checkpoint, its time taken out of the training time that tokens/s and the time left measure -> seconds
-    began = time.time()
-    save_checkpoint(*args, **kwargs)
-    seconds = time.time() - began
-    speed.pause(seconds)
-    return seconds
 
 
 def log_progress(step, loss, lr, grad_norm):
@@ -366,8 +359,7 @@ while True:
     grad_norm = clip_gradients(raw_model, grad_clip if grad_clip > 0 else float("inf"))
     # one copy to the host per step: on a GPU each .item() waits for all the work queued before it
     # (the norm of gradients offloaded to the CPU is on the CPU)
-    grad_norm = grad_norm.view(1).float().to(device)
-    step_values = torch.cat([loss_sum.view(1), grad_norm, stop, keys_run.view(1).float()])
+    step_values = torch.cat([loss_sum.view(1), grad_norm.view(1).float().to(device), stop, keys_run.view(1).float()])
     loss_value, grad_norm_value, stop_value, keys_value = step_values.tolist()
     finite = math.isfinite(loss_value) and math.isfinite(grad_norm_value)
     # float16's gradient scaler overflowing (a finite loss, an infinite gradient at a scale of 1 or more) is no

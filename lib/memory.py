@@ -69,8 +69,7 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     e = 4 if dtype == "float32" else 2  # a weight's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
     ddp = dp > 1 and not fsdp  # (tensor parallel runs under FSDP)
-    state = traced_optimizer(model, optimizer, tp)
-    weights, grads, optim = state_bytes(params, state, dp, tp, fsdp, quantized, ddp)
+    weights, grads, optim = state_bytes(params, traced_optimizer(model, optimizer, tp), dp, tp, fsdp, quantized, ddp)
     saved = traced_forward(model, batch_size, block_size, dtype, tp, fsdp, device)
     if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, a block and its gradients
         root = sum(held_values(n, p, dp, tp) for n, p in params if "blocks." not in n)
@@ -335,11 +334,9 @@ class AskedAbout(TorchFunctionMode):
 
 def memory_layout(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False):
     # memory_estimate's layout in a few words, for memory_table: "FSDP x8 + TP x8 + checkpointing"
-    parts = [f"{'FSDP' if fsdp else 'DDP'} x{dp}"] if dp > 1 or fsdp else []
-    parts += [f"TP x{tp}"] if tp > 1 else []
-    parts += ["checkpointing"] if checkpointing else []
-    parts += ["offload"] if offload else []
-    return " + ".join(parts) or "1 process"
+    parts = [f"{'FSDP' if fsdp else 'DDP'} x{dp}" if dp > 1 or fsdp else "", f"TP x{tp}" if tp > 1 else "",
+             "checkpointing" if checkpointing else "", "offload" if offload else ""]
+    return " + ".join(p for p in parts if p) or "1 process"
 
 
 def memory_table(rows):
@@ -347,8 +344,7 @@ def memory_table(rows):
     def mib(n):  # small models' figures keep two decimals
         return f"{n / 2**20:,.0f}" if n >= 10 * 2**20 or n == 0 else f"{n / 2**20:.2f}"
     lines = ["| MiB per process | " + " | ".join(MEMORY_KINDS) + " |", "| --- " * 9 + "|"]
-    for name, estimate in rows:
-        lines.append(f"| {name} | " + " | ".join(mib(estimate[k]) for k in MEMORY_KINDS) + " |")
+    lines += [f"| {name} | " + " | ".join(mib(estimate[k]) for k in MEMORY_KINDS) + " |" for name, estimate in rows]
     return "\n".join(lines)
 
 
@@ -480,8 +476,7 @@ def micro_batch_fits(model, batch_size, block_size, device, autocast):
         return False
     finally:
         loss = None
-        for p in model.parameters():
-            p.grad = None
+        model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)

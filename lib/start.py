@@ -239,15 +239,15 @@ def resume(origin, config, meta):
                             f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{cut}{was}")
 
 
-def load_resume_state(path):
-    """The checkpoint a run resumes from, but a sharded one's weights (restore reads them), checked to be train.py's."""
-    checkpoint = ckpt.load_checkpoint(path, weights=False)
+def load_checked(path, needed, **load):
+    """path's checkpoint (ckpt.load_checkpoint's, with load's options), checked to be this train.py's and to hold the
+    keys needed: a resume's (starting_point), or those sample.py, eval.py and export.py read (trained.load_model)."""
+    checkpoint = ckpt.load_checkpoint(path, **load)
     if isinstance(checkpoint, dict):
         ckpt.check_not_nanogpts(checkpoint, path)
-    needed = ckpt.NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(path) else ckpt.NEEDED
-    if not isinstance(checkpoint, dict) or needed - checkpoint.keys():
-        raise UserError(f"{path} is not a checkpoint of this train.py (it lacks "
-                         f"{', '.join(sorted(needed - set(checkpoint)))})")
+    missing = needed - checkpoint.keys() if isinstance(checkpoint, dict) else needed
+    if missing:
+        raise UserError(f"{path} is not a checkpoint of this train.py (it lacks {', '.join(sorted(missing))})")
     ckpt.check_values(checkpoint, path)
     return checkpoint
 
@@ -277,7 +277,11 @@ def starting_point(out_dir, init_from, found):
     if init_from == "resume" and not found:
         raise UserError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
                          f"set init_from='scratch')")
-    return init_from, load_resume_state(found) if init_from == "resume" else None
+    if init_from != "resume":
+        return init_from, None
+    # all but a sharded checkpoint's weights and moments, which restore reads
+    needed = ckpt.NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(found) else ckpt.NEEDED
+    return init_from, load_checked(found, needed, weights=False)
 
 
 def check_resume(checkpoint, config, data_vocab, path):

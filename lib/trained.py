@@ -8,10 +8,10 @@ tokenizer of the data it was trained on, and the folder whose chat template it c
 
 import os
 
-from lib.checkpoint import (check_not_nanogpts, check_values, find_checkpoint, load_checkpoint,
-                            model_from_checkpoint)
+from lib.checkpoint import find_checkpoint, model_from_checkpoint
 from lib.files import UserError, data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.hf import load_pretrained
+from lib.start import load_checked
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 
@@ -20,16 +20,10 @@ def load_model(path, base_dtype=None, data_dir=None):
     base is read in base_dtype (None: its folder's), in nf4 or int8 again where the run held it so.
     checkpoint["data_dir"] becomes where the model's data is now: data_dir, else where that data was then, else
     where the run's config says."""
-    found = find_checkpoint(path)
-    if found is None:
+    if (found := find_checkpoint(path)) is None:
         raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
     path = found
-    checkpoint = load_checkpoint(path, mmap=True)  # the weights are read, the optimizer's moments never
-    if isinstance(checkpoint, dict):
-        check_not_nanogpts(checkpoint, path)
-    if not isinstance(checkpoint, dict) or {"model", "model_args", "config"} - checkpoint.keys():
-        raise UserError(f"{path} is not a checkpoint of train.py (it lacks its model, model_args or config)")
-    check_values(checkpoint, path)
+    checkpoint = load_checked(path, {"model", "model_args", "config"}, mmap=True)  # the weights, never the moments
     model = model_from_checkpoint(checkpoint, base_dtype)
     quantized = checkpoint["config"].get("lora_base_dtype")
     if model.config.lora_rank and quantized in ("nf4", "int8"):  # QLoRA's adapters on the base they trained on
