@@ -92,6 +92,9 @@ def check_optimizer(config):
     for key, known in (("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES)):
         if config[key] not in known:
             raise UserError(f"{key}={config[key]!r} is not one of {', '.join(map(repr, known))}")
+    if config["decay_lr"] and config["lr_schedule"] != "constant" and config["min_lr"] > config["learning_rate"]:
+        raise UserError(f"min_lr={config['min_lr']} is above learning_rate={config['learning_rate']}: the schedule "
+                        f"would raise the rate as it decays; set min_lr below it (about learning_rate / 10)")
     if config["lr_cycle_iters"] < 1 or not config["lr_power"] > 0:  # (not NaN either)
         raise UserError(f"lr_cycle_iters={config['lr_cycle_iters']} must be at least 1 and lr_power="
                         f"{config['lr_power']} above 0")

@@ -259,6 +259,7 @@ def test_batch_size_auto_shares_one_micro_step_of_an_update_over_two_processes(d
     (["--lr_decay_fraction=1.5"], "lr_decay_fraction=1.5 must be between 0 and 1"),
     (["--beta2=1.5"], "beta2=1.5 must be at least 0 and below 1"),
     (["--learning_rate=-1.0"], "learning_rate=-1.0 must be at least 0"),
+    (["--learning_rate=1e-5"], "min_lr=6e-05 is above learning_rate=1e-05: the schedule would raise the rate"),
     (["--optimizer=sgd", "--momentum=-1.0"], "momentum=-1.0 must be at least 0 and below 1"),
     (["--seed=-1"], "seed=-1 must be at least 0"),
     (["--dropout=2.0"], "dropout=2.0 must be at least 0 and below 1"),
