@@ -157,17 +157,24 @@ EXPORTED = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|spe
                       r"model\.safetensors\.index\.json")
 
 
-def check_parent(to):
-    parent = os.path.dirname(os.path.abspath(to))
-    if not os.path.isdir(parent):
-        why = "is not a folder" if os.path.exists(parent) else "does not exist"
-        raise UserError(f"--to={to}: {parent} {why}; make that folder first, or choose another --to")
+def make_parent(to):
+    """The folder --to goes in, made where missing (models/ in a fresh checkout) -> the first folder made (None:
+    none), which a failed export takes away again; a file in its way ends in one line."""
+    first, path = None, os.path.dirname(os.path.abspath(to))
+    while not os.path.lexists(path):
+        first, path = path, os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise UserError(f"--to={to}: {path} is not a folder; choose another --to")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(to)), exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--to={to}: cannot make its folder ({e.strerror}); choose another --to") from None
+    return first
 
 
 def check_destination(args):
     # --to: an empty or new folder, or (--overwrite) an earlier export; never one holding anything else
     to = os.path.abspath(args.to)
-    check_parent(args.to)
     if os.path.exists(to) and not os.path.isdir(to):
         raise UserError(f"{args.to} is a file, not a folder; choose another --to")
     names = os.listdir(to) if os.path.isdir(to) else []
@@ -205,6 +212,7 @@ def main(argv=None):
     if args.to.endswith(".gguf"):
         return export_gguf(args)
     check_destination(args)
+    made = make_parent(args.to)
     # Written beside the destination, then renamed into place: a failure leaves no half-written folder, and an
     # --overwrite loses nothing until the new one is whole.
     to = os.path.abspath(args.to)  # "." too: its temporary folders go beside it, not inside
@@ -229,7 +237,7 @@ def main(argv=None):
         durable_replace(staging, to)
         shutil.rmtree(old, ignore_errors=True)
     except (ValueError, OSError) as e:  # model.py's plain ValueError too; a full disk: one line, nothing left
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(made or staging, ignore_errors=True)
         if os.path.exists(old) and not os.path.exists(to):  # an earlier export goes back where it was
             os.replace(old, to)
         raise UserError(str(e) if isinstance(e, ValueError) else written_nothing(args.to, e)) from None
@@ -250,7 +258,7 @@ def export_gguf(args):
         raise UserError(f"{args.to} is a folder, not a file; choose another --to")
     if os.path.exists(args.to) and not args.overwrite:
         raise UserError(f"{args.to} exists; pass --overwrite to replace it, or choose another --to")
-    check_parent(args.to)
+    made = make_parent(args.to)
     staging = args.to + ".export-tmp"
     try:
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
@@ -260,9 +268,11 @@ def export_gguf(args):
         raise UserError(str(e)) from None
     except OSError as e:  # a full disk, a quota, permissions
         raise UserError(written_nothing(args.to, e)) from None
-    finally:  # whatever stopped it, no half-written file stays behind
+    finally:  # whatever stopped it, no half-written file stays behind, nor a folder made for it
         if os.path.exists(staging):
             os.remove(staging)
+        if made and not os.path.exists(args.to):
+            shutil.rmtree(made, ignore_errors=True)
     print(f"wrote a GGUF model to {args.to}")
 
 

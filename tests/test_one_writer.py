@@ -219,12 +219,16 @@ def test_eval_on_an_empty_val_split_and_sample_on_a_huge_prompt_file_end_in_one_
 def test_an_export_whose_destination_cannot_be_written_ends_in_one_line_and_leaves_nothing(runs, tmp_path,
                                                                                           monkeypatch):
     (tmp_path / "a_file").write_text("mine\n")
-    for to, said in ((tmp_path / "missing" / "model", f"{tmp_path / 'missing'} does not exist"),
-                     (tmp_path / "a_file" / "model", f"{tmp_path / 'a_file'} is not a folder"),
-                     (tmp_path / "missing" / "model.gguf", f"{tmp_path / 'missing'} does not exist")):
+    for to in (tmp_path / "a_file" / "model", tmp_path / "a_file" / "in" / "model.gguf"):
         done = script("export.py", f"--out_dir={runs / 'files'}", f"--to={to}")
-        assert_one_line(done, said, "make that folder first, or choose another --to")
+        assert_one_line(done, f"{tmp_path / 'a_file'} is not a folder; choose another --to")
+    # a missing folder above --to is made (models/ in a fresh checkout), and taken away again by an export that fails
+    for to in (tmp_path / "missing" / "new" / "model", tmp_path / "missing" / "model.gguf"):
+        done = script("export.py", f"--out_dir={runs / 'files'}", "--ckpt=no_such.pt", f"--to={to}")
+        assert_one_line(done, "no checkpoint at")
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
+    done = script("export.py", f"--out_dir={runs / 'files'}", f"--to={tmp_path / 'models' / 'mine'}")
+    assert done.returncode == 0 and (tmp_path / "models" / "mine" / "config.json").is_file()
     # the disk fills while the new export is written over an earlier one: one line, the earlier one as it was
     import export
     to = tmp_path / "exported"
@@ -242,4 +246,4 @@ def test_an_export_whose_destination_cannot_be_written_ends_in_one_line_and_leav
                                          f"there: make room, or choose another --to$"):
         export.main([f"--out_dir={runs / 'files'}", f"--to={to}", "--overwrite"])
     assert {p.name: p.read_bytes() for p in to.iterdir()} == before
-    assert sorted(os.listdir(tmp_path)) == ["a_file", "exported"]
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "exported", "models"]
