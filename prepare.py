@@ -28,13 +28,13 @@ import numpy as np
 from tqdm import tqdm
 
 from lib.chat import TRAIN_ON, Chat, ChatFormat
-from lib.files import (MARKER, UserError, durable_replace, lock_folder, one_line_errors, open_own,
+from lib.files import (END, MARKER, UserError, durable_replace, lock_folder, one_line_errors, open_own,
                       unlock_folder)
 from lib.sources import (HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces,
                          shown)
 from lib.tokenizer import make_tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: masks mark each example's end (files.END)
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
 SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")  # and bpe:N
 
@@ -45,13 +45,13 @@ SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", 
 def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes, min_length, starts):
     """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text, dropped per text):
     the BOS (if any) before a document's first piece (starts), end-of-text after its last; a whole document (wholes)
-    under min_length tokens of its text dropped. A Chat's mask: 1 per trained token, 0 for its end-of-text (train.py
+    under min_length tokens of its text dropped. A Chat's mask: 1 per trained token, END for its end-of-text (train.py
     cuts there)."""
     masks = None
     if texts and isinstance(texts[0], Chat):
         pairs = [tokenizer.encode_chat(chat.text, chat.spans) for chat in texts]
         ids = [np.append(a, np.uint32(tokenizer.eot_id)) for a, _ in pairs]
-        masks = [np.append(m, np.uint8(0)) for _, m in pairs]
+        masks = [np.append(m, np.uint8(END)) for _, m in pairs]
         texts = [chat.text for chat in texts]
     else:  # a conversation's BOS is in its text: the template's, or the tokenizer's before plain prompt strings
         ids = tokenizer.encode_docs(texts, ends, starts)
@@ -299,7 +299,7 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
             if files and masks:
                 files[f"{split}.mask"].write(masks[i])
             if masks:
-                splits[split]["targets"] = splits[split].get("targets", 0) + int(masks[i].sum())
+                splits[split]["targets"] = splits[split].get("targets", 0) + int((masks[i] == 1).sum())
         for (is_val, is_last, ext), ntokens, nbytes, short in zip(infos, lens, sizes, dropped):
             if short:  # fewer tokens than --min_length: left out
                 stats["short_dropped"] += 1
@@ -380,7 +380,7 @@ def balance_splits(splits, last, files, itemsize, masked):
                 while chunk := source.read(1 << 24):  # a document may be big
                     files[empty + suffix].write(chunk)
                     if suffix:
-                        moved["targets"] = moved.get("targets", 0) + int(np.frombuffer(chunk, np.uint8).sum())
+                        moved["targets"] = moved.get("targets", 0) + int((np.frombuffer(chunk, np.uint8) == 1).sum())
                 source.truncate(start)
             splits[full] = {key: splits[full][key] - moved.get(key, 0) for key in splits[full]}
             splits[empty] = moved
@@ -440,9 +440,9 @@ def report_example(out, tokenizer, meta):
     """The first training conversation as the model reads it, what it learns to write between [[ and ]]."""
     ids = np.fromfile(out / "train.bin", dtype=meta["dtype"], count=4096)
     mask = np.fromfile(out / "train.mask.bin", dtype=np.uint8, count=4096)
-    end = next((i for i in np.flatnonzero(ids == tokenizer.eot_id) if mask[i] == 0), len(ids))
+    end = next((i for i in np.flatnonzero(mask == END)), len(ids))
     runs = np.split(np.arange(end), np.flatnonzero(np.diff(mask[:end])) + 1)  # stretches of equal mask
-    text = "".join(("[[{}]]" if mask[r[0]] else "{}").format(tokenizer.decode(ids[r].tolist())) for r in runs if len(r))
+    text = "".join(("[[{}]]" if mask[r[0]] == 1 else "{}").format(tokenizer.decode(ids[r].tolist())) for r in runs if len(r))
     print(f"{meta['train']['targets']:,} of {meta['train']['tokens']:,} training tokens are trained on "
           f"({meta['chat']['train_on']}, template: {meta['chat']['template_from']}); the first example, "
           f"its trained part in [[ ]]:\n{text}")

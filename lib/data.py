@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from lib.files import UserError
+from lib.files import END, UserError, end_mark
 
 CHUNK = 1 << 26  # tokens scanned at a time for the examples' ends
 
@@ -51,11 +51,12 @@ class Split:
         self.path = os.path.join(data_dir, f"{split}.bin")
         self.mask_path = os.path.join(data_dir, f"{split}.mask.bin") if meta.get("masks") else None
         self.dtype, self.eot_id, self.examples = np.dtype(meta["dtype"]), meta.get("eot_id"), examples
+        self.end = end_mark(meta)  # the mask's value where an example ends
         self.block_size, self.seed, self.is_val, self.vocab_size = block_size, seed, split == "val", vocab_size
         self.epochs = {}  # epoch -> its sequences, each a list of example numbers (the first, the last two met)
         self.firsts = [0]  # the number of each epoch's first sequence, as far as epochs have been packed
         if examples:
-            self.starts, self.lengths = example_bounds(self.tokens(), self.mask(), self.eot_id)
+            self.starts, self.lengths = example_bounds(self.tokens(), self.mask(), self.eot_id, self.end)
             self.cut = int((self.lengths > block_size + 1).sum())  # longer than a sequence: cut to fit
             self.targets = kept_targets(self.starts, self.lengths, self.mask(), block_size)
 
@@ -98,22 +99,23 @@ class Split:
 
     def rows(self, starts, context, doc_mask):
         # block_size + 1 tokens from each start (end-of-text outside the split) -> x, y: -1 for the first context[b]
-        # targets, past the end and where masked; a document begins after each end-of-text the mask does not train
+        # targets, past the end and where masked; a document begins after each end-of-text (one the mask marks END)
         T, data, mask = self.block_size, self.tokens(), self.mask()
         tokens = np.full((len(starts), T + 1), self.eot_id or 0, dtype=np.int64)
-        kept = np.zeros((len(starts), T + 1), dtype=bool)  # the mask file's, where there is one
+        marks = np.full((len(starts), T + 1), self.end, dtype=np.uint8)  # the mask's (1: trained; 1 without one)
         for row, start in enumerate(starts):
             at = max(0, -start)  # a shuffled window may begin before the split: padding up to its first token
             window = data[start + at:start + T + 1]
             tokens[row, at:at + len(window)] = window
-            kept[row, at:at + len(window)] = mask[start + at:start + at + len(window)] > 0 if mask is not None else True
-            kept[row, at] &= at == 0  # the split's first token follows nothing: no target
+            marks[row, at:at + len(window)] = mask[start + at:start + at + len(window)] if mask is not None else 1
+        kept = marks == 1
+        kept[np.arange(len(starts)), np.maximum(0, -starts)] &= starts >= 0  # the split's first token: no target
         self.check_ids(tokens, lambda b, t: int(starts[b]) + t)
         x = np.ascontiguousarray(tokens[:, :-1])  # a view would be pinned and copied to a GPU a row at a time
         y = np.where(kept[:, 1:] & (np.arange(T) >= context[:, None]), tokens[:, 1:], -1)
         doc_ids = None
         if doc_mask:
-            ends = (x == self.eot_id) & (~kept[:, :-1] if mask is not None else True)
+            ends = (x == self.eot_id) & (marks[:, :-1] == self.end if mask is not None else True)
             doc_ids = torch.from_numpy(ends.cumsum(axis=1))
         return torch.from_numpy(x), torch.from_numpy(y), doc_ids
 
@@ -129,7 +131,7 @@ class Split:
             for doc, example in enumerate(self.sequence(n) if limit is None or n < limit else []):
                 start, length = self.starts[example], min(self.lengths[example], T + 1)
                 tokens[row, at:at + length] = data[start:start + length]
-                trained[row, at:at + length] = mask[start:start + length] > 0 if mask is not None else True
+                trained[row, at:at + length] = mask[start:start + length] == 1 if mask is not None else True
                 trained[row, at] = False  # an example's first token: nothing of it comes before to predict it
                 doc_ids[row, at:at + length] = doc
                 at += length
@@ -284,13 +286,13 @@ class Batches:
                 for t in tensors]
 
 
-def example_bounds(data, mask, eot_id):
-    """(starts, lengths) of the examples in a token file: each ends with its end-of-text, one that is not a
-    target where there is a mask (a chat template may close an assistant's turn with end-of-text too)."""
+def example_bounds(data, mask, eot_id, end=END):
+    """(starts, lengths) of the examples in a token file: each ends with its end-of-text, one the mask marks end
+    where there is a mask (files.end_mark: a chat template may write end-of-text inside a conversation too)."""
     ends = []
     for at in range(0, len(data), CHUNK):
         found = np.flatnonzero(np.asarray(data[at:at + CHUNK]) == eot_id) + at
-        ends.append(found[np.asarray(mask)[found] == 0] if mask is not None else found)
+        ends.append(found[np.asarray(mask)[found] == end] if mask is not None else found)
     ends = np.unique(np.concatenate(ends + [np.array([len(data) - 1])]) + 1)  # one past each, and the file's end
     starts = np.concatenate([[0], ends[:-1]])
     return starts, ends - starts
@@ -304,7 +306,7 @@ def longest_example(data_dir, meta, split="val"):
         return len(data)
     mask = np.memmap(os.path.join(data_dir, f"{split}.mask.bin"), dtype=np.uint8, mode="r") if meta.get("masks") \
         else None
-    return int(example_bounds(data, mask, meta["eot_id"])[1].max())
+    return int(example_bounds(data, mask, meta["eot_id"], end_mark(meta))[1].max())
 
 
 def kept_targets(starts, lengths, mask, block_size):
@@ -316,7 +318,7 @@ def kept_targets(starts, lengths, mask, block_size):
     while first < len(starts):  # examples a CHUNK of tokens at a time, each chunk's running sum of the mask
         last = max(first + 1, int(np.searchsorted(starts, starts[first] + CHUNK, side="right")))
         low = starts[first]
-        sums = np.concatenate([[0], np.cumsum(mask[low:starts[last - 1] + lengths[last - 1]], dtype=np.int64)])
+        sums = np.concatenate([[0], np.cumsum(mask[low:starts[last - 1] + lengths[last - 1]] == 1, dtype=np.int64)])
         at, length = starts[first:last] - low, lengths[first:last]
         kept += int((sums[at + np.minimum(length, block_size + 1)] - sums[at + 1]).sum())
         total += int((sums[at + length] - sums[at + 1]).sum())

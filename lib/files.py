@@ -149,6 +149,17 @@ def durable_replace(src, dst):
 # -----------------------------------------------------------------------------
 # A prepared dataset read back
 
+# A mask (train.mask.bin, a byte a token) says 1 where a token is trained, 0 where not, and END at the end-of-text
+# prepare.py puts after each example: a template's own end-of-text inside a conversation (a turn's end) is no end
+END = 2
+
+
+def end_mark(meta):
+    """The mask's value at the end-of-text that ends an example: END, or 0 (every untrained one) in data prepared
+    before format 2, which marked none."""
+    return END if meta.get("format_version", 1) >= 2 else 0
+
+
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
 MAX_VOCAB = 1 << 24  # 16.7M ids: released tokenizers have up to ~262K
 

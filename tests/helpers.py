@@ -209,7 +209,7 @@ def in_process(path, args, cwd=ROOT, env=None):
     # the project's modules, which a config file may patch, and sys.path, and torch.compile's caches are dropped.
     out, err, name = io.StringIO(), io.StringIO(), Path(path).name
     project = {key: (module, dict(vars(module))) for key, module in list(sys.modules.items()) if ours(module)}
-    import_path, blocked = list(sys.path), {key for key, module in sys.modules.items() if module is None}
+    import_path, modules = list(sys.path), dict(sys.modules)
     environ = dict(os.environ)  # put back whole: a library the script imports may set variables too
     hook, handlers = sys.excepthook, {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     at_exit, register = [], atexit.register
@@ -248,7 +248,9 @@ def in_process(path, args, cwd=ROOT, env=None):
         os.environ.clear()
         os.environ.update(environ)
         for key, module in list(sys.modules.items()):
-            if (ours(module) and key not in project) or (module is None and key not in blocked):
+            if module is None and modules.get(key) is not None:  # hidden by the run (a test without lm_eval): put
+                sys.modules[key] = modules[key]  # back, or its submodules, still there, would be no attributes of it
+            elif (ours(module) and key not in project) or (module is None and key not in modules):
                 del sys.modules[key]  # imported by the run, or hidden by it: the next one imports it anew
         for module, namespace in project.values():  # names added meanwhile stay (Triton's interpreter adds some)
             vars(module).update((k, v) for k, v in namespace.items() if vars(module).get(k) is not v)

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from lib import chat  # noqa: E402
 import prepare  # noqa: E402
-from lib.files import UserError  # noqa: E402
+from lib.files import END, UserError  # noqa: E402
 from lib.tokenizer import load_tokenizer, make_tokenizer  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -228,9 +228,9 @@ def trained_runs(ours, ids, mask):
     """The decoded stretches of trained tokens, in order."""
     runs, start = [], None
     for i, m in enumerate([*mask.tolist(), 0]):
-        if m and start is None:
+        if m == 1 and start is None:
             start = i
-        elif not m and start is not None:
+        elif m != 1 and start is not None:
             runs.append(ours.decode(ids[start:i].tolist()))
             start = None
     return runs
@@ -456,11 +456,11 @@ def test_generation_template_masks_are_transformers(style, tmp_path):
     meta = prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
                          f"--chat_template={tmp_path / 't.jinja'}", "--val_fraction=0"])
     want_ids, want_mask = [], []
-    for messages in conversations:  # each example, then an untrained end-of-text
+    for messages in conversations:  # each example, then an end-of-text the mask marks as its end (END, untrained)
         out = theirs.apply_chat_template(messages, chat_template=GENERATION, tokenize=True, return_dict=True,
                                          return_assistant_tokens_mask=True)
         want_ids += list(out["input_ids"]) + [meta["eot_id"]]
-        want_mask += list(out["assistant_masks"]) + [0]
+        want_mask += list(out["assistant_masks"]) + [END]
     assert np.fromfile(tmp_path / "data" / "train.bin", dtype=meta["dtype"]).tolist() == want_ids
     assert np.fromfile(tmp_path / "data" / "train.mask.bin", dtype=np.uint8).tolist() == want_mask
 
@@ -518,15 +518,15 @@ def test_prepare_masked_dataset(tmp_path, name):
         ids = np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])
         mask = np.fromfile(out / f"{split}.mask.bin", dtype=np.uint8)
         assert ids.size == mask.size == meta[split]["tokens"] > 0  # one byte per token
-        assert int(mask.sum()) == meta[split]["targets"] > 0
-        # Mistral's end-of-text is </s>, which also closes a reply: there, trained; after an example, not
+        assert int((mask == 1).sum()) == meta[split]["targets"] > 0
+        # Mistral's end-of-text is </s>, which also closes a reply: there, trained; after an example, marked END
         eots = np.flatnonzero(ids == meta["eot_id"])
-        separators = eots[mask[eots] == 0]
+        separators = eots[mask[eots] == END]
         assert len(separators) == meta[split]["documents"] and separators[-1] == ids.size - 1
-        assert mask[-1] == 0
+        assert mask[-1] == END and set(np.unique(mask)) <= {0, 1, END}
         starts = np.concatenate([[0], separators[:-1] + 1])
-        for start, stop in zip(starts, separators):  # each example ends with an untrained end-of-text
-            assert ids[stop] == meta["eot_id"] and mask[stop] == 0 and mask[start:stop].any()
+        for start, stop in zip(starts, separators):  # each example ends with its marked end-of-text
+            assert ids[stop] == meta["eot_id"] and (mask[start:stop] == 1).any() and END not in mask[start:stop]
         if name == "llama3":  # the template's BOS, once: encode_chat adds none of its own
             bos = ours.special_tokens()["<|begin_of_text|>"]
             bos_counts += [int((ids[start:stop] == bos).sum()) for start, stop in zip(starts, separators)]
@@ -547,6 +547,30 @@ def test_prepare_masked_dataset(tmp_path, name):
     expected = [*REPLIES, REPLIES[0], "Madrid, on the Manzanares.", "Lisbon, on the Tagus.",
                 "The Spree flows there.", "fleuve or riviere"]
     assert sorted(runs) == sorted(reply + end for reply in expected)
+
+
+def test_a_templates_own_end_of_text_inside_a_conversation_ends_no_example(tmp_path):
+    # Zephyr's template closes every turn, a user's too, with the eos, Mistral's end-of-text </s>: only the one
+    # prepare.py puts after a conversation ends an example, so that each reply is trained with its question in view
+    from lib.data import Split
+    folder = make_folder(tmp_path / "mistral", "mistral")
+    (tmp_path / "zephyr.jinja").write_text("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+                                           "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                                           "\n{% endif %}")
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": MESSAGES}) + "\n" +
+                                          json.dumps({"messages": MESSAGES[1:5]}) + "\n")
+    meta = prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
+                         f"--chat_template={tmp_path / 'zephyr.jinja'}", "--val_fraction=0"])
+    train = Split(str(tmp_path / "data"), "train", meta, 512, 0, True, 512)
+    assert meta["train"]["documents"] == len(train.starts) == 2
+    ours, ids = load_tokenizer(tmp_path / "data"), np.fromfile(tmp_path / "data" / "train.bin", dtype=meta["dtype"])
+    first = ours.decode(ids[train.starts[0]:train.starts[0] + train.lengths[0]].tolist())
+    assert first.index("What is the capital of France?") < first.index("Paris is") < first.index("Berlin.")
+    # a folder prepared before the mark (format 1, 0 there) reads as it did: an example ends at each untrained </s>
+    mask = np.fromfile(tmp_path / "data" / "train.mask.bin", dtype=np.uint8)
+    np.where(mask == END, 0, mask).astype(np.uint8).tofile(tmp_path / "data" / "train.mask.bin")
+    old = Split(str(tmp_path / "data"), "train", {**meta, "format_version": 1}, 512, 0, True, 512)
+    assert len(old.starts) == 8 and old.targets == train.targets
 
 # -----------------------------------------------------------------------------
 # 4. a template is code from the internet: the sandbox keeps it from Python and files

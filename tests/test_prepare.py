@@ -152,7 +152,7 @@ def test_roundtrip_every_tokenizer(tmp_path, kind):
     meta = run(src, "--out_dir", out, "--tokenizer", tokenizer, "--val_fraction", 0.3)
     assert sorted(read_all(out)) == sorted(DOCS)
     assert meta["train"]["documents"] >= 1 and meta["val"]["documents"] >= 1
-    assert meta["format_version"] == 1 and meta["dtype"] == "uint16"
+    assert meta["format_version"] == 2 and meta["dtype"] == "uint16"
     assert meta["files_read"] == len(DOCS) and meta["skipped_files"] == []
     tok = load_tokenizer(out)
     assert (tok.vocab_size, tok.eot_id) == (meta["vocab_size"], meta["eot_id"])

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import prepare
 from helpers import assert_weights_close, losses, run, script, train_refusal, weights
 from lib.data import Split, best_fit
-from lib.files import UserError
+from lib.files import END, UserError
 from model import GPT, GPTConfig, linear_cross_entropy
 
 WORDS = "apple river stone cloud seven orange lamp tiger music paper green window silver forest quiet".split()
@@ -90,12 +90,12 @@ def test_packed_targets_are_the_masked_in_tokens_of_each_example_alone(chat_data
         at = 0
         for doc, example in enumerate(train.sequence(row)):
             start, whole = train.starts[example], train.lengths[example]
-            assert tokens[start + whole - 1] == train.eot_id and mask[start + whole - 1] == 0  # ends untrained
+            assert tokens[start + whole - 1] == train.eot_id and mask[start + whole - 1] == END  # its marked end
             length = min(whole, 65)  # a longer one is cut to the sequence's 64 inputs and one more target
             ids = tokens[start:start + length]
             assert x[row, at:at + length].tolist() == ids[:len(x[row, at:at + length])].tolist()
             assert (doc_ids[row, at:at + length] == doc).all()
-            want = np.where(mask[start + 1:start + length] > 0, ids[1:], -1)  # its own next tokens, if trained
+            want = np.where(mask[start + 1:start + length] == 1, ids[1:], -1)  # its own next tokens, if trained
             assert y[row, at:at + length - 1].tolist() == want.tolist()
             if at + length < 64:
                 assert y[row, at + length - 1] == -1  # the next example's first token is no target
@@ -247,7 +247,7 @@ def test_the_logged_val_loss_of_conversations_is_transformers_example_by_example
     total, count = 0.0, 0
     with torch.no_grad():
         for start, length in zip(val.starts, np.minimum(val.lengths, 65)):
-            ids, trained = tokens[start:start + length], mask[start + 1:start + length] > 0
+            ids, trained = tokens[start:start + length], mask[start + 1:start + length] == 1
             logits = theirs(torch.tensor(ids[None, :-1])).logits[0]
             targets = torch.tensor(np.where(trained, ids[1:], -100))
             total += F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
@@ -481,7 +481,7 @@ def test_examples_cut_to_nothing_trained_are_refused(chat_data, tmp_path):
     # block_size 6: every example is cut before its answer, and no target is left: refused, not a silent loss of 0;
     # at 8 a few training examples keep some, but no validation one does
     train = split(chat_data, block_size=6)
-    assert train.targets[0] == 0 < train.targets[1] == int(np.fromfile(chat_data / "train.mask.bin", np.uint8).sum())
+    assert train.targets[0] == 0 < train.targets[1] == int((np.fromfile(chat_data / "train.mask.bin", np.uint8) == 1).sum())
     assert 0 < split(chat_data, block_size=8).targets[0] < split(chat_data).targets[0] < train.targets[1]
     assert split(chat_data, block_size=1000).targets[0] == train.targets[1]
     for block, name in ((6, "train"), (8, "val")):  # train.py's checks, in process (helpers.train_refusal)
