@@ -163,7 +163,8 @@ for first in range(0, windows, args.batch_size):
 loss = loss_sum / max(count, 1)
 if by_example:
     print(f"{len(val.lengths)} examples of {data_dir}/val.bin, each on its own (packed into {windows} sequences of "
-          f"{block_size} tokens, attending within their example), over their trained targets")
+          f"{block_size} tokens, attending within their example), over their trained targets"
+          + (f"; {val.cut_note()}" if val.cut else ""))
 else:
     print(f"{windows} windows of {block_size} tokens overlapping by {stride}, {data_dir}/val.bin"
           + (", attending within documents (the run's doc_mask)" if doc_mask else ""))

@@ -145,9 +145,12 @@ class Split:
         T, per_epoch = self.block_size, self.sequences_in(1)
         real = int(np.minimum(self.lengths, T + 1).sum())
         return (f"examples: {len(self.lengths):,} in training, packed into {per_epoch:,} sequences per epoch, "
-                f"{real / (per_epoch * (T + 1)):.1%} of their tokens real; {self.cut} longer than block_size + 1 = "
-                f"{T + 1} tokens, cut to it, keeping {self.targets[0] / max(self.targets[1], 1):.1%} of the trained "
-                f"tokens")
+                f"{real / (per_epoch * (T + 1)):.1%} of their tokens real; {self.cut_note()}")
+
+    def cut_note(self):
+        # what cutting the examples to a sequence costs, for the log (train's, and val's where any is cut)
+        return (f"{self.cut} longer than block_size + 1 = {self.block_size + 1} tokens, cut to it, keeping "
+                f"{self.targets[0] / max(self.targets[1], 1):.1%} of the trained tokens")
 
     def check_targets(self):
         """UserError where no example keeps a trained target within the block_size + 1 tokens it is cut to."""
@@ -279,6 +282,7 @@ class Batches:
         val = ("each val example on its own, over its trained targets" if self.val_by_example else
                f"every token of val.bin once, in windows overlapping by {self.eval_stride}" if self.scored_val else
                f"{eval_iters} batches of random windows")
+        val += f" ({self.splits['val'].cut_note()})" if self.val_by_example and self.splits["val"].cut else ""
         return f"val loss: {val}" + (f"\n{self.splits['train'].packing()}" if self.examples else "")
 
     def to_device(self, tensors):

@@ -487,6 +487,13 @@ def test_examples_cut_to_nothing_trained_are_refused(chat_data, tmp_path):
     for block, name in ((6, "train"), (8, "val")):  # train.py's checks, in process (helpers.train_refusal)
         said = train_refusal(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / name}", f"--block_size={block}")
         assert f"no {name} example keeps a trained token within its first block_size + 1 = {block + 1} tokens" in said
+    # val examples cut too are said, as train's are: their loss leaves the cut targets out
+    out = run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'cut'}", "--block_size=24", "--max_iters=1")
+    val = split(chat_data, "val", block_size=24)
+    assert 0 < val.cut and f"val loss: each val example on its own, over its trained targets ({val.cut} longer than " \
+        f"block_size + 1 = 25 tokens, cut to it, keeping {val.targets[0] / val.targets[1]:.1%}" in out.stdout
+    done = script("eval.py", f"--out_dir={tmp_path / 'cut'}", "--device=cpu")  # eval.py's score of it says so too
+    assert f"; {val.cut} longer than block_size + 1 = 25 tokens, cut to it, keeping" in done.stdout
 
 
 @pytest.mark.parametrize("config", ["sft_qwen3.py", "sft_qwen3_full.py"])
