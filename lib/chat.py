@@ -253,9 +253,9 @@ class ChatFormat:
 
     @classmethod
     def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None, text_bos=""):
-        source, origin, tokens = find_template(folder, template_file)
+        source, origin, tokens = find_template(folder, template_file)  # (a bare tokenizer.json: the BOS it puts)
         return cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on,
-                   tokens.get("bos_token"), eot_text, text_bos)
+                   tokens.get("bos_token", text_bos), eot_text, text_bos)
 
     def meta(self, tokenizer):
         """What meta.json says of the conversations (sample.py and export.py use its template again)."""

@@ -572,6 +572,24 @@ def test_a_templates_own_end_of_text_inside_a_conversation_ends_no_example(tmp_p
     old = Split(str(tmp_path / "data"), "train", {**meta, "format_version": 1}, 512, 0, True, 512)
     assert len(old.starts) == 8 and old.targets == train.targets
 
+
+def test_a_bare_tokenizer_json_gives_the_template_the_bos_it_puts_before_a_text(tmp_path):
+    # no tokenizer_config.json beside it to name the BOS: the one the tokenizer.json puts before a text, which
+    # Llama 3's template writes first, as prepare.py puts it before a plain prompt/completion record
+    folder = make_folder(tmp_path / "llama3", "llama3")
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (tmp_path / "t.jinja").write_text(STYLES["llama3"]["template"])
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": MESSAGES}) + "\n" +
+                                          json.dumps({"prompt": "Capital of Spain?", "completion": " Madrid."}) + "\n")
+    meta = prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={tmp_path / 'bare' / 'tokenizer.json'}",
+                         f"--out_dir={tmp_path / 'data'}", f"--chat_template={tmp_path / 't.jinja'}",
+                         "--val_fraction=0"])
+    ids = np.fromfile(tmp_path / "data" / "train.bin", dtype=meta["dtype"])
+    starts = [0, *(np.flatnonzero(np.fromfile(tmp_path / "data" / "train.mask.bin", np.uint8) == END)[:-1] + 1)]
+    bos = load_tokenizer(tmp_path / "data").special_tokens()["<|begin_of_text|>"]
+    assert [int(ids[s]) for s in starts] == [bos, bos] and int((ids == bos).sum()) == 2
+
 # -----------------------------------------------------------------------------
 # 4. a template is code from the internet: the sandbox keeps it from Python and files
 
