@@ -28,13 +28,12 @@ import numpy as np
 from tqdm import tqdm
 
 from lib.chat import TRAIN_ON, Chat, ChatFormat
-from lib.files import (END, MARKER, UserError, durable_replace, lock_folder, one_line_errors, open_own,
+from lib.files import (DATA_FORMAT, END, MARKER, UserError, durable_replace, lock_folder, one_line_errors, open_own,
                       unlock_folder)
 from lib.sources import (HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces,
                          shown)
 from lib.tokenizer import make_tokenizer
 
-FORMAT_VERSION = 2  # 2: masks mark each example's end (files.END)
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
 SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")  # and bpe:N
 
@@ -128,7 +127,7 @@ def prepare(args):
         conversations = stats.pop("conversations")
         check_splits(args, inputs, splits, conversations)
         meta = {
-            "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
+            "format_version": DATA_FORMAT, "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
             "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name}, **splits,  # train, val
             "split": {"method": split_method, "val_fraction": None if args.val_input else args.val_fraction},

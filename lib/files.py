@@ -152,6 +152,7 @@ def durable_replace(src, dst):
 # A mask (train.mask.bin, a byte a token) says 1 where a token is trained, 0 where not, and END at the end-of-text
 # prepare.py puts after each example: a template's own end-of-text inside a conversation (a turn's end) is no end
 END = 2
+DATA_FORMAT = 2  # meta.json's format_version as prepare.py writes it (2: the masks mark END); a newer one is refused
 
 
 def end_mark(meta):
@@ -193,6 +194,9 @@ def read_meta(data_dir):
         except (OSError, ValueError, KeyError, TypeError) as e:
             why = f"{type(e).__name__}: {e}"
             raise UserError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
+        if isinstance(meta.get("format_version"), int) and meta["format_version"] > DATA_FORMAT:
+            raise UserError(f"{path} says format_version {meta['format_version']}: a newer prepare.py's, whose files "
+                            f"this checkout would misread (it reads {DATA_FORMAT}); update it, or prepare the data here")
         return meta
     if (Path(data_dir) / "meta.pkl").exists():
         return {"dtype": "uint16", "vocab_size": len(nanogpt_chars(Path(data_dir) / "meta.pkl")), "eot_id": None,

@@ -196,6 +196,12 @@ def test_damaged_meta_json(tmp_path, content):
                           "); re-run prepare.py to write it again")
 
 
+
+def test_a_newer_prepare_pys_folder_is_refused_not_misread(tmp_path):
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 65, "format_version": 3}))
+    assert_one_line_error(lambda: read_meta(tmp_path), f"{tmp_path / 'meta.json'} says format_version 3: a newer "
+                          "prepare.py's, whose files this checkout would misread (it reads 2)")
+
 def test_unfinished_dataset_is_refused(tmp_path, text):
     nanogpt_char_folder(tmp_path / "d", text[:1000])
     (tmp_path / "d" / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 65}))
