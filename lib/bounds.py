@@ -17,11 +17,16 @@ from lib.files import UserError
 
 
 def confined(folder, name, where):
-    """folder/name, where name is a relative path inside folder (links resolved) that, if there, is a regular file (not
-    a FIFO or a device: they would hang or never end); else a one-line UserError, where being the file that names it."""
+    """folder/name, where name is a relative path inside folder (links resolved; a Hugging Face cache snapshot's may
+    lead to its repo's blobs) that, if there, is a regular file (not a FIFO or a device: they would hang or never end);
+    else a one-line UserError, where being the file that names it."""
     if not isinstance(name, str) or not name or os.path.isabs(name):
         raise UserError(f"{where} names {name!r}, not a file inside {folder}: replace it with the folder's own")
     root, real = os.path.realpath(folder), os.path.realpath(os.path.join(folder, name))
+    # a Hugging Face cache's snapshot (hub/models--ORG--NAME/snapshots/REVISION) links its files to the repo's blobs
+    blobs = os.path.join(os.path.dirname(os.path.dirname(root)), "blobs")
+    if os.path.basename(os.path.dirname(root)) == "snapshots" and os.path.commonpath([blobs, real]) == blobs:
+        root = blobs
     if os.path.commonpath([root, real]) != root:
         raise UserError(f"{where} names {name!r}, which is outside {folder}: replace it with the folder's own")
     if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):

@@ -110,7 +110,12 @@ def config_from_hf(hf, block_size=None):
             if family == "gpt2" else ""
         raise UserError(f"model_type {family!r} is not supported (only {', '.join(HF_ARCHITECTURES)}){gpt2}; start "
                          f"from a folder of one of those")
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("quantization_config"):  # FP8, GPTQ, AWQ, bitsandbytes: weights that mean nothing without their scales
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        raise UserError(f"config.json says quantization_config ({method}): a quantized release, whose weights this "
+                         f"model.py does not read; start from the unquantized model (lora_base_dtype='nf4' or 'int8' "
+                         f"quantizes it here)")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # (the same function: transformers' ACT2FN)
         raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     if hf.get("mlp_bias") or (family != "qwen2" and hf.get("attention_bias")):
         raise UserError("biases on the attention output or the MLP (attention_bias/mlp_bias) are not supported")

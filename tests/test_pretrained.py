@@ -12,6 +12,7 @@ zero, where a dropped norm or a swapped weight would hardly show.
 import copy
 import dataclasses
 import json
+import os
 import shutil
 
 import pytest
@@ -213,6 +214,28 @@ def test_loads_sharded_folder(hf_folder, tmp_path):
     assert_same_logits(our_logits(load_pretrained(tmp_path), ids), hf_logits(hf, ids))
 
 
+def test_loads_a_hugging_face_cache_snapshot_of_shards(hf_folder, tmp_path):
+    # hf download's layout: hub/models--ORG--NAME/snapshots/REVISION/NAME, each a link to ../../blobs/HASH
+    _, hf = hf_folder("qwen3")
+    hf.save_pretrained(tmp_path / "saved", max_shard_size="50KB")
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    for i, file in enumerate(sorted((tmp_path / "saved").iterdir())):
+        file.rename(repo / "blobs" / f"hash{i}")
+        (repo / "snapshots" / "abc123" / file.name).symlink_to(f"../../blobs/hash{i}")
+    ids = random_ids()
+    assert_same_logits(our_logits(load_pretrained(repo / "snapshots" / "abc123"), ids), hf_logits(hf, ids))
+    # a link of any other folder out of it is still refused
+    (tmp_path / "elsewhere").mkdir()
+    os.rename(repo / "blobs" / "hash1", tmp_path / "elsewhere" / "shard")
+    shard = repo / "snapshots" / "abc123" / shard_files(repo / "snapshots" / "abc123")[0]
+    shard.unlink()
+    shard.symlink_to(tmp_path / "elsewhere" / "shard")
+    with pytest.raises(UserError, match="which is outside"):
+        load_pretrained(repo / "snapshots" / "abc123")
+
+
 def test_saves_sharded_folder(hf_folder, tmp_path):
     folder, hf = hf_folder("qwen3")
     save_pretrained(load_pretrained(folder), tmp_path, max_shard_bytes=50_000)
@@ -297,6 +320,11 @@ def llama_copy(hf_folder, tmp_path):
     folder = tmp_path / "llama"
     shutil.copytree(hf_folder("llama")[0], folder)
     return folder
+
+
+def test_refuses_a_quantized_release(llama_copy):
+    write_config(llama_copy, {**read_config(llama_copy), "quantization_config": {"quant_method": "fp8"}})
+    assert_refused(llama_copy, ["quantization_config (fp8): a quantized release"])
 
 
 @pytest.mark.parametrize("model_type", ["gpt_neox", "gemma", "phi3", "gpt2"])
