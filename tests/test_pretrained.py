@@ -322,6 +322,14 @@ def llama_copy(hf_folder, tmp_path):
     return folder
 
 
+def test_swish_is_silu(llama_copy):
+    ids, silu = random_ids(), load_pretrained(llama_copy)
+    write_config(llama_copy, {**read_config(llama_copy), "hidden_act": "swish"})  # transformers' ACT2FN: nn.SiLU
+    assert torch.equal(our_logits(load_pretrained(llama_copy), ids), our_logits(silu, ids))
+    write_config(llama_copy, {**read_config(llama_copy), "hidden_act": "gelu"})
+    assert_refused(llama_copy, ["hidden_act 'gelu' is not supported"])
+
+
 def test_refuses_a_quantized_release(llama_copy):
     write_config(llama_copy, {**read_config(llama_copy), "quantization_config": {"quant_method": "fp8"}})
     assert_refused(llama_copy, ["quantization_config (fp8): a quantized release"])
