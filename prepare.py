@@ -441,7 +441,8 @@ def report_example(out, tokenizer, meta):
     mask = np.fromfile(out / "train.mask.bin", dtype=np.uint8, count=4096)
     end = next((i for i in np.flatnonzero(mask == END)), len(ids))
     runs = np.split(np.arange(end), np.flatnonzero(np.diff(mask[:end])) + 1)  # stretches of equal mask
-    text = "".join(("[[{}]]" if mask[r[0]] == 1 else "{}").format(tokenizer.decode(ids[r].tolist())) for r in runs if len(r))
+    text = "".join(("[[{}]]" if mask[r[0]] == 1 else "{}").format(tokenizer.decode(ids[r].tolist()))
+                   for r in runs if len(r))
     print(f"{meta['train']['targets']:,} of {meta['train']['tokens']:,} training tokens are trained on "
           f"({meta['chat']['train_on']}, template: {meta['chat']['template_from']}); the first example, "
           f"its trained part in [[ ]]:\n{text}")

@@ -195,8 +195,9 @@ def read_meta(data_dir):
             why = f"{type(e).__name__}: {e}"
             raise UserError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
         if isinstance(meta.get("format_version"), int) and meta["format_version"] > DATA_FORMAT:
-            raise UserError(f"{path} says format_version {meta['format_version']}: a newer prepare.py's, whose files "
-                            f"this checkout would misread (it reads {DATA_FORMAT}); update it, or prepare the data here")
+            raise UserError(f"{path} says format_version {meta['format_version']}: a newer prepare.py's, whose "
+                            f"files this checkout would misread (it reads {DATA_FORMAT}); update it, or prepare the "
+                            f"data here")
         return meta
     if (Path(data_dir) / "meta.pkl").exists():
         return {"dtype": "uint16", "vocab_size": len(nanogpt_chars(Path(data_dir) / "meta.pkl")), "eot_id": None,
