@@ -128,7 +128,7 @@ def config_from_hf(hf, block_size=None):
     if rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         scaling = {k: rope[k] for k in keys}
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e300
                       for v in scaling.values())
         if not numbers or scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # the ramp divides by it
             raise UserError(f"rope_scaling {scaling} must hold numbers above 0, high_freq_factor above "

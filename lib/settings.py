@@ -207,7 +207,7 @@ def check_sizes(args, where, fix):
     if args.get("block_size", 1) * head > _MAX_TABLE:  # the rotary tables' cos and sin, each positions x head / 2
         raise _UserError(f"{where} says block_size={args['block_size']} positions of heads {head} wide: rotary tables "
                         f"of {args['block_size'] * head * 4 / 2**30:.0f} GiB, past every released model's: {fix}")
-    for name, low, high in (("rope_theta", 0, _math.inf), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
-        value = args.get(name, 0.5)
+    for name, low, high in (("rope_theta", 0, 1e300), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
+        value = args.get(name, 0.5)  # (an int past 1e300 would be past a float's range, or nearly)
         if type(value) not in (int, float) or not low < value < high:
             raise _UserError(f"{where} says {name}={value!r}, not a number in its range: {fix}")

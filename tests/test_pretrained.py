@@ -330,6 +330,15 @@ def test_swish_is_silu(llama_copy):
     assert_refused(llama_copy, ["hidden_act 'gelu' is not supported"])
 
 
+def test_refuses_a_number_past_a_floats_range(llama_copy):
+    # JSON's integers have no bound: 10**400 as rope_theta, or as llama3's factor, is one line, not an OverflowError
+    config = read_config(llama_copy)
+    write_config(llama_copy, {**hub_style(config), "rope_theta": 10**400})
+    assert_refused(llama_copy, ["rope_theta=1000"])
+    write_config(llama_copy, {**hub_style(config), "rope_scaling": {**LLAMA3_ROPE, "factor": 10**400}})
+    assert_refused(llama_copy, ["must hold numbers above 0"])
+
+
 def test_refuses_a_quantized_release(llama_copy):
     write_config(llama_copy, {**read_config(llama_copy), "quantization_config": {"quant_method": "fp8"}})
     assert_refused(llama_copy, ["quantization_config (fp8): a quantized release"])
