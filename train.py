@@ -116,7 +116,8 @@ torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica
 if checkpoint is not None:
     built = hyperparameters(optimizers)  # this command's weight_decay, betas, ...: they stay after the restore
     ckpt.restore(origin.found, checkpoint, raw_model, optimizers, fsdp, lora)
-    scaler.load_state_dict(checkpoint["scaler"])
+    if checkpoint["scaler"]:  # (empty from a run not in float16: a float16 resume's scaler begins anew)
+        scaler.load_state_dict(checkpoint["scaler"])
     changed = reapply(optimizers, built)
     if changed and master:
         print(f"note: the optimizer's {', '.join(changed)} are this command's, not the checkpoint's")

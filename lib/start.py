@@ -100,7 +100,7 @@ def begin(config, vocab_size, meta, fsdp):
     """The Origin of the run of config (train.py's settings, as given) on the data of meta, with the model's
     vocab_size and fsdp resolved (tensor parallel brings it). Every process calls it; UserError if it cannot begin."""
     model_args = {**{k: config[k] for k in model_settings()}, "vocab_size": vocab_size}  # GPTConfig's fields
-    check_sizes(model_args, "this run", "set it to a whole number above 0")
+    check_sizes(model_args, "this run", "set it within its range (model.py's GPTConfig)")
     out_dir = config["out_dir"]
     found = ckpt.find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     if dist.is_initialized() and dist.get_world_size() > 1:  # or the processes would start from different states

@@ -569,6 +569,15 @@ def test_eval_only_evaluates_a_run_that_stopped_early(data_dir, tmp_path):
     assert re.search(r"step 2: train loss [\d.]+, val loss [\d.]+", out.stdout), out.stdout
 
 
+def test_a_run_begun_in_float32_resumes_in_float16(data_dir, tmp_path):
+    # its checkpoint's gradient scaler is an empty state (disabled): the float16 run's scaler begins anew
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2"]
+    run(*args, "--max_iters=2", "--dtype=float32")
+    run(*args, "--max_iters=4", "--dtype=float16", "--init_from=resume")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert saved["iter_num"] == 4 and saved["scaler"]["scale"] > 0
+
+
 def test_a_resume_at_another_block_size_says_its_batches_differ(data_dir, tmp_path):
     # the windows a step draws follow block_size: a resume with another one trains on, saying so
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2"]

@@ -265,6 +265,7 @@ def test_batch_size_auto_shares_one_micro_step_of_an_update_over_two_processes(d
     (["--dropout=2.0"], "dropout=2.0 must be at least 0 and below 1"),
     (["--max_iters=-5"], "max_iters=-5 must be at least 0"),
     (["--max_epochs=-1"], "max_epochs=-1 must be at least 0"),
+    (["--norm_eps=2.0"], "this run says norm_eps=2.0, not a number in its range: set it within its range"),
     (["--warmup_ratio=1.0"], "warmup_ratio=1.0 must be at least 0 and below 1"),
     (["--memory_budget=-2.0"], "memory_budget=-2.0 must be at least 0"),
     (["--lora_rank=-4"], "lora_rank=-4 must be at least 0"),
