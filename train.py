@@ -236,8 +236,8 @@ def hold_back(**why):
     # This step's checkpoint, for its evaluation (improved, evaluated) or for the epoch it ended (epoch), or both in
     # one save, waits for the next update's gradient (settle_held_back)
     global held_back
-    held_back = {"improved": False, "epoch": None, "evaluated": False, "rng": rng_state(device_type),
-                 **(held_back or {}), **why}
+    held_back = held_back or {"improved": False, "epoch": None, "evaluated": False, "rng": rng_state(device_type)}
+    held_back.update(why)
 
 
 def evaluate(step):
