@@ -33,7 +33,7 @@ from lib import settings
 from lib.data import Batches
 from lib.files import (UserError, check_data_for_run, data_fingerprint, one_line_errors, read_meta,
                       tokenizer_fingerprint)
-from lib.memory import auto_micro_batch, device_name, measured_mb, memory_estimate, memory_layout, memory_table
+from lib.memory import device_name, measured_mb, memory_estimate, memory_layout, memory_table
 from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
                          utilization, wall_time)
 from lib.optim import build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
@@ -63,7 +63,7 @@ device, dtype, backend, fsdp = procs.device, procs.dtype, procs.backend, procs.f
 ddp, master, rank, world_size = procs.ddp, procs.master, procs.rank, procs.world_size
 device_type, dp_size, dp_rank = procs.device_type, procs.dp_size, procs.dp_rank
 check_same_settings(config, data_dir)  # every node started with rank 0's settings and data, or all stop here
-if gradient_accumulation_steps % dp_size and not batch_size_auto:  # (under 'auto': memory.auto_micro_batch's)
+if gradient_accumulation_steps % dp_size and not batch_size_auto:  # (under 'auto': micro_batch.py's)
     raise UserError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                     f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")
 micro_steps = gradient_accumulation_steps // dp_size  # this replica's share
@@ -123,7 +123,8 @@ if checkpoint is not None:
         print(f"note: the optimizer's {', '.join(changed)} are this command's, not the checkpoint's")
     resume_rng(checkpoint, rank, world_size, tp_size, device_type)  # its saved dropout stream, if as many processes
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
-if batch_size_auto:  # the largest micro-batch that fits, for the same updates (memory.py; docs/scaling.md)
+if batch_size_auto:  # the largest micro-batch that fits, for the same updates (docs/scaling.md)
+    from lib.micro_batch import auto_micro_batch
     sequences_per_step = gradient_accumulation_steps * batch_size
     batch_size, note = auto_micro_batch(raw_model, sequences_per_step, block_size, memory_budget, layout, checkpoint,
                                         autocast, dtype=dtype, optimizer=optimizer, quantized=quantized, device=device)

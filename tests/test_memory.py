@@ -12,7 +12,7 @@ import torch
 
 from configurator import configure
 from helpers import free_port, script
-from lib import memory, optim
+from lib import memory, micro_batch, optim
 from lib.files import UserError
 from lib.lora import add_lora, quantize_base
 from lib.memory import memory_estimate, nf4_bytes, tensor_bytes
@@ -356,7 +356,7 @@ def accumulated_peak(model, batch_size, block_size, micro_steps):
 @pytest.mark.slow  # the quick tier's check of batch_size='auto': test_train.py's run with it
 def test_auto_micro_batch_is_the_largest_whose_peak_fits_the_budget(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
-    monkeypatch.setattr(memory, "resident_bytes", lambda: 0)  # the process's own memory left out, for a fixed figure
+    monkeypatch.setattr(micro_batch, "resident_bytes", lambda: 0)  # its own memory left out: a fixed figure
     fake = FakeTensorMode()
     with fake:
         torch.manual_seed(0)
@@ -368,7 +368,8 @@ def test_auto_micro_batch_is_the_largest_whose_peak_fits_the_budget(monkeypatch)
     chosen = []
     for gib in (0.012, 0.025, 0.05):
         with fake:  # (its first try, a micro-step, on fake tensors too)
-            b, note = memory.auto_micro_batch(model, 32, 64, gib, layout, None, contextlib.nullcontext(), **settings)
+            b, note = micro_batch.auto_micro_batch(model, 32, 64, gib, layout, None, contextlib.nullcontext(),
+                                                   **settings)
         assert note.startswith(f"batch_size='auto': micro-batch {b} of 32 sequences a process, estimated peak ")
         assert note.endswith(f" of {gib:.2f} GiB (memory_budget)\nmicro-batch {b} x {32 // b} accumulation x 1 "
                              f"processes x 64 tokens = 2,048 tokens per update")
@@ -381,13 +382,13 @@ def test_auto_micro_batch_is_the_largest_whose_peak_fits_the_budget(monkeypatch)
     assert chosen == sorted(chosen) and chosen[0] < chosen[-1]  # a larger budget, a larger micro-batch
     with pytest.raises(UserError, match=r"^batch_size='auto': one sequence needs .* GiB short; raise memory_budget "
                                         r"if it is set, turn on gradient_checkpointing"):
-        memory.auto_micro_batch(model, 32, 64, 0.001, layout, None, None, **settings)
+        micro_batch.auto_micro_batch(model, 32, 64, 0.001, layout, None, None, **settings)
     # a resumed run keeps its micro-batch on the same device, budget and processes; on another, chooses again
     before = {"config": {"batch_size_auto": True, "batch_size": 2, "memory_budget": 0.05}, "world_size": 1,
               "memory_device": memory.device_name("cpu")}
-    assert memory.auto_micro_batch(model, 32, 64, 0.05, layout, before, None, **settings)[0] == 2
+    assert micro_batch.auto_micro_batch(model, 32, 64, 0.05, layout, before, None, **settings)[0] == 2
     with fake:
-        again = memory.auto_micro_batch(model, 32, 64, 0.05, layout, {**before, "memory_device": "another"},
+        again = micro_batch.auto_micro_batch(model, 32, 64, 0.05, layout, {**before, "memory_device": "another"},
                                         contextlib.nullcontext(), **settings)
     assert again[0] == chosen[-1]
 
@@ -403,15 +404,15 @@ def test_a_micro_batch_out_of_memory_in_its_first_try_is_halved_once():
                 raise torch.OutOfMemoryError("CUDA out of memory")
             return None, torch.nn.functional.dropout(self.w * x.float(), 0.5).sum()
     state = torch.get_rng_state()
-    assert memory.tried_micro_batch(OutOfMemoryPast(12), 12, 48, 8, "cpu", contextlib.nullcontext()) == (12, None)
+    assert micro_batch.tried_micro_batch(OutOfMemoryPast(12), 12, 48, 8, "cpu", contextlib.nullcontext()) == (12, None)
     assert torch.equal(torch.get_rng_state(), state)  # dropout's stream as if nothing had run
     model = OutOfMemoryPast(5)
-    b, note = memory.tried_micro_batch(model, 12, 48, 8, "cpu", contextlib.nullcontext())
+    b, note = micro_batch.tried_micro_batch(model, 12, 48, 8, "cpu", contextlib.nullcontext())
     assert (b, note) == (6, "batch_size='auto': micro-batch 12 ran out of memory in a first try: halved to 6")
     assert model.w.grad is None  # once: 6 is not tried, the run goes on with it
-    assert memory.tried_micro_batch(model, 9, 27, 8, "cpu", contextlib.nullcontext())[0] == 3  # divides 27
+    assert micro_batch.tried_micro_batch(model, 9, 27, 8, "cpu", contextlib.nullcontext())[0] == 3  # divides 27
     with pytest.raises(UserError, match="one sequence ran out of memory"):
-        memory.tried_micro_batch(OutOfMemoryPast(0), 1, 4, 8, "cpu", contextlib.nullcontext())
+        micro_batch.tried_micro_batch(OutOfMemoryPast(0), 1, 4, 8, "cpu", contextlib.nullcontext())
 
 
 def test_batch_size_auto_keeps_the_number_it_replaces(tmp_path):
@@ -437,11 +438,11 @@ def test_batch_size_auto_keeps_the_number_it_replaces(tmp_path):
 def test_batch_size_auto_shares_an_update_over_replicas_or_names_what_fits():
     # an update of 12 sequences over 2 replicas is 6 each, whatever gradient_accumulation_steps said; 13 are not
     # shared evenly; where the process itself holds most of the budget, the line says so and names memory_budget
-    assert memory.fit_micro_batch(lambda b: b, 12, 2, 100) == (6, 6)
+    assert micro_batch.fit_micro_batch(lambda b: b, 12, 2, 100) == (6, 6)
     layout = dict(dp=2, tp=1, fsdp=False, checkpointing=False, offload=False)
     resumed = {"config": {"batch_size_auto": True, "batch_size": 2}, "world_size": 2, "memory_device": "cpu"}
     for before in (None, resumed):  # chosen anew, or the micro-batch a resumed run began with
         with pytest.raises(UserError, match="the 13 sequences of an update .* multiple of the 2 data-parallel"):
-            memory.auto_micro_batch(None, 13, 64, 0.0, layout, before, None, device="cpu")
+            micro_batch.auto_micro_batch(None, 13, 64, 0.0, layout, before, None, device="cpu")
     with pytest.raises(UserError, match=r"needs 1.00 GiB \(0.90 GiB of it held already.*raise memory_budget"):
-        memory.fit_micro_batch(lambda b: 2**30, 4, 1, 2**29, held=0.9 * 2**30)
+        micro_batch.fit_micro_batch(lambda b: 2**30, 4, 1, 2**29, held=0.9 * 2**30)
