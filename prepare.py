@@ -144,6 +144,10 @@ def prepare(args):
     report_run(meta, out, replacing, seconds, started, threads)
     if meta["masks"]:
         report_example(out, tokenizer, meta)
+    val, train = meta["val"]["tokens"], meta["train"]["tokens"]
+    if meta["split"]["method"] == "hash of document name" and val > train:  # few documents, a big one in val
+        print(f"warning: val holds {val:,} of the {val + train:,} tokens, train the rest: too few documents to split "
+              f"by name; pass --val_input FILES, or the corpus as one file, whose tail becomes val")
     if meta["masks"] and meta["chat"]["template_from"] == "built-in" and os.path.exists(args.tokenizer):
         print(f"warning: {args.tokenizer} has no chat template (chat_template.jinja, or chat_template in "
               f"tokenizer_config.json): the built-in one was used, which that model never saw; give it its own "

@@ -9,6 +9,7 @@ token (a user's turn), padding, or an example's first token, which nothing befor
 import bisect
 import math
 import os
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -44,12 +45,16 @@ def check_sequences(sequences, meta=None, doc_mask=False, where="meta.json"):
 
 
 class Split:
-    """One split (train or val): its tokens memory-mapped (re-opened for each batch: np.memmap leaks otherwise),
-    its mask where it has one, and with examples=True where each example ends and how they pack."""
+    """One split (train or val): its tokens memory-mapped (mapped again for each batch: np.memmap leaks otherwise),
+    its mask where it has one, and with examples=True where each example ends and how they pack. Its files are
+    opened once: a dataset prepared again into data_dir (renamed into place) leaves this run reading its own."""
 
     def __init__(self, data_dir, split, meta, block_size, seed, examples, vocab_size):
-        self.path = os.path.join(data_dir, f"{split}.bin")
-        self.mask_path = os.path.join(data_dir, f"{split}.mask.bin") if meta.get("masks") else None
+        self.file = open(os.path.join(data_dir, f"{split}.bin"), "rb")
+        self.mask_file = open(os.path.join(data_dir, f"{split}.mask.bin"), "rb") if meta.get("masks") else None
+        for f in (self.file, self.mask_file):
+            if f:  # closed with the split
+                weakref.finalize(self, f.close)
         self.dtype, self.eot_id, self.examples = np.dtype(meta["dtype"]), meta.get("eot_id"), examples
         self.end = end_mark(meta)  # the mask's value where an example ends
         self.block_size, self.seed, self.is_val, self.vocab_size = block_size, seed, split == "val", vocab_size
@@ -61,10 +66,10 @@ class Split:
             self.targets = kept_targets(self.starts, self.lengths, self.mask(), block_size)
 
     def tokens(self):
-        return np.memmap(self.path, dtype=self.dtype, mode="r")
+        return np.memmap(self.file, dtype=self.dtype, mode="r")
 
     def mask(self):
-        return np.memmap(self.mask_path, dtype=np.uint8, mode="r") if self.mask_path else None
+        return np.memmap(self.mask_file, dtype=np.uint8, mode="r") if self.mask_file else None
 
     def windows(self, step, index, batch_size, doc_mask):
         """The index-th micro-batch of a step (evaluation uses step -1): batch_size windows of block_size + 1
@@ -164,7 +169,7 @@ class Split:
         if tokens.max() >= self.vocab_size:
             b, t = np.argwhere(tokens >= self.vocab_size)[0]
             at = position(b, t)
-            raise UserError(f"token id {tokens[b, t]}{'' if at is None else f' at position {at}'} of {self.path} "
+            raise UserError(f"token id {tokens[b, t]}{'' if at is None else f' at position {at}'} of {self.file.name} "
                              f"is not below the model's vocab_size {self.vocab_size}: the file does not match "
                              f"meta.json (re-run prepare.py)")
 

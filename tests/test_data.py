@@ -1,6 +1,7 @@
 """data.py's batches as train.py gets them: tensors ready to be pinned and copied to a GPU in one piece."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -72,6 +73,18 @@ def test_shuffled_windows_are_a_pure_function_of_seed_and_number(tmp_path):
         assert x is y or x is None or torch.equal(x, y)
     other = Split(str(tmp_path), "train", meta, 64, seed=4, examples=False, vocab_size=50)
     assert not torch.equal(other.shuffled(range(8), False)[0], a.shuffled(range(8), False)[0])
+
+
+def test_a_dataset_prepared_again_into_its_folder_leaves_a_run_reading_its_own(tmp_path):
+    # prepare.py --overwrite renames new token files into place while a run trains on the old ones: the run
+    # goes on with the tokens it began with (a resume then sees the data changed: start.py's fingerprint)
+    meta, ids = shakespeare_like(tmp_path)
+    split = Split(str(tmp_path), "train", meta, 64, seed=3, examples=False, vocab_size=50)
+    before = split.shuffled(range(8), doc_mask=False)
+    (ids[::-1] % 7).tofile(tmp_path / "new.bin")
+    os.replace(tmp_path / "new.bin", tmp_path / "train.bin")
+    assert all(torch.equal(a, b) for a, b in zip(before, split.shuffled(range(8), doc_mask=False)) if a is not None)
+    assert Split(str(tmp_path), "train", meta, 64, 3, False, 50).tokens().max() == 6  # a new run reads the new
 
 
 def test_the_data_is_checked_for_the_run(tmp_path):

@@ -391,6 +391,15 @@ def test_at_least_one_val_document(tmp_path):
     assert meta["train"]["documents"] == 1 and meta["val"]["documents"] == 1
     assert sorted(read_all(tmp_path / "out")) == ["first", "second"]
 
+
+def test_a_split_by_name_that_leaves_train_the_smaller_part_says_so(tmp_path, capsys):
+    # a preface and a book: the one val document moved to val is the book, and train keeps the preface alone
+    write(tmp_path / "src" / "a.txt", "A short preface.")
+    write(tmp_path / "src" / "b.txt", "lorem ipsum dolor\n" * 50)
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction", 0.001)
+    assert (meta["train"]["tokens"], meta["val"]["tokens"]) == (17, 901)
+    assert "warning: val holds 901 of the 918 tokens, train the rest: too few documents" in capsys.readouterr().out
+
 # -----------------------------------------------------------------------------
 # bad input: skipped, counted and listed with the reason; the good documents still arrive
 
