@@ -278,7 +278,13 @@ def load_tokenizer(data_dir):
         if (data_dir / "meta.pkl").exists():
             return char_tokenizer("".join(nanogpt_chars(data_dir / "meta.pkl")), kind="nanogpt_char")
         return tiktoken_tokenizer("gpt2")
-    spec = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))["tokenizer"]
+    try:
+        spec = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))["tokenizer"]
+        if not isinstance(spec.get("kind"), str):  # (a list's .get: AttributeError)
+            raise TypeError(f"its kind is {spec.get('kind')!r}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{data_dir / 'meta.json'} names no tokenizer as prepare.py writes it ({type(e).__name__}: "
+                        f"{e}): re-run prepare.py") from None
     if spec["kind"] == "tiktoken":
         return tiktoken_tokenizer(spec["name"])
     path = confined(data_dir, spec.get("file"), data_dir / "meta.json")  # no /dev/zero, no ../elsewhere
