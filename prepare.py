@@ -35,6 +35,7 @@ from lib.sources import (HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_spl
 from lib.tokenizer import make_tokenizer
 
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
+OUTPUTS = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", "vocab.json", "tokenizer.json", "meta.json")
 SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")  # and bpe:N
 
 
@@ -212,8 +213,10 @@ def check_arguments(args):
     if out.exists() and not out.is_dir():
         raise UserError(f"--out_dir {out} is a file (pass a folder)")
     replacing = (out / MARKER).exists()  # a run killed while renaming left it: replace it
-    if ((out / "meta.json").exists() or (out / "train.bin").exists()) and not (args.overwrite or replacing):
-        raise UserError(f"{out} already holds a dataset (pass --overwrite to replace it)")
+    held = [name for name in OUTPUTS if (out / name).exists()]  # a dataset's, or a model folder's tokenizer.json
+    if held and not (args.overwrite or replacing):
+        raise UserError(f"{out} already holds {', '.join(held)}, which prepare.py would replace (pass --overwrite "
+                        f"to replace it, or another --out_dir)")
     return inputs, out, replacing
 
 
@@ -266,14 +269,14 @@ def temporary_outputs(out):
     second prepare.py is refused). After it, finished or stopped, no .tmp file stays, nor an empty folder it made."""
     created = not out.exists()
     held = lock_folder(out, "prepare.py")
-    names = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin")
+    names = OUTPUTS[:4]
     files = {name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in names}
     try:
         yield files
     finally:
         for f in files.values():
             f.close()
-        for name in (*names, "vocab.json", "tokenizer.json", "meta.json"):
+        for name in OUTPUTS:
             (out / (name + ".tmp")).unlink(missing_ok=True)
         unlock_folder(out, held)
         if created and not any(out.iterdir()):

@@ -722,11 +722,16 @@ def test_existing_dataset_needs_overwrite(tmp_path):
     assert cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", "char").returncode == 0
     before = {f: (out / f).read_bytes() for f in ("train.bin", "val.bin", "meta.json")}
     write(tmp_path / "a.txt", "second version")
-    one_line_error(cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", "char"), "already holds a dataset", "--overwrite")
+    one_line_error(cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", "char"), "already holds", "--overwrite")
     assert {f: (out / f).read_bytes() for f in before} == before
     assert cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", "char", "--overwrite").returncode == 0
     assert "".join(read_all(out)) == "second version"
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
+    # a folder of the user's that holds a file of a dataset's name alone (a model's tokenizer.json) keeps it too
+    write(tmp_path / "model" / "tokenizer.json", '{"mine": 1}')
+    one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "model", "--tokenizer", "char"),
+                   "already holds tokenizer.json, which prepare.py would replace (pass --overwrite")
+    assert (tmp_path / "model" / "tokenizer.json").read_text() == '{"mine": 1}'
 
 # -----------------------------------------------------------------------------
 # at scale: bounded memory, and a killed run leaves nothing that looks finished
