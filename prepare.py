@@ -199,6 +199,11 @@ def check_arguments(args):
     for path in inputs + (args.val_input or []):
         if not isinstance(path, HubSplit) and not os.path.exists(path):
             raise UserError(f"no such input: {path} (check the path)")
+    files = [(p, Path(p).resolve()) for p in inputs if not isinstance(p, HubSplit)]
+    for (path, real), (other, other_real) in [(a, b) for i, a in enumerate(files) for b in files[:i]]:
+        if real.is_relative_to(other_real) or other_real.is_relative_to(real):  # read twice, in both splits
+            raise UserError(f"the inputs {other} and {path} overlap (the same, or one inside the other): "
+                            f"pass each file once")
     for path, val in [(p, v) for p in inputs for v in args.val_input or []]:  # trained on and validated on
         files = not isinstance(path, HubSplit) and not isinstance(val, HubSplit)
         if path == val or files and Path(path).resolve().is_relative_to(Path(val).resolve()):

@@ -134,8 +134,9 @@ def input_files(folder, stats, skip, only_py=False, exclude=frozenset(), rel_fol
             if not (only_py and entry.name == "site-packages") and path.resolve() not in exclude:
                 yield from input_files(path, stats, skip, only_py, exclude, rel + "/")
         elif not only_py or entry.name.endswith(".py"):
-            # a --val_input file the walk meets is left out; resolved only where its name is one of theirs
-            if not any(entry.name == p.name for p in exclude) or path.resolve() not in exclude:
+            # a --val_input file the walk meets is left out; resolved only where its name is one of theirs or it
+            # is a link (to one of them, maybe)
+            if not (entry.is_symlink() or any(entry.name == p.name for p in exclude)) or path.resolve() not in exclude:
                 yield path, rel
 
 

@@ -609,6 +609,19 @@ def test_val_input_inside_an_input_is_not_trained_on_and_dedup_spans_both_splits
     assert meta["train"]["documents"] + meta["val"]["documents"] == 2
 
 
+def test_no_file_is_read_twice_nor_a_val_file_through_a_link(tmp_path):
+    # inputs that overlap would put a document in both splits; a link in the corpus to a --val_input file too
+    text_tree(tmp_path / "corpus")
+    for again in ([tmp_path / "corpus"], [tmp_path / "corpus" / "d0"]):
+        one_line_error(cli(tmp_path / "corpus", *again, "--out_dir", tmp_path / "out", "--tokenizer", "char"),
+                       "overlap (the same, or one inside the other): pass each file once")
+    write(tmp_path / "val" / "v.txt", "validation one")
+    (tmp_path / "corpus" / "alias.txt").symlink_to(tmp_path / "val" / "v.txt")
+    run(tmp_path / "corpus", "--val_input", tmp_path / "val" / "v.txt", "--out_dir", tmp_path / "out",
+        "--tokenizer", "char")
+    assert sorted(read_split(tmp_path / "out", "train")) == sorted(DOCS)
+
+
 def test_min_length_counts_a_documents_own_tokens_not_the_bos_its_tokenizer_adds(tmp_path):
     # a tokenizer.json whose post-processor puts <s> before a text (Llama 3's way): a document of 2 words is under
     # --min_length=3 words, its BOS and end-of-text beside it not counted (nor in the length histogram)
