@@ -257,7 +257,8 @@ def read_csv(path, field, chat, ext):
     limit = csv.field_size_limit(MAX_RECORD)  # (the csv module's, for every caller: put back after)
     with open_input(path) as f, contextlib.ExitStack() as stack:
         stack.callback(csv.field_size_limit, limit)
-        rows = csv.DictReader(lines(f), dialect="excel-tab" if ext == ".tsv" else "excel")
+        # strict: a quote left open, or text after a closing one, is an error, not records run together
+        rows = csv.DictReader(lines(f), dialect="excel-tab" if ext == ".tsv" else "excel", strict=True)
         try:
             for row in rows:
                 record[0] = 0
@@ -267,7 +268,7 @@ def read_csv(path, field, chat, ext):
                     continue
                 yield f"line {rows.line_num}", *record_text(row, field, chat)
         except (csv.Error, UnicodeDecodeError) as e:
-            raise SkipFile(f"not a readable {ext[1:]} file ({str(e)[:80]})")
+            raise SkipFile(f"not a readable {ext[1:]} file: the record at line {rows.line_num + 1} ({str(e)[:80]})")
 
 
 def read_parquet(path, field, chat):
