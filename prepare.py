@@ -249,23 +249,33 @@ def plan_split(args, inputs, docs, stats):
     if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze \
             and not isinstance(first[0][2], Chat):
         # One document (tinyshakespeare): its last val_fraction is the validation text, as nanoGPT does, cut
-        # at the next line start (or, with none after, the last one before), found reading it as a stream.
+        # at the next line start (or, with none after, the last one before; with no line break, a word's start),
+        # found reading it as a stream.
         _, ext, doc, _, _ = first[0]
         nchars = doc.nchars if isinstance(doc, BigText) else len(doc)
-        pos = cut = int(nchars * (1 - args.val_fraction))
-        at = 0  # characters read
-        for text, _ in pieces(doc):
-            newline = text.find("\n", max(pos - at, 0))
-            if newline != -1 and at + newline + 1 < nchars:
-                cut = at + newline + 1
+        pos = int(nchars * (1 - args.val_fraction))
+        for where, sep in (("a line start", "\n"), ("a word start", " "), ("a character", None)):
+            cut = next_cut(doc, nchars, pos, sep)
+            if cut is not None:
                 break
-            newline = text.rfind("\n", 0, max(pos - at, 0))
-            cut = at + newline + 1 if newline != -1 else cut
-            at += len(text)
         if 0 < cut < nchars:  # else no split: a part would be empty
             halves = [(False, ext, doc, 0, cut), (True, ext, doc, cut, None)]
-            return chain(halves, docs), "tail of the single document, cut at a line start", ext
+            return chain(halves, docs), f"tail of the single document, cut at {where}", ext
     return chain(first, docs), "val_input" if args.val_input else "hash of document name", None
+
+
+def next_cut(doc, nchars, pos, sep):
+    # just after the first sep at or past character pos that leaves text after it, else after the last one before
+    # it, reading doc as a stream; None where doc has no sep (sep None: pos itself)
+    cut, at = (pos if sep is None else None), 0  # at: the characters read
+    for text, _ in pieces(doc) if sep else ():
+        found = text.find(sep, max(pos - at, 0))
+        if found != -1 and at + found + 1 < nchars:
+            return at + found + 1
+        found = text.rfind(sep, 0, max(pos - at, 0))
+        cut = at + found + 1 if found != -1 else cut
+        at += len(text)
+    return cut
 
 
 @contextmanager

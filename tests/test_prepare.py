@@ -315,6 +315,17 @@ def test_tinyshakespeare_single_document_gets_its_tail_as_val(tmp_path):
     assert meta["train"]["tokens"] == len(train) + 1 and meta["val"]["tokens"] == len(val) + 1
 
 
+def test_a_single_document_without_line_breaks_is_cut_at_a_word_and_says_so(tmp_path):
+    write(tmp_path / "a.txt", " ".join(["alpha", "river", "gamma", "delta"] * 100))
+    meta = run(tmp_path / "a.txt", "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    (train,), (val,) = read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "val")
+    assert train.endswith(" ") and val.startswith("alpha") and len(train) == 2160  # the next word start from 90%
+    assert meta["split"]["method"] == "tail of the single document, cut at a word start"
+    write(tmp_path / "b.txt", "長" * 100)  # no space either: where the fraction falls
+    meta = run(tmp_path / "b.txt", "--out_dir", tmp_path / "out2", "--tokenizer", "char")
+    assert meta["split"]["method"].endswith("cut at a character") and meta["val"]["tokens"] == 11
+
+
 # -----------------------------------------------------------------------------
 # big plain-text files: read and encoded in pieces, with the tokens of the whole
 
