@@ -126,7 +126,7 @@ def prepare(args):
         elif files and args.val_input is None and args.val_fraction > 0:
             balance_splits(splits, last, files, np.dtype(dtype).itemsize, stats["conversations"])
         conversations = stats.pop("conversations")
-        check_splits(args, inputs, splits, conversations)
+        check_splits(args, inputs, splits, conversations, stats)
         meta = {
             "format_version": DATA_FORMAT, "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
@@ -156,10 +156,12 @@ def prepare(args):
     return meta
 
 
-def check_splits(args, inputs, splits, conversations):
+def check_splits(args, inputs, splits, conversations, stats):
     # a dataset that would train on nothing is refused before it is written
     if args.val_input and splits["val"]["documents"] == 0:
-        raise UserError(f"no documents found in --val_input {', '.join(map(str, args.val_input))} (check it)")
+        dropped = f"{stats['duplicates_dropped']} duplicates (--dedup) and {stats['short_dropped']} documents under " \
+                  f"--min_length were dropped in all; " if stats["duplicates_dropped"] + stats["short_dropped"] else ""
+        raise UserError(f"no documents left in --val_input {', '.join(map(str, args.val_input))} ({dropped}check it)")
     if splits["train"]["documents"] == 0 and not args.analyze:
         raise UserError(f"no training documents in {', '.join(map(str, inputs))} (check it)")
     if conversations and splits["train"].get("targets", 0) == 0:

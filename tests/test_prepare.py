@@ -591,6 +591,9 @@ def test_dedup(tmp_path):
     assert sorted(read_all(tmp_path / "out")) == ["other", "same"] and meta["duplicates_dropped"] == 3
     meta = run(src, "--out_dir", tmp_path / "out2", "--tokenizer", "char")
     assert len(read_all(tmp_path / "out2")) == 5 and meta["duplicates_dropped"] == 0
+    write(tmp_path / "val" / "v.txt", "other")  # a --val_input whose one document training holds too
+    one_line_error(cli(src, "--val_input", tmp_path / "val", "--out_dir", tmp_path / "out3", "--dedup",
+                       "--tokenizer", "char"), "no documents left in --val_input", "(4 duplicates (--dedup) and 0 documents under --min_length")
 
 
 def test_val_input(tmp_path):
