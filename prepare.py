@@ -547,10 +547,13 @@ def main(argv=None):
 
 
 def stopped(signum, frame):
-    # SIGTERM (a scheduler's, a kill) as an exception, so that temporary_outputs removes its .tmp files and the lock
-    raise SystemExit("prepare.py: stopped by SIGTERM; no dataset was written, and its temporary files are removed")
+    # SIGTERM (a scheduler's, a kill) or SIGINT (Ctrl-C) as an exception, so that temporary_outputs removes its .tmp
+    # files and the lock
+    raise SystemExit(f"prepare.py: stopped by {signal.Signals(signum).name}; no dataset was written, and its "
+                     f"temporary files are removed")
 
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, stopped)
+    signal.signal(signal.SIGINT, stopped)
     main()

@@ -826,8 +826,10 @@ def test_killed_run_leaves_nothing_finished(tmp_path):
 
 
 @pytest.mark.kills
-def test_sigterm_removes_the_temporary_files_and_says_so_in_one_line(tmp_path):
-    # a scheduler's SIGTERM, unlike a SIGKILL, lets prepare.py clean up: no .tmp file, no lock, no folder it made
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_removes_the_temporary_files_and_says_so_in_one_line(tmp_path, signum):
+    # a scheduler's SIGTERM or a Ctrl-C, unlike a SIGKILL, lets prepare.py clean up: no .tmp file, no lock, no
+    # folder it made
     src = words_corpus(tmp_path / "src", 10, nfiles=2)
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, str(REPO / "prepare.py"), str(src), "--out_dir", str(out), "--tokenizer",
@@ -836,11 +838,11 @@ def test_sigterm_removes_the_temporary_files_and_says_so_in_one_line(tmp_path):
     while not (out / "train.bin.tmp").exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.005)
     time.sleep(0.05)  # inside the encoding pass
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(signum)
     err = p.communicate(timeout=60)[1]
     assert p.returncode == 1, "finished before the signal: make the corpus bigger"
-    assert err.strip().splitlines()[-1] == ("prepare.py: stopped by SIGTERM; no dataset was written, and its "
-                                            "temporary files are removed"), err[-2000:]
+    assert err.strip().splitlines() == [f"prepare.py: stopped by {signum.name}; no dataset was written, and its "
+                                        f"temporary files are removed"], err[-2000:]
     assert not out.exists()  # it made the folder, and leaves none
 
 
