@@ -129,8 +129,8 @@ def write_chat(folder, chat, eot_id):
     # and generation stops at the end of its turn (generation_config.json's eos_token_id), as in sample.py --chat
     config = read_json(os.path.join(folder, "tokenizer_config.json"))
     config.update(chat_template=chat["template"], split_special_tokens=False)
-    for name in ("bos_token", "eos_token"):  # the tokens the template was rendered with, which it names
-        if chat.get(name) and name not in config:
+    for name in ("bos_token", "eos_token"):  # the tokens the data's template was rendered with, which it names
+        if chat.get(name):
             config[name] = chat[name]
     generation = read_json(os.path.join(folder, "generation_config.json"))  # the base's, or write_tokenizer's
     eos = generation.get("eos_token_id", [])

@@ -457,6 +457,21 @@ def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == template
 
 
+def test_an_exported_chat_template_renders_with_the_tokens_its_data_was_rendered_with(tmp_path):
+    # a tokenizer folder whose tokenizer_config.json names <|im_end|> as eos_token, its template ending a turn with
+    # {{ eos_token }}: the data was rendered so (meta.json's chat), and the export's tokenizer_config.json, written
+    # with the tokenizer's own end-of-text, takes the template's tokens, or transformers renders <|endoftext|>
+    import export
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": "<s>"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 300}))
+    chat = {"template": "{{ messages[0]['content'] + eos_token }}", "eos_token": "<|im_end|>", "bos_token": "",
+            "end_of_turn_id": 302}
+    export.write_chat(tmp_path, chat, 300)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert (config["eos_token"], config["bos_token"]) == ("<|im_end|>", "<s>")  # (no BOS in the template's: kept)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [302, 300]
+
+
 @pytest.mark.slow  # lm_eval's import alone is seconds, in each of two scripts
 def test_eval_tasks_through_a_text_fine_tunes_chat_template_score_as_its_export(pretrained, tmp_path):
     # eval.py --tasks --apply_chat_template takes the template sample.py chats with (the base's: the run's data has
