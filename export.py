@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import torch
 
@@ -175,6 +176,8 @@ def make_parent(to):
 def check_destination(args):
     # --to: an empty or new folder, or (--overwrite) an earlier export; never one holding anything else
     to = os.path.abspath(args.to)
+    if os.path.islink(to):  # replaced, the link would go and the folder it names keep the old export
+        raise UserError(f"{args.to} is a link; give the folder it names as --to")
     if os.path.exists(to) and not os.path.isdir(to):
         raise UserError(f"{args.to} is a file, not a folder; choose another --to")
     names = os.listdir(to) if os.path.isdir(to) else []
@@ -187,6 +190,13 @@ def check_destination(args):
     if foreign:
         raise UserError(f"{args.to} holds {foreign[0]}, which export.py does not write: --overwrite replaces "
                         f"only an earlier export; choose another --to")
+
+
+def usual_mode(path, mode):
+    # tempfile's names are their user's alone (0700, 0600): an export gets what any new file or folder gets
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, mode & ~mask)
 
 
 def written_nothing(to, error):
@@ -209,15 +219,16 @@ def main(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace --to if it holds an earlier export "
                         "(and nothing else)")
     args = parser.parse_args(argv)
-    if args.to.endswith(".gguf"):
+    if args.to.lower().endswith(".gguf"):
         return export_gguf(args)
     check_destination(args)
     made = make_parent(args.to)
     # Written beside the destination, then renamed into place: a failure leaves no half-written folder, and an
     # --overwrite loses nothing until the new one is whole.
     to = os.path.abspath(args.to)  # "." too: its temporary folders go beside it, not inside
-    staging, old = to + ".export-tmp", to + ".export-old"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = tempfile.mkdtemp(prefix=os.path.basename(to) + ".", suffix=".export-tmp", dir=os.path.dirname(to))
+    old = staging.removesuffix("-tmp") + "-old"  # this export's own names: another's, or a user's, stay as they are
+    usual_mode(staging, 0o777)
     try:
         # a LoRA run's base in fp32, so that the adapters merge into it in fp32 before the cast
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
@@ -259,7 +270,10 @@ def export_gguf(args):
     if os.path.exists(args.to) and not args.overwrite:
         raise UserError(f"{args.to} exists; pass --overwrite to replace it, or choose another --to")
     made = make_parent(args.to)
-    staging = args.to + ".export-tmp"
+    handle, staging = tempfile.mkstemp(prefix=os.path.basename(args.to) + ".", suffix=".export-tmp",
+                                       dir=os.path.dirname(os.path.abspath(args.to)))
+    os.close(handle)
+    usual_mode(staging, 0o666)
     try:
         model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
         write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)

@@ -4,6 +4,7 @@ And the special tokens of both exports: as prepare.py made the data, or as an im
 Run: python -m pytest -q tests/test_gguf.py"""
 
 import json
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -127,8 +128,15 @@ def test_overwrite_and_adapter(bpe_run, tmp_path):
     again = script("export.py", f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'model.gguf'}")
     assert again.returncode != 0 and "pass --overwrite" in again.stderr
     assert len(again.stderr.strip().splitlines()) == 1
+    (tmp_path / "model.gguf.export-tmp").write_text("mine")  # a name beside it is the user's, kept
     exported(bpe_run, tmp_path, "--overwrite", "--dtype=float16")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # nothing left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "model.gguf.export-tmp"]  # nothing else
+    assert (tmp_path / "model.gguf.export-tmp").read_text() == "mine"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert ((tmp_path / "model.gguf").stat().st_mode & 0o777) == 0o666 & ~mask  # not tempfile's 0600
+    done = script("export.py", f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'upper.GGUF'}")
+    assert done.returncode == 0 and gguf.GGUFReader(tmp_path / "upper.GGUF").fields  # a GGUF file, not a folder
 
 
 @pytest.mark.slow  # tiktoken's three encodings, read whole

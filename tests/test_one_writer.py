@@ -97,6 +97,24 @@ def test_export_overwrite_replaces_only_an_earlier_export(runs, tmp_path):
     done = script("export.py", f"--out_dir={out}", f"--to={exported}", "--overwrite")
     assert_one_line(done, "holds notes.txt, which export.py does not write")
     assert (exported / "notes.txt").read_text() == "mine"
+    # names beside --to are the user's (an export killed before never blocks the next), and a link is refused:
+    # replaced, the link would go and the folder it names keep the old export
+    again, link = tmp_path / "again", tmp_path / "link"
+    for name in ("again.export-tmp", "again.export-old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine").write_text("mine")
+    for _ in range(2):
+        done = script("export.py", f"--out_dir={out}", f"--to={again}", "--overwrite")
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "again.export-tmp" / "mine").exists() and (tmp_path / "again.export-old" / "mine").exists()
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (again.stat().st_mode & 0o777) == 0o777 & ~mask  # as any folder made here, not tempfile's 0700
+    link.symlink_to(again)
+    done = script("export.py", f"--out_dir={out}", f"--to={link}", "--overwrite")
+    assert_one_line(done, f"{link} is a link; give the folder it names as --to")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "again.export-old", "again.export-tmp", "data",
+                                                           "exported", "link"]
 
 
 def test_export_to_the_current_folder_ends_in_one_line_and_leaves_nothing(runs, tmp_path):
@@ -236,7 +254,7 @@ def test_an_export_whose_destination_cannot_be_written_ends_in_one_line_and_leav
     before = {p.name: p.read_bytes() for p in to.iterdir()}
 
     def full_disk(model, folder, ids=None):
-        os.makedirs(folder)
+        os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
             f.write(bytes(1000))
         raise OSError(28, "No space left on device")
