@@ -31,6 +31,17 @@ from lib.tokenizer_json import hf_tokenizer_files
 from lib.trained import load_run, run_chat
 
 
+def load_exported(args):
+    # load_run's (model, tokenizer, checkpoint) for the export, its base in fp32 (LoRA's adapters merge into it so);
+    # a run begun from a Hugging Face folder needs the folder still there: its special tokens and tokenizer files
+    model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
+    base = checkpoint.get("pretrained")
+    if base and not os.path.isdir(base):
+        raise UserError(f"the base model this run began from is not at {base}, and its export takes the base's "
+                        f"special tokens and tokenizer files from there: put it back there")
+    return model, tokenizer, checkpoint
+
+
 def write_tokenizer(tokenizer, checkpoint, folder, ids):
     """The run's tokenizer in transformers' files beside its model (or its peft adapter, which vLLM and peft read
     a tokenizer from too), with its chat template; ids: run_special_ids'. Returns a note on the tokenizer."""
@@ -230,8 +241,7 @@ def main(argv=None):
     old = staging.removesuffix("-tmp") + "-old"  # this export's own names: another's, or a user's, stay as they are
     usual_mode(staging, 0o777)
     try:
-        # a LoRA run's base in fp32, so that the adapters merge into it in fp32 before the cast
-        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
+        model, tokenizer, checkpoint = load_exported(args)
         base = checkpoint.get("pretrained") or ""
         if args.adapter:  # with its tokenizer: a run on conversations has its own chat template
             write_adapter(model, checkpoint["pretrained"], staging)
@@ -275,7 +285,7 @@ def export_gguf(args):
     os.close(handle)
     usual_mode(staging, 0o666)
     try:
-        model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
+        model, tokenizer, checkpoint = load_exported(args)
         write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)
         durable_replace(staging, args.to)
     except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same

@@ -294,6 +294,23 @@ def test_export_a_finetune_loads_in_transformers_with_equal_logits(pretrained, t
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").dtype == torch.bfloat16
 
 
+def test_a_fine_tune_whose_base_moved_is_exported_once_it_is_back(pretrained, tmp_path):
+    # the checkpoint holds every weight (sample.py needs no base), but an export takes the base's special tokens
+    # and tokenizer files: one line that says where to put the base, then the export from the base back there
+    import shutil
+    folder, data = pretrained
+    base = shutil.copytree(folder, tmp_path / "base")
+    run(*FINETUNE, f"--data_dir={data}", f"--init_from={base}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1")
+    base.rename(tmp_path / "moved")
+    for to in ("hf", "model.gguf"):
+        out = export("--out_dir", tmp_path / "run", "--to", tmp_path / to, check=False)
+        assert out.returncode != 0 and out.stderr.strip().splitlines() == [
+            f"export.py: the base model this run began from is not at {base}, and its export takes the base's "
+            f"special tokens and tokenizer files from there: put it back there"]
+    (tmp_path / "moved").rename(base)
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+
+
 def test_lora_exports_merged_and_as_a_peft_adapter_with_the_same_logits(pretrained, tmp_path):
     peft = pytest.importorskip("peft")
     folder, data = pretrained
