@@ -71,8 +71,9 @@ def tokenizer_config(eos, bos=None):
     """tokenizer_config.json's text. prepare.py reads "<|endoftext|>" in a document as plain text, so transformers
     must too: split_special_tokens. It puts before a document only the BOS bos of a tokenizer.json's post-processor
     (None: nothing) and writes the end-of-text itself, so a runtime adds that BOS and no EOS to a prompt (llama.cpp
-    adds a BOS unless told not to); and decode must not "clean up" the spaces before punctuation."""
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+    adds a BOS unless told not to); it pads with end-of-text, as config.json says; and decode must not "clean up"
+    the spaces before punctuation."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,  # config.json's
               **({"bos_token": bos} if bos else {}), "add_bos_token": bos is not None, "add_eos_token": False,
               "split_special_tokens": True, "clean_up_tokenization_spaces": False}
     return json.dumps(config, indent=2, ensure_ascii=False) + "\n"

@@ -161,6 +161,9 @@ def test_end_of_text(exported):
     assert auto.eos_token == eos and auto.eos_token_id == ours.eot_id
     assert raw.id_to_token(ours.eot_id) == eos and auto.decode([ours.eot_id]) == eos
     assert auto.decode(ours.encode("a") + [ours.eot_id], skip_special_tokens=True) == "a"
+    # a batch pads with end-of-text, config.json's pad_token_id (on the right: a model's own padding side)
+    padded = auto(["a", "a b c"], padding=True, add_special_tokens=False)["input_ids"]
+    assert padded[0] == ours.encode("a") + [ours.eot_id] * (len(padded[1]) - len(ours.encode("a")))
     # In a document the end-of-text's spelling is text to our encode (ordinary text only), and so
     # to AutoTokenizer, told by split_special_tokens; the tokenizers library by default reads it
     # as the special token, as does AutoTokenizer when asked to.
@@ -187,6 +190,7 @@ def test_tokenizer_config(exported):
     bos = {"bos_token": "<s>"} if ours.kind == "huggingface" else {}
     assert config == {"tokenizer_class": "PreTrainedTokenizerFast",
                       "eos_token": "</s>" if ours.kind == "huggingface" else "<|endoftext|>", **bos,
+                      "pad_token": "</s>" if ours.kind == "huggingface" else "<|endoftext|>",
                       "add_bos_token": bool(bos), "add_eos_token": False,
                       "split_special_tokens": True, "clean_up_tokenization_spaces": False}
     if ours.kind == "huggingface":
