@@ -113,7 +113,7 @@ def read_sharded(folder, device="cpu"):
         with warnings.catch_warnings():  # that it reads in one process is what we ask for
             warnings.simplefilter("ignore")
             dcp().load({"model": weights}, storage_reader=reader, no_dist=True)
-    except (dcp().api.CheckpointException, RuntimeError, OSError, AttributeError) as e:
+    except (dcp().api.CheckpointException, RuntimeError, OSError, AttributeError, TypeError) as e:
         raise UserError(f"{folder} is not a readable sharded checkpoint ({first_line(e)}); "
                          f"use another one, e.g. ckpt_best or a ckpt_NNNNNNN") from None
     return weights

@@ -7,6 +7,7 @@ the file names; ours admits only the types DCP writes there, and checks the fold
     dcp.load(state, storage_reader=CheckedReader("out/ckpt"))   # UserError for metadata that is not DCP's own
 """
 
+import math
 import os
 import pickle
 
@@ -63,12 +64,44 @@ def read_metadata(folder):
     if odd:
         raise UserError(f"{path} lists a {odd[0]} entry, where this project's sharded checkpoints hold tensors "
                          f"only (DCP would unpickle it); refusing it")
+    for name, entry in entries.items():
+        why = untiled(entry)
+        if why:  # DCP would leave the rest of the tensor as torch.empty left it: whatever was in memory
+            raise UserError(f"{path}: the shards of {name} {why}; use another checkpoint, e.g. ckpt_best or a "
+                            f"ckpt_NNNNNNN")
     for info in files.values():
         name = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not isinstance(name, str) or os.path.basename(name) != name \
                 or name in ("", ".", ".."):
             raise UserError(f"{path} points at {name!r}, not a file of its own folder; refusing it")
     return metadata
+
+
+def untiled(entry):
+    """Why a tensor's chunks do not cover it exactly once (None where they do): each inside its size, none
+    overlapping another, and their values as many as the tensor's. Chunks are compared only with those that begin
+    before they end along dim 0 (FSDP's shards of rows do not)."""
+    size = getattr(entry, "size", None)
+    if not isinstance(size, torch.Size) or not all(type(n) is int and n >= 0 for n in size):
+        return f"have no size but {size!r}"
+    boxes = []
+    for chunk in getattr(entry, "chunks", None) or []:
+        start, extent = tuple(getattr(chunk, "offsets", ())), tuple(getattr(chunk, "sizes", ()))
+        if not (len(start) == len(extent) == len(size) and all(type(n) is int for n in start + extent)
+                and all(0 <= a and 0 <= n and a + n <= whole for a, n, whole in zip(start, extent, size))):
+            return f"hold a chunk at {start} of {extent}, outside its size {tuple(size)}"
+        boxes.append((start, extent))
+    if sum(math.prod(extent) for _, extent in boxes) != math.prod(size):
+        return f"hold {sum(math.prod(e) for _, e in boxes):,} values where it has {math.prod(size):,}"
+    boxes.sort()
+    for i, (start, extent) in enumerate(boxes):
+        for other, other_extent in boxes[i + 1:]:
+            if size and other[0] >= start[0] + extent[0]:
+                break
+            if all(a < b + m and b < a + n for a, n, b, m in zip(start, extent, other, other_extent)) \
+                    and math.prod(extent) and math.prod(other_extent):
+                return f"overlap at {other}"
+    return None
 
 
 class CheckedReader(dcp.FileSystemReader):

@@ -3,6 +3,7 @@
 Each attack plants a payload that writes a marker file if it ever runs; the scripts must either refuse the
 checkpoint in one line or pass it by, and the marker must never appear."""
 
+import dataclasses
 import pickle
 import re
 import shutil
@@ -150,6 +151,27 @@ def test_metadata_pointing_outside_its_folder_is_refused(runs, tmp_path):
     with open(out / "ckpt" / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     with pytest.raises(ValueError, match=r"points at '../../elsewhere.distcp', not a file of its own folder"):
+        ckpt.read_sharded(str(out / "ckpt"))
+
+
+@pytest.mark.parametrize("damage", ["no chunks", "a chunk twice", "past its size", "no size"])
+def test_metadata_whose_chunks_do_not_cover_a_tensor_once_is_refused(runs, tmp_path, damage):
+    # the rest of a tensor its chunks leave out would be what torch.empty left in memory: weights read silently wrong
+    out = copy_run(runs, "sharded", tmp_path)
+    with open(out / "ckpt" / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    entry = metadata.state_dict_metadata["model.wte.weight"]
+    chunk = entry.chunks[0]
+    entry.chunks = {"no chunks": [], "a chunk twice": [chunk, chunk], "past its size": [
+        dataclasses.replace(chunk, offsets=torch.Size([1, *chunk.offsets[1:]]))], "no size": entry.chunks}[damage]
+    if damage == "no size":
+        entry.size = None
+    elif damage == "a chunk twice":  # as many values as the tensor has, in two halves laid over each other
+        half = dataclasses.replace(chunk, sizes=torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]]))
+        entry.chunks = [half, half] if chunk.sizes[0] % 2 == 0 else [half, half, half]
+    with open(out / "ckpt" / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(ValueError, match=r"\.metadata: the shards of model\.wte\.weight (do|have|hold|overlap)"):
         ckpt.read_sharded(str(out / "ckpt"))
 
 
