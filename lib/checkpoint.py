@@ -119,9 +119,11 @@ def read_sharded(folder, device="cpu"):
     return weights
 
 
-def first_line(error):
-    # an error's first line for a message of ours; an empty one (a 0-byte file's) by its kind
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+def first_line(error, named=False):
+    # an error's first line for a message of ours; an empty one (a 0-byte file's) by its kind; named: after its kind
+    # where the line alone says little ("101", a KeyError's)
+    line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {line}" if named and line else line or type(error).__name__
 
 
 def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
@@ -148,8 +150,8 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
     except pickle.UnpicklingError:
         raise UserError(f"{path} holds objects other than tensors and plain values; refusing to load it "
                          f"(only load checkpoints you trust, with code you have read)") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise UserError(f"{path} is not a readable checkpoint ({first_line(e)}); "
+    except Exception as e:  # EOFError, and torch's older reader fails on other bytes in many ways (KeyError, ...)
+        raise UserError(f"{path} is not a readable checkpoint ({first_line(e, named=True)}); "
                          f"use another one, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt") from None
 
 

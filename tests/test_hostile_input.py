@@ -194,6 +194,16 @@ def test_an_empty_ckpt_pt_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="not a readable checkpoint"):
         ckpt.load_checkpoint(tmp_path / "ckpt.pt")
 
+
+def test_bytes_of_any_other_kind_named_ckpt_pt_are_one_line(tmp_path):
+    # a text file, and short random ones: torch's legacy reader fails on them with KeyError, IndexError,
+    # UnicodeDecodeError, struct.error...; each is refused as not a checkpoint (or as holding other objects)
+    rng = np.random.default_rng(0)
+    for data in [b"hello\n", *(rng.integers(0, 256, rng.integers(1, 64), dtype=np.uint8).tobytes() for _ in range(200))]:
+        (tmp_path / "ckpt.pt").write_bytes(data)
+        with pytest.raises(ValueError, match="not a readable checkpoint|holds objects other than tensors"):
+            ckpt.load_checkpoint(tmp_path / "ckpt.pt")
+
 # -----------------------------------------------------------------------------
 # prepare.py: text with no safe cut, --min_length on big files, nested JSON
 
