@@ -20,7 +20,7 @@ from collections import namedtuple
 from datetime import datetime
 from pathlib import Path
 
-from lib.files import UserError
+from lib.files import UserError, read_json
 
 Chat = namedtuple("Chat", "text spans")  # spans: [(start, end)] of the characters that are training targets
 ROLES = ("system", "user", "assistant", "tool")
@@ -202,9 +202,9 @@ def find_template(folder, template_file=None):
     if path is not None and path.is_file():
         path = path.parent  # a tokenizer.json: its folder
     if path is not None and (path / "tokenizer_config.json").is_file():
-        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config = read_json(path / "tokenizer_config.json")
     if path is not None and (path / "meta.json").is_file():  # a dataset of ours: the template it was made with
-        config = json.loads((path / "meta.json").read_text(encoding="utf-8")).get("chat") or {}
+        config = read_json(path / "meta.json", "re-run prepare.py").get("chat") or {}
         config, config_file = {**config, "chat_template": config.get("template")}, "meta.json"
     tokens = {}
     for name in ("bos_token", "eos_token"):

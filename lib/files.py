@@ -191,8 +191,8 @@ def read_meta(data_dir):
                                 f"(its embedding alone would not fit in memory): prepare the data again")
             if eot_id is not None and (type(eot_id) is not int or not 0 <= eot_id < vocab_size):
                 raise UserError(f"eot_id {eot_id!r} is not a token id below vocab_size {vocab_size}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            why = f"{type(e).__name__}: {e}"
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            why = f"{type(e).__name__}: {str(e)[:200]}"
             raise UserError(f"{path} is damaged ({why}); re-run prepare.py to write it again") from None
         if isinstance(meta.get("format_version"), int) and meta["format_version"] > DATA_FORMAT:
             raise UserError(f"{path} says format_version {meta['format_version']}: a newer prepare.py's, whose "
@@ -289,6 +289,22 @@ def check_regular(path, fix):
     (/dev/zero) never end it."""
     if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
         raise UserError(f"{path} is not a regular file (a FIFO, a device or a folder): {fix}")
+
+
+def read_json(path, fix="replace it with the model's own file"):
+    """A JSON file that holds an object (a model folder's config.json, tokenizer_config.json, an index...), read as
+    data: UserError in one line, saying fix, for one that does not."""
+    check_regular(path, fix)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror}): a Hugging Face model folder needs it") from None
+    except (ValueError, RecursionError) as e:  # (nested past Python's stack: RecursionError)
+        raise UserError(f"{path} is not valid JSON ({str(e)[:200]}): {fix}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object: {fix}")
+    return data
 
 
 def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):

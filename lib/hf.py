@@ -9,7 +9,6 @@ tensor names <-> ours, safetensors files (one, or shards with an index), and a f
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import fields, replace
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 
 from lib.bounds import confined
 from lib.checkpoint import check_shapes, layer_count
-from lib.files import UserError, check_regular, open_own
+from lib.files import UserError, check_regular, open_own, read_json
 from lib.settings import check_sizes
 from model import GPT, PROJECTIONS, GPTConfig
 
@@ -28,17 +27,6 @@ HF_PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_a
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM"}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def read_json(path):
-    check_regular(path, "replace it with the model's own file")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except OSError as e:
-        raise UserError(f"cannot read {path} ({e.strerror}): a Hugging Face model folder needs it") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
 
 
 def open_safetensors(file):

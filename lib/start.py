@@ -127,11 +127,10 @@ def begin(config, vocab_size, meta, fsdp):
         from lib.hf import fingerprint, read_json  # the folder's config, and the tokenizer its data was made with
         from lib.tokenizer import check_tokenizer
         # data for a pretrained model must be made with its own tokenizer, or its ids mean other words
-        try:
-            model_vocab = int(read_json(os.path.join(init_from, "config.json"))["vocab_size"])
-        except (KeyError, TypeError) as e:
-            raise UserError(f"cannot read the vocab_size in {init_from}/config.json ({type(e).__name__}: {e})") \
-                from None
+        model_vocab = read_json(os.path.join(init_from, "config.json")).get("vocab_size")
+        if type(model_vocab) is not int or model_vocab < 1:
+            raise UserError(f"{init_from}/config.json's vocab_size is {model_vocab!r}, not a whole number above 0: "
+                            f"use the model's own config.json")
         check_tokenizer(config["data_dir"], meta, init_from, model_vocab)
         try:  # the base is known again by it when a LoRA run resumes
             origin.base_fingerprint = fingerprint(init_from)

@@ -9,6 +9,7 @@ one-line exit itself is what is tested.
 import gzip
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -91,6 +92,24 @@ def test_config_json_is_checked_against_the_weights_before_anything_is_built(fol
     built_on_meta_only(monkeypatch, hf)
     with pytest.raises(ValueError, match=says):
         hf.load_pretrained(folder)
+
+
+@pytest.mark.parametrize("text, says", [("[" * 100_000 + "]" * 100_000, "is not valid JSON (maximum recursion"),
+                                        ("[1, 2]", "holds a JSON list, not an object")])
+def test_a_model_folders_json_that_is_no_object_is_one_line(folder, tmp_path, text, says):
+    # config.json read by load_pretrained (sample.py --model, --init_from); tokenizer_config.json by prepare.py's
+    # chat template; a dataset's meta.json by train.py: each refused in one line, not a traceback
+    (folder / "config.json").write_text(text)
+    with pytest.raises(UserError, match=re.escape(f"config.json {says}")):
+        hf.load_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(text)
+    from lib.chat import find_template
+    with pytest.raises(UserError, match=re.escape(f"tokenizer_config.json {says}")):
+        find_template(folder)
+    tiny_dataset(tmp_path / "d")
+    (tmp_path / "d" / "meta.json").write_text(text)
+    with pytest.raises(UserError, match="meta.json is damaged"):
+        read_meta(tmp_path / "d")
 
 
 def test_the_checked_folder_still_loads(folder):
@@ -439,6 +458,15 @@ def test_meta_json_that_would_read_the_tokens_wrong_is_refused(tmp_path, meta, s
     (dataset / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 62, "eot_id": 0, **meta}))
     with pytest.raises(ValueError, match=says):
         read_meta(dataset)
+
+
+@pytest.mark.parametrize("vocab_size", ["abc", 1e400, -5, [64]])
+def test_a_model_folders_vocab_size_that_is_no_count_is_one_line(folder, tmp_path, vocab_size):
+    # train.py --init_from=FOLDER compares the folder's vocabulary with the data's first
+    edit_config(folder, vocab_size=vocab_size)
+    said = train_refusal(*TRAIN, f"--data_dir={tiny_dataset(tmp_path / 'd')}", f"--init_from={folder}",
+                         f"--out_dir={tmp_path / 'out'}")
+    assert f"config.json's vocab_size is {json.loads(json.dumps(vocab_size))!r}, not a whole number above 0" in said
 
 
 @pytest.mark.parametrize("case, args, says", [
