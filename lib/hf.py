@@ -39,7 +39,7 @@ def open_safetensors(file):
 
 def header_shapes(files):
     """({tensor name: shape} from the files' headers alone, the first tensor's dtype); UserError for a file
-    without tensors, or a tensor that is not floating point."""
+    without tensors, or a tensor that is not in a floating-point dtype we compute in (float8 is not)."""
     shapes, first = {}, None
     for file in files:
         with open_safetensors(file) as f:
@@ -47,9 +47,9 @@ def header_shapes(files):
                 raise UserError(f"{file} holds no tensors: download it again")
             for name in f.keys():
                 kind = f.get_slice(name).get_dtype()
-                if not name.endswith("rotary_emb.inv_freq") and not kind.startswith(("F", "BF")):
-                    raise UserError(f"{name} in {file} holds {kind} values, not floating-point weights: "
-                                     f"download the model again")
+                if not name.endswith("rotary_emb.inv_freq") and kind not in ("F64", *SAFETENSORS_DTYPES):
+                    raise UserError(f"{name} in {file} holds {kind} values, not float32, bfloat16 or float16 "
+                                    f"weights: download the model again (a quantized one: its unquantized release)")
                 shapes[name], first = f.get_slice(name).get_shape(), first or kind
     return shapes, first
 
