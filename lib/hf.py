@@ -18,7 +18,7 @@ import torch
 from lib.bounds import confined
 from lib.checkpoint import check_shapes, layer_count
 from lib.files import UserError, check_regular, open_own, read_json
-from lib.settings import check_sizes
+from lib.settings import LLAMA3_SCALING, check_sizes
 from model import GPT, PROJECTIONS, GPTConfig
 
 # ours -> transformers' names of a block's seven projections (model.PROJECTIONS), and of the families
@@ -112,15 +112,7 @@ def config_from_hf(hf, block_size=None):
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise UserError(f"rope scaling {rope_type!r} is not supported (only llama3, or none)")
-    scaling = None
-    if rope_type == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        scaling = {k: rope[k] for k in keys}
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e300
-                      for v in scaling.values())
-        if not numbers or scaling["high_freq_factor"] <= scaling["low_freq_factor"]:  # the ramp divides by it
-            raise UserError(f"rope_scaling {scaling} must hold numbers above 0, high_freq_factor above "
-                            f"low_freq_factor: fix config.json, or download the model again")
+    scaling = {k: rope.get(k) for k in LLAMA3_SCALING} if rope_type == "llama3" else None  # (checked below)
     max_len = hf.get("max_position_embeddings", 2048)
     if family == "mistral":  # within 4,096 tokens where config.json does not say (transformers' default); null: none
         window = hf.get("sliding_window", 4096)
@@ -138,7 +130,7 @@ def config_from_hf(hf, block_size=None):
                  rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
                  norm_eps=hf.get("rms_norm_eps", 1e-6))
     # config.json is data: its sizes are checked before GPTConfig divides one by another
-    check_sizes(sizes, "config.json", "fix it, or download the model again")
+    check_sizes({**sizes, "rope_scaling": scaling}, "config.json", "fix it, or download the model again")
     sizes["rope_theta"] = float(sizes["rope_theta"])
     return GPTConfig(**sizes, tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling,
                      qkv_bias=family == "qwen2", qk_norm=family == "qwen3", family=family)

@@ -626,6 +626,10 @@ def test_rope_scaling_that_would_divide_by_zero_or_by_a_string_is_one_line(folde
     edit_config(folder, rope_scaling=scaling)
     with pytest.raises(UserError, match="rope_scaling .* must hold numbers above 0"):
         hf.load_pretrained(folder)
+    checkpoint = tiny_checkpoint()  # a checkpoint's model_args, checked by the same rule (a KeyError before)
+    checkpoint["model_args"]["rope_scaling"] = {"factor": factor}
+    with pytest.raises(UserError, match="the checkpoint's model_args says rope_scaling .* must hold numbers above 0"):
+        ckpt.model_from_checkpoint(checkpoint)
 
 
 def test_a_missing_tensor_is_named_before_the_memory_for_the_model_is_taken(folder, monkeypatch):
