@@ -246,8 +246,11 @@ def check_shapes(model, shapes, names, where, fix):
 def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
     """A train.py checkpoint (load_checkpoint's) -> GPT with its weights; overrides as in hf.load_pretrained. A LoRA
     run's holds only the adapters: they go onto its unchanged base folder again, read in base_dtype."""
-    if not isinstance(checkpoint["model_args"], dict) or not isinstance(checkpoint.get("model", {}), dict):
-        raise UserError("the checkpoint's model_args or model is not a dict: use another checkpoint")
+    model = checkpoint.get("model", {})
+    if not isinstance(checkpoint["model_args"], dict) or not isinstance(model, dict) \
+            or not all(isinstance(name, str) for name in model):
+        raise UserError("the checkpoint's model_args or model is not a dict (of weights by name): use another "
+                        "checkpoint")
     args = {**checkpoint["model_args"], **overrides}
     weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
     if not args.get("lora_rank"):

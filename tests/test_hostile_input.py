@@ -208,6 +208,9 @@ def test_a_checkpoint_with_tensors_its_model_lacks_is_one_line():
     checkpoint["model"]["blocks.0.extra"] = torch.zeros(3)
     with pytest.raises(ValueError, match="do not fit its model_args"):
         ckpt.model_from_checkpoint(checkpoint)
+    checkpoint["model"][3] = checkpoint["model"].pop("blocks.0.extra")  # a weight's name that is no name
+    with pytest.raises(ValueError, match=r"model is not a dict \(of weights by name\)"):
+        ckpt.model_from_checkpoint(checkpoint)
 
 
 def test_an_empty_ckpt_pt_is_one_line(tmp_path):
