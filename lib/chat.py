@@ -27,6 +27,7 @@ ROLES = ("system", "user", "assistant", "tool")
 # A rendering is refused past so many loop steps and calls, or characters written: far past any conversation's needs.
 MAX_STEPS = 1_000_000
 MAX_OUTPUT = 1 << 24
+MAX_WIDTH = 1 << 12  # a filter's number (center's width, indent's, truncate's length) and an int's bits, at most
 TRAIN_ON = ("assistant", "completion", "all")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
@@ -93,6 +94,7 @@ def compile_template(source):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    del env.globals["lipsum"]  # (random text of any length: no template of a model's writes it)
     steps = budget(env)
     try:
         tree = env.parse(source)
@@ -118,8 +120,11 @@ def compile_template(source):
 
 def budget(env):
     # Counts what a rendering does in env, raising TemplateError past MAX_STEPS: each loop step (loops take their
-    # items through env.counted) and each call (as ten). A * or + may not make a value past MAX_OUTPUT, nor a ** raise
-    # to a power past 64, and env.bounded refuses such a value where ~ joins. -> the count, for render to reset.
+    # items through env.counted) and each call or filter (as ten). A *, + or % may not make a value past MAX_OUTPUT,
+    # nor a ** raise to a power past 64, nor ints grow past MAX_WIDTH bits; env.bounded refuses such a value where ~
+    # joins, as a filter's result; a filter's numbers are at most MAX_WIDTH, and replace and join are measured before
+    # they run. Intercepted, no such operator is computed at compile time either. -> the count, for render to reset.
+    import functools
     from jinja2.exceptions import TemplateError
     steps, sandbox_call, sandbox_binop = [0], env.call, env.call_binop
 
@@ -148,14 +153,37 @@ def budget(env):
             if type(value) is str and len(value) > MAX_OUTPUT:
                 raise TemplateError(f"it makes a text of more than {MAX_OUTPUT:,} characters")
             return value
+        bits = [x.bit_length() for x in (left, right) if type(x) is int]
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64 or operator == "*" and \
                 any(type(x) is int and abs(x) > 1 and MAX_OUTPUT // abs(x) < len(y)
-                    for x, y in ((left, right), (right, left)) if isinstance(y, (str, list, tuple))):
+                    for x, y in ((left, right), (right, left)) if isinstance(y, (str, list, tuple))) \
+                or len(bits) == 2 and operator != "%" and (sum(bits) if operator == "*" else bits[0] * abs(right)) \
+                > MAX_WIDTH \
+                or operator == "%" and isinstance(left, str) and not formats_within(left):
             raise TemplateError(f"its {operator} makes a value past the budget of a chat template")
-        return sandbox_binop(context, operator, left, right)
+        return bounded(sandbox_binop(context, operator, left, right))
 
+    def formats_within(text):  # a % or format filter's widths and precisions (* takes them from its values)
+        return "*" not in text and all(int(n) <= MAX_WIDTH for n in re.findall(r"\d+", text))
+
+    def checked(name, run):
+        @functools.wraps(run)  # (and jinja's mark of what it passes first: the context, ...)
+        def filtered(*args, **kwargs):
+            step(10)
+            values = [*args, *kwargs.values()]
+            texts = [v for v in values if isinstance(v, str)]
+            if any(type(v) is int and abs(v) > MAX_WIDTH for v in values) \
+                    or name == "replace" and len(texts) >= 3 and len(texts[-3]) + len(texts[-1]) * \
+                    texts[-3].count(texts[-2]) > MAX_OUTPUT or name == "format" and not formats_within(texts[0]) \
+                    or name == "join" and any(len(v) * len(texts[-1] if texts else "") > MAX_OUTPUT
+                                              for v in values if hasattr(v, "__len__") and not isinstance(v, str)):
+                raise TemplateError(f"its {name} filter makes a value past the budget of a chat template")
+            return bounded(run(*args, **kwargs))
+        return filtered
+
+    env.filters = {name: checked(name, run) for name, run in env.filters.items()}
     env.counted, env.bounded, env.call, env.call_binop = counted, bounded, call, binop
-    env.intercepted_binops = frozenset({"*", "+", "**"})
+    env.intercepted_binops = frozenset({"*", "+", "**", "%"})
     return steps
 
 

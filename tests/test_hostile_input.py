@@ -321,6 +321,16 @@ PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant'
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
     ("{{ 1 / 0 }}", "ZeroDivisionError"),
     ("{{ (1e308 * 10) | int }}", "OverflowError"),
+    # a % formats its width at once (and a constant one was computed as the template compiled); ints squared grow
+    # in time; lipsum writes any length; filters make what their numbers and texts say, before anything measures it
+    ("{% set x = '%3000000000s' % 'a' %}", "its % makes a value past the budget"),
+    ("{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+     "its \\* makes a value past the budget"),
+    ("{{ lipsum(1000000) }}", "'lipsum' is undefined"),
+    ("{{ 'a' | center(300000000) }}", "its center filter makes a value past the budget"),
+    ("{{ ('a' * 1000000) | replace('a', 'a' * 20) }}", "its replace filter makes a value past the budget"),
+    ("{{ range(100000) | join('a' * 10000) }}", "its join filter makes a value past the budget"),
+    ("{{ '%3000000000s' | format('a') }}", "its format filter makes a value past the budget"),
 ])
 def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, says):
     from lib import chat
