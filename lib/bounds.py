@@ -47,8 +47,9 @@ REGEX_TOKEN = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|\(\?>|[()*+]|\{\d*,?\d*\}|."
 
 
 def leaf_rules(rule):
-    # the rules of a normalizer or pre-tokenizer, Sequences opened
-    parts = rule.get("normalizers") or rule.get("pretokenizers") if isinstance(rule, dict) else None
+    # the rules of a normalizer, pre-tokenizer or decoder, Sequences opened
+    parts = rule.get("normalizers") or rule.get("pretokenizers") or rule.get("decoders") if isinstance(rule, dict) \
+        else None
     if isinstance(parts, list):
         return [leaf for part in parts for leaf in leaf_rules(part)]
     return [rule] if isinstance(rule, dict) else []
@@ -106,7 +107,8 @@ def nested_repeat(pattern):
 
 def check_tokenizer_rules(name, rules):
     """UserError in one line unless the normalizer and pre-tokenizer of rules (a tokenizer.json's content) grow a
-    text at most MAX_GROWTH times and hold no regex that repeats a repeated group (nested_repeat)."""
+    text at most MAX_GROWTH times, and its decoder (on its own: it reads the tokens' text) too, and hold no regex that
+    repeats a repeated group (nested_repeat)."""
     if not isinstance(rules, dict):
         raise UserError(f"{name} is not a tokenizer.json (no JSON object): use the model's own")
     steps = [rules.get("normalizer"), rules.get("pre_tokenizer")]
@@ -115,6 +117,10 @@ def check_tokenizer_rules(name, rules):
         raise UserError(f"{name}'s normalizer and pre-tokenizer may make one character into {growth:,.0f} (its "
                         f"{worst} rule), past the {MAX_GROWTH} any released tokenizer needs: use the model's own "
                         f"tokenizer.json")
+    growth, worst = tokenizer_growth([rules.get("decoder")])
+    if growth > MAX_GROWTH:
+        raise UserError(f"{name}'s decoder may make one character into {growth:,.0f} (its {worst} rule), past the "
+                        f"{MAX_GROWTH} any released tokenizer needs: use the model's own tokenizer.json")
     stack = steps
     while stack:  # every regex of the two, however deep in Sequences
         rule = stack.pop()

@@ -379,11 +379,11 @@ def test_a_tokenizer_pattern_the_regex_engine_refuses_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="cannot read the tokenizer in .*re-run prepare.py"):
         load_tokenizer(dataset)
 
-def rules_tokenizer(path, normalizer=None, split=None):
-    # a tokenizer.json of two words, with the normalizer and split regex of a hostile one
+def rules_tokenizer(path, normalizer=None, split=None, decoder=None):
+    # a tokenizer.json of two words, with the normalizer, split regex or decoder of a hostile one
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     hf = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1}, unk_token="[UNK]"))
-    hf.normalizer = normalizer
+    hf.normalizer, hf.decoder = normalizer, decoder
     if split:
         hf.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
     hf.save(str(path))
@@ -393,6 +393,8 @@ def rules_tokenizer(path, normalizer=None, split=None):
 @pytest.mark.parametrize("rules, says", [
     # a space made 20,000 characters: the 48 KB of text asked for 2 GB and the library aborted the process
     ({"normalizer": "replace"}, "may make one character into 20,000 (its Replace rule)"),
+    # three Replaces of e by 1,000 e's in a decoder: 10^9 characters of a token's e (the report's example decoded)
+    ({"decoder": "replace"}, "decoder may make one character into 1,000,000,000 (its Replace rule)"),
     # nested repeats: the ran 120 s on 48 KB without progress; this one takes ~1 s a 200 runs of 20
     ({"split": r"(a+)+b"}, "repeats a group of repeats or alternatives"),
     ({"split": r"(a|aa)+b"}, "repeats a group of repeats or alternatives"),
@@ -401,8 +403,11 @@ def rules_tokenizer(path, normalizer=None, split=None):
 ])
 def test_a_tokenizer_whose_rules_blow_up_is_stopped_in_one_line_and_the_folder_left_as_it_was(tmp_path, rules, says):
     from tokenizers import normalizers
+    from tokenizers import decoders
     if rules.get("normalizer"):
         rules = {"normalizer": normalizers.Replace(" ", "x" * 20000)}
+    if rules.get("decoder"):
+        rules = {"decoder": decoders.Sequence([decoders.Replace("e", "e" * 1000)] * 3)}
     tokenizer = rules_tokenizer(tmp_path / "tokenizer.json", **rules)
     (tmp_path / "in.txt").write_text(("a" * 20 + "c " + "a" * 60 + "-c\n") * 5)  # small: old code ran it whole
     prepare.main([str(tmp_path / "in.txt"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])
@@ -436,6 +441,9 @@ def test_released_tokenizers_rules_pass_the_checks():
                                                   {"type": "Lowercase"}, replace(" {2,}", " ", "Regex")]}
     assert tokenizer_growth([llama2, {"type": "Metaspace"}]) == (4, "Prepend")
     assert tokenizer_growth([albert, {"type": "Metaspace"}])[0] == 72 <= MAX_GROWTH
+    llama2_decoder = {"type": "Sequence", "decoders": [replace("▁", " "), {"type": "ByteFallback"}, {"type": "Fuse"},
+                                                       {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    assert tokenizer_growth([llama2_decoder])[0] == 1 and tokenizer_growth([{"type": "ByteLevel"}])[0] <= MAX_GROWTH
 
 # -----------------------------------------------------------------------------
 # silently wrong datasets, and one line, always: through the scripts, where the one-line exit is the point
