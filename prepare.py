@@ -145,10 +145,6 @@ def prepare(args):
     report_run(meta, out, replacing, seconds, started, threads)
     if meta["masks"]:
         report_example(out, tokenizer, meta)
-    val, train = meta["val"]["tokens"], meta["train"]["tokens"]
-    if meta["split"]["method"] == "hash of document name" and val > train:  # few documents, a big one in val
-        print(f"warning: val holds {val:,} of the {val + train:,} tokens, train the rest: too few documents to split "
-              f"by name; pass --val_input FILES, or the corpus as one file, whose tail becomes val")
     if meta["masks"] and meta["chat"]["template_from"] == "built-in" and os.path.exists(args.tokenizer):
         print(f"warning: {args.tokenizer} has no chat template (chat_template.jinja, or chat_template in "
               f"tokenizer_config.json): the built-in one was used, which that model never saw; give it its own "
@@ -453,6 +449,10 @@ def report_run(meta, out, replacing, seconds, started, threads):
     for split in ("train", "val"):
         print(f"{split:>5}: {meta[split]['documents']:>9,} documents {meta[split]['tokens']:>13,} tokens")
     print(f"split: {meta['split']['method']}")
+    val, train = meta["val"]["tokens"], meta["train"]["tokens"]
+    if meta["split"]["method"] == "hash of document name" and val > train:  # few documents, a big one in val
+        print(f"warning: val holds {val:,} of the {val + train:,} tokens, train the rest: too few documents to split "
+              f"by name; pass --val_input FILES, or the corpus as one file, whose tail becomes val")
     report_skips(meta)
     print(f"tokenized {human(nbytes, 'B')} in {seconds['encode']:.2f} s with {threads} threads: "
           f"{nbytes / 1e6 / seconds['encode']:.1f} MB/s, {human(ntokens / seconds['encode'])} tokens/s; "

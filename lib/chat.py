@@ -124,7 +124,6 @@ def budget(env):
     # nor a ** raise to a power past 64, nor ints grow past MAX_WIDTH bits; env.bounded refuses such a value where ~
     # joins, as a filter's result; a filter's numbers are at most MAX_WIDTH, and replace and join are measured before
     # they run. Intercepted, no such operator is computed at compile time either. -> the count, for render to reset.
-    import functools
     from jinja2.exceptions import TemplateError
     steps, sandbox_call, sandbox_binop = [0], env.call, env.call_binop
 
@@ -163,28 +162,36 @@ def budget(env):
             raise TemplateError(f"its {operator} makes a value past the budget of a chat template")
         return bounded(sandbox_binop(context, operator, left, right))
 
-    def formats_within(text):  # a % or format filter's widths and precisions (* takes them from its values)
-        return "*" not in text and all(int(n) <= MAX_WIDTH for n in re.findall(r"\d+", text))
-
-    def checked(name, run):
-        @functools.wraps(run)  # (and jinja's mark of what it passes first: the context, ...)
-        def filtered(*args, **kwargs):
-            step(10)
-            values = [*args, *kwargs.values()]
-            texts = [v for v in values if isinstance(v, str)]
-            if any(type(v) is int and abs(v) > MAX_WIDTH for v in values) \
-                    or name == "replace" and len(texts) >= 3 and len(texts[-3]) + len(texts[-1]) * \
-                    texts[-3].count(texts[-2]) > MAX_OUTPUT or name == "format" and not formats_within(texts[0]) \
-                    or name == "join" and any(len(v) * len(texts[-1] if texts else "") > MAX_OUTPUT
-                                              for v in values if hasattr(v, "__len__") and not isinstance(v, str)):
-                raise TemplateError(f"its {name} filter makes a value past the budget of a chat template")
-            return bounded(run(*args, **kwargs))
-        return filtered
-
-    env.filters = {name: checked(name, run) for name, run in env.filters.items()}
+    env.filters = {name: checked_filter(name, run, step, bounded) for name, run in env.filters.items()}
     env.counted, env.bounded, env.call, env.call_binop = counted, bounded, call, binop
     env.intercepted_binops = frozenset({"*", "+", "**", "%"})
     return steps
+
+
+def formats_within(text):
+    # a % or format filter's widths and precisions at most MAX_WIDTH (* would take them from its values)
+    return "*" not in text and all(int(n) <= MAX_WIDTH for n in re.findall(r"\d+", text))
+
+
+def checked_filter(name, run, step, bounded):
+    """jinja's filter run (named name), counted as a call (step) and refused (TemplateError) past the budget: numbers
+    past MAX_WIDTH, a replace or join that would write past MAX_OUTPUT; its result measured (bounded)."""
+    import functools
+    from jinja2.exceptions import TemplateError
+
+    @functools.wraps(run)  # (and jinja's mark of what it passes first: the context, ...)
+    def filtered(*args, **kwargs):
+        step(10)
+        values = [*args, *kwargs.values()]
+        texts = [v for v in values if isinstance(v, str)]
+        if any(type(v) is int and abs(v) > MAX_WIDTH for v in values) \
+                or name == "replace" and len(texts) >= 3 and len(texts[-3]) + len(texts[-1]) * \
+                texts[-3].count(texts[-2]) > MAX_OUTPUT or name == "format" and not formats_within(texts[0]) \
+                or name == "join" and any(len(v) * len(texts[-1] if texts else "") > MAX_OUTPUT
+                                          for v in values if hasattr(v, "__len__") and not isinstance(v, str)):
+            raise TemplateError(f"its {name} filter makes a value past the budget of a chat template")
+        return bounded(run(*args, **kwargs))
+    return filtered
 
 
 def generation_tags():
