@@ -280,8 +280,8 @@ def load_tokenizer(data_dir):
         return tiktoken_tokenizer("gpt2")
     try:
         spec = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))["tokenizer"]
-        if not isinstance(spec.get("kind"), str):  # (a list's .get: AttributeError)
-            raise TypeError(f"its kind is {spec.get('kind')!r}")
+        if spec.get("kind") not in ("tiktoken", "huggingface", "char", "bpe"):  # (a list's .get: AttributeError)
+            raise TypeError(f"its kind is {spec.get('kind')!r}, not one prepare.py writes")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{data_dir / 'meta.json'} names no tokenizer as prepare.py writes it ({type(e).__name__}: "
                         f"{e}): re-run prepare.py") from None

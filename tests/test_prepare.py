@@ -218,7 +218,8 @@ def test_reuse_a_datasets_tokenizer(tmp_path):
     r = cli(tmp_path / "c", "--out_dir", tmp_path / "C", "--tokenizer", tmp_path / "A")
     one_line_error(r, "'Z'", "not in the vocabulary")
     assert not (tmp_path / "C" / "meta.json").exists()
-    for foreign in ('{"dtype": "uint16", "vocab_size": 10}', "[1]", '{"tokenizer": {"kind": 3}}'):  # not ours
+    for foreign in ('{"dtype": "uint16", "vocab_size": 10}', "[1]", '{"tokenizer": {"kind": 3}}',
+                    '{"tokenizer": {"kind": "sentencepiece", "file": "vocab.json"}}'):  # not ours
         write(tmp_path / "D" / "meta.json", foreign)
         one_line_error(cli(tmp_path / "c", "--out_dir", tmp_path / "C", "--tokenizer", tmp_path / "D"),
                        "meta.json names no tokenizer as prepare.py writes it")
