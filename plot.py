@@ -20,17 +20,22 @@ def read_run(out_dir):
     """A run's records -> (steps, evaluations): the logged training steps (skipped updates left out) and the
     evaluations, each a list of records by step, with "wall_s" added where the records have time."""
     path = os.path.join(out_dir, "metrics.jsonl")
+    fix = "name a run's out_dir (train.py writes it there)"
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")
-    except OSError as e:
-        raise UserError(f"cannot read {path} ({e.strerror}): name a run's out_dir (train.py writes it there)")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path} ({getattr(e, 'strerror', None) or 'not UTF-8 text'}): {fix}") from None
     records = []
     for number, line in enumerate(lines[:-1], 1):  # the last, without its newline, is a record being written
         try:
-            records += [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not one JSON record a line ({e.msg} at line {number})") from None
+            record = json.loads(line) if line.strip() else {"iter": 0}
+            if not isinstance(record, dict) or not isinstance(record.get("iter"), (int, float)):
+                raise ValueError("not a record with its step, iter")
+        except ValueError as e:
+            raise UserError(f"{path} is not one JSON record a line ({getattr(e, 'msg', e)} at line {number}): "
+                            f"{fix}") from None
+        records += [record] if line.strip() else []
     offset, last = 0.0, 0.0
     for record in records:  # a resumed run's process starts its clock again: its times follow the last one's
         if "elapsed_s" in record:
@@ -62,7 +67,8 @@ def draw(runs, title):
             val = [r for r in evaluations if x in r]
             axes.plot([r[x] for r in val], [r["val_loss"] for r in val], "o-", color=color, ms=4,
                       label=f"{label} val")
-        lr.plot([r["iter"] for r in steps], [r["lr"] for r in steps], color=color, label=label)
+        rates = [r for r in steps if "lr" in r]
+        lr.plot([r["iter"] for r in rates], [r["lr"] for r in rates], color=color, label=label)
         fast = [r for r in steps if "tokens_per_s" in r]
         speed.plot([r["iter"] for r in fast], [r["tokens_per_s"] for r in fast], color=color, label=label)
     for axes, xlabel, ylabel in ((by_step, "step", "loss"), (by_time, "wall time (s)", "loss"),
@@ -87,8 +93,13 @@ def main():
         raise UserError("plot.py draws with matplotlib: pip install matplotlib") from None
     runs = [(os.path.basename(os.path.normpath(d)), *read_run(d)) for d in args.out_dirs]
     to = args.to or os.path.join(args.out_dirs[0], "curves.png")
+    if not to.lower().endswith(".png"):
+        raise UserError(f"--to={to}: plot.py writes a PNG; name it NAME.png")
     figure = draw(runs, args.title or ", ".join(label for label, _, _ in runs))
-    figure.savefig(to, dpi=100)
+    try:
+        figure.savefig(to, dpi=100)
+    except OSError as e:
+        raise UserError(f"cannot write {to} ({e.strerror}): choose another --to") from None
     print(f"wrote {to}")
 
 

@@ -179,7 +179,7 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
              "data_fingerprint": data_fingerprint(meta)}  # its splits, chat template (start.resume, trained.run_chat)
 saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,
-                          tensorboard_log)  # (eval_only writes nothing)
+                          tensorboard_log, loop["iter_num"])  # (eval_only writes nothing)
 if eval_tasks and master:  # the tasks are checked, and their data loaded, before the first step (docs/evaluation.md)
     from lib import harness  # here, not on top: lm-evaluation-harness adds half a second to every run's start
     task_model = harness.for_training(raw_model, data_dir, device, autocast, batch_size, eval_tasks, eval_tasks_path)

@@ -29,9 +29,11 @@ FINISH_SHOWN = 3  # the first this many estimates also give the finish time on t
 
 
 def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wandb_run_name="run",
-             tensorboard_log=False):
+             tensorboard_log=False, step=None):
     """(log, close): log(record) writes a record (a dict with the step as "iter") everywhere asked; close()
-    writes out what TensorBoard buffers. Both do nothing outside the master."""
+    writes out what TensorBoard buffers. Both do nothing outside the master. step: the one the run begins at (a
+    resume's checkpoint's; None: appending to what is there): what a process before it recorded past that step goes,
+    from metrics.jsonl and from TensorBoard (a run from scratch purges all), as this run records those steps again."""
     if not master:
         return (lambda record: None), (lambda: None)
     if wandb_log:  # optional: imported only when asked for
@@ -44,8 +46,9 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
     tensorboard = None
     if tensorboard_log:
         from torch.utils.tensorboard import SummaryWriter
-        tensorboard = SummaryWriter(os.path.join(out_dir, "tb"))
-    cut_torn_record(os.path.join(out_dir, "metrics.jsonl"))
+        purge = None if step is None else step and step + 1  # (0: every step of a run from scratch)
+        tensorboard = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=purge)
+    cut_records(os.path.join(out_dir, "metrics.jsonl"), step)
     failed, opened = False, time.time()
 
     def log(record):
@@ -76,9 +79,12 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
     return log, tensorboard.close if tensorboard else (lambda: None)
 
 
-def cut_torn_record(path):
+def cut_records(path, step):
     """A process killed while it wrote a record can leave the line unfinished (a write is cut at a page's edge):
-    the resumed run's records would go on that line, and the file would not read. The piece goes first."""
+    the resumed run's records would go on that line, and the file would not read. The piece goes first; then (step
+    not None) the first record past step and all after it (records come in the order of their steps), which a resumed run writes
+    again: a run resumed from an earlier checkpoint would otherwise leave its steps twice, the later ones of a
+    process it never was."""
     if not os.path.lexists(path):
         return
     with contextlib.suppress(OSError, UserError), open_own(path, "a+b") as f:  # log() says once why it fails
@@ -87,6 +93,14 @@ def cut_torn_record(path):
         tail = f.read()
         if tail and not tail.endswith(b"\n"):  # no newline in the tail: the whole tail is the piece
             f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
+        f.seek(0)
+        at = 0  # where the line read begins
+        for line in f if step is not None else ():
+            with contextlib.suppress(ValueError, AttributeError, TypeError):  # a line that is no record: kept
+                if json.loads(line).get("iter", step) > step:
+                    f.truncate(at)
+                    break
+            at += len(line)
 
 
 def report_evaluation(log, master, step, losses, task_scores, epoch, lr):

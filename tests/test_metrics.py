@@ -125,6 +125,31 @@ def test_a_record_cut_by_a_kill_goes_before_the_resumed_run_writes(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+def test_a_resume_drops_what_a_process_recorded_past_its_checkpoint(tmp_path):
+    # resumed at step 20 (an earlier checkpoint, or one before a kill -9): the records of steps past 20 are gone
+    # from metrics.jsonl and from TensorBoard, before the run records them again; a run from scratch keeps none
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=0)
+    for step in (10, 20, 30, 40):
+        log({"iter": step, "loss": float(step)})
+    close()
+    log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=20)
+    log({"iter": 30, "loss": 3.0})
+    close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["iter"], r["loss"]) for r in records] == [(10, 10.0), (20, 20.0), (30, 3.0)]
+
+    def scalars():
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("loss")]
+    assert scalars() == [(10, 10.0), (20, 20.0), (30, 3.0)]
+    log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=0)
+    log({"iter": 10, "loss": 1.0})
+    close()
+    assert scalars() == [(10, 1.0)]
+
+
 def test_a_record_the_disk_had_room_for_only_in_part_leaves_no_piece(tmp_path, monkeypatch):
     # A full disk takes part of a record: the piece goes, so that the records written once there is room again each
     # begin their own line (else plot.py, and any reader, refuses the whole file)
