@@ -100,7 +100,7 @@ try:
         check_tokenizer(args.data_dir, read_meta(args.data_dir), args.model, model.config.vocab_size)
         data_dir = args.data_dir
     else:
-        model, checkpoint = load_model(os.path.join(args.out_dir, args.ckpt), getattr(torch, dtype), args.data_dir)
+        model, checkpoint = load_model(os.path.join(args.out_dir, args.ckpt), args.data_dir)
         if args.data_dir:  # another dataset than the run's must be made with its tokenizer
             check_run_tokenizer(args.data_dir, checkpoint, model.config.vocab_size)
         data_dir = checkpoint["data_dir"]

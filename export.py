@@ -32,9 +32,10 @@ from lib.trained import load_run, run_chat
 
 
 def load_exported(args):
-    # load_run's (model, tokenizer, checkpoint) for the export, its base in fp32 (LoRA's adapters merge into it so);
-    # a run begun from a Hugging Face folder needs the folder still there: its special tokens and tokenizer files
-    model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), torch.float32, args.data_dir)
+    # load_run's (model, tokenizer, checkpoint) for the export (LoRA's adapters merge in fp32 into the base they
+    # trained on); a run begun from a Hugging Face folder needs the folder still there: its special tokens and
+    # tokenizer files
+    model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), args.data_dir)
     base = checkpoint.get("pretrained")
     if base and not os.path.isdir(base):
         raise UserError(f"the base model this run began from is not at {base}, and its export takes the base's "

@@ -43,7 +43,7 @@ def reversal_chats(path, n, rng, seen, lengths=(3, 5)):
 
 def exact_match(out_dir, prompts):
     # greedy answers to the held-out prompts, cut at the end-of-turn, against the truth
-    model, tokenizer, _ = load_run(os.path.join(out_dir, "ckpt.pt"), torch.float32)
+    model, tokenizer, _ = load_run(os.path.join(out_dir, "ckpt.pt"))
     right = 0
     for pick in prompts:
         text = f"<|user|>\nreverse: {' '.join(pick)}\n<|assistant|>\n"  # the built-in template's prompt

@@ -139,13 +139,18 @@ def begin(config, vocab_size, meta, fsdp):
     return origin
 
 
+def frozen_dtype(lora_base_dtype, dtype):
+    # the dtype a LoRA run holds its frozen base in (nf4 and int8 are quantized from it): the run's dtype, or the one
+    # lora_base_dtype names. A run's model read back for use (trained.load_model) takes the very same base.
+    return getattr(torch, dtype if lora_base_dtype in ("auto", "nf4", "int8") else lora_base_dtype)
+
+
 def first_model(origin, config, dtype):
     """The model the run begins with, on the CPU, and its model_args: the checkpoint's (a sharded one's weights come
     in ckpt.restore), a Hugging Face folder's with this run's LoRA adapters, or a new one. Full fine-tuning keeps fp32
     weights (autocast computes in dtype); a frozen LoRA base is held in dtype, nf4 or int8 quantized from it later."""
-    checkpoint, model_args = origin.checkpoint, origin.model_args
-    lora, base = origin.lora, origin.lora_base_dtype
-    base_dtype = getattr(torch, dtype if base in ("auto", "nf4", "int8") else base) if lora else torch.float32
+    checkpoint, model_args, lora = origin.checkpoint, origin.model_args, origin.lora
+    base_dtype = frozen_dtype(origin.lora_base_dtype, dtype) if lora else torch.float32
     torch.manual_seed(config["seed"])  # the same initial weights in every process
     if checkpoint is not None and (lora or not os.path.isdir(origin.found)):
         run_settings = {k: model_args[k] for k in RUN_SETTINGS}

@@ -11,21 +11,22 @@ import os
 from lib.checkpoint import find_checkpoint, model_from_checkpoint
 from lib.files import UserError, data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.hf import load_pretrained
-from lib.start import load_checked
+from lib.start import frozen_dtype, load_checked
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 
-def load_model(path, base_dtype=None, data_dir=None):
+def load_model(path, data_dir=None):
     """out_dir/ckpt.pt, or an FSDP run's sharded out_dir/ckpt/ -> (model, checkpoint), on the CPU. A LoRA run's
-    base is read in base_dtype (None: its folder's), in nf4 or int8 again where the run held it so.
+    base is read as the run held it (start.frozen_dtype; nf4 or int8 quantized from that), whatever dtype the caller
+    computes in: its adapters were trained on those very weights.
     checkpoint["data_dir"] becomes where the model's data is now: data_dir, else where that data was then, else
     where the run's config says."""
     if (found := find_checkpoint(path)) is None:
         raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
     path = found
     checkpoint = load_checked(path, {"model", "model_args", "config"}, mmap=True)  # the weights, never the moments
-    model = model_from_checkpoint(checkpoint, base_dtype)
-    quantized = checkpoint["config"].get("lora_base_dtype")
+    quantized = checkpoint["config"].get("lora_base_dtype", "auto")
+    model = model_from_checkpoint(checkpoint, frozen_dtype(quantized, checkpoint["config"]["dtype"]))
     if model.config.lora_rank and quantized in ("nf4", "int8"):  # QLoRA's adapters on the base they trained on
         from lib.lora import quantize_base
         quantize_base(model, quantized)
@@ -60,9 +61,9 @@ def check_run_tokenizer(data_dir, checkpoint, model_vocab):
     check_tokenizer(data_dir, read_meta(data_dir), reference, model_vocab, fix)
 
 
-def load_run(path, base_dtype=None, data_dir=None):
+def load_run(path, data_dir=None):
     """load_model's (model, tokenizer, checkpoint): the tokenizer lives with the data the model was trained on."""
-    model, checkpoint = load_model(path, base_dtype, data_dir)
+    model, checkpoint = load_model(path, data_dir)
     found = checkpoint["data_dir"]
     try:
         tokenizer = load_tokenizer(found)
@@ -79,7 +80,7 @@ def load_run(path, base_dtype=None, data_dir=None):
 def load_folder_or_run(folder, path, dtype, data_dir, use):
     """(model, tokenizer, None) of a Hugging Face folder, else load_run's; use: what the folder's tokenizer encodes."""
     if not folder:
-        return load_run(path, dtype, data_dir)
+        return load_run(path, data_dir)
     if data_dir:  # the folder's own tokenizer.json is the one its ids mean
         raise UserError(f"--data_dir is a run's dataset, and {folder} brings its own tokenizer: leave --data_dir out")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):

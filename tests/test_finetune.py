@@ -258,6 +258,25 @@ def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
     assert float(done.stdout.strip().splitlines()[-1].split()[2]) == pytest.approx(val[-1], rel=2e-6)
 
 
+def test_a_qlora_run_in_bfloat16_is_exported_on_the_base_it_trained_on(pretrained, tmp_path):
+    # trained in bf16, its nf4 base was quantized from the bf16 weights: export.py (and eval.py, sample.py, whatever
+    # dtype they compute in) quantize from the same, or ~1% of the values take another of nf4's codes
+    pytest.importorskip("torchao", reason="a 4-bit base needs torchao (pip install torchao)")
+    from safetensors.torch import load_file
+
+    from lib.checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.lora import merge_lora
+    folder, data = pretrained
+    run(*LORA, "--lora_base_dtype=nf4", "--dtype=bfloat16", f"--data_dir={data}", f"--init_from={folder}",
+        f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    trained = quantize_base(model_from_checkpoint(load_checkpoint(tmp_path / "run" / "ckpt.pt"), torch.bfloat16))
+    merged = dict(merge_lora(trained).named_parameters())
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    ours = merged["blocks.0.mlp.gate.weight"]
+    assert torch.equal(exported["model.layers.0.mlp.gate_proj.weight"].to(ours.dtype), ours)
+
+
 # -----------------------------------------------------------------------------
 # export.py: a run -> a Hugging Face folder (or a peft adapter) that transformers reads as we do
 

@@ -107,10 +107,9 @@ def make_lora_run(root, pretrained):
 
 
 def ours(out_dir, tasks_dir, batch_size=4):
-    import torch
     from lib import harness
     from lib.trained import load_run
-    model, tokenizer, checkpoint = load_run(str(out_dir / "ckpt.pt"), torch.float32)
+    model, tokenizer, checkpoint = load_run(str(out_dir / "ckpt.pt"))
     lm = harness.Model(model.eval(), tokenizer, batch_size=batch_size, chat_folder=checkpoint["data_dir"])
     manager, names = harness.load_tasks(",".join(ROOT_TASKS), str(tasks_dir))
     return harness.run_tasks(lm, manager, names, log_samples=True, stderr=False)
@@ -228,10 +227,9 @@ def remote_task(folder):
 @pytest.mark.slow  # lm_eval's import alone is seconds
 def test_a_limit_of_0_scores_every_item_as_train_pys_eval_tasks_limit_does(run_here, tasks):
     needs_lm_eval()
-    import torch
     from lib import harness
     from lib.trained import load_run
-    model, tokenizer, _ = load_run(str(run_here[0] / "ckpt.pt"), torch.float32)
+    model, tokenizer, _ = load_run(str(run_here[0] / "ckpt.pt"))
     lm = harness.Model(model.eval(), tokenizer, batch_size=4)
     manager, names = harness.load_tasks("tiny_hellaswag", str(tasks))
     counts = [harness.run_tasks(lm, manager, names, limit=limit, stderr=False)["n-samples"]["tiny_hellaswag"]
