@@ -159,6 +159,10 @@ def check(config):
     check_ranges(config, _IN_RANGE)  # else a traceback from torch's first step, or nonsense trained
     if config["lora_rank"] and config["lora_alpha"] == 0:  # the adapters' output times 0: nothing would train
         raise _UserError("lora_alpha=0 scales the adapters' output to nothing: set it above 0 (16 is usual)")
+    lora = [k for k in ("lora_alpha", "lora_dropout", "lora_targets", "lora_base_dtype") if config[k] != defaults()[k]]
+    if lora and not config["lora_rank"]:  # (a LoRA run resumes with its lora_rank given again)
+        raise _UserError(f"{lora[0]}={config[lora[0]]!r} is a setting of LoRA's adapters, and lora_rank=0 trains "
+                         f"none: set lora_rank (8 or 16 is usual), or leave {lora[0]} out")
     if config["tensorboard_log"]:  # found out now, not at the first record
         try:
             import torch.utils.tensorboard  # noqa: F401 (metrics.py writes with it)

@@ -212,8 +212,11 @@ def resume(origin, config, meta):
     loop = origin.loop = {k: checkpoint[k] for k in ckpt.LOOP}
     origin.lora = origin.model_args.get("lora_rank", 0)
     before = checkpoint["config"]
-    if origin.lora:  # the base as it was held
+    if origin.lora:  # the base as it was held: this command may leave the setting out, not change it
         origin.lora_base_dtype = before.get("lora_base_dtype", config["lora_base_dtype"])
+        if config["lora_base_dtype"] not in ("auto", origin.lora_base_dtype):
+            raise UserError(f"{found} was trained on a base held as lora_base_dtype={origin.lora_base_dtype!r}; "
+                            f"resume with that (or leave it out), or train anew into another out_dir")
     origin.notes.append(f"resuming {found} at step {loop['iter_num']}")
     if checkpoint.get("data_fingerprint", {}).get("splits") not in (None, data_fingerprint(meta)["splits"]):
         origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "

@@ -272,6 +272,8 @@ def test_batch_size_auto_shares_one_micro_step_of_an_update_over_two_processes(d
     (["--lora_dropout=1.0"], "lora_dropout=1.0 must be at least 0 and below 1"),
     (["--lora_alpha=-1.0"], "lora_alpha=-1.0 must be at least 0"),
     (["--lora_rank=4", "--lora_alpha=0.0"], "lora_alpha=0 scales the adapters' output to nothing"),
+    (["--lora_base_dtype=nf4"], "lora_base_dtype='nf4' is a setting of LoRA's adapters, and lora_rank=0 trains none"),
+    (["--lora_targets=q,v"], "lora_targets='q,v' is a setting of LoRA's adapters, and lora_rank=0 trains none"),
     (["--family=banana"], "family='banana' is not one of 'llama', 'mistral', 'qwen2', 'qwen3'"),
 ])
 def test_config_errors(data_dir, tmp_path, args, message):
