@@ -204,11 +204,20 @@ def check_destination(args):
                         f"only an earlier export; choose another --to")
 
 
-def usual_mode(path, mode):
-    # tempfile's names are their user's alone (0700, 0600): an export gets what any new file or folder gets
+def temporary(make, to, mode):
+    # a name of this export's own beside to (a folder: tempfile.mkdtemp; a file: mkstemp), with the permissions
+    # any new folder or file gets (tempfile's are their user's alone: 0700, 0600)
+    try:
+        made = make(prefix=os.path.basename(to) + ".", suffix=".export-tmp", dir=os.path.dirname(to))
+    except OSError as e:
+        raise UserError(written_nothing(to, e)) from None
+    if isinstance(made, tuple):  # mkstemp's (handle, path)
+        os.close(made[0])
+        made = made[1]
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(path, mode & ~mask)
+    os.chmod(made, mode & ~mask)
+    return made
 
 
 def written_nothing(to, error):
@@ -238,9 +247,8 @@ def main(argv=None):
     # Written beside the destination, then renamed into place: a failure leaves no half-written folder, and an
     # --overwrite loses nothing until the new one is whole.
     to = os.path.abspath(args.to)  # "." too: its temporary folders go beside it, not inside
-    staging = tempfile.mkdtemp(prefix=os.path.basename(to) + ".", suffix=".export-tmp", dir=os.path.dirname(to))
+    staging = temporary(tempfile.mkdtemp, to, 0o777)
     old = staging.removesuffix("-tmp") + "-old"  # this export's own names: another's, or a user's, stay as they are
-    usual_mode(staging, 0o777)
     try:
         model, tokenizer, checkpoint = load_exported(args)
         base = checkpoint.get("pretrained") or ""
@@ -281,10 +289,7 @@ def export_gguf(args):
     if os.path.exists(args.to) and not args.overwrite:
         raise UserError(f"{args.to} exists; pass --overwrite to replace it, or choose another --to")
     made = make_parent(args.to)
-    handle, staging = tempfile.mkstemp(prefix=os.path.basename(args.to) + ".", suffix=".export-tmp",
-                                       dir=os.path.dirname(os.path.abspath(args.to)))
-    os.close(handle)
-    usual_mode(staging, 0o666)
+    staging = temporary(tempfile.mkstemp, os.path.abspath(args.to), 0o666)
     try:
         model, tokenizer, checkpoint = load_exported(args)
         write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)

@@ -82,9 +82,9 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
 def cut_records(path, step):
     """A process killed while it wrote a record can leave the line unfinished (a write is cut at a page's edge):
     the resumed run's records would go on that line, and the file would not read. The piece goes first; then (step
-    not None) the first record past step and all after it (records come in the order of their steps), which a resumed run writes
-    again: a run resumed from an earlier checkpoint would otherwise leave its steps twice, the later ones of a
-    process it never was."""
+    not None) the first record past step and all after it (records come in the order of their steps), which a
+    resumed run writes again: a run resumed from an earlier checkpoint would otherwise leave its steps twice, the
+    later ones of a process it never was."""
     if not os.path.lexists(path):
         return
     with contextlib.suppress(OSError, UserError), open_own(path, "a+b") as f:  # log() says once why it fails
