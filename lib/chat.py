@@ -170,7 +170,8 @@ def budget(env):
 
 def formats_within(text):
     # a % or format filter's widths and precisions at most MAX_WIDTH (* would take them from its values)
-    return "*" not in text and all(int(n) <= MAX_WIDTH for n in re.findall(r"\d+", text))
+    sizes = re.findall(r"%[-+ #0]*(\*|\d*)(?:\.(\*|\d*))?", text.replace("%%", ""))
+    return all(n != "*" and int(n or 0) <= MAX_WIDTH for spec in sizes for n in spec)
 
 
 def checked_filter(name, run, step, bounded):

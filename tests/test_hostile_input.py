@@ -339,6 +339,17 @@ def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, say
         chat.ChatFormat(PROBE + template, "test", ["</s>"], "</s>")
     assert time.time() - started < 20
 
+
+def test_what_templates_write_within_the_budget_renders_as_jinja_renders_it():
+    # a number in the text a % formats is no width; %% is a percent sign; filters with their usual numbers
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from lib.chat import compile_template
+    template = ("{{ 'Step 5000: %s, %%5000, %05.2f' % ('x', 3.14159) }} {{ '%s-%d' | format('a', 7) }} "
+                "{{ 'a b' | replace(' ', '_') }} {{ ['x', 'y'] | join(', ') }} {{ 'ab' | center(6) }} "
+                "{% for i in range(3) %}{{ i % 2 }}{{ 2 ** 10 * i }}{% endfor %} {{ 'x\ny' | indent(4) }}")
+    assert compile_template(template)() == ImmutableSandboxedEnvironment().from_string(template).render()
+
 # -----------------------------------------------------------------------------
 # a dataset's meta.json names its tokenizer's file inside its folder; a pattern the regex engine refuses
 
