@@ -266,10 +266,12 @@ def main(argv=None):
             os.replace(to, old)
         durable_replace(staging, to)
         shutil.rmtree(old, ignore_errors=True)
-    except (ValueError, OSError) as e:  # model.py's plain ValueError too; a full disk: one line, nothing left
+    except BaseException as e:  # model.py's plain ValueError too, a full disk, a Ctrl-C: nothing left
         shutil.rmtree(made or staging, ignore_errors=True)
         if os.path.exists(old) and not os.path.exists(to):  # an earlier export goes back where it was
             os.replace(old, to)
+        if not isinstance(e, (ValueError, OSError)):
+            raise
         raise UserError(str(e) if isinstance(e, ValueError) else written_nothing(args.to, e)) from None
     what = "a peft adapter" if args.adapter else "a Hugging Face model"
     print(f"wrote {what} to {args.to}" + (f" (tokenizer: {note})" if note else ""))

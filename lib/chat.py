@@ -170,13 +170,14 @@ def budget(env):
 
 def formats_within(text):
     # a % or format filter's widths and precisions at most MAX_WIDTH (* would take them from its values)
-    sizes = re.findall(r"%[-+ #0]*(\*|\d*)(?:\.(\*|\d*))?", text.replace("%%", ""))
+    sizes = re.findall(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d*)(?:\.(\*|\d*))?", text.replace("%%", ""))
     return all(n != "*" and int(n or 0) <= MAX_WIDTH for spec in sizes for n in spec)
 
 
 def checked_filter(name, run, step, bounded):
-    """jinja's filter run (named name), counted as a call (step) and refused (TemplateError) past the budget: numbers
-    past MAX_WIDTH, a replace or join that would write past MAX_OUTPUT; its result measured (bounded)."""
+    """jinja's filter run (named name), counted as a call (step) and refused (TemplateError) past the budget: a width
+    that writes that much (center's, indent's; indent's or wordwrap's text) past MAX_WIDTH, a format's too, a replace
+    or join that would write past MAX_OUTPUT; its result measured (bounded)."""
     import functools
     from jinja2.exceptions import TemplateError
 
@@ -185,11 +186,14 @@ def checked_filter(name, run, step, bounded):
         step(10)
         values = [*args, *kwargs.values()]
         texts = [v for v in values if isinstance(v, str)]
-        if any(type(v) is int and abs(v) > MAX_WIDTH for v in values) \
+        items = [v for v in values if hasattr(v, "__len__") and not isinstance(v, (str, dict))]  # lists, ranges
+        if name in ("center", "indent") and any(
+                type(v) is int and abs(v) > MAX_WIDTH for v in values) or len(texts) > 1 and max(map(len, texts[1:])) \
+                > MAX_WIDTH and name in ("indent", "wordwrap") \
                 or name == "replace" and len(texts) >= 3 and len(texts[-3]) + len(texts[-1]) * \
-                texts[-3].count(texts[-2]) > MAX_OUTPUT or name == "format" and not formats_within(texts[0]) \
-                or name == "join" and any(len(v) * len(texts[-1] if texts else "") > MAX_OUTPUT
-                                          for v in values if hasattr(v, "__len__") and not isinstance(v, str)):
+                texts[-3].count(texts[-2]) > MAX_OUTPUT or name == "format" and not formats_within(str(args[0])) \
+                or name == "join" and items and sum(len(str(x)) + len(texts[-1] if texts else "")
+                                                    for x in items[0]) > MAX_OUTPUT:
             raise TemplateError(f"its {name} filter makes a value past the budget of a chat template")
         return bounded(run(*args, **kwargs))
     return filtered

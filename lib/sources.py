@@ -257,8 +257,9 @@ def read_csv(path, field, chat, ext):
     limit = csv.field_size_limit(MAX_RECORD)  # (the csv module's, for every caller: put back after)
     with open_input(path) as f, contextlib.ExitStack() as stack:
         stack.callback(csv.field_size_limit, limit)
-        # strict: a quote left open, or text after a closing one, is an error, not records run together
-        rows = csv.DictReader(lines(f), dialect="excel-tab" if ext == ".tsv" else "excel", strict=True)
+        # a .csv strictly: a quote left open, or text after a closing one, is an error, not records run together (a
+        # .tsv's fields are often unquoted text that may begin with a quote)
+        rows = csv.DictReader(lines(f), dialect="excel-tab" if ext == ".tsv" else "excel", strict=ext != ".tsv")
         try:
             for row in rows:
                 record[0] = 0

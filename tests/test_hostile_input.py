@@ -347,7 +347,10 @@ def test_what_templates_write_within_the_budget_renders_as_jinja_renders_it():
     from lib.chat import compile_template
     template = ("{{ 'Step 5000: %s, %%5000, %05.2f' % ('x', 3.14159) }} {{ '%s-%d' | format('a', 7) }} "
                 "{{ 'a b' | replace(' ', '_') }} {{ ['x', 'y'] | join(', ') }} {{ 'ab' | center(6) }} "
-                "{% for i in range(3) %}{{ i % 2 }}{{ 2 ** 10 * i }}{% endfor %} {{ 'x\ny' | indent(4) }}")
+                "{% for i in range(3) %}{{ i % 2 }}{{ 2 ** 10 * i }}{% endfor %} {{ 'x\ny' | indent(4) }}"
+                # numbers past any width where no filter writes that much: tool calls' arguments, timestamps
+                "{{ {'amount': 5000, 'ts': 1700000000} | tojson }} {{ 60000 | string }} {{ 'abc' | truncate(5000) }}"
+                "{{ '%d tokens' | format(5000) }} {{ 42 | format }}")
     assert compile_template(template)() == ImmutableSandboxedEnvironment().from_string(template).render()
 
 # -----------------------------------------------------------------------------

@@ -712,11 +712,12 @@ def test_csv_and_tsv_rows_are_records_and_category_parquet_columns_are_text(tmp_
     assert meta["bad_records"]["examples"] == [f"{tmp_path / 'more' / 'e.csv'}:line 3: field 'article' is not a "
                                                f"string (NoneType)"]
     assert meta["skipped_files"][0]["reason"].endswith("after 1 documents (those are kept)")
-    # a quote left open runs to the file's end, taking the rows after it: the file stops there, its rows before kept
-    write(tmp_path / "open" / "f.tsv", 'id\ttext\n1\tplain row\n2\t"unclosed quote\n3\tthird row\n')
+    # in a .csv a quote left open runs to the file's end, taking the rows after it: the file stops there, its rows
+    # before kept (a .tsv is read as before: its unquoted text may begin with a quote)
+    write(tmp_path / "open" / "f.csv", 'id,text\n1,plain row\n2,"unclosed quote\n3,third row\n')
     meta = run(tmp_path / "open", "--out_dir", tmp_path / "out3", "--tokenizer", "char", "--val_fraction", 0)
     assert read_all(tmp_path / "out3") == ["plain row"]
-    assert meta["skipped_files"][0]["reason"].startswith("not a readable tsv file: the record at line 3 (unexpected end")
+    assert meta["skipped_files"][0]["reason"].startswith("not a readable csv file: the record at line 3 (unexpected end")
 
 
 def test_a_csv_row_with_more_fields_than_its_header_or_past_a_records_bytes_is_refused(tmp_path, monkeypatch):
