@@ -208,6 +208,9 @@ def check_arguments(args):
             raise UserError(f"{path} is --val_input {val} or inside it: pass it as an input or as --val_input")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
+    if args.chat_template and not os.path.isfile(args.chat_template):  # found out now, not at the first conversation
+        raise UserError(f"no such --chat_template file: {args.chat_template} (give a Jinja template's file, e.g. a "
+                        f"model folder's chat_template.jinja)")
     out = Path(args.out_dir or ("data/stdlib" if not args.input else ""))
     if args.analyze:
         return inputs, out, False

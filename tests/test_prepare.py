@@ -225,6 +225,13 @@ def test_reuse_a_datasets_tokenizer(tmp_path):
                        "meta.json names no tokenizer as prepare.py writes it")
 
 
+def test_a_chat_template_file_that_is_not_there_is_refused_before_anything_is_read(tmp_path):
+    write(tmp_path / "src" / "a.txt", "hello")
+    one_line_error(cli(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--chat_template",
+                       tmp_path / "none.jinja"), "no such --chat_template file:", "chat_template.jinja")
+    assert not (tmp_path / "out").exists()
+
+
 def test_hf_tokenizer_without_eot_is_refused(tmp_path):
     folder = hf_tokenizer_json(tmp_path / "hf", special=("<pad>",))
     write(tmp_path / "src" / "a.txt", "hello")
