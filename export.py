@@ -23,8 +23,8 @@ import tempfile
 import torch
 
 from lib.bounds import confined
-from lib.files import UserError, durable_replace, one_line_errors, open_own
-from lib.hf import read_json, save_pretrained, special_ids
+from lib.files import UserError, durable_replace, one_line_errors, open_own, read_json
+from lib.hf import save_pretrained, special_ids
 from lib.lora import merge_lora, write_adapter
 from lib.tokenizer import bases_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lib import checkpoint as ckpt
-from lib.files import UserError, data_fingerprint, lock_folder, tokenizer_fingerprint, unlock_folder
+from lib.files import UserError, data_fingerprint, lock_folder, read_json, tokenizer_fingerprint, unlock_folder
 from lib.parallel import this_process
 from lib.settings import check_sizes, model_settings
 from model import GPT, GPTConfig
@@ -124,7 +124,7 @@ def begin(config, vocab_size, meta, fsdp):
         from lib.lora import check_lora
         check_lora(config["lora_rank"], origin.lora, origin.lora_base_dtype, config["tp_size"], fsdp)
     if checkpoint is None and init_from != "scratch":
-        from lib.hf import fingerprint, read_json  # the folder's config, and the tokenizer its data was made with
+        from lib.hf import fingerprint  # the folder's, and the tokenizer its data was made with
         from lib.tokenizer import check_tokenizer
         # data for a pretrained model must be made with its own tokenizer, or its ids mean other words
         model_vocab = read_json(os.path.join(init_from, "config.json")).get("vocab_size")

@@ -25,11 +25,11 @@ def load_model(path, data_dir=None):
         raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
     path = found
     checkpoint = load_checked(path, {"model", "model_args", "config"}, mmap=True)  # the weights, never the moments
-    quantized = checkpoint["config"].get("lora_base_dtype", "auto")
-    model = model_from_checkpoint(checkpoint, frozen_dtype(quantized, checkpoint["config"]["dtype"]))
-    if model.config.lora_rank and quantized in ("nf4", "int8"):  # QLoRA's adapters on the base they trained on
+    held = checkpoint["config"].get("lora_base_dtype", "auto")  # a LoRA run's base, as it trained
+    model = model_from_checkpoint(checkpoint, frozen_dtype(held, checkpoint["config"]["dtype"]))
+    if model.config.lora_rank and held in ("nf4", "int8"):  # QLoRA's adapters on the base they trained on
         from lib.lora import quantize_base
-        quantize_base(model, quantized)
+        quantize_base(model, held)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
     if found is None and data_dir:
