@@ -67,7 +67,7 @@ def recover_first_save(out_dir):
     """A run's first save killed after its copies (ckpt_best, ckpt_epoch_N, ckpt_NNNNNNN), before its tmp took the
     name ckpt, left them beside the tmp and no ckpt: the copies were made from the finished tmp, which takes the name
     now, so that the run resumes from it. The master calls it at start, out_dir locked."""
-    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    names = os.listdir(out_dir)
     if any(re.fullmatch(COPIES, name) for name in names) and not find_checkpoint(os.path.join(out_dir, "ckpt.pt")):
         if "ckpt.pt.tmp" in names:
             durable_replace(os.path.join(out_dir, "ckpt.pt.tmp"), os.path.join(out_dir, "ckpt.pt"))
@@ -246,13 +246,12 @@ def check_shapes(model, shapes, names, where, fix):
 def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
     """A train.py checkpoint (load_checkpoint's) -> GPT with its weights; overrides as in hf.load_pretrained. A LoRA
     run's holds only the adapters: they go onto its unchanged base folder again, read in base_dtype."""
-    model = checkpoint.get("model", {})
-    if not isinstance(checkpoint["model_args"], dict) or not isinstance(model, dict) \
-            or not all(isinstance(name, str) for name in model):
+    weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
+    if not isinstance(checkpoint["model_args"], dict) or not isinstance(weights, dict) \
+            or not all(isinstance(name, str) for name in weights):
         raise UserError("the checkpoint's model_args or model is not a dict (of weights by name): use another "
                         "checkpoint")
     args = {**checkpoint["model_args"], **overrides}
-    weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
     if not args.get("lora_rank"):
         model = meta_model(args, weights)
         try:
@@ -349,8 +348,7 @@ def publish(tmp, dst):
 
 def copy_checkpoint(src, dst):
     # dst becomes a copy of the checkpoint src, a file or a folder, of files of its own (copy_file)
-    tmp = dst + ".tmp"
-    retire(tmp)
+    tmp = dst + ".tmp"  # (write_checkpoint removed any a killed save left)
     if os.path.isdir(src):
         os.makedirs(tmp)
         for name in sorted(os.listdir(src), key=lambda n: n == "state.pt"):  # state.pt last

@@ -33,15 +33,11 @@ SEQUENCES = {
 }
 
 
-def check_sequences(sequences, meta=None, doc_mask=False, where="meta.json"):
-    """UserError, in one line with the fix, for a sequences setting no run knows; with meta (the data's, read from
-    where), for one the data cannot give: documents (doc_mask) and whole examples end at the end-of-text id."""
+def check_sequences(sequences):
+    """UserError, in one line with the fix, for a sequences setting no run knows (what the data can give:
+    files.check_data_for_run)."""
     if sequences not in SEQUENCES:
         raise UserError(f"sequences={sequences!r} is not one of {', '.join(map(repr, SEQUENCES))}")
-    if meta is not None and (doc_mask or SEQUENCES[sequences].examples) and meta.get("eot_id") is None:
-        raise UserError(f"{'doc_mask=True' if doc_mask else f'sequences={sequences}'} needs the end-of-text id, and "
-                        f"{where} gives none (prepare the data with prepare.py, or set doc_mask=False "
-                        f"and sequences='windows')")
 
 
 class Split:
@@ -157,13 +153,6 @@ class Split:
         return (f"{self.cut} longer than block_size + 1 = {self.block_size + 1} tokens, cut to it, keeping "
                 f"{self.targets[0] / max(self.targets[1], 1):.1%} of the trained tokens")
 
-    def check_targets(self):
-        """UserError where no example keeps a trained target within the block_size + 1 tokens it is cut to."""
-        if self.examples and self.targets[0] == 0:
-            raise UserError(f"no {'val' if self.is_val else 'train'} example keeps a trained token within its first "
-                            f"block_size + 1 = {self.block_size + 1} tokens ({self.cut} of {len(self.lengths)} are "
-                            f"longer): raise block_size")
-
     def check_ids(self, tokens, position):
         # a bad id would index past the embedding: name it instead
         if tokens.max() >= self.vocab_size:
@@ -240,8 +229,11 @@ class Batches:
         # padding past max_epochs, masks, packed examples): the loop weighs each one's loss by its share
         self.weighted = self.mode.epochs or meta.get("masks", False)
         self.end_of_epochs = None  # sequences in max_epochs epochs (steps_for); past them, a step's are empty
-        for split in self.splits.values():  # whole examples are cut to block_size: some may keep nothing to train
-            split.check_targets()
+        for name, split in self.splits.items():  # whole examples are cut to block_size: some may keep nothing to train
+            if split.examples and split.targets[0] == 0:
+                raise UserError(f"no {name} example keeps a trained token within its first block_size + 1 = "
+                                f"{block_size + 1} tokens ({split.cut} of {len(split.lengths)} are longer): raise "
+                                f"block_size")
 
     def steps_for(self, max_epochs):
         """The steps that make max_epochs epochs; from then on a step's sequences are empty."""

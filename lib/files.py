@@ -354,9 +354,13 @@ def check_token_files(data_dir, meta, block_size):
 
 def check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_size):
     """train.py's checks of its data -> (the model's vocab_size, 0 being the data's padded up to a multiple of 64;
-    the training split's tokens). Windows need token files longer than block_size; whole examples, no minimum."""
-    from lib.data import SEQUENCES, check_sequences  # (here: prepare.py reads files.py, and needs no torch)
-    check_sequences(sequences, meta, doc_mask, os.path.join(data_dir, "meta.json"))
+    the training split's tokens). Windows need token files longer than block_size; whole examples, no minimum;
+    documents (doc_mask) and whole examples, the end-of-text id."""
+    from lib.data import SEQUENCES  # (here: prepare.py reads files.py, and needs no torch)
+    if (doc_mask or SEQUENCES[sequences].examples) and meta.get("eot_id") is None:
+        raise UserError(f"{'doc_mask=True' if doc_mask else f'sequences={sequences}'} needs the end-of-text id, and "
+                        f"{os.path.join(data_dir, 'meta.json')} gives none (prepare the data with prepare.py, or set "
+                        f"doc_mask=False and sequences='windows')")
     vocab_size = vocab_size or 64 * math.ceil(meta["vocab_size"] / 64)
     if meta["vocab_size"] > vocab_size:
         raise UserError(f"{os.path.join(data_dir, 'meta.json')} says the data has {meta['vocab_size']} token ids "

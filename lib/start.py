@@ -63,17 +63,16 @@ def claim(out_dir, master):
         said = [refused]
         dist.broadcast_object_list(said, src=0)
         refused = said[0]
+        if not refused:
+            check_shared(out_dir, master)
     if refused:
         raise UserError(refused)
-    check_shared(out_dir, master)
 
 
 def check_shared(out_dir, master, wait=10.0):
     """Every process sees what the master writes in out_dir, or all stop here in one line before anything trains (on
     each node's own disk a checkpoint would be lost, or never whole): each looks for the master's new probe file for
     up to wait s, as a network file system may show a new file late."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
     token = [secrets.token_hex(8) if master else None]
     dist.broadcast_object_list(token, src=0)
     probe = os.path.join(out_dir, f".shared-{token[0]}")
@@ -111,9 +110,9 @@ def begin(config, vocab_size, meta, fsdp):
             raise UserError(f"{named[0]} is visible to {len(named)} of {len(seen)} processes: out_dir must be on "
                             f"storage every node shares")
     init_from, checkpoint = starting_point(out_dir, config["init_from"], found)
-    sharded = os.path.isdir(found) if found else fsdp
-    origin = Origin(init_from=init_from, checkpoint=checkpoint, found=found, sharded=sharded, model_args=model_args,
-                    loop=dict(ckpt.LOOP), lora_base_dtype=config["lora_base_dtype"])
+    origin = Origin(init_from=init_from, checkpoint=checkpoint, found=found, model_args=model_args,
+                    sharded=os.path.isdir(found) if found else fsdp, loop=dict(ckpt.LOOP),
+                    lora_base_dtype=config["lora_base_dtype"])
     if checkpoint is not None:
         resume(origin, config, meta)
         if origin.stopped:
@@ -277,7 +276,8 @@ def starting_point(out_dir, init_from, found):
                 raise UserError(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not "
                                  f"{os.path.abspath(init_from)}: train into another out_dir")
             init_from = "resume"
-    if init_from != "resume" and (held := existing(out_dir)):
+    held = sorted(f for f in os.listdir(out_dir) if re.fullmatch(ckpt.NAMES, f)) if os.path.isdir(out_dir) else []
+    if init_from != "resume" and held:
         how = "--init_from=resume" if found else "--init_from=resume once one of them is copied to ckpt.pt"
         raise UserError(f"{out_dir} holds a run already ({', '.join(held)}): continue it with {how}, or train into "
                         f"another out_dir")
@@ -321,7 +321,3 @@ def check_resume(checkpoint, config, data_vocab, path):
     trained_with = checkpoint["config"].get("optimizer", "adamw")
     if trained_with != config["optimizer"]:
         raise UserError(f"{path} was trained with optimizer={trained_with!r}: resume with --optimizer={trained_with}")
-
-
-def existing(out_dir):
-    return sorted(f for f in os.listdir(out_dir) if re.fullmatch(ckpt.NAMES, f)) if os.path.isdir(out_dir) else []
