@@ -133,7 +133,7 @@ def traced_optimizer(model, optimizer="adamw", tp=1):
     copy lacks (a module replaced by hand) has none. A step may stop early on fake tensors (below): this holds for an
     optimizer that makes all its state before any arithmetic of its step, as torch's do in _init_group. They are built
     for the meta device, where build_optimizers picks no fused kernel (torch's fused SGD has no fake: it would run on
-    real tensors as large as two blocks); the foreach or per-tensor steps keep the same state."""
+    real tensors as large as the probe); the foreach or per-tensor steps keep the same state."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode, UnsupportedOperatorException)
     settings = {**defaults(), **(optimizer if isinstance(optimizer, dict) else {"optimizer": optimizer})}
@@ -213,13 +213,13 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
 
 def probe_model(model, tp=1):
     """model's class built again from its config on the meta device (where module.to() works, for add_lora; made
-    fake after), with two blocks at most (a block's work, and the first block's apart: under LoRA it keeps no
-    input), tensor parallel's share over tp processes of the heads and the MLP's width, and model's adapters. An
-    edit of the class or of model.py is followed; one of this instance's modules replaced by hand is not."""
+    fake after), with one block (every block's work is alike), two under LoRA (the first block's apart: it keeps
+    no input), tensor parallel's share over tp processes of the heads and the MLP's width, and model's adapters.
+    An edit of the class or of model.py is followed; one of this instance's modules replaced by hand is not."""
     c = model.config
     own = next(k for k in type(model).__mro__ if not k.__module__.startswith("torch."))  # not FSDP's FSDPGPT
     with torch.device("meta"):
-        probe = own(dataclasses.replace(c, n_layer=min(c.n_layer, 2), n_head=c.n_head // tp,
+        probe = own(dataclasses.replace(c, n_layer=min(c.n_layer, 2 if c.lora_rank else 1), n_head=c.n_head // tp,
                                         n_kv_head=c.n_kv_head // tp, mlp_hidden=c.mlp_hidden // tp, lora_rank=0))
         if c.lora_rank:
             from lib.lora import add_lora
