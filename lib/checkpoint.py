@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from lib.files import UserError, check_regular, durable_replace, open_own
-from lib.memory import state_bytes, traced_optimizer
 from lib.parallel import is_dtensor
 from lib.settings import check_sizes
 from model import GPT, GPTConfig
@@ -445,12 +444,10 @@ def failed_save(out_dir, step, sharded, error, needed):
             f"out_dir), then resume with --init_from=auto")
 
 
-def check_room(out_dir, model, optimizer, lora):
-    """Before the first step: UserError in one line where out_dir cannot be written or hold one checkpoint; a warning
-    (returned, else None) where it cannot hold two (a save writes the new one beside the last)."""
-    saved = [(name, p) for name, p in model.named_parameters() if p.requires_grad or not lora]
-    weights, _, optimizer_state = state_bytes(saved, traced_optimizer(model, optimizer), 1, 1, False, None, False)
-    size = weights + optimizer_state
+def check_room(out_dir, size):
+    """Before the first step: UserError in one line where out_dir cannot be written or hold one checkpoint of size
+    bytes (memory_estimate's); a warning (returned, else None) where it cannot hold two (a save writes the new one
+    beside the last)."""
     probe = os.path.join(out_dir, f".write-test-{os.getpid()}.tmp")  # a name no other process writes
     try:
         os.makedirs(out_dir, exist_ok=True)

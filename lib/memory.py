@@ -63,12 +63,16 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     ones. quantized: 'nf4' or 'int8', the frozen projections so held (int8: a byte a value, an fp32 scale and an int8
     zero point a row; activations as unquantized); a model quantized already counts as it is. device: its type. Not
     counted: document masks, the rotary tables, the allocator's caching, and what kernels allocate inside themselves but
-    for the fused loss's logits (workspace)."""
+    for the fused loss's logits (workspace). And checkpoint: the bytes of a checkpoint of the run, all processes' parts
+    (its weights, a LoRA run's adapters alone, and the optimizer's state), for checkpoint.check_room."""
     c = model.config
     e = 4 if dtype == "float32" else 2  # a weight's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
     ddp = dp > 1 and not fsdp  # (tensor parallel runs under FSDP)
-    weights, grads, optim = state_bytes(params, traced_optimizer(model, optimizer, tp), dp, tp, fsdp, quantized, ddp)
+    state = traced_optimizer(model, optimizer, tp)
+    weights, grads, optim = state_bytes(params, state, dp, tp, fsdp, quantized, ddp)
+    in_checkpoint = [(n, p) for n, p in params if p.requires_grad or not c.lora_rank]  # a LoRA run's: its adapters
+    checkpoint = sum(state_bytes(in_checkpoint, state, 1, 1, False, None, False)[::2])  # weights and optimizer state
     saved = traced_forward(model, batch_size, block_size, dtype, tp, fsdp, device)
     if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, a block and its gradients
         root = sum(held_values(n, p, dp, tp) for n, p in params if "blocks." not in n)
@@ -83,7 +87,7 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     peak = max(at_loss, stored + saved.block + made if checkpointing else made)
     return dict(weights=weights, grads=grads, optimizer=optim, copies=copies, temporary=saved.temporary,
                 host=host, activations=saved.head + stored + (saved.block if checkpointing else 0),
-                device=copies + peak + (0 if offload else weights + optim))
+                device=copies + peak + (0 if offload else weights + optim), checkpoint=checkpoint)
 
 
 def held_values(name, p, dp=1, tp=1, shard=False):

@@ -81,6 +81,26 @@ def test_lora_counts_only_the_adapters_gradients_and_state():
     assert real["grads"] == 4 * adapters < real["weights"]
 
 
+@pytest.mark.parametrize("lora", [0, 4])
+def test_checkpoint_is_the_bytes_of_the_tensors_a_checkpoint_holds(lora):
+    # what check_room weighs a checkpoint at: the weights it saves (a LoRA run's adapters alone, not its base) and the
+    # optimizer's state, each tensor once (a tied weight is one), as train.py saves them after a step
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE))
+    if lora:
+        add_lora(model, lora)
+    optimizers = build_optimizers(model, {**defaults(), "learning_rate": 1e-3}, "cpu")
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    model(x, x)[1].backward()
+    for opt in optimizers:
+        opt.step()
+    weights = {n: t for n, t in model.state_dict().items() if not lora or "lora" in n}
+    tensors = [*weights.values(), *(t for opt in optimizers for s in opt.state_dict()["state"].values()
+                                    for t in s.values())]
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert memory_estimate(model, 2, 16, "float32", "adamw")["checkpoint"] == sum(held.values())
+
+
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_quantized_base_is_counted_at_its_size(kind):
     pytest.importorskip("torchao")
