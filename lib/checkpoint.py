@@ -433,6 +433,9 @@ def failed_save(out_dir, step, sharded, error, needed):
     for name in names:
         if re.fullmatch(UNFINISHED, name) or first and re.fullmatch(COPIES, name):
             retire(os.path.join(out_dir, name))
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (its error, its stack)}
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]  # the first failed rank's own (a folder gone, a disk full, ...)
     why = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
     with contextlib.suppress(OSError):  # (the folder itself is gone: the error says why)
         free = shutil.disk_usage(out_dir).free
@@ -485,13 +488,21 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
     suffix = "" if sharded else ".pt"
     latest = os.path.join(out_dir, "ckpt" + suffix)
     tmp = latest + ".tmp"
+    swept = None
     if master:  # what killed saves left unfinished (no save is under way now)
-        for name in os.listdir(out_dir):
-            if re.fullmatch(UNFINISHED, name):
-                retire(os.path.join(out_dir, name))
+        try:
+            for name in os.listdir(out_dir):
+                if re.fullmatch(UNFINISHED, name):
+                    retire(os.path.join(out_dir, name))
+        except OSError as e:  # (out_dir gone, or its mount): every process fails with it, not at another collective
+            swept = e
+    if dist.is_initialized() and dist.get_world_size() > 1:  # the others wait for the sweep before they write
+        said = [swept]
+        dist.broadcast_object_list(said, src=0)
+        swept = said[0]
+    if swept:
+        raise swept
     if sharded:
-        if dist.is_initialized():
-            dist.barrier()
         # the optimizers' settings (plain values) go into state.pt; dcp.save returns on the master once all wrote theirs
         model_state, optim_state = sharded_state(model, optimizers, lora)
         with warnings.catch_warnings():  # without a process group it warns that it writes in one process

@@ -628,3 +628,60 @@ def test_metrics_that_cannot_be_written_warn_once_and_training_goes_on(data_dir,
     assert out.stdout.count("warning: cannot write") == 1
     assert "metrics.jsonl (No space left on device); training goes on without it" in out.stdout
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 6
+
+
+def failing_save_worker(rank, port, out_dir, results):
+    # one of 2 processes (gloo, FSDP over both): a save into an out_dir gone (a folder moved, a mount lost) -> what
+    # each process raised, as one line, in results/RANK.json. The group's timeout (20 s) ends a wait that would
+    # otherwise last dist_timeout.
+    from datetime import timedelta
+    from torch.distributed.device_mesh import init_device_mesh
+    from lib import checkpoint as ckpt
+    from lib.optim import build_optimizers
+    from lib.parallel import parallelize
+    from lib.settings import defaults
+    from model import GPT, GPTConfig
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                         timeout=timedelta(seconds=20))
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    parallelize(model, init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")), fsdp=True)
+    optimizers = build_optimizers(model, defaults(), "cpu")
+    try:
+        ckpt.save(out_dir, {"iter_num": 4}, model, optimizers, sharded=True, lora=0)
+        said = "saved"
+    except Exception as e:
+        said = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    with open(os.path.join(results, f"{rank}.json"), "w") as f:
+        json.dump(said, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_save_into_an_out_dir_gone_ends_every_process_in_one_line(tmp_path):
+    # The master's sweep of unfinished saves is the first thing to touch out_dir: where it fails, every process
+    # fails with it, in one line, at once; not the master alone, which left the others waiting at the next collective
+    # until dist_timeout and then a traceback
+    from helpers import free_port
+    results = tmp_path / "results"
+    results.mkdir()
+    torch.multiprocessing.spawn(failing_save_worker, args=(free_port(), str(tmp_path / "gone"), str(results)),
+                                nprocs=2)
+    said = [json.loads((results / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(line.startswith(f"UserError: could not write the checkpoint of step 4 in {tmp_path / 'gone'} (No such "
+                               f"file or directory)") for line in said), said
+
+
+def test_a_sharded_save_that_failed_names_its_ranks_own_error(tmp_path):
+    # DCP wraps each failed rank's error in one CheckpointException, whose own line names only the ranks: the line
+    # a failed save ends in says what went wrong there (and the disk, where it is that)
+    import errno
+    import traceback
+    from torch.distributed.checkpoint.api import CheckpointException
+    from lib import checkpoint as ckpt
+    gone = OSError(errno.ENOENT, "No such file or directory", str(tmp_path / "ckpt.tmp"))
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt.tmp"))
+    for error, why in ((gone, "(No such file or directory)"), (full, "(No space left on device: about 0.0 MB needed")):
+        wrapped = CheckpointException("save failed", {1: (error, traceback.StackSummary())})
+        line = ckpt.failed_save(str(tmp_path), 4, True, wrapped, needed=10)
+        assert line.startswith(f"could not write the checkpoint of step 4 in {tmp_path} {why}"), line
