@@ -202,6 +202,9 @@ def estimate_loss(model, raw_model):
     for split in ("train", "val"):
         sums = torch.zeros(3, device=device)  # loss and accuracy, each times its targets; the targets
         for k in range(eval_batches[split]):
+            if stop_requested():  # a signal: this evaluation is dropped (the resume makes it), and None says so
+                model.train()
+                return None
             x, y, doc_ids = batches.evaluation(split, k * dp_size + dp_rank)
             with autocast:
                 loss, accuracy = raw_model.loss_and_accuracy(x, y, doc_ids)
@@ -212,6 +215,24 @@ def estimate_loss(model, raw_model):
         out[split], out[f"{split}_accuracy"] = (sums[:2] / sums[2].clamp(min=1)).tolist()
     model.train()
     return out
+
+
+def stop_requested():
+    # whether a signal asked the run to stop, as every process agrees (each got it, or one of them did)
+    if not ddp:
+        return preemption.requested
+    stop = torch.full((1,), float(preemption.requested), device=device)
+    dist.all_reduce(stop)
+    return stop.item() > 0
+
+
+def stop_run():
+    # A signal stops the run (every process calls it, agreed): this step saved, and one line for the run (a process
+    # that got no signal itself: one of another's). The same command with --init_from=auto goes on from here.
+    save_last(False)
+    if master:
+        print(f"{preemption.by or 'a signal to another process'}: saved step {loop['iter_num']} in {out_dir} "
+              f"and stopped; the same command with --init_from=auto continues from it", flush=True)
 
 
 def save_checkpoint(loop, improved, finished_epoch=None, rng=None):
@@ -243,9 +264,13 @@ def hold_back(**why):
 
 def evaluate(step):
     # The losses at this step, logged; its checkpoint saved (at the end) or held back (see held_back). Returns
-    # True where the run ends here: eval_only, or no better val loss in early_stop_patience evaluations.
+    # True where the run ends here: eval_only, a signal, or no better val loss in early_stop_patience evaluations.
     eval_began = time.time()
     losses = estimate_loss(model, raw_model)
+    if losses is None:  # stopped by a signal: the step is saved unevaluated (eval_only: nothing is written)
+        if not eval_only:
+            stop_run()
+        return True
     loop["evaluated"] = True
     task_scores = harness.task_metrics(*task_model, eval_tasks_limit) if eval_tasks and master else {}
     improved = losses["val"] < loop["best_val_loss"] - early_stop_min_delta
@@ -395,10 +420,7 @@ while True:
     if save_every_epoch and int(batches.epoch(loop["iter_num"])) > epoch_before and not loop["skipped_in_a_row"]:
         hold_back(epoch=int(batches.epoch(loop["iter_num"])))
     if stop_value > 0:  # every process sees the same flag, so all stop after the same step
-        save_last(False)
-        if master:  # one line for the run (a process that got no signal itself: one of another's)
-            print(f"{preemption.by or 'a signal to another process'}: saved step {loop['iter_num']} in {out_dir} "
-                  f"and stopped; the same command with --init_from=auto continues from it", flush=True)
+        stop_run()
         break
 
 close_log()  # TensorBoard writes out what it buffers

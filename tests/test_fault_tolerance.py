@@ -685,3 +685,31 @@ def test_a_sharded_save_that_failed_names_its_ranks_own_error(tmp_path):
         wrapped = CheckpointException("save failed", {1: (error, traceback.StackSummary())})
         line = ckpt.failed_save(str(tmp_path), 4, True, wrapped, needed=10)
         assert line.startswith(f"could not write the checkpoint of step 4 in {tmp_path} {why}"), line
+
+
+@pytest.mark.slow
+def test_a_signal_during_an_evaluation_saves_the_step_unevaluated_and_the_resume_evaluates_it(data_dir, tmp_path):
+    # An evaluation can take longer than a scheduler waits after its SIGTERM (torchrun's 30 s, Slurm's KillWait):
+    # the signal ends it at its next batch, the step is saved as not yet evaluated, and the resumed run evaluates it,
+    # its records then those of the run never stopped. (A config file is code: here it sends the signal itself, in
+    # the 2nd batch of step 4's evaluation, the 10th of the run: eval_iters=2 batches a split.)
+    args = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=2", "--eval_iters=2"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}")
+    signal_at = tmp_path / "signal_at.py"
+    signal_at.write_text("import os as _os, signal as _signal\nimport lib.data as _data\n_calls = [0]\n"
+                         "_evaluation = _data.Batches.evaluation\n\n\n"
+                         "def _patched(self, split, k):\n    _calls[0] += 1\n    if _calls[0] == 10:\n"
+                         "        _os.kill(_os.getpid(), _signal.SIGTERM)\n    return _evaluation(self, split, k)\n\n\n"
+                         "_data.Batches.evaluation = _patched\n")
+    out = run(*args, f"--out_dir={tmp_path / 'parts'}", str(signal_at))
+    assert f"SIGTERM: saved step 4 in {tmp_path / 'parts'} and stopped" in out.stdout, out.stdout[-2000:]
+    saved = torch.load(tmp_path / "parts" / "ckpt.pt", weights_only=True)
+    assert saved["iter_num"] == 4 and saved["evaluated"] is False
+    assert 4 not in [r["iter"] for r in map(json.loads, (tmp_path / "parts" / "metrics.jsonl").read_text()
+                                            .splitlines()) if "val_loss" in r]
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--init_from=resume")
+
+    def records(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [(r["iter"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, lines)]
+    assert records("parts") == records("whole")
