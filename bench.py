@@ -39,7 +39,8 @@ from lib.files import UserError, one_line_errors
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)  # --seed is train.py's, not short for --seeds
     add = parser.add_argument
     add("--compare", default="compile", help="a setting of train.py to run with each of --values")
     add("--values", default="False,True", help="comma-separated values of --compare")

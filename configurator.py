@@ -7,12 +7,14 @@ A config file is Python whose top-level assignments replace the defaults (names 
 modules, functions and classes are its own helpers). A --key=value is read with ast.literal_eval, else as a plain
 string. Every key must exist and every value have its default's type (an int for a float is fine), or one line
 names the closest key or the expected type. batch_size='auto' sets batch_size_auto instead, leaving batch_size the
-number it was (with gradient_accumulation_steps, the sequences of an update, which train.py keeps).
+number it was (with gradient_accumulation_steps, the sequences of an update, which train.py keeps). dataset='NAME'
+(nanoGPT's) sets data_dir to data/NAME: of the two, the one set later wins.
 """
 
 import ast
 import difflib
 import dis
+import os
 import sys
 import traceback
 import types
@@ -31,9 +33,13 @@ def _names_set(code, top=True):
 def configure(config, args):
     """Apply the config files and --key=value overrides in args to the dict config, in place."""
     for arg in args:
+        if arg in ("-h", "--help"):
+            print(f"usage: python {os.path.basename(sys.argv[0])} [CONFIG_FILE ...] [--key=value ...]: every setting, "
+                  f"its default and what it does, is in lib/settings.py (docs/configs.md)")
+            sys.exit(0)
         if not arg.startswith("--"):
             try:
-                with open(arg, encoding="utf-8") as f:
+                with open(arg, encoding="utf-8-sig") as f:  # (a BOM, as some Windows editors write, is no code)
                     code = f.read()
             except OSError as e:
                 sys.exit(f"config file {arg}: {e.strerror} (give a path like config/train_small.py)")
@@ -81,3 +87,5 @@ def _set(config, key, value, source):
     elif default is not None and type(value) is not type(default):
         sys.exit(f"{source}: {key} must be {type(default).__name__} like its default {default!r}, got {value!r}")
     config[key] = value
+    if key == "dataset" and value and "data_dir" in config:  # nanoGPT's name for data/NAME
+        config["data_dir"] = os.path.join("data", value)

@@ -61,6 +61,9 @@ parser.add_argument("--output", default=None, help="--tasks: where to write the 
                     "out_dir/eval_tasks.json, or eval_tasks.json here for a --model folder)")
 args = parser.parse_args()
 check_ranges(vars(args), EVALUATION, "--")  # as train.py's settings are checked
+for flag in ("limit", "num_fewshot", "include_path", "apply_chat_template", "output"):
+    if getattr(args, flag) not in (None, False) and args.tasks is None:  # else the val loss, and the flag unused
+        raise UserError(f"--{flag} is a setting of --tasks: give --tasks=NAME,... with it, or leave it out")
 
 
 def run_tasks():

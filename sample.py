@@ -49,6 +49,8 @@ parser.add_argument("--data_dir", default=None, help="the dataset whose tokenize
 parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'mps'")
 parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: bf16 on CUDA")
 args = parser.parse_args()
+if args.system is not None and not args.chat:  # else sampled without it, and nothing said
+    raise UserError("--system is the system prompt of --chat: add --chat, or leave --system out")
 
 # -----------------------------------------------------------------------------
 # the checkpoint, the model and the tokenizer

@@ -49,8 +49,6 @@ config = settings.defaults()
 configure(config, sys.argv[1:])
 one_line_errors("train.py")  # a UserError, ours or a library's, stops the run with its one line (files.py)
 settings.check(config)
-if config["dataset"] and config["data_dir"] == settings.data_dir:  # nanoGPT's name for data/NAME; a data_dir wins
-    config["data_dir"] = os.path.join("data", config["dataset"])
 globals().update(config)  # every setting a global of its own name from here on, as at nanoGPT's top
 
 # -----------------------------------------------------------------------------

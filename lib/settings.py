@@ -41,7 +41,7 @@ wandb_run_name = "run"  # the run's name in that project
 tensorboard_log = False  # also write metrics.jsonl's records as TensorBoard events under out_dir/tb
 # data
 data_dir = "data/stdlib"  # train.bin, val.bin and meta.json from prepare.py
-dataset = ""  # nanoGPT's name for the data: 'NAME' reads data/NAME (its prepared folders as they are); data_dir wins
+dataset = ""  # nanoGPT's name for the data: 'NAME' sets data_dir to data/NAME (its folders as they are); the later wins
 gradient_accumulation_steps = 1  # micro-steps per update, summed over all processes
 batch_size = 12  # sequences per micro-step per process; 'auto': the largest that fits, same update (docs/scaling.md)
 batch_size_auto = False  # set by batch_size='auto': batch_size then only counts an update's sequences (with the above)

@@ -265,3 +265,11 @@ def test_load_mode_measures_its_three_loads_at_a_tiny_shape():
     assert [row.split(" | ")[0] for row in rows] == ["| baseline (import torch and model.py)",
                                                     "| load_pretrained (streamed)", "| file read whole, then a model"]
     assert all(float(row.split(" | ")[1].replace(",", "")) > 0 for row in rows)
+
+
+def test_train_py_settings_pass_through_whole_not_as_abbreviations_of_benchs_own(monkeypatch):
+    # --seed is train.py's: argparse would take it for an abbreviation of bench.py's --seeds
+    import bench
+    monkeypatch.setattr(sys, "argv", ["bench.py", "config/train_small.py", "--seed=42", "--steps=12"])
+    args, train_args = bench.parse_args()
+    assert args.seeds is None and args.steps == 12 and train_args == ["config/train_small.py", "--seed=42"]

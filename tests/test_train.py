@@ -321,6 +321,14 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     huge = tmp_path / "huge.py"  # an int past any float: the type's line, no traceback
     huge.write_text("learning_rate = 10**400\n")
     assert "learning_rate must be float like its default" in train_refusal(str(huge))
+    bom = tmp_path / "bom.py"  # UTF-8 as some Windows editors save it, a byte-order mark first
+    bom.write_bytes(b"\xef\xbb\xbfmax_iters = 3\n")
+    assert train_settings([bom])["max_iters"] == 3
+    # nanoGPT's dataset='NAME' is data_dir='data/NAME': of the two, the one given later wins
+    assert train_settings(["config/train_shakespeare_char.py", "--dataset=owt"])["data_dir"] == "data/owt"
+    assert train_settings(["--dataset=owt", "config/train_shakespeare_char.py"])["data_dir"] == "data/shakespeare_char"
+    helped = run("--help", check=False)
+    assert helped.returncode == 0 and "lib/settings.py" in helped.stdout and not helped.stderr
 
 
 def test_data_errors(data_dir, tmp_path):
@@ -394,11 +402,15 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
                          ("--temperature=inf", "--temperature=inf must be at least 0"),
                          ("--top_p=-0.5", "--top_p=-0.5 must be at least 0 and at most 1"),
                          ("--top_p=1.5", "--top_p=1.5 must be at least 0 and at most 1"),
-                         ("--num_samples=0", "--num_samples=0 must be at least 1")]:
+                         ("--num_samples=0", "--num_samples=0 must be at least 1"),
+                         ("--system=Be terse.", "--system is the system prompt of --chat")]:  # (else dropped)
         done = script("sample.py", f"--out_dir={out}", bad)
         assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
     for bad, message in [("--batch_size=0", "--batch_size=0 must be at least 1"),
-                         ("--stride=-1", "--stride=-1 must be at least 0")]:
+                         ("--stride=-1", "--stride=-1 must be at least 0"),
+                         # the tasks' settings without --tasks: the val loss, and the setting unused (no --output)
+                         ("--limit=5", "--limit is a setting of --tasks"),
+                         ("--output=x.json", "--output is a setting of --tasks")]:
         done = script("eval.py", f"--out_dir={out}", bad)
         assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
 
