@@ -139,18 +139,23 @@ def set_lr(optimizers, peak_lrs, factor):
             group["lr"] = peak_lr * factor
 
 
-def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epochs=0, epoch_steps=None):
+def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epochs=0, epoch_steps=None,
+              decay_lr=True, lr_schedule="cosine"):
     """The run's steps as max_epochs (epoch_steps: the steps that make them) and warmup_ratio set them ->
-    max_iters, lr_decay_iters, warmup_iters, and what train.py says about them ('' without max_epochs)."""
+    max_iters, lr_decay_iters, warmup_iters, and what train.py says about them: the epochs' steps, and a schedule
+    the run ends before (a stop to resume from, or a run shortened with its schedule left as it was)."""
     if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
         max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
     if warmup_ratio > 0:  # a share of the run's steps: its epochs', whether or not max_iters stops it before them
         warmup_iters = math.ceil(warmup_ratio * (epoch_steps if max_epochs > 0 else max_iters))
-    if max_epochs <= 0:
-        return max_iters, lr_decay_iters, warmup_iters, ""
-    note = f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})"
-    if lr_decay_iters > max_iters:  # max_iters ends it first: a stop to resume from, or the run's real length
-        note += (f"\nnote: max_iters={max_iters} ends the run before its {max_epochs} epochs, and the learning rate "
-                 f"decays over lr_decay_iters={lr_decay_iters} steps: it will not reach min_lr in this run (for a run "
-                 f"of {max_iters} steps, set lr_decay_iters={max_iters})")
-    return max_iters, lr_decay_iters, warmup_iters, note
+    notes = [f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})"
+             ] if max_epochs > 0 else []
+    if decay_lr and lr_schedule != "constant" and lr_decay_iters > max_iters:  # max_iters ends it first
+        before = f" before its {max_epochs} epochs, and" if max_epochs > 0 else ", and"
+        notes.append(f"note: max_iters={max_iters} ends the run{before} the learning rate decays over "
+                     f"lr_decay_iters={lr_decay_iters} steps: it will not reach min_lr in this run (for a run of "
+                     f"{max_iters} steps, set lr_decay_iters={max_iters})")
+    if decay_lr and 0 < max_iters <= warmup_iters:
+        notes.append(f"note: warmup_iters={warmup_iters} is not below max_iters={max_iters}: the run ends in its "
+                     f"warmup, short of the peak learning rate (lower warmup_iters)")
+    return max_iters, lr_decay_iters, warmup_iters, "\n".join(notes)

@@ -109,6 +109,14 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
     assert steps[:3] == (10, 30, 5) and "set lr_decay_iters=10" in steps[3]
     # and warmup_ratio the epochs' steps, as the whole run's: its first part, resumed, goes on on the same schedule
     assert run_steps(10, 90, 5, 0.25, max_epochs=2, epoch_steps=30)[:3] == (10, 30, 8)
+    # a run shortened with its schedule left as it was: the decay (a schedule that decays), or even the warmup, is
+    # cut short, and the note says so with the fix
+    assert run_steps(10, 90, 5)[3] == ("note: max_iters=10 ends the run, and the learning rate decays over "
+                                       "lr_decay_iters=90 steps: it will not reach min_lr in this run (for a run of "
+                                       "10 steps, set lr_decay_iters=10)")
+    assert run_steps(10, 90, 5, lr_schedule="constant")[3] == run_steps(10, 90, 5, decay_lr=False)[3] == ""
+    assert run_steps(10, 10, 10)[3] == ("note: warmup_iters=10 is not below max_iters=10: the run ends in its warmup, "
+                                        "short of the peak learning rate (lower warmup_iters)")
 
 
 def test_a_resume_takes_the_commands_optimizer_settings_and_says_so(data_dir, tmp_path):
