@@ -83,7 +83,8 @@ vocab_size, train_tokens = check_data_for_run(data_dir, meta, vocab_size, doc_ma
 # 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint (start.py)
 
 origin = begin(config, vocab_size, meta, fsdp)
-for note in origin.notes if master else ():  # what this command changes of a resumed run, or why it stops
+# settings out of play, then what this command changes of a resumed run, or why it stops
+for note in [*settings.unused(config), *origin.notes] if master else ():
     print(note)
 if origin.stopped:  # the run stopped early before: the same command again has nothing to do
     sys.exit(0)

@@ -153,6 +153,21 @@ def check_ranges(values, ranges, flag=""):
             raise _UserError(f"{flag}{key}={value} must be at least {low}{above}")
 
 
+# settings that play a part only where another has one of some values: name -> (that setting, those values)
+_PLAYS_UNDER = {"lr_schedule": ("decay_lr", (True,)), "warmup_iters": ("decay_lr", (True,)),
+                "lr_power": ("lr_schedule", ("polynomial",)), "lr_decay_fraction": ("lr_schedule", ("wsd",)),
+                "lr_cycle_iters": ("lr_schedule", ("cosine_restarts",)), "eval_stride": ("eval_full", (True,)),
+                "memory_budget": ("batch_size_auto", (True,))}
+
+
+def unused(config):
+    """Notes (lines to print) for the settings of config given a value of their own that its other settings leave
+    out of play, as a config file's may be once a flag changes what they belong to."""
+    return [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of {under}={values[0]!r}, "
+            f"and the run's is {config[under]!r}" for name, (under, values) in _PLAYS_UNDER.items()
+            if config[name] != defaults()[name] and config[under] not in values]
+
+
 def check(config):
     """UserError, in one line with the fix, for a setting (config, every one of them) that no run can use; the
     optimizer's and the schedule's are optim.check_optimizer's, the sequences' data.check_sequences'."""

@@ -129,3 +129,18 @@ def test_a_resume_takes_the_commands_optimizer_settings_and_says_so(data_dir, tm
     assert "note: the optimizer's betas, weight_decay are this command's, not the checkpoint's" in out.stdout
     groups = torch.load(tmp_path / "ckpt.pt", weights_only=True)["optimizer"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.0, 0.0] and all(tuple(g["betas"]) == (0.9, 0.9) for g in groups)
+
+
+def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_path):
+    # config/train_small.py's wsd decay fraction, once a flag picks another schedule, and settings given beside
+    # what they belong to: each says so at the start, and a setting left at its default says nothing
+    from helpers import train_settings
+    from lib.settings import unused
+    config = train_settings(["config/train_small.py", "--lr_schedule=cosine", "--eval_stride=8"])
+    assert unused(config) == [
+        "note: lr_decay_fraction=0.4 plays no part in this run: it is a setting of lr_schedule='wsd', and the run's "
+        "is 'cosine'",
+        "note: eval_stride=8 plays no part in this run: it is a setting of eval_full=True, and the run's is False"]
+    assert unused(train_settings(["config/train_small.py"])) == unused(train_settings([])) == []
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=1", "--decay_lr=False")
+    assert "note: warmup_iters=2 plays no part in this run: it is a setting of decay_lr=True" in out.stdout
