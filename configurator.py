@@ -79,7 +79,8 @@ def _set(config, key, value, source):
             return
     if key not in config:
         close = difflib.get_close_matches(key, config, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else "see lib/settings.py"
+        own = "" if source.startswith("--") else "; a name of the file's own begins with _"  # (a helper of its)
+        hint = f"did you mean '{close[0]}'?" if close else f"see lib/settings.py{own}"
         sys.exit(f"{source}: unknown config key '{key}' ({hint})")
     default = config[key]
     if type(default) is float and type(value) is int and abs(value) < 2**1024:  # (past it: no float)

@@ -192,6 +192,15 @@ clock = start_clock()  # the time left (metrics.py), from the step and evaluatio
 held_back = None  # the checkpoint held back (hold_back): why it is saved, and the random state at that step
 
 
+def stop_requested():
+    # whether a signal asked the run to stop, as every process agrees (each got it, or one of them did)
+    if not ddp:
+        return preemption.requested
+    stop = torch.full((1,), float(preemption.requested), device=device)
+    dist.all_reduce(stop)
+    return stop.item() > 0
+
+
 @torch.no_grad()
 def estimate_loss(model, raw_model):
     # mean loss and next-token accuracy over every trained target of the same batches every time (eval_batches of
@@ -214,15 +223,6 @@ def estimate_loss(model, raw_model):
         out[split], out[f"{split}_accuracy"] = (sums[:2] / sums[2].clamp(min=1)).tolist()
     model.train()
     return out
-
-
-def stop_requested():
-    # whether a signal asked the run to stop, as every process agrees (each got it, or one of them did)
-    if not ddp:
-        return preemption.requested
-    stop = torch.full((1,), float(preemption.requested), device=device)
-    dist.all_reduce(stop)
-    return stop.item() > 0
 
 
 def stop_run():

@@ -236,7 +236,10 @@ def resume(origin, config, meta):
         origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "
                             "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
                             f"not on the batches the first run would have seen{epochs}")
-    if before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
+    if config["max_iters"] < loop["iter_num"] and not config["eval_only"]:  # (the loop ends where it begins)
+        origin.notes.append(f"note: max_iters={config['max_iters']} is behind the checkpoint's step "
+                            f"{loop['iter_num']}: nothing is trained (raise max_iters to train on)")
+    elif before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""
         cut = f" (or at the {config['max_epochs']} epochs' last, if sooner)" if config["max_epochs"] > 0 else ""

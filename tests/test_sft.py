@@ -465,6 +465,9 @@ def test_a_resume_that_moves_the_end_says_so(chat_data, tmp_path):
     assert "note: max_iters is 3, not the checkpoint's 2: the run ends at step 3; lr_decay_iters, the schedule's " \
         "length, is 40" in out.stdout
     assert "note: max_iters is" not in run(*common, "--max_iters=3", "--init_from=resume").stdout  # nothing moved
+    behind = run(*common, "--max_iters=1", "--init_from=resume")  # an end before the checkpoint's step
+    assert "note: max_iters=1 is behind the checkpoint's step 3: nothing is trained (raise max_iters to train on)" \
+        in behind.stdout and "run ended at step 3" in behind.stdout and "iter 4" not in behind.stdout
 
 
 def test_an_empty_reply_is_skipped_as_the_records_fault_not_the_templates(tmp_path):

@@ -300,6 +300,10 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("n_layers = 4\n")
     assert "unknown config key 'n_layers' (did you mean 'n_layer'?)" in train_refusal(str(bad))
+    helper_named = tmp_path / "helper_named.py"  # a helper named as a setting would be: the file's own names begin _
+    helper_named.write_text("total_tokens_wanted = 10**6\n")
+    assert ("unknown config key 'total_tokens_wanted' (see lib/settings.py; a name of the file's own begins with _)"
+            in train_refusal(str(helper_named)))
     latin1 = tmp_path / "latin1.py"
     latin1.write_bytes(b'out_dir = "caf\xe9"\n')
     assert "config file " + str(latin1) + ": not UTF-8 text (save it as UTF-8)" in train_refusal(str(latin1))
