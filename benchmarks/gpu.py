@@ -321,7 +321,8 @@ def section_race(cuda, scratch, args, train_args):
         if timing is None:
             continue
         steps = max(1, round(args.seconds * 1000 / timing[0]))
-        fitted = [f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--warmup_iters={max(1, steps // 10)}",
+        warmup = min(max(1, steps // 10), steps - 1)  # below the decay's end: nanoGPT's cosine divides by the gap
+        fitted = [f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--warmup_iters={warmup}",
                   f"--eval_interval={steps}", "--eval_iters=1"]
         model = attempt(side, race_model, side, nanogpt, data, f"{scratch}/{side}", [*side_args, *fitted])
         if model is None:
