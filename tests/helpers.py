@@ -245,6 +245,7 @@ def in_process(path, args, cwd=ROOT, env=None):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.path[:] = import_path
+        run_modules = set()  # (ids)
         os.environ.clear()
         os.environ.update(environ)
         for key, module in list(sys.modules.items()):
@@ -252,8 +253,12 @@ def in_process(path, args, cwd=ROOT, env=None):
                 sys.modules[key] = modules[key]  # back, or its submodules, still there, would be no attributes of it
             elif (ours(module) and key not in project) or (module is None and key not in modules):
                 del sys.modules[key]  # imported by the run, or hidden by it: the next one imports it anew
+                if module is not None:
+                    run_modules.add(id(module))
         for module, namespace in project.values():  # names added meanwhile stay (Triton's interpreter adds some)
             vars(module).update((k, v) for k, v in namespace.items() if vars(module).get(k) is not v)
+            for k in [k for k, v in vars(module).items() if k not in namespace and id(v) in run_modules]:
+                delattr(module, k)  # a submodule the run imported (lib.checkpoint): `from lib import` would take it
         torch._dynamo.reset()
     return subprocess.CompletedProcess([name, *map(str, args)], status or 0, out.getvalue(), err.getvalue())
 
