@@ -713,3 +713,28 @@ def test_a_signal_during_an_evaluation_saves_the_step_unevaluated_and_the_resume
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         return [(r["iter"], r.get("loss"), r.get("val_loss")) for r in map(json.loads, lines)]
     assert records("parts") == records("whole")
+
+
+def test_lib_launch_says_which_workers_torchrun_killed_after_a_signal(tmp_path):
+    # torchrun's close of its workers as after a SIGTERM (the signal, a grace, then SIGKILL), here with a grace of
+    # 1 s: a worker that ignores the signal is killed, and lib.launch's line names it and exits 1; one that exits as
+    # asked is no failure (train.py's, all stopping: test_sigterm_under_torchrun_every_rank_stops_at_the_same_step)
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from lib import launch
+    code = ("import pathlib, signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[1] == 'stubborn' else lambda *_: sys.exit(0))\n"
+            "pathlib.Path(sys.argv[2]).touch()\n"
+            "time.sleep(60)\n")
+    ready = [tmp_path / "0", tmp_path / "1"]
+    context = start_processes("worker", sys.executable, {0: ("-c", code, "obliging", str(ready[0])),
+                                                         1: ("-c", code, "stubborn", str(ready[1]))},
+                              {0: {}, 1: {}}, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    try:
+        deadline = time.time() + 120
+        while not all(p.exists() for p in ready) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        context.close(signal.SIGTERM, timeout=1)
+    assert launch.closed == {0: 0, 1: -signal.SIGKILL}
+    line, status = launch.signalled("SIGTERM")
+    assert status == 1 and line.startswith("torchrun: SIGTERM, but local rank 1 ended by SIGKILL (torchrun kills"), line
