@@ -125,11 +125,15 @@ def open_own(path, mode="w", encoding=None):
     return os.fdopen(fd, mode, encoding=encoding)
 
 
-def unlock_folder(folder, fd):
-    # the lock file goes first, while still held, so that no one locks it after we let go of it
+def unlock_folder(folder, fd, made=False):
+    # the lock file goes first, while still held, so that no one locks it after we let go of it; a folder the
+    # locker made (made) goes too where nothing else was written in it
     with contextlib.suppress(FileNotFoundError):  # the folder went with it
         os.remove(os.path.join(folder, LOCK_NAME))
     os.close(fd)
+    if made:
+        with contextlib.suppress(OSError):  # not empty, or gone
+            os.rmdir(folder)
 
 
 def durable_replace(src, dst):

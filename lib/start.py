@@ -52,8 +52,9 @@ def claim(out_dir, master):
     refused = None
     if master:
         try:
+            made = not os.path.isdir(out_dir)  # then let go of empty (a refused run leaves no folder)
             os.makedirs(out_dir, exist_ok=True)
-            atexit.register(unlock_folder, out_dir, lock_folder(out_dir, "train.py"))
+            atexit.register(unlock_folder, out_dir, lock_folder(out_dir, "train.py"), made)
             ckpt.recover_first_save(out_dir)
         except OSError as e:
             refused = f"cannot make out_dir={out_dir} ({e.strerror}): choose a folder this user can write to"

@@ -240,6 +240,17 @@ def test_batch_size_auto_shares_one_micro_step_of_an_update_over_two_processes(d
 # a user's mistakes end with one line naming the problem and the fix
 
 
+def test_a_run_refused_after_making_its_out_dir_leaves_none(data_dir, tmp_path):
+    # out_dir is made (and locked) before the data is read: a refusal there takes back the folder the run made,
+    # and leaves one it found, as it was
+    empty = tmp_path / "data"
+    empty.mkdir()
+    for out_dir, existed in ((tmp_path / "new" / "out", False), (tmp_path, True)):
+        said = train_refusal(*TINY, f"--data_dir={empty}", f"--out_dir={out_dir}")
+        assert "train.bin" in said and out_dir.is_dir() == existed, said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "new"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--lerning_rate=0.1"], "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)"),
     (["--max_iters=1.5"], "max_iters must be int like its default 5000, got 1.5"),
