@@ -68,6 +68,8 @@ def parse_args():
     add("--minutes", type=float, default=6.5, help="--mode=gpu: no row begins after this many minutes, so that a "
         "run under a time limit ends with every row it began")
     args, train_args = parser.parse_known_args()
+    if args.warmup < 0 or args.seconds <= 0:
+        raise UserError(f"--warmup={args.warmup} must be at least 0 and --seconds={args.seconds:g} above 0")
     if args.warmup >= args.steps:
         raise UserError(f"--warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
     return args, train_args

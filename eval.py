@@ -133,9 +133,10 @@ if stride is None:  # the eval_stride a run's eval_full scored with, where it fi
     full = run.get("eval_full") and 0 <= run.get("eval_stride", -1) < block_size
     stride = run["eval_stride"] if full else block_size // 2
 doc_mask = bool(run.get("doc_mask"))  # attending within documents, as it trained
-if not 0 < block_size <= model.config.block_size or not 0 <= stride < block_size:
-    raise UserError(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit) and "
-                    f"--stride={stride} in 0..{block_size - 1}")
+if not 0 < block_size <= model.config.block_size:
+    raise UserError(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit)")
+if not 0 <= stride < block_size:  # (one not typed is below the window)
+    raise UserError(f"--stride={stride} must be in 0..{block_size - 1}, below the window's {block_size} tokens")
 print(f"window: {block_size} tokens, from {window_from}")
 try:
     val = Split(data_dir, "val", meta, block_size, seed=0, examples=by_example, vocab_size=model.config.vocab_size)

@@ -81,6 +81,9 @@ def load_folder_or_run(folder, path, dtype, data_dir, use):
     """(model, tokenizer, None) of a Hugging Face folder, else load_run's; use: what the folder's tokenizer encodes."""
     if not folder:
         return load_run(path, data_dir)
+    if not os.path.isdir(folder):
+        raise UserError(f"--model={folder} is no folder: name a Hugging Face model's folder (config.json, its "
+                        f"*.safetensors and tokenizer.json)")
     if data_dir:  # the folder's own tokenizer.json is the one its ids mean
         raise UserError(f"--data_dir is a run's dataset, and {folder} brings its own tokenizer: leave --data_dir out")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):

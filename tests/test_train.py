@@ -418,11 +418,13 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
                          ("--top_p=-0.5", "--top_p=-0.5 must be at least 0 and at most 1"),
                          ("--top_p=1.5", "--top_p=1.5 must be at least 0 and at most 1"),
                          ("--num_samples=0", "--num_samples=0 must be at least 1"),
-                         ("--system=Be terse.", "--system is the system prompt of --chat")]:  # (else dropped)
+                         ("--system=Be terse.", "--system is the system prompt of --chat"),  # (else dropped)
+                         ("--model=/no/such/folder", "--model=/no/such/folder is no folder")]:
         done = script("sample.py", f"--out_dir={out}", bad)
         assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
     for bad, message in [("--batch_size=0", "--batch_size=0 must be at least 1"),
                          ("--stride=-1", "--stride=-1 must be at least 0"),
+                         ("--block_size=100000", "--block_size=100000 must be in 1..32 (the model's limit)\n"),
                          # the tasks' settings without --tasks: the val loss, and the setting unused (no --output)
                          ("--limit=5", "--limit is a setting of --tasks"),
                          ("--output=x.json", "--output is a setting of --tasks")]:
@@ -432,6 +434,9 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
 
 @pytest.mark.slow
 def test_bench_runs_train_both_ways_and_reports_a_table():
+    for bad, message in [("--warmup=-1", "--warmup=-1 must be at least 0"), ("--seconds=0", "--seconds=0 above 0")]:
+        done = script("bench.py", "--synthetic", bad, *TINY)
+        assert done.returncode == 1 and message in done.stderr, done.stderr
     done = script("bench.py", "--synthetic", "--compare=tie_embeddings", "--steps=4", "--warmup=1", *TINY)
     assert done.returncode == 0, done.stderr
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| tie_embeddings=")]
