@@ -143,7 +143,7 @@ memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, qu
                          micro_steps=micro_steps, device=device_type, **layout)
 if master:
     print(memory_table([(memory_layout(**layout), memory)]))
-room_warning = ckpt.check_room(out_dir, memory["checkpoint"])  # now, not at the first save, hours in
+room_warning = ckpt.check_room(out_dir, memory["checkpoint"], keep_last_n)  # now, not at the first save, hours in
 if room_warning and master:
     print(room_warning)
 

@@ -447,10 +447,11 @@ def failed_save(out_dir, step, sharded, error, needed):
             f"out_dir), then resume with --init_from=auto")
 
 
-def check_room(out_dir, size):
+def check_room(out_dir, size, keep_last_n=0):
     """Before the first step: UserError in one line where out_dir cannot be written or hold one checkpoint of size
-    bytes (memory_estimate's); a warning (returned, else None) where it cannot hold two (a save writes the new one
-    beside the last)."""
+    bytes (memory_estimate's); a warning (returned, else None) where it cannot hold what a save holds at its peak:
+    the last checkpoint and the new one, ckpt_best and its new copy, keep_last_n step copies and the new one (the
+    room of those there already counted)."""
     probe = os.path.join(out_dir, f".write-test-{os.getpid()}.tmp")  # a name no other process writes
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -466,7 +467,16 @@ def check_room(out_dir, size):
     room = f"{free / 2**20:,.1f} MB free in {out_dir}, and a checkpoint takes about {size / 2**20:,.1f} MB"
     if free < size:
         raise UserError(f"{room}: make room, or choose another out_dir")
-    return f"warning: {room}: a second checkpoint will not fit beside the first" if free < 2 * size else None
+    held = 4 + (keep_last_n + 1 if keep_last_n else 0)
+    there = 0  # the bytes of the checkpoints there (a resume's), files and sharded folders
+    for entry in [e for e in os.listdir(out_dir) if re.fullmatch(NAMES, e)]:
+        path = os.path.join(out_dir, entry)
+        walked = os.walk(path) if os.path.isdir(path) else [(out_dir, None, [entry])]
+        there += sum(os.path.getsize(os.path.join(folder, f)) for folder, _, files in walked for f in files)
+    if free + there < held * size:
+        return (f"warning: {room}: a save holds up to {held} at once (the last and the new one, ckpt_best and its new "
+                f"copy{', keep_last_n step copies and the new one' if keep_last_n else ''}), which will not all fit")
+    return None
 
 
 def check_shards(tmp, latest):

@@ -610,9 +610,18 @@ def test_out_dir_that_cannot_be_written_or_holds_no_checkpoint_is_refused_before
     assert out.returncode != 0 and out.stderr.strip().count("\n") == 0
     assert "0.0 MB free in" in out.stderr and "make room, or choose another out_dir" in out.stderr
     assert not (tmp_path / "small" / "metrics.jsonl").exists()  # refused before the first step
-    out = run(*args, f"--out_dir={tmp_path / 'short'}", free(600_000))  # one checkpoint fits, two do not
-    assert "a second checkpoint will not fit beside the first" in out.stdout
+    out = run(*args, f"--out_dir={tmp_path / 'short'}", free(600_000))  # one checkpoint fits, four do not
+    assert "a save holds up to 4 at once (the last and the new one, ckpt_best and its new copy)" in out.stdout
     assert torch.load(tmp_path / "short" / "ckpt.pt", weights_only=True)["iter_num"] == 2
+    size = (tmp_path / "short" / "ckpt.pt").stat().st_size
+    # the checkpoints there count as room (a save replaces them): ckpt.pt and ckpt_best.pt, and 2 more free
+    out = run(*args, f"--out_dir={tmp_path / 'short'}", "--max_iters=4", "--init_from=resume", free(2 * size + 1000))
+    assert "warning" not in out.stdout
+    # with keep_last_n=2: 3 step copies more at a save's peak (2 kept, the new one)
+    out = run(*args, f"--out_dir={tmp_path / 'short'}", "--max_iters=6", "--init_from=resume", "--keep_last_n=2",
+              free(2 * size + 1000))
+    assert "a save holds up to 7 at once (the last and the new one, ckpt_best and its new copy, keep_last_n step " \
+           "copies and the new one)" in out.stdout
 
 
 def test_metrics_that_cannot_be_written_warn_once_and_training_goes_on(data_dir, tmp_path):
