@@ -50,6 +50,19 @@ OPTIMIZERS = {"adamw": adamw, "muon": muon, "adam": adam, "sgd": sgd}  # optimiz
 SCHEDULES = ("cosine", "linear", "polynomial", "constant", "wsd", "cosine_restarts")
 
 
+def settings_read(name, config):
+    """The settings (of config) that optimizer name reads, found by building it over a block's matrix and a vector."""
+    read = set()
+
+    class Reads(dict):
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+    named = [("blocks.0.w", torch.nn.Parameter(torch.zeros(2, 2))), ("b", torch.nn.Parameter(torch.zeros(2)))]
+    OPTIMIZERS[name](named, Reads(config), False)
+    return read
+
+
 def groups(named, config):
     # weight decay on matrices only: norms' weights (and any other 1-D parameter) are left alone
     return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": config["weight_decay"]},

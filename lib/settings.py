@@ -163,9 +163,15 @@ _PLAYS_UNDER = {"lr_schedule": ("decay_lr", (True,)), "warmup_iters": ("decay_lr
 def unused(config):
     """Notes (lines to print) for the settings of config given a value of their own that its other settings leave
     out of play, as a config file's may be once a flag changes what they belong to."""
-    return [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of {under}={values[0]!r}, "
-            f"and the run's is {config[under]!r}" for name, (under, values) in _PLAYS_UNDER.items()
-            if config[name] != defaults()[name] and config[under] not in values]
+    notes = [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of {under}={values[0]!r}, "
+             f"and the run's is {config[under]!r}" for name, (under, values) in _PLAYS_UNDER.items()
+             if config[name] != defaults()[name] and config[under] not in values]
+    if config["optimizer"] in _optim.OPTIMIZERS:  # (else refused when built) another optimizer's own settings
+        read = {name: _optim.settings_read(name, config) for name in _optim.OPTIMIZERS}
+        notes += [f"note: {name}={config[name]!r} plays no part in this run: optimizer={config['optimizer']!r} "
+                  f"does not read it" for name in sorted(set().union(*read.values()) - read[config["optimizer"]])
+                  if config[name] != defaults()[name]]
+    return notes
 
 
 def check(config):

@@ -142,5 +142,12 @@ def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_p
         "is 'cosine'",
         "note: eval_stride=8 plays no part in this run: it is a setting of eval_full=True, and the run's is False"]
     assert unused(train_settings(["config/train_small.py"])) == unused(train_settings([])) == []
+    # another optimizer's own settings, found from what each optimizer reads; Muon's AdamW reads the betas
+    assert unused(train_settings(["--optimizer=sgd", "--beta1=0.8", "--momentum=0.5"])) == [
+        "note: beta1=0.8 plays no part in this run: optimizer='sgd' does not read it"]
+    assert unused(train_settings(["--optimizer=muon", "--beta2=0.9", "--muon_lr=0.01"])) == []
+    assert unused(train_settings(["--muon_lr=0.01", "--momentum=0.5"])) == [
+        "note: momentum=0.5 plays no part in this run: optimizer='adamw' does not read it",
+        "note: muon_lr=0.01 plays no part in this run: optimizer='adamw' does not read it"]
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=1", "--decay_lr=False")
     assert "note: warmup_iters=2 plays no part in this run: it is a setting of decay_lr=True" in out.stdout
