@@ -217,6 +217,8 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
     if dist.is_initialized():  # imported here: torch.distributed's layouts cost ~1.3 s, which one process never needs
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        if tp_size > 1:  # what is partial over both dims (the gradients' norm) then takes one all-reduce, not two
+            mesh["dp", "tp"]._flatten("dp_tp")
     return Processes(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, master=rank == 0,
                      device=device, device_type=device_type, dtype=dtype, backend=backend, fsdp=fsdp, mesh=mesh,
                      dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank() if mesh is not None else 0)

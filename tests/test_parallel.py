@@ -31,6 +31,7 @@ def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path, sha
     out = run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO)
     assert "2 process(es) on cpu" in out.stdout
     assert "| FSDP x1 + TP x2 |" in out.stdout  # every parameter on the one mesh: FSDP over the single replica
+    assert "sequential all_reduce" not in out.stderr, out.stderr  # (the gradients' norm: torch's warning per rank)
     assert_losses_close(one, losses(tmp_path / "tp"))
 
 
