@@ -333,7 +333,8 @@ def check_token_files(data_dir, meta, block_size):
     for split in ("train", "val"):
         path = os.path.join(data_dir, f"{split}.bin")
         if not os.path.exists(path):
-            raise UserError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ...)")
+            raise UserError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ..., or "
+                            f"nanoGPT's data/NAME/prepare.py, whose folder train.py reads as it is)")
         check_regular(path, "prepare the data again (python prepare.py ...)")  # /dev/zero's size is 0
         size = os.path.getsize(path)
         if size == 0:

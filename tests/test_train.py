@@ -349,7 +349,8 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
 def test_data_errors(data_dir, tmp_path):
     def data_refusal(data_dir, *args):  # (train_refusal: train.py's checks, in process)
         return train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", *args)
-    assert "prepare the data first" in data_refusal(tmp_path / "nothing")
+    assert "prepare the data first (python prepare.py --out_dir=" in (said := data_refusal(tmp_path / "nothing"))
+    assert "or nanoGPT's data/NAME/prepare.py, whose folder train.py reads as it is" in said  # (its meta.pkl too)
     too_small = json.loads((data_dir / "meta.json").read_text())["vocab_size"] - 1
     assert f"model's vocab_size is {too_small}" in data_refusal(data_dir, f"--vocab_size={too_small}")
     corrupt = tmp_path / "corrupt"
