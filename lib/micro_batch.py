@@ -3,6 +3,8 @@ batch_size='auto': each process's micro-batch, the largest whose estimated peak 
 memory, tried once on the device. Only a run that asks for it imports this module (train.py).
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -13,20 +15,22 @@ from lib.memory import LAYOUT, device_name, memory_estimate, proc_kib
 def available_memory(device):
     """Bytes a training process on device may hold at most, counting what it holds now: on CUDA the free memory
     and this process's own; on an Apple chip its recommended maximum; on a CPU the memory available to the
-    process (what the kernel could give it, under its cgroup's limit), its resident memory included."""
+    process (what the kernel could give it, under its cgroup's limit, shared with the node's other processes of the
+    run: torchrun's LOCAL_WORLD_SIZE), its resident memory included."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
     if kind == "mps":
         return torch.mps.recommended_max_memory()
     resident, available = resident_bytes(), proc_kib("MemAvailable", "/proc/meminfo")
-    room = [torch.iinfo(torch.int64).max if available is None else available * 1024 + resident]
+    shared = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    room = [torch.iinfo(torch.int64).max if available is None else available * 1024 // shared + resident]
     v1 = "/sys/fs/cgroup/memory/memory."
     for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, then v1
                          (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
         try:
             with open(limit) as a, open(usage) as b:
-                room.append(int(a.read()) - int(b.read()) + resident)
+                room.append((int(a.read()) - int(b.read())) // shared + resident)
         except (OSError, ValueError):  # no such cgroup, or 'max': no limit
             pass
     return min(room)
@@ -47,6 +51,10 @@ def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1, held=0):
         if peak(b) <= room:
             return b, peak(b)
     need = peak(1)
+    if held >= room:  # nothing but a larger budget helps
+        raise UserError(f"batch_size='auto': this process holds {held / 2**20:,.0f} MiB already (Python, torch, the "
+                        f"data), and {room / 2**20:,.0f} MiB may be used ({1 - margin:.0%} of {budget / 2**20:,.0f} "
+                        f"MiB): raise memory_budget, or leave it 0 for what the machine has")
     already = f" ({held / 2**30:.2f} GiB of it held already: Python, torch, the data)" if held else ""
     raise UserError(f"batch_size='auto': one sequence needs {need / 2**30:.2f} GiB{already} where {room / 2**30:.2f} "
                     f"GiB may be used ({1 - margin:.0%} of {budget / 2**30:.2f} GiB), {(need - room) / 2**30:.2f} GiB "
@@ -77,13 +85,19 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
                       + shared.format(kept, share // kept))
     budget = memory_budget * 2**30 if memory_budget > 0 else available_memory(device)
     estimate = {**estimate, "device": torch.device(device).type, **{k: layout[k] for k in LAYOUT}}
-    weights = memory_estimate(model, 1, block_size, **estimate)["weights"]
-    besides = max(0, resident_bytes() - weights) if torch.device(device).type == "cpu" else 0
+    one = memory_estimate(model, 1, block_size, **estimate)  # what the process holds already is counted there once:
+    counted = one["weights"] + (one["optimizer"] if before else 0)  # the weights, a resume's optimizer state
+    besides = max(0, resident_bytes() - counted) if torch.device(device).type == "cpu" else 0
 
     def peak(b):
         return besides + memory_estimate(model, b, block_size, micro_steps=share // b, **estimate)["device"]
-    b, need = fit_micro_batch(peak, sequences, layout["dp"], budget, held=besides)
+    try:
+        b, need, refused = *fit_micro_batch(peak, sequences, layout["dp"], budget, held=besides), None
+    except UserError as e:  # said after the others heard: alone, it would leave them waiting at smallest()
+        b, need, refused = 0, 0, e
     b = smallest(b, device)  # every process takes the same micro-batch (their free memory may differ)
+    if refused or b == 0:
+        raise refused or UserError("batch_size='auto': another process cannot fit one sequence (its line says why)")
     note = (f"batch_size='auto': micro-batch {b} of {share} sequences a process, estimated peak {need / 2**30:.2f} "
             f"GiB of {budget / 2**30:.2f} GiB ({'memory_budget' if memory_budget > 0 else where})")
     if not (layout["fsdp"] or layout["tp"] > 1):
@@ -105,6 +119,10 @@ def micro_batch_fits(model, batch_size, block_size, device, autocast):
             loss.backward()
         return True
     except torch.OutOfMemoryError:
+        return False
+    except RuntimeError as e:  # a CPU's allocator says so in a plain RuntimeError
+        if "can't allocate memory" not in str(e):
+            raise
         return False
     finally:
         loss = None

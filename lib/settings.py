@@ -149,7 +149,8 @@ def check_ranges(values, ranges, flag=""):
     for key, (low, high, *at_most) in ranges.items():
         value = values.get(key)
         if value is not None and not (low <= value <= high if at_most else low <= value < high):
-            above = "" if high == _math.inf else f" and {'at most' if at_most else 'below'} {high}"
+            above = ((" and finite" if value == _math.inf else "") if high == _math.inf
+                     else f" and {'at most' if at_most else 'below'} {high}")
             raise _UserError(f"{flag}{key}={value} must be at least {low}{above}")
 
 
@@ -163,8 +164,11 @@ _PLAYS_UNDER = {"lr_schedule": ("decay_lr", (True,)), "warmup_iters": ("decay_lr
 def unused(config):
     """Notes (lines to print) for the settings of config given a value of their own that its other settings leave
     out of play, as a config file's may be once a flag changes what they belong to."""
-    notes = [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of {under}={values[0]!r}, "
-             f"and the run's is {config[under]!r}" for name, (under, values) in _PLAYS_UNDER.items()
+    def said(under, value):  # as a user gives it: batch_size_auto=True is batch_size='auto'
+        return ("batch_size", "auto" if value else config["batch_size"]) if under == "batch_size_auto" else (under, value)
+    notes = [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of "
+             f"{'%s=%r' % said(under, values[0])}, and the run's is {'%s=%r' % said(under, config[under])}"
+             for name, (under, values) in _PLAYS_UNDER.items()
              if config[name] != defaults()[name] and config[under] not in values]
     if config["optimizer"] in _optim.OPTIMIZERS:  # (else refused when built) another optimizer's own settings
         read = {name: _optim.settings_read(name, config) for name in _optim.OPTIMIZERS}

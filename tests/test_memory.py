@@ -434,6 +434,18 @@ def test_a_micro_batch_out_of_memory_in_its_first_try_is_halved_once():
     with pytest.raises(UserError, match="one sequence ran out of memory"):
         micro_batch.tried_micro_batch(OutOfMemoryPast(0), 1, 4, 8, "cpu", contextlib.nullcontext())
 
+    class CpuOutOfMemory(OutOfMemoryPast):  # a CPU's allocator fails in a plain RuntimeError; another error stays one
+        def forward(self, x, y):
+            if len(x) > self.fits:
+                raise RuntimeError(self.error)
+            return super().forward(x, y)
+    model = CpuOutOfMemory(5)
+    model.error = "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried"
+    assert micro_batch.tried_micro_batch(model, 12, 48, 8, "cpu", contextlib.nullcontext())[0] == 6
+    model.error = "mat1 and mat2 shapes cannot be multiplied"
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        micro_batch.tried_micro_batch(model, 12, 48, 8, "cpu", contextlib.nullcontext())
+
 
 def test_batch_size_auto_keeps_the_number_it_replaces(tmp_path):
     config = {"batch_size": 12, "batch_size_auto": False, "gradient_accumulation_steps": 1}
@@ -464,5 +476,54 @@ def test_batch_size_auto_shares_an_update_over_replicas_or_names_what_fits():
     for before in (None, resumed):  # chosen anew, or the micro-batch a resumed run began with
         with pytest.raises(UserError, match="the 13 sequences of an update .* multiple of the 2 data-parallel"):
             micro_batch.auto_micro_batch(None, 13, 64, 0.0, layout, before, None, device="cpu")
-    with pytest.raises(UserError, match=r"needs 1.00 GiB \(0.90 GiB of it held already.*raise memory_budget"):
+    with pytest.raises(UserError, match=r"needs 1.00 GiB \(0.20 GiB of it held already.*raise memory_budget"):
+        micro_batch.fit_micro_batch(lambda b: 2**30, 4, 1, 2**29, held=0.2 * 2**30)
+    # held already beyond what may be used: a larger budget is the one way out, and the line says only that
+    with pytest.raises(UserError, match=r"^batch_size='auto': this process holds 922 MiB already \(Python, torch, "
+                                        r"the data\), and 461 MiB may be used \(90% of 512 MiB\): raise "
+                                        r"memory_budget, or leave it 0 for what the machine has$"):
         micro_batch.fit_micro_batch(lambda b: 2**30, 4, 1, 2**29, held=0.9 * 2**30)
+
+
+def test_a_process_that_cannot_fit_one_sequence_says_so_after_the_others_heard(monkeypatch):
+    # every process meets at smallest() before any stops: one that raised alone would leave the others waiting
+    # there until dist_timeout. Here the one process's refusal comes after it took part
+    heard = []
+    monkeypatch.setattr(micro_batch, "smallest", lambda value, device: heard.append(value) or value)
+    monkeypatch.setattr(micro_batch, "resident_bytes", lambda: 0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    layout = dict(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False)
+    with pytest.raises(UserError, match="^batch_size='auto': one sequence needs "):
+        micro_batch.auto_micro_batch(model, 4, 16, 1e-6, layout, None, None, dtype="float32", optimizer="adamw",
+                                     quantized=None, device="cpu")
+    assert heard == [0]
+
+
+def test_a_resumed_run_on_a_cpu_counts_its_restored_optimizer_state_once(monkeypatch):
+    # on a CPU what the process holds beside the estimate's weights counts too; a resumed run holds its optimizer's
+    # state already, which the estimate counts: chosen again (another budget), the same peak as a fresh run's
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    layout = dict(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False)
+    settings = dict(dtype="float32", optimizer="adamw", quantized=None, device="cpu")
+    one = memory_estimate(model, 1, 16, **settings)
+    before = {"config": {"batch_size_auto": True, "batch_size": 2, "memory_budget": 1.0}, "world_size": 1}
+    held, fit = [], micro_batch.fit_micro_batch
+    monkeypatch.setattr(micro_batch, "fit_micro_batch", lambda *a, **kw: held.append(kw["held"]) or fit(*a, **kw))
+    for resident, resumed in ((one["weights"] + 1000, None), (one["weights"] + one["optimizer"] + 1000, before)):
+        monkeypatch.setattr(micro_batch, "resident_bytes", lambda: resident)
+        micro_batch.auto_micro_batch(model, 4, 16, 2.0, layout, resumed, contextlib.nullcontext(), **settings)
+    assert held == [1000, 1000]  # beside what the estimate counts
+
+
+def test_a_cpus_memory_is_shared_by_the_nodes_processes(monkeypatch):
+    # torchrun's LOCAL_WORLD_SIZE processes on one machine each plan with their share of what it has available
+    monkeypatch.setattr(micro_batch, "proc_kib", lambda field, path=None: 4_000_000)  # MemAvailable, KiB
+    monkeypatch.setattr(micro_batch, "resident_bytes", lambda: 10**8)
+
+    def no_cgroup(*args, **kwargs):
+        raise OSError("no cgroup here")
+    monkeypatch.setattr(micro_batch, "open", no_cgroup, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert micro_batch.available_memory("cpu") == 4_000_000 * 1024 + 10**8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert micro_batch.available_memory("cpu") == 1_000_000 * 1024 + 10**8  # its own resident memory its own

@@ -139,8 +139,13 @@ def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_p
     config = train_settings(["config/train_small.py", "--lr_schedule=cosine", "--eval_stride=8"])
     assert unused(config) == [
         "note: lr_decay_fraction=0.4 plays no part in this run: it is a setting of lr_schedule='wsd', and the run's "
-        "is 'cosine'",
-        "note: eval_stride=8 plays no part in this run: it is a setting of eval_full=True, and the run's is False"]
+        "is lr_schedule='cosine'",
+        "note: eval_stride=8 plays no part in this run: it is a setting of eval_full=True, and the run's is "
+        "eval_full=False"]
+    # batch_size_auto, as a user says it
+    assert unused(train_settings(["--memory_budget=4.0"])) == [
+        "note: memory_budget=4.0 plays no part in this run: it is a setting of batch_size='auto', and the run's is "
+        "batch_size=12"]
     assert unused(train_settings(["config/train_small.py"])) == unused(train_settings([])) == []
     # another optimizer's own settings, found from what each optimizer reads; Muon's AdamW reads the betas
     assert unused(train_settings(["--optimizer=sgd", "--beta1=0.8", "--momentum=0.5"])) == [
