@@ -230,6 +230,19 @@ def test_linear_cross_entropy_wide_vocab():
 
 
 @needs_triton
+def test_linear_cross_entropy_with_a_first_block_of_minus_infinity():
+    # a row whose first 4096 logits are -inf (an overflowed matmul, a masked vocabulary) and the rest finite: the
+    # online softmax's first running max is -inf, and its loss and gradients are the plain op's, finite
+    torch.manual_seed(0)
+    w = randn(4100, 4)
+    with torch.no_grad():
+        w[:4096] = -3e38  # x . w = -inf in fp32
+    x = torch.ones(2, 4, device=DEVICE, requires_grad=True)
+    check(K.linear_cross_entropy, K.linear_cross_entropy_ref, [x, w, torch.tensor([4097, 4099], device=DEVICE)],
+          torch.float32)
+
+
+@needs_triton
 def test_linear_cross_entropy_all_ignored():
     x, w = randn(7, 8), randn(30, 8)
     loss = K.linear_cross_entropy(x, w, _targets(7, 30, "all"))
