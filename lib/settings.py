@@ -164,17 +164,19 @@ _PLAYS_UNDER = {"lr_schedule": ("decay_lr", (True,)), "warmup_iters": ("decay_lr
 def unused(config):
     """Notes (lines to print) for the settings of config given a value of their own that its other settings leave
     out of play, as a config file's may be once a flag changes what they belong to."""
-    def said(under, value):  # as a user gives it: batch_size_auto=True is batch_size='auto'
-        return ("batch_size", "auto" if value else config["batch_size"]) if under == "batch_size_auto" else (under, value)
-    notes = [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of "
-             f"{'%s=%r' % said(under, values[0])}, and the run's is {'%s=%r' % said(under, config[under])}"
-             for name, (under, values) in _PLAYS_UNDER.items()
-             if config[name] != defaults()[name] and config[under] not in values]
+    def said(key, value):  # as a user gives it: batch_size_auto=True is batch_size='auto'
+        if key == "batch_size_auto":
+            return f"batch_size={'auto' if value else config['batch_size']!r}"
+        return f"{key}={value!r}"
+    default = defaults()
+    notes = [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of {said(under, values[0])}, "
+             f"and the run's is {said(under, config[under])}" for name, (under, values) in _PLAYS_UNDER.items()
+             if config[name] != default[name] and config[under] not in values]
     if config["optimizer"] in _optim.OPTIMIZERS:  # (else refused when built) another optimizer's own settings
         read = {name: _optim.settings_read(name, config) for name in _optim.OPTIMIZERS}
         notes += [f"note: {name}={config[name]!r} plays no part in this run: optimizer={config['optimizer']!r} "
                   f"does not read it" for name in sorted(set().union(*read.values()) - read[config["optimizer"]])
-                  if config[name] != defaults()[name]]
+                  if config[name] != default[name]]
     return notes
 
 
