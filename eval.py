@@ -1,8 +1,7 @@
 """
-The loss and perplexity of a model over every token of a dataset's val split, each scored once, in windows of
-block_size overlapping by --stride tokens of context, as papers measure perplexity. Conversations (a dataset with
-masks) and a run trained on whole examples are scored as train.py evaluates them, each example on its own over
-its trained targets, so a run's val loss here is the one its log shows. Deterministic, to compare with transformers.
+A model's loss and perplexity over every token of a dataset's val split, each scored once, in block_size windows
+overlapping by --stride tokens, as papers do. Conversations (masks) and runs trained on whole examples score each
+example alone over its trained targets: a run's val loss here is its log's. Deterministic, to compare with transformers.
 
     python eval.py --out_dir=out-small                                   # a run's checkpoint, on its own data
     python eval.py --model=models/Qwen3-0.6B --data_dir=data/finetune --block_size=1024 --stride=512
@@ -10,8 +9,7 @@ its trained targets, so a run's val loss here is the one its log shows. Determin
 Its last line: `val loss L perplexity P over N tokens`.
 
 With --tasks, lm-evaluation-harness's tasks instead (pip install lm_eval): its table, and its results as JSON in
-out_dir/eval_tasks.json (--output). Local task files (--include_path) work offline; the harness's own tasks need
-their data downloaded once.
+out_dir/eval_tasks.json (--output). Local task files (--include_path) work offline; its own tasks download data once.
 
     python eval.py --out_dir=out-small --tasks=hellaswag,arc_easy --limit=500
     python eval.py --model=models/Qwen3-0.6B --tasks=my_task --include_path=tasks/ --num_fewshot=5
@@ -115,8 +113,7 @@ try:
 except ValueError as e:
     raise UserError(str(e)) from None
 by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")
-# a folder's window is the data's longest example, not its limit (32K or 128K tokens would cost minutes and
-# gigabytes on short examples), or for text at most TEXT_WINDOW
+# a folder's window: the data's longest example (text: at most TEXT_WINDOW); its 32K or 128K limit costs gigabytes
 if args.block_size:
     block_size, window_from = args.block_size, "--block_size"
 elif not args.model:

@@ -32,9 +32,7 @@ from lib.trained import load_run, run_chat
 
 
 def load_exported(args):
-    # load_run's (model, tokenizer, checkpoint) for the export (LoRA's adapters merge in fp32 into the base they
-    # trained on); a run begun from a Hugging Face folder needs the folder still there: its special tokens and
-    # tokenizer files
+    # load_run's (model, tokenizer, checkpoint), with the folder the run began from (if any) still there
     model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), args.data_dir)
     base = checkpoint.get("pretrained")
     if base and not os.path.isdir(base):
@@ -44,15 +42,13 @@ def load_exported(args):
 
 
 def write_tokenizer(tokenizer, checkpoint, folder, ids):
-    """The run's tokenizer in transformers' files beside its model (or its peft adapter, which vLLM and peft read
-    a tokenizer from too), with its chat template; ids: run_special_ids'. Returns a note on the tokenizer."""
+    """Writes the run's tokenizer (transformers' files, chat template) into folder; ids: run_special_ids' -> a note."""
     base = checkpoint.get("pretrained") or ""
     files, note = hf_tokenizer_files(tokenizer)
     for name, text in files.items():
         with open_own(os.path.join(folder, name), "w", encoding="utf-8") as f:
             f.write(text)
-    # A base's own settings go along where they still hold: its generation defaults, and its tokenizer_config.json
-    # (chat template, special tokens) when the data was made with its very tokenizer. A run from scratch has none.
+    # a base's generation defaults go along, and its tokenizer_config.json where the data was made with its tokenizer
     names, jinja = ["generation_config.json"] if base else [], None
     if bases_tokenizer(tokenizer, base):
         names += ["tokenizer_config.json", "special_tokens_map.json"]
@@ -107,8 +103,7 @@ def base_jinja(base):
 
 
 def run_special_ids(tokenizer, base):
-    """config.json's special token ids: a base's own; else the BOS prepare.py put before each document, if any,
-    and end-of-text to end and pad."""
+    """config.json's special token ids: a base's own, else the data's BOS (if any) and end-of-text as eos and pad."""
     if base:
         return special_ids(base)
     if tokenizer.eot_id is None:  # nanoGPT's characters have no end-of-text
@@ -138,8 +133,7 @@ def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
 
 
 def write_chat(folder, chat, eot_id):
-    # A model trained on conversations: tokenizer_config.json gets its template, whose markers are special tokens,
-    # and generation stops at the end of its turn (generation_config.json's eos_token_id), as in sample.py --chat
+    # a chat run: its template (markers are special tokens) in tokenizer_config.json; generation stops at end of turn
     config = read_json(os.path.join(folder, "tokenizer_config.json"))
     config.update(chat_template=chat["template"], split_special_tokens=False)
     for name in ("bos_token", "eos_token"):  # the tokens the data's template was rendered with, which it names
@@ -171,8 +165,7 @@ EXPORTED = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|spe
 
 
 def make_parent(to):
-    """The folder --to goes in, made where missing (models/ in a fresh checkout) -> the first folder made (None:
-    none), which a failed export takes away again; a file in its way ends in one line."""
+    """Makes --to's folder where missing -> the first folder made (None: none), which a failed export removes."""
     first, path = None, os.path.dirname(os.path.abspath(to))
     while not os.path.lexists(path):
         first, path = path, os.path.dirname(path)
@@ -205,8 +198,7 @@ def check_destination(args):
 
 
 def temporary(make, to, mode):
-    # a name of this export's own beside to (a folder: tempfile.mkdtemp; a file: mkstemp), with the permissions
-    # any new folder or file gets (tempfile's are their user's alone: 0700, 0600)
+    # this export's own name beside to, with the permissions any new folder or file gets (tempfile's are 0700/0600)
     try:
         made = make(prefix=os.path.basename(to) + ".", suffix=".export-tmp", dir=os.path.dirname(to))
     except OSError as e:
@@ -244,8 +236,7 @@ def main(argv=None):
         return export_gguf(args)
     check_destination(args)
     made = make_parent(args.to)
-    # Written beside the destination, then renamed into place: a failure leaves no half-written folder, and an
-    # --overwrite loses nothing until the new one is whole.
+    # built beside --to, renamed in: a failure leaves nothing half-written, --overwrite loses nothing until it is whole
     to = os.path.abspath(args.to)  # "." too: its temporary folders go beside it, not inside
     staging = temporary(tempfile.mkdtemp, to, 0o777)
     old = staging.removesuffix("-tmp") + "-old"  # this export's own names: another's, or a user's, stay as they are

@@ -17,9 +17,8 @@ from lib.files import UserError
 
 
 def confined(folder, name, where):
-    """folder/name, where name is a relative path inside folder (links resolved; a Hugging Face cache snapshot's may
-    lead to its repo's blobs) that, if there, is a regular file (not a FIFO or a device: they would hang or never end);
-    else a one-line UserError, where being the file that names it."""
+    """folder/name, where name is a relative path inside folder (links resolved) that, if there, is a regular file (a
+    FIFO or a device would hang or never end); else a one-line UserError, where being the file that names it."""
     if not isinstance(name, str) or not name or os.path.isabs(name):
         raise UserError(f"{where} names {name!r}, not a file inside {folder}: replace it with the folder's own")
     root, real = os.path.realpath(folder), os.path.realpath(os.path.join(folder, name))
@@ -106,9 +105,8 @@ def nested_repeat(pattern):
 
 
 def check_tokenizer_rules(name, rules):
-    """UserError in one line unless the normalizer and pre-tokenizer of rules (a tokenizer.json's content) grow a
-    text at most MAX_GROWTH times, and its decoder (on its own: it reads the tokens' text) too, and hold no regex that
-    repeats a repeated group (nested_repeat)."""
+    """UserError unless the normalizer and pre-tokenizer of rules (a tokenizer.json's content) grow a text at most
+    MAX_GROWTH times, its decoder (on its own: it reads the tokens' text) too, and no regex is a nested_repeat."""
     if not isinstance(rules, dict):
         raise UserError(f"{name} is not a tokenizer.json (no JSON object): use the model's own")
     steps = [rules.get("normalizer"), rules.get("pre_tokenizer")]

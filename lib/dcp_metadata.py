@@ -44,9 +44,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(folder):
-    """The Metadata in folder/.metadata, read without running anything in it and checked to be what this
-    project's sharded saves write: tensors only (DCP reads a "bytes" entry with torch.load(weights_only=False))
-    in files of the folder itself. UserError in one line otherwise."""
+    """The Metadata in folder/.metadata, read without running anything in it, checked to be what our sharded saves
+    write: tensors only (DCP reads "bytes" entries with torch.load(weights_only=False)), in the folder's own files."""
     path = os.path.join(folder, ".metadata")
     try:
         with open(path, "rb") as f:
@@ -78,9 +77,8 @@ def read_metadata(folder):
 
 
 def untiled(entry):
-    """Why a tensor's chunks do not cover it exactly once (None where they do): each inside its size, none
-    overlapping another, and their values as many as the tensor's. Chunks are compared only with those that begin
-    before they end along dim 0 (FSDP's shards of rows do not)."""
+    """Why a tensor's chunks do not cover it exactly once (None where they do): each inside its size, none overlapping
+    another, as many values as the tensor's. Only chunks meeting along dim 0 are compared (FSDP's row shards don't)."""
     size = getattr(entry, "size", None)
     if not isinstance(size, torch.Size) or not all(type(n) is int and n >= 0 for n in size):
         return f"have no size but {size!r}"

@@ -52,8 +52,7 @@ INSTEAD = "export a Hugging Face folder and convert it with llama.cpp's convert_
 
 
 def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
-    """model (float32) + its dataset's tokenizer -> a GGUF file at path, its matrices in dtype (torch's).
-    ids: the special token ids as config.json has them (export.run_special_ids)."""
+    """model (float32) + its data's tokenizer -> GGUF at path, matrices in dtype; ids: export.run_special_ids'."""
     import gguf
     c = model.config
     check_exportable(c)
@@ -151,8 +150,7 @@ def vocabulary(tokenizer, vocab_size, gguf):
 
 
 def hf_json_parts(hf, refusal):
-    """A byte-level BPE's tokenizer.json -> (vocab, added tokens {text: (id, special)}, merges as "a b", split
-    pattern); a SentencePiece-style BPE, WordPiece or Unigram is refused."""
+    """A byte-level BPE's tokenizer.json -> (vocab, {added: (id, special)}, merges "a b", split regex), or UserError."""
     model, pre = hf.get("model", {}), hf.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     bytelevel = [s for s in steps if s.get("type") == "ByteLevel"]

@@ -74,9 +74,8 @@ def safetensors_files(path):
 
 
 def fingerprint(folder):
-    """A short hash of a folder, to know a LoRA run's base again without reading it all: config.json, each
-    safetensors file's size, header and 64 KB at 32 places. Fine-tuning changes nearly every weight, so two
-    bases differ here too; a change to a few tensors alone could pass unseen."""
+    """A short hash to know a LoRA run's base again without reading it all: config.json, each safetensors file's
+    size, header and 64 KB at 32 places (fine-tuning changes nearly every weight; a few changed ones could pass)."""
     digest = hashlib.sha256(json.dumps(read_json(Path(folder) / "config.json"), sort_keys=True).encode())
     for file in safetensors_files(Path(folder)):
         size = os.path.getsize(file)
@@ -142,8 +141,7 @@ def special_ids(folder):
     return {name: hf[name] for name in ("bos_token_id", "eos_token_id", "pad_token_id") if name in hf}
 
 
-# GPTConfig's fields that config.json says (hf_config), or that no weight's meaning depends on (dropout, the
-# kernels, LoRA's). A model that sets any other off its default is not one transformers would run.
+# GPTConfig's fields that config.json says (hf_config), or that no weight's meaning depends on (dropout, kernels, LoRA)
 SAID = {"block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "tie_embeddings", "rope_theta",
         "norm_eps", "head_size", "mlp_hidden", "qkv_bias", "qk_norm", "rope_scaling", "family", "dropout",
         "use_kernels", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}
@@ -206,9 +204,8 @@ def hf_layout(config):
 
 
 def load_pretrained(path, dtype=None, block_size=None, **overrides):
-    """A folder (config.json + safetensors) -> GPT. dtype: None keeps the weights'; block_size: the longest
-    sequence it will be given, checked against the model's limit (which stays its config.block_size); overrides:
-    dropout, use_kernels. Tensors are copied one at a time into a model allocated once: one copy of the weights."""
+    """A folder (config.json + safetensors) -> GPT, one copy of the weights in memory. dtype: None keeps the weights';
+    block_size: the longest sequence it will get, checked against the model's limit (config.block_size stays that)."""
     path = Path(path)
     if set(overrides) - {"dropout", "use_kernels"}:
         raise UserError(f"load_pretrained takes dropout and use_kernels, not {sorted(overrides)} (LoRA: add_lora)")
@@ -261,8 +258,7 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
 
 
 def save_pretrained(model, path, max_shard_bytes=5 * 2**30, ids=None):
-    """Write config.json and model.safetensors (shards with an index past max_shard_bytes) in the model's dtype.
-    ids: the special token ids config.json states ({"eos_token_id": 2, ...}; see special_ids)."""
+    """config.json + model.safetensors (shards past max_shard_bytes) in the model's dtype; ids: special_ids'."""
     from huggingface_hub import save_torch_state_dict
     if model.config.lora_rank or any(hasattr(p, "get_original_weight") for p in model.parameters()):
         raise UserError("save_pretrained writes plain weights: merge_lora() first, and load a 4-bit base "

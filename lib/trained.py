@@ -16,11 +16,9 @@ from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make
 
 
 def load_model(path, data_dir=None):
-    """out_dir/ckpt.pt, or an FSDP run's sharded out_dir/ckpt/ -> (model, checkpoint), on the CPU. A LoRA run's
-    base is read as the run held it (start.frozen_dtype; nf4 or int8 quantized from that), whatever dtype the caller
-    computes in: its adapters were trained on those very weights.
-    checkpoint["data_dir"] becomes where the model's data is now: data_dir, else where that data was then, else
-    where the run's config says."""
+    """ckpt.pt, or an FSDP run's sharded ckpt/ -> (model, checkpoint), on the CPU. A LoRA run's base is read as the run
+    held it (start.frozen_dtype, quantized if nf4/int8), whatever the caller computes in: its adapters trained on those
+    weights. checkpoint["data_dir"] becomes where the data is now: data_dir, else where it was, else the config's."""
     if (found := find_checkpoint(path)) is None:
         raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
     path = found
@@ -99,8 +97,7 @@ def chat_folder(checkpoint, tokenizer):
 
 
 def run_chat(checkpoint):
-    """meta.json's chat entry of the run's data folder (its conversations' template), None without one; UserError
-    where the folder holds conversations made since with another template than the run's were."""
+    """meta.json's chat entry of the run's data folder, or None; UserError if since prepared with another template."""
     data_dir = checkpoint["data_dir"]
     meta = read_meta(data_dir)
     trained_with = checkpoint.get("data_fingerprint", {}).get("chat")
