@@ -3,12 +3,11 @@ Overrides for a run's settings (lib/settings.py), from config files and --key=va
 
     python train.py config/train_small.py --batch_size=32 --compile=False
 
-A config file is Python whose top-level assignments replace the defaults (names starting with an underscore,
-modules, functions and classes are its own helpers). A --key=value is read with ast.literal_eval, else as a plain
-string. Every key must exist and every value have its default's type (an int for a float is fine), or one line
-names the closest key or the expected type. batch_size='auto' sets batch_size_auto instead, leaving batch_size the
-number it was (with gradient_accumulation_steps, the sequences of an update, which train.py keeps). dataset='NAME'
-(nanoGPT's) sets data_dir to data/NAME: of the two, the one set later wins.
+A config file is Python whose top-level assignments replace the defaults (names starting with _, modules, functions and
+classes are its own helpers). A --key=value is read with ast.literal_eval, else as a string. Every key must exist and
+every value have its default's type (an int does for a float), or one line names the closest key or the expected type.
+batch_size='auto' sets batch_size_auto, batch_size keeping its number (times gradient_accumulation_steps: an update's
+sequences, which train.py keeps). dataset='NAME' (nanoGPT's) sets data_dir to data/NAME; of the two, the later wins.
 """
 
 import ast
@@ -23,8 +22,7 @@ _HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, typ
 
 
 def _names_set(code, top=True):
-    # the names a config file's code sets, in order: its top-level assignments, and the names it or its functions
-    # declare global (a class's body sets its own)
+    # the names a config file sets, in order: top-level assignments, and names its functions or classes declare global
     stores = ("STORE_NAME", "STORE_GLOBAL") if top else ("STORE_GLOBAL",)
     names = [i.argval for i in dis.get_instructions(code) if i.opname in stores]
     return names + [n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names_set(c, False)]

@@ -1,10 +1,8 @@
 """
 lm-evaluation-harness on our own model, in this process: Model answers the harness's requests with our GPT, its
-KV cache and our tokenizer; run_tasks runs tasks by name, as `lm_eval --tasks` does; task_metrics is what train.py
-logs at each evaluation. lm_eval is optional (pip install lm_eval): running a task says how to install it.
-
-Requests are tokenized through the code of lm_eval's Hugging Face model (HFLM), so that a checkpoint scores here
-what its export scores under `lm_eval --model hf`, item by item.
+KV cache and tokenizer; run_tasks runs tasks by name, as `lm_eval --tasks` does; task_metrics is what train.py logs
+at each evaluation. lm_eval is optional (pip install lm_eval). Requests are tokenized as lm_eval's Hugging Face model
+(HFLM) does, so a checkpoint scores here what its export scores under `lm_eval --model hf`, item by item.
 """
 
 import json
@@ -61,9 +59,8 @@ class Model(TemplateLM):
         return self.name
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
-        # as HFLM reads text with a Hugging Face tokenizer: a special token written in it (<|im_end|>) is that token,
-        # and the BOS a tokenizer.json puts first (Llama 3's; prepare.py puts it before each document) comes first
-        # unless asked not to or the text begins with it
+        # as HFLM with a Hugging Face tokenizer: a special token written in the text (<|im_end|>) is that token, and a
+        # tokenizer.json's BOS (Llama 3's; prepare.py's before each document) leads unless asked not to or already there
         ids = self.tokenizer.encode_chat(string, [])[0].tolist() if self.specials else self.tokenizer.encode(string)
         bos = self.tokenizer.bos_id
         written = bos is not None and string.startswith(self.tokenizer.decode([bos]))

@@ -1,11 +1,10 @@
 """
-torchrun for a job that a scheduler stops: torch.distributed.run with its arguments as they are, except that it
-ends in one line instead of a traceback where its workers already said why:
-- a SIGTERM it gets (Slurm's preemption, time limit or requeue, sent to every process of the job), once its workers,
-  which got the signal too, have finished their step, saved and exited (train.py's StopRequest): status 0. torchrun
-  gives them 30 s before it kills them, as Slurm's KillWait does by default: a worker killed so (its step or its save
-  longer than that) lost its steps since the last checkpoint, and the line says which, status 1;
-- workers that failed (a refusal, each in its line above; an error, its traceback above; a signal): status 1.
+torchrun for a job that a scheduler stops: torch.distributed.run, arguments unchanged, ending in one line instead of
+a traceback where its workers already said why:
+- on SIGTERM (Slurm's preemption, time limit or requeue, sent to every process of the job), once its workers have
+  finished their step, saved and exited (train.py's StopRequest): status 0. torchrun kills one still running 30 s
+  later (as Slurm's KillWait does by default), losing its steps since the last checkpoint: the line names it, status 1;
+- workers that failed (a refusal or traceback above, or a signal): status 1.
 
     python -m lib.launch --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT train.py ...
 """

@@ -19,8 +19,7 @@ import torch
 
 from lib.files import UserError, open_own
 
-# train.py imports this module at its top, so the run's wall time (its last line) counts from here: from the
-# script's start, less the second or two its imports of torch take before this one
+# train.py imports this at its top: the wall time (its last line) counts from the script's start, less its torch import
 STARTED = time.time()
 WARMUP_STEPS = 3  # a process's first steps (compiling, caches, the allocator) are slow: the estimate skips them
 RECENT_STEPS = 50  # the time left follows the mean step time over about this many of the latest steps
@@ -30,10 +29,9 @@ FINISH_SHOWN = 3  # the first this many estimates also give the finish time on t
 
 def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wandb_run_name="run",
              tensorboard_log=False, step=None):
-    """(log, close): log(record) writes a record (a dict with the step as "iter") everywhere asked; close()
-    writes out what TensorBoard buffers. Both do nothing outside the master. step: the one the run begins at (a
-    resume's checkpoint's; None: appending to what is there): what a process before it recorded past that step goes,
-    from metrics.jsonl and from TensorBoard (a run from scratch purges all), as this run records those steps again."""
+    """(log, close): log(record) writes a record (a dict, the step as "iter") everywhere asked; close() flushes
+    TensorBoard. Both do nothing outside the master. step: the run's first (a resume's checkpoint's; None: append):
+    earlier records past it go from metrics.jsonl and TensorBoard (all of it from scratch) as this run redoes them."""
     if not master:
         return (lambda record: None), (lambda: None)
     if wandb_log:  # optional: imported only when asked for
@@ -66,8 +64,7 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
                 why = e.strerror if isinstance(e, OSError) else "a symbolic link, never written through"
                 print(f"warning: cannot write {out_dir}/metrics.jsonl ({why}); training goes on without it")
             failed = True
-        # for the dashboards an evaluation's numbers go under eval/: its train loss and next step's lr are not the
-        # step's own, which the record of the same step's update holds under the same keys
+        # dashboards get an evaluation's numbers under eval/: the same step's update record has its own loss and lr
         numbers = {("eval/" if "val_loss" in record else "") + key: value for key, value in record.items()
                    if key != "iter" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if wandb_log:
@@ -80,11 +77,9 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
 
 
 def cut_records(path, step):
-    """A process killed while it wrote a record can leave the line unfinished (a write is cut at a page's edge):
-    the resumed run's records would go on that line, and the file would not read. The piece goes first; then (step
-    not None) the first record past step and all after it (records come in the order of their steps), which a
-    resumed run writes again: a run resumed from an earlier checkpoint would otherwise leave its steps twice, the
-    later ones of a process it never was."""
+    """Drop an unfinished last line (a process killed mid-write, cut at a page's edge), which the next record would
+    join, breaking the file; then (step not None) the first record past step and all after (records are in step
+    order), which a resumed run writes again: else a resume from an earlier checkpoint would leave steps twice."""
     if not os.path.lexists(path):
         return
     with contextlib.suppress(OSError, UserError), open_own(path, "a+b") as f:  # log() says once why it fails
@@ -104,8 +99,7 @@ def cut_records(path, step):
 
 
 def report_evaluation(log, master, step, losses, task_scores, epoch, lr):
-    """An evaluation's lines (the master's) and its record: losses {train, val, train_accuracy, val_accuracy},
-    task_scores {task metric: value} from lm-evaluation-harness."""
+    """Print, log an evaluation: losses {train, val, train_accuracy, val_accuracy}, task_scores {task/metric: value}."""
     val_ppl = math.exp(min(losses["val"], 50))
     if master:
         print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, val perplexity "
@@ -173,8 +167,7 @@ def time_left(clock, steps_done, max_iters, eval_interval, step_seconds, steps):
 
 
 class Speedometer:
-    """The training steps since the last log line: their time (less what evaluations and saves took) and the
-    attention keys their queries met (for the MFU of the FLOPs run)."""
+    """Steps since the last log line: their time (less evaluations, saves) and the attention keys their queries met."""
 
     def __init__(self):
         self.restart()

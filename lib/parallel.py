@@ -1,7 +1,6 @@
 """
-Devices and processes: the run's device and its peak FLOP/s; its processes in a (data parallel, tensor parallel)
-mesh; parallelize, which spreads a model over the mesh as torchtitan does, keeping parameter names so that
-checkpoints move between layouts; and what the loop needs across processes. model.py knows none of it.
+Devices and processes (model.py knows none of it): the run's device, peak FLOP/s and (dp, tp) process mesh; parallelize,
+spreading a model over it as torchtitan does (names kept: checkpoints move between layouts); cross-process loop steps.
 
     model = parallelize(model, mesh, tp=2, fsdp=True, checkpointing=True, compile=True, dtype=torch.bfloat16)
 """
@@ -25,8 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lib.files import UserError
 from model import PROJECTIONS
 
-# Tensor parallel splits q, k, v, gate and up by their outputs (heads, hidden units) and their consumers by
-# their inputs: each process computes its heads and hidden units whole, and one all-reduce per pair joins them
+# tensor parallel splits by output (whole heads, hidden units each), their consumers by input; one all-reduce a pair
 SPLIT_BY_OUTPUT, SPLIT_BY_INPUT = ("q", "k", "v", "gate", "up"), ("o", "down")
 
 
@@ -54,8 +52,7 @@ def pick_device(device="auto", dtype="auto"):
     return device, dtype
 
 
-# Dense matmul peaks from the vendors' datasheets, FLOP/s: (bf16/fp16 on tensor cores, tf32). The first key a
-# name holds wins, so the H100s and H200s that differ come before the plain names.
+# datasheet dense matmul peaks, FLOP/s: (bf16/fp16 on tensor cores, tf32); a name's first key wins: variants first
 GPU_PEAKS = {"H100 NVL": (835e12, 418e12), "H100 PCIe": (756e12, 378e12), "H100 SXM": (989e12, 494e12),
              "H200 NVL": (835e12, 418e12), "H200": (989e12, 494e12), "B200": (2250e12, 1100e12),
              "A100": (312e12, 156e12), "L40S": (362e12, 183e12), "A10G": (70e12, 35e12), "4090": (165e12, 83e12),
@@ -110,10 +107,9 @@ class Processes(NamedTuple):
 
 
 def generation(store, rank, world_size, timeout):
-    """This group of workers' number, kept in torchrun's store (TORCHELASTIC_RESTART_COUNT is each node's own: a node
-    stopped for another's failure counts none). Rank 0 opens a generation; every other rank claims its place in the
-    newest it sees and takes it once rank 0 confirms: a dead group's places are claimed already, or its rank 0 never
-    confirms while the new one opens a newer generation. Waits timeout s at most."""
+    """This group of workers' number in torchrun's store (TORCHELASTIC_RESTART_COUNT is per node: a node stopped for
+    another's failure counts none). Rank 0 opens a generation; each other rank claims its place in the newest it sees,
+    joining once rank 0 confirms (a dead group's places are claimed, or never confirmed). Waits timeout s at most."""
     if rank == 0:
         number = store.add("generation", 1)
         claims = [f"generation_{number}/claim_{r}" for r in range(1, world_size)]
@@ -174,22 +170,19 @@ def check_same_settings(settings, data_dir):
 
 
 def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
-    """The processes of this run, as torchrun started them (or one alone), in a (data parallel, tensor
-    parallel) mesh. Resolves the 'auto' settings and joins the process group; returns Processes."""
+    """This run's processes (torchrun's, or one alone) in a (dp, tp) mesh: 'auto' resolved, group joined."""
     env = os.environ
     ddp, rank, world_size = "RANK" in env, int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     device, dtype = pick_device(device, dtype)
-    # under torchrun, 'cuda' and 'cuda:N' both mean each process's own GPU (its local rank's), not one for all
-    if device.startswith("cuda") and ddp:
+    if device.startswith("cuda") and ddp:  # 'cuda' and 'cuda:N' mean each process's own GPU (its local rank's)
         device = f"cuda:{local_rank}"
     device_type = device.split(":")[0]
     if device_type == "cuda":
         if ":" in device:  # 'cuda' alone is the current GPU already, and set_device wants an index
             torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # float32 matmuls in TF32
-    # Tensor parallel shards the rest of each replica with FSDP too (over a mesh of one replica, if so): every
-    # parameter is then a DTensor on the one mesh, which the fused optimizer step and the clipping need.
+    # tp > 1 brings FSDP (even of one replica): every parameter a DTensor on one mesh, for the fused step and clipping
     fsdp = fsdp or tp_size > 1
     if fsdp and dtype == "float16":
         raise UserError("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
@@ -200,16 +193,14 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
     if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
         backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if offload else "nccl"
     if ddp:
-        # torchrun's store outlives a restart: each group keeps its keys under its own generation, or the new
-        # workers would dial their dead peers. Joining waits timeout s at most: a group that cannot form fails
+        # torchrun's store outlives restarts: keys go under each group's generation, or new workers dial dead peers
         store = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))[0]
         store = dist.PrefixStore(f"generation_{generation(store, rank, world_size, timeout)}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
     elif fsdp:  # one process: FSDP still needs a process group (of one), e.g. to offload a model past a GPU
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    # a replica's tp_size processes are neighbours (one node) sharing its batches; the replicas split the data
-    if tp_size < 1 or world_size % tp_size:
+    if tp_size < 1 or world_size % tp_size:  # a replica: tp_size neighbours (one node) sharing its batches
         raise UserError(f"tp_size={tp_size} must divide the {world_size} processes (torchrun --nproc_per_node=N, "
                         f"N a multiple)")
     dp_size = world_size // tp_size
@@ -241,20 +232,17 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
     if checkpointing:  # keep each block's input only; recompute the rest when the gradient comes back
         for block in model.blocks:
             block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
-    if compile:  # in place, so the parameters keep their names: the whole model in one graph (its embedding,
-        # final norm and loss fused too: ~8% faster a step on a CPU), or each block where they are split
+    if compile:  # in place (names kept): the whole model in one graph (loss fused: ~8% faster on CPU), else each block
         for module in model.blocks if fsdp or tp > 1 else [model]:
             module.compile()
     if fsdp:
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                             register_fsdp_forward_method)
-        # each block one FSDP unit, gathered whole only while it computes; the root unit holds the rest
         mixed = MixedPrecisionPolicy()
-        if dtype == torch.bfloat16:  # a unit's inputs are left as they come: the rotary tables stay fp32, as
-            # DDP's autocast keeps them (cast to bf16, every block's rotation was rounded: a loss gap to DDP)
+        if dtype == torch.bfloat16:  # inputs uncast: rotary tables stay fp32 as under DDP (bf16 rotations: a loss gap)
             mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
         offload = CPUOffloadPolicy() if offload else OffloadPolicy()
-        for module in [*model.blocks, model]:  # the root last
+        for module in [*model.blocks, model]:  # a unit per block, whole only as it computes; the root (the rest) last
             fully_shard(module, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
         register_fsdp_forward_method(model, "loss_and_accuracy")  # evaluation calls it instead of forward
     elif ddp:
@@ -286,9 +274,8 @@ class StopRequest:
 
 
 def target_shares(micro_batches, dp_size, tp_size, ddp):
-    """Each micro-batch's weight in its update's loss (masks, packed examples): its share of the whole update's
-    targets over every process, times the replicas, so that the loss is the mean over the targets however they
-    fall into micro-steps and processes. Stays on the device: nothing waits for it."""
+    """Each micro-batch's weight in its update's loss: its share of the update's targets on all processes, times the
+    replicas, so the loss is the mean over targets however they fall. Stays on the device: nothing waits for it."""
     targets = torch.stack([(y != -1).sum() for _, y, _ in micro_batches]).float()
     all_targets = targets.sum()
     if ddp:  # the tensor-parallel processes of a replica hold the same batches: counted tp_size times
@@ -298,8 +285,7 @@ def target_shares(micro_batches, dp_size, tp_size, ddp):
 
 
 def clip_gradients(model, max_norm):
-    # the norm of all the gradients, whatever holds them: plain tensors, or shards (DTensors) over a mesh,
-    # each group of one mesh and layout reduced over it; then every gradient scaled down to max_norm
+    # all gradients' norm (DTensor shards: each mesh and layout's group reduced over it), then scaled down to max_norm
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     groups = {}
     for g in grads:
