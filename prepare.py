@@ -43,10 +43,9 @@ SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", 
 # encoding: ~64 KB batches of documents and pieces, encoded by a pool of threads, results in order
 
 def encode_batch(tokenizer, texts, ends, is_val, dtype, wholes, min_length, starts):
-    """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text, dropped per text):
-    the BOS (if any) before a document's first piece (starts), end-of-text after its last; a whole document (wholes)
-    under min_length tokens of its text dropped. A Chat's mask: 1 per trained token, END for its end-of-text (train.py
-    cuts there)."""
+    """-> ((train ids, val ids), (train masks, val masks) or None, tokens and bytes per text, dropped per text). BOS
+    (if any) before a document's first piece (starts), end-of-text after its last; a whole document (wholes) under
+    min_length tokens of text is dropped. A Chat's mask: 1 per trained token, END at its end-of-text (train.py cuts)."""
     masks = None
     if texts and isinstance(texts[0], Chat):
         pairs = [tokenizer.encode_chat(chat.text, chat.spans) for chat in texts]
@@ -90,8 +89,7 @@ def encoded(docs, tokenizer, dtype, num_workers, in_one_piece, min_length, stats
                 yield infos, job.result()  # a UserError in a thread (a character a vocabulary lacks) raised here
 
 # -----------------------------------------------------------------------------
-# the run: check the arguments -> learn the vocabulary -> encode and write under .tmp names ->
-# balance the splits -> meta.json -> move into place, meta.json last -> report
+# the run: check arguments -> learn the vocabulary -> encode into .tmp files -> balance splits -> move into place
 
 def prepare(args):
     """Run prepare.py with parsed args; returns meta.json's content (or the --analyze report)."""
@@ -102,7 +100,7 @@ def prepare(args):
     exclude = {Path(p).resolve() for p in local}
     threads = max(1, args.num_workers or cpu_count())
 
-    learning = time.time()  # char and bpe:N learn their vocabulary in a first pass over the corpus
+    learning = time.time()  # char, bpe:N and wordpiece:N learn their vocabulary in a first pass over the corpus
     texts = lambda: (getattr(text, "text", text) for _, _, doc, _, _ in  # a pass with stats of its own
                      labelled_documents(args, inputs, exclude, new_stats()) for text, _ in pieces(doc))
     args.chat = chat_maker(args, None)
@@ -227,9 +225,8 @@ def check_arguments(args):
 
 
 def labelled_documents(args, inputs, exclude, stats):
-    """Yield (is_val, ext, doc, start, stop) for the corpus, --val_input last: characters start:stop of doc.
-    Without --val_input, a hash of its name gives a document's split: the same every run, any worker count.
-    --dedup drops a document seen before in either split (a val one that training holds too)."""
+    """Yield (is_val, ext, doc, start, stop: which characters of doc), --val_input's documents last. Without it, a hash
+    of a document's name picks its split (the same every run and worker count); --dedup spans both splits."""
     seen = set()
     for key, ext, doc in corpus(inputs, args, stats, only_py=not args.input, exclude=exclude, seen=seen):
         digest = blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
@@ -249,9 +246,7 @@ def plan_split(args, inputs, docs, stats):
                         f"see above)")
     if len(first) == 1 and not args.val_input and args.val_fraction > 0 and not args.analyze \
             and not isinstance(first[0][2], Chat):
-        # One document (tinyshakespeare): its last val_fraction is the validation text, as nanoGPT does, cut
-        # at the next line start (or, with none after, the last one before; with no line break, a word's start),
-        # found reading it as a stream.
+        # One document (tinyshakespeare): its last val_fraction is val, as in nanoGPT, cut at a line start if it can be
         _, ext, doc, _, _ = first[0]
         nchars = doc.nchars if isinstance(doc, BigText) else len(doc)
         pos = int(nchars * (1 - args.val_fraction))
@@ -348,10 +343,9 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
 
 
 def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length):
-    """-> (ids, dropped) without a document of several pieces (encode_batch drops those of one) ending in this
-    batch under min_length tokens: its last piece marked dropped, its pieces of earlier batches cut off the end of
-    its split's file. doc: the one under way, {"pieces", "tokens", "begin" (in this batch, or None), "file_start"}.
-    (Only tokenizers without a BOS cut a document in pieces: encoded's in_one_piece.)"""
+    """-> (ids, dropped) less each document of several pieces (only BOS-less tokenizers cut them; encode_batch drops
+    one-piece ones) ending in this batch under min_length tokens: its last piece marked dropped, earlier batches'
+    pieces cut off its file. doc: the one under way, {"pieces", "tokens", "begin" (here, or None), "file_start"}."""
     if not min_length:
         return ids, dropped
     keep, at, dropped = [np.ones(len(a), bool) for a in ids], [0, 0], list(dropped)
@@ -550,8 +544,7 @@ def main(argv=None):
 
 
 def stopped(signum, frame):
-    # SIGTERM (a scheduler's, a kill) or SIGINT (Ctrl-C) as an exception, so that temporary_outputs removes its .tmp
-    # files and the lock
+    # SIGTERM or SIGINT (Ctrl-C) as an exception, so that temporary_outputs removes its .tmp files and the lock
     raise SystemExit(f"prepare.py: stopped by {signal.Signals(signum).name}; no dataset was written, and its "
                      f"temporary files are removed")
 

@@ -1,17 +1,15 @@
 """
-Conversations and instructions -> the text a model's chat template makes of them, and which characters of that
-text the model learns to write. prepare.py turns a record into a Chat (rendered text + trained spans) here, and
-sample.py renders a conversation to continue; both with the same template.
+Conversations and instructions -> a chat template's text of them and the characters a model learns to write (a Chat),
+for prepare.py's records and the conversations sample.py continues, with the same template.
 
     from lib.chat import ChatFormat
     fmt = ChatFormat.for_tokenizer("models/Qwen3-0.6B", {"<|im_end|>": 151645, ...}, train_on="assistant")
     chat = fmt.record({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})
     chat.text, chat.spans   # '<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n', [(..)]
 
-Records: {"messages": [{"role", "content"}, ...]}, ShareGPT's {"conversations": [{"from", "value"}, ...]} (from:
-human/user, gpt/assistant, system, tool), {"prompt", "completion"} (strings, or lists of messages), and Alpaca's
-{"instruction", "input", "output"}. A template is code from the internet: it runs in jinja2's sandbox,
-as transformers runs it, where it can reach neither files nor Python's internals.
+Records: {"messages": [{"role", "content"}, ...]}, ShareGPT's {"conversations": [{"from", "value"}, ...]},
+{"prompt", "completion"} (strings, or lists of messages) and Alpaca's {"instruction", "input", "output"}. A template
+is code from the internet: it runs in jinja2's sandbox, as in transformers, away from files and Python's internals.
 """
 
 import json
@@ -33,8 +31,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "system": "system", "tool": "tool"}
 STAND_IN = "\ue000\ue001\ue000"  # stands for a reply while finding where a template writes it (private use)
 MARKS = ("\ue002", "\ue003")  # where a {% generation %} block's text begins and ends, until render() drops them
-# For tokenizers that come without a template: a header per turn, and each assistant turn closed by the
-# end-of-text token, which the model learns to write and sample.py stops at.
+# Without a tokenizer's template: a header per turn, each assistant turn closed by end-of-text (sample.py stops there)
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
@@ -68,16 +65,14 @@ def sharegpt_messages(turns):
 
 
 def with_reasoning(message):
-    # a message's reasoning under any of its names, as transformers passes it to a template: its reasoning_content
-    # (Qwen3's templates read it) and thinking (gpt-oss's)
+    # a message's reasoning (any name) as templates read it: reasoning_content (Qwen3's) and thinking (gpt-oss's)
     reasoning = next((message[key] for key in ("reasoning_content", "thinking", "reasoning")
                       if isinstance(message, dict) and message.get(key) is not None), None)
     return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def compile_template(source):
-    """A chat template's text -> render(**context) -> str, run in the sandbox with what transformers gives
-    templates, under MAX_STEPS and MAX_OUTPUT (a TemplateError past them)."""
+    """A template -> render(**context) -> str, sandboxed with transformers' globals, within MAX_STEPS and MAX_OUTPUT."""
     from jinja2 import nodes
     from jinja2.exceptions import TemplateError
     from jinja2.ext import loopcontrols
@@ -119,11 +114,9 @@ def compile_template(source):
 
 
 def budget(env):
-    # Counts what a rendering does in env, raising TemplateError past MAX_STEPS: each loop step (loops take their
-    # items through env.counted) and each call or filter (as ten). A *, + or % may not make a value past MAX_OUTPUT,
-    # nor a ** raise to a power past 64, nor ints grow past MAX_WIDTH bits; env.bounded refuses such a value where ~
-    # joins, as a filter's result; a filter's numbers are at most MAX_WIDTH, and replace and join are measured before
-    # they run. Intercepted, no such operator is computed at compile time either. -> the count, for render to reset.
+    # Counts a rendering's steps in env, TemplateError past MAX_STEPS: a loop step one, a call or filter ten. A *, +
+    # or % may not make a value past MAX_OUTPUT, a ** a power past 64, ints past MAX_WIDTH bits; env.bounded measures
+    # what ~ joins and filters return. Intercepted operators aren't folded at compile time. -> steps (render resets it).
     from jinja2.exceptions import TemplateError
     steps, sandbox_call, sandbox_binop = [0], env.call, env.call_binop
 
@@ -175,9 +168,8 @@ def formats_within(text):
 
 
 def checked_filter(name, run, step, bounded):
-    """jinja's filter run (named name), counted as a call (step) and refused (TemplateError) past the budget: a width
-    that writes that much (center's, indent's; indent's or wordwrap's text) past MAX_WIDTH, a format's too, a replace
-    or join that would write past MAX_OUTPUT; its result measured (bounded)."""
+    """jinja's filter run (named name), counted as a call and refused (TemplateError) past the budget: a center or
+    indent width, indent or wordwrap text, or format width past MAX_WIDTH, a replace, join or result past MAX_OUTPUT."""
     import functools
     from jinja2.exceptions import TemplateError
 
@@ -265,8 +257,7 @@ def find_template(folder, template_file=None):
 
 
 class ChatFormat:
-    """A chat template with the tokenizer's special tokens, and what to train on: renders records and
-    conversations, and finds the trained characters of what it renders."""
+    """A chat template, its special tokens and train_on: renders records and conversations, finds trained spans."""
 
     def __init__(self, source, origin, special_tokens, eos_token, train_on="assistant", bos_token=None,
                  separator=None, text_bos=""):
@@ -341,8 +332,7 @@ class ChatFormat:
             user = instruction + ("\n\n" + given if given else "")
             return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}], 1)
         prompt, completion = obj["prompt"], obj["completion"]
-        if isinstance(prompt, str) and isinstance(completion, str):  # plain text, no template (as TRL does:
-            # the tokenizer's BOS first, where it adds one, as to any text)
+        if isinstance(prompt, str) and isinstance(completion, str):  # untemplated, as in TRL; the BOS first if any
             text = self.text_bos + prompt + completion + self.context["eos_token"]
             start = 0 if self.train_on == "all" else len(self.text_bos + prompt)
             return Chat(text, [(start, len(text))])
@@ -351,10 +341,9 @@ class ChatFormat:
         return self.chat(prompt + completion, len(prompt))
 
     def chat(self, messages, first_completion):
-        """messages -> Chat. Trained: each assistant turn after its header (the generation prompt, which is not
-        trained, as in TRL): its reply, with what the template writes before it in the turn (a think block), to
-        the token closing it (train_on='assistant'), or what a template's {% generation %} blocks write;
-        everything from messages[first_completion]'s reply on ('completion'); or all of it."""
+        """messages -> Chat, trained on: 'assistant', each assistant turn after its header (the generation prompt,
+        untrained as in TRL) to its closing token, a think block before the reply included, or what {% generation %}
+        blocks write; 'completion', all from messages[first_completion]'s reply on; 'all', everything."""
         text = self.render(messages)
         if self.train_on == "all":
             return Chat(text, [(0, len(text))])
@@ -372,10 +361,9 @@ class ChatFormat:
         return Chat(text, spans)
 
     def turn(self, text, messages, i, at):
-        # (start, end) of assistant message i's turn in text, the first after at. It begins where the conversation
-        # before it, with the generation prompt, ends; or, where a template writes that otherwise when it ends the
-        # conversation (Mistral's moves the system prompt to the last user turn), where a stand-in for the reply
-        # stands. The reply is found backwards from the token closing the turn (a think block may hold its words).
+        # (start, end) of assistant message i's turn in text, the first after at: from where the conversation before it
+        # and the generation prompt end; where the template writes that otherwise (Mistral's moves the system prompt),
+        # where a stand-in reply stands. The reply is found back from the closing token (a think block may repeat it).
         before = self.render(messages[:i], add_generation_prompt=True)
         if text.startswith(before):
             begin = len(before)

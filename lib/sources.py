@@ -1,7 +1,6 @@
 """
-Reading a corpus: files, folders, JSON, CSV and parquet records, and Hugging Face datasets -> documents, with everything
-skipped counted and listed. Memory stays bounded for any input: a big plain-text file is checked whole first, then
-given out in pieces cut where the tokens cannot change (SAFE_CUT). prepare.py encodes what comes out.
+Reading a corpus (files, folders, JSON, CSV and parquet records, Hugging Face datasets) -> documents, each skip counted
+and listed. Memory stays bounded: a big text file is checked whole, then given out in pieces cut at SAFE_CUT.
 
     from lib.sources import corpus, new_stats, pieces
     stats = new_stats()
@@ -30,20 +29,17 @@ from lib.files import UserError
 TEXT_FIELDS = ("text", "content", "body")
 MAX_EXAMPLES = 100  # bad records listed in meta.json (all are counted)
 PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a time
-# Text with no safe cut (one 50 MB word, a gzip of one repeated byte) is cut here anyway, so that what is held
-# and what the encoder is given stay bounded for any input; the report counts those cuts.
+# Characters held with no SAFE_CUT (a 50 MB word) are cut here anyway, to bound memory; the report counts the cuts
 HARD_CUT = 1 << 20
-# A JSON record (one line of a .jsonl) past this many bytes is skipped, and reported, without being held whole:
-# json.loads of one takes ~20x its size (a 315 MB line peaked at 7 GB)
+# A .jsonl line past this many bytes is skipped, never held (a CSV record: its file): json.loads takes ~20x its size
 MAX_RECORD = 1 << 25
-# A .gz whose text passes MAX_RATIO times the bytes read, past its first INFLATED_FREE bytes, is refused: text
-# compresses 3 to 10 times, a bomb up to 1000 (a 1 MiB gzip of one letter held 1 GiB of text, 10 minutes to encode).
+# A .gz inflating past MAX_RATIO x the bytes read (after INFLATED_FREE) is refused: text packs 3-10x, a bomb ~1000x
 MAX_RATIO = 100
 INFLATED_FREE = 1 << 26
 BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
-# Where a text can be cut so that its pieces, encoded apart, give the whole's tokens, for the regex pre-tokenizers of
-# GPT-2, cl100k, o200k and rustbpe (tests/test_prepare.py checks it): before a space or newline between two letters or
-# digits, or after a newline between a non-space and a letter or digit (cutting "Z\n\n|X" or " \n|X" changes GPT-2's).
+# Where text can be cut so that its pieces, encoded apart, give the whole's tokens under the pre-tokenizers of GPT-2,
+# cl100k, o200k and rustbpe (tests/test_prepare.py checks): before a space or newline between two letters or digits,
+# or after a newline between a non-space and a letter or digit ("Z\n\n|X" or " \n|X" would change GPT-2's).
 SAFE_CUT = re.compile(r"(?<=[^\W_])(?=[ \n][^\W_])|(?<=\S\n)(?=[^\W_])")
 # The last SAFE_CUT in a text: the greedy .* backtracks from the end, so the first match is the last cut.
 LAST_CUT = re.compile(r"(?s:.*)(?:" + SAFE_CUT.pattern + ")")
@@ -103,9 +99,8 @@ def read_rows(rows, field, chat):  # a Hugging Face dataset's or a parquet file'
 
 
 def input_files(folder, stats, skip, only_py=False, exclude=frozenset(), rel_folder=""):
-    """Yield (path, path relative to the INPUT) for every file under folder (or folder, a file), sorted, but those
-    under a resolved path in exclude (the dataset being written, the --val_input ones); skip(path, why) for a link
-    or a folder it cannot follow."""
+    """Yield (path, path within the INPUT) per file under folder (or folder, a file), sorted, but those under a resolved
+    path in exclude (the dataset being written, --val_input's); skip(path, why) for a link or folder it can't follow."""
     if isinstance(folder, HubSplit):
         yield folder, str(folder)
         return
@@ -130,12 +125,11 @@ def input_files(folder, stats, skip, only_py=False, exclude=frozenset(), rel_fol
         elif why:
             skip(path, why)
         elif entry.is_dir(follow_symlinks=False):
-            # Installed packages are not the stdlib, and a dataset we write must not be read back in.
+            # installed packages are not the stdlib
             if not (only_py and entry.name == "site-packages") and path.resolve() not in exclude:
                 yield from input_files(path, stats, skip, only_py, exclude, rel + "/")
         elif not only_py or entry.name.endswith(".py"):
-            # a --val_input file the walk meets is left out; resolved only where its name is one of theirs or it
-            # is a link (to one of them, maybe)
+            # a --val_input file met here is left out (resolved only if a link or named as one of them)
             if not (entry.is_symlink() or any(entry.name == p.name for p in exclude)) or path.resolve() not in exclude:
                 yield path, rel
 
@@ -185,8 +179,7 @@ def record_text(obj, field, chat):
 
 
 def read_documents(path, field, dedup, chat):
-    """Yield (position, text or BigText, None) per document, or (position, None, why) per bad record.
-    Raises SkipFile for a file that cannot be read at all."""
+    """Yield (position, str, BigText or Chat, None), or (position, None, why) per bad record; SkipFile if unreadable."""
     ext = file_ext(path).removesuffix(".gz")
     if isinstance(path, HubSplit):
         import datasets
@@ -244,8 +237,7 @@ def bounded_lines(f, limit):
 
 
 def read_csv(path, field, chat, ext):
-    # a header row naming the columns, then a record a row (a quoted field may span lines), read a line at a time,
-    # a record of at most MAX_RECORD bytes
+    # a header row, then a record a row (a quoted field may span lines), read a line at a time, up to MAX_RECORD bytes
     def lines(f):
         for n, line in enumerate(bounded_lines(f, MAX_RECORD), 1):
             record[0] += len(line or b"")
@@ -257,8 +249,7 @@ def read_csv(path, field, chat, ext):
     limit = csv.field_size_limit(MAX_RECORD)  # (the csv module's, for every caller: put back after)
     with open_input(path) as f, contextlib.ExitStack() as stack:
         stack.callback(csv.field_size_limit, limit)
-        # a .csv strictly: a quote left open, or text after a closing one, is an error, not records run together (a
-        # .tsv's fields are often unquoted text that may begin with a quote)
+        # .csv strictly: a stray quote is an error, not records run together (a .tsv's unquoted text may begin with one)
         rows = csv.DictReader(lines(f), dialect="excel-tab" if ext == ".tsv" else "excel", strict=ext != ".tsv")
         try:
             for row in rows:
@@ -300,8 +291,7 @@ def read_parquet(path, field, chat):
 
 
 def decoded(path):
-    """Yield (bytes, text) of a UTF-8 file PIECE bytes at a time (gunzipped, byte-order mark removed);
-    raise SkipFile at a NUL byte (binary) or at bytes that are not UTF-8."""
+    """Yield (bytes, text) per PIECE bytes of a UTF-8 file (gunzipped, BOM dropped); SkipFile at NUL or bad UTF-8."""
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0  # a character may span two reads
     with open_input(path) as f:
         while True:
@@ -324,8 +314,7 @@ def decoded(path):
 
 
 def read_text(path, dedup):
-    """A plain-text file: its text when it fits in one read, else a BigText that this pass has checked
-    whole, so that a bad byte late in a big file skips all of it before any of it is used."""
+    """A text file: its text if one read holds it, else a BigText checked whole (a late bad byte skips it unused)."""
     first, n, nchars, blank = "", 0, 0, True
     digest = blake2b(digest_size=16) if dedup else None
     for n, (data, text) in enumerate(decoded(path), 1):
@@ -338,9 +327,8 @@ def read_text(path, dedup):
 
 
 def pieces(doc, start=0, stop=None, in_one_piece=False, stats=None):
-    """Yield (text, is_last) for characters start:stop of a document: a str in one piece, a BigText in
-    pieces of about one read, cut at its last SAFE_CUT (none in it: held until one comes), or in one; either
-    way cut at HARD_CUT characters held, counted in stats["hard_cuts"]."""
+    """Yield (text, is_last) for characters start:stop of a document: a str whole, a BigText in pieces of about a read,
+    cut at its last SAFE_CUT (none: held until one comes) unless in_one_piece; all cut at HARD_CUT held (counted)."""
     if isinstance(doc, (str, Chat)):  # a conversation is always whole
         yield doc[start:stop] if isinstance(doc, str) else doc, True
         return
@@ -383,9 +371,8 @@ def ext_stats(stats, ext):
 
 
 def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
-    """Yield (key, ext, text or BigText) for every accepted document of inputs, in a fixed order.
-    key names the document (path within its INPUT, position) for the train/val split. seen: the 16-byte digests of
-    the documents kept before (--dedup), which it adds to."""
+    """Yield (key, ext, doc: a str, BigText or Chat) per accepted document of inputs, in a fixed order; key (path in
+    its INPUT:position) names it for the split. seen: digests of the documents kept before (--dedup), added to."""
     seen = set() if seen is None else seen
 
     def reject(where, why, whole_file):

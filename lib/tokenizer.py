@@ -1,8 +1,7 @@
 """
-Tokenizers of every kind prepare.py makes: tiktoken's encodings (gpt2, cl100k_base, o200k_base, ...), char (a corpus's
-characters), bpe:N (a byte-level BPE trained with rustbpe), wordpiece:N, a Hugging Face tokenizer.json and nanoGPT's
-character datasets (meta.pkl), all one Tokenizer (encode, decode, vocab_size, eot_id); a dataset's own (load_tokenizer),
-and whether it is another folder's (check_tokenizer). tokenizer_json.py writes an exported model's tokenizer.json.
+Every tokenizer prepare.py makes or reads as one Tokenizer: tiktoken's encodings, char (a corpus's characters), bpe:N
+(byte-level BPE learned by rustbpe), wordpiece:N, a Hugging Face tokenizer.json, nanoGPT's character datasets
+(meta.pkl); a dataset's own (load_tokenizer), and whether it is another folder's (check_tokenizer).
 
     from lib.tokenizer import load_tokenizer, make_tokenizer
     tokenizer = load_tokenizer("data/stdlib")
@@ -85,7 +84,7 @@ class Tokenizer:
 
     def encode_chat(self, text, spans):
         """A chat template's text -> (ids, mask): its markers read as special tokens, and mask 1 for each token
-        that overlaps a trained span of characters [(start, end)], 0 elsewhere. Both uint8/uint32 arrays."""
+        that overlaps a trained span of characters [(start, end)], 0 elsewhere (uint32 and uint8 arrays)."""
         if self.enc is not None:
             ids = self.enc.encode(text, allowed_special="all")
             starts = self.enc.decode_with_offsets(ids)[1]
@@ -100,8 +99,7 @@ class Tokenizer:
             raise UserError(f"a {self.kind} tokenizer has no special tokens for a chat template: use bpe:N, "
                              f"a tiktoken encoding or a model's tokenizer.json")
         starts = np.array(starts, dtype=np.int64)
-        # a token ends where the next begins, or a character later: the byte tokens of one character split (an emoji)
-        # all begin where it does
+        # a token ends where the next begins, or a character later: an emoji's byte tokens all begin where it does
         ends = np.maximum(np.append(starts[1:], len(text)), starts + 1)
         mask = np.zeros(len(ids), dtype=np.uint8)
         for start, end in spans:  # a token overlapping the span is trained: " Hello" whose space is outside it
@@ -137,8 +135,7 @@ class Tokenizer:
 
 @contextmanager
 def stopped_in_one_line(name):
-    """A Rust panic inside the tokenizers library (its regex engine past its retry limit, ...) comes out as a
-    BaseException with a traceback: here it is one line naming the tokenizer."""
+    """A Rust panic in the tokenizers library (a BaseException, with a traceback) as one line naming the tokenizer."""
     try:
         yield
     except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):
@@ -185,8 +182,7 @@ def hf_tokenizer(name, hf_json):
     if eot_id is None:
         raise UserError(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} "
                         f"(add one to it)")
-    # The id its post-processor puts before every text (Llama 3's <|begin_of_text|>), or None. Only the BOS is
-    # taken from it: documents end with end-of-text, which prepare.py writes itself.
+    # the BOS its post-processor puts before every text (Llama 3's), or None; prepare.py writes end-of-text itself
     with stopped_in_one_line(name):
         plain = hf.encode("a", add_special_tokens=False).ids
         full = hf.encode("a", add_special_tokens=True).ids
@@ -195,8 +191,7 @@ def hf_tokenizer(name, hf_json):
 
 
 def bases_tokenizer(tokenizer, base):
-    """Whether tokenizer is the very tokenizer.json of the Hugging Face folder base (the one a run began from),
-    whose chat template and special tokens then hold for the run's data too."""
+    """Whether tokenizer is the tokenizer.json of base, the run's Hugging Face folder, so its template holds too."""
     if tokenizer.kind != "huggingface" or not base:
         return False
     path, ours = os.path.join(base, "tokenizer.json"), tokenizer.hf_json.encode("utf-8")
@@ -208,8 +203,7 @@ def bases_tokenizer(tokenizer, base):
 
 
 def wordpiece_tokenizer(name, size, texts):
-    """A WordPiece vocabulary of size tokens learned from texts(), as BERT's: split at whitespace and punctuation
-    (case kept), words into pieces marked ##, decoded with single spaces. Saved as a Hugging Face tokenizer.json."""
+    """A cased, BERT-style WordPiece of size tokens learned from texts(); decoding joins words with single spaces."""
     try:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
@@ -270,8 +264,7 @@ def make_tokenizer(spec, texts):
 
 
 def load_tokenizer(data_dir):
-    """The tokenizer a dataset was made with: meta.json's, nanoGPT's meta.pkl's characters, or GPT-2 with
-    neither (nanoGPT's convention). An unfinished dataset is a UserError, as in read_meta."""
+    """The tokenizer a dataset was made with: meta.json's, meta.pkl's characters, or GPT-2 with neither (as nanoGPT)."""
     refuse_unfinished(data_dir)
     data_dir = Path(data_dir)
     if not (data_dir / "meta.json").exists():
@@ -307,9 +300,8 @@ def load_tokenizer(data_dir):
 
 
 def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
-    """UserError, in one line with the fix, unless the dataset data_dir (meta: its read_meta) was made with the
-    tokenizer of folder (a Hugging Face model's, whose config.json says model_vocab, or a run's dataset): the
-    same tokenizer gives a document's ids back from its text, which the first few are checked for."""
+    """UserError, in one line with the fix, unless dataset data_dir (meta: its read_meta) was made with folder's
+    tokenizer (a Hugging Face model's of model_vocab ids, or a run's dataset's): the first documents must round-trip."""
     fix = fix or (f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} "
                   f"--out_dir=DIR")
     if meta["vocab_size"] > model_vocab:
@@ -333,8 +325,7 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
         raise UserError(f"cannot read the tokenizer of {data_dir} to check it against {folder}'s "
                          f"({type(e).__name__}: {e}): {fix}") from None
     if ours.kind == theirs.kind == "huggingface" and ours.hf_json == theirs.hf_json:
-        return  # the very same tokenizer.json. (Its text need not give a document's ids back: a SentencePiece-style
-        # one, Mistral's, puts no "\u2581" before a text that begins with a space, and its decoding drops one.)
+        return  # the very same tokenizer.json (whose text need not round-trip: Mistral's decode drops a leading space)
     # conversations' markers (<|im_start|>, ...) read as special tokens; a text document's BOS is no text of it
     encode = (lambda text: theirs.encode_chat(text, [])[0].tolist()) if meta.get("masks") else \
         (lambda text: theirs.encode(text, bos=True))

@@ -1,6 +1,6 @@
 """
-The tokenizer.json (and tokenizer_config.json) that encodes exactly as a prepared dataset's tokenizer does, for
-an exported model: a Hugging Face tokenizer.json as it is, and a byte-level BPE (tiktoken's encodings, bpe:N)
+For an exported model, the tokenizer.json (and tokenizer_config.json) that encodes exactly as its dataset's did: a
+Hugging Face one as it is, less any token its post-processor adds besides the BOS; a byte-level BPE (tiktoken's, bpe:N)
 rebuilt as merges, which gguf_export.py writes into a GGUF file too.
 
     from lib.tokenizer_json import hf_tokenizer_files
@@ -12,9 +12,8 @@ import re
 
 from lib.files import UserError
 
-# Oniguruma, the tokenizers library's regex engine, reads two things in tiktoken's patterns otherwise than tiktoken:
-# `X{1,3}+` is a repeat of `X{1,3}` (not possessive), and `$` any end of line (not only the text's end).
-# PATTERN_PIECE matches one atom with an optional `{n,m}+` after it, or a bare `$`.
+# Oniguruma (the tokenizers library's regex engine) reads tiktoken's `X{1,3}+` as a repeat of `X{1,3}`, not possessive,
+# and `$` as any line's end, not the text's. PATTERN_PIECE: one atom with an optional `{n,m}+` after it, or a bare `$`.
 ATOM = r"\\[pP]\{\w+\}|\\.|\[(?:\\.|[^\]\\])*\]|[^\\\[\](){}|$]"
 PATTERN_PIECE = re.compile(rf"({ATOM})(\{{\d+(?:,\d*)?\}}\+)?|\$")
 WITHOUT = "the rest of the folder is written without one"  # the end of each note on a tokenizer not written
@@ -30,13 +29,12 @@ def hf_tokenizer_files(tok):
         eos, bos = hf.id_to_token(tok.eot_id), hf.id_to_token(tok.bos_id) if tok.bos_id is not None else None
         text = tok.hf_json
 
-        def framed(text):  # whether a text is encoded as prepare.py wrote it: the BOS (if any) and no more; a pair
-            tokenizer = HFTokenizer.from_str(text)  # with no other token
+        def framed(text):  # whether it adds the BOS (if any) to a text, as prepare.py did, and no more, even to a pair
+            tokenizer = HFTokenizer.from_str(text)
             plain = tokenizer.encode("a", add_special_tokens=False).ids
             pair = set(tokenizer.encode("a", "a").ids) - set(plain) - {tok.bos_id}
             return tokenizer.encode("a").ids == [tok.bos_id] * (bos is not None) + plain and not pair
-        if not framed(text):  # its post-processor adds more (an EOS after every text: '<s> $A </s>'), which
-            # transformers would add to every prompt: it goes out putting the BOS alone
+        if not framed(text):  # it adds more ('<s> $A </s>'), which transformers would put in every prompt: BOS only
             whole = json.loads(text)
             text = json.dumps({**whole, "post_processor": bos_only(whole["post_processor"], bos, tok.bos_id)},
                               ensure_ascii=False)
@@ -53,9 +51,8 @@ def hf_tokenizer_files(tok):
 
 
 def bos_only(processor, bos, bos_id):
-    """A tokenizer.json's post-processor (JSON) that puts the BOS bos (None: nothing) before a text and adds no other
-    token: a template keeps its texts and a leading BOS; Bert's and Roberta's become such a template; the other
-    steps of a Sequence (ByteLevel's offsets) stay."""
+    """processor (a tokenizer.json's post-processor) made to put the BOS bos (None: none) before a text and no other
+    token: templates (Bert's and Roberta's become one) keep texts and a leading BOS; a Sequence's other steps stay."""
     kind = processor.get("type")
     if kind == "Sequence":
         return {**processor, "processors": [bos_only(p, bos, bos_id) for p in processor["processors"]]}
@@ -68,11 +65,9 @@ def bos_only(processor, bos, bos_id):
 
 
 def tokenizer_config(eos, bos=None):
-    """tokenizer_config.json's text. prepare.py reads "<|endoftext|>" in a document as plain text, so transformers
-    must too: split_special_tokens. It puts before a document only the BOS bos of a tokenizer.json's post-processor
-    (None: nothing) and writes the end-of-text itself, so a runtime adds that BOS and no EOS to a prompt (llama.cpp
-    adds a BOS unless told not to); it pads with end-of-text, as config.json says; and decode must not "clean up"
-    the spaces before punctuation."""
+    """tokenizer_config.json's text, matching prepare.py: "<|endoftext|>" in a document is text (split_special_tokens);
+    a prompt gets the post-processor's BOS bos (None: none; llama.cpp adds one unless told not to) and no EOS;
+    padding is end-of-text, as config.json says; decode keeps the spaces before punctuation (no clean-up)."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,  # config.json's
               **({"bos_token": bos} if bos else {}), "add_bos_token": bos is not None, "add_eos_token": False,
               "split_special_tokens": True, "clean_up_tokenization_spaces": False}
@@ -88,8 +83,7 @@ def bpe_parts(tok):
 
 
 def bytelevel_tokenizer_json(ranks, pattern, specials):
-    """tokenizer.json text of the byte-level BPE that tiktoken runs with these ranks and pattern:
-    split on the pattern, each piece as bytes, merged in rank order; special tokens kept whole."""
+    """tokenizer.json text of the byte-level BPE that tiktoken runs with these ranks, pattern and special tokens."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     chars = byte_chars()
 
@@ -113,18 +107,16 @@ def bytelevel_tokenizer_json(ranks, pattern, specials):
 
 
 def byte_chars():
-    """GPT-2's table of byte -> character that byte-level tokenizer.json files spell tokens in:
-    the printable bytes stand for themselves, the other 68 take the characters from U+0100 on."""
+    """GPT-2's table of byte -> character that byte-level tokenizer.json files spell tokens in."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def bpe_merges(ranks):
-    """The merge rules, in rank order, that rebuild tiktoken's encoding from its ranks: for each token of two bytes
-    or more, the two parts merge_below leaves. tiktoken joins the adjacent pair that makes the lowest-ranked token,
-    any such pair; these rules join only the pair recorded for each token. The two agree where tiktoken never makes
-    a token from another pair, as the tests check on real text and every code point (gpt2, cl100k, o200k, bpe:N)."""
+    """The merge rules, in rank order, that rebuild tiktoken's encoding from its ranks: per token of two bytes or more,
+    the two parts merge_below leaves. tiktoken joins any adjacent pair making the lowest-ranked token, these rules only
+    the recorded one; they agree where no token comes from another pair (tested on real text, every code point)."""
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) == 1:
