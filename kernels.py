@@ -1,14 +1,13 @@
 """
-Fused ops for the transformer's memory-bound work, each beside its plain PyTorch reference.
+Fused ops for the transformer's memory-bound work: each public op `name` beside its plain PyTorch reference
+`name_ref`, of the same signature. This file imports without a GPU or Triton.
 
     from kernels import rms_norm, swiglu, apply_rotary, linear_cross_entropy
     y = rms_norm(x, weight, 1e-5)
 
-Every public op `name` has a reference `name_ref` with the same signature; this file imports without a GPU or
-Triton. The public ops run Triton kernels on CUDA tensors, and on CPU ones under TRITON_INTERPRET=1 (how the CPU
-tests run them); else the reference. Each is a torch.library custom op with a fake and a backward, so that
-torch.compile traces it as one node, without graph breaks. Kernels compute in fp32 (fp64 for fp64 inputs, so that
-gradcheck can test them).
+The public ops run Triton kernels on CUDA tensors, and on CPU ones under TRITON_INTERPRET=1 (the CPU tests), else
+the reference. Each is a torch.library custom op with a fake and a backward: torch.compile traces it as one node.
+Kernels compute in fp32 (fp64 for fp64 inputs, for gradcheck).
 """
 
 import os
@@ -26,8 +25,7 @@ except ImportError:
 # Triton reads this when it is imported; after that, setting it changes nothing
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# -----------------------------------------------------------------------------
-# references (plain PyTorch)
+# --- references (plain PyTorch) --------------------------------------------------
 
 
 def rms_norm_ref(x, weight, eps=1e-5):
@@ -41,9 +39,8 @@ def swiglu_ref(gate, up):
 
 
 def apply_rotary_ref(x, cos, sin):
-    # x: (B, T, H, D); cos, sin: (T, D/2) fp32. Rotates each pair (x[i], x[i + D/2]); rolling the halves into place
-    # rather than slicing them saves a third of forward and backward on CPU: a roll's backward is a roll, while a
-    # slice's zero-fills a whole new tensor.
+    # x: (B, T, H, D); cos, sin: (T, D/2) fp32. Rotates each pair (x[i], x[i + D/2]). Rolled halves, not slices,
+    # save a third of forward and backward on CPU: a roll's backward is a roll, a slice's zero-fills a new tensor.
     d = x.shape[-1] // 2
     c = torch.cat([cos, cos], dim=-1)[:, None, :]  # (T, 1, D), broadcast over heads
     s = torch.cat([-sin, sin], dim=-1)[:, None, :]
@@ -59,16 +56,14 @@ def linear_cross_entropy_ref(x, weight, targets, ignore_index=-1):
     return loss / (targets != ignore_index).sum().clamp(min=1)
 
 
-# -----------------------------------------------------------------------------
-# public ops: the Triton versions when Triton can run them, else the references
+# --- public ops: the Triton versions where Triton can run them, else the references ---
 
 rms_norm = rms_norm_ref
 swiglu = swiglu_ref
 apply_rotary = apply_rotary_ref
 linear_cross_entropy = linear_cross_entropy_ref
 
-# logits per chunk of linear_cross_entropy, in elements: 2**28 is 0.5 GB in bf16. Big enough
-# that each chunk's matmuls dwarf re-reading grad_weight, small enough to bound the memory.
+# linear_cross_entropy's logits per chunk: 2**28 (0.5 GB in bf16), whose matmuls dwarf re-reading grad_weight
 LCE_CHUNK_ELEMENTS = 2**28
 
 
@@ -117,8 +112,7 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, M, C,
                              ROWS: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
-        # each program strides over row blocks and keeps its own partial sum of dw: no atomics
-        pid = tl.program_id(0)
+        pid = tl.program_id(0)  # each strides over row blocks, keeping its own partial sum of dw: no atomics
         cols = tl.arange(0, BLOCK_C)[None, :]
         w = tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(ACC)
         dw = tl.zeros((1, BLOCK_C), ACC)
@@ -188,8 +182,7 @@ if HAS_TRITON:
 
     # --- SwiGLU -------------------------------------------------------------------------
 
-    # gate and up come from two projections; either may still be a strided view (a slice of a wider tensor),
-    # so the kernels take a row stride for each rather than copying them to contiguous tensors
+    # gate and up may be strided views (slices of a wider tensor): the kernels take a row stride for each, not copies
     @triton.jit
     def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, H, sg, su,
                            BLOCK: tl.constexpr, ACC: tl.constexpr):
@@ -261,8 +254,7 @@ if HAS_TRITON:
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, D2, sb, st, sh, sd,
                        SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                        ACC: tl.constexpr):
-        # one program per token (b, t), its heads sharing a row of cos and sin; x may be strided, y is contiguous
-        pid = tl.program_id(0)
+        pid = tl.program_id(0)  # one per token (b, t), its heads sharing a row of cos and sin; x may be strided, y not
         b, t = pid // T, pid % T
         h, d = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_D)[None, :]
         mask = (h < H) & (d < D2)
@@ -297,8 +289,7 @@ if HAS_TRITON:
         ctx.inverse = inputs[3]
 
     def _rotary_backward(ctx, dy):
-        # a rotation's gradient is the opposite rotation
-        return _rotary_op(dy, *ctx.saved_tensors, not ctx.inverse), None, None, None
+        return _rotary_op(dy, *ctx.saved_tensors, not ctx.inverse), None, None, None  # the opposite rotation
 
     _rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup)
 
@@ -310,8 +301,7 @@ if HAS_TRITON:
     @triton.jit
     def _cross_entropy_kernel(logits_ptr, targets_ptr, loss_ptr, scale_ptr, V, stride,
                               ignore_index, BLOCK: tl.constexpr, ACC: tl.constexpr):
-        # one program per row: loss = logsumexp(z) - z[target], and z is overwritten in place
-        # with the loss's gradient (softmax(z) - onehot(target)) * scale
+        # per row: loss = logsumexp(z) - z[target], and z becomes its gradient (softmax(z) - onehot(target)) * scale
         row = tl.program_id(0)
         ptr = logits_ptr + row.to(tl.int64) * stride
         target = tl.load(targets_ptr + row)
@@ -373,8 +363,7 @@ if HAS_TRITON:
 
     def _lce_setup(ctx, inputs, output):
         ctx.save_for_backward(output[1], output[2])
-        # the gradients are outputs nothing differentiates: else autograd fills zeros as large as them, every call
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)  # else autograd fills zeros as large as the gradient outputs, every call
 
     def _lce_backward(ctx, dloss, _dgx, _dgw):
         if dloss is None:  # no gradient reached the loss

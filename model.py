@@ -1,9 +1,7 @@
 """
-The transformer: a Llama-style GPT (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP,
-no biases unless a Qwen2 brings them), its loss, its attention masks, generation with a KV cache and its
-FLOPs. GPTConfig's fields are the model's settings: a run can set each one (lib/settings.py), and its
-checkpoint records them. Optimizers are lib/optim.py's, Hugging Face folders hf.py's, adapters lora.py's,
-checkpoints checkpoint.py's, and spreading it over processes parallel.py's.
+The transformer: a Llama-style GPT (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, no biases
+unless a Qwen2 brings them), its loss, attention masks, generation with a KV cache, and FLOPs. GPTConfig's fields
+are settings a run can set (lib/settings.py) and its checkpoint records; README.md maps the other files.
 
     import torch
     from model import GPT, GPTConfig
@@ -46,8 +44,7 @@ class GPTConfig:
     qk_norm: bool = False  # RMSNorm on every head's q and k before rotary (Qwen3)
     rope_scaling: dict | None = None  # Llama 3.1's long-context frequencies (see rotary_tables)
     family: str = "llama"  # the Hugging Face model_type the weights came from and are saved as
-    # LoRA's adapters on the projections (lora.py adds them and records them here); rank 0 is off
-    lora_rank: int = 0
+    lora_rank: int = 0  # LoRA's adapters on the projections, 0: none (lora.py adds them and records them here)
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: str = "q,k,v,o,gate,up,down"
@@ -64,17 +61,15 @@ class GPTConfig:
             raise ValueError(f"head size {self.head_size} must be even for rotary embeddings")
 
 
-# a block's seven projections: LoRA's names for them -> their modules' paths in a Block. LoRA adapts them,
-# tensor parallel splits them, Hugging Face names them (hf.HF_PROJECTIONS)
+# a block's seven projections, LoRA's name -> path in a Block; LoRA adapts, TP splits, hf.HF_PROJECTIONS names them
 PROJECTIONS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.proj", "gate": "mlp.gate", "up": "mlp.up",
                "down": "mlp.down"}
 
 
 def fused(use_kernels, x, compiled_too=False):
-    # kernels.py where a call runs its fused op, else None: the plain PyTorch op below. use_kernels=None (auto):
-    # the fused op on CUDA; the plain one on a CPU, where Triton could only interpret it, and under torch.compile
-    # unless compiled_too: Inductor fuses the plain norm, SwiGLU and rotary into the ops around them, which an
-    # opaque op prevents, and only the fused loss wins (124M compiled on an H200: BENCHMARKS.md, 2026-11-27).
+    # kernels.py where a call runs its fused op, else None (the plain op below). use_kernels=None: fused on CUDA;
+    # plain on a CPU (Triton would only interpret) and under torch.compile unless compiled_too, as Inductor fuses the
+    # plain norm, SwiGLU and rotary into their neighbours, and only the fused loss wins (124M, H200: BENCHMARKS.md)
     if use_kernels is None:
         use_kernels = x.is_cuda and (compiled_too or not torch.compiler.is_compiling())
     if not use_kernels:
@@ -83,16 +78,14 @@ def fused(use_kernels, x, compiled_too=False):
     return kernels
 
 
-# The plain ops, which kernels.py fuses; its references compute the same, so that each kernel is tested against
-# what this model computes without it.
+# The plain ops kernels.py fuses; its references compute the same, so each kernel is tested against this model's.
 def rms_norm(x, weight, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def apply_rotary(x, cos, sin):
-    # x: (B, T, H, D); cos, sin: (T, D/2) fp32. Rotates each pair (x[i], x[i + D/2]), the halves rolled into place
-    # (a roll's backward is a roll; a slice's zero-fills a new tensor: a third slower on CPU)
+    # as kernels.apply_rotary_ref, which says why the halves are rolled: x (B, T, H, D); cos, sin (T, D/2) fp32
     c, s = torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]  # (T, 1, D)
     xf = x.float()
     return (xf * c + xf.roll(x.shape[-1] // 2, dims=-1) * s).to(x.dtype)
@@ -135,9 +128,8 @@ def adapted(linear, x):
 
 
 def attend(q, k, v, **kwargs):
-    # torch's scaled_dot_product_attention on (B, T, H, D) tensors. Under a CPU's bf16 autocast it runs in
-    # fp32: torch's CPU attention is several times slower backward in bf16 than in fp32 (BENCHMARKS.md, 2026-11-23)
-    # It asks q.is_cpu, not q.device: memory.py's trace on fake CPU tensors answers is_cpu for the device planned.
+    # SDPA on (B, T, H, D) tensors, in fp32 under a CPU's bf16 autocast: there its bf16 backward is several times
+    # slower (BENCHMARKS.md). q.is_cpu, not q.device: memory.py's fake CPU trace answers is_cpu for the device planned.
     if q.is_cpu and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             return attend(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
@@ -146,8 +138,7 @@ def attend(q, k, v, **kwargs):
 
 
 def flash_dtype(q):
-    # The half precision flash-attn computes in (autocast's, as SDPA's would be: the inputs themselves may be fp32
-    # there), or None where it cannot run: it needs a GPU and bf16 or fp16.
+    # the half dtype for flash-attn (autocast's if on: the inputs may be fp32), or None: it needs a GPU, bf16 or fp16
     if flash_attn_func is None or not q.is_cuda:
         return None
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
@@ -197,10 +188,9 @@ class Attention(nn.Module):
         v = adapted(self.v, x).view(B, T, -1, self.head_size)
         if self.qk_norm:  # each with its own weight
             q, k = self.q_norm(q), self.k_norm(k)
-        # rotated apart: joining them to rotate in one call costs a copy forward and another backward
         kernels = fused(self.use_kernels, x)
         rotate = kernels.apply_rotary if kernels else apply_rotary
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # apart: joining them costs a copy forward and backward
         if cache is not None:  # generation: prepend the keys and values of earlier positions
             if cache:
                 k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
@@ -251,8 +241,7 @@ class GPT(nn.Module):
         self.register_buffer("sin", None, persistent=False)
         self.materialize()
         self.apply(self._init_weights)
-        # scaled init of the projections into the residual stream (GPT-2 paper)
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters():  # the projections into the residual stream: scaled init (GPT-2)
             if name.endswith(("attn.proj.weight", "mlp.down.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
@@ -267,12 +256,10 @@ class GPT(nn.Module):
         return n - self.wte.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None, cache=None, doc_ids=None, mask=None):
-        # idx: (B, T) token ids. With targets (B, T) it returns (None, mean loss); without, (logits (B, T, V),
-        # None). The loss is kernels.linear_cross_entropy where fused() picks it: it makes the logits a chunk of
-        # rows at a time, so a large batch's full (B*T, V) logits never exist at once; the plain one builds them
-        # all. cache: list of n_layer lists, see generate. doc_ids: (B, T) document numbers of packed sequences; a
-        # token then attends only to earlier tokens of its own document (for training and evaluation, not with a
-        # cache). mask: instead of doc_ids, their attention_mask made outside a compiled model, as train.py does.
+        # idx: (B, T) token ids -> (logits (B, T, V), None), or with targets (B, T), (None, mean loss); the fused loss
+        # (kernels.linear_cross_entropy, as fused() picks) never holds all (B*T, V) logits at once. cache: a list per
+        # layer (generate). doc_ids: (B, T) document ids of packed sequences: a token sees only its document's tokens up
+        # to itself (not with a cache). mask: instead, doc_ids' attention_mask made outside a compiled model (train.py).
         x = self.hidden(idx, cache, doc_ids, mask)
         if targets is None:
             return self.lm_head(x), None
@@ -319,10 +306,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop=None, vocab=None):
-        # idx: (B, T). Appends max_new_tokens sampled tokens (fewer once every row has written the token id stop),
-        # reusing keys and values of earlier positions (a KV cache). Past block_size the window slides: the cache
-        # is rebuilt from the last block_size tokens, so every step sees exactly what a full forward pass would.
-        # vocab: the tokenizer's size; ids past it (vocab_size's padding, decoding to nothing) are never drawn.
+        # idx: (B, T) -> idx with max_new_tokens sampled tokens appended (fewer once every row has written the token
+        # id stop), through a KV cache. Past block_size the window slides: the cache is rebuilt from the last block_size
+        # tokens, so each step sees what a full forward would. vocab: the tokenizer's size; ids past it are never drawn.
         cache, start = None, idx.shape[1]
         for _ in range(max_new_tokens):
             fresh = cache is None or idx.shape[1] > self.config.block_size  # a cache of the last block_size tokens
@@ -340,11 +326,10 @@ class GPT(nn.Module):
         return idx
 
     def flops_per_token(self, seq_len=None, keys=None):
-        # Training FLOPs per token: 6N for the weights' matmuls (a frozen weight, LoRA's base, costs 4, having
-        # no gradient of its own) plus attention's 12·L·H·Q per key a query meets. PaLM's convention (appendix
-        # B), the one nanoGPT and nanochat report MFU in, counts every key of a T-token sequence (T being
-        # seq_len, by default block_size); keys: the keys a query meets on average where attention is run as
-        # masked (causal: (T + 1) / 2; fewer under doc_mask, metrics.attended_keys), for the FLOPs actually run.
+        # Training FLOPs per token: 6N for the weights' matmuls (4 for a frozen weight, LoRA's base: no gradient)
+        # plus attention's 12·L·H·Q per key a query meets: by default every key of a T-token sequence (T: seq_len or
+        # block_size), PaLM's convention (appendix B), nanoGPT's and nanochat's for MFU. keys, for the FLOPs run: the
+        # mean a query meets where attention runs masked (causal: (T + 1) / 2; by document: metrics.attended_keys).
         c = self.config
         n = self.num_params(non_embedding=not c.tie_embeddings)  # the embedding lookup is no matmul
         frozen = sum(p.numel() for name, p in self.named_parameters()
@@ -353,8 +338,7 @@ class GPT(nn.Module):
         return 6 * n - 2 * frozen + 12 * c.n_layer * c.n_head * c.head_size * keys
 
     def materialize(self):
-        # the rotary tables (derived, not loaded) and the tied head: made at build, and again after a build on
-        # the meta device, where filling made the head and the embedding two tensors
+        # rotary tables (derived) and the tied head: at build, and after filling a meta-device build (which unties them)
         c = self.config
         self.cos, self.sin = rotary_tables(c.head_size, c.block_size, c.rope_theta, c.rope_scaling)
         if c.tie_embeddings:

@@ -1,8 +1,7 @@
 """
-Memory: what one training process holds, estimated from the model's shapes and a trace of its forward on
-fake tensors (a model on the meta device will do), for planning a run (bench.py --mode=memory), choosing its
-micro-batch (batch_size='auto': micro_batch.py) and checking one against torch.cuda.max_memory_allocated
-(train.py prints it before the first step).
+Memory: what one training process holds, estimated from the model's shapes and a trace of its forward on fake
+tensors (a meta-device model will do): to plan a run (bench.py --mode=memory), choose its micro-batch
+(batch_size='auto': micro_batch.py) and compare with torch.cuda.max_memory_allocated (train.py, before step 1).
 """
 
 import dataclasses
@@ -26,8 +25,7 @@ from lib.parallel import SPLIT_BY_INPUT, SPLIT_BY_OUTPUT, is_dtensor
 from lib.settings import defaults
 from model import PROJECTIONS
 
-# tensor parallel splits these by output rows (attention by heads, the MLP by its width) and the two
-# projections after them by input columns; embeddings, norms and the head stay whole
+# tensor parallel splits these by output rows (attention by heads, the MLP by width), the ones after by input columns
 COLUMN_PARALLEL = tuple(f"{PROJECTIONS[n]}.{kind}" for n in SPLIT_BY_OUTPUT for kind in ("weight", "bias"))
 ROW_PARALLEL = tuple(f"{PROJECTIONS[n]}.weight" for n in SPLIT_BY_INPUT)
 LAYOUT = ("dp", "tp", "fsdp", "checkpointing", "offload")  # memory_estimate's layout arguments
@@ -49,22 +47,21 @@ def nf4_bytes(n):
 
 def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="adamw", dp=1, tp=1, fsdp=False,
                     checkpointing=False, offload=False, quantized=None, micro_steps=1, device="cuda"):
-    """Bytes one training process holds, by kind (MEMORY_KINDS), for micro-batches of batch_size x block_size tokens:
-    weights; grads (DDP's flat buckets beside them); optimizer, its state; activations, what autograd keeps for the
-    backward (with checkpointing: each block's input, and one block's activations at a time); copies, the weights in the
-    compute dtype (autocast's, kept for the backward; under FSDP the gathered root and one block with its gradients);
-    temporary, at its peak, what lives a moment at the loss (its buffers, forward and backward, and the last block's
-    backward's); host, what offload keeps there; device, the peak on the device: at the loss (gradients are None between
-    steps: only DDP's buckets, and with micro_steps > 1 those kept between micro-steps) or, under checkpointing, while
-    the backward recomputes a block with nearly every gradient made. A forward's activations and the optimizer's state
-    (optimizer: a setting's name, or the run's settings) are measured on fake tensors (traced_forward,
-    traced_optimizer), so that an edit of the model or a new optimizer needs none here. The layout is arithmetic: dp
-    data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2), times tp tensor-parallel
-    ones. quantized: 'nf4' or 'int8', the frozen projections so held (int8: a byte a value, an fp32 scale and an int8
-    zero point a row; activations as unquantized); a model quantized already counts as it is. device: its type. Not
-    counted: document masks, the rotary tables, the allocator's caching, and what kernels allocate inside themselves but
-    for the fused loss's logits (workspace). And checkpoint: the bytes of a checkpoint of the run, all processes' parts
-    (its weights, a LoRA run's adapters alone, and the optimizer's state), for checkpoint.check_room."""
+    """Bytes one training process holds for micro-batches of batch_size x block_size tokens, by kind (MEMORY_KINDS):
+    weights; grads (and DDP's flat buckets); optimizer, its state; activations autograd keeps for the backward
+    (checkpointing: each block's input, and one block's activations at a time); copies of the weights in the compute
+    dtype (autocast's, kept for the backward; FSDP: the gathered root, and one block with its gradients); temporary, the
+    peak of what lives a moment at the loss (its buffers, forward and backward, and the last block's backward's); host,
+    what offload keeps there; device, the device's peak: at the loss (gradients are None between steps but DDP's buckets
+    and, with micro_steps > 1, those kept between micro-steps) or, checkpointing, while the backward recomputes a block
+    with nearly every gradient made; checkpoint, a checkpoint's bytes over all processes (the weights or a LoRA run's
+    adapters alone, and the optimizer's state), for checkpoint.check_room. Activations and optimizer state (optimizer: a
+    setting's name, or the run's settings) are traced on fake tensors (traced_forward, traced_optimizer), so edits of
+    the model or optimizers need none here. Layout: dp data-parallel processes, each whole (DDP) or sharding every
+    parameter's dim 0 (FSDP2), times tp tensor-parallel ones. quantized: 'nf4' or 'int8' frozen projections (int8: a
+    byte a value, an fp32 scale and an int8 zero point a row; activations as if unquantized); a model quantized already
+    counts as it is. device: its type. Not counted: document masks, rotary tables, the allocator's cache, and kernels'
+    own allocations but the fused loss's logits (workspace)."""
     c = model.config
     e = 4 if dtype == "float32" else 2  # a weight's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
@@ -104,8 +101,7 @@ def held_values(name, p, dp=1, tp=1, shard=False):
 
 
 def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
-    """(weights, gradients, optimizer state) in bytes one process holds of params, [(name, parameter)], whose
-    optimizer keeps state (traced_optimizer's, by name): see memory_estimate."""
+    """(weights, grads, optimizer state) in bytes one process holds of params [(name, p)]; state: traced_optimizer's."""
     def held(name, p):  # the bytes of this process's part
         if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not is_dtensor(p):
             # quantized already (nf4, int8): its parts, in proportion
@@ -123,21 +119,19 @@ def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
 
 
 class StateBytes(NamedTuple):
-    """One parameter's optimizer state in bytes (traced_optimizer): per_value, per value of the parameter, of the state
-    shaped like it (Adam's moments, a momentum), which a process holds as it holds the parameter; whole, the rest
-    (Adam's step, a factored moment's rows and columns), as traced."""
+    """One parameter's optimizer state in bytes (traced_optimizer): per_value, per value of the parameter, for state
+    shaped like it (Adam's moments), split as the parameter is; whole, the rest (Adam's step, a factored moment)."""
     per_value: int
     whole: int
 
 
 def traced_optimizer(model, optimizer="adamw", tp=1):
-    """{name: StateBytes} for each trained parameter of model, of the state its optimizers (build_optimizers' for
-    optimizer: the setting's name with the other settings at their defaults, or the run's settings) keep after one step
-    of probe_model's fake copy (made_fake); the last block's state stands for every later block's, and a parameter the
-    copy lacks (a module replaced by hand) has none. A step may stop early on fake tensors (below): this holds for an
-    optimizer that makes all its state before any arithmetic of its step, as torch's do in _init_group. They are built
-    for the meta device, where build_optimizers picks no fused kernel (torch's fused SGD has no fake: it would run on
-    real tensors as large as the probe); the foreach or per-tensor steps keep the same state."""
+    """{name: StateBytes} for each trained parameter of model: the state its optimizers (build_optimizers' for
+    optimizer: a setting's name, others at defaults, or the run's settings) keep after a step of probe_model's fake
+    copy; the last block's stands for every later block's; a parameter the copy lacks (a module replaced by hand) has
+    none. A step may stop early on fake tensors (below): this holds for an optimizer that makes all its state before
+    any arithmetic of its step, as torch's do in _init_group. Built for the meta device, they take no fused step
+    (torch's fused SGD has no fake: it would run on real tensors the probe's size); the unfused keep the same state."""
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensorMode, UnsupportedOperatorException)
     settings = {**defaults(), **(optimizer if isinstance(optimizer, dict) else {"optimizer": optimizer})}
@@ -169,16 +163,13 @@ def state_of(p, optimizers):
                       sum(tensor_bytes(t) for t in kept if t.shape != p.shape))
 
 
-# -----------------------------------------------------------------------------
-# What a forward keeps for the backward, measured: the model's own forward (and backward) run on fake tensors,
-# which have shapes and dtypes but no memory, so that a 7B model's trace costs what a tiny one's does
+# --- What a forward keeps for the backward, traced on fake tensors: no memory, so a 7B model costs what a tiny one does
 
 
 class Saved(NamedTuple):
-    """What a training forward keeps for the backward, in bytes (traced_forward): one block's activations and its
-    weights' copies in the compute dtype (autocast's); the same for the rest of the model (embedding, final norm, loss:
-    all that n_layer such blocks leave out); one block's input (what checkpointing keeps of it); and temporary, the peak
-    of what is alive beyond those from the last block's output until the backward is back at its input."""
+    """Bytes a forward keeps for the backward (traced_forward): block and block_copies, one block's activations and its
+    weights' autocast copies; head and head_copies, the same for all but n_layer blocks; block_input, what checkpointing
+    keeps of a block; temporary, the peak beyond them from the last block's output until the backward is back at it."""
     block: int
     block_copies: int
     head: int
@@ -188,14 +179,13 @@ class Saved(NamedTuple):
 
 
 def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=False, device="cuda"):
-    """Saved for a micro-batch of batch_size x block_size tokens through model under dtype's autocast, measured on
-    probe_model's fake copy (no memory held): in one forward, the storages that autograd's saved tensors live in (each
-    once, by the block that first saved it; the weights' own are the weights); in its backward down to the last block's
-    input, the peak of what is alive (Trace). The trace runs on a CPU, as fake CUDA tensors need a CUDA build of torch;
-    planned for another device, x.is_cuda and x.is_cpu answer for that device (AskedAbout), so that the model makes its
-    choices: the fused kernels (whose fakes keep what the kernels keep), attention in bf16 (model.attend). The known
-    error: the CPU's ops stand in for the device's where autograd's formulas do not decide what is kept (SDPA's CPU
-    flash keeps what CUDA's flash does, but not dropout's RNG state), and a model that asks x.device is told the CPU."""
+    """Saved for a micro-batch of batch_size x block_size tokens through model under dtype's autocast, traced on
+    probe_model's fake copy: in one forward, the storages autograd's saved tensors live in (each once, by the block that
+    first saved it; the weights' own count as weights); in its backward to the last block's input, the peak alive
+    (Trace). It runs on a CPU (fake CUDA tensors need a CUDA build of torch), where x.is_cuda and x.is_cpu answer for
+    device (AskedAbout), so the model chooses as there: the fused kernels (their fakes keep what they keep), attention
+    in bf16 (model.attend). Known error: the CPU's ops stand in where autograd's formulas do not decide what is kept
+    (SDPA's CPU flash keeps what CUDA's does, but not dropout's RNG state); a model asking x.device is told the CPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     compute = getattr(torch, dtype)
     probe = probe_model(model, tp)
@@ -216,10 +206,9 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
 
 
 def probe_model(model, tp=1):
-    """model's class built again from its config on the meta device (where module.to() works, for add_lora; made
-    fake after), with one block (every block's work is alike), two under LoRA (the first block's apart: it keeps
-    no input), tensor parallel's share over tp processes of the heads and the MLP's width, and model's adapters.
-    An edit of the class or of model.py is followed; one of this instance's modules replaced by hand is not."""
+    """model's class rebuilt from its config on the meta device (module.to() works there, for add_lora; made_fake
+    follows) with one block, all blocks' work being alike (two under LoRA, whose first keeps no input), tp's share of
+    the heads and the MLP's width, and model's adapters. Edits of the class follow; modules replaced by hand do not."""
     c = model.config
     own = next(k for k in type(model).__mro__ if not k.__module__.startswith("torch."))  # not FSDP's FSDPGPT
     with torch.device("meta"):

@@ -13,10 +13,9 @@ from lib.memory import LAYOUT, device_name, memory_estimate, proc_kib
 
 
 def available_memory(device):
-    """Bytes a training process on device may hold at most, counting what it holds now: on CUDA the free memory
-    and this process's own; on an Apple chip its recommended maximum; on a CPU the memory available to the
-    process (what the kernel could give it, under its cgroup's limit, shared with the node's other processes of the
-    run: torchrun's LOCAL_WORLD_SIZE), its resident memory included."""
+    """Bytes a training process on device may hold at most, counting what it holds now: on CUDA the free memory and
+    this process's own; on an Apple chip its recommended maximum; on a CPU what the kernel could give it (under its
+    cgroup's limit, shared with the run's other processes on the node: LOCAL_WORLD_SIZE), plus its resident memory."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
@@ -42,9 +41,8 @@ def resident_bytes():
 
 
 def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1, held=0):
-    """batch_size='auto': the largest micro-batch b dividing a replica's share of sequences whose peak(b) (a process's
-    bytes, estimated, held of them by the process already) fits in budget less a margin -> (b, peak(b)); UserError if
-    one sequence does not fit."""
+    """The largest micro-batch b dividing a replica's share of sequences whose peak(b), a process's estimated bytes
+    (held: those it holds already), fits in budget less margin -> (b, peak(b)); UserError if one sequence does not."""
     share = sequences // replicas
     room = budget * (1 - margin)
     for b in sorted((d for d in range(1, share + 1) if share % d == 0), reverse=True):
@@ -65,11 +63,10 @@ def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1, held=0):
 
 def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before, autocast, **estimate):
     """batch_size='auto': each process's micro-batch for updates of `sequences` sequences of block_size tokens over
-    layout's dp replicas -> (micro-batch, a line saying how it was chosen and the update shared out). A resumed run
-    keeps the one it began with (before: its checkpoint) on the same device, budget and processes. Else the largest
+    layout's dp replicas -> (micro-batch, lines saying how it was chosen and the update shared out). A resumed run
+    keeps the one it began with (before: its checkpoint) on the same device, budget and processes; else the largest
     whose peak (memory_estimate's; on a CPU, plus what the process holds beside the weights) fits in memory_budget GiB
-    (0: available_memory) less 10% (fit_micro_batch), tried once and halved if it runs out of memory (tried_micro_batch;
-    not under FSDP or tensor parallel, which rely on the estimate)."""
+    (0: available_memory) less 10%, tried once and halved if out of memory (FSDP and TP rely on the estimate alone)."""
     if sequences % layout["dp"]:
         raise UserError(f"batch_size='auto': the {sequences} sequences of an update (batch_size x "
                         f"gradient_accumulation_steps) must be a multiple of the {layout['dp']} data-parallel replicas")
@@ -107,9 +104,8 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
 
 
 def micro_batch_fits(model, batch_size, block_size, device, autocast):
-    """Whether one micro-step of batch_size sequences, forward and backward through model, fits in the device's
-    memory (False on torch.OutOfMemoryError), leaving no gradients and the random state as it was. Not for a
-    model under FSDP or tensor parallel: one process out of memory would leave the others waiting."""
+    """Whether a forward and backward of batch_size sequences fits in the device's memory, leaving no gradients and
+    the random state as it was. Not under FSDP or tensor parallel: one process out of memory would stall the rest."""
     x = torch.zeros((batch_size, block_size), dtype=torch.long, device=device)
     cuda = torch.device(device).type == "cuda"
     try:
