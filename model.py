@@ -114,7 +114,8 @@ def rotary_tables(head_size, length, theta, scaling=None):
     if scaling:  # Llama 3.1: slow frequencies divided by factor, fast ones kept, a smooth ramp between
         wavelen = 2 * math.pi / inv_freq
         context = scaling["original_max_position_embeddings"]
-        ramp = (context / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        ramp = (context / wavelen - low) / (high - low)
         ramp = ramp.clamp(0, 1)  # 0 for wavelengths past context/low_freq_factor, 1 below context/high_freq_factor
         inv_freq = (1 - ramp) * inv_freq / scaling["factor"] + ramp * inv_freq
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
