@@ -308,7 +308,8 @@ def settle_held_back(finite):
         save_checkpoint(loop, held_back["improved"], held_back["epoch"], rng=held_back["rng"])
         seconds = time.time() - began
         speed.pause(seconds)
-        clock["eval_seconds"] += seconds if held_back["evaluated"] else 0  # the evaluation's time
+        if held_back["evaluated"]:  # the evaluation's time (a resumed run may not have evaluated yet)
+            clock["eval_seconds"] += seconds
     held_back = None
 
 

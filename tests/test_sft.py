@@ -430,12 +430,13 @@ def test_a_template_that_hides_the_replies_selects_nothing_and_is_refused(tmp_pa
 @pytest.mark.slow
 def test_every_epoch_kept_and_a_run_resumed_from_one_ends_the_same(chat_data, tmp_path):
     # save_every_epoch: ckpt_epoch_N.pt at the step that finishes epoch N; copied into a fresh out_dir as
-    # ckpt.pt, it continues to the very weights of the run that never stopped
-    common = [*SMALL, f"--data_dir={chat_data}", "--batch_size=16", "--max_iters=1000", "--max_epochs=2",
+    # ckpt.pt, it continues to the very weights of the run that never stopped, saving epoch 2's end on the way
+    # before it has evaluated once (eval_interval=100)
+    common = [*SMALL, f"--data_dir={chat_data}", "--batch_size=16", "--max_iters=1000", "--max_epochs=3",
               "--save_every_epoch=True", "--dropout=0.1"]
     run(*common, f"--out_dir={tmp_path / 'whole'}")
     per_epoch = split(chat_data).sequences_in(1)
-    ends = {n: -(-split(chat_data).sequences_in(n) // 16) for n in (1, 2)}  # the step that finishes epoch n
+    ends = {n: -(-split(chat_data).sequences_in(n) // 16) for n in (1, 2, 3)}  # the step that finishes epoch n
     for n, step in ends.items():
         assert torch.load(tmp_path / "whole" / f"ckpt_epoch_{n}.pt", weights_only=True)["iter_num"] == step
     assert per_epoch > 16  # an epoch spans several steps
@@ -443,6 +444,7 @@ def test_every_epoch_kept_and_a_run_resumed_from_one_ends_the_same(chat_data, tm
     (tmp_path / "parts" / "ckpt.pt").write_bytes((tmp_path / "whole" / "ckpt_epoch_1.pt").read_bytes())
     out = run(*common, f"--out_dir={tmp_path / 'parts'}", "--init_from=resume")
     assert f"iter {ends[1] + 1}:" in out.stdout and f"iter {ends[1]}:" not in out.stdout
+    assert torch.load(tmp_path / "parts" / "ckpt_epoch_2.pt", weights_only=True)["iter_num"] == ends[2] < ends[3]
     assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
 
 
