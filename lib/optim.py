@@ -171,4 +171,7 @@ def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epo
     if decay_lr and 0 < max_iters <= warmup_iters:
         notes.append(f"note: warmup_iters={warmup_iters} is not below max_iters={max_iters}: the run ends in its "
                      f"warmup, short of the peak learning rate (lower warmup_iters)")
+    elif decay_lr and lr_schedule != "constant" and 0 < lr_decay_iters <= warmup_iters:
+        notes.append(f"note: lr_decay_iters={lr_decay_iters} is not past warmup_iters={warmup_iters}: the learning "
+                     f"rate falls from its warmup straight to min_lr, with no decay (raise lr_decay_iters)")
     return max_iters, lr_decay_iters, warmup_iters, "\n".join(notes)

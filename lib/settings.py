@@ -155,7 +155,8 @@ def check_ranges(values, ranges, flag=""):
 
 
 # settings that play a part only where another has one of some values: name -> (that setting, those values)
-_PLAYS_UNDER = {"lr_schedule": ("decay_lr", (True,)), "warmup_iters": ("decay_lr", (True,)),
+_PLAYS_UNDER = {**dict.fromkeys(("lr_schedule", "warmup_iters", "warmup_ratio", "lr_decay_iters", "min_lr"),
+                               ("decay_lr", (True,))),
                 "lr_power": ("lr_schedule", ("polynomial",)), "lr_decay_fraction": ("lr_schedule", ("wsd",)),
                 "lr_cycle_iters": ("lr_schedule", ("cosine_restarts",)), "eval_stride": ("eval_full", (True,)),
                 "memory_budget": ("batch_size_auto", (True,))}

@@ -117,6 +117,10 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
     assert run_steps(10, 90, 5, lr_schedule="constant")[3] == run_steps(10, 90, 5, decay_lr=False)[3] == ""
     assert run_steps(10, 10, 10)[3] == ("note: warmup_iters=10 is not below max_iters=10: the run ends in its warmup, "
                                         "short of the peak learning rate (lower warmup_iters)")
+    # a decay that ends before the warmup does: the warmup, then min_lr at once
+    assert run_steps(20, 3, 5)[3] == ("note: lr_decay_iters=3 is not past warmup_iters=5: the learning rate falls "
+                                      "from its warmup straight to min_lr, with no decay (raise lr_decay_iters)")
+    assert run_steps(20, 3, 5, lr_schedule="constant")[3] == run_steps(20, 3, 5, decay_lr=False)[3] == ""
 
 
 def test_a_resume_takes_the_commands_optimizer_settings_and_says_so(data_dir, tmp_path):
@@ -156,3 +160,7 @@ def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_p
         "note: muon_lr=0.01 plays no part in this run: optimizer='adamw' does not read it"]
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=1", "--decay_lr=False")
     assert "note: warmup_iters=2 plays no part in this run: it is a setting of decay_lr=True" in out.stdout
+    # and the schedule's other settings: the learning rate is learning_rate throughout
+    assert [note.split(" plays")[0] for note in unused(train_settings(
+        ["--decay_lr=False", "--warmup_ratio=0.5", "--min_lr=1e-5", "--lr_decay_iters=90"]))] == [
+        "note: warmup_ratio=0.5", "note: lr_decay_iters=90", "note: min_lr=1e-05"]
