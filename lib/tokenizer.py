@@ -90,17 +90,19 @@ class Tokenizer:
             starts = self.enc.decode_with_offsets(ids)[1]
         elif self.hf is not None:
             if getattr(self, "hf_chat", None) is None:  # a second encoder that reads "<|im_end|>" as the token
-                from tokenizers import Tokenizer as HFTokenizer
-                self.hf_chat = HFTokenizer.from_str(self.hf_json)
+                self.hf_chat = hf_encoder(self.hf_json)
             with stopped_in_one_line(self.name):
                 encoding = self.hf_chat.encode(text, add_special_tokens=False)
             ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
+            said = [end for _, end in encoding.offsets]  # WordPiece's leave out the spaces between tokens
         else:
             raise UserError(f"a {self.kind} tokenizer has no special tokens for a chat template: use bpe:N, "
                              f"a tiktoken encoding or a model's tokenizer.json")
         starts = np.array(starts, dtype=np.int64)
-        # a token ends where the next begins, or a character later: an emoji's byte tokens all begin where it does
-        ends = np.maximum(np.append(starts[1:], len(text)), starts + 1)
+        # a token ends where its offsets say (tiktoken's: where the next begins), a character at least after it
+        # begins: an emoji's byte tokens all begin where it does
+        ends = np.array(said, dtype=np.int64) if self.enc is None else np.append(starts[1:], len(text))
+        ends = np.maximum(ends, starts + 1)
         mask = np.zeros(len(ids), dtype=np.uint8)
         for start, end in spans:  # a token overlapping the span is trained: " Hello" whose space is outside it
             mask[(starts < end) & (ends > start)] = 1
@@ -169,13 +171,23 @@ def char_tokenizer(chars, kind="char"):
     return Tokenizer(kind, kind, len(chars) + (eot_id is not None), eot_id, chars=chars)
 
 
+def hf_encoder(hf_json):
+    # tokenizers' Tokenizer of hf_json, without the truncation or padding a file may be saved with: they would cut or
+    # pad every document (transformers turns them off too, unless a call asks for them)
+    from tokenizers import Tokenizer as HFTokenizer
+    hf = HFTokenizer.from_str(hf_json)
+    hf.no_truncation()
+    hf.no_padding()
+    return hf
+
+
 def hf_tokenizer(name, hf_json):
     try:
-        from tokenizers import Tokenizer as HFTokenizer
+        import tokenizers  # noqa: F401 (hf_encoder's)
     except ImportError:
         raise UserError("a tokenizer.json needs the tokenizers library (pip install tokenizers)") from None
     check_tokenizer_rules(name, json.loads(hf_json))  # its normalizer's growth and its regexes, before any text
-    hf = HFTokenizer.from_str(hf_json)
+    hf = hf_encoder(hf_json)
     hf.encode_special_tokens = True  # a literal "</s>" in a document is text, not a token
     vocab = hf.get_vocab(with_added_tokens=True)
     eot_id = next((vocab[t] for t in EOT_NAMES if t in vocab), None)

@@ -28,6 +28,8 @@ def hf_tokenizer_files(tok):
         hf = HFTokenizer.from_str(tok.hf_json)
         eos, bos = hf.id_to_token(tok.eot_id), hf.id_to_token(tok.bos_id) if tok.bos_id is not None else None
         text = tok.hf_json
+        if hf.truncation or hf.padding:  # saved with them on, which prepare.py turned off (tokenizer.hf_encoder)
+            text = json.dumps({**json.loads(text), "truncation": None, "padding": None}, ensure_ascii=False)
 
         def framed(text):  # whether it adds the BOS (if any) to a text, as prepare.py did, and no more, even to a pair
             tokenizer = HFTokenizer.from_str(text)

@@ -654,3 +654,13 @@ def test_sandbox_messages_are_not_changed():
     with pytest.raises(ValueError, match="unsafe"):
         chat.ChatFormat(PROBE + "{% if messages.pop() %}{% endif %}", "test", ["</s>"], "</s>").render(messages)
     assert len(messages) == 2
+
+
+def test_a_wordpiece_prompt_ending_before_a_space_trains_none_of_its_tokens():
+    # WordPiece's tokens leave out the spaces between them: the prompt's last token ends where its offsets say,
+    # not where the reply's first token begins, so it does not overlap the reply's span (which holds the space)
+    ours = make_tokenizer("wordpiece:100", lambda: iter(["hello world -> a cat, hello there"] * 50))
+    prompt, reply = "Translate: cat ->", " hello<|endoftext|>"
+    ids, mask = ours.encode_chat(prompt + reply, [(len(prompt), len(prompt + reply))])
+    before = len(ours.encode_chat(prompt, [])[0])
+    assert 0 < before < len(ids) and mask.tolist() == [0] * before + [1] * (len(ids) - before)

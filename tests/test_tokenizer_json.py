@@ -252,3 +252,20 @@ def test_pattern_rewrite_for_oniguruma():
 def test_byte_chars_are_gpt2s():
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     assert tokenizer_json.byte_chars() == bytes_to_unicode()
+
+
+def test_a_tokenizer_saved_with_truncation_or_padding_cuts_and_pads_nothing(tmp_path, corpus):
+    # a tokenizer.json saved with truncation or padding on (sentence-transformers' are) would cut every document
+    # to its max_length, or pad it: prepare.py's encoders and the exported file have neither, as AutoTokenizer
+    huggingface_case(tmp_path, corpus)
+    plain = tokenizer.make_tokenizer(str(tmp_path / "tokenizer.json"), lambda: iter(()))
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    hf.enable_truncation(max_length=8)
+    hf.enable_padding(length=64, pad_id=1, pad_token="</s>")
+    hf.save(str(tmp_path / "tokenizer.json"))
+    ours = tokenizer.make_tokenizer(str(tmp_path / "tokenizer.json"), lambda: iter(()))
+    text = corpus[:2000]
+    ids = plain.encode(text)
+    assert len(ids) > 64 and ours.encode(text) == ids and ours.encode_chat(text, [])[0].tolist() == ids
+    exported = HFTokenizer.from_str(tokenizer_json.hf_tokenizer_files(ours)[0]["tokenizer.json"])
+    assert exported.encode(text, add_special_tokens=False).ids == ids
