@@ -204,6 +204,9 @@ def check_arguments(args):
         files = not isinstance(path, HubSplit) and not isinstance(val, HubSplit)
         if path == val or files and Path(path).resolve().is_relative_to(Path(val).resolve()):
             raise UserError(f"{path} is --val_input {val} or inside it: pass it as an input or as --val_input")
+    for path in [p for p in inputs + (args.val_input or []) if isinstance(p, HubSplit)]:  # (the Hub is asked)
+        if path.split not in (splits := hub_splits(path.name, path.config)):
+            raise UserError(f"hf:{path.name} has no split {path.split!r}: it has {', '.join(map(repr, splits))}")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
     if args.chat_template and not os.path.isfile(args.chat_template):  # found out now, not at the first conversation

@@ -250,7 +250,8 @@ def find_template(folder, template_file=None):
         return (path / "chat_template.jinja").read_text(encoding="utf-8"), str(path / "chat_template.jinja"), tokens
     template = config.get("chat_template")
     if isinstance(template, list):  # several named templates: the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
     if isinstance(template, str):
         return template, str(path / config_file), tokens
     return DEFAULT_TEMPLATE, "built-in", tokens

@@ -106,6 +106,8 @@ def test_a_model_folders_json_that_is_no_object_is_one_line(folder, tmp_path, te
     from lib.chat import find_template
     with pytest.raises(UserError, match=re.escape(f"tokenizer_config.json {says}")):
         find_template(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": ["{{ x }}", {"name": "default"}]}))
+    assert find_template(folder)[1] == "built-in"  # a list of named templates with no default one: ours
     tiny_dataset(tmp_path / "d")
     (tmp_path / "d" / "meta.json").write_text(text)
     with pytest.raises(UserError, match="meta.json is damaged"):

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -966,3 +967,5 @@ def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, mon
     assert meta["masks"] and meta["train"]["documents"] + meta["val"]["documents"] == 12
     with pytest.raises(UserError, match=r"^cannot read the dataset hf:"):
         prepare.main([f"hf:{tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'none'}"])
+    with pytest.raises(UserError, match=rf"^hf:{re.escape(str(folder))} has no split 'test': it has 'train', 'validation'$"):
+        prepare.main([f"hf:{folder}:test", f"--out_dir={tmp_path / 'none'}"])
