@@ -14,6 +14,7 @@ is code from the internet: it runs in jinja2's sandbox, as in transformers, away
 
 import json
 import re
+import time
 from collections import namedtuple
 from datetime import datetime
 from pathlib import Path
@@ -26,6 +27,7 @@ ROLES = ("system", "user", "assistant", "tool")
 MAX_STEPS = 1_000_000
 MAX_OUTPUT = 1 << 24
 MAX_WIDTH = 1 << 12  # a filter's number (center's width, indent's, truncate's length) and an int's bits, at most
+MAX_SECONDS = 10  # a rendering's time, at most: a legit template renders a conversation in milliseconds
 TRAIN_ON = ("assistant", "completion", "all")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
@@ -103,7 +105,7 @@ def compile_template(source):
         raise UserError(f"the chat template does not compile ({e})") from None
 
     def render(**context):
-        steps[0], out, size = 0, [], 0
+        steps[:], out, size = [0, time.monotonic() + MAX_SECONDS], [], 0
         for text in template.root_render_func(template.new_context(context)):  # what render() joins
             size += len(text)
             if size > MAX_OUTPUT:
@@ -114,16 +116,19 @@ def compile_template(source):
 
 
 def budget(env):
-    # Counts a rendering's steps in env, TemplateError past MAX_STEPS: a loop step one, a call or filter ten. A *, +
+    # Counts a rendering's steps in env, TemplateError past MAX_STEPS or MAX_SECONDS (an `in` over a long text is a
+    # step): a loop step one, a call or filter ten; a str method's call must stay within str_call_within. A *, +
     # or % may not make a value past MAX_OUTPUT, a ** a power past 64, ints past MAX_WIDTH bits; env.bounded measures
     # what ~ joins and filters return. Intercepted operators aren't folded at compile time. -> steps (render resets it).
     from jinja2.exceptions import TemplateError
-    steps, sandbox_call, sandbox_binop = [0], env.call, env.call_binop
+    steps, sandbox_call, sandbox_binop = [0, 0.0], env.call, env.call_binop  # (render sets the deadline)
 
     def step(cost=1):
         steps[0] += cost
         if steps[0] > MAX_STEPS:
             raise TemplateError(f"it takes more than {MAX_STEPS:,} steps")
+        if time.monotonic() > steps[1]:
+            raise TemplateError(f"it takes more than {MAX_SECONDS} s")
 
     def counted(items):
         for item in items:
@@ -132,7 +137,11 @@ def budget(env):
 
     def call(context, obj, *args, **kwargs):
         step(10)  # a call takes about ten loop steps' time, a macro's more
-        return sandbox_call(context, obj, *args, **kwargs)
+        method = getattr(obj, "__wrapped__", obj)  # (the sandbox wraps a str's format in a function of its own)
+        text_method = isinstance(getattr(method, "__self__", None), str)
+        if text_method and not str_call_within(method, [*args, *kwargs.values()]):
+            raise TemplateError(f"its {method.__name__} makes a text past the budget of a chat template")
+        return bounded(sandbox_call(context, obj, *args, **kwargs))
 
     def bounded(value):
         if isinstance(value, (str, list, tuple)) and len(value) > MAX_OUTPUT:
@@ -161,6 +170,25 @@ def budget(env):
     return steps
 
 
+def str_call_within(method, values):
+    # whether a str method's call (method bound to its text, given values) makes a text within the budget: a width
+    # (ljust's, center's, zfill's, expandtabs', a format field's, or a number a nested field takes) at most MAX_WIDTH,
+    # and what expandtabs, replace and join make at most MAX_OUTPUT; a number a format writes is no width
+    text, name, texts = method.__self__, method.__name__, [v for v in values if isinstance(v, str)]
+    widths = name in ("ljust", "rjust", "center", "zfill", "expandtabs") or \
+        name in ("format", "format_map") and re.search(r"\{[^{}]*\{", text)  # '{:>{w}}': its width from w
+    numbers = [*values, *(v for mapping in values if isinstance(mapping, dict) for v in mapping.values())]
+    if widths and any(type(v) is int and abs(v) > MAX_WIDTH for v in numbers):  # (format_map's in its mapping)
+        return False
+    if name in ("format", "format_map"):
+        return all(int(n) <= MAX_WIDTH for field in re.findall(r"\{[^{}]*\}", text) for n in re.findall(r"\d+", field))
+    grows = {"expandtabs": lambda: text.count("\t") * MAX_WIDTH,
+             "replace": lambda: len(texts[1]) * text.count(texts[0]) if len(texts) >= 2 else 0,
+             "join": lambda: len(text) * len(values[0]) + sum(len(str(x)) for x in values[0])
+             if values and hasattr(values[0], "__len__") else 0}
+    return len(text) + grows.get(name, lambda: 0)() <= MAX_OUTPUT
+
+
 def formats_within(text):
     # a % or format filter's widths and precisions at most MAX_WIDTH (* would take them from its values)
     sizes = re.findall(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d*)(?:\.(\*|\d*))?", text.replace("%%", ""))
@@ -179,8 +207,9 @@ def checked_filter(name, run, step, bounded):
         values = [*args, *kwargs.values()]
         texts = [v for v in values if isinstance(v, str)]
         items = [v for v in values if hasattr(v, "__len__") and not isinstance(v, (str, dict))]  # lists, ranges
-        if name in ("center", "indent") and any(
-                type(v) is int and abs(v) > MAX_WIDTH for v in values) or len(texts) > 1 and max(map(len, texts[1:])) \
+        if name in ("center", "indent", "tojson") and any(
+                type(v) is int and abs(v) > MAX_WIDTH or name == "tojson" and isinstance(v, str) and len(v) > MAX_WIDTH
+                for v in values[1:]) or len(texts) > 1 and max(map(len, texts[1:])) \
                 > MAX_WIDTH and name in ("indent", "wordwrap") \
                 or name == "replace" and len(texts) >= 3 and len(texts[-3]) + len(texts[-1]) * \
                 texts[-3].count(texts[-2]) > MAX_OUTPUT or name == "format" and not formats_within(str(args[0])) \
@@ -303,7 +332,7 @@ class ChatFormat:
             text = self.template(messages=messages, add_generation_prompt=add_generation_prompt, **self.context)
         except (TemplateError, TypeError) as e:  # its raise_exception, what the sandbox refused, an {% include %}
             raise UserError(f"the chat template refused it ({e})") from None
-        except (ArithmeticError, RecursionError, LookupError, AttributeError, ValueError) as e:  # its own bugs
+        except (ArithmeticError, RecursionError, LookupError, AttributeError, ValueError, MemoryError) as e:  # its bugs
             raise UserError(f"the chat template failed ({type(e).__name__}: {e})") from None
         return text if marks else text.replace(MARKS[0], "").replace(MARKS[1], "")
 

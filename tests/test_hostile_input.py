@@ -333,6 +333,14 @@ PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant'
     ("{{ ('a' * 1000000) | replace('a', 'a' * 20) }}", "its replace filter makes a value past the budget"),
     ("{{ range(100000) | join('a' * 10000) }}", "its join filter makes a value past the budget"),
     ("{{ '%3000000000s' | format('a') }}", "its format filter makes a value past the budget"),
+    ("{{ {'a': [1, [2]]} | tojson(indent=100000) }}", "its tojson filter makes a value past the budget"),
+    # a str's methods make what their numbers say as well: widths, a format's fields (nested ones from values)
+    ("{{ 'a'.ljust(10 ** 12) }}", "its ljust makes a text past the budget"),
+    ("{{ '{:>300000000}'.format(1) }}", "its format makes a text past the budget"),
+    ("{{ '{:>{w}}'.format(1, w=300000000) }}", "its format makes a text past the budget"),
+    ("{{ ('a' * 1000000).replace('a', 'a' * 20) }}", "its replace makes a text past the budget"),
+    ("{{ ('a' * 10000).join('b' * 10000) }}", "its join makes a text past the budget"),
+    ("{{ ('\t' * 100000).expandtabs(4000) }}", "its expandtabs makes a text past the budget"),
 ])
 def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, says):
     from lib import chat
@@ -340,6 +348,15 @@ def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, say
     with deadline(20), pytest.raises(ValueError, match=says):
         chat.ChatFormat(PROBE + template, "test", ["</s>"], "</s>")
     assert time.time() - started < 20
+
+
+def test_a_chat_template_runs_under_a_time_budget(monkeypatch):
+    # an `in` over a long text is one step of a loop but takes a while: a rendering stops at MAX_SECONDS
+    from lib import chat
+    monkeypatch.setattr(chat, "MAX_SECONDS", 0.5)
+    slow = "{% set big = 'a' * 16000000 %}{% for i in range(100000) %}{% if 'ab' in big %}{% endif %}{% endfor %}"
+    with deadline(20), pytest.raises(ValueError, match=r"it takes more than 0.5 s\)$"):
+        chat.ChatFormat(PROBE + slow, "test", ["</s>"], "</s>")
 
 
 def test_what_templates_write_within_the_budget_renders_as_jinja_renders_it():
@@ -352,7 +369,10 @@ def test_what_templates_write_within_the_budget_renders_as_jinja_renders_it():
                 "{% for i in range(3) %}{{ i % 2 }}{{ 2 ** 10 * i }}{% endfor %} {{ 'x\ny' | indent(4) }}"
                 # numbers past any width where no filter writes that much: tool calls' arguments, timestamps
                 "{{ {'amount': 5000, 'ts': 1700000000} | tojson }} {{ 60000 | string }} {{ 'abc' | truncate(5000) }}"
-                "{{ '%d tokens' | format(5000) }} {{ 42 | format }}")
+                "{{ '%d tokens' | format(5000) }} {{ 42 | format }}"
+                # and a str's methods with theirs
+                "{{ 'ab'.ljust(6) }} {{ '{:>5} {} tokens'.format(3, 60000) }} {{ '{x}'.format_map({'x': 70000}) }}"
+                "{{ 'a-b'.replace('-', '+') }} {{ ', '.join(['x', 'y']) }} {{ 'ab'.startswith('a', 5000) }}")
     assert compile_template(template)() == ImmutableSandboxedEnvironment().from_string(template).render()
 
 # -----------------------------------------------------------------------------
