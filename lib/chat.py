@@ -297,6 +297,8 @@ class ChatFormat:
         self.text_bos = text_bos  # the BOS the tokenizer puts before a text: plain prompt/completion strings
         self.separator = separator  # what ends an example in the token files: no message may hold it
         self.specials = sorted(special_tokens, key=len, reverse=True)  # the longest first: "</s>" before "<"
+        # any of them as a message's text would be read as the token (the regex factors out their common prefix)
+        self.special_text = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
         self.context = {"eos_token": eos_token, "bos_token": bos_token or "", "tools": None, "documents": None}
         self.template = compile_template(source)
         probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
@@ -340,12 +342,18 @@ class ChatFormat:
         """A JSON record -> Chat, or ValueError saying why it cannot be one."""
         if "conversations" in obj and "messages" not in obj:  # ShareGPT's layout: its turns as messages
             obj = {"messages": sharegpt_messages(obj["conversations"])}
-        texts = [m.get("content") if isinstance(m, dict) else m for key in ("messages", "prompt", "completion")
-                 for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
-        texts += [obj.get(key) for key in ("instruction", "input", "output")]
-        if self.separator and any(isinstance(t, str) and self.separator in t for t in texts):
+        texts = [t for key in ("messages", "prompt", "completion")
+                 for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])
+                 for t in ([m.get(k) for k in ("content", "reasoning_content", "thinking", "reasoning")]
+                           if isinstance(m, dict) else [m])]
+        texts = [t for t in texts + [obj.get(key) for key in ("instruction", "input", "output")] if isinstance(t, str)]
+        if self.separator and any(self.separator in t for t in texts):
             raise UserError(f"it holds {self.separator}, which ends an example in the token files, as text")
-        if self.tagged and any(isinstance(t, str) and (MARKS[0] in t or MARKS[1] in t) for t in texts):
+        held = next((m[0] for t in texts if self.special_text and (m := self.special_text.search(t))), None)
+        if held:  # (only the template's own markers are special tokens: the docs' promise)
+            raise UserError(f"it holds {held}, a special token of the tokenizer, as text (it would be read as the "
+                             f"token)")
+        if self.tagged and any(MARKS[0] in t or MARKS[1] in t for t in texts):
             raise UserError("it holds the private-use character U+E002 or U+E003, which marks what the template's "
                              "{% generation %} blocks write")
         if "messages" in obj:
