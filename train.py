@@ -38,7 +38,7 @@ from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation
                          utilization, wall_time)
 from lib.optim import build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
 from lib.parallel import (StopRequest, check_same_settings, clip_gradients, end_processes, init_distributed,
-                          parallelize, peak_flops, target_shares)
+                          parallelize, peak_flops, sum_head_gradients, target_shares)
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
 
 # -----------------------------------------------------------------------------
@@ -374,6 +374,8 @@ while True:
         loss_sum += loss.detach().float()
         B, T = x.shape
         keys_run += attended_keys(doc_ids) if doc_ids is not None else B * T * (T + 1) // 2  # causal
+    if tp_size > 1:  # weights every head shares (qk_norm's): each process has their gradient over its own heads
+        sum_head_gradients(raw_model, procs.mesh)
     # the next step's micro-batches, read and copied to the device while this one computes: not on its way
     upcoming = step_batches(step + 1) if step + 1 < max_iters else None
     stop = torch.full((1,), float(preemption.requested), device=device)  # made there: a copy to it would wait

@@ -284,6 +284,22 @@ def target_shares(micro_batches, dp_size, tp_size, ddp):
     return targets * dp_size / all_targets.clamp(min=1)
 
 
+# weights that act on every head alike (qk_norm's): under tensor parallel a process applies them to its own heads
+PER_HEAD = ("q_norm.weight", "k_norm.weight")
+
+
+def sum_head_gradients(model, mesh):
+    """Under tensor parallel, PER_HEAD weights' gradients (each process's over its own heads) summed over the replica's
+    processes (mesh's "tp"), in one all-reduce: the gradient one process has over all heads, the same in every copy."""
+    grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad for name, p in model.named_parameters()
+             if name.endswith(PER_HEAD) and p.grad is not None]
+    if grads:
+        summed = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(summed, group=mesh["tp"].get_group())
+        for g, part in zip(grads, summed.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
 def clip_gradients(model, max_norm):
     # all gradients' norm (DTensor shards: each mesh and layout's group reduced over it), then scaled down to max_norm
     grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -1,9 +1,11 @@
 """Tensor parallel and gradient checkpointing in train.py, on CPU processes (gloo), with tiny models."""
 
 import pytest
+import torch
 
 from helpers import STANDARD, TINY, losses, run, standard_run, train_refusal
 
+from lib.checkpoint import find_checkpoint, load_checkpoint
 from lib.files import UserError, read_meta
 from lib.hf import save_pretrained
 from lib.settings import defaults
@@ -33,6 +35,19 @@ def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path, sha
     assert "| FSDP x1 + TP x2 |" in out.stdout  # every parameter on the one mesh: FSDP over the single replica
     assert "sequential all_reduce" not in out.stderr, out.stderr  # (the gradients' norm: torch's warning per rank)
     assert_losses_close(one, losses(tmp_path / "tp"))
+
+
+def test_tensor_parallel_sums_the_gradients_of_weights_every_head_shares(data_dir, tmp_path):
+    # qk_norm's weights act on each process's own heads, so each process holds part of their gradient: summed over
+    # the replica's processes, they train as in one process (one copy, not one per process, each on its heads)
+    common = [*STANDARD, f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=4", "--qk_norm=True"]
+    run(*common, f"--out_dir={tmp_path / 'one'}")
+    run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO)
+    assert_losses_close(losses(tmp_path / "one"), losses(tmp_path / "tp"))
+    one, tp = (load_checkpoint(find_checkpoint(str(tmp_path / d / "ckpt.pt")))["model"] for d in ("one", "tp"))
+    norms = [name for name in one if name.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 4 and all(torch.allclose(one[n], tp[n], rtol=0, atol=1e-5) for n in norms), \
+        [(one[n] - tp[n]).abs().max().item() for n in norms]
 
 
 def test_gradient_checkpointing_changes_no_loss(data_dir, tmp_path):
