@@ -65,6 +65,10 @@ for flag in ("limit", "num_fewshot", "include_path", "apply_chat_template", "out
 
 
 def run_tasks():
+    # a model folder is someone else's (downloaded, perhaps): the results of one go to the current folder
+    output = args.output or ("eval_tasks.json" if args.model else os.path.join(args.out_dir, "eval_tasks.json"))
+    if not os.path.isdir(os.path.dirname(os.path.abspath(output))):  # found out now, not after the tasks ran
+        raise UserError(f"--output={output}: its folder does not exist (make it, or write elsewhere)")
     manager, names = harness.load_tasks(args.tasks, args.include_path)
     device, dtype = pick_device(args.device, args.dtype)
     path = os.path.join(args.out_dir, args.ckpt)
@@ -79,8 +83,6 @@ def run_tasks():
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
     from lm_eval.utils import make_table
     print(make_table(results))
-    # a model folder is someone else's (downloaded, perhaps): the results of one go to the current folder
-    output = args.output or ("eval_tasks.json" if args.model else os.path.join(args.out_dir, "eval_tasks.json"))
     harness.write_results(results, output)
     print(f"results written to {output}")
 

@@ -89,6 +89,12 @@ class Model(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
         # requests: (strings, context ids, continuation ids) -> (log-likelihood of the continuation, whether greedy
         # decoding writes it), with HFLM's truncation: the last max_length + 1 tokens, less the last one
+        for strings, _, continuation in requests:  # (HFLM asserts both)
+            if not 0 < len(continuation) <= self.max_length:
+                said = f"{strings[1][:60]!r} " if strings else ""
+                why = f"{len(continuation)} tokens, past block_size={self.max_length}" if continuation else "empty"
+                raise UserError(f"a task's continuation {said}is {why}, which cannot be scored: mend the task's "
+                                f"choices or targets")
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         results = [None] * len(requests)
         for first in range(0, len(order), self.batch_size):

@@ -257,6 +257,31 @@ def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
     assert "\n" not in str(refused.value)
     done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--include_path={remote_task(tmp_path)}")
     one_line(done, "cannot load the data of remote_task")
+    # results that could not be written once the tasks ran: refused before they run
+    done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--output={tmp_path / 'no' / 'r.json'}")
+    one_line(done, f"--output={tmp_path / 'no' / 'r.json'}: its folder does not exist")
+
+
+def test_a_continuation_that_cannot_be_scored_is_one_line():
+    # an empty one would score 0 and count as greedy (an empty choice always picked), a longer one than the model's
+    # window would fail in the arithmetic: HFLM asserts both, here each is one line naming it
+    needs_lm_eval()
+    from lib import harness
+    from lib.files import UserError
+    from lib.tokenizer import make_tokenizer
+    from model import GPT, GPTConfig
+    tokenizer = make_tokenizer("char", lambda: iter(["an apple a day\n"]))
+    lm = harness.Model(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32)).eval(), tokenizer)
+    with pytest.raises(UserError, match="^a task's continuation '' is empty, which cannot be scored"):
+        lm.loglikelihood([Request("an apple", "")])
+    with pytest.raises(UserError, match="continuation ' a day a day' is 12 tokens, past block_size=8"):
+        lm.loglikelihood([Request("an apple", " a day a day")])
+    assert len(lm.loglikelihood([Request("an apple", " a day")])) == 1
+
+
+class Request:  # what lm_eval passes a model: its args
+    def __init__(self, *args):
+        self.args = args
 
 
 # -----------------------------------------------------------------------------
