@@ -26,7 +26,7 @@ import torch
 from lib import harness
 from lib.data import Split, longest_example
 from lib.files import UserError, one_line_errors, read_meta
-from lib.hf import load_pretrained
+from lib.hf import eos_ids, load_pretrained
 from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
 from lib.tokenizer import check_tokenizer
@@ -78,7 +78,8 @@ def run_tasks():
     template_folder = args.model or chat_folder(checkpoint, tokenizer)
     model.eval().to(device)
     autocast = None if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
-    lm = harness.Model(model, tokenizer, device, autocast, args.batch_size, template_folder, args.model or path)
+    lm = harness.Model(model, tokenizer, device, autocast, args.batch_size, template_folder, args.model or path,
+                       eos_ids(args.model, tokenizer) if args.model else None)  # (as transformers reads the folder)
     limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
     from lm_eval.utils import make_table

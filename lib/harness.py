@@ -28,8 +28,10 @@ class Model(TemplateLM):
     """Our GPT and tokenizer as an lm_eval model (TemplateLM: lm_eval's LM, tokenizing requests as HFLM does)."""
     max_gen_toks = 256  # HFLM's default
 
-    def __init__(self, model, tokenizer, device="cpu", autocast=None, batch_size=8, chat_folder=None, name="gpt"):
-        # chat_folder: where the model's chat template is (its data's meta.json, or its Hugging Face folder)
+    def __init__(self, model, tokenizer, device="cpu", autocast=None, batch_size=8, chat_folder=None, name="gpt",
+                 eos_ids=None):
+        # chat_folder: where the model's chat template is (its data's meta.json, or its Hugging Face folder); eos_ids:
+        # the ids that end a text (a folder's: hf.eos_ids), the first lm_eval's end of text, else the tokenizer's
         super().__init__()
         if tokenizer.eot_id is None:  # what ends a generated answer, and begins a rolling window
             raise UserError("lm-evaluation-harness tasks need an end-of-text token, which nanoGPT's characters "
@@ -37,6 +39,7 @@ class Model(TemplateLM):
         self.model, self.tokenizer, self.name, self.chat_folder = model, tokenizer, name, chat_folder
         self._device, self.autocast, self.batch_size = torch.device(device), autocast or nullcontext(), batch_size
         self.specials = set(tokenizer.special_tokens().values())
+        self.eos_ids = eos_ids or [tokenizer.eot_id]
 
     @property
     def device(self):  # (lm_eval's LM has it too; here also where this module was imported without lm_eval)
@@ -44,7 +47,7 @@ class Model(TemplateLM):
 
     @property
     def eot_token_id(self):
-        return self.tokenizer.eot_id
+        return self.eos_ids[0]
 
     @property
     def prefix_token_id(self):  # HFLM's: what an empty context and the rolling windows begin with
@@ -71,7 +74,7 @@ class Model(TemplateLM):
     def apply_chat_template(self, chat_history, add_generation_prompt=True):
         if getattr(self, "chat", None) is None:
             self.chat = ChatFormat.for_tokenizer(self.chat_folder, self.tokenizer.special_tokens(),
-                                                 self.tokenizer.decode([self.eot_token_id]))
+                                                 self.tokenizer.decode([self.tokenizer.eot_id]))
             if self.chat.origin == "built-in":
                 raise UserError(f"--apply_chat_template needs a model trained on conversations: "
                                 f"{self.chat_folder} has no chat template")
@@ -135,7 +138,7 @@ class Model(TemplateLM):
                                 f"{self.max_length}: give it a smaller max_gen_toks")
             ids = self.tok_encode(context)[-(self.max_length - max_new):]
             new = self.greedy(ids, max_new, until)
-            text = self.tokenizer.decode([i for i in new if i not in self.specials and i != self.eot_token_id])
+            text = self.tokenizer.decode([i for i in new if i not in self.specials and i not in self.eos_ids])
             out.append(postprocess_generated_text(text, until, None))
         return out
 
@@ -146,7 +149,7 @@ class Model(TemplateLM):
             with self.autocast:
                 logits, _ = self.model(x, cache=cache)
             new.append(int(logits[0, -1, :self.tokenizer.vocab_size].float().argmax()))  # not a padding row
-            if new[-1] == self.eot_token_id or any(stop in self.tokenizer.decode(new) for stop in until):
+            if new[-1] in self.eos_ids or any(stop in self.tokenizer.decode(new) for stop in until):
                 break
             x = torch.tensor([new[-1:]], device=self.device)
         return new

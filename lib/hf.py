@@ -141,6 +141,17 @@ def special_ids(folder):
     return {name: hf[name] for name in ("bos_token_id", "eos_token_id", "pad_token_id") if name in hf}
 
 
+def eos_ids(folder, tokenizer):
+    """The ids a Hugging Face folder's model ends a text with, as transformers reads them: tokenizer_config.json's
+    eos_token first (Qwen3's <|im_end|>, where tokenizer.eot_id is <|endoftext|>), then generation_config.json's."""
+    ids, specials = [], tokenizer.special_tokens()
+    for name, key in (("tokenizer_config.json", "eos_token"), ("generation_config.json", "eos_token_id")):
+        said = read_json(Path(folder) / name).get(key) if (Path(folder) / name).is_file() else None
+        said = said.get("content") if isinstance(said, dict) else said
+        ids += [specials.get(i) if isinstance(i, str) else i for i in (said if isinstance(said, list) else [said])]
+    return list(dict.fromkeys(i for i in ids if type(i) is int and 0 <= i < tokenizer.vocab_size))
+
+
 # GPTConfig's fields that config.json says (hf_config), or that no weight's meaning depends on (dropout, kernels, LoRA)
 SAID = {"block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "tie_embeddings", "rope_theta",
         "norm_eps", "head_size", "mlp_hidden", "qkv_bias", "qk_norm", "rope_scaling", "family", "dropout",

@@ -391,3 +391,34 @@ def test_generation_never_writes_a_padding_row(tmp_path):
         model.lm_head.weight[tokenizer.vocab_size:] = 5 * model.lm_head.weight[:tokenizer.vocab_size].abs().max()
     new = harness.Model(model, tokenizer).greedy(tokenizer.encode("an apple"), 8, [])
     assert new and max(new) < tokenizer.vocab_size
+
+
+def test_a_folder_ends_its_texts_with_its_own_eos_as_under_lm_eval_hf(tmp_path):
+    # Qwen3's tokenizer holds <|endoftext|> but ends a reply with <|im_end|>, its tokenizer_config.json's eos, and
+    # generation_config.json may add more: lm_eval's end of text (the rolling windows' first token without a BOS)
+    # is that eos, and generation stops at any of them, as transformers reads the folder
+    needs_lm_eval()
+    import torch
+    from lib import harness
+    from lib.hf import eos_ids
+    from lib.tokenizer import make_tokenizer
+    from model import GPTConfig
+    from test_chat import make_folder
+    folder = make_folder(tmp_path / "qwen3", "qwen3")
+    tokenizer = make_tokenizer(str(folder), None)
+    specials = tokenizer.special_tokens()
+    assert tokenizer.eot_id == specials["<|endoftext|>"] != specials["<|im_end|>"]
+    assert eos_ids(folder, tokenizer) == [specials["<|im_end|>"]]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [specials["<|im_start|>"], 100]}))
+    ids = eos_ids(folder, tokenizer)
+    assert ids == [specials["<|im_end|>"], specials["<|im_start|>"], 100]
+
+    class Always(torch.nn.Module):  # a model whose every next token is <|im_start|>
+        blocks, config = [], GPTConfig(vocab_size=448, block_size=32)
+
+        def forward(self, x, cache=None):
+            return torch.nn.functional.one_hot(torch.full(x.shape, specials["<|im_start|>"]), 448).float(), None
+    lm = harness.Model(Always(), tokenizer, eos_ids=ids)
+    assert lm.eot_token_id == lm.prefix_token_id == specials["<|im_end|>"]
+    assert lm.greedy(tokenizer.encode("Paris"), 8, []) == [specials["<|im_start|>"]]  # it ends generation
+    assert harness.Model(Always(), tokenizer).eot_token_id == tokenizer.eot_id  # a run's: its data's end of text
