@@ -78,7 +78,17 @@ class Model(TemplateLM):
             if self.chat.origin == "built-in":
                 raise UserError(f"--apply_chat_template needs a model trained on conversations: "
                                 f"{self.chat_folder} has no chat template")
-        return self.chat.render(chat_history, add_generation_prompt=add_generation_prompt)
+        if add_generation_prompt or not chat_history:
+            return self.chat.render(chat_history, add_generation_prompt=add_generation_prompt)
+        # else HFLM's continue_final_message: the last message left open (a task's gen_prefix, "Answer:"), cut, as
+        # transformers cuts it, where a tag put after its content lands
+        tag = "\ue004"  # (a private-use character no text holds)
+        last = {**chat_history[-1], "content": f"{chat_history[-1].get('content', '')}{tag}"}
+        text = self.chat.render([*chat_history[:-1], last])
+        if tag not in text:
+            raise UserError(f"the chat template ({self.chat.origin}) does not write the last message's content, which "
+                            f"a task's answer continues: use a template that does")
+        return text[:text.rindex(tag)]
 
     @torch.no_grad()
     def log_probs(self, inputs):

@@ -422,3 +422,22 @@ def test_a_folder_ends_its_texts_with_its_own_eos_as_under_lm_eval_hf(tmp_path):
     assert lm.eot_token_id == lm.prefix_token_id == specials["<|im_end|>"]
     assert lm.greedy(tokenizer.encode("Paris"), 8, []) == [specials["<|im_start|>"]]  # it ends generation
     assert harness.Model(Always(), tokenizer).eot_token_id == tokenizer.eot_id  # a run's: its data's end of text
+
+
+def test_a_chat_tasks_answer_prefix_continues_the_reply_as_under_lm_eval_hf(tmp_path):
+    # under --apply_chat_template a task's gen_prefix ("Answer:") is the assistant's message, which the answer
+    # continues: HFLM renders it with continue_final_message, the turn left open, and so does the harness here
+    needs_lm_eval()
+    transformers = pytest.importorskip("transformers")
+    from lib import harness
+    from lib.tokenizer import make_tokenizer
+    from test_chat import make_folder
+    folder = make_folder(tmp_path / "qwen3", "qwen3")
+    lm, theirs = harness.Model(None, make_tokenizer(str(folder), None), chat_folder=str(folder)), \
+        transformers.AutoTokenizer.from_pretrained(str(folder))
+    chat = [{"role": "user", "content": "Which city is the capital of France?"}, {"role": "assistant", "content": "A:"}]
+    opened = lm.apply_chat_template(chat, add_generation_prompt=False)
+    assert opened.endswith("\nA:") and opened == theirs.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert lm.apply_chat_template(chat[:1]) == theirs.apply_chat_template(chat[:1], tokenize=False,
+                                                                          add_generation_prompt=True)
