@@ -190,7 +190,8 @@ def load_tasks(names, include_path=None):
         manager = TaskManager(include_path=include_path)
     unknown = [name for name in wanted if name not in manager.all_tasks]
     if unknown:
-        where = f" nor in {include_path}" if include_path else " (a local task: --include_path=DIR)"
+        where = (f" nor in {include_path} (whose files lm_eval cannot parse it leaves out: check the YAML)"
+                 if include_path else " (a local task: --include_path=DIR)")
         raise UserError(f"lm_eval {lm_eval.__version__} has no task {', '.join(unknown)}{where}")
     try:
         manager.load(wanted)

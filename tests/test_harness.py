@@ -255,6 +255,11 @@ def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
     with pytest.raises(UserError, match="no task no_such_task") as refused:
         harness.load_tasks("no_such_task", str(tasks))
     assert "\n" not in str(refused.value)
+    (tmp_path / "broken").mkdir()  # a task file that does not parse, which lm_eval leaves out without a word
+    (tmp_path / "broken" / "broken.yaml").write_text("task: broken\ndoc_to_text: [unclosed\n")
+    with pytest.raises(UserError, match=r"no task broken nor in .*broken \(whose files lm_eval cannot parse it "
+                                        r"leaves out: check the YAML\)$"):
+        harness.load_tasks("broken", str(tmp_path / "broken"))
     done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--include_path={remote_task(tmp_path)}")
     one_line(done, "cannot load the data of remote_task")
     # results that could not be written once the tasks ran: refused before they run
