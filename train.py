@@ -6,9 +6,9 @@ Train a GPT on token files made by prepare.py. One process on a CPU, a GPU or an
 
 DDP over 8 GPUs on one node, or over several nodes (run the same line on each, with its rank):
 
-    torchrun --standalone --nproc_per_node=8 train.py config/train_small.py
+    torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py
     torchrun --nnodes=4 --node_rank=0 --nproc_per_node=8 --rdzv_backend=c10d \\
-        --rdzv_endpoint=HOST:29500 train.py config/train_small.py
+        --rdzv_endpoint=HOST:29500 train.py config/train_gpt2.py
 
 Past one device's memory add --fsdp=True, --tp_size=N, --gradient_checkpointing=True (docs/scaling.md).
 

@@ -122,7 +122,9 @@ def add_tensor(writer, gguf, name, tensor, dtype):
 
 def vocabulary(tokenizer, vocab_size, gguf):
     """(tokens, types, merges, pre) of a byte-level BPE, padded with unused tokens to the model's vocab_size."""
-    refusal = f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: {INSTEAD}"
+    instead = ("a character vocabulary has no GGUF tokenizer (nor a Hugging Face one): train with --tokenizer=bpe:N"
+               if tokenizer.kind in ("char", "nanogpt_char") else INSTEAD)
+    refusal = f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: {instead}"
     if tokenizer.kind == "huggingface":
         vocab, added, merges, pattern = hf_json_parts(json.loads(tokenizer.hf_json), refusal)
     elif tokenizer.kind in ("tiktoken", "bpe"):
