@@ -20,7 +20,9 @@ def load_model(path, data_dir=None):
     held it (start.frozen_dtype, quantized if nf4/int8), whatever the caller computes in: its adapters trained on those
     weights. checkpoint["data_dir"] becomes where the data is now: data_dir, else where it was, else the config's."""
     if (found := find_checkpoint(path)) is None:
-        raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir)")
+        best = " (a run writes ckpt_best once an evaluation after step 0 lowers its val loss)" if "ckpt_best" in \
+            os.path.basename(path) else ""
+        raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir){best}")
     path = found
     checkpoint = load_checked(path, {"model", "model_args", "config"}, mmap=True)  # the weights, never the moments
     held = checkpoint["config"].get("lora_base_dtype", "auto")  # a LoRA run's base, as it trained

@@ -381,6 +381,23 @@ def test_a_finished_run_is_never_overwritten_and_auto_resumes(data_dir, tmp_path
     assert "iter 5:" in out.stdout and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 8
 
 
+def test_a_run_no_evaluation_of_which_beats_step_0_says_it_wrote_no_best(data_dir, tmp_path):
+    # a fine-tune that only gets worse than the model it began from never writes ckpt_best: the run's end and the
+    # scripts that read ckpt_best say why (learning_rate=0: every evaluation equals step 0's)
+    from lib.files import UserError
+    from lib.trained import load_model
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2", "--eval_interval=1",
+              "--learning_rate=0", "--min_lr=0")
+    assert re.search(r"note: no evaluation after step 0 lowered its val loss \d\.\d{4}, so no ckpt_best was written: "
+                     r"the model the run began from scored best \(lower learning_rate\)", out.stdout), out.stdout
+    assert (tmp_path / "ckpt.pt").exists() and not (tmp_path / "ckpt_best.pt").exists()
+    with pytest.raises(UserError, match=r"\(a run writes ckpt_best once an evaluation after step 0 lowers its val "
+                                        r"loss\)$"):
+        load_model(str(tmp_path / "ckpt_best.pt"))
+    assert "no ckpt_best" not in run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'b'}",
+                                     "--max_iters=2", "--eval_interval=1").stdout
+
+
 def test_resume_without_checkpoint(data_dir, tmp_path):
     said = train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--init_from=resume")
     assert f"no checkpoint at {tmp_path}/ckpt.pt" in said
