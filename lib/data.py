@@ -215,7 +215,8 @@ class Batches:
     def __init__(self, data_dir, meta, block_size, seed, vocab_size, sequences, batch_size, sequences_per_step,
                  train_tokens, doc_mask=False, eval_full=False, eval_stride=0, device="cpu"):
         self.mode, self.batch_size, self.sequences_per_step = SEQUENCES[sequences], batch_size, sequences_per_step
-        self.doc_mask, self.eval_stride, self.device = doc_mask, eval_stride, device
+        self.doc_mask, self.device = doc_mask, device
+        self.eval_stride = block_size // 2 if eval_stride == -1 else eval_stride  # (settings.eval_stride's -1)
         self.pinned = device.startswith("cuda")  # batches copied from pinned memory while the GPU works on
         self.examples = self.mode.examples
         self.train_tokens, self.tokens_per_step = train_tokens, sequences_per_step * block_size

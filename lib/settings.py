@@ -22,7 +22,7 @@ eval_interval = 250  # estimate train/val loss (and maybe checkpoint) every this
 log_interval = 10  # print and record training metrics every this many steps
 eval_iters = 50  # batches per loss estimate, per process
 eval_full = False  # the val loss over every token of val.bin once, in overlapping windows (as perplexity in papers)
-eval_stride = 128  # eval_full: tokens each window shares with the one before, its context (only the rest count)
+eval_stride = -1  # eval_full: tokens each window shares with the one before (context, not scored); -1: half a window
 eval_tasks = ""  # lm-evaluation-harness tasks to score at each evaluation, comma-separated (pip install lm_eval)
 eval_tasks_limit = 0  # at most this many items of each task (0: all of them)
 eval_tasks_path = ""  # a folder of task files of your own (lm_eval's --include_path)
@@ -201,7 +201,7 @@ def check(config):
                          "(nanoGPT's GPT-2 blocks have them); leave bias out, or set qkv_bias=True for Qwen2's")
     if config["use_kernels"] not in (None, True, False):
         raise _UserError(f"use_kernels={config['use_kernels']!r} must be True, False or None (auto)")
-    if config["eval_full"] and not 0 <= config["eval_stride"] < config["block_size"]:
+    if config["eval_full"] and config["eval_stride"] != -1 and not 0 <= config["eval_stride"] < config["block_size"]:
         raise _UserError(f"eval_stride={config['eval_stride']} must be at least 0 and below block_size="
                          f"{config['block_size']} (the windows' overlap)")
     if config["eval_tasks"] and (config["fsdp"] or config["tp_size"] > 1):

@@ -616,3 +616,9 @@ def test_eval_full_scores_the_whole_val_split_as_eval_py_does(data_dir, tmp_path
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'bad'}", "--eval_full=True",
               "--eval_stride=32", check=False)
     assert "eval_stride=32 must be at least 0 and below block_size=32" in out.stderr
+    # eval_stride left out: half a window, whatever block_size is, as eval.py's default (its windows here)
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'half'}", "--max_iters=1", "--eval_full=True")
+    assert "every token of val.bin once, in windows overlapping by 16" in out.stdout
+    done = script("eval.py", f"--out_dir={tmp_path / 'half'}", "--device=cpu")
+    val = json.loads((tmp_path / "half" / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
+    assert "overlapping by 16" in done.stdout and float(done.stdout.split()[-6]) == pytest.approx(val, abs=1e-5)
