@@ -294,8 +294,7 @@ def test_wordpiece_and_sentencepiece_style_tokenizers_are_refused():
     for tokenizer in (wordpiece, hf_tokenizer("spm", spm.to_str())):
         with pytest.raises(ValueError) as e:
             vocabulary(tokenizer, 512, gguf)
-        # nor can llama.cpp's converter help: a character run's folder has no tokenizer to convert
-    assert "\n" not in str(e.value) and str(e.value).endswith("train with --tokenizer=bpe:N")
+        assert "\n" not in str(e.value) and "convert_hf_to_gguf.py" in str(e.value)
 
 
 def test_a_qwen2_shape_keeps_its_biases_and_halves(tmp_path):
