@@ -425,7 +425,7 @@ while True:
         stop_run()
         break
 
-if master and not eval_only and loop["iter_num"] > 0 and math.isfinite(loop["best_val_loss"]) \
+if master and not eval_only and loop["evaluated"] and loop["iter_num"] > 0 and math.isfinite(loop["best_val_loss"]) \
         and ckpt.find_checkpoint(os.path.join(out_dir, "ckpt_best.pt")) is None:  # (a fine-tune that only got worse)
     print(f"note: no evaluation after step 0 lowered its val loss {loop['best_val_loss']:.4f}, so no ckpt_best was "
           f"written: the model the run began from scored best (lower learning_rate)")
