@@ -159,6 +159,13 @@ def hf_json_parts(hf, refusal):
     splits = [s for s in steps if s.get("type") == "Split" and "Regex" in s.get("pattern", {})]
     if model.get("type") != "BPE" or model.get("byte_fallback") or len(bytelevel) != 1:
         raise UserError(refusal)
+    # llama.cpp's byte-level BPE neither puts a space before a text nor normalizes it (but NFC: its converter's too)
+    norm = hf.get("normalizer") or {}
+    norms = norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm] if norm else []
+    if bytelevel[0].get("add_prefix_space") or any(n.get("type") != "NFC" for n in norms):
+        what = "puts a space before every text" if bytelevel[0].get("add_prefix_space") else "normalizes the text"
+        raise UserError(f"this tokenizer.json {what}, which llama.cpp's byte-level BPE does not: a GGUF file would "
+                        f"encode prompts otherwise than the data; export a Hugging Face folder instead")
     if splits and len(steps) == 2 and not bytelevel[0].get("use_regex", True):
         pattern = splits[0]["pattern"]["Regex"]
     elif len(steps) == 1 and bytelevel[0].get("use_regex", True):

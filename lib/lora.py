@@ -79,14 +79,17 @@ def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down
 def merge_lora(model):
     """Fold every adapter into its weight, W + (alpha/rank)·B·A in fp32 cast back to W's dtype: a plain model."""
     for _, _, linear in model.projections():
-        if getattr(linear, "lora", None) is not None:
-            weight = linear.weight.detach()
-            if hasattr(weight, "get_original_weight"):  # 4-bit: back to the dtype it was quantized from
-                weight = weight.get_original_weight()
-            elif hasattr(weight, "dequantize"):  # 8-bit
-                weight = weight.dequantize()
-            merged = weight.float() + linear.lora.delta().to(weight.device)
-            linear.weight = nn.Parameter(merged.to(weight.dtype), requires_grad=False)
+        lora, weight = getattr(linear, "lora", None), linear.weight.detach()
+        # quantize_base holds all seven projections quantized, adapted or not (lora_targets): every one goes back
+        if lora is None and type(weight) is torch.Tensor:
+            continue
+        if hasattr(weight, "get_original_weight"):  # 4-bit: back to the dtype it was quantized from
+            weight = weight.get_original_weight()
+        elif type(weight) is not torch.Tensor:  # 8-bit
+            weight = weight.dequantize()
+        merged = weight.float() + (lora.delta().to(weight.device) if lora is not None else 0)
+        linear.weight = nn.Parameter(merged.to(weight.dtype), requires_grad=False)
+        if lora is not None:
             del linear.lora
     model.config.lora_rank = 0
     return model

@@ -410,3 +410,49 @@ def test_a_scratch_runs_export_carries_no_file_of_the_folder_it_runs_in(bpe_run,
     written = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     eot = load_tokenizer(bpe_run / "data").eot_id
     assert written["eos_token_id"] == eot != 7 and "temperature" not in written
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_quantized_base_adapted_in_part_is_written_whole(kind, tmp_path):
+    # QLoRA with lora_targets='q,v': quantize_base holds all seven projections quantized, the adapters are on two;
+    # merge_lora gives plain weights for every one, which both exports write (int8's crashed with a traceback)
+    pytest.importorskip("torchao", reason="a quantized base needs torchao")
+    from lib.gguf_export import write_gguf
+    from lib.lora import add_lora, merge_lora, quantize_base
+    from model import GPT, GPTConfig
+    tokenizer = make_tokenizer("bpe:260", lambda: iter(["hello world, hello there"] * 50))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=320, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, block_size=16))
+    model = quantize_base(add_lora(model, 4, targets="q,v"), kind).eval()
+    for _, _, linear in model.projections():
+        if getattr(linear, "lora", None) is not None:
+            torch.nn.init.normal_(linear.lora.B, std=0.02)
+    ids = torch.randint(0, 260, (1, 8))
+    with torch.no_grad():
+        before = model(ids)[0]
+        merge_lora(model)
+        after = model(ids)[0]
+    assert all(type(p.detach()) is torch.Tensor for p in model.parameters())
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    write_gguf(model, tokenizer, tmp_path / "m.gguf", torch.float32, {"eos_token_id": tokenizer.eot_id})
+    k = next(t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors if t.name == "blk.0.attn_output.weight")
+    assert torch.equal(torch.from_numpy(np.array(k.data)).reshape(64, 64), model.blocks[0].attn.proj.weight.detach())
+
+
+@pytest.mark.parametrize("step", ["prefix", "lowercase"])
+def test_a_tokenizer_json_that_llama_cpp_would_encode_otherwise_is_refused(step):
+    # a ByteLevel step with add_prefix_space encodes "hello" as "Ġhello"; llama.cpp's BPE adds no space (nor
+    # normalizes): the GGUF file would hold the data's vocabulary but encode every prompt otherwise
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from lib.tokenizer import hf_tokenizer
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=step == "prefix")
+    if step == "lowercase":
+        hf.normalizer = normalizers.Lowercase()
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(["hello world, Hello there"] * 50, trainer)
+    with pytest.raises(ValueError) as e:
+        vocabulary(hf_tokenizer("odd", hf.to_str()), 320, gguf)
+    assert "\n" not in str(e.value) and "llama.cpp's byte-level BPE does not" in str(e.value)
