@@ -70,7 +70,7 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     weights, grads, optim = state_bytes(params, state, dp, tp, fsdp, quantized, ddp)
     in_checkpoint = [(n, p) for n, p in params if p.requires_grad or not c.lora_rank]  # a LoRA run's: its adapters
     checkpoint = sum(state_bytes(in_checkpoint, state, 1, 1, False, None, False)[::2])  # weights and optimizer state
-    saved = traced_forward(model, batch_size, block_size, dtype, tp, fsdp, device)
+    saved = traced_forward(model, batch_size, block_size, dtype, tp, fsdp, device, quantized)
     if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, a block and its gradients
         root = sum(held_values(n, p, dp, tp) for n, p in params if "blocks." not in n)
         copies = (root + 2 * sum(held_values(n, p, dp, tp) for n, p in params if "blocks.0." in n)) * e
@@ -178,7 +178,7 @@ class Saved(NamedTuple):
     temporary: int
 
 
-def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=False, device="cuda"):
+def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=False, device="cuda", quantized=None):
     """Saved for a micro-batch of batch_size x block_size tokens through model under dtype's autocast, traced on
     probe_model's fake copy: in one forward, the storages autograd's saved tensors live in (each once, by the block that
     first saved it; the weights' own count as weights); in its backward to the last block's input, the peak alive
@@ -191,7 +191,13 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
     probe = probe_model(model, tp)
     with FakeTensorMode():
         made_fake(probe, model, compute if fsdp else None)
-        trace = Trace({storage_key(t) for t in [*probe.parameters(), *probe.buffers()]}, len(probe.blocks))
+        # an int8 weight is dequantized at each use, and the backward keeps that copy: counted as it is saved
+        # (nf4's own op keeps the nf4 weight, a weight)
+        twins = dict(model.named_parameters())
+        dequantized = {storage_key(p) for n, p in probe.named_parameters()
+                       if int8_weight(n, twins.get(n, p), quantized)}
+        trace = Trace({storage_key(t) for t in [*probe.parameters(), *probe.buffers()]} - dequantized,
+                      len(probe.blocks))
         for i, block in enumerate(probe.blocks):
             block.register_forward_pre_hook(partial(trace.enter, i))
             block.register_forward_hook(partial(trace.leave, i))
@@ -203,6 +209,15 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
             saved, end = trace.saved_bytes(), trace.alive
             loss.backward()
     return Saved(*saved, block_input=trace.block_input, temporary=max(0, trace.peak - end))
+
+
+def int8_weight(name, p, quantized=None):
+    # whether parameter p (named name) is an int8 weight: torchao's already (its values, its largest part, in int8),
+    # or a frozen projection planned as one
+    if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not is_dtensor(p):
+        return max((getattr(p, part) for part in p.__tensor_flatten__()[0]), key=torch.numel).dtype == torch.int8
+    return (quantized == "int8" and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL)
+            and p.dim() == 2)
 
 
 def probe_model(model, tp=1):

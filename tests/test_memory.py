@@ -527,3 +527,45 @@ def test_a_cpus_memory_is_shared_by_the_nodes_processes(monkeypatch):
     assert micro_batch.available_memory("cpu") == 4_000_000 * 1024 + 10**8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert micro_batch.available_memory("cpu") == 1_000_000 * 1024 + 10**8  # its own resident memory its own
+
+
+def test_an_int8_base_keeps_its_dequantized_weights_for_the_backward():
+    # torchao's int8 linear dequantizes its weight at each use and autograd keeps that fp32 copy for the input's
+    # gradient (nf4's own op keeps the nf4 weight): planned before quantizing and estimated after, what is saved
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = add_lora(GPT(GPTConfig(**{**SHAPE, "n_layer": 3, "n_embd": 64})), 4)
+    planned = memory_estimate(model, 2, 16, "float32", "adamw", quantized="int8", device="cpu")
+    quantize_base(model, "int8")
+    weights = {part.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]
+               for part in ([getattr(p, n) for n in p.__tensor_flatten__()[0]]
+                            if hasattr(p, "__tensor_flatten__") and type(p) is not torch.nn.Parameter else [p])}
+    kept = {}
+
+    def pack(t):
+        if type(t) is torch.Tensor and t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, x)
+    estimate = memory_estimate(model, 2, 16, "float32", "adamw", device="cpu")
+    assert planned["activations"] + planned["copies"] == sum(kept.values())
+    assert estimate["activations"] + estimate["copies"] == sum(kept.values())
+
+
+def test_check_room_counts_the_epoch_copies_a_run_keeps(tmp_path, monkeypatch):
+    # ckpt_epoch_N are never replaced: their bytes are no room for the next save, and each epoch adds one
+    import shutil
+    from collections import namedtuple
+    from lib import checkpoint
+    size = 2**20
+    for name in ("ckpt.pt", "ckpt_best.pt", "ckpt_epoch_1.pt", "ckpt_epoch_2.pt"):
+        (tmp_path / name).write_bytes(b"0" * size)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * size, 0, int(1.5 * size)))
+    # the next save holds ckpt, ckpt.tmp, ckpt_best and its new copy: 2 new files in 1.5 checkpoints' room
+    assert "will not all fit" in (checkpoint.check_room(str(tmp_path), size) or "")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * size, 0, 3 * size))
+    assert checkpoint.check_room(str(tmp_path), size) is None  # room for those
+    assert "3 epoch copies" in (checkpoint.check_room(str(tmp_path), size, epoch_copies=3) or "")
