@@ -143,9 +143,6 @@ memory = memory_estimate(raw_model, batch_size, block_size, dtype, optimizer, qu
                          micro_steps=micro_steps, device=device_type, **layout)
 if master:
     print(memory_table([(memory_layout(**layout), memory)]))
-room_warning = ckpt.check_room(out_dir, memory["checkpoint"], keep_last_n)  # now, not at the first save, hours in
-if room_warning and master:
-    print(room_warning)
 
 # -----------------------------------------------------------------------------
 # 6. the sequences (data.py): shuffled windows, or whole examples packed best-fit attending only within themselves,
@@ -159,6 +156,10 @@ max_iters, lr_decay_iters, warmup_iters, steps_note = run_steps(max_iters, lr_de
 eval_batches = batches.evaluation_batches(eval_iters, dp_size)  # as many in every process
 if master:
     print(batches.describe(eval_iters) + (f"\n{steps_note}" if steps_note else ""))
+epoch_copies = int(batches.epoch(max_iters)) - int(batches.epoch(loop["iter_num"])) if save_every_epoch else 0
+room_warning = ckpt.check_room(out_dir, memory["checkpoint"], keep_last_n, epoch_copies)  # now, not hours in
+if room_warning and master:
+    print(room_warning)
 # the learning rate's schedule (optim.py), with the steps as max_epochs and warmup_ratio made them
 schedule = dict(decay_lr=decay_lr, lr_schedule=lr_schedule, warmup_iters=warmup_iters,
                 lr_decay_iters=lr_decay_iters, learning_rate=learning_rate, min_lr=min_lr,

@@ -447,11 +447,12 @@ def failed_save(out_dir, step, sharded, error, needed):
             f"out_dir), then resume with --init_from=auto")
 
 
-def check_room(out_dir, size, keep_last_n=0):
+def check_room(out_dir, size, keep_last_n=0, epoch_copies=0):
     """Before the first step: UserError in one line where out_dir cannot be written or hold one checkpoint of size
     bytes (memory_estimate's); a warning (returned, else None) where it cannot hold what a save holds at its peak:
     the last checkpoint and the new one, ckpt_best and its new copy, keep_last_n step copies and the new one (the
-    room of those there already counted)."""
+    room of those there already counted), and the epoch_copies ckpt_epoch_N the run will write and keep (the ones
+    there are kept too: their room does not count)."""
     probe = os.path.join(out_dir, f".write-test-{os.getpid()}.tmp")  # a name no other process writes
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -467,15 +468,16 @@ def check_room(out_dir, size, keep_last_n=0):
     room = f"{free / 2**20:,.1f} MB free in {out_dir}, and a checkpoint takes about {size / 2**20:,.1f} MB"
     if free < size:
         raise UserError(f"{room}: make room, or choose another out_dir")
-    held = 4 + (keep_last_n + 1 if keep_last_n else 0)
+    held = 4 + (keep_last_n + 1 if keep_last_n else 0) + epoch_copies
     there = 0  # the bytes of the checkpoints there (a resume's), files and sharded folders
-    for entry in [e for e in os.listdir(out_dir) if re.fullmatch(NAMES, e)]:
+    for entry in [e for e in os.listdir(out_dir) if re.fullmatch(NAMES, e) and not e.startswith("ckpt_epoch_")]:
         path = os.path.join(out_dir, entry)
         walked = os.walk(path) if os.path.isdir(path) else [(out_dir, None, [entry])]
         there += sum(os.path.getsize(os.path.join(folder, f)) for folder, _, files in walked for f in files)
     if free + there < held * size:
         return (f"warning: {room}: a save holds up to {held} at once (the last and the new one, ckpt_best and its new "
-                f"copy{', keep_last_n step copies and the new one' if keep_last_n else ''}), which will not all fit")
+                f"copy{', keep_last_n step copies and the new one' if keep_last_n else ''}"
+                f"{f', and {epoch_copies} epoch copies kept' if epoch_copies else ''}), which will not all fit")
     return None
 
 
@@ -536,10 +538,20 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
     for name in [name for name, wanted in copies.items() if wanted]:
         copy_checkpoint(tmp, os.path.join(out_dir, name + suffix))
     (publish if sharded else durable_replace)(tmp, latest)
-    if keep_last_n > 0:  # the last keep_last_n up to this step: a later one is a run resumed from before it
+    if keep_last_n > 0:  # the last keep_last_n up to this step: a later one is a run resumed from before it, and one
+        # up to it written before a lower step's is that run's too (left behind): neither counts, and this one goes
         steps = [(int(m[1]), f) for f in os.listdir(out_dir)
                  if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f)) and int(m[1]) <= state["iter_num"]]
-        kept = sorted({step for step, _ in steps})[-keep_last_n:]
+        written, newest, ours = {}, -1, []
+        for step, name in steps:  # a folder's time is its state.pt's (its last file)
+            path = os.path.join(out_dir, name, "state.pt") if os.path.isdir(os.path.join(out_dir, name)) else \
+                os.path.join(out_dir, name)
+            written[step] = max(written.get(step, -1), os.stat(path).st_mtime_ns if os.path.exists(path) else -1)
+        for step in sorted(written):
+            if written[step] >= newest:
+                ours.append(step)
+                newest = written[step]
+        kept = ours[-keep_last_n:]
         for step, old in steps:
             if step not in kept:
                 retire(os.path.join(out_dir, old))

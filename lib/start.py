@@ -282,7 +282,8 @@ def starting_point(out_dir, init_from, found):
             init_from = "resume"
     held = sorted(f for f in os.listdir(out_dir) if re.fullmatch(ckpt.NAMES, f)) if os.path.isdir(out_dir) else []
     if init_from != "resume" and held:
-        how = "--init_from=resume" if found else "--init_from=resume once one of them is copied to ckpt.pt"
+        folder = " (a sharded folder: to ckpt/)" if any(os.path.isdir(os.path.join(out_dir, f)) for f in held) else ""
+        how = "--init_from=resume" if found else f"--init_from=resume once one of them is copied to ckpt.pt{folder}"
         raise UserError(f"{out_dir} holds a run already ({', '.join(held)}): continue it with {how}, or train into "
                         f"another out_dir")
     if init_from == "resume" and not found:

@@ -4,6 +4,7 @@ import errno
 import os
 import shutil
 import stat
+import time
 
 import pytest
 import torch
@@ -85,19 +86,31 @@ def test_where_a_run_begins_and_what_it_refuses(tmp_path):
     shutil.copy(tmp_path / "ckpt.pt", epochs / "ckpt_epoch_1.pt")
     (epochs / "ckpt_epoch_2").mkdir()  # a sharded run's
     with pytest.raises(ValueError, match=r"holds a run already \(ckpt_epoch_1.pt, ckpt_epoch_2\): continue it with "
-                                         r"--init_from=resume once one of them is copied to ckpt.pt"):
+                                         r"--init_from=resume once one of them is copied to ckpt.pt \(a sharded "
+                                         r"folder: to ckpt/\)"):
         start.starting_point(str(epochs), "auto", None)
+    # done as told, the folder copied to ckpt/, it resumes
+    shutil.copytree(epochs / "ckpt_epoch_2", epochs / "ckpt")
+    (epochs / "ckpt" / "state.pt").write_bytes((epochs / "ckpt_epoch_1.pt").read_bytes())
+    assert ckpt.find_checkpoint(str(epochs / "ckpt.pt")) == str(epochs / "ckpt")
 
 
-def test_keep_last_n_after_a_resume_from_an_earlier_step_keeps_the_new_steps(tmp_path):
-    # ckpt_best.pt copied over ckpt.pt to go back: the steps saved from there are kept, the later ones of the run
-    # left behind are not counted against them (each is saved over as the new run reaches its step)
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_keep_last_n_after_a_resume_from_an_earlier_step_keeps_the_new_steps(tmp_path, sharded):
+    # a step checkpoint copied over ckpt to go back: the steps saved from there are the last keep_last_n, and those
+    # of the run left behind count for nothing: a later one stays (saved over as the new run reaches its step), one
+    # the new run passed without saving that step is not among its last (it was not the new run's 4 that went)
     model = GPT(GPTConfig(**SHAPE))
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
-    for step in (2, 4, 6, 3, 5):
-        ckpt.save(str(tmp_path), {"iter_num": step}, model, optimizers, sharded=False, lora=0, keep_last_n=2)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt_0000004.pt", "ckpt_0000005.pt", "ckpt_0000006.pt"]
-    assert ckpt.load_checkpoint(str(tmp_path / "ckpt_0000005.pt"))["iter_num"] == 5
+    suffix = "" if sharded else ".pt"
+    for step in (2, 4, 6, "back", 3, 5):
+        if step == "back":  # the new run starts later (a file's time is the file system's coarse clock's)
+            time.sleep(0.05)
+            continue
+        ckpt.save(str(tmp_path), {"iter_num": step}, model, optimizers, sharded=sharded, lora=0, keep_last_n=2)
+    assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_0000003{suffix}", f"ckpt_0000005{suffix}",
+                                            f"ckpt_0000006{suffix}"]
+    assert ckpt.load_checkpoint(str(tmp_path / f"ckpt_0000005{suffix}"))["iter_num"] == 5
 
 
 def test_a_resume_takes_each_processs_random_state_only_in_the_same_replicas():
