@@ -70,6 +70,8 @@ def parse_args():
     args, train_args = parser.parse_known_args()
     if args.warmup < 0 or args.seconds <= 0:
         raise UserError(f"--warmup={args.warmup} must be at least 0 and --seconds={args.seconds:g} above 0")
+    if (args.seeds is not None and args.seeds < 1) or args.threads < 1:
+        raise UserError(f"--seeds={args.seeds} and --threads={args.threads} must be at least 1")
     if args.warmup >= args.steps:
         raise UserError(f"--warmup={args.warmup} leaves no steps to measure of --steps={args.steps}")
     return args, train_args

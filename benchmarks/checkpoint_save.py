@@ -33,6 +33,8 @@ def main():
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="a folder on the disk to measure")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats} must be at least 1")
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024))
     optimizers = build_optimizers(model, {**defaults(), "optimizer": "adamw"}, "cpu")

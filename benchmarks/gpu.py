@@ -208,15 +208,21 @@ def versus_profiles(nanogpt, config, batch_size, cuda, out):
     torch.manual_seed(0)
     tokens = [torch.randint(0, 50257, (batch_size, config["block_size"] + 1), device=device) for _ in range(4)]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-    ng, ours = nanogpt_module(nanogpt), GPT(GPTConfig(**config)).to(device)
-    with contextlib.redirect_stdout(io.StringIO()):  # what it prints of itself is not a line of this report
-        theirs = ng.GPT(ng.GPTConfig(bias=False, **config)).to(device)
-        their_optimizer = theirs.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device)
-    our_optimizer = build_optimizers(ours, {**defaults(), "optimizer": "adamw",
-                                     "learning_rate": 6e-4, "weight_decay": 0.1}, device)[0]
-    sides = [("nanoGPT's model", "nanogpt", theirs, their_optimizer),
-             ("our model, defaults", "ours", ours, our_optimizer)]
-    for label, short, model, optimizer in sides:
+    ng = nanogpt_module(nanogpt)
+
+    def theirs():
+        with contextlib.redirect_stdout(io.StringIO()):  # what it prints of itself is not a line of this report
+            model = ng.GPT(ng.GPTConfig(bias=False, **config)).to(device)
+            return model, model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device)
+
+    def ours():
+        model = GPT(GPTConfig(**config)).to(device)
+        return model, build_optimizers(model, {**defaults(), "optimizer": "adamw", "learning_rate": 6e-4,
+                                               "weight_decay": 0.1}, device)[0]
+
+    # each side built in its turn and freed after it, weights and optimizer state: a peak holds one model alone
+    for label, short, build in [("nanoGPT's model", "nanogpt", theirs), ("our model, defaults", "ours", ours)]:
+        model, optimizer = build()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         ms, peak, table = profiled_step(model, optimizer, batches, 30 if cuda else 3, compile=cuda)
@@ -226,8 +232,10 @@ def versus_profiles(nanogpt, config, batch_size, cuda, out):
                 f.write(f"{label}: one training step, {ms:.2f} ms\n{table}")
         else:
             print(f"{label}:\n\n```\n{table}```\n")
+        del model, optimizer
+        if cuda:
+            torch.cuda.empty_cache()
         yield label, ms, peak, where if out else "above"
-        model.cpu()  # its memory for the next
 
 
 def section_versus(cuda, scratch, args, train_args):
@@ -402,7 +410,7 @@ def section_memory(cuda, scratch, args, train_args):
     for name, shape in shapes:
         for i, (layout, extra) in enumerate(layouts):
             run_args = [*shape, f"--data_dir={scratch}", "--compile=False", *extra]
-            g, model, dtype = planned_model(run_args)
+            g, model, dtype = planned_model([*train_args, *run_args])  # the settings measured
             estimate = memory_estimate(model, g.batch_size, g.block_size, dtype, g.optimizer, fsdp=g.fsdp,
                                        checkpointing=g.gradient_checkpointing, offload=g.fsdp_cpu_offload,
                                        device="cuda" if cuda else "cpu")["device"] / 2**20
@@ -421,7 +429,9 @@ def section_optimizers(cuda, scratch, args, train_args):
     every = max(1, steps // 10)
     print(f"### AdamW against Muon at 124M, on this Python's standard library (prepare.py's default corpus, "
           f"bpe:{8192 if cuda else 512})\n")
-    data = stdlib_tokens(scratch, tiny=not cuda)
+    data = attempt("prepare.py", stdlib_tokens, scratch, tiny=not cuda)  # a failure is a row, and the rest go on
+    if data is None:
+        return
     print(f"{steps} steps each\n\n| optimizer | val loss | tokens/s |\n| --- | --- | --- |")
     for name in ("adamw", "muon"):
         run_args = [*train_args, *(GPT2_124M if cuda else TINY), f"--data_dir={data}", "--compile=False",

@@ -162,7 +162,8 @@ def runs_under(g, **layout):
 
 
 def memory_layouts(g, shape):
-    # (GPUs, memory_estimate's layout) for one GPU, 8 and 64
+    # (GPUs, memory_estimate's layout) for one GPU, 8 and 64, those train.py runs g in (Muon and a quantized LoRA
+    # base refuse FSDP)
     layouts = [(1, dict()), (1, dict(checkpointing=True)),
                (1, dict(fsdp=True, checkpointing=True, offload=True))]
     for gpus in (8, 64):
@@ -170,10 +171,11 @@ def memory_layouts(g, shape):
                     (gpus, dict(dp=gpus, fsdp=True, checkpointing=True))]
         # tensor parallel within a node of 8, over as many as the heads divide among, where train.py runs it
         tp = max(t for t in (8, 4, 2, 1) if shape.n_head % t == 0 and shape.n_kv_head % t == 0)
-        if tp > 1 and runs_under(g, tp_size=tp, fsdp=True):
+        if tp > 1:
             layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=True, checkpointing=True)))  # TP brings FSDP
         layouts.append((gpus, dict(dp=gpus, fsdp=True, checkpointing=True, offload=True)))
-    return layouts
+    return [(gpus, layout) for gpus, layout in layouts
+            if runs_under(g, tp_size=layout.get("tp", 1), fsdp=layout.get("fsdp", False))]
 
 
 def bench_memory(args, train_args):

@@ -273,3 +273,67 @@ def test_train_py_settings_pass_through_whole_not_as_abbreviations_of_benchs_own
     monkeypatch.setattr(sys, "argv", ["bench.py", "config/train_small.py", "--seed=42", "--steps=12"])
     args, train_args = bench.parse_args()
     assert args.seeds is None and args.steps == 12 and train_args == ["config/train_small.py", "--seed=42"]
+
+
+def test_memory_mode_lists_only_layouts_train_py_runs():
+    # Muon refuses fsdp=True and tensor parallel (lib/optim.check_optimizer): --mode=memory estimates no FSDP
+    # or TP layout for it, as it leaves out none for AdamW
+    from benchmarks.measure import planned_model
+    from benchmarks.modes import memory_layouts
+    for optimizer, sharded in (("muon", False), ("adamw", True)):
+        g, model, _ = planned_model(["config/train_gpt2.py", f"--optimizer={optimizer}"])
+        layouts = [layout for _, layout in memory_layouts(g, model.config)]
+        assert any(layout.get("fsdp") or layout.get("tp") for layout in layouts) == sharded, (optimizer, layouts)
+        assert {} in layouts  # one process runs either
+
+
+def test_memory_section_estimates_the_settings_it_measures(tmp_path, monkeypatch, capsys):
+    # bench.py's other --key=value go to every train.py it runs: the estimate beside each measured peak is of the
+    # same settings (here a wider MLP, which TINY does not set), not of the section's shape alone
+    import types
+    from benchmarks import gpu
+    monkeypatch.setattr(gpu, "throughput", lambda *a, **k: ({"tokens_per_s": 1.0}, 1.0))  # no train.py run
+    estimates = []
+    for train_args in ([], ["--mlp_hidden=4096"]):
+        gpu.section_memory(False, str(tmp_path), types.SimpleNamespace(steps=3, warmup=1), train_args)
+        row = next(r for r in rows(capsys.readouterr().out) if r[:2] == ["tiny", "one process"])
+        estimates.append(float(row[2].replace(",", "")))
+    assert estimates[1] > estimates[0], estimates
+
+
+def test_versus_profiles_hold_one_model_at_a_time(tmp_path, monkeypatch):
+    # each side's profiled step (and the CUDA peak measured there) holds its own model and optimizer state alone,
+    # not the other side's too; a stand-in for nanoGPT's model.py, that no checkout is needed
+    import gc
+    import torch
+    from benchmarks import gpu
+    (tmp_path / "model.py").write_text(
+        "import torch\n"
+        "class GPTConfig:\n    def __init__(self, **kw): self.__dict__.update(kw)\n"
+        "class GPT(torch.nn.Module):\n"
+        "    def __init__(self, config): super().__init__(); self.w = torch.nn.Linear(4, 4)\n"
+        "    def configure_optimizers(self, wd, lr, betas, device): return torch.optim.AdamW(self.parameters(), lr)\n")
+
+    def models():
+        gc.collect()
+        return {id(o): type(o).__module__ for o in gc.get_objects()
+                if isinstance(o, torch.nn.Module) and type(o).__name__ == "GPT"}
+    before, alive = models(), []
+
+    def profiled_step(model, optimizer, batches, steps, compile):
+        alive.append(sorted(m for i, m in models().items() if i not in before))
+        return 1.0, float("nan"), "table"
+    monkeypatch.setattr(gpu, "profiled_step", profiled_step)
+    config = {**gpu.GPT2_SMALL, "n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64}
+    assert len(list(gpu.versus_profiles(str(tmp_path), config, 2, False, str(tmp_path)))) == 2
+    assert alive == [["nanogpt_model"], ["model"]], alive
+
+
+def test_seeds_and_threads_below_one_are_refused_in_one_line(monkeypatch):
+    # --seeds=-1 ran no seed and ended in statistics' traceback over an empty table
+    import bench
+    from lib.files import UserError
+    for bad in ("--seeds=-1", "--seeds=0", "--threads=0"):
+        monkeypatch.setattr(sys, "argv", ["bench.py", "--mode=seeds", bad])
+        with pytest.raises(UserError, match="must be at least 1"):
+            bench.parse_args()
