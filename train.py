@@ -274,9 +274,8 @@ def evaluate(step):
     loop["evaluated"] = True
     task_scores = harness.task_metrics(*task_model, eval_tasks_limit) if eval_tasks and master else {}
     improved = losses["val"] < loop["best_val_loss"] - early_stop_min_delta
-    if improved:
-        loop["best_val_loss"] = losses["val"]
-    loop["evals_without_gain"] = 0 if improved else loop["evals_without_gain"] + 1
+    unimproved = {"best_val_loss": loop["best_val_loss"], "evals_without_gain": loop["evals_without_gain"] + 1}
+    loop.update({"best_val_loss": losses["val"], "evals_without_gain": 0} if improved else unimproved)
     report_evaluation(log, master, step, losses, task_scores, batches.epoch(step),
                       learning_rate * lr_factor(step, **schedule))
     if eval_only:  # nanoGPT's: the losses of the model as it is, and nothing trained or saved
@@ -286,7 +285,7 @@ def evaluate(step):
         if step >= max_iters or early_stop:
             save_last(improved)
         else:  # saved in the next update, once its gradient is finite (settle_held_back)
-            hold_back(improved=improved, evaluated=True)
+            hold_back(improved=improved, evaluated=True, unimproved=unimproved)
     if early_stop:
         if master:
             print(f"early stop: no better val loss in {early_stop_patience} evaluations")
@@ -311,6 +310,8 @@ def settle_held_back(finite):
         speed.pause(seconds)
         if held_back["evaluated"]:  # the evaluation's time (a resumed run may not have evaluated yet)
             clock["eval_seconds"] += seconds
+    elif held_back and held_back["improved"]:  # an improvement whose save is dropped counts as none (best, patience)
+        loop.update(held_back["unimproved"])
     held_back = None
 
 

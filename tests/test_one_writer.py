@@ -168,6 +168,24 @@ def test_a_run_whose_last_update_failed_saves_nothing_and_says_so(runs, tmp_path
     assert sorted(p.name for p in out.glob("ckpt*")) == sorted(p.name for p in (runs / "files").glob("ckpt*"))
 
 
+def test_an_improvement_whose_held_back_save_is_dropped_counts_as_none(runs, tmp_path):
+    # step 1's val loss is the best, but update 2's gradient is NaN: its checkpoint is dropped, and so is its lower
+    # best_val_loss. Steps 2 and 3 keep step 1's weights (update 2 skipped, update 3 at lr 0), whose gradients are
+    # finite: step 2 is saved as ckpt_best, with no note that none was written
+    out = tmp_path / "out"
+    config = poisoned_config(tmp_path / "nan_second.py", (
+        "def _nan(x, w, t, ignore_index=-1):\n"
+        "    _calls[0] += not _is_fake(x)\n"
+        "    return _loss(x, w, t, ignore_index) * (float('nan') if _calls[0] == 2 else 1.0)\n"
+        "_m.linear_cross_entropy = _nan\n"))
+    done = run(*TINY, f"--data_dir={runs / 'data'}", f"--out_dir={out}", "--max_iters=3", "--eval_interval=1",
+               "--warmup_iters=0", "--lr_decay_iters=2", "--min_lr=0", config)
+    assert "iter 2: skipped" in done.stdout and "no ckpt_best" not in done.stdout
+    best, last = (torch.load(out / name, weights_only=True) for name in ("ckpt_best.pt", "ckpt.pt"))
+    assert best["iter_num"] == 2 and last["best_val_loss"] == best["best_val_loss"]
+    assert last["evals_without_gain"] == 1
+
+
 def test_weights_that_hold_a_nan_are_never_written(runs, tmp_path):
     # an optimizer step that leaves a NaN in the weights (its loss and gradient were finite): the run's last save
     # refuses them in one line, and ckpt.pt stays the last good state. In a new Python: the patch is of torch's
