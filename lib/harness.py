@@ -29,9 +29,10 @@ class Model(TemplateLM):
     max_gen_toks = 256  # HFLM's default
 
     def __init__(self, model, tokenizer, device="cpu", autocast=None, batch_size=8, chat_folder=None, name="gpt",
-                 eos_ids=None):
+                 eos_ids=None, split_special=False):
         # chat_folder: where the model's chat template is (its data's meta.json, or its Hugging Face folder); eos_ids:
-        # the ids that end a text (a folder's: hf.eos_ids), the first lm_eval's end of text, else the tokenizer's
+        # the ids that end a text (a folder's: hf.eos_ids), the first lm_eval's end of text, else the tokenizer's;
+        # split_special: a special token's spelling in a text is text, as its export says (trained.splits_special)
         super().__init__()
         if tokenizer.eot_id is None:  # what ends a generated answer, and begins a rolling window
             raise UserError("lm-evaluation-harness tasks need an end-of-text token, which nanoGPT's characters "
@@ -39,6 +40,7 @@ class Model(TemplateLM):
         self.model, self.tokenizer, self.name, self.chat_folder = model, tokenizer, name, chat_folder
         self._device, self.autocast, self.batch_size = torch.device(device), autocast or nullcontext(), batch_size
         self.specials = set(tokenizer.special_tokens().values())
+        self.split_special = split_special
         self.eos_ids = eos_ids or [tokenizer.eot_id]
 
     @property
@@ -62,9 +64,11 @@ class Model(TemplateLM):
         return self.name
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
-        # as HFLM with a Hugging Face tokenizer: a special token written in the text (<|im_end|>) is that token, and a
-        # tokenizer.json's BOS (Llama 3's; prepare.py's before each document) leads unless asked not to or already there
-        ids = self.tokenizer.encode_chat(string, [])[0].tolist() if self.specials else self.tokenizer.encode(string)
+        # as HFLM with the export's tokenizer: a special token written in the text (<|im_end|>) is that token unless
+        # split_special, and a tokenizer.json's BOS (Llama 3's; prepare.py's before each document) leads unless asked
+        # not to or already there
+        chat = self.specials and not self.split_special
+        ids = self.tokenizer.encode_chat(string, [])[0].tolist() if chat else self.tokenizer.encode(string)
         bos = self.tokenizer.bos_id
         written = bos is not None and string.startswith(self.tokenizer.decode([bos]))
         if bos is not None and add_special_tokens is not False and not written:
@@ -224,10 +228,14 @@ def main_metrics(results):
     return out
 
 
-def for_training(model, data_dir, device, autocast, batch_size, tasks, include_path):
-    """train.py's (Model, TaskManager, task names), the tasks loaded before the first step."""
+def for_training(model, run, device, autocast, batch_size, tasks, include_path):
+    """train.py's (Model, TaskManager, task names), the tasks loaded before the first step; run: what its checkpoints
+    hold beside the tensors (data_dir, pretrained, data_fingerprint)."""
+    from lib.trained import splits_special
     manager, names = load_tasks(tasks, include_path or None)
-    lm = Model(model, load_tokenizer(data_dir), device, autocast, batch_size, data_dir, "training")
+    tokenizer = load_tokenizer(run["data_dir"])
+    lm = Model(model, tokenizer, device, autocast, batch_size, run["data_dir"], "training",
+               split_special=splits_special(run, tokenizer))
     return lm, manager, names
 
 

@@ -152,6 +152,13 @@ def eos_ids(folder, tokenizer):
     return list(dict.fromkeys(i for i in ids if type(i) is int and 0 <= i < tokenizer.vocab_size))
 
 
+def folder_splits_special(folder, missing=False):
+    """Whether transformers reads a special token's spelling in a text as text with this folder's tokenizer:
+    tokenizer_config.json's split_special_tokens (False where it does not say; missing where there is no such file)."""
+    path = Path(folder) / "tokenizer_config.json"
+    return read_json(path).get("split_special_tokens") is True if path.is_file() else missing
+
+
 # GPTConfig's fields that config.json says (hf_config), or that no weight's meaning depends on (dropout, kernels, LoRA)
 SAID = {"block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "tie_embeddings", "rope_theta",
         "norm_eps", "head_size", "mlp_hidden", "qkv_bias", "qk_norm", "rope_scaling", "family", "dropout",

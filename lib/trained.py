@@ -10,7 +10,7 @@ import os
 
 from lib.checkpoint import find_checkpoint, model_from_checkpoint
 from lib.files import UserError, data_fingerprint, read_meta, tokenizer_fingerprint
-from lib.hf import load_pretrained
+from lib.hf import folder_splits_special, load_pretrained
 from lib.start import frozen_dtype, load_checked
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
@@ -96,6 +96,17 @@ def chat_folder(checkpoint, tokenizer):
     made with its very tokenizer.json, not from conversations (a text fine-tune of a chat model); else the data's."""
     data_dir, base = checkpoint["data_dir"], checkpoint.get("pretrained")
     return data_dir if run_chat(checkpoint) or not bases_tokenizer(tokenizer, base) else base
+
+
+def splits_special(checkpoint, tokenizer):
+    """Whether the run's export reads a special token's spelling in a text as text (split_special_tokens in the
+    tokenizer_config.json export.py writes): not a chat run's (its markers are tokens); a run on its base's very
+    tokenizer.json as the base's tokenizer_config.json says, which the export carries; any other (or a base without
+    that file) as prepare.py read its documents, as text."""
+    base = checkpoint.get("pretrained")
+    if run_chat(checkpoint):
+        return False
+    return not bases_tokenizer(tokenizer, base) or folder_splits_special(base, missing=True)
 
 
 def run_chat(checkpoint):

@@ -41,6 +41,8 @@ def write_tasks(folder):
     for item in choices:  # the right ending at the label's place
         item["endings"][0], item["endings"][item["label"]] = item["endings"][item["label"]], item["endings"][0]
     texts = [{"text": "\n".join(lines[i:i + 6])} for i in range(0, 24, 6)]  # longer than a window: several
+    # a special token's spelling in a text: text to a text run's export (split_special_tokens), a token to a base's
+    texts[0]["text"] = texts[0]["text"].replace("\n", " <|endoftext|>\n", 1)
     questions = [{"question": line[:c], "answer": line[c:]} for line, c in zip(lines[10:16], cut[10:16])]
     for name, items in (("hs", choices), ("text", texts), ("qa", questions)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
@@ -108,9 +110,10 @@ def make_lora_run(root, pretrained):
 
 def ours(out_dir, tasks_dir, batch_size=4):
     from lib import harness
-    from lib.trained import load_run
+    from lib.trained import load_run, splits_special
     model, tokenizer, checkpoint = load_run(str(out_dir / "ckpt.pt"))
-    lm = harness.Model(model.eval(), tokenizer, batch_size=batch_size, chat_folder=checkpoint["data_dir"])
+    lm = harness.Model(model.eval(), tokenizer, batch_size=batch_size, chat_folder=checkpoint["data_dir"],
+                       split_special=splits_special(checkpoint, tokenizer))  # as eval.py's
     manager, names = harness.load_tasks(",".join(ROOT_TASKS), str(tasks_dir))
     return harness.run_tasks(lm, manager, names, log_samples=True, stderr=False)
 
