@@ -54,7 +54,8 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     peak of what lives a moment at the loss (its buffers, forward and backward, and the last block's backward's); host,
     what offload keeps there; device, the device's peak: at the loss (gradients are None between steps but DDP's buckets
     and, with micro_steps > 1, those kept between micro-steps) or, checkpointing, while the backward recomputes a block
-    with nearly every gradient made; checkpoint, a checkpoint's bytes over all processes (the weights or a LoRA run's
+    with nearly every gradient made, or past the blocks' backward (tied embeddings: the head's gradient of the shared
+    weight, the embedding's, the sum); checkpoint, a checkpoint's bytes over all processes (the weights or a LoRA run's
     adapters alone, and the optimizer's state), for checkpoint.check_room. Activations and optimizer state (optimizer: a
     setting's name, or the run's settings) are traced on fake tensors (traced_forward, traced_optimizer), so edits of
     the model or optimizers need none here. Layout: dp data-parallel processes, each whole (DDP) or sharding every
@@ -82,9 +83,14 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     kept = made if micro_steps > 1 else made // 2 if ddp else 0
     at_loss = saved.head + stored + saved.temporary + kept
     peak = max(at_loss, stored + saved.block + made if checkpointing else made)
+    # the tail (after the blocks' backward): every gradient, but those not made yet (kept ones are), and saved.tail;
+    # autocast's copies are gone by then, FSDP's gathered root is not
+    missing = [(n, p) for n, p in params if n in saved.missing and micro_steps == 1]
+    tail = max(0, made - state_bytes(missing, state, dp, tp, fsdp, quantized, False)[1]) + saved.tail
     return dict(weights=weights, grads=grads, optimizer=optim, copies=copies, temporary=saved.temporary,
                 host=host, activations=saved.head + stored + (saved.block if checkpointing else 0),
-                device=copies + peak + (0 if offload else weights + optim), checkpoint=checkpoint)
+                device=max(copies + peak, tail + (root * e if fsdp else 0)) + (0 if offload else weights + optim),
+                checkpoint=checkpoint)
 
 
 def held_values(name, p, dp=1, tp=1, shard=False):
@@ -169,23 +175,28 @@ def state_of(p, optimizers):
 class Saved(NamedTuple):
     """Bytes a forward keeps for the backward (traced_forward): block and block_copies, one block's activations and its
     weights' autocast copies; head and head_copies, the same for all but n_layer blocks; block_input, what checkpointing
-    keeps of a block; temporary, the peak beyond them from the last block's output until the backward is back at it."""
+    keeps of a block; temporary, the peak beyond them from the last block's output until the backward is back at it;
+    tail, the peak from the first block's input's gradient to the backward's end, less the gradients set by then;
+    missing, the names of the trained parameters whose gradient was not set at that peak."""
     block: int
     block_copies: int
     head: int
     head_copies: int
     block_input: int
     temporary: int
+    tail: int
+    missing: list
 
 
 def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=False, device="cuda", quantized=None):
     """Saved for a micro-batch of batch_size x block_size tokens through model under dtype's autocast, traced on
     probe_model's fake copy: in one forward, the storages autograd's saved tensors live in (each once, by the block that
-    first saved it; the weights' own count as weights); in its backward to the last block's input, the peak alive
-    (Trace). It runs on a CPU (fake CUDA tensors need a CUDA build of torch), where x.is_cuda and x.is_cpu answer for
-    device (AskedAbout), so the model chooses as there: the fused kernels (their fakes keep what they keep), attention
-    in bf16 (model.attend). Known error: the CPU's ops stand in where autograd's formulas do not decide what is kept
-    (SDPA's CPU flash keeps what CUDA's does, but not dropout's RNG state); a model asking x.device is told the CPU."""
+    first saved it; the weights' own count as weights); in its backward to the last block's input, the peak alive, and
+    past the first block's, the tail's (Trace). It runs on a CPU (fake CUDA tensors need a CUDA build of torch), where
+    x.is_cuda and x.is_cpu answer for device (AskedAbout), so the model chooses as there: the fused kernels (their fakes
+    keep what they keep), attention in bf16 (model.attend). Known error: the CPU's ops stand in where autograd's
+    formulas do not decide what is kept (SDPA's CPU flash keeps what CUDA's does, but not dropout's RNG state); a model
+    asking x.device is told the CPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     compute = getattr(torch, dtype)
     probe = probe_model(model, tp)
@@ -197,7 +208,7 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
         dequantized = {storage_key(p) for n, p in probe.named_parameters()
                        if int8_weight(n, twins.get(n, p), quantized)}
         trace = Trace({storage_key(t) for t in [*probe.parameters(), *probe.buffers()]} - dequantized,
-                      len(probe.blocks))
+                      len(probe.blocks), list(probe.named_parameters()))
         for i, block in enumerate(probe.blocks):
             block.register_forward_pre_hook(partial(trace.enter, i))
             block.register_forward_hook(partial(trace.leave, i))
@@ -208,7 +219,8 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
                 loss = probe(idx, idx)[1]
             saved, end = trace.saved_bytes(), trace.alive
             loss.backward()
-    return Saved(*saved, block_input=trace.block_input, temporary=max(0, trace.peak - end))
+    return Saved(*saved, block_input=trace.block_input, temporary=max(0, trace.peak - end),
+                 tail=trace.tail, missing=trace.missing)
 
 
 def int8_weight(name, p, quantized=None):
@@ -268,13 +280,16 @@ def workspace(func, args):
 
 class Trace(TorchDispatchMode):
     """The storages that the ops under it make on fake tensors, each once: the bytes alive now (alive) and at their peak
-    while window is open, from the last block's output until the backward is back at its input; which are casts of a
-    weight (autocast's copies); and, through saved_tensors_hooks (pack), which autograd saves, by the block (its index,
-    or None) whose forward first saved it. weights: the parameters' and buffers' storages, never counted."""
+    while window is open, from the last block's output until the backward is back at its input; in the tail, from the
+    first block's input's gradient to the end, the peak of those bytes less params' gradients set (tail), and which
+    trained params had none then (missing); which are casts of a weight (autocast's copies); and, through
+    saved_tensors_hooks (pack), which autograd saves, by the block (its index, or None) whose forward first saved it.
+    weights: the parameters' and buffers' storages, never counted; params: [(name, parameter)]."""
 
-    def __init__(self, weights, blocks):
+    def __init__(self, weights, blocks, params=()):
         super().__init__()
-        self.weights, self.blocks = weights, blocks
+        self.weights, self.blocks, self.params = weights, blocks, params
+        self.tail, self.missing, self.in_tail = 0, (), False
         self.made, self.casts = {}, set()  # storage: (bytes, a weakref to it); the weights' casts
         self.saved = {}  # storage: (bytes, block)
         self.alive = self.peak = self.block_input = 0
@@ -292,6 +307,9 @@ class Trace(TorchDispatchMode):
             self.casts.add(storage_key(out))
         if self.window:
             self.peak = max(self.peak, self.alive + workspace(func, args))
+        held = self.in_tail and self.alive - sum(tensor_bytes(p.grad) for _, p in self.params if p.grad is not None)
+        if held > self.tail:
+            self.tail, self.missing = held, [n for n, p in self.params if p.requires_grad and p.grad is None]
         return out
 
     def free(self, key, _):
@@ -308,12 +326,17 @@ class Trace(TorchDispatchMode):
         self.region, self.block_input = i, tensor_bytes(args[0])
         if i == self.blocks - 1 and args[0].requires_grad:
             args[0].register_hook(self.close)
+        if i == 0 and args[0].requires_grad:
+            args[0].register_hook(self.open_tail)
 
     def leave(self, i, block, args, out):
         self.region, self.window = None, i == self.blocks - 1
 
     def close(self, grad):
         self.window = False
+
+    def open_tail(self, grad):
+        self.in_tail = True
 
     def saved_bytes(self):
         # (the last block's activations and copies, the rest's beside n such blocks): deeper models' blocks are like it

@@ -237,28 +237,34 @@ def peak_of_a_step(model, batch_size, block_size, dtype):
 
 
 # The quick tier keeps bf16 (the estimate's copies) with and without the fused ops; fp32 runs the same branches
-# and is in the slow tier.
-@pytest.mark.parametrize("fused, dtype", [pytest.param(False, "float32", marks=pytest.mark.slow), (False, "bfloat16"),
-                                          pytest.param(True, "float32", marks=pytest.mark.slow), (True, "bfloat16")])
-def test_device_is_the_peak_of_a_step(fused, dtype, monkeypatch):
+# and is in the slow tier. A large vocabulary and one sequence: the peak comes past the blocks' backward (below).
+@pytest.mark.parametrize("fused, dtype, vocab_size, batch_size, checkpointing", [
+    pytest.param(False, "float32", 512, 4, False, marks=pytest.mark.slow), (False, "bfloat16", 512, 4, False),
+    pytest.param(True, "float32", 512, 4, False, marks=pytest.mark.slow), (True, "bfloat16", 512, 4, False),
+    (False, "float32", 8192, 1, False), (False, "bfloat16", 8192, 1, True)])
+def test_device_is_the_peak_of_a_step(fused, dtype, vocab_size, batch_size, checkpointing, monkeypatch):
     # The estimate's device figure against the peak of a whole step, as torch's MemTracker counts the tensors
     # alive on fake tensors. Both count the same tensors but for what the estimate leaves out: the rotary
     # tables (buffers) and what an op allocates inside itself, which a fake cannot show to MemTracker (the
     # fused loss's chunk of logits, memory.workspace: left out here too). The fused ops' peak comes in the
-    # last block's backward, the plain ones' at the loss; the optimizer's step stays below both. Fake CUDA
-    # tensors would check CUDA's choices too, but a CPU-only torch cannot run autograd on them (its
-    # InputMetadata asks for a CUDA device guard).
+    # last block's backward, the plain ones' at the loss; the optimizer's step stays below both. With a large
+    # vocabulary it comes after the blocks' backward, checkpointing or not: the tied embedding's backward holds
+    # the head's gradient of the shared weight, its own and their sum beside every block's gradients (3 x V x C,
+    # 20% of the peak here). Fake CUDA tensors would check CUDA's choices too, but a CPU-only torch cannot run
+    # autograd on them (its InputMetadata asks for a CUDA device guard).
     from torch._subclasses.fake_tensor import FakeTensorMode
     import kernels
+    from lib.parallel import parallelize
     if fused and not kernels.triton_can_run(torch.zeros(1)):  # the fused ops would quietly be the references
         pytest.skip("Triton cannot run on this CPU (no triton, or TRITON_INTERPRET unset: a machine with a GPU)")
     with FakeTensorMode():
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
+        model = GPT(GPTConfig(vocab_size=vocab_size, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
                               use_kernels=fused))
-        peak = peak_of_a_step(model, 4, 64, dtype)
+        parallelize(model, checkpointing=checkpointing)
+        peak = peak_of_a_step(model, batch_size, 64, dtype)
     monkeypatch.setattr(memory, "workspace", lambda func, args: 0)
-    estimate = memory_estimate(model, 4, 64, dtype, device="cpu")["device"]
+    estimate = memory_estimate(model, batch_size, 64, dtype, checkpointing=checkpointing, device="cpu")["device"]
     buffers = sum(tensor_bytes(b) for b in model.buffers())
     assert abs(peak - (estimate + buffers)) <= 16  # the loss, a 0-d tensor, counted by one of them only
 
