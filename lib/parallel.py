@@ -183,10 +183,11 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
             torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # float32 matmuls in TF32
     # tp > 1 brings FSDP (even of one replica): every parameter a DTensor on one mesh, for the fused step and clipping
+    sharding = "fsdp=True" if fsdp else f"tp_size={tp_size} (which brings FSDP)"
     fsdp = fsdp or tp_size > 1
     if fsdp and dtype == "float16":
-        raise UserError("fsdp=True does not work with dtype='float16' (its gradient scaler does not know sharded "
-                         "gradients): use dtype='bfloat16' or 'float32'")
+        raise UserError(f"{sharding} does not work with dtype='float16' (its gradient scaler does not know sharded "
+                        f"gradients): use dtype='bfloat16' or 'float32'")
     if offload and not (fsdp and device_type == "cuda"):
         raise UserError("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True "
                          "and a CUDA device")
@@ -229,6 +230,7 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
         plan.update({PROJECTIONS[n]: RowwiseParallel() for n in SPLIT_BY_INPUT})
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], plan)
+            block.attn.dropout_stream = mesh["tp"].get_local_rank()  # each process's heads their own dropout masks
     if checkpointing:  # keep each block's input only; recompute the rest when the gradient comes back
         for block in model.blocks:
             block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)

@@ -131,3 +131,12 @@ def test_a_new_group_never_takes_a_dead_groups_generation(dead):
     assert found == {0: 2, 1: 2}
     with pytest.raises(UserError, match=r"rank\(s\) \[1\] did not join rank 0 within dist_timeout=1 s"):
         generation(store, 0, 2, 1)  # rank 1 never comes: rank 0 names it
+
+
+def test_float16_refusal_names_tensor_parallel_where_it_brought_fsdp():
+    # a run that set tp_size alone is not told about an fsdp=True it never gave
+    from lib.parallel import init_distributed
+    with pytest.raises(UserError, match=r"^tp_size=2 \(which brings FSDP\) does not work with dtype='float16'"):
+        init_distributed("cpu", "float16", "gloo", 2, False, False, 60)
+    with pytest.raises(UserError, match=r"^fsdp=True does not work with dtype='float16'"):
+        init_distributed("cpu", "float16", "gloo", 1, True, False, 60)
