@@ -540,6 +540,7 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
     (publish if sharded else durable_replace)(tmp, latest)
     if keep_last_n > 0:  # the last keep_last_n up to this step: a later one is a run resumed from before it, and one
         # up to it written before a lower step's is that run's too (left behind): neither counts, and this one goes
+        # once no longer among the last keep_last_n steps either
         steps = [(int(m[1]), f) for f in os.listdir(out_dir)
                  if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f)) and int(m[1]) <= state["iter_num"]]
         written, newest, ours = {}, -1, []
@@ -547,11 +548,14 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
             path = os.path.join(out_dir, name, "state.pt") if os.path.isdir(os.path.join(out_dir, name)) else \
                 os.path.join(out_dir, name)
             written[step] = max(written.get(step, -1), os.stat(path).st_mtime_ns if os.path.exists(path) else -1)
+        written[state["iter_num"]] = float("inf")  # this save's own, whatever the clock said (stepped back)
         for step in sorted(written):
             if written[step] >= newest:
                 ours.append(step)
                 newest = written[step]
-        kept = ours[-keep_last_n:]
+        # times tell runs apart only where nothing rewrote the files (`cp` without -p dates copies in any order):
+        # the last keep_last_n steps stay too, so no step copy of this run is ever the one that goes
+        kept = set(ours[-keep_last_n:]) | set(sorted(written)[-keep_last_n:])
         for step, old in steps:
             if step not in kept:
                 retire(os.path.join(out_dir, old))

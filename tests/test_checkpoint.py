@@ -108,9 +108,26 @@ def test_keep_last_n_after_a_resume_from_an_earlier_step_keeps_the_new_steps(tmp
             time.sleep(0.05)
             continue
         ckpt.save(str(tmp_path), {"iter_num": step}, model, optimizers, sharded=sharded, lora=0, keep_last_n=2)
-    assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_0000003{suffix}", f"ckpt_0000005{suffix}",
-                                            f"ckpt_0000006{suffix}"]
+    # (the left-behind 4 is among the last 2 steps still: it goes at the next save)
+    assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_0000003{suffix}", f"ckpt_0000004{suffix}",
+                                            f"ckpt_0000005{suffix}", f"ckpt_0000006{suffix}"]
     assert ckpt.load_checkpoint(str(tmp_path / f"ckpt_0000005{suffix}"))["iter_num"] == 5
+    ckpt.save(str(tmp_path), {"iter_num": 6}, model, optimizers, sharded=sharded, lora=0, keep_last_n=2)
+    assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_0000005{suffix}", f"ckpt_0000006{suffix}"]
+
+
+def test_keep_last_n_keeps_its_steps_whatever_their_file_times(tmp_path):
+    # copies made with `cp` (no -p) dated in any order, or a clock stepped back: no step of the run goes
+    model = GPT(GPTConfig(**SHAPE))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    for step in (2, 4, 6):
+        ckpt.save(str(tmp_path), {"iter_num": step}, model, optimizers, sharded=False, lora=0, keep_last_n=3)
+    later = time.time() + 5
+    for i, step in enumerate((6, 4, 2)):  # the lowest step copied last, the newest of all
+        os.utime(tmp_path / f"ckpt_000000{step}.pt", (later + i, later + i))
+    ckpt.save(str(tmp_path), {"iter_num": 8}, model, optimizers, sharded=False, lora=0, keep_last_n=3)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt_0000002.pt", "ckpt_0000004.pt", "ckpt_0000006.pt",
+                                            "ckpt_0000008.pt"]
 
 
 def test_a_resume_takes_each_processs_random_state_only_in_the_same_replicas():
