@@ -413,7 +413,9 @@ def section_memory(cuda, scratch, args, train_args):
             g, model, dtype = planned_model([*train_args, *run_args])  # the settings measured
             estimate = memory_estimate(model, g.batch_size, g.block_size, dtype, g.optimizer, fsdp=g.fsdp,
                                        checkpointing=g.gradient_checkpointing, offload=g.fsdp_cpu_offload,
-                                       device="cuda" if cuda else "cpu")["device"] / 2**20
+                                       quantized=g.lora_base_dtype if g.lora_base_dtype in ("nf4", "int8") else None,
+                                       micro_steps=g.gradient_accumulation_steps, device="cuda" if cuda else "cpu")
+            estimate = estimate["device"] / 2**20
             result = attempt(f"{name} | {layout}", throughput, [*train_args, *run_args],
                              f"{scratch}/mem_{name}{i}", min(args.steps, 10), min(args.warmup, 3))
             if result:
