@@ -165,7 +165,10 @@ for first in range(0, windows, args.batch_size):
     scored = int((y != -1).sum())
     loss_sum += loss.item() * scored
     count += scored
-loss = loss_sum / max(count, 1)
+if not count:  # (a val.bin of one token): no loss, and no perplexity of 1 over nothing
+    raise UserError(f"{data_dir}/val.bin has nothing to score: its first token is no target, and it holds "
+                    f"{len(val.tokens())} token(s) (prepare a longer val split)")
+loss = loss_sum / count
 if by_example:
     print(f"{len(val.lengths)} examples of {data_dir}/val.bin, each on its own (packed into {windows} sequences of "
           f"{block_size} tokens, attending within their example), over their trained targets"

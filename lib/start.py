@@ -7,6 +7,7 @@ or a run that already stopped early), decided once from train.py's settings and 
 """
 
 import atexit
+import math
 import os
 import re
 import secrets
@@ -218,9 +219,17 @@ def resume(origin, config, meta):
             raise UserError(f"{found} was trained on a base held as lora_base_dtype={origin.lora_base_dtype!r}; "
                             f"resume with that (or leave it out), or train anew into another out_dir")
     origin.notes.append(f"resuming {found} at step {loop['iter_num']}")
-    if checkpoint.get("data_fingerprint", {}).get("splits") not in (None, data_fingerprint(meta)["splits"]):
+    splits = checkpoint.get("data_fingerprint", {}).get("splits")
+    prepared_again = splits not in (None, data_fingerprint(meta)["splits"])
+    if prepared_again:
         origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
                             f"sizes differ): the run goes on through other sequences than it would have seen")
+    if (prepared_again or val_measure(before) != val_measure(config)) and math.isfinite(loop["best_val_loss"]):
+        # a val loss measured otherwise is no better or worse than the checkpoint's best: ckpt_best and early_stop
+        origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
+                            f"eval_full, eval_stride, doc_mask, sequences or the data changed): its best val loss "
+                            f"{loop['best_val_loss']:.4f} and early stopping's count start anew")
+        loop["best_val_loss"], loop["evals_without_gain"] = float("inf"), 0
     if 0 < config["early_stop_patience"] <= loop["evals_without_gain"] and not config["eval_only"]:
         origin.stopped = True
         origin.notes.append(f"this run stopped early at step {loop['iter_num']} (no better val loss in "
@@ -247,6 +256,14 @@ def resume(origin, config, meta):
         origin.notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's "
                             f"{before.get('max_iters')}: the run ends at step {config['max_iters']}{cut}; "
                             f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{cut}{was}")
+
+
+def val_measure(config):
+    # what the logged val loss depends on beside the weights: its windows (or whole examples) and what they attend to
+    full = bool(config.get("eval_full"))
+    stride = config.get("eval_stride", -1) if full else None
+    return (config.get("block_size"), full, config["block_size"] // 2 if stride == -1 else stride,
+            bool(config.get("doc_mask")), config.get("sequences") == "examples")
 
 
 def load_checked(path, needed, **load):

@@ -337,6 +337,21 @@ def test_early_stop_min_delta(data_dir, tmp_path):
     assert state["best_val_loss"] == evals[0]["val_loss"]
 
 
+def test_a_resume_that_measures_the_val_loss_otherwise_starts_its_best_anew(data_dir, tmp_path):
+    # the checkpoint's best val loss was over windows of 32 tokens; a resume at block_size=16 logs another measure,
+    # which may not count as no better than it (early_stop_min_delta=10: nothing after the first evaluation is better)
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=2")
+    again = [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=20", "--eval_interval=2",
+             "--early_stop_patience=1", "--early_stop_min_delta=10.0", "--init_from=resume"]
+    out = run(*TINY, *again, "--block_size=16")
+    assert "the val loss is measured otherwise" in out.stdout and "early stop" in out.stdout
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert state["iter_num"] == 8 and state["best_val_loss"] == evals[-2]["val_loss"]  # step 6's: the new first
+    out = run(*TINY, *again, "--block_size=16", "--max_iters=30", "--early_stop_patience=3")  # measured as before
+    assert "measured otherwise" not in out.stdout
+
+
 class Boom:
     def __reduce__(self):
         return (os.system, (f"touch {Boom.marker}",))

@@ -594,6 +594,15 @@ def test_bench_races_optimizers_on_equal_time(data_dir):
         assert int(steps) >= 1 and float(seconds) > 0 and 0 < float(loss) < 10 and accuracy.strip().endswith("%")
 
 
+def test_eval_py_refuses_a_val_split_with_nothing_to_score(data_dir, tmp_path):
+    # one token of val.bin: nothing predicts it, so there is no loss to give (not 0, perplexity 1, over 0 tokens)
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1")
+    one = copy_dataset(data_dir, tmp_path / "one", val_tokens=1)
+    done = script("eval.py", f"--out_dir={tmp_path / 'run'}", f"--data_dir={one}", "--device=cpu")
+    assert done.returncode != 0 and "val.bin has nothing to score" in done.stderr, done.stdout + done.stderr
+    assert "perplexity" not in done.stdout
+
+
 @pytest.mark.slow  # eval_full in the quick tier: test_sft.py's, on conversations
 def test_eval_full_scores_the_whole_val_split_as_eval_py_does(data_dir, tmp_path):
     # eval_full: every token of val.bin once, in windows of 32 overlapping by 8; the same loss eval.py reports
