@@ -293,7 +293,8 @@ def evaluate(step):
     speed.restart()  # evaluation time is not training time
     if master and clock["eval_seconds"] is None:  # the first one: what an evaluation costs the run
         print(f"an evaluation took {time.time() - eval_began:.1f} s ({eval_batches['train']} train and "
-              f"{eval_batches['val']} val micro-batches a process: eval_iters and eval_interval set its share)")
+              f"{eval_batches['val']} val micro-batches a process: eval_iters "
+              f"{'(train; the val split and eval_stride val) ' if eval_full else ''}and eval_interval set its share)")
     clock["eval_seconds"] = time.time() - eval_began
     return False
 
