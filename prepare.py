@@ -18,7 +18,7 @@ import sysconfig
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from functools import cache
 from hashlib import blake2b
 from itertools import chain, islice
@@ -113,7 +113,8 @@ def prepare(args):
     stats = new_stats()
     docs = labelled_documents(args, inputs, exclude, stats)
     docs, split_method, single_ext = plan_split(args, inputs, docs, stats)
-    with nullcontext({}) if args.analyze else temporary_outputs(out) as files:  # --analyze writes nothing
+    writing = nullcontext({}) if args.analyze else temporary_outputs(out, args.overwrite)  # --analyze writes nothing
+    with writing as files:
         encoding = time.time()
         min_length = 0 if single_ext is not None else args.min_length  # a single document's is its whole's
         splits, last, histogram = encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length)
@@ -219,12 +220,18 @@ def check_arguments(args):
         raise UserError("where should the dataset go? (pass --out_dir DIR)")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out_dir {out} is a file (pass a folder)")
+    return inputs, out, check_replace(out, args.overwrite)
+
+
+def check_replace(out, overwrite):
+    """-> whether out holds an incomplete dataset to replace; UserError where it holds outputs and not overwrite.
+    Checked at the start, and again once out is locked: another prepare.py may have finished there meanwhile."""
     replacing = (out / MARKER).exists()  # a run killed while renaming left it: replace it
     held = [name for name in OUTPUTS if (out / name).exists()]  # a dataset's, or a model folder's tokenizer.json
-    if held and not (args.overwrite or replacing):
+    if held and not (overwrite or replacing):
         raise UserError(f"{out} already holds {', '.join(held)}, which prepare.py would replace (pass --overwrite "
                         f"to replace it, or another --out_dir)")
-    return inputs, out, replacing
+    return replacing
 
 
 def labelled_documents(args, inputs, exclude, stats):
@@ -278,18 +285,24 @@ def next_cut(doc, nchars, pos, sep):
 
 
 @contextmanager
-def temporary_outputs(out):
+def temporary_outputs(out, overwrite):
     """The token and mask files under .tmp names, opened empty, in out locked for this run alone (files.py: a
     second prepare.py is refused). After it, finished or stopped, no .tmp file stays, nor an empty folder it made."""
     created = not out.exists()
     held = lock_folder(out, "prepare.py")
+    try:
+        check_replace(out, overwrite)  # a dataset another prepare.py finished since the start: --overwrite or none
+    except UserError:
+        unlock_folder(out, held)
+        raise
     names = OUTPUTS[:4]
     files = {name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in names}
     try:
         yield files
     finally:
         for f in files.values():
-            f.close()
+            with suppress(OSError):  # a full disk fails the close's flush too: the .tmp files still go
+                f.close()
         for name in OUTPUTS:
             (out / (name + ".tmp")).unlink(missing_ok=True)
         unlock_folder(out, held)
@@ -411,12 +424,19 @@ def move_into_place(out, files, tokenizer, meta):
     meta["tokenizer"], tokenizer_file = tokenizer.save(out)
     with open_own(out / "meta.json.tmp", "w", encoding="utf-8") as f:
         f.write(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
-    with open_own(out / MARKER, "w") as f:
-        f.write("prepare.py stopped while writing this dataset: it is incomplete; run prepare.py again\n")
-        for written in (*files.values(), f):  # token files and marker reach the disk before any rename
-            written.flush()
-            os.fsync(written.fileno())
-            written.close()
+    for written in files.values():  # token files reach the disk before the marker (a full disk: the old one whole)
+        written.flush()
+        os.fsync(written.fileno())
+        written.close()
+    try:  # (a killed run's marker stays as it is: its dataset is not whole)
+        if not (out / MARKER).exists():
+            with open_own(out / MARKER, "w") as f:
+                f.write("prepare.py stopped while writing this dataset: it is incomplete; run prepare.py again\n")
+                f.flush()
+                os.fsync(f.fileno())  # the marker reaches the disk before any rename
+    except BaseException:  # no rename yet: the dataset there before is whole, and no marker may say otherwise
+        (out / MARKER).unlink(missing_ok=True)
+        raise
     (out / "meta.json").unlink(missing_ok=True)
     masks = ("train.mask.bin", "val.mask.bin") if meta.get("masks") else ()
     for name in filter(None, ("train.bin", "val.bin", *masks, tokenizer_file, "meta.json")):  # tiktoken: no file

@@ -177,6 +177,10 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
              "base_fingerprint": origin.base_fingerprint, "memory_device": device_name(device),
              "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta),  # (start.resume, trained.load_model)
              "data_fingerprint": data_fingerprint(meta)}  # its splits, chat template (start.resume, trained.run_chat)
+if read_meta(data_dir) != meta:  # prepare.py --overwrite finished since meta.json was read: the token files opened and
+    # the tokenizer fingerprinted may be the new dataset's, read as the old one's meta.json says
+    raise UserError(f"{data_dir} was prepared again while this run started (prepare.py --overwrite): its files may be "
+                    f"the new dataset's read as the old one's; start the run again")
 saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,
                           tensorboard_log, loop["iter_num"])  # (eval_only writes nothing)

@@ -283,3 +283,23 @@ def test_an_export_whose_destination_cannot_be_written_ends_in_one_line_and_leav
         export.main([f"--out_dir={runs / 'files'}", f"--to={to}", "--overwrite"])
     assert {p.name: p.read_bytes() for p in to.iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["a_file", "exported", "models"]
+
+
+def test_data_prepared_again_while_the_run_starts_is_refused(tmp_path, monkeypatch):
+    # prepare.py --overwrite finishing between train.py's reading of meta.json (and its checks of the token files)
+    # and its opening of them (a checkpoint or a model loading meanwhile): the run would train on the new files read
+    # as the old meta.json says (its dtype, vocabulary, counts), and keep a tokenizer fingerprint of neither
+    import prepare
+    import lib.start
+    data = tmp_path / "data"
+    (tmp_path / "a.txt").write_text("".join(f"line {i}: the quick brown fox\n" for i in range(3000)))
+    (tmp_path / "b.txt").write_text("XYZ XZY\n" * 20000)
+    prepare.main([str(tmp_path / "a.txt"), "--tokenizer=char", f"--out_dir={data}"])
+    real = lib.start.begin
+
+    def begin(*args, **kwargs):  # the folder is prepared again meanwhile
+        prepare.main([str(tmp_path / "b.txt"), "--tokenizer=char", f"--out_dir={data}", "--overwrite"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(lib.start, "begin", begin)
+    said = train_refusal(*TINY, f"--data_dir={data}", "--max_iters=2")
+    assert "was prepared again while this run started" in said, said

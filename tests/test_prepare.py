@@ -969,3 +969,65 @@ def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, mon
         prepare.main([f"hf:{tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'none'}"])
     with pytest.raises(UserError, match=rf"^hf:{re.escape(str(folder))} has no split 'test': it has 'train', 'validation'$"):
         prepare.main([f"hf:{folder}:test", f"--out_dir={tmp_path / 'none'}"])
+
+
+def test_a_full_disk_leaves_the_dataset_there_before_usable_and_no_tmp_file(tmp_path, monkeypatch):
+    # ENOSPC as the token files reach the disk (the fsync before any rename): the dataset there before is whole,
+    # so no prepare.incomplete may say otherwise (train.py would refuse it), and no .tmp file may keep the disk full
+    import errno
+    write(tmp_path / "a.txt", "the dataset there before\n" * 50)
+    out = tmp_path / "out"
+    prepare.main([str(tmp_path / "a.txt"), f"--out_dir={out}", "--tokenizer=char"])
+    before = {f: (out / f).read_bytes() for f in ("train.bin", "val.bin", "meta.json", "vocab.json")}
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(UserError, match="is full"):
+        prepare.main([str(tmp_path / "a.txt"), f"--out_dir={out}", "--tokenizer=char", "--overwrite"])
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
+    assert {f: (out / f).read_bytes() for f in before} == before
+    from lib.files import read_meta
+    assert read_meta(out)["train"]["tokens"] == len(before["train.bin"]) // 2
+
+
+def test_a_full_disk_at_any_moment_leaves_the_old_dataset_usable_and_no_tmp_file(tmp_path):
+    # a real full disk (a small tmpfs in a user namespace), at sizes that run out while encoding, at the buffered
+    # tail's flush (a close in the cleanup that fails too) and while the marker is written
+    if subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /tmp"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("no user namespace may mount a tmpfs here")
+    write(tmp_path / "a.txt", "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(5000)))
+    old = tmp_path / "old"
+    prepare.main([str(tmp_path / "a.txt"), f"--out_dir={old}", "--tokenizer=char"])
+    need = sum(p.stat().st_size for p in old.iterdir()) // 1024
+    script = "; ".join(
+        f"mkdir -p {tmp_path}/m{k} && mount -t tmpfs -o size={k}k tmpfs {tmp_path}/m{k} "
+        f"&& cp -r {old} {tmp_path}/m{k}/d && {sys.executable} {REPO / 'prepare.py'} {tmp_path / 'a.txt'} "
+        f"--out_dir={tmp_path}/m{k}/d --tokenizer=char --overwrite >/dev/null 2>{tmp_path}/err{k}; ls -A {tmp_path}/m{k}/d > {tmp_path}/ls{k}"
+        for k in range(2 * need - 48, 2 * need + 24, 4))
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, timeout=600, check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for k in range(2 * need - 48, 2 * need + 24, 4):
+        listing = (tmp_path / f"ls{k}").read_text().split()
+        err = (tmp_path / f"err{k}").read_text() if (tmp_path / f"err{k}").exists() else "(not run)"
+        assert listing == ["meta.json", "train.bin", "val.bin", "vocab.json"], (k, listing, err[-500:])
+
+
+def test_a_dataset_finished_by_another_prepare_meanwhile_needs_overwrite(tmp_path, monkeypatch):
+    # two prepare.py into one new folder: the second checked it empty at its start, then learned its vocabulary
+    # while the first finished; it may not replace the first's dataset without --overwrite
+    write(tmp_path / "a.txt", "the first dataset\n" * 20)
+    write(tmp_path / "b.txt", "THE SECOND\n" * 20)
+    out = tmp_path / "out"
+    real = prepare.make_tokenizer
+
+    def meanwhile(spec, texts):
+        monkeypatch.setattr(prepare, "make_tokenizer", real)
+        prepare.main([str(tmp_path / "a.txt"), f"--out_dir={out}", "--tokenizer=char"])  # the other one finishes
+        return real(spec, texts)
+    monkeypatch.setattr(prepare, "make_tokenizer", meanwhile)
+    with pytest.raises(UserError, match="already holds .*pass --overwrite"):
+        prepare.main([str(tmp_path / "b.txt"), f"--out_dir={out}", "--tokenizer=char"])
+    assert "".join(read_all(out)).startswith("the first dataset")
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
