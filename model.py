@@ -323,15 +323,23 @@ class GPT(nn.Module):
         return loss_sum / n, correct / n
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop=None, vocab=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop=None, vocab=None,
+                 document=None):
         # idx: (B, T) -> idx with max_new_tokens sampled tokens appended (fewer once every row has written the token
         # id stop), through a KV cache. Past block_size the window slides: the cache is rebuilt from the last block_size
         # tokens, so each step sees what a full forward would. vocab: the tokenizer's size; ids past it are never drawn.
+        # document: the id that begins a document (a doc_mask run's end-of-text, one row): a step sees the tokens from
+        # the last one on, as doc_mask trained and evaluates it, not the documents before.
+        if document is not None and idx.shape[0] != 1:
+            raise ValueError("generate(document=) takes one row")
         cache, start = None, idx.shape[1]
+        begins = (idx[0] == document).nonzero() if document is not None else []
+        begin = int(begins[-1]) if len(begins) else 0  # where the last document begins
         for _ in range(max_new_tokens):
-            fresh = cache is None or idx.shape[1] > self.config.block_size  # a cache of the last block_size tokens
+            window = min(idx.shape[1] - begin, self.config.block_size)  # a cache of the last block_size tokens
+            fresh = cache is None or idx.shape[1] - begin > self.config.block_size
             cache = [[] for _ in self.blocks] if fresh else cache
-            logits, _ = self(idx[:, -self.config.block_size:] if fresh else idx[:, -1:], cache=cache)
+            logits, _ = self(idx[:, -window:] if fresh else idx[:, -1:], cache=cache)
             logits = logits[:, -1, :vocab].float()  # (B, V)
             if temperature < 1e-5:  # greedy: 0, or so low that the logits divided by it would overflow
                 idx_next = logits.argmax(dim=-1, keepdim=True)
@@ -339,6 +347,8 @@ class GPT(nn.Module):
                 probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
                 idx_next = torch.multinomial(probs, num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
+            if document is not None and int(idx_next) == document:  # a new document: its own context from here
+                begin, cache = idx.shape[1] - 1, None
             if stop is not None and (idx[:, start:] == stop).any(dim=1).all():
                 break
         return idx

@@ -72,6 +72,8 @@ folder = args.model or chat_folder(checkpoint, tokenizer)  # where the chat temp
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
 sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, vocab=tokenizer.vocab_size)
+if checkpoint is not None and checkpoint["config"].get("doc_mask") and tokenizer.eot_id is not None and not args.chat:
+    sampling["document"] = tokenizer.eot_id  # it attended within documents: end-of-text begins one (as eval.py)
 torch.manual_seed(args.seed)
 
 start = args.start if args.start is not None or args.chat else "\n"
@@ -87,8 +89,16 @@ if start is not None and start.startswith("FILE:"):  # read in bounded memory: t
 
 
 def reply(messages):
-    # the model's next turn: the conversation rendered with the generation prompt, sampled until end-of-turn
-    ids = tokenizer.encode_chat(chat.render(messages, add_generation_prompt=True), [])[0].tolist()
+    # the model's next turn: the conversation rendered with the generation prompt, sampled until end-of-turn. Past
+    # block_size the window would begin inside a turn, the system prompt cut off: the oldest exchanges are left out
+    # (the system prompt and the last message stay) until it fits
+    system = messages[:1] if messages[0]["role"] == "system" else []
+    turns = messages[len(system):]
+    while True:
+        ids = tokenizer.encode_chat(chat.render(system + turns, add_generation_prompt=True), [])[0].tolist()
+        if len(ids) < model.config.block_size or len(turns) <= 1:
+            break
+        turns = turns[2:]  # a user message and its reply
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]
     with autocast:
         y = model.generate(x, args.max_new_tokens, stop=end_of_turn, **sampling)[0, len(ids):].tolist()

@@ -511,3 +511,21 @@ def test_the_sft_configs_evaluation_costs_a_small_share_of_the_run(config):
     evaluation = settings["eval_iters"] * settings["batch_size"]
     training = settings["eval_interval"] * settings["batch_size"] * settings["gradient_accumulation_steps"] * 3
     assert evaluation / training < 0.02, evaluation / training
+
+
+def test_a_chat_past_block_size_leaves_out_its_oldest_exchanges(chat_data, tmp_path):
+    # a conversation longer than block_size=64: the window slid into the middle of a turn, the system prompt and the
+    # generation prompt's start cut off, and the reply was to a text unlike any the model learned. The oldest exchanges
+    # are left out instead: a last message whose earlier turns cannot fit is answered as it would be alone
+    import subprocess
+    import sys
+    from helpers import ROOT
+    run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=200", "--eval_interval=200",
+        "--lr_decay_iters=200")
+    chat = [sys.executable, "sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--temperature=0",
+            "--max_new_tokens=8", "--device=cpu", "--system=Reverse the words."]
+    earlier = "apple river stone cloud seven orange lamp tiger\nmusic paper green window silver forest quiet\n"
+    talk = subprocess.run(chat, input=earlier + "lamp tiger\n\n", cwd=ROOT, capture_output=True, text=True)
+    alone = subprocess.run([*chat, "--start=lamp tiger"], cwd=ROOT, capture_output=True, text=True)
+    assert talk.returncode == alone.returncode == 0, talk.stderr + alone.stderr
+    assert talk.stdout.split("> ")[3].strip() == alone.stdout.strip()
