@@ -428,6 +428,9 @@ def move_into_place(out, files, tokenizer, meta):
         written.flush()
         os.fsync(written.fileno())
         written.close()
+    for name in filter(None, (tokenizer_file, "meta.json")):  # and so do the others: a rename may outlive a power cut
+        with open(out / (name + ".tmp"), "rb") as f:  # that their bytes do not
+            os.fsync(f.fileno())
     try:  # (a killed run's marker stays as it is: its dataset is not whole)
         if not (out / MARKER).exists():
             with open_own(out / MARKER, "w") as f:
