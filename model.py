@@ -165,16 +165,6 @@ def attention(q, k, v, mask, dropout, causal):
     return attend(q, k, v, dropout_p=dropout, is_causal=causal, enable_gqa=gqa)
 
 
-@torch.compiler.disable
-def attention_in_stream(stream, q, k, v, mask, dropout, causal):
-    # attention with its dropout drawn from seed + stream, the seed drawn from the shared stream: that advances alike in
-    # every process (the processes' other dropout stays in step) and is replayed by activation checkpointing
-    seed = int(torch.randint(2**62, ()))
-    with torch.random.fork_rng(devices=[q.device] if q.is_cuda else [], device_type=q.device.type):
-        torch.manual_seed(seed + stream)
-        return attention(q, k, v, mask, dropout, causal)
-
-
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -190,9 +180,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_size, config.norm_eps, config.use_kernels)
         self.qk_norm, self.dropout, self.use_kernels = config.qk_norm, config.dropout, config.use_kernels
         self.resid_dropout = nn.Dropout(config.dropout)
-        # tensor parallel (parallelize sets it: the process's place in its replica): its heads' dropout masks drawn
-        # from a stream of their own, else every process would draw the same masks for its own heads
-        self.dropout_stream = None
+        # tensor parallel's attention (parallelize sets it), whose dropout draws this process's heads' own masks
+        self.attend_in_stream = None
 
     def forward(self, x, cos, sin, cache=None, mask=None):
         B, T, C = x.shape
@@ -211,10 +200,8 @@ class Attention(nn.Module):
             cache[:] = [k, v]
         # a single query attends to the whole cache; otherwise queries and keys start together
         dropout = self.dropout if self.training else 0.0
-        if dropout and self.dropout_stream is not None:
-            y = attention_in_stream(self.dropout_stream, q, k, v, mask, dropout, causal=T > 1)
-        else:
-            y = attention(q, k, v, mask, dropout, causal=T > 1)
+        attend = self.attend_in_stream if dropout and self.attend_in_stream is not None else attention
+        y = attend(q, k, v, mask, dropout, causal=T > 1)
         return self.resid_dropout(adapted(self.proj, y.reshape(B, T, -1)))
 
 

@@ -1,12 +1,12 @@
 """
-Checkpoints: every read and write of a run's state. An out_dir keeps the layout its run began with: files
-(ckpt.pt, the master's, gathered from any shards) or, begun under FSDP or tensor parallel, sharded folders (ckpt/,
-torch.distributed.checkpoint's: each process writes its own shards; the master's state.pt holds all else).
-Either loads into any layout, by parameter name; ckpt_best and ckpt_NNNNNNN follow the same layout.
+Checkpoints: every read and write of a run's state. An out_dir keeps the layout its run began with: files (ckpt.pt,
+the master's, gathered from any shards) or, begun under FSDP or tensor parallel, sharded folders (ckpt/,
+torch.distributed.checkpoint's: each process writes its own shards; the master's state.pt holds all else). Either
+loads into any layout, by parameter name; ckpt_best and ckpt_NNNNNNN follow the same layout.
 
-Nothing is ever half written: a file is written under a temporary name, flushed and renamed; a folder counts
-only with its state.pt, written after every shard and deleted before any (publish). Reading runs no code: only
-tensors and plain values are unpickled, and a folder's .metadata only as DCP's own types (dcp_metadata.py).
+Nothing is ever half written: a file is written under a temporary name, flushed and renamed; a folder counts only
+with its state.pt, written after every shard and deleted before any (publish). Reading runs no code: only tensors
+and plain values are unpickled, and a folder's .metadata only as DCP's own types (dcp_metadata.py).
 
     checkpoint = load_checkpoint("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt (its state.pt)
 """
@@ -40,11 +40,10 @@ def dcp():
 LOOP = {"iter_num": 0, "best_val_loss": float("inf"), "evals_without_gain": 0, "skipped_in_a_row": 0,
         "evaluated": False}
 NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", "rng", *LOOP}  # what one holds
-# an out_dir's names, in either layout: the copies a save makes of its checkpoint, every checkpoint (a folder
-# stepping aside as .old too), and what a save leaves unfinished
+# an out_dir's names, in either layout: the copies a save makes, every checkpoint (a folder stepping aside as .old
+# too), and what a save leaves unfinished
 COPIES = r"ckpt_(best|[0-9]+|epoch_[0-9]+)(\.pt)?"
-NAMES = r"ckpt(_best|_[0-9]+|_epoch_[0-9]+)?(\.pt|\.old)?"
-UNFINISHED = r"ckpt.*\.tmp"
+NAMES, UNFINISHED = r"ckpt(_best|_[0-9]+|_epoch_[0-9]+)?(\.pt|\.old)?", r"ckpt.*\.tmp"
 FORMAT = 2  # what its values mean; a resume takes this format alone (an older one: resume with its train.py)
 # -----------------------------------------------------------------------------
 # reading
@@ -538,28 +537,29 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
     for name in [name for name, wanted in copies.items() if wanted]:
         copy_checkpoint(tmp, os.path.join(out_dir, name + suffix))
     (publish if sharded else durable_replace)(tmp, latest)
-    if keep_last_n > 0:  # the last keep_last_n up to this step: a later one is a run resumed from before it, and one
-        # up to it written before a lower step's is that run's too (left behind): neither counts, and this one goes
-        # once no longer among the last keep_last_n steps either
-        steps = [(int(m[1]), f) for f in os.listdir(out_dir)
-                 if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f)) and int(m[1]) <= state["iter_num"]]
-        written, newest, ours = {}, -1, []
-        for step, name in steps:  # a folder's time is its state.pt's (its last file)
-            path = os.path.join(out_dir, name, "state.pt") if os.path.isdir(os.path.join(out_dir, name)) else \
-                os.path.join(out_dir, name)
-            written[step] = max(written.get(step, -1), os.stat(path).st_mtime_ns if os.path.exists(path) else -1)
-        written[state["iter_num"]] = float("inf")  # this save's own, whatever the clock said (stepped back)
-        for step in sorted(written):
-            if written[step] >= newest:
-                ours.append(step)
-                newest = written[step]
-        # times tell runs apart only where nothing rewrote the files (`cp` without -p dates copies in any order):
-        # the last keep_last_n steps stay too, so no step copy of this run is ever the one that goes
-        kept = set(ours[-keep_last_n:]) | set(sorted(written)[-keep_last_n:])
-        for step, old in steps:
-            if step not in kept:
-                retire(os.path.join(out_dir, old))
+    if keep_last_n > 0:
+        rotate_step_copies(out_dir, state["iter_num"], keep_last_n)
     print(f"saved {latest} at step {state['iter_num']}")
+
+
+def rotate_step_copies(out_dir, step_now, keep_last_n):
+    """Retire the step copies ckpt_N beyond the last keep_last_n up to step_now (a later one is of a run gone back
+    before it; so is one up to it written before a lower step's, which goes once not among the last steps either)."""
+    steps = [(int(m[1]), f) for f in os.listdir(out_dir)
+             if (m := re.fullmatch(r"ckpt_([0-9]+)(\.pt|\.old)?", f)) and int(m[1]) <= step_now]
+    written = {}
+    for step, name in steps:  # a folder's time is its state.pt's (its last file)
+        path = os.path.join(out_dir, name, "state.pt") if os.path.isdir(os.path.join(out_dir, name)) else \
+            os.path.join(out_dir, name)
+        written[step] = max(written.get(step, -1), os.stat(path).st_mtime_ns if os.path.exists(path) else -1)
+    written[step_now] = float("inf")  # this save's own, whatever the clock said (stepped back)
+    ours = [s for s in sorted(written) if written[s] >= max(written[t] for t in written if t <= s)]  # none newer below
+    # times tell runs apart only where nothing rewrote the files (`cp` without -p dates copies in any order):
+    # the last keep_last_n steps stay too, so no step copy of this run is ever the one that goes
+    kept = set(ours[-keep_last_n:]) | set(sorted(written)[-keep_last_n:])
+    for step, old in steps:
+        if step not in kept:
+            retire(os.path.join(out_dir, old))
 
 
 # -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lib.files import UserError
-from model import PROJECTIONS
+from model import PROJECTIONS, attention
 
 # tensor parallel splits by output (whole heads, hidden units each), their consumers by input; one all-reduce a pair
 SPLIT_BY_OUTPUT, SPLIT_BY_INPUT = ("q", "k", "v", "gate", "up"), ("o", "down")
@@ -216,6 +216,16 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
                      dp_size=dp_size, dp_rank=mesh["dp"].get_local_rank() if mesh is not None else 0)
 
 
+def attention_in_stream(stream, q, k, v, mask, dropout, causal):
+    # model.attention with its dropout drawn from a seed taken from the shared random stream plus stream (the process's
+    # place in its replica): every process draws its own heads' masks, the shared stream advances alike in each (their
+    # other dropout stays in step), and activation checkpointing replays it
+    seed = int(torch.randint(2**62, ()))
+    with torch.random.fork_rng(devices=[q.device] if q.is_cuda else [], device_type=q.device.type):
+        torch.manual_seed(seed + stream)
+        return attention(q, k, v, mask, dropout, causal)
+
+
 def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile=False, dtype=torch.float32,
                 offload=False, ddp=False, device_ids=None):
     """Spread model over mesh (dims "dp" and "tp"), in place where it can be, and return the module to call:
@@ -228,9 +238,10 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         plan = {PROJECTIONS[n]: ColwiseParallel() for n in SPLIT_BY_OUTPUT}
         plan.update({PROJECTIONS[n]: RowwiseParallel() for n in SPLIT_BY_INPUT})
+        in_stream = torch.compiler.disable(partial(attention_in_stream, mesh["tp"].get_local_rank()))
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], plan)
-            block.attn.dropout_stream = mesh["tp"].get_local_rank()  # each process's heads their own dropout masks
+            block.attn.attend_in_stream = in_stream  # each process's heads their own dropout masks
     if checkpointing:  # keep each block's input only; recompute the rest when the gradient comes back
         for block in model.blocks:
             block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)

@@ -395,14 +395,16 @@ def test_use_kernels_none_under_compile_keeps_only_the_fused_loss(monkeypatch):
 
 def test_tensor_parallel_heads_draw_their_own_attention_dropout():
     # Under tensor parallel every process of a replica holds the same random state (the residual stream's dropout
-    # must agree) and computes attention on its own heads: parallelize gives each its dropout_stream, so process 1's
-    # heads do not reuse process 0's attention-dropout masks, while the shared stream advances alike in both.
+    # must agree) and computes attention on its own heads: parallelize gives each attention in its own stream, so
+    # process 1's heads do not reuse process 0's attention-dropout masks, while the shared stream advances alike
+    from functools import partial
+    from lib.parallel import attention_in_stream
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.5))
     idx = torch.randint(0, 64, (2, 16))
     outs, states = [], []
     for stream in (0, 1):  # two processes' copies of the same heads, from the same random state
-        model.blocks[0].attn.dropout_stream = stream
+        model.blocks[0].attn.attend_in_stream = partial(attention_in_stream, stream)
         torch.manual_seed(1)
         outs.append(model(idx)[0])
         states.append(torch.get_rng_state())
