@@ -203,6 +203,22 @@ class Split:
         return epoch + (n - self.firsts[epoch]) / (self.firsts[epoch + 1] - self.firsts[epoch])
 
 
+def val_by_example(examples, eval_full, meta):
+    # val as trained, each example on its own over its trained targets: with examples, or eval_full with masks
+    return examples or bool(eval_full and meta.get("masks"))
+
+
+def val_measure(config, meta):
+    """What the val loss a run logs depends on beside the weights, as Batches measures it: whole examples (eval_stride
+    and doc_mask play no part), every token in windows overlapping by eval_stride (eval_full), or random windows."""
+    examples = SEQUENCES[config.get("sequences", "windows")].examples
+    by_example = val_by_example(examples, config.get("eval_full"), meta)
+    full = bool(config.get("eval_full")) or examples
+    stride = config.get("eval_stride", -1) if full and not by_example else None
+    return (config.get("block_size"), full, by_example, config["block_size"] // 2 if stride == -1 else stride,
+            bool(config.get("doc_mask")) and not by_example)
+
+
 class Batches:
     """What a run reads, on the device: the micro-batches of each step and evaluation, and the epochs a step has
     reached. Sequence n of the run is the same however processes and micro-steps share an update's sequences.
@@ -220,8 +236,7 @@ class Batches:
         self.pinned = device.startswith("cuda")  # batches copied from pinned memory while the GPU works on
         self.examples = self.mode.examples
         self.train_tokens, self.tokens_per_step = train_tokens, sequences_per_step * block_size
-        # val as trained, each example on its own over its trained targets: with examples, or eval_full with masks
-        self.val_by_example = self.examples or bool(eval_full and meta.get("masks"))
+        self.val_by_example = val_by_example(self.examples, eval_full, meta)
         self.splits = {"train": Split(data_dir, "train", meta, block_size, seed, self.examples, vocab_size),
                        "val": Split(data_dir, "val", meta, block_size, seed, self.val_by_example, vocab_size)}
         # val scored whole, every target once: its examples, or strided windows

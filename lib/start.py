@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lib import checkpoint as ckpt
+from lib.data import val_measure
 from lib.files import UserError, data_fingerprint, lock_folder, read_json, tokenizer_fingerprint, unlock_folder
 from lib.parallel import this_process
 from lib.settings import check_sizes, model_settings
@@ -224,11 +225,11 @@ def resume(origin, config, meta):
     if prepared_again:
         origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
                             f"sizes differ): the run goes on through other sequences than it would have seen")
-    if (prepared_again or val_measure(before) != val_measure(config)) and math.isfinite(loop["best_val_loss"]):
-        # a val loss measured otherwise is no better or worse than the checkpoint's best: ckpt_best and early_stop
+    if (prepared_again or val_measure(before, meta) != val_measure(config, meta)) and loop["best_val_loss"] < math.inf:
         origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
                             f"eval_full, eval_stride, doc_mask, sequences or the data changed): its best val loss "
-                            f"{loop['best_val_loss']:.4f} and early stopping's count start anew")
+                            f"{loop['best_val_loss']:.4f} and early stopping's count start anew: the next "
+                            f"evaluation replaces ckpt_best (copy it elsewhere to keep the old measure's best)")
         loop["best_val_loss"], loop["evals_without_gain"] = float("inf"), 0
     if 0 < config["early_stop_patience"] <= loop["evals_without_gain"] and not config["eval_only"]:
         origin.stopped = True
@@ -256,14 +257,6 @@ def resume(origin, config, meta):
         origin.notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's "
                             f"{before.get('max_iters')}: the run ends at step {config['max_iters']}{cut}; "
                             f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{cut}{was}")
-
-
-def val_measure(config):
-    # what the logged val loss depends on beside the weights: its windows (or whole examples) and what they attend to
-    full = bool(config.get("eval_full"))
-    stride = config.get("eval_stride", -1) if full else None
-    return (config.get("block_size"), full, config["block_size"] // 2 if stride == -1 else stride,
-            bool(config.get("doc_mask")), config.get("sequences") == "examples")
 
 
 def load_checked(path, needed, **load):

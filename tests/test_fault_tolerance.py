@@ -352,6 +352,22 @@ def test_a_resume_that_measures_the_val_loss_otherwise_starts_its_best_anew(data
     assert "measured otherwise" not in out.stdout
 
 
+def test_val_measure_leaves_out_settings_that_play_no_part():
+    # whole examples (sequences='examples', or eval_full over masks) are scored alike whatever eval_full, eval_stride
+    # and doc_mask say: resuming with them changed must not start the best val loss anew (ckpt_best overwritten)
+    from lib.data import val_measure
+    c = dict(block_size=32, eval_full=False, eval_stride=-1, doc_mask=False, sequences="random")
+    same = [({}, {"eval_stride": 8}, {}), ({"eval_full": True}, {"eval_full": True, "eval_stride": 16}, {}),
+            ({"sequences": "examples"}, {"sequences": "examples", "eval_full": True, "doc_mask": True}, {}),
+            ({"eval_full": True}, {"eval_full": True, "eval_stride": 4, "doc_mask": True}, {"masks": True})]
+    for a, b, meta in same:
+        assert val_measure({**c, **a}, meta) == val_measure({**c, **b}, meta), (a, b, meta)
+    other = [({"eval_full": True}, {"eval_full": True, "eval_stride": 4}, {}), ({}, {"doc_mask": True}, {}),
+             ({}, {"block_size": 16}, {}), ({}, {"eval_full": True}, {}), ({}, {"sequences": "examples"}, {})]
+    for a, b, meta in other:
+        assert val_measure({**c, **a}, meta) != val_measure({**c, **b}, meta), (a, b, meta)
+
+
 class Boom:
     def __reduce__(self):
         return (os.system, (f"touch {Boom.marker}",))
