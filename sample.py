@@ -91,12 +91,13 @@ if start is not None and start.startswith("FILE:"):  # read in bounded memory: t
 def reply(messages):
     # the model's next turn: the conversation rendered with the generation prompt, sampled until end-of-turn. Past
     # block_size the window would begin inside a turn, the system prompt cut off: the oldest exchanges are left out
-    # (the system prompt and the last message stay) until it fits
+    # (the system prompt and the last message stay) until it fits with room for the reply (a quarter window at least)
     system = messages[:1] if messages[0]["role"] == "system" else []
     turns = messages[len(system):]
     while True:
         ids = tokenizer.encode_chat(chat.render(system + turns, add_generation_prompt=True), [])[0].tolist()
-        if len(ids) < model.config.block_size or len(turns) <= 1:
+        if len(ids) + min(args.max_new_tokens, model.config.block_size // 4) <= model.config.block_size or \
+                len(turns) <= 1:
             break
         turns = turns[2:]  # a user message and its reply
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]
