@@ -109,10 +109,9 @@ def held_values(name, p, dp=1, tp=1, shard=False):
 def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
     """(weights, grads, optimizer state) in bytes one process holds of params [(name, p)]; state: traced_optimizer's."""
     def held(name, p):  # the bytes of this process's part
-        if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not is_dtensor(p):
-            # quantized already (nf4, int8): its parts, in proportion
+        if quantized_already(p):  # quantized already (nf4, int8): its parts, in proportion
             return tensor_bytes(p) * held_values(name, p, dp, tp, fsdp) // p.numel()
-        if quantized and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2:
+        if quantized and planned_quantized(name, p):
             n = held_values(name, p, dp, tp, fsdp)
             return nf4_bytes(n) if quantized == "nf4" else n + 5 * (n // p.shape[1])
         return held_values(name, p, dp, tp, fsdp) * p.element_size()
@@ -226,10 +225,19 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
 def int8_weight(name, p, quantized=None):
     # whether parameter p (named name) is an int8 weight: torchao's already (its values, its largest part, in int8),
     # or a frozen projection planned as one
-    if hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not is_dtensor(p):
+    if quantized_already(p):
         return max((getattr(p, part) for part in p.__tensor_flatten__()[0]), key=torch.numel).dtype == torch.int8
-    return (quantized == "int8" and not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL)
-            and p.dim() == 2)
+    return quantized == "int8" and planned_quantized(name, p)
+
+
+def quantized_already(p):
+    # a parameter torchao quantized (a tensor subclass made of tensors; a DTensor is a shard, not that)
+    return hasattr(p, "__tensor_flatten__") and type(p) is not nn.Parameter and not is_dtensor(p)
+
+
+def planned_quantized(name, p):
+    # whether lora_base_dtype='nf4' or 'int8' quantizes parameter p (named name): a frozen projection's matrix
+    return not p.requires_grad and name.endswith(COLUMN_PARALLEL + ROW_PARALLEL) and p.dim() == 2
 
 
 def probe_model(model, tp=1):
