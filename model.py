@@ -70,12 +70,9 @@ def fused(use_kernels, x, compiled_too=False):
     # kernels.py where a call runs its fused op, else None (the plain op below). use_kernels=None: fused on CUDA;
     # plain on a CPU (Triton would only interpret) and under torch.compile unless compiled_too, as Inductor fuses the
     # plain norm, SwiGLU and rotary into their neighbours, and only the fused loss wins (124M, H200: BENCHMARKS.md)
-    if use_kernels is None:
-        use_kernels = x.is_cuda and (compiled_too or not torch.compiler.is_compiling())
-    if not use_kernels:
-        return None
-    import kernels  # here, where the option is taken: a run that fuses nothing (a CPU's) never reads kernels.py
-    return kernels
+    if use_kernels or (use_kernels is None and x.is_cuda and (compiled_too or not torch.compiler.is_compiling())):
+        import kernels  # here, where the option is taken: a run that fuses nothing (a CPU's) never reads kernels.py
+        return kernels
 
 
 # The plain ops kernels.py fuses; its references compute the same, so each kernel is tested against this model's.
@@ -138,14 +135,6 @@ def attend(q, k, v, **kwargs):
                                           **kwargs).transpose(1, 2)
 
 
-def flash_dtype(q):
-    # the half dtype for flash-attn (autocast's if on: the inputs may be fp32), or None: it needs a GPU, bf16 or fp16
-    if flash_attn_func is None or not q.is_cuda:
-        return None
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
-    return dtype if dtype in (torch.bfloat16, torch.float16) else None
-
-
 def attention(q, k, v, mask, dropout, causal):
     # (B, T, H, D) queries over (B, S, Hkv, D) keys and values -> (B, T, H, D): FlexAttention for a block mask
     # (documents on CUDA), SDPA for a boolean (B, 1, T, S) one, else flash-attn where it can run, or SDPA
@@ -160,8 +149,10 @@ def attention(q, k, v, mask, dropout, causal):
                               enable_gqa=gqa).transpose(1, 2)
     if mask is not None:  # True where a query looks
         return attend(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
-    if (half := flash_dtype(q)) is not None:  # GQA built in
-        return flash_attn_func(q.to(half), k.to(half), v.to(half), dropout_p=dropout, causal=causal)
+    if flash_attn_func is not None and q.is_cuda:  # flash-attn: on a GPU, in bf16 or fp16 (autocast's if on)
+        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+        if half in (torch.bfloat16, torch.float16):
+            return flash_attn_func(q.to(half), k.to(half), v.to(half), dropout_p=dropout, causal=causal)  # GQA too
     return attend(q, k, v, dropout_p=dropout, is_causal=causal, enable_gqa=gqa)
 
 
@@ -186,9 +177,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache=None, mask=None):
         B, T, C = x.shape
         # head counts from the shapes: under tensor parallel a process holds only its share of the heads
-        q = adapted(self.q, x).view(B, T, -1, self.head_size)  # (B, T, H, D)
-        k = adapted(self.k, x).view(B, T, -1, self.head_size)  # (B, T, Hkv, D)
-        v = adapted(self.v, x).view(B, T, -1, self.head_size)
+        q, k, v = (adapted(p, x).view(B, T, -1, self.head_size) for p in (self.q, self.k, self.v))  # (B, T, H|Hkv, D)
         if self.qk_norm:  # each with its own weight
             q, k = self.q_norm(q), self.k_norm(k)
         kernels = fused(self.use_kernels, x)
@@ -245,16 +234,14 @@ class GPT(nn.Module):
         self.register_buffer("cos", None, persistent=False)  # derived from the config: not saved
         self.register_buffer("sin", None, persistent=False)
         self.materialize()
-        self.apply(self._init_weights)
+        for module in self.modules():  # the leaves in the order nn.Module.apply would visit them
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         for name, p in self.named_parameters():  # the projections into the residual stream: scaled init (GPT-2)
             if name.endswith(("attn.proj.weight", "mlp.down.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding=False):
         n = sum(p.numel() for p in self.parameters())  # a tied weight is counted once
@@ -269,8 +256,8 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         kernels = fused(self.config.use_kernels, x, compiled_too=True)
-        cross_entropy = kernels.linear_cross_entropy if kernels else linear_cross_entropy
-        return None, cross_entropy(x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
+        return None, (kernels.linear_cross_entropy if kernels else linear_cross_entropy)(
+            x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
 
     def hidden(self, idx, cache=None, doc_ids=None, mask=None):
         # the final normed hidden states (B, T, C), on which the LM head computes the logits
@@ -300,8 +287,7 @@ class GPT(nn.Module):
         x = self.hidden(idx, doc_ids=doc_ids)
         x, targets = x.view(-1, x.size(-1)), targets.reshape(-1)
         rows = max(1, chunk_elements // self.config.vocab_size)
-        loss_sum = torch.zeros((), device=x.device)
-        correct = torch.zeros((), device=x.device, dtype=torch.long)
+        loss_sum, correct = torch.zeros((), device=x.device), torch.zeros((), device=x.device, dtype=torch.long)
         for i in range(0, len(targets), rows):
             logits, t = self.lm_head(x[i:i + rows]).float(), targets[i:i + rows]  # (rows, V), (rows,)
             loss_sum += F.cross_entropy(logits, t, ignore_index=-1, reduction="sum")
