@@ -30,8 +30,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def rms_norm_ref(x, weight, eps=1e-5):
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return y.to(x.dtype) * weight
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def swiglu_ref(gate, up):
@@ -41,18 +40,15 @@ def swiglu_ref(gate, up):
 def apply_rotary_ref(x, cos, sin):
     # x: (B, T, H, D); cos, sin: (T, D/2) fp32. Rotates each pair (x[i], x[i + D/2]). Rolled halves, not slices,
     # save a third of forward and backward on CPU: a roll's backward is a roll, a slice's zero-fills a new tensor.
-    d = x.shape[-1] // 2
-    c = torch.cat([cos, cos], dim=-1)[:, None, :]  # (T, 1, D), broadcast over heads
-    s = torch.cat([-sin, sin], dim=-1)[:, None, :]
+    c, s = torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]  # (T, 1, D)
     xf = x.float()
-    return (xf * c + xf.roll(d, dims=-1) * s).to(x.dtype)
+    return (xf * c + xf.roll(x.shape[-1] // 2, dims=-1) * s).to(x.dtype)
 
 
 def linear_cross_entropy_ref(x, weight, targets, ignore_index=-1):
     # x: (N, C), weight: (V, C), targets: (N,) -> mean loss over non-ignored targets (0, not NaN, if none).
     # All N x V logits exist at once here (twice for a half-precision x); the Triton op makes a chunk at a time.
-    logits = (x @ weight.t()).float()  # (N, V)
-    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    loss = F.cross_entropy((x @ weight.t()).float(), targets, ignore_index=ignore_index, reduction="sum")
     return loss / (targets != ignore_index).sum().clamp(min=1)
 
 
