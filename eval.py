@@ -63,8 +63,7 @@ for flag in ("limit", "num_fewshot", "include_path", "apply_chat_template", "out
     if getattr(args, flag) not in (None, False) and args.tasks is None:  # else the val loss, and the flag unused
         raise UserError(f"--{flag} is a setting of --tasks: give --tasks=NAME,... with it, or leave it out")
 
-
-def run_tasks():
+if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val loss
     # a model folder is someone else's (downloaded, perhaps): the results of one go to the current folder
     output = args.output or ("eval_tasks.json" if args.model else os.path.join(args.out_dir, "eval_tasks.json"))
     if not os.path.isdir(os.path.dirname(os.path.abspath(output))):  # found out now, not after the tasks ran
@@ -87,10 +86,6 @@ def run_tasks():
     print(make_table(results))
     harness.write_results(results, output)
     print(f"results written to {output}")
-
-
-if args.tasks is not None:
-    run_tasks()
     sys.exit(0)
 
 # -----------------------------------------------------------------------------

@@ -117,21 +117,6 @@ def write_json(path, content):
         json.dump(content, f, indent=2, ensure_ascii=False)
 
 
-def write_gguf_file(model, tokenizer, checkpoint, path, dtype):
-    from lib.gguf_export import write_gguf
-    merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
-    base = checkpoint.get("pretrained") or ""
-    chat = run_chat(checkpoint)
-    template = chat["template"] if chat else None
-    ids = run_special_ids(tokenizer, base)
-    if chat:  # generation stops at the end of the assistant's turn, as in write_chat
-        ids["eos_token_id"] = chat["end_of_turn_id"]
-    elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
-        config = os.path.join(base, "tokenizer_config.json")
-        template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)
-    write_gguf(model, tokenizer, path, getattr(torch, export_dtype(dtype, base)), ids, template)
-
-
 def write_chat(folder, chat, eot_id):
     # a chat run: its template (markers are special tokens) in tokenizer_config.json; generation stops at end of turn
     config = read_json(os.path.join(folder, "tokenizer_config.json"))
@@ -284,8 +269,19 @@ def export_gguf(args):
     made = make_parent(args.to)
     staging = temporary(tempfile.mkstemp, os.path.abspath(args.to), 0o666)
     try:
+        from lib.gguf_export import write_gguf
         model, tokenizer, checkpoint = load_exported(args)
-        write_gguf_file(model, tokenizer, checkpoint, staging, args.dtype)
+        merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
+        base = checkpoint.get("pretrained") or ""
+        chat = run_chat(checkpoint)
+        template = chat["template"] if chat else None
+        ids = run_special_ids(tokenizer, base)
+        if chat:  # generation stops at the end of the assistant's turn, as in write_chat
+            ids["eos_token_id"] = chat["end_of_turn_id"]
+        elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
+            config = os.path.join(base, "tokenizer_config.json")
+            template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)
+        write_gguf(model, tokenizer, staging, getattr(torch, export_dtype(args.dtype, base)), ids, template)
         durable_replace(staging, args.to)
     except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same
         raise UserError(str(e)) from None

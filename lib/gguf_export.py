@@ -96,7 +96,13 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
         tensor = params[ours].detach()
         if arch.name in INTERLEAVED_ROTARY and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = interleave_rotary(tensor, c.n_head if "q_proj" in hf_name else c.n_kv_head)
-        add_tensor(writer, gguf, names.get_name(hf_name, try_suffixes=(".weight", ".bias")), tensor, dtype)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        # norms' weights stay float32, as llama.cpp's converter writes them; bfloat16 goes as its raw bits
+        tensor = tensor.float() if tensor.dim() == 1 else tensor.to(dtype)
+        if tensor.dtype == torch.bfloat16:
+            writer.add_tensor(name, tensor.view(torch.int16).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -106,15 +112,6 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
 def interleave_rotary(weight, heads):
     # each head's rows hold the first halves of its rotated pairs, then the second halves: alternated here
     return weight.reshape(heads, 2, -1, weight.shape[-1]).transpose(1, 2).reshape(weight.shape)
-
-
-def add_tensor(writer, gguf, name, tensor, dtype):
-    # Norms' weights stay float32, as llama.cpp's converter writes them; bfloat16 goes as its raw bits.
-    tensor = tensor.float() if tensor.dim() == 1 else tensor.to(dtype)
-    if tensor.dtype == torch.bfloat16:
-        writer.add_tensor(name, tensor.view(torch.int16).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16)
-    else:
-        writer.add_tensor(name, tensor.numpy())
 
 
 # -----------------------------------------------------------------------------

@@ -94,15 +94,6 @@ class Model(TemplateLM):
                             f"a task's answer continues: use a template that does")
         return text[:text.rindex(tag)]
 
-    @torch.no_grad()
-    def log_probs(self, inputs):
-        # inputs: lists of ids, at most max_length each -> their log-softmax (B, T, V) in float32, right-padded
-        x = torch.nn.utils.rnn.pad_sequence([torch.tensor(ids, dtype=torch.long) for ids in inputs],
-                                            batch_first=True)
-        with self.autocast:
-            logits, _ = self.model(x.to(self.device))
-        return F.log_softmax(logits.float(), dim=-1)
-
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
         # requests: (strings, context ids, continuation ids) -> (log-likelihood of the continuation, whether greedy
         # decoding writes it), with HFLM's truncation: the last max_length + 1 tokens, less the last one
@@ -117,8 +108,11 @@ class Model(TemplateLM):
         for first in range(0, len(order), self.batch_size):
             chunk = order[first:first + self.batch_size]
             inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1] for i in chunk]
-            log_probs = self.log_probs(inputs)
-            for i, ids, row in zip(chunk, inputs, log_probs):
+            x = torch.nn.utils.rnn.pad_sequence([torch.tensor(ids, dtype=torch.long) for ids in inputs],
+                                                batch_first=True)  # right-padded
+            with torch.no_grad(), self.autocast:
+                logits, _ = self.model(x.to(self.device))
+            for i, ids, row in zip(chunk, inputs, F.log_softmax(logits.float(), dim=-1)):
                 continuation = torch.tensor(requests[i][2], device=row.device)
                 scored = row[len(ids) - len(continuation):len(ids)]  # (len(continuation), V)
                 greedy = bool((scored.argmax(dim=-1) == continuation).all())
