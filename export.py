@@ -260,8 +260,7 @@ def export_gguf(args):
     except ImportError:
         raise UserError("writing GGUF needs llama.cpp's gguf package: pip install gguf") from None
     if args.adapter:
-        raise UserError("a peft adapter is a folder, not a GGUF file: drop --adapter, or choose a --to "
-                        "without .gguf")
+        raise UserError("a peft adapter is a folder, not a GGUF file: drop --adapter, or choose a --to without .gguf")
     if os.path.isdir(args.to):
         raise UserError(f"{args.to} is a folder, not a file; choose another --to")
     if os.path.exists(args.to) and not args.overwrite:

@@ -65,12 +65,10 @@ def draw(runs, title):
             axes.plot([r[x] for r in train], [r["loss"] for r in train], color=color, alpha=0.5, lw=1,
                       label=f"{label} train")
             val = [r for r in evaluations if x in r]
-            axes.plot([r[x] for r in val], [r["val_loss"] for r in val], "o-", color=color, ms=4,
-                      label=f"{label} val")
-        rates = [r for r in steps if "lr" in r]
-        lr.plot([r["iter"] for r in rates], [r["lr"] for r in rates], color=color, label=label)
-        fast = [r for r in steps if "tokens_per_s" in r]
-        speed.plot([r["iter"] for r in fast], [r["tokens_per_s"] for r in fast], color=color, label=label)
+            axes.plot([r[x] for r in val], [r["val_loss"] for r in val], "o-", color=color, ms=4, label=f"{label} val")
+        for axes, key in ((lr, "lr"), (speed, "tokens_per_s")):
+            logged = [r for r in steps if key in r]
+            axes.plot([r["iter"] for r in logged], [r[key] for r in logged], color=color, label=label)
     for axes, xlabel, ylabel in ((by_step, "step", "loss"), (by_time, "wall time (s)", "loss"),
                                  (lr, "step", "learning rate"), (speed, "step", "tokens/s")):
         axes.set(xlabel=xlabel, ylabel=ylabel)

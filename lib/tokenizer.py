@@ -192,8 +192,7 @@ def hf_tokenizer(name, hf_json):
     vocab = hf.get_vocab(with_added_tokens=True)
     eot_id = next((vocab[t] for t in EOT_NAMES if t in vocab), None)
     if eot_id is None:
-        raise UserError(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} "
-                        f"(add one to it)")
+        raise UserError(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} (add one to it)")
     # the BOS its post-processor puts before every text (Llama 3's), or None; prepare.py writes end-of-text itself
     with stopped_in_one_line(name):
         plain = hf.encode("a", add_special_tokens=False).ids
@@ -314,8 +313,7 @@ def load_tokenizer(data_dir):
 def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     """UserError, in one line with the fix, unless dataset data_dir (meta: its read_meta) was made with folder's
     tokenizer (a Hugging Face model's of model_vocab ids, or a run's dataset's): the first documents must round-trip."""
-    fix = fix or (f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} "
-                  f"--out_dir=DIR")
+    fix = fix or f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
     if meta["vocab_size"] > model_vocab:
         raise UserError(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: "
                          f"{fix}")
