@@ -16,6 +16,7 @@ out_dir/eval_tasks.json (--output). Local task files (--include_path) work offli
 """
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -25,7 +26,7 @@ import torch
 
 from lib import harness
 from lib.data import Split, longest_example
-from lib.files import UserError, one_line_errors, read_meta
+from lib.files import UserError, one_line_errors, open_own, read_meta
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
 from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
@@ -82,9 +83,11 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
                        folder_splits_special(args.model) if args.model else splits_special(checkpoint, tokenizer))
     limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
-    from lm_eval.utils import make_table
+    from lm_eval.utils import handle_non_serializable, make_table
     print(make_table(results))
-    harness.write_results(results, output)
+    with open_own(output, "w", encoding="utf-8") as f:  # lm_eval's results, less the per-item samples
+        json.dump({k: v for k, v in results.items() if k != "samples"}, f, indent=2, default=handle_non_serializable,
+                  ensure_ascii=False)
     print(f"results written to {output}")
     sys.exit(0)
 

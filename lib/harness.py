@@ -5,7 +5,6 @@ at each evaluation. lm_eval is optional (pip install lm_eval). Requests are toke
 (HFLM) does, so a checkpoint scores here what its export scores under `lm_eval --model hf`, item by item.
 """
 
-import json
 import os
 import random
 from contextlib import nullcontext
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lib.chat import ChatFormat
-from lib.files import UserError, open_own
+from lib.files import UserError
 from lib.tokenizer import load_tokenizer
 
 try:
@@ -247,11 +246,3 @@ def task_metrics(lm, manager, names, limit=None):
         torch.set_rng_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-
-
-def write_results(results, path):
-    """The results as JSON (lm_eval's own, less the per-item samples)."""
-    from lm_eval.utils import handle_non_serializable
-    kept = {k: v for k, v in results.items() if k != "samples"}
-    with open_own(path, "w", encoding="utf-8") as f:
-        json.dump(kept, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
