@@ -1,9 +1,6 @@
 """
 A model as one GGUF file for llama.cpp and Ollama: weights, hyperparameters and tokenizer, written with llama.cpp's
-own gguf package (pip install gguf) and its name tables. export.py calls it for a --to that ends in .gguf:
-
-    python export.py --out_dir=out --to=model.gguf --dtype=float16
-    llama-cli -m model.gguf
+own gguf package (pip install gguf) and its name tables, for export.py's --to=NAME.gguf.
 """
 
 import json

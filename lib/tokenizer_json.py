@@ -1,10 +1,7 @@
 """
 For an exported model, the tokenizer.json (and tokenizer_config.json) that encodes exactly as its dataset's did: a
 Hugging Face one as it is, less any token its post-processor adds besides the BOS; a byte-level BPE (tiktoken's, bpe:N)
-rebuilt as merges, which gguf_export.py writes into a GGUF file too.
-
-    from lib.tokenizer_json import hf_tokenizer_files
-    files, note = hf_tokenizer_files(tokenizer)   # {"tokenizer.json": ..., "tokenizer_config.json": ...}, None
+rebuilt as merges, which gguf_export.py writes into a GGUF file too (hf_tokenizer_files: the files to write).
 """
 
 import json
