@@ -5,21 +5,16 @@ spreading a model over it as torchtitan does (names kept: checkpoints move betwe
     model = parallelize(model, mesh, tp=2, fsdp=True, checkpointing=True, compile=True, dtype=torch.bfloat16)
 """
 
-import gc
 import os
 import re
 import signal
-import socket
 import sys
-import time
+from collections import namedtuple
 from datetime import timedelta
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lib.files import UserError
 from model import PROJECTIONS, attention
@@ -89,27 +84,20 @@ def peak_flops(device, dtype):
     return None
 
 
-class Processes(NamedTuple):
-    """This process among the run's, as init_distributed found them; train.py names each value at the call."""
-    ddp: bool  # started by torchrun
-    rank: int
-    local_rank: int
-    world_size: int
-    master: bool  # rank 0: it prints, logs and writes what one process writes
-    device: str  # 'auto' resolved; under torchrun each process's own GPU
-    device_type: str  # 'cuda', 'cpu', ...
-    dtype: str  # 'auto' resolved
-    backend: str  # 'auto' resolved
-    fsdp: bool  # tensor parallel brings it
-    mesh: object  # the (dp, tp) DeviceMesh, None without a process group
-    dp_size: int  # data-parallel replicas
-    dp_rank: int  # this process's replica
+# This process among the run's, as init_distributed found them; train.py names each value at the call. ddp: started
+# by torchrun; master: rank 0, which prints, logs and writes what one process writes; device: 'auto' resolved, under
+# torchrun each process's own GPU; device_type: 'cuda', 'cpu', ...; dtype, backend: 'auto' resolved; fsdp: tensor
+# parallel brings it; mesh: the (dp, tp) DeviceMesh, None without a process group; dp_size: data-parallel replicas;
+# dp_rank: this process's replica.
+Processes = namedtuple("Processes", "ddp rank local_rank world_size master device device_type dtype backend fsdp mesh "
+                                    "dp_size dp_rank")
 
 
 def generation(store, rank, world_size, timeout):
     """This group of workers' number in torchrun's store (TORCHELASTIC_RESTART_COUNT is per node: a node stopped for
     another's failure counts none). Rank 0 opens a generation; each other rank claims its place in the newest it sees,
     joining once rank 0 confirms (a dead group's places are claimed, or never confirmed). Waits timeout s at most."""
+    import time
     if rank == 0:
         number = store.add("generation", 1)
         claims = [f"generation_{number}/claim_{r}" for r in range(1, world_size)]
@@ -136,27 +124,25 @@ def generation(store, rank, world_size, timeout):
                     f"or its torchrun stopped (see its output)")
 
 
-# settings that may differ between nodes: paths, where each mounts the same files (data files compared by size)
-PER_NODE = ("out_dir", "data_dir", "eval_tasks_path")
-
-
 def this_process():
     # this process as a one-line refusal names it: its rank, its node (torchrun's GROUP_RANK) and host
+    import socket
     return f"rank {dist.get_rank()} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
 
 
 def check_same_settings(settings, data_dir):
     """Every process calls it: all stop, in one line naming the first difference and its rank and node, where any
-    process's settings (PER_NODE aside) or data files' sizes differ from rank 0's (the replicas would drift)."""
+    process's settings (per_node's paths aside) or data files' sizes differ from rank 0's (the replicas would drift)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
+    per_node = ("out_dir", "data_dir", "eval_tasks_path")  # paths: each node mounts the same files (sizes compared)
     try:
         # the token files (and masks) that training reads, in bytes; meta.json may name where each node read from
         files = {f"the size of {name}": os.path.getsize(os.path.join(data_dir, name))
                  for name in sorted(os.listdir(data_dir)) if name.endswith(".bin")}
     except OSError:  # no data_dir here: its files differ, and read_meta would say so to this node alone
         files = {}
-    mine = {**{k: v for k, v in settings.items() if k not in PER_NODE}, **files}
+    mine = {**{k: v for k, v in settings.items() if k not in per_node}, **files}
     first = [mine]
     dist.broadcast_object_list(first, src=0)
     differs = next((k for k in {**first[0], **mine} if first[0].get(k, "missing") != mine.get(k, "missing")), None)
@@ -171,23 +157,22 @@ def check_same_settings(settings, data_dir):
 
 def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
     """This run's processes (torchrun's, or one alone) in a (dp, tp) mesh: 'auto' resolved, group joined."""
-    env = os.environ
-    ddp, rank, world_size = "RANK" in env, int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank = int(env.get("LOCAL_RANK", 0))
+    ddp, rank, world_size = "RANK" in os.environ, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device, dtype = pick_device(device, dtype)
-    if device.startswith("cuda") and ddp:  # 'cuda' and 'cuda:N' mean each process's own GPU (its local rank's)
-        device = f"cuda:{local_rank}"
     device_type = device.split(":")[0]
     if device_type == "cuda":
+        if ddp:  # 'cuda' and 'cuda:N' mean each process's own GPU (its local rank's)
+            device = f"cuda:{local_rank}"
         if ":" in device:  # 'cuda' alone is the current GPU already, and set_device wants an index
             torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # float32 matmuls in TF32
-    # tp > 1 brings FSDP (even of one replica): every parameter a DTensor on one mesh, for the fused step and clipping
-    sharding = "fsdp=True" if fsdp else f"tp_size={tp_size} (which brings FSDP)"
-    fsdp = fsdp or tp_size > 1
-    if fsdp and dtype == "float16":
+    if (fsdp or tp_size > 1) and dtype == "float16":
+        sharding = "fsdp=True" if fsdp else f"tp_size={tp_size} (which brings FSDP)"
         raise UserError(f"{sharding} does not work with dtype='float16' (its gradient scaler does not know sharded "
                         f"gradients): use dtype='bfloat16' or 'float32'")
+    # tp > 1 brings FSDP (even of one replica): every parameter a DTensor on one mesh, for the fused step and clipping
+    fsdp = fsdp or tp_size > 1
     if offload and not (fsdp and device_type == "cuda"):
         raise UserError("fsdp_cpu_offload=True moves FSDP's shards between a GPU and CPU memory: it needs fsdp=True "
                          "and a CUDA device")
@@ -243,8 +228,9 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
             parallelize_module(block, mesh["tp"], plan)
             block.attn.attend_in_stream = in_stream  # each process's heads their own dropout masks
     if checkpointing:  # keep each block's input only; recompute the rest when the gradient comes back
+        from torch.utils.checkpoint import checkpoint
         for block in model.blocks:
-            block.forward = partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+            block.forward = partial(checkpoint, block.forward, use_reentrant=False)
     if compile:  # in place (names kept): the whole model in one graph (loss fused: ~8% faster on CPU), else each block
         for module in model.blocks if fsdp or tp > 1 else [model]:
             module.compile()
@@ -259,13 +245,15 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
             fully_shard(module, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
         register_fsdp_forward_method(model, "loss_and_accuracy")  # evaluation calls it instead of forward
     elif ddp:
-        return DDP(model, device_ids=device_ids)
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model, device_ids=device_ids)
     return model
 
 
 def end_processes():
     """The process group's end, once the caller has dropped its DDP module: its reducer holds gloo's pending work,
     and freed at exit it aborted 1 run in ~12 here ("terminate called without an active exception")."""
+    import gc
     gc.collect()
     dist.barrier()  # let the master finish writing before any process tears the group down
     dist.destroy_process_group()
@@ -297,15 +285,12 @@ def target_shares(micro_batches, dp_size, tp_size, ddp):
     return targets * dp_size / all_targets.clamp(min=1)
 
 
-# weights that act on every head alike (qk_norm's): under tensor parallel a process applies them to its own heads
-PER_HEAD = ("q_norm.weight", "k_norm.weight")
-
-
 def sum_head_gradients(model, mesh):
-    """Under tensor parallel, PER_HEAD weights' gradients (each process's over its own heads) summed over the replica's
-    processes (mesh's "tp"), in one all-reduce: the gradient one process has over all heads, the same in every copy."""
+    """Under tensor parallel, the gradients of weights that act on every head alike (qk_norm's: a process applies them
+    to its own heads), each process's over its own heads, summed over the replica's processes (mesh's "tp"), in one
+    all-reduce: the gradient one process has over all heads, the same in every copy."""
     grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad for name, p in model.named_parameters()
-             if name.endswith(PER_HEAD) and p.grad is not None]
+             if name.endswith(("q_norm.weight", "k_norm.weight")) and p.grad is not None]
     if grads:
         summed = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(summed, group=mesh["tp"].get_group())
