@@ -11,7 +11,6 @@ torch's do in _init_group: the memory estimate (memory.py's traced_optimizer) st
 may stop at an op that asks for a value (a .item()), so state made later would be left out of the estimate.
 """
 
-import inspect
 import math
 
 import torch
@@ -74,8 +73,7 @@ def build_optimizers(model, config, device_type):
     run's settings config; the first covers what the others do not, at learning_rate."""
     check_optimizer(config)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    # one fused kernel for all parameters where there is one (CUDA, and CPU since torch 2.4)
-    fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
+    fused = device_type in ("cuda", "cpu")  # one fused kernel for all parameters where there is one
     return OPTIMIZERS[config["optimizer"]](named, config, fused)
 
 
@@ -113,12 +111,12 @@ def check_optimizer(config):
                         f"{config['lr_power']} above 0")
     if not 0 <= config["lr_decay_fraction"] <= 1:
         raise UserError(f"lr_decay_fraction={config['lr_decay_fraction']} must be between 0 and 1")
-    # Muon orthogonalizes each matrix whole, and a process of tensor parallel or FSDP holds only part of one
-    if config["optimizer"] == "muon" and config["tp_size"] > 1:
-        raise UserError("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
-    if config["optimizer"] == "muon" and config["fsdp"]:
-        raise UserError("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
-                        "use optimizer='adamw' with fsdp")
+    if config["optimizer"] == "muon":  # it orthogonalizes each matrix whole: tensor parallel and FSDP split them
+        if config["tp_size"] > 1:
+            raise UserError("optimizer='muon' does not run under tensor parallel: use adamw, or tp_size=1")
+        if config["fsdp"]:
+            raise UserError("optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them over processes: "
+                            "use optimizer='adamw' with fsdp")
 
 
 def lr_factor(it, decay_lr=True, lr_schedule="cosine", warmup_iters=100, lr_decay_iters=5000, learning_rate=6e-4,
