@@ -110,15 +110,11 @@ def check_tokenizer_rules(name, rules):
     if not isinstance(rules, dict):
         raise UserError(f"{name} is not a tokenizer.json (no JSON object): use the model's own")
     steps = [rules.get("normalizer"), rules.get("pre_tokenizer")]
-    growth, worst = tokenizer_growth(steps)
-    if growth > MAX_GROWTH:
-        raise UserError(f"{name}'s normalizer and pre-tokenizer may make one character into {growth:,.0f} (its "
-                        f"{worst} rule), past the {MAX_GROWTH} any released tokenizer needs: use the model's own "
-                        f"tokenizer.json")
-    growth, worst = tokenizer_growth([rules.get("decoder")])
-    if growth > MAX_GROWTH:
-        raise UserError(f"{name}'s decoder may make one character into {growth:,.0f} (its {worst} rule), past the "
-                        f"{MAX_GROWTH} any released tokenizer needs: use the model's own tokenizer.json")
+    for part, rule_steps in (("normalizer and pre-tokenizer", steps), ("decoder", [rules.get("decoder")])):
+        growth, worst = tokenizer_growth(rule_steps)
+        if growth > MAX_GROWTH:
+            raise UserError(f"{name}'s {part} may make one character into {growth:,.0f} (its {worst} rule), past the "
+                            f"{MAX_GROWTH} any released tokenizer needs: use the model's own tokenizer.json")
     stack = steps
     while stack:  # every regex of the two, however deep in Sequences
         rule = stack.pop()

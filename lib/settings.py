@@ -221,8 +221,6 @@ def check(config):
 # model's (Qwen2.5-1M has ~1M), few enough that the rotary tables are not themselves the hostile input
 _MAX_POSITIONS = 1 << 21
 _MAX_TABLE = _MAX_POSITIONS * 256  # positions x head size: 2M positions of heads 256 wide (2 GiB of fp32 tables)
-_SIZES = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "head_size", "mlp_hidden")
-_DERIVED = ("n_kv_head", "head_size", "mlp_hidden")  # 0 means "from the other sizes" (GPTConfig)
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # rope_scaling
 
 
@@ -230,9 +228,9 @@ def check_sizes(args, where, fix):
     """UserError in one line, naming where (the file that says them) and fix, unless every model size in args is a
     whole number above 0 (0 where derived), block_size within limits, rope_theta, norm_eps and dropout in range, and
     rope_scaling (if any) llama3's numbers."""
-    for name in _SIZES:
-        value = args.get(name, 1)
-        if type(value) is not int or value < (0 if name in _DERIVED else 1):
+    for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "head_size", "mlp_hidden"):
+        value = args.get(name, 1)  # n_kv_head, head_size and mlp_hidden 0: from the other sizes (GPTConfig)
+        if type(value) is not int or value < (0 if name in ("n_kv_head", "head_size", "mlp_hidden") else 1):
             raise _UserError(f"{where} says {name}={value!r}, not a whole number above 0: {fix}")
     if args.get("block_size", 1) > _MAX_POSITIONS:
         raise _UserError(f"{where} says block_size={args['block_size']}, past the {_MAX_POSITIONS} positions this "
@@ -246,8 +244,9 @@ def check_sizes(args, where, fix):
         if type(value) not in (int, float) or not low < value < high:
             raise _UserError(f"{where} says {name}={value!r}, not a number in its range: {fix}")
     scaling = args.get("rope_scaling")
-    values = [scaling.get(k) for k in LLAMA3_SCALING] if isinstance(scaling, dict) else [None] * 4
-    if scaling is not None and (not all(type(v) in (int, float) and 0 < v < 1e300 for v in values)
-                                or values[2] <= values[1]):  # rotary_tables' ramp divides by their difference
-        raise _UserError(f"{where} says rope_scaling {scaling!r}: it must hold numbers above 0 for "
-                         f"{', '.join(LLAMA3_SCALING)}, high_freq_factor above low_freq_factor: {fix}")
+    if scaling is not None:
+        values = [scaling.get(k) for k in LLAMA3_SCALING] if isinstance(scaling, dict) else [None] * 4
+        # (the high frequency factor above the low one: rotary_tables' ramp divides by their difference)
+        if not all(type(v) in (int, float) and 0 < v < 1e300 for v in values) or values[2] <= values[1]:
+            raise _UserError(f"{where} says rope_scaling {scaling!r}: it must hold numbers above 0 for "
+                             f"{', '.join(LLAMA3_SCALING)}, high_freq_factor above low_freq_factor: {fix}")
