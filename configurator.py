@@ -11,8 +11,11 @@ sequences, which train.py keeps). dataset='NAME' (nanoGPT's) sets data_dir to da
 """
 
 import ast
+import difflib
+import dis
 import os
 import sys
+import traceback
 import types
 
 _HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # a config file's own names
@@ -20,7 +23,6 @@ _HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, typ
 
 def _names_set(code, top=True):
     # the names a config file sets, in order: top-level assignments, and names its functions or classes declare global
-    import dis
     stores = ("STORE_NAME", "STORE_GLOBAL") if top else ("STORE_GLOBAL",)
     names = [i.argval for i in dis.get_instructions(code) if i.opname in stores]
     return names + [n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names_set(c, False)]
@@ -46,7 +48,6 @@ def configure(config, args):
                 compiled = compile(code, arg, "exec")
                 exec(compiled, scope)
             except Exception as e:  # a mistake in the user's file: name it, no traceback
-                import traceback
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1] if frames else None
                 sys.exit(f"config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}")
@@ -75,7 +76,6 @@ def _set(config, key, value, source):
         if value == "auto":
             return
     if key not in config:
-        import difflib
         close = difflib.get_close_matches(key, config, n=1)
         own = "" if source.startswith("--") else "; a name of the file's own begins with _"  # (a helper of its)
         hint = f"did you mean '{close[0]}'?" if close else f"see lib/settings.py{own}"

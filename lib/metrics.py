@@ -8,6 +8,8 @@ and TensorBoard; and the run's clock: the time left, the finish time and the wal
     seconds, note = time_left(clock, 20, max_iters=5000, eval_interval=250, step_seconds=0.12, steps=10)
 """
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -56,7 +58,6 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
                 end = f.seek(0, os.SEEK_END)
                 if os.write(f.fileno(), line) < len(line):  # the disk filled within it: the piece goes, or the
                     os.ftruncate(f.fileno(), end)  # records written once there is room again would join its line
-                    import errno
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except (OSError, UserError) as e:  # a record lost is no reason to lose the run: said once
             if not failed:
@@ -81,7 +82,6 @@ def cut_records(path, step):
     order), which a resumed run writes again: else a resume from an earlier checkpoint would leave steps twice."""
     if not os.path.lexists(path):
         return
-    import contextlib
     with contextlib.suppress(OSError, UserError), open_own(path, "a+b") as f:  # log() says once why it fails
         size = f.seek(0, os.SEEK_END)
         f.seek(max(0, size - TAIL_BYTES))

@@ -5,13 +5,16 @@ spreading a model over it as torchtitan does (names kept: checkpoints move betwe
     model = parallelize(model, mesh, tp=2, fsdp=True, checkpointing=True, compile=True, dtype=torch.bfloat16)
 """
 
+import gc
 import os
 import re
 import signal
+import socket
 import sys
-from collections import namedtuple
+import time
 from datetime import timedelta
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -84,20 +87,27 @@ def peak_flops(device, dtype):
     return None
 
 
-# This process among the run's, as init_distributed found them; train.py names each value at the call. ddp: started
-# by torchrun; master: rank 0, which prints, logs and writes what one process writes; device: 'auto' resolved, under
-# torchrun each process's own GPU; device_type: 'cuda', 'cpu', ...; dtype, backend: 'auto' resolved; fsdp: tensor
-# parallel brings it; mesh: the (dp, tp) DeviceMesh, None without a process group; dp_size: data-parallel replicas;
-# dp_rank: this process's replica.
-Processes = namedtuple("Processes", "ddp rank local_rank world_size master device device_type dtype backend fsdp mesh "
-                                    "dp_size dp_rank")
+class Processes(NamedTuple):
+    """This process among the run's, as init_distributed found them; train.py names each value at the call."""
+    ddp: bool  # started by torchrun
+    rank: int
+    local_rank: int
+    world_size: int
+    master: bool  # rank 0: it prints, logs and writes what one process writes
+    device: str  # 'auto' resolved; under torchrun each process's own GPU
+    device_type: str  # 'cuda', 'cpu', ...
+    dtype: str  # 'auto' resolved
+    backend: str  # 'auto' resolved
+    fsdp: bool  # tensor parallel brings it
+    mesh: object  # the (dp, tp) DeviceMesh, None without a process group
+    dp_size: int  # data-parallel replicas
+    dp_rank: int  # this process's replica
 
 
 def generation(store, rank, world_size, timeout):
     """This group of workers' number in torchrun's store (TORCHELASTIC_RESTART_COUNT is per node: a node stopped for
     another's failure counts none). Rank 0 opens a generation; each other rank claims its place in the newest it sees,
     joining once rank 0 confirms (a dead group's places are claimed, or never confirmed). Waits timeout s at most."""
-    import time
     if rank == 0:
         number = store.add("generation", 1)
         claims = [f"generation_{number}/claim_{r}" for r in range(1, world_size)]
@@ -126,7 +136,6 @@ def generation(store, rank, world_size, timeout):
 
 def this_process():
     # this process as a one-line refusal names it: its rank, its node (torchrun's GROUP_RANK) and host
-    import socket
     return f"rank {dist.get_rank()} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
 
 
@@ -253,7 +262,6 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
 def end_processes():
     """The process group's end, once the caller has dropped its DDP module: its reducer holds gloo's pending work,
     and freed at exit it aborted 1 run in ~12 here ("terminate called without an active exception")."""
-    import gc
     gc.collect()
     dist.barrier()  # let the master finish writing before any process tears the group down
     dist.destroy_process_group()
