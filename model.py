@@ -299,7 +299,7 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop=None, vocab=None,
                  document=None):
         # idx: (B, T) -> idx with max_new_tokens sampled tokens appended (fewer once every row has written the token
-        # id stop), through a KV cache. Past block_size the window slides: the cache is rebuilt from the last block_size
+        # id stop, or one of the ids stop lists), through a KV cache. Past block_size the window slides: the cache is rebuilt from the last block_size
         # tokens, so each step sees what a full forward would. vocab: the tokenizer's size; ids past it are never drawn.
         # document: the id that begins a document (a doc_mask run's end-of-text, one row): a step sees the tokens from
         # the last one on, as doc_mask trained and evaluates it, not the documents before.
@@ -322,7 +322,7 @@ class GPT(nn.Module):
             idx = torch.cat((idx, idx_next), dim=1)
             if document is not None and int(idx_next) == document:  # a new document: its own context from here
                 begin, cache = idx.shape[1] - 1, None
-            if stop is not None and (idx[:, start:] == stop).any(dim=1).all():
+            if stop is not None and torch.isin(idx[:, start:], torch.as_tensor(stop, device=idx.device)).any(1).all():
                 break
         return idx
 

@@ -22,6 +22,7 @@ import torch
 
 from lib.chat import ChatFormat, find_template
 from lib.files import UserError, one_line_errors
+from lib.hf import eos_ids
 from lib.parallel import pick_device
 from lib.settings import SAMPLING, check_ranges
 from lib.trained import chat_folder, load_folder_or_run
@@ -42,7 +43,7 @@ parser.add_argument("--system", default=None, help="with --chat: the system prom
 parser.add_argument("--num_samples", type=int, default=3)
 parser.add_argument("--max_new_tokens", type=int, default=500)
 parser.add_argument("--temperature", type=float, default=0.8, help="<1 is surer, >1 more varied, 0 greedy")
-parser.add_argument("--top_k", type=int, default=200, help="sample only among the k likeliest tokens")
+parser.add_argument("--top_k", type=int, default=200, help="sample only among the k likeliest tokens (0: among all)")
 parser.add_argument("--top_p", type=float, default=None, help="sample only among tokens whose mass reaches p")
 parser.add_argument("--seed", type=int, default=1337)
 parser.add_argument("--data_dir", default=None, help="the dataset whose tokenizer to use (default: the model's own)")
@@ -71,7 +72,7 @@ except ValueError as e:
 folder = args.model or chat_folder(checkpoint, tokenizer)  # where the chat template is
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
-sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, vocab=tokenizer.vocab_size)
+sampling = dict(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, vocab=tokenizer.vocab_size)
 if checkpoint is not None and checkpoint["config"].get("doc_mask") and tokenizer.eot_id is not None and not args.chat:
     sampling["document"] = tokenizer.eot_id  # it attended within documents: end-of-text begins one (as eval.py)
 torch.manual_seed(args.seed)
@@ -89,7 +90,8 @@ if start is not None and start.startswith("FILE:"):  # read in bounded memory: t
 
 
 def reply(messages):
-    # the model's next turn: the conversation rendered with the generation prompt, sampled until end-of-turn. Past
+    # the model's next turn: the conversation rendered with the generation prompt, sampled until end-of-turn (or an
+    # end-of-text the folder names, as transformers' generate stops at generation_config.json's eos_token_id). Past
     # block_size the window would begin inside a turn, the system prompt cut off: the oldest exchanges are left out
     # (the system prompt and the last message stay) until it fits with room for the reply (a quarter window at least)
     system = messages[:1] if messages[0]["role"] == "system" else []
@@ -102,8 +104,8 @@ def reply(messages):
         turns = turns[2:]  # a user message and its reply
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]
     with autocast:
-        y = model.generate(x, args.max_new_tokens, stop=end_of_turn, **sampling)[0, len(ids):].tolist()
-    return tokenizer.decode(y[:y.index(end_of_turn)] if end_of_turn in y else y).strip()
+        y = model.generate(x, args.max_new_tokens, stop=stops, **sampling)[0, len(ids):].tolist()
+    return tokenizer.decode(y[:next((i for i, t in enumerate(y) if t in stops), len(y))]).strip()
 
 
 if args.chat:  # one reply to --start, or a conversation typed in the terminal
@@ -111,7 +113,7 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
         learned = tokenizer.eot_id is not None and find_template(folder)[1] != "built-in"
         if learned:  # (else it never learned one: a template of ours would only confuse it)
             chat = ChatFormat.for_tokenizer(folder, tokenizer.special_tokens(), tokenizer.decode([tokenizer.eot_id]))
-            end_of_turn = tokenizer.special_tokens()[chat.end_of_turn]
+            stops = [tokenizer.special_tokens()[chat.end_of_turn], *eos_ids(folder, tokenizer)]
     except (ValueError, OSError, KeyError) as e:
         raise UserError(f"cannot chat with this model's template ({e})") from None
     if not learned:

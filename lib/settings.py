@@ -137,7 +137,7 @@ _IN_RANGE = {**dict.fromkeys(("eval_interval", "log_interval", "eval_iters", "ba
 
 # The numbers sample.py and eval.py take, checked as a run's are (check_ranges): name -> (low, high), and "at most"
 # where high itself is allowed
-SAMPLING = {"temperature": (0, _math.inf), "top_p": (0, 1, "at most"), "top_k": (1, _math.inf),
+SAMPLING = {"temperature": (0, _math.inf), "top_p": (0, 1, "at most"), "top_k": (0, _math.inf),
             "num_samples": (1, _math.inf), "max_new_tokens": (1, _math.inf), "seed": (0, 2**63)}
 EVALUATION = {"batch_size": (1, _math.inf), "block_size": (1, _math.inf), "stride": (0, _math.inf),
               "limit": (0, _math.inf), "num_fewshot": (0, _math.inf)}

@@ -494,6 +494,12 @@ def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_
     assert exported.returncode == 0, exported.stderr
     assert ours.stdout.strip() and ours.stdout == exported.stdout
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == template
+    # a reply ends at an end-of-text generation_config.json names (as transformers' generate does), not only at the
+    # template's end-of-turn: with every id one, the reply ends before its first token
+    vocab = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(vocab))}))
+    ended = script("sample.py", f"--model={tmp_path / 'hf'}", *chat)
+    assert ended.returncode == 0 and ended.stdout == "\n", ended.stderr
 
 
 def test_an_exported_chat_template_renders_with_the_tokens_its_data_was_rendered_with(tmp_path):

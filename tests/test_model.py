@@ -70,6 +70,18 @@ def test_kv_cache_generation_equals_full_forward(temperature, top_k):
     assert torch.equal(cached, full)
 
 
+def test_generation_stops_at_the_first_of_its_stop_ids():
+    # stop: an id, or a list of them (sample.py --chat: end-of-turn and the folder's end-of-text ids)
+    model = tiny()
+    prompt = torch.randint(0, 97, (1, 5))
+    written = model.generate(prompt, 12, temperature=0)[0, 5:].tolist()
+    absent = next(i for i in range(97) if i not in written)
+    first = written.index(written[3])  # (the same id may come earlier)
+    assert model.generate(prompt, 12, temperature=0, stop=[absent, written[3]]).shape == (1, 5 + first + 1)
+    assert model.generate(prompt, 12, temperature=0, stop=written[3]).shape == (1, 5 + first + 1)
+    assert model.generate(prompt, 12, temperature=0, stop=[absent]).shape == (1, 17)
+
+
 def test_grouped_query_attention_shapes_and_params():
     gqa, mha = tiny(n_kv_head=1), tiny(n_kv_head=4)
     attn = gqa.blocks[0].attn  # 4 query heads, 1 key/value head, of 8

@@ -421,6 +421,10 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
     text = samples[0].rstrip("\n")
     assert text.startswith("hello") and len(text.replace("<|endoftext|>", "#")) == len("hello") + 40
     assert set(text.replace("<|endoftext|>", "")) <= set("hello world number 0123456789.\n")
+    # --top_k=0 samples among every token, as a top_k past the vocabulary does (transformers' 0 is off too)
+    drawn = [script("sample.py", f"--out_dir={out}", "--start=hello", "--num_samples=1", "--max_new_tokens=40",
+                    "--temperature=1.5", top_k).stdout for top_k in ("--top_k=0", "--top_k=100000", "--top_k=2")]
+    assert drawn[0] and drawn[0] == drawn[1] != drawn[2]
 
     # from another folder too: the checkpoint knows where its data and tokenizer are
     elsewhere = script(ROOT / "sample.py", f"--out_dir={out}", "--start=hello", "--num_samples=1",
@@ -428,7 +432,7 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
     assert elsewhere.returncode == 0 and elsewhere.stdout == samples[0] + "---------------\n"
     for bad, message in [("--start=FILE:/no/such/prompt.txt", "cannot read the prompt file"),
                          ("--start=héllo", "the prompt cannot be encoded: character 'é'"),
-                         ("--top_k=0", "--top_k=0 must be at least 1"),
+                         ("--top_k=-1", "--top_k=-1 must be at least 0"),
                          # numbers that made a traceback, or sampled the least likely tokens, checked as settings are
                          ("--temperature=-0.5", "--temperature=-0.5 must be at least 0"),
                          ("--temperature=nan", "--temperature=nan must be at least 0"),
