@@ -7,20 +7,15 @@ or a run that already stopped early), decided once from train.py's settings and 
 """
 
 import atexit
-import math
 import os
 import re
-import secrets
-import time
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
 
 from lib import checkpoint as ckpt
-from lib.data import val_measure
 from lib.files import UserError, data_fingerprint, lock_folder, read_json, tokenizer_fingerprint, unlock_folder
-from lib.parallel import this_process
 from lib.settings import check_sizes, model_settings
 from model import GPT, GPTConfig
 
@@ -76,6 +71,10 @@ def check_shared(out_dir, master, wait=10.0):
     """Every process sees what the master writes in out_dir, or all stop here in one line before anything trains (on
     each node's own disk a checkpoint would be lost, or never whole): each looks for the master's new probe file for
     up to wait s, as a network file system may show a new file late."""
+    import secrets  # (here: only a run of many processes comes here)
+    import time
+
+    from lib.parallel import this_process
     token = [secrets.token_hex(8) if master else None]
     dist.broadcast_object_list(token, src=0)
     probe = os.path.join(out_dir, f".shared-{token[0]}")
@@ -199,6 +198,7 @@ def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
 
 def resume(origin, config, meta):
     # origin from its checkpoint (a LoRA run's base held as it was: 4 bits stay 4 bits); notes on what changed
+    from lib.data import val_measure
     checkpoint, found = origin.checkpoint, origin.found
     check_resume(checkpoint, config, meta["vocab_size"], found)
     trained_on = checkpoint.get("tokenizer_fingerprint")  # (none in a checkpoint from before it was kept)
@@ -207,9 +207,8 @@ def resume(origin, config, meta):
                         f"on (its ids would mean other words): resume on the data it was trained on, or train anew "
                         f"into another out_dir")
     origin.pretrained, origin.base_fingerprint = checkpoint.get("pretrained"), checkpoint.get("base_fingerprint")
-    # RUN_SETTINGS are this run's, but a pretrained model's block_size is its own limit, not the length trained on
-    origin.model_args = {**checkpoint["model_args"], **{k: config[k] for k in RUN_SETTINGS}}
-    if origin.pretrained:
+    origin.model_args = {**checkpoint["model_args"], **{k: config[k] for k in RUN_SETTINGS}}  # (this run's)
+    if origin.pretrained:  # its block_size is the model's own limit, not the length trained on
         origin.model_args["block_size"] = checkpoint["model_args"]["block_size"]
     loop = origin.loop = {k: checkpoint[k] for k in ckpt.LOOP}
     origin.lora = origin.model_args.get("lora_rank", 0)
@@ -225,7 +224,8 @@ def resume(origin, config, meta):
     if prepared_again:
         origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
                             f"sizes differ): the run goes on through other sequences than it would have seen")
-    if (prepared_again or val_measure(before, meta) != val_measure(config, meta)) and loop["best_val_loss"] < math.inf:
+    if (prepared_again or val_measure(before, meta) != val_measure(config, meta)) \
+            and loop["best_val_loss"] < float("inf"):
         origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
                             f"eval_full, eval_stride, doc_mask, sequences or the data changed): its best val loss "
                             f"{loop['best_val_loss']:.4f} and early stopping's count start anew: the next "
@@ -242,11 +242,10 @@ def resume(origin, config, meta):
         return (c.get("seed"), c.get("sequences"), c.get("block_size"),
                 c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0))
     if shaping(before) != shaping(config):
-        epochs = " (and its epochs are counted anew: a ckpt_epoch_N may be written again)" if config["max_epochs"] \
-            else ""
+        anew = " (and its epochs are counted anew: a ckpt_epoch_N may be written again)" if config["max_epochs"] else ""
         origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "
                             "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
-                            f"not on the batches the first run would have seen{epochs}")
+                            f"not on the batches the first run would have seen{anew}")
     if config["max_iters"] < loop["iter_num"] and not config["eval_only"]:  # (the loop ends where it begins)
         origin.notes.append(f"note: max_iters={config['max_iters']} is behind the checkpoint's step "
                             f"{loop['iter_num']}: nothing is trained (raise max_iters to train on)")
@@ -296,11 +295,11 @@ def starting_point(out_dir, init_from, found):
         how = "--init_from=resume" if found else f"--init_from=resume once one of them is copied to ckpt.pt{folder}"
         raise UserError(f"{out_dir} holds a run already ({', '.join(held)}): continue it with {how}, or train into "
                         f"another out_dir")
-    if init_from == "resume" and not found:
-        raise UserError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
-                         f"set init_from='scratch')")
     if init_from != "resume":
         return init_from, None
+    if not found:
+        raise UserError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
+                         f"set init_from='scratch')")
     # all but a sharded checkpoint's weights and moments, which restore reads
     needed = ckpt.NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(found) else ckpt.NEEDED
     return init_from, load_checked(found, needed, weights=False)
