@@ -102,8 +102,7 @@ def begin(config, vocab_size, meta, fsdp):
     vocab_size and fsdp resolved (tensor parallel brings it). Every process calls it; UserError if it cannot begin."""
     model_args = {**{k: config[k] for k in model_settings()}, "vocab_size": vocab_size}  # GPTConfig's fields
     check_sizes(model_args, "this run", "set it within its range (model.py's GPTConfig)")
-    out_dir = config["out_dir"]
-    found = ckpt.find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    found = ckpt.find_checkpoint(os.path.join(config["out_dir"], "ckpt.pt"))
     if dist.is_initialized() and dist.get_world_size() > 1:  # or the processes would start from different states
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, found)
@@ -111,7 +110,7 @@ def begin(config, vocab_size, meta, fsdp):
         if 0 < len(named) < len(seen):
             raise UserError(f"{named[0]} is visible to {len(named)} of {len(seen)} processes: out_dir must be on "
                             f"storage every node shares")
-    init_from, checkpoint = starting_point(out_dir, config["init_from"], found)
+    init_from, checkpoint = starting_point(config["out_dir"], config["init_from"], found)
     origin = Origin(init_from=init_from, checkpoint=checkpoint, found=found, model_args=model_args,
                     sharded=os.path.isdir(found) if found else fsdp, loop=dict(ckpt.LOOP),
                     lora_base_dtype=config["lora_base_dtype"])
