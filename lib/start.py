@@ -71,7 +71,7 @@ def check_shared(out_dir, master, wait=10.0):
     """Every process sees what the master writes in out_dir, or all stop here in one line before anything trains (on
     each node's own disk a checkpoint would be lost, or never whole): each looks for the master's new probe file for
     up to wait s, as a network file system may show a new file late."""
-    import secrets  # (here: only a run of many processes comes here)
+    import secrets  # here, not on top: only a run of several processes checks
     import time
 
     from lib.parallel import this_process
