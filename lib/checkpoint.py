@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from lib.files import UserError, check_regular, durable_replace, open_own
 from lib.parallel import is_dtensor
+from lib.settings import check_sizes
+from model import GPT, GPTConfig
 
 
 def dcp():
@@ -276,8 +278,6 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
 def meta_model(args, weights):
     # GPT of args on the meta device (the tensors become its weights: no second copy), once its sizes, the
     # tensors' shapes (a sharded checkpoint's come later, in restore) and values check
-    from lib.settings import check_sizes
-    from model import GPT, GPTConfig
     fix = "use another checkpoint"
     check_sizes(args, "the checkpoint's model_args", fix)
     if weights and (blocks := layer_count(weights, "blocks.")) != args["n_layer"]:
@@ -308,12 +308,15 @@ def write_file(state, path):
         os.fsync(f.fileno())
 
 
+FICLONE = 0x40049409  # Linux's ioctl that makes a file share another's blocks until either is written
+
+
 def copy_file(src, dst):
     # dst a file of its own with src's bytes (unlike a hard link, writing one leaves the other): a copy-on-write
     # clone where the file system makes them (btrfs, XFS: nothing copied), else the bytes copied; fsynced
     with open(src, "rb") as source, open_own(dst, "wb") as target:
         try:
-            fcntl.ioctl(target.fileno(), 0x40049409, source.fileno())  # FICLONE: Linux's (shares src's blocks)
+            fcntl.ioctl(target.fileno(), FICLONE, source.fileno())
         except OSError:  # (ext4, and every system but Linux)
             shutil.copyfileobj(source, target, 1 << 24)
         target.flush()
@@ -499,8 +502,9 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
     swept = None
     if master:  # what killed saves left unfinished (no save is under way now)
         try:
-            for name in [name for name in os.listdir(out_dir) if re.fullmatch(UNFINISHED, name)]:
-                retire(os.path.join(out_dir, name))
+            for name in os.listdir(out_dir):
+                if re.fullmatch(UNFINISHED, name):
+                    retire(os.path.join(out_dir, name))
         except OSError as e:  # (out_dir gone, or its mount): every process fails with it, not at another collective
             swept = e
     if dist.is_initialized() and dist.get_world_size() > 1:  # the others wait for the sweep before they write

@@ -7,15 +7,20 @@ or a run that already stopped early), decided once from train.py's settings and 
 """
 
 import atexit
+import math
 import os
 import re
+import secrets
+import time
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
 
 from lib import checkpoint as ckpt
+from lib.data import val_measure
 from lib.files import UserError, data_fingerprint, lock_folder, read_json, tokenizer_fingerprint, unlock_folder
+from lib.parallel import this_process
 from lib.settings import check_sizes, model_settings
 from model import GPT, GPTConfig
 
@@ -71,10 +76,6 @@ def check_shared(out_dir, master, wait=10.0):
     """Every process sees what the master writes in out_dir, or all stop here in one line before anything trains (on
     each node's own disk a checkpoint would be lost, or never whole): each looks for the master's new probe file for
     up to wait s, as a network file system may show a new file late."""
-    import secrets  # here, not on top: only a run of several processes checks
-    import time
-
-    from lib.parallel import this_process
     token = [secrets.token_hex(8) if master else None]
     dist.broadcast_object_list(token, src=0)
     probe = os.path.join(out_dir, f".shared-{token[0]}")
@@ -197,7 +198,6 @@ def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
 
 def resume(origin, config, meta):
     # origin from its checkpoint (a LoRA run's base held as it was: 4 bits stay 4 bits); notes on what changed
-    from lib.data import val_measure
     checkpoint, found = origin.checkpoint, origin.found
     check_resume(checkpoint, config, meta["vocab_size"], found)
     trained_on = checkpoint.get("tokenizer_fingerprint")  # (none in a checkpoint from before it was kept)
@@ -223,8 +223,7 @@ def resume(origin, config, meta):
     if prepared_again:
         origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
                             f"sizes differ): the run goes on through other sequences than it would have seen")
-    if (prepared_again or val_measure(before, meta) != val_measure(config, meta)) \
-            and loop["best_val_loss"] < float("inf"):
+    if (prepared_again or val_measure(before, meta) != val_measure(config, meta)) and loop["best_val_loss"] < math.inf:
         origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
                             f"eval_full, eval_stride, doc_mask, sequences or the data changed): its best val loss "
                             f"{loop['best_val_loss']:.4f} and early stopping's count start anew: the next "
