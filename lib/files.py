@@ -23,13 +23,9 @@ import contextlib
 import errno
 import fcntl
 import json
-import math
 import os
-import pickle
-import stat
 import sys
 from hashlib import blake2b
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -109,15 +105,13 @@ def open_own(path, mode="w", encoding=None):
     """open(path, mode) for a file this project writes, never following a link at path. 'w' modes (and 'w+b')
     replace whatever is there, a planted link included (the link goes, not the file it names), with a new file;
     'a' appends to a regular file and refuses a link in one line."""
-    flags = os.O_NOFOLLOW | (os.O_RDWR if "+" in mode else os.O_WRONLY)
-    if mode.startswith("a"):
-        flags |= os.O_APPEND | os.O_CREAT
-    else:
+    if not mode.startswith("a"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-        flags |= os.O_CREAT | os.O_EXCL  # a link planted again since the removal is refused, not followed
+    # appended to, or made anew (O_EXCL: a link planted again since the removal is refused, not followed)
+    flags = os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode.startswith("a") else os.O_EXCL)
     try:
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags | (os.O_RDWR if "+" in mode else os.O_WRONLY), 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UserError(link_refused(path)) from None
@@ -221,10 +215,9 @@ def tokenizer_fingerprint(data_dir, meta):
     if isinstance(name, str) and name and name == os.path.basename(name):  # a file of the folder's own
         path = os.path.join(data_dir, name)
         check_regular(path, "prepare the data again (python prepare.py ...)")
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
+        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:  # (none there: nothing to add)
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -238,29 +231,24 @@ def data_fingerprint(meta):
             .hexdigest() for name, value in (("splits", splits), ("chat", chat))}
 
 
-class NotPlain(pickle.UnpicklingError):
-    """A pickle names a class or a function: what it would call to build its objects."""
-
-
-class PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain values only: a pickle runs code only by calling what it names, and find_class refuses all."""
-
-    def find_class(self, module, name):
-        raise NotPlain(f"{module}.{name}")
-
-
 def read_plain_pickle(path):
     """The value pickled in path if it holds only dicts, lists, tuples, strings, numbers, booleans and None;
     else a UserError of one line. Nothing in the file is ever run."""
+    import pickle  # (nanoGPT's meta.pkl only)
+
     def refused(what):
         return UserError(f"{path} holds objects other than plain values ({what}) and is not loaded; "
                           f"nanoGPT's meta.pkl holds only dicts, strings and integers")
 
+    class PlainUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):  # a pickle runs code only by calling what it names: nothing is named
+            raise refused(f"{module}.{name}")
+
     try:
         with open(path, "rb") as f:
             value = PlainUnpickler(f).load()
-    except NotPlain as e:
-        raise refused(e) from None
+    except UserError:
+        raise
     except Exception as e:  # a damaged pickle fails in many ways
         raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
     seen, todo = set(), [value]
@@ -270,7 +258,7 @@ def read_plain_pickle(path):
             raise refused(f"a {type(item).__name__}")
         if isinstance(item, (dict, list, tuple)) and id(item) not in seen:
             seen.add(id(item))
-            todo.extend(chain(item.keys(), item.values()) if isinstance(item, dict) else item)
+            todo.extend([*item.keys(), *item.values()] if isinstance(item, dict) else item)
     return value
 
 
@@ -291,7 +279,7 @@ def nanogpt_chars(path):
 def check_regular(path, fix):
     """UserError in one line where path is there but is not a regular file: a FIFO would hang its read, a device
     (/dev/zero) never end it."""
-    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+    if os.path.exists(path) and not os.path.isfile(path):
         raise UserError(f"{path} is not a regular file (a FIFO, a device or a folder): {fix}")
 
 
@@ -312,12 +300,10 @@ def read_json(path, fix="replace it with the model's own file"):
 
 
 def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
-    """UserError in one line unless path, a token file of dtype, is a file whose every id is below vocab_size
-    (meta.json's: an id past it but under the model's padded vocabulary would train a row no text has), read in
-    memory-mapped chunks about as fast as the disk reads."""
-    if not os.path.isfile(path):
-        raise UserError(f"{path} is not a file: prepare the data again (python prepare.py ...)")
-    ids = np.memmap(path, dtype=dtype, mode="r") if os.path.getsize(path) else np.zeros(0, dtype)
+    """UserError in one line unless every id of path, a non-empty token file of dtype (check_token_files checks it
+    is one), is below vocab_size (meta.json's: an id past it but under the model's padded vocabulary would train a row
+    no text has), read in memory-mapped chunks about as fast as the disk reads."""
+    ids = np.memmap(path, dtype=dtype, mode="r")
     for start in range(0, len(ids), chunk):
         piece = ids[start:start + chunk]
         if int(piece.max()) >= vocab_size:
@@ -366,7 +352,7 @@ def check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_si
         raise UserError(f"{'doc_mask=True' if doc_mask else f'sequences={sequences}'} needs the end-of-text id, and "
                         f"{os.path.join(data_dir, 'meta.json')} gives none (prepare the data with prepare.py, or set "
                         f"doc_mask=False and sequences='windows')")
-    vocab_size = vocab_size or 64 * math.ceil(meta["vocab_size"] / 64)
+    vocab_size = vocab_size or 64 * -(-meta["vocab_size"] // 64)
     if meta["vocab_size"] > vocab_size:
         raise UserError(f"{os.path.join(data_dir, 'meta.json')} says the data has {meta['vocab_size']} token ids "
                         f"but the model's vocab_size is {vocab_size} (set vocab_size=0 to follow the data)")
