@@ -10,7 +10,7 @@ import bisect
 import math
 import os
 import weakref
-from typing import NamedTuple
+from collections import namedtuple
 
 import numpy as np
 import torch
@@ -20,9 +20,9 @@ from lib.files import END, UserError, end_mark
 CHUNK = 1 << 26  # tokens scanned at a time for the examples' ends
 
 
-class Mode(NamedTuple):
-    examples: bool  # a sequence is whole examples packed best-fit (they end at meta.json's eot_id), not a window
-    epochs: bool  # an epoch draws every sequence once, in an order drawn from the seed (False: with replacement)
+# examples: a sequence is whole examples packed best-fit (they end at meta.json's eot_id), not a window;
+# epochs: an epoch draws every sequence once, in an order drawn from the seed (False: with replacement)
+Mode = namedtuple("Mode", "examples epochs")
 
 
 # the ways to draw a run's training sequences (sequences=NAME), read by the checks, the batches and the epochs
@@ -48,9 +48,8 @@ class Split:
     def __init__(self, data_dir, split, meta, block_size, seed, examples, vocab_size):
         self.file = open(os.path.join(data_dir, f"{split}.bin"), "rb")
         self.mask_file = open(os.path.join(data_dir, f"{split}.mask.bin"), "rb") if meta.get("masks") else None
-        for f in (self.file, self.mask_file):
-            if f:  # closed with the split
-                weakref.finalize(self, f.close)
+        for f in filter(None, (self.file, self.mask_file)):  # closed with the split
+            weakref.finalize(self, f.close)
         self.dtype, self.eot_id, self.examples = np.dtype(meta["dtype"]), meta.get("eot_id"), examples
         self.end = end_mark(meta)  # the mask's value where an example ends
         self.block_size, self.seed, self.is_val, self.vocab_size = block_size, seed, split == "val", vocab_size
@@ -196,11 +195,6 @@ class Split:
             self.firsts.append(self.firsts[-1] + len(self.epoch(len(self.firsts) - 1)))
         return self.firsts[epochs]
 
-    def epoch_at(self, n):
-        """Epochs trained after n sequences, with the fraction of the current one."""
-        self.sequence(n)  # packs as far as n
-        epoch = bisect.bisect_right(self.firsts, n) - 1
-        return epoch + (n - self.firsts[epoch]) / (self.firsts[epoch + 1] - self.firsts[epoch])
 
 
 def val_by_example(examples, eval_full, meta):
@@ -234,13 +228,12 @@ class Batches:
         self.doc_mask, self.device = doc_mask, device
         self.eval_stride = block_size // 2 if eval_stride == -1 else eval_stride  # (settings.eval_stride's -1)
         self.pinned = device.startswith("cuda")  # batches copied from pinned memory while the GPU works on
-        self.examples = self.mode.examples
         self.train_tokens, self.tokens_per_step = train_tokens, sequences_per_step * block_size
-        self.val_by_example = val_by_example(self.examples, eval_full, meta)
-        self.splits = {"train": Split(data_dir, "train", meta, block_size, seed, self.examples, vocab_size),
+        self.val_by_example = val_by_example(self.mode.examples, eval_full, meta)
+        self.splits = {"train": Split(data_dir, "train", meta, block_size, seed, self.mode.examples, vocab_size),
                        "val": Split(data_dir, "val", meta, block_size, seed, self.val_by_example, vocab_size)}
         # val scored whole, every target once: its examples, or strided windows
-        self.scored_val = eval_full or self.examples
+        self.scored_val = eval_full or self.mode.examples
         # micro-batches hold different numbers of targets (an epoch's part windows at the split's ends, a last step's
         # padding past max_epochs, masks, packed examples): the loop weighs each one's loss by its share
         self.weighted = self.mode.epochs or meta.get("masks", False)
@@ -266,14 +259,14 @@ class Batches:
             return self.to_device(split.windows(step, index, self.batch_size, self.doc_mask))
         first = step * self.sequences_per_step + index * self.batch_size
         numbers = range(first, first + self.batch_size)
-        if self.examples:
+        if self.mode.examples:
             return self.to_device(split.packed(numbers, self.end_of_epochs))
         return self.to_device(split.shuffled(numbers, self.doc_mask, self.end_of_epochs))
 
     def evaluation(self, name, index):
         """The index-th micro-batch of split name's evaluation, the same every time -> x, y, doc_ids."""
         split, numbers = self.splits[name], range(index * self.batch_size, (index + 1) * self.batch_size)
-        if self.examples or (name == "val" and self.scored_val):  # examples packed, or val's every target once
+        if self.mode.examples or (name == "val" and self.scored_val):  # examples packed, or val's every target once
             return self.to_device(split.scored(numbers, self.eval_stride, self.doc_mask))
         return self.to_device(split.windows(-1, index, self.batch_size, self.doc_mask))
 
@@ -286,8 +279,10 @@ class Batches:
     def epoch(self, step):
         """Passes over the training split by the end of step: sequences over the split's, or tokens ('random')."""
         if self.mode.epochs:  # (a last step partly past max_epochs holds padding, not the next epoch)
-            n = min(step * self.sequences_per_step, self.end_of_epochs or math.inf)
-            return self.splits["train"].epoch_at(n)
+            train, n = self.splits["train"], min(step * self.sequences_per_step, self.end_of_epochs or math.inf)
+            train.sequence(n)  # packs as far as n: the epochs done, with the fraction of the current one
+            epoch = bisect.bisect_right(train.firsts, n) - 1
+            return epoch + (n - train.firsts[epoch]) / (train.firsts[epoch + 1] - train.firsts[epoch])
         return step * self.tokens_per_step / self.train_tokens
 
     def describe(self, eval_iters):
@@ -296,7 +291,7 @@ class Batches:
                f"every token of val.bin once, in windows overlapping by {self.eval_stride}" if self.scored_val else
                f"{eval_iters} batches of random windows")
         val += f" ({self.splits['val'].cut_note()})" if self.val_by_example and self.splits["val"].cut else ""
-        return f"val loss: {val}" + (f"\n{self.splits['train'].packing()}" if self.examples else "")
+        return f"val loss: {val}" + (f"\n{self.splits['train'].packing()}" if self.mode.examples else "")
 
     def to_device(self, tensors):
         return [t if t is None else (t.pin_memory() if self.pinned else t).to(self.device, non_blocking=self.pinned)
