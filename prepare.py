@@ -295,8 +295,7 @@ def temporary_outputs(out, overwrite):
     except UserError:
         unlock_folder(out, held)
         raise
-    names = OUTPUTS[:4]
-    files = {name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in names}
+    files = {name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in OUTPUTS[:4]}
     try:
         yield files
     finally:
