@@ -215,9 +215,10 @@ def tokenizer_fingerprint(data_dir, meta):
     if isinstance(name, str) and name and name == os.path.basename(name):  # a file of the folder's own
         path = os.path.join(data_dir, name)
         check_regular(path, "prepare the data again (python prepare.py ...)")
-        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:  # (none there: nothing to add)
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
     return digest.hexdigest()
 
 
