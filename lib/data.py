@@ -10,7 +10,7 @@ import bisect
 import math
 import os
 import weakref
-from collections import namedtuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,9 +20,9 @@ from lib.files import END, UserError, end_mark
 CHUNK = 1 << 26  # tokens scanned at a time for the examples' ends
 
 
-# examples: a sequence is whole examples packed best-fit (they end at meta.json's eot_id), not a window;
-# epochs: an epoch draws every sequence once, in an order drawn from the seed (False: with replacement)
-Mode = namedtuple("Mode", "examples epochs")
+class Mode(NamedTuple):
+    examples: bool  # a sequence is whole examples packed best-fit (they end at meta.json's eot_id), not a window
+    epochs: bool  # an epoch draws every sequence once, in an order drawn from the seed (False: with replacement)
 
 
 # the ways to draw a run's training sequences (sequences=NAME), read by the checks, the batches and the epochs

@@ -23,6 +23,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import sys
 from hashlib import blake2b
@@ -353,7 +354,7 @@ def check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_si
         raise UserError(f"{'doc_mask=True' if doc_mask else f'sequences={sequences}'} needs the end-of-text id, and "
                         f"{os.path.join(data_dir, 'meta.json')} gives none (prepare the data with prepare.py, or set "
                         f"doc_mask=False and sequences='windows')")
-    vocab_size = vocab_size or 64 * -(-meta["vocab_size"] // 64)
+    vocab_size = vocab_size or 64 * math.ceil(meta["vocab_size"] / 64)
     if meta["vocab_size"] > vocab_size:
         raise UserError(f"{os.path.join(data_dir, 'meta.json')} says the data has {meta['vocab_size']} token ids "
                         f"but the model's vocab_size is {vocab_size} (set vocab_size=0 to follow the data)")
