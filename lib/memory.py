@@ -8,11 +8,9 @@ import dataclasses
 import math
 import os
 import re
-import resource
-import sys
 import weakref
+from collections import Counter, namedtuple
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -28,7 +26,6 @@ from model import PROJECTIONS
 # tensor parallel splits these by output rows (attention by heads, the MLP by width), the ones after by input columns
 COLUMN_PARALLEL = tuple(f"{PROJECTIONS[n]}.{kind}" for n in SPLIT_BY_OUTPUT for kind in ("weight", "bias"))
 ROW_PARALLEL = tuple(f"{PROJECTIONS[n]}.weight" for n in SPLIT_BY_INPUT)
-LAYOUT = ("dp", "tp", "fsdp", "checkpointing", "offload")  # memory_estimate's layout arguments
 MEMORY_KINDS = ("weights", "grads", "optimizer", "activations", "copies", "temporary", "device", "host")
 
 
@@ -64,7 +61,6 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     counts as it is. device: its type. Not counted: document masks, rotary tables, the allocator's cache, and kernels'
     own allocations but the fused loss's logits (workspace)."""
     c = model.config
-    e = 4 if dtype == "float32" else 2  # a weight's bytes in the compute dtype
     params = list(model.named_parameters())  # a tied weight once
     ddp = dp > 1 and not fsdp  # (tensor parallel runs under FSDP)
     state = traced_optimizer(model, optimizer, tp)
@@ -73,22 +69,23 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     checkpoint = sum(state_bytes(in_checkpoint, state, 1, 1, False, None, False)[::2])  # weights and optimizer state
     saved = traced_forward(model, batch_size, block_size, dtype, tp, fsdp, device, quantized)
     if fsdp:  # gathered in the compute dtype: the root (embedding, head) all step, a block and its gradients
+        e = 4 if dtype == "float32" else 2  # a weight's bytes in the compute dtype
         root = sum(held_values(n, p, dp, tp) for n, p in params if "blocks." not in n)
         copies = (root + 2 * sum(held_values(n, p, dp, tp) for n, p in params if "blocks.0." in n)) * e
     else:  # autocast's copies of the weights, kept for the backward (recomputed under checkpointing)
         copies = saved.head_copies + (1 if checkpointing else c.n_layer) * saved.block_copies
     stored = c.n_layer * (saved.block_input if checkpointing else saved.block)
-    host = weights + grads + optim if offload else 0
     made = 0 if offload else grads  # offloaded, the gradients go to the host as they are made
     kept = made if micro_steps > 1 else made // 2 if ddp else 0
-    at_loss = saved.head + stored + saved.temporary + kept
-    peak = max(at_loss, stored + saved.block + made if checkpointing else made)
+    # at the loss, or (checkpointing) while the backward recomputes a block
+    peak = max(saved.head + stored + saved.temporary + kept, stored + saved.block + made if checkpointing else made)
     # the tail (after the blocks' backward): every gradient, but those not made yet (kept ones are), and saved.tail;
     # autocast's copies are gone by then, FSDP's gathered root is not
     missing = [(n, p) for n, p in params if n in saved.missing and micro_steps == 1]
     tail = max(0, made - state_bytes(missing, state, dp, tp, fsdp, quantized, False)[1]) + saved.tail
     return dict(weights=weights, grads=grads, optimizer=optim, copies=copies, temporary=saved.temporary,
-                host=host, activations=saved.head + stored + (saved.block if checkpointing else 0),
+                host=weights + grads + optim if offload else 0,
+                activations=saved.head + stored + (saved.block if checkpointing else 0),
                 device=max(copies + peak, tail + (root * e if fsdp else 0)) + (0 if offload else weights + optim),
                 checkpoint=checkpoint)
 
@@ -123,11 +120,9 @@ def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
     return weights, grads, optim
 
 
-class StateBytes(NamedTuple):
-    """One parameter's optimizer state in bytes (traced_optimizer): per_value, per value of the parameter, for state
-    shaped like it (Adam's moments), split as the parameter is; whole, the rest (Adam's step, a factored moment)."""
-    per_value: int
-    whole: int
+# one parameter's optimizer state in bytes (traced_optimizer): per_value, per value of the parameter, for state shaped
+# like it (Adam's moments), split as the parameter is; whole, the rest (Adam's step, a factored moment)
+StateBytes = namedtuple("StateBytes", "per_value whole")
 
 
 def traced_optimizer(model, optimizer="adamw", tp=1):
@@ -171,20 +166,12 @@ def state_of(p, optimizers):
 # --- What a forward keeps for the backward, traced on fake tensors: no memory, so a 7B model costs what a tiny one does
 
 
-class Saved(NamedTuple):
-    """Bytes a forward keeps for the backward (traced_forward): block and block_copies, one block's activations and its
-    weights' autocast copies; head and head_copies, the same for all but n_layer blocks; block_input, what checkpointing
-    keeps of a block; temporary, the peak beyond them from the last block's output until the backward is back at it;
-    tail, the peak from the first block's input's gradient to the backward's end, less the gradients set by then;
-    missing, the names of the trained parameters whose gradient was not set at that peak."""
-    block: int
-    block_copies: int
-    head: int
-    head_copies: int
-    block_input: int
-    temporary: int
-    tail: int
-    missing: list
+# bytes a forward keeps for the backward (traced_forward): block and block_copies, one block's activations and its
+# weights' autocast copies; head and head_copies, the same for all but n_layer blocks; block_input, what checkpointing
+# keeps of a block; temporary, the peak beyond them from the last block's output until the backward is back at it;
+# tail, the peak from the first block's input's gradient to the backward's end, less the gradients set by then;
+# missing, the names of the trained parameters whose gradient was not set at that peak
+Saved = namedtuple("Saved", "block block_copies head head_copies block_input temporary tail missing")
 
 
 def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=False, device="cuda", quantized=None):
@@ -305,10 +292,9 @@ class Trace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            key = storage_key(t) if isinstance(t, torch.Tensor) else None
-            if key is not None and key not in self.made and key not in self.weights:
-                storage = t.untyped_storage()  # its weakref calls free when no tensor lives in it any more
+        for storage in [t.untyped_storage() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:
+            key = storage._cdata  # storage_key(t)
+            if key not in self.made and key not in self.weights:  # its weakref calls free once no tensor lives in it
                 self.made[key] = (storage.nbytes(), weakref.ref(storage, partial(self.free, key)))
                 self.alive += storage.nbytes()
         if func is torch.ops.aten._to_copy.default and storage_key(args[0]) in self.weights:
@@ -332,29 +318,24 @@ class Trace(TorchDispatchMode):
 
     def enter(self, i, block, args):
         self.region, self.block_input = i, tensor_bytes(args[0])
-        if i == self.blocks - 1 and args[0].requires_grad:
-            args[0].register_hook(self.close)
-        if i == 0 and args[0].requires_grad:
-            args[0].register_hook(self.open_tail)
+        if args[0].requires_grad:
+            args[0].register_hook(partial(self.back_at, i))
 
     def leave(self, i, block, args, out):
         self.region, self.window = None, i == self.blocks - 1
 
-    def close(self, grad):
-        self.window = False
-
-    def open_tail(self, grad):
-        self.in_tail = True
+    def back_at(self, i, grad):
+        # the backward at block i's input: the window closes at the last block's, the tail opens at the first's
+        self.window, self.in_tail = self.window and i < self.blocks - 1, self.in_tail or i == 0
 
     def saved_bytes(self):
         # (the last block's activations and copies, the rest's beside n such blocks): deeper models' blocks are like it
-        totals = {}
+        totals = Counter()  # (a cast of a weight, saved by the last block): bytes
         for key, (nbytes, region) in self.saved.items():
-            kind = (key in self.casts, region == self.blocks - 1)
-            totals[kind] = totals.get(kind, 0) + nbytes
-        block, block_copies = totals.get((False, True), 0), totals.get((True, True), 0)
-        return (block, block_copies, totals.get((False, False), 0) - (self.blocks - 1) * block,
-                totals.get((True, False), 0) - (self.blocks - 1) * block_copies)
+            totals[key in self.casts, region == self.blocks - 1] += nbytes
+        block, block_copies = totals[False, True], totals[True, True]
+        return (block, block_copies, totals[False, False] - (self.blocks - 1) * block,
+                totals[True, False] - (self.blocks - 1) * block_copies)
 
 
 class AskedAbout(TorchFunctionMode):
@@ -393,6 +374,8 @@ def measured_mb(device):
     peak = proc_kib("VmHWM")  # ru_maxrss would start from the parent's when a big process launched us
     if peak is not None:
         return peak / 1024
+    import resource
+    import sys
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
 
 
