@@ -114,10 +114,9 @@ def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
         return held_values(name, p, dp, tp, fsdp) * p.element_size()
 
     trained = [(n, p) for n, p in params if p.requires_grad]
-    weights = sum(held(n, p) for n, p in params)
-    grads = sum(held_values(n, p, dp, tp, fsdp) * p.element_size() for n, p in trained) * (2 if ddp else 1)
-    optim = sum(state[n].per_value * held_values(n, p, dp, tp, fsdp) + state[n].whole for n, p in trained)
-    return weights, grads, optim
+    return (sum(held(n, p) for n, p in params),
+            sum(held_values(n, p, dp, tp, fsdp) * p.element_size() for n, p in trained) * (2 if ddp else 1),
+            sum(state[n].per_value * held_values(n, p, dp, tp, fsdp) + state[n].whole for n, p in trained))
 
 
 # one parameter's optimizer state in bytes (traced_optimizer): per_value, per value of the parameter, for state shaped
