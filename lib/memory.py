@@ -8,9 +8,12 @@ import dataclasses
 import math
 import os
 import re
+import resource
+import sys
 import weakref
-from collections import Counter, namedtuple
+from collections import Counter
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -119,9 +122,11 @@ def state_bytes(params, state, dp, tp, fsdp, quantized, ddp):
             sum(state[n].per_value * held_values(n, p, dp, tp, fsdp) + state[n].whole for n, p in trained))
 
 
-# one parameter's optimizer state in bytes (traced_optimizer): per_value, per value of the parameter, for state shaped
-# like it (Adam's moments), split as the parameter is; whole, the rest (Adam's step, a factored moment)
-StateBytes = namedtuple("StateBytes", "per_value whole")
+class StateBytes(NamedTuple):
+    """One parameter's optimizer state in bytes (traced_optimizer): per_value, per value of the parameter, for state
+    shaped like it (Adam's moments), split as the parameter is; whole, the rest (Adam's step, a factored moment)."""
+    per_value: int
+    whole: int
 
 
 def traced_optimizer(model, optimizer="adamw", tp=1):
@@ -165,12 +170,20 @@ def state_of(p, optimizers):
 # --- What a forward keeps for the backward, traced on fake tensors: no memory, so a 7B model costs what a tiny one does
 
 
-# bytes a forward keeps for the backward (traced_forward): block and block_copies, one block's activations and its
-# weights' autocast copies; head and head_copies, the same for all but n_layer blocks; block_input, what checkpointing
-# keeps of a block; temporary, the peak beyond them from the last block's output until the backward is back at it;
-# tail, the peak from the first block's input's gradient to the backward's end, less the gradients set by then;
-# missing, the names of the trained parameters whose gradient was not set at that peak
-Saved = namedtuple("Saved", "block block_copies head head_copies block_input temporary tail missing")
+class Saved(NamedTuple):
+    """Bytes a forward keeps for the backward (traced_forward): block and block_copies, one block's activations and its
+    weights' autocast copies; head and head_copies, the same for all but n_layer blocks; block_input, what checkpointing
+    keeps of a block; temporary, the peak beyond them from the last block's output until the backward is back at it;
+    tail, the peak from the first block's input's gradient to the backward's end, less the gradients set by then;
+    missing, the names of the trained parameters whose gradient was not set at that peak."""
+    block: int
+    block_copies: int
+    head: int
+    head_copies: int
+    block_input: int
+    temporary: int
+    tail: int
+    missing: list
 
 
 def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=False, device="cuda", quantized=None):
@@ -292,7 +305,7 @@ class Trace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for storage in [t.untyped_storage() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]:
-            key = storage._cdata  # storage_key(t)
+            key = storage._cdata  # (storage_key)
             if key not in self.made and key not in self.weights:  # its weakref calls free once no tensor lives in it
                 self.made[key] = (storage.nbytes(), weakref.ref(storage, partial(self.free, key)))
                 self.alive += storage.nbytes()
@@ -373,8 +386,6 @@ def measured_mb(device):
     peak = proc_kib("VmHWM")  # ru_maxrss would start from the parent's when a big process launched us
     if peak is not None:
         return peak / 1024
-    import resource
-    import sys
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
 
 
