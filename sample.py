@@ -22,10 +22,9 @@ import torch
 
 from lib.chat import ChatFormat, find_template
 from lib.files import UserError, one_line_errors
-from lib.hf import eos_ids
 from lib.parallel import pick_device
 from lib.settings import SAMPLING, check_ranges
-from lib.trained import chat_folder, load_folder_or_run
+from lib.trained import chat_folder, chat_stops, load_folder_or_run
 
 one_line_errors("sample.py")
 MAX_PROMPT = 1 << 20  # characters of a --start=FILE: prompt
@@ -91,7 +90,7 @@ if start is not None and start.startswith("FILE:"):  # read in bounded memory: t
 
 def reply(messages):
     # the model's next turn: the conversation rendered with the generation prompt, sampled until end-of-turn (or an
-    # end-of-text the folder names, as transformers' generate stops at generation_config.json's eos_token_id). Past
+    # end-of-text, where its export's generation_config.json has transformers' generate stop: trained.chat_stops). Past
     # block_size the window would begin inside a turn, the system prompt cut off: the oldest exchanges are left out
     # (the system prompt and the last message stay) until it fits with room for the reply (a quarter window at least)
     system = messages[:1] if messages[0]["role"] == "system" else []
@@ -113,7 +112,7 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
         learned = tokenizer.eot_id is not None and find_template(folder)[1] != "built-in"
         if learned:  # (else it never learned one: a template of ours would only confuse it)
             chat = ChatFormat.for_tokenizer(folder, tokenizer.special_tokens(), tokenizer.decode([tokenizer.eot_id]))
-            stops = [tokenizer.special_tokens()[chat.end_of_turn], *eos_ids(folder, tokenizer)]
+            stops = chat_stops(folder, tokenizer, tokenizer.special_tokens()[chat.end_of_turn], checkpoint)
     except (ValueError, OSError, KeyError) as e:
         raise UserError(f"cannot chat with this model's template ({e})") from None
     if not learned:

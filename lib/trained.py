@@ -10,7 +10,7 @@ import os
 
 from lib.checkpoint import find_checkpoint, model_from_checkpoint
 from lib.files import UserError, data_fingerprint, read_meta, tokenizer_fingerprint
-from lib.hf import folder_splits_special, load_pretrained
+from lib.hf import eos_ids, folder_splits_special, load_pretrained
 from lib.start import frozen_dtype, load_checked
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
@@ -96,6 +96,16 @@ def chat_folder(checkpoint, tokenizer):
     made with its very tokenizer.json, not from conversations (a text fine-tune of a chat model); else the data's."""
     data_dir, base = checkpoint["data_dir"], checkpoint.get("pretrained")
     return data_dir if run_chat(checkpoint) or not bases_tokenizer(tokenizer, base) else base
+
+
+def chat_stops(folder, tokenizer, end_of_turn, checkpoint=None):
+    """The ids a --chat reply ends at, those of the run's export (transformers' generate stops at its
+    generation_config.json's): end_of_turn and folder's end-of-text ids; a chat run's base's and its end-of-text too."""
+    stops = [end_of_turn, *eos_ids(folder, tokenizer)]
+    if checkpoint is not None and run_chat(checkpoint):  # (export.write_chat)
+        base = checkpoint.get("pretrained")
+        stops += [*(eos_ids(base, tokenizer) if base else []), tokenizer.eot_id]
+    return list(dict.fromkeys(i for i in stops if i is not None))
 
 
 def splits_special(checkpoint, tokenizer):

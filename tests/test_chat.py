@@ -466,6 +466,26 @@ def test_generation_template_masks_are_transformers(style, tmp_path):
 
 
 @pytest.mark.parametrize("style", ["qwen3"], indirect=True)
+def test_a_chat_runs_replies_end_where_its_exports_do(style, tmp_path):
+    # sample.py --chat ends a run's reply at the ids its export's generation_config.json names (the end-of-turn and
+    # the data's end-of-text), where transformers' generate on the export stops, and the export's reply there too
+    from helpers import TINY, run, script
+    from lib.trained import chat_stops, load_run
+    name, folder, theirs, ours = style
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": MESSAGES}) + "\n" for _ in range(30)))
+    prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}"])
+    run(*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1")
+    done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    exported = set(json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"])
+    _, tokenizer, checkpoint = load_run(str(tmp_path / "run" / "ckpt.pt"))
+    end_of_turn = tokenizer.special_tokens()["<|im_end|>"]
+    assert exported == {end_of_turn, tokenizer.eot_id} and end_of_turn != tokenizer.eot_id
+    assert set(chat_stops(str(tmp_path / "data"), tokenizer, end_of_turn, checkpoint)) == exported
+    assert set(chat_stops(str(tmp_path / "hf"), tokenizer, end_of_turn)) == exported
+
+
+@pytest.mark.parametrize("style", ["qwen3"], indirect=True)
 def test_a_folder_without_a_template_gets_the_built_in_one_with_a_warning(style, tmp_path, capsys):
     name, folder, theirs, ours = style
     (tmp_path / "bare").mkdir()
