@@ -326,12 +326,13 @@ class ChatFormat:
                 "end_of_turn": self.end_of_turn, "end_of_turn_id": tokenizer.special_tokens()[self.end_of_turn],
                 "bos_token": self.context["bos_token"], "eos_token": self.context["eos_token"]}
 
-    def render(self, messages, add_generation_prompt=False, marks=False):
-        # marks: with MARKS around what {% generation %} blocks wrote
+    def render(self, messages, add_generation_prompt=False, marks=False, tools=None):
+        # marks: with MARKS around what {% generation %} blocks wrote; tools: the record's, for the template
         from jinja2.exceptions import TemplateError
         messages = [with_reasoning(m) for m in messages]
         try:
-            text = self.template(messages=messages, add_generation_prompt=add_generation_prompt, **self.context)
+            text = self.template(**{**self.context, "tools": tools}, messages=messages,
+                                 add_generation_prompt=add_generation_prompt)
         except (TemplateError, TypeError) as e:  # its raise_exception, what the sandbox refused, an {% include %}
             raise UserError(f"the chat template refused it ({e})") from None
         except (ArithmeticError, RecursionError, LookupError, AttributeError, ValueError, MemoryError) as e:  # its bugs
@@ -341,12 +342,17 @@ class ChatFormat:
     def record(self, obj):
         """A JSON record -> Chat, or ValueError saying why it cannot be one."""
         if "conversations" in obj and "messages" not in obj:  # ShareGPT's layout: its turns as messages
-            obj = {"messages": sharegpt_messages(obj["conversations"])}
+            obj = {"messages": sharegpt_messages(obj["conversations"]), "tools": obj.get("tools")}
+        tools = obj.get("tools")  # the functions a model may call, as TRL gives them to the template
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise UserError("'tools' is not a list of JSON objects (tool definitions): give it as one (a text of "
+                            "JSON: parse it)")
         texts = [t for key in ("messages", "prompt", "completion")
                  for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])
-                 for t in ([m.get(k) for k in ("content", "reasoning_content", "thinking", "reasoning")]
-                           if isinstance(m, dict) else [m])]
-        texts = [t for t in texts + [obj.get(key) for key in ("instruction", "input", "output")] if isinstance(t, str)]
+                 for t in ([m.get(k) for k in ("content", "reasoning_content", "thinking", "reasoning")] +
+                           [json.dumps(m.get("tool_calls"), ensure_ascii=False)] if isinstance(m, dict) else [m])]
+        texts = [t for t in texts + [obj.get(key) for key in ("instruction", "input", "output")] +
+                 [json.dumps(tools, ensure_ascii=False)] if isinstance(t, str)]
         if self.separator and any(self.separator in t for t in texts):
             raise UserError(f"it holds {self.separator}, which ends an example in the token files, as text")
         held = next((m[0] for t in texts if self.special_text and (m := self.special_text.search(t))), None)
@@ -362,7 +368,7 @@ class ChatFormat:
             last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
             if last is None:
                 raise UserError("no assistant message to learn from")
-            return self.chat(messages, last)
+            return self.chat(messages, last, tools)
         if "instruction" in obj:
             instruction, given, output = obj["instruction"], obj.get("input") or "", obj["output"]
             if not all(isinstance(s, str) for s in (instruction, given, output)):
@@ -376,45 +382,53 @@ class ChatFormat:
             return Chat(text, [(start, len(text))])
         check_messages(prompt, "prompt")
         check_messages(completion, "completion")
-        return self.chat(prompt + completion, len(prompt))
+        return self.chat(prompt + completion, len(prompt), tools)
 
-    def chat(self, messages, first_completion):
+    def chat(self, messages, first_completion, tools=None):
         """messages -> Chat, trained on: 'assistant', each assistant turn after its header (the generation prompt,
         untrained as in TRL) to its closing token, a think block before the reply included, or what {% generation %}
-        blocks write; 'completion', all from messages[first_completion]'s reply on; 'all', everything."""
-        text = self.render(messages)
+        blocks write; 'completion', all from messages[first_completion]'s reply on; 'all', everything. An assistant
+        turn with tool_calls is trained whole: its text and its calls as the template writes them."""
+        text = self.render(messages, tools=tools)
         if self.train_on == "all":
             return Chat(text, [(0, len(text))])
         if self.tagged and self.train_on == "assistant":  # what its {% generation %} blocks write, as in TRL
-            found = generation_spans(self.render(messages, marks=True))
+            found = generation_spans(self.render(messages, marks=True, tools=tools))
             if not found.spans:
                 raise UserError("the chat template's {% generation %} blocks write nothing of it to train on")
             return found
         spans = []  # each turn is looked for after where the last one found ends
         for i, message in enumerate(messages):
             if message["role"] == "assistant" and (self.train_on == "assistant" or i >= first_completion):
-                spans.append(self.turn(text, messages, i, spans[-1][1] if spans else 0))
+                spans.append(self.turn(text, messages, i, spans[-1][1] if spans else 0, tools))
         if self.train_on == "completion":
             return Chat(text, [(spans[0][0], len(text))])
         return Chat(text, spans)
 
-    def turn(self, text, messages, i, at):
+    def turn(self, text, messages, i, at, tools=None):
         # (start, end) of assistant message i's turn in text, the first after at: from where the conversation before it
         # and the generation prompt end; where the template writes that otherwise (Mistral's moves the system prompt),
         # where a stand-in reply stands. The reply is found back from the closing token (a think block may repeat it).
-        before = self.render(messages[:i], add_generation_prompt=True)
+        before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
         if text.startswith(before):
             begin = len(before)
         else:
-            marked = self.render(messages[:i] + [{**messages[i], "content": STAND_IN}] + messages[i + 1:])
+            marked = self.render(messages[:i] + [{**messages[i], "content": STAND_IN}] + messages[i + 1:], tools=tools)
             begin = marked.find(STAND_IN)
             if begin < at or not text.startswith(marked[:begin]):
                 raise UserError(f"the chat template writes the conversation before assistant message {i + 1} "
                                  f"otherwise with the reply there: cannot tell where the reply begins")
         close = text.find(self.end_of_turn, begin)
-        content = messages[i]["content"].strip()
-        if not content:  # the record's fault, not the template's
+        content, calls = (messages[i]["content"] or "").strip(), messages[i].get("tool_calls")
+        if not content and not calls:  # the record's fault, not the template's
             raise UserError(f"assistant message {i + 1} is empty: there is no reply to learn from")
+        if calls:  # the whole turn, if the template writes the text and each call's name in it
+            names = [(c["function"] if isinstance(c.get("function"), dict) else c).get("name") for c in calls]
+            if close < 0 or content not in text[begin:close] or \
+                    not all(isinstance(n, str) and n in text[begin:close] for n in names):
+                raise UserError(f"the chat template does not write assistant message {i + 1}'s tool_calls: use one "
+                                 f"that does (--chat_template)")
+            return begin, close + len(self.end_of_turn)
         start = text.rfind(content, begin, close) if close >= 0 else -1
         if start < 0 and "</think>" in content:  # reasoning templates drop it from earlier turns
             content = content.split("</think>")[-1].strip()
@@ -431,5 +445,10 @@ def check_messages(messages, field):
     if not isinstance(messages, list) or not messages:
         raise UserError(f"'{field}' is not a list of messages")
     for i, m in enumerate(messages, 1):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-            raise UserError(f"{field} {i} is not a message with a role ({'/'.join(ROLES)}) and text content")
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
+        if calls and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            raise UserError(f"{field} {i}'s tool_calls is not a list of JSON objects (calls): give it as one")
+        text = isinstance(m, dict) and (isinstance(m.get("content"), str) or calls and m.get("content") is None)
+        if not text or m.get("role") not in ROLES:
+            raise UserError(f"{field} {i} is not a message with a role ({'/'.join(ROLES)}) and text content (or an "
+                             f"assistant's tool_calls)")

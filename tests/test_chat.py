@@ -699,3 +699,40 @@ def test_a_special_tokens_text_inside_a_message_skips_its_record(tmp_path):
     assert meta["bad_records"]["examples"] == [
         f"{tmp_path / 'chats.jsonl'}:{n}: it holds {token}, a special token of the tokenizer, as text (it would be "
         f"read as the token)" for n, token in ((2, "<|im_end|>"), (3, "<|im_start|>"))]
+
+
+# a tool-use record as OpenAI's API and TRL's datasets hold it: the functions at its top level, a call with no text
+# (content null) or with some, the tool's answer; ShareGPT's and prompt/completion records may carry tools too
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters":
+                                           {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+TOOL_CHAT = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [CALL]},
+             {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"},
+             {"role": "assistant", "content": "Sunny, it says.", "tool_calls": [CALL]},
+             {"role": "tool", "content": "still sunny", "tool_call_id": "call_2", "name": "get_weather"},
+             {"role": "assistant", "content": "It is sunny in Paris."}]
+
+
+@pytest.mark.parametrize("style", ["qwen3"], indirect=True)
+def test_tools_and_tool_calls_are_rendered_and_trained_as_transformers_renders_them(style):
+    # the record's tools reach the template (Qwen3's writes them in a system turn), and an assistant turn of tool
+    # calls is trained whole, its text and its calls, as the template writes them, to its end-of-turn
+    name, folder, theirs, ours = style
+    fmt = chat_format(folder, ours)
+    record = fmt.record({"messages": TOOL_CHAT, "tools": TOOLS})
+    assert record.text == theirs.apply_chat_template(TOOL_CHAT, tools=TOOLS, tokenize=False)
+    assert "get_weather" in record.text[:record.text.index("Weather in Paris?")]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    assert [record.text[a:b] for a, b in record.spans] == [call, "Sunny, it says.\n" + call,
+                                                           THINK + "It is sunny in Paris.<|im_end|>"]
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}], "tools": TOOLS}
+    assert fmt.record(sharegpt).text == theirs.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], tools=TOOLS, tokenize=False)
+    assert fmt.record({"prompt": TOOL_CHAT[:1], "completion": TOOL_CHAT[1:], "tools": TOOLS}) == record
+    # a template that writes no tool calls (Llama 3's here), or tools as a text of JSON: refused, saying why
+    llama = chat.ChatFormat(LLAMA3, "llama3", STYLES["llama3"]["special"], "<|eot_id|>", bos_token="<|begin_of_text|>")
+    with pytest.raises(UserError, match="does not write assistant message 2's tool_calls"):
+        llama.record({"messages": TOOL_CHAT})
+    with pytest.raises(UserError, match="'tools' is not a list of JSON objects"):
+        fmt.record({"messages": TOOL_CHAT, "tools": json.dumps(TOOLS)})
