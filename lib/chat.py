@@ -62,7 +62,8 @@ def sharegpt_messages(turns):
         if not isinstance(role, str) or role not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
             raise UserError(f"conversations {i} is not a turn with a 'from' ({'/'.join(SHAREGPT_ROLES)}) and a "
                              f"text 'value'")
-        messages.append({"role": SHAREGPT_ROLES[role], "content": turn["value"]})
+        weight = {"weight": turn["weight"]} if "weight" in turn else {}  # (0: a turn not to train, as in axolotl)
+        messages.append({"role": SHAREGPT_ROLES[role], "content": turn["value"], **weight})
     return messages
 
 
@@ -388,10 +389,18 @@ class ChatFormat:
         """messages -> Chat, trained on: 'assistant', each assistant turn after its header (the generation prompt,
         untrained as in TRL) to its closing token, a think block before the reply included, or what {% generation %}
         blocks write; 'completion', all from messages[first_completion]'s reply on; 'all', everything. An assistant
-        turn with tool_calls is trained whole: its text and its calls as the template writes them."""
+        turn with tool_calls is trained whole: its text and its calls as the template writes them; one with a
+        "weight" of 0 (ShareGPT's, as axolotl reads it) is not trained."""
         text = self.render(messages, tools=tools)
         if self.train_on == "all":
             return Chat(text, [(0, len(text))])
+        weights = [1 if m.get("weight") is None else m["weight"] for m in messages if m["role"] == "assistant"]
+        bad = next((w for w in weights if w not in (0, 1)), None)
+        if bad is not None:
+            raise UserError(f"an assistant message's weight is {bad!r}: give 1 to train it, 0 not to")
+        if self.tagged and self.train_on == "assistant" and 0 in weights:
+            raise UserError("a weight of 0 cannot be told apart in what the template's {% generation %} blocks write: "
+                            "drop the turn, or use a template without them (--chat_template)")
         if self.tagged and self.train_on == "assistant":  # what its {% generation %} blocks write, as in TRL
             found = generation_spans(self.render(messages, marks=True, tools=tools))
             if not found.spans:
@@ -403,6 +412,9 @@ class ChatFormat:
                 spans.append(self.turn(text, messages, i, spans[-1][1] if spans else 0, tools))
         if self.train_on == "completion":
             return Chat(text, [(spans[0][0], len(text))])
+        spans = [span for span, weight in zip(spans, weights) if weight]
+        if not spans:
+            raise UserError("every assistant message has weight 0: there is nothing to learn from")
         return Chat(text, spans)
 
     def turn(self, text, messages, i, at, tools=None):

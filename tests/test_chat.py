@@ -736,3 +736,20 @@ def test_tools_and_tool_calls_are_rendered_and_trained_as_transformers_renders_t
         llama.record({"messages": TOOL_CHAT})
     with pytest.raises(UserError, match="'tools' is not a list of JSON objects"):
         fmt.record({"messages": TOOL_CHAT, "tools": json.dumps(TOOLS)})
+
+
+@pytest.mark.parametrize("style", ["qwen3"], indirect=True)
+def test_a_sharegpt_turn_of_weight_0_is_not_trained(style):
+    # ShareGPT's weight (axolotl's): 0 keeps a reply in view and out of the targets; the text is transformers' still
+    name, folder, theirs, ours = style
+    fmt = chat_format(folder, ours)
+    turns = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there", "weight": 0},
+             {"from": "human", "value": "Again?"}, {"from": "gpt", "value": "Yes, again.", "weight": 1}]
+    record = fmt.record({"conversations": turns})
+    messages = [{"role": m, "content": t["value"]} for m, t in zip(["user", "assistant"] * 2, turns)]
+    assert record.text == theirs.apply_chat_template(messages, tokenize=False)
+    assert [record.text[a:b] for a, b in record.spans] == [THINK + "Yes, again.<|im_end|>"]
+    with pytest.raises(UserError, match="every assistant message has weight 0"):
+        fmt.record({"conversations": turns[:2]})
+    with pytest.raises(UserError, match="weight is 0.5"):
+        fmt.record({"conversations": [turns[0], {**turns[1], "weight": 0.5}]})
