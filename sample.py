@@ -52,6 +52,21 @@ args = parser.parse_args()
 if args.system is not None and not args.chat:  # else sampled without it, and nothing said
     raise UserError("--system is the system prompt of --chat: add --chat, or leave --system out")
 
+
+def utf8(text, what):
+    # text, or UserError where it holds bytes that were not UTF-8 (an argument's or a terminal's: lone surrogates,
+    # which no tokenizer reads)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{what} is not UTF-8 text: give it in UTF-8") from None
+    return text
+
+
+for name in ("start", "system"):
+    if getattr(args, name) is not None and not getattr(args, name).startswith("FILE:"):  # (a file's name: any bytes)
+        utf8(getattr(args, name), f"--{name}")
+
 # -----------------------------------------------------------------------------
 # the checkpoint, the model and the tokenizer
 
@@ -123,7 +138,9 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:
-            text = start if start is not None else input("> ")
+            text = start if start is not None else utf8(input("> "), "the message")
+        except UnicodeDecodeError:
+            raise UserError("the message is not UTF-8 text: type it in UTF-8") from None
         except EOFError:
             break
         if not text.strip():

@@ -131,6 +131,16 @@ def test_sample_a_folder_greedily_as_transformers_does(pretrained):
     assert done.stdout.split("\n---------------\n")[0] == tok.decode(greedy[0].tolist(), skip_special_tokens=False)
 
 
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(pretrained):
+    # bytes that are not UTF-8 in an argument come to Python as lone surrogates, which no tokenizer reads
+    folder, _ = pretrained
+    for extra in ([], ["--chat", "--system=Be brief."], ["--chat", "--start=Hi", "--system=Be brief \udcff"]):
+        done = script("sample.py", f"--model={folder}", "--start=caf\udce9", "--max_new_tokens=2", "--device=cpu",
+                      *extra)
+        assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "is not UTF-8 text: give it in UTF-8" in done.stderr
+
+
 def test_greedy_sampling_prints_one_sample_with_a_note(pretrained):
     folder, _ = pretrained
     done = script("sample.py", f"--model={folder}", "--start=def ", "--temperature=0", "--max_new_tokens=4",
