@@ -461,6 +461,8 @@ def check_messages(messages, field):
         if calls and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
             raise UserError(f"{field} {i}'s tool_calls is not a list of JSON objects (calls): give it as one")
         text = isinstance(m, dict) and (isinstance(m.get("content"), str) or calls and m.get("content") is None)
+        if isinstance(m, dict) and isinstance(m.get("content"), list):  # (templates of text models write no parts)
+            raise UserError(f"{field} {i}'s content is a list of parts (multimodal): give its text as one string")
         if not text or m.get("role") not in ROLES:
             raise UserError(f"{field} {i} is not a message with a role ({'/'.join(ROLES)}) and text content (or an "
                              f"assistant's tool_calls)")

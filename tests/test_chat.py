@@ -753,3 +753,14 @@ def test_a_sharegpt_turn_of_weight_0_is_not_trained(style):
         fmt.record({"conversations": turns[:2]})
     with pytest.raises(UserError, match="weight is 0.5"):
         fmt.record({"conversations": [turns[0], {**turns[1], "weight": 0.5}]})
+
+
+@pytest.mark.parametrize("style", ["qwen3"], indirect=True)
+def test_content_as_a_list_of_parts_is_refused_naming_the_fix(style):
+    # OpenAI's multimodal layout, [{"type": "text", "text": ...}]: a text model's template writes no parts (Qwen3's
+    # writes nothing of them), so the record is refused in one line that says how to give it
+    _, folder, _, ours = style
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(UserError, match=r"^messages 1's content is a list of parts \(multimodal\): give its text as "
+                                        r"one string$"):
+        chat_format(folder, ours).record({"messages": parts})
