@@ -306,6 +306,7 @@ class GPT(nn.Module):
         if document is not None and idx.shape[0] != 1:
             raise ValueError("generate(document=) takes one row")
         cache, start = None, idx.shape[1]
+        stops = None if stop is None else torch.as_tensor(stop, device=idx.device)  # made once
         begins = (idx[0] == document).nonzero() if document is not None else []
         begin = int(begins[-1]) if len(begins) else 0  # where the last document begins
         for _ in range(max_new_tokens):
@@ -322,7 +323,7 @@ class GPT(nn.Module):
             idx = torch.cat((idx, idx_next), dim=1)
             if document is not None and int(idx_next) == document:  # a new document: its own context from here
                 begin, cache = idx.shape[1] - 1, None
-            if stop is not None and torch.isin(idx[:, start:], torch.as_tensor(stop, device=idx.device)).any(1).all():
+            if stops is not None and torch.isin(idx[:, start:], stops).any(dim=1).all():
                 break
         return idx
 

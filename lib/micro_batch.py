@@ -81,8 +81,7 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
         return kept, (f"batch_size='auto': micro-batch {kept}, the one the run began with on {where}\n"
                       + shared.format(kept, share // kept))
     budget = memory_budget * 2**30 if memory_budget > 0 else available_memory(device)
-    layout_args = {k: layout[k] for k in ("dp", "tp", "fsdp", "checkpointing", "offload")}  # memory_estimate's
-    estimate = {**estimate, "device": torch.device(device).type, **layout_args}
+    estimate = {**estimate, "device": torch.device(device).type, **layout}  # layout: memory_estimate's arguments
     one = memory_estimate(model, 1, block_size, **estimate)  # what the process holds already is counted there once:
     counted = one["weights"] + (one["optimizer"] if before else 0)  # the weights, a resume's optimizer state
     besides = max(0, resident_bytes() - counted) if torch.device(device).type == "cpu" else 0
