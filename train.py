@@ -122,6 +122,8 @@ if checkpoint is not None:
         print(f"note: the optimizer's {', '.join(changed)} are this command's, not the checkpoint's")
     resume_rng(checkpoint, rank, world_size, tp_size, device_type)  # its saved dropout stream, if as many processes
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
+# an evaluation reads eval_iters batches of batch_size a process, as set: under 'auto' too, whatever micro-batch it takes
+eval_sequences = eval_iters * batch_size * dp_size
 if batch_size_auto:  # the largest micro-batch that fits, for the same updates (docs/scaling.md)
     from lib.micro_batch import auto_micro_batch
     sequences_per_step = gradient_accumulation_steps * batch_size
@@ -149,11 +151,12 @@ if master:
 # every one once per epoch (or random windows). Sequence n of the run is the same however processes share steps
 
 batches = Batches(data_dir, meta, block_size, seed, model_args["vocab_size"], sequences, batch_size,
-                  gradient_accumulation_steps * batch_size, train_tokens, doc_mask, eval_full, eval_stride, device)
+                  gradient_accumulation_steps * batch_size, train_tokens, eval_sequences, doc_mask, eval_full,
+                  eval_stride, device)
 epoch_steps = batches.steps_for(max_epochs) if max_epochs > 0 else None  # (and where the epochs end)
 max_iters, lr_decay_iters, warmup_iters, steps_note = run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio,
                                                                 max_epochs, epoch_steps, decay_lr, lr_schedule)
-eval_batches = batches.evaluation_batches(eval_iters, dp_size)  # as many in every process
+eval_batches = batches.evaluation_batches(dp_size)  # as many in every process
 if master:
     print(batches.describe(eval_iters) + (f"\n{steps_note}" if steps_note else ""))
 epoch_copies = int(batches.epoch(max_iters)) - int(batches.epoch(loop["iter_num"])) if save_every_epoch else 0
@@ -218,7 +221,10 @@ def estimate_loss(model, raw_model):
             if stop_requested():  # a signal: this evaluation is dropped (the resume makes it), and None says so
                 model.train()
                 return None
-            x, y, doc_ids = batches.evaluation(split, k * dp_size + dp_rank)
+            batch = batches.evaluation(split, k * dp_size + dp_rank)
+            if batch is None:  # past the sequences an evaluation reads: this process's last share was short
+                continue
+            x, y, doc_ids = batch
             with autocast:
                 loss, accuracy = raw_model.loss_and_accuracy(x, y, doc_ids)
             targets = (y != -1).sum().float()

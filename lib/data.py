@@ -66,12 +66,12 @@ class Split:
     def mask(self):
         return np.memmap(self.mask_file, dtype=np.uint8, mode="r") if self.mask_file else None
 
-    def windows(self, step, index, batch_size, doc_mask):
-        """The index-th micro-batch of a step (evaluation uses step -1): batch_size windows of block_size + 1
-        tokens at random places, drawn with replacement (sequences='random') -> (x, y, doc_ids or None)."""
-        draws = np.random.PCG64([self.seed, self.is_val, step + 1]).random_raw((index + 1) * batch_size)
-        starts = draws[-batch_size:] % np.uint64(len(self.tokens()) - self.block_size)  # this micro-batch's
-        return self.rows(starts.astype(np.int64), np.zeros(batch_size, dtype=np.int64), doc_mask)
+    def windows(self, step, first, count, doc_mask):
+        """Windows first to first + count - 1 of a step (evaluation uses step -1), each block_size + 1 tokens at a
+        random place, drawn with replacement (sequences='random') -> (x, y, doc_ids or None)."""
+        draws = np.random.PCG64([self.seed, self.is_val, step + 1]).random_raw(first + count)
+        starts = draws[first:] % np.uint64(len(self.tokens()) - self.block_size)  # these windows'
+        return self.rows(starts.astype(np.int64), np.zeros(count, dtype=np.int64), doc_mask)
 
     def shuffled(self, numbers, doc_mask, limit=None):
         """Windows numbers of the run, every token once an epoch (sequences='windows') -> (x, y, doc_ids or None);
@@ -218,13 +218,14 @@ class Batches:
     reached. Sequence n of the run is the same however processes and micro-steps share an update's sequences.
 
         batches = Batches("data/chat", meta, 1024, 1337, meta["vocab_size"], "examples", batch_size=8,
-                          sequences_per_step=32, train_tokens=10**6)
+                          sequences_per_step=32, train_tokens=10**6, eval_sequences=400)
         x, y, doc_ids = batches.train(step=0, index=0)   # the first micro-batch of step 0
     """
 
     def __init__(self, data_dir, meta, block_size, seed, vocab_size, sequences, batch_size, sequences_per_step,
-                 train_tokens, doc_mask=False, eval_full=False, eval_stride=0, device="cpu"):
+                 train_tokens, eval_sequences, doc_mask=False, eval_full=False, eval_stride=0, device="cpu"):
         self.mode, self.batch_size, self.sequences_per_step = SEQUENCES[sequences], batch_size, sequences_per_step
+        self.eval_sequences = eval_sequences  # an evaluation's of a split, over all processes (but val scored whole)
         self.doc_mask, self.device = doc_mask, device
         self.eval_stride = block_size // 2 if eval_stride == -1 else eval_stride  # (settings.eval_stride's -1)
         self.pinned = device.startswith("cuda")  # batches copied from pinned memory while the GPU works on
@@ -256,7 +257,7 @@ class Batches:
         doc_ids (None without doc_mask) on the device; y is -1 where nothing is learned."""
         split = self.splits["train"]
         if not self.mode.epochs:
-            return self.to_device(split.windows(step, index, self.batch_size, self.doc_mask))
+            return self.to_device(split.windows(step, index * self.batch_size, self.batch_size, self.doc_mask))
         first = step * self.sequences_per_step + index * self.batch_size
         numbers = range(first, first + self.batch_size)
         if self.mode.examples:
@@ -264,17 +265,24 @@ class Batches:
         return self.to_device(split.shuffled(numbers, self.doc_mask, self.end_of_epochs))
 
     def evaluation(self, name, index):
-        """The index-th micro-batch of split name's evaluation, the same every time -> x, y, doc_ids."""
-        split, numbers = self.splits[name], range(index * self.batch_size, (index + 1) * self.batch_size)
-        if self.mode.examples or (name == "val" and self.scored_val):  # examples packed, or val's every target once
-            return self.to_device(split.scored(numbers, self.eval_stride, self.doc_mask))
-        return self.to_device(split.windows(-1, index, self.batch_size, self.doc_mask))
+        """The index-th micro-batch of split name's evaluation, the same every time -> x, y, doc_ids: of its first
+        eval_sequences (the last micro-batch part full; None past them), or of val's every target once."""
+        split, first = self.splits[name], index * self.batch_size
+        if name == "val" and self.scored_val:  # (evaluation_batches counts them; past the split: padding)
+            return self.to_device(split.scored(range(first, first + self.batch_size), self.eval_stride, self.doc_mask))
+        count = min(self.batch_size, self.eval_sequences - first)
+        if count <= 0:
+            return None
+        if self.mode.examples:  # the train split's examples, packed
+            return self.to_device(split.scored(range(first, first + count), self.eval_stride, self.doc_mask))
+        return self.to_device(split.windows(-1, first, count, self.doc_mask))
 
-    def evaluation_batches(self, eval_iters, replicas):
-        """{split: micro-batches an evaluation of it reads in each process}: eval_iters, or every val target once."""
+    def evaluation_batches(self, replicas):
+        """{split: micro-batches an evaluation of it reads in each process}: its eval_sequences shared out, or every
+        val target once. Any micro-batch reads the same sequences (batch_size='auto' may choose another)."""
         val = self.splits["val"].scored_count(self.eval_stride) if self.scored_val else None
-        return {"train": eval_iters,
-                "val": eval_iters if val is None else math.ceil(val / (self.batch_size * replicas))}
+        share = math.ceil(self.eval_sequences / (self.batch_size * replicas))
+        return {"train": share, "val": share if val is None else math.ceil(val / (self.batch_size * replicas))}
 
     def epoch(self, step):
         """Passes over the training split by the end of step: sequences over the split's, or tokens ('random')."""

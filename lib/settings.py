@@ -20,7 +20,7 @@ from model import GPTConfig as _GPTConfig
 out_dir = "out"  # checkpoints and metrics.jsonl go here
 eval_interval = 250  # estimate train/val loss (and maybe checkpoint) every this many steps
 log_interval = 10  # print and record training metrics every this many steps
-eval_iters = 50  # batches per loss estimate, per process
+eval_iters = 50  # batches of batch_size per loss estimate, per process (under 'auto': the batch_size it splits)
 eval_full = False  # the val loss over every token of val.bin once, in overlapping windows (as perplexity in papers)
 eval_stride = -1  # eval_full: tokens each window shares with the one before (context, not scored); -1: half a window
 eval_tasks = ""  # lm-evaluation-harness tasks to score at each evaluation, comma-separated (pip install lm_eval)

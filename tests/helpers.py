@@ -77,11 +77,12 @@ def train_settings(args):
 
 
 def train_refusal(*args):
-    # the one line train.py stops with for args: train.py itself, in this process (run), into a new out_dir unless
-    # args name one; the line is the last its one-line hook printed
-    if not any(str(a).startswith("--out_dir=") for a in args):
-        args = [*args, f"--out_dir={tempfile.mkdtemp(prefix='refused-')}"]
-    done = run(*args, check=False)
+    # the one line train.py stops with for args: train.py itself, in this process (run), into a new out_dir (removed
+    # after) unless args name one; the line is the last its one-line hook printed
+    with tempfile.TemporaryDirectory(prefix="refused-") as out:
+        if not any(str(a).startswith("--out_dir=") for a in args):
+            args = [*args, f"--out_dir={out}"]
+        done = run(*args, check=False)
     said = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
     assert done.returncode != 0, f"train.py did not refuse {args}:\n{done.stdout[-2000:]}"
     return said.removeprefix("train.py: ")
@@ -270,10 +271,10 @@ def ours(module):
 
 
 def losses(out_dir, key="loss"):
-    # the last loss (or another value of the steps' records) recorded for each step (a resumed run records the steps
-    # it repeats again)
+    # the last loss (or another value of the steps' records; val_...: of the evaluations') recorded for each step (a
+    # resumed run records the steps it repeats again)
     records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["iter"]: r[key] for r in records if "val_loss" not in r}
+    return {r["iter"]: r[key] for r in records if ("val_loss" in r) == key.startswith("val_")}
 
 
 def weights(out_dir, name="ckpt.pt"):

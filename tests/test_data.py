@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lib.data import Split
+from lib.data import Batches, Split
 from lib.files import UserError, check_data_for_run
 
 
@@ -73,6 +73,30 @@ def test_shuffled_windows_are_a_pure_function_of_seed_and_number(tmp_path):
         assert x is y or x is None or torch.equal(x, y)
     other = Split(str(tmp_path), "train", meta, 64, seed=4, examples=False, vocab_size=50)
     assert not torch.equal(other.shuffled(range(8), False)[0], a.shuffled(range(8), False)[0])
+
+
+@pytest.mark.parametrize("sequences", ["random", "windows", "examples"])
+def test_an_evaluation_reads_the_same_sequences_whatever_the_micro_batch_and_processes(tmp_path, sequences):
+    # batch_size='auto' may take another micro-batch than the batch_size given: an evaluation reads the same
+    # eval_sequences of a split (12 here) in micro-batches of any size, the last part full, over any processes
+    meta, ids = shakespeare_like(tmp_path)
+    ids.tofile(tmp_path / "val.bin")
+
+    def read(batch_size, replicas):  # x and y of every micro-batch of the evaluation, in train.py's order
+        batches = Batches(str(tmp_path), meta, 64, 3, 50, sequences, batch_size, 12, len(ids), eval_sequences=12)
+        shares = batches.evaluation_batches(replicas)
+        splits = ("train", "val") if sequences == "random" else ("train",)  # (val scored whole otherwise)
+        read = {split: [batches.evaluation(split, k * replicas + rank) for k in range(shares[split])
+                        for rank in range(replicas)] for split in splits}
+        for got in read.values():
+            assert None not in got[:-replicas]  # only a last share may be short
+        return {split: [torch.cat([b[i] for b in got if b is not None]) for i in (0, 1)] for split, got in read.items()}
+
+    whole = read(12, 1)
+    assert [len(x) for x, _ in whole.values()] == [12] * len(whole)
+    for batch_size, replicas in ((5, 1), (4, 2), (5, 2), (7, 2)):
+        for split, (x, y) in read(batch_size, replicas).items():
+            assert torch.equal(x, whole[split][0]) and torch.equal(y, whole[split][1]), (split, batch_size, replicas)
 
 
 def test_a_dataset_prepared_again_into_its_folder_leaves_a_run_reading_its_own(tmp_path):

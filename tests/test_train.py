@@ -226,6 +226,17 @@ def test_batch_size_auto_keeps_the_update_and_its_micro_batch_on_resume(data_dir
                     r"data\), and 9 MiB may be used \(90% of 10 MiB\): raise memory_budget, or leave it 0", out.stderr)
 
 
+def test_batch_size_auto_evaluates_the_windows_of_the_batch_size_given(data_dir, tmp_path):
+    # 4 sequences x 2 micro-steps given, one micro-batch of 8 taken: the evaluation still reads eval_iters batches
+    # of 4 windows (not of 8), so the val losses are those of the run as given, to rounding (the training's are too:
+    # the same update, no dropout); ckpt_best and early stopping compare like with like across a resume
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=2", "--gradient_accumulation_steps=2"]
+    out = run(*common, f"--out_dir={tmp_path / 'auto'}", "--batch_size=auto", "--memory_budget=4")
+    assert "\nmicro-batch 8 x 1 accumulation" in out.stdout
+    run(*common, f"--out_dir={tmp_path / 'given'}", "--batch_size=4")
+    auto, given = (losses(tmp_path / name, "val_loss") for name in ("auto", "given"))
+    assert list(auto) == [0, 2, 4] and auto == pytest.approx(given, rel=1e-5)
+
 
 @pytest.mark.slow
 def test_batch_size_auto_shares_one_micro_step_of_an_update_over_two_processes(data_dir, tmp_path):
