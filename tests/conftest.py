@@ -71,6 +71,13 @@ def pytest_unconfigure(config):
         os._exit(0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torchrun_logs(tmp_path_factory):
+    # torchrun keeps its workers' error files in a /tmp/torchelastic_* folder of its own each launch, and never
+    # removes it: the tests' launches (each a torchrun's or lib.launch's) keep them in pytest's temporary folders
+    os.environ["PET_LOG_DIR"] = str(tmp_path_factory.mktemp("torchrun_logs"))  # torchrun's --log-dir
+
+
 @pytest.fixture(scope="session")
 def data_dir(shared):
     # a tiny character-level dataset for the train.py tests, written here (nothing is downloaded):
