@@ -238,6 +238,7 @@ def test_batch_size_auto_evaluates_the_windows_of_the_batch_size_given(data_dir,
     assert list(auto) == [0, 2, 4] and auto == pytest.approx(given, rel=1e-5)
 
 
+
 @pytest.mark.slow
 def test_batch_size_auto_shares_one_micro_step_of_an_update_over_two_processes(data_dir, tmp_path):
     # 4 sequences an update, gradient_accumulation_steps=1, over 2 replicas: 2 each in one micro-step (a number there
