@@ -299,14 +299,16 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop=None, vocab=None,
                  document=None):
         # idx: (B, T) -> idx with max_new_tokens sampled tokens appended (fewer once every row has written the token
-        # id stop, or one of the ids stop lists), through a KV cache. Past block_size the window slides: the cache is rebuilt from the last block_size
-        # tokens, so each step sees what a full forward would. vocab: the tokenizer's size; ids past it are never drawn.
+        # id stop, or one of the ids stop lists), through a KV cache. Past block_size the window slides: the cache is
+        # rebuilt from the last block_size tokens, so each step sees what a full forward would. vocab: the tokenizer's
+        # size; ids past it are never drawn.
         # document: the id that begins a document (a doc_mask run's end-of-text, one row): a step sees the tokens from
         # the last one on, as doc_mask trained and evaluates it, not the documents before.
         if document is not None and idx.shape[0] != 1:
             raise ValueError("generate(document=) takes one row")
-        cache, start = None, idx.shape[1]
+        cache = None
         stops = None if stop is None else torch.as_tensor(stop, device=idx.device)  # made once
+        stopped = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # rows that wrote a stop id
         begins = (idx[0] == document).nonzero() if document is not None else []
         begin = int(begins[-1]) if len(begins) else 0  # where the last document begins
         for _ in range(max_new_tokens):
@@ -323,8 +325,10 @@ class GPT(nn.Module):
             idx = torch.cat((idx, idx_next), dim=1)
             if document is not None and int(idx_next) == document:  # a new document: its own context from here
                 begin, cache = idx.shape[1] - 1, None
-            if stops is not None and torch.isin(idx[:, start:], stops).any(dim=1).all():
-                break
+            if stops is not None:  # (each new token looked at once, not every token so far at every step)
+                stopped |= torch.isin(idx_next[:, 0], stops)
+                if stopped.all():
+                    break
         return idx
 
     def flops_per_token(self, seq_len=None, keys=None):

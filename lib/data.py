@@ -268,12 +268,11 @@ class Batches:
         """The index-th micro-batch of split name's evaluation, the same every time -> x, y, doc_ids: of its first
         eval_sequences (the last micro-batch part full; None past them), or of val's every target once."""
         split, first = self.splits[name], index * self.batch_size
-        if name == "val" and self.scored_val:  # (evaluation_batches counts them; past the split: padding)
-            return self.to_device(split.scored(range(first, first + self.batch_size), self.eval_stride, self.doc_mask))
-        count = min(self.batch_size, self.eval_sequences - first)
+        whole = name == "val" and self.scored_val  # (evaluation_batches counts its batches; past the split: padding)
+        count = self.batch_size if whole else min(self.batch_size, self.eval_sequences - first)
         if count <= 0:
             return None
-        if self.mode.examples:  # the train split's examples, packed
+        if whole or self.mode.examples:  # val's every target once, or the train split's examples packed
             return self.to_device(split.scored(range(first, first + count), self.eval_stride, self.doc_mask))
         return self.to_device(split.windows(-1, first, count, self.doc_mask))
 
