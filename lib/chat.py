@@ -369,7 +369,7 @@ class ChatFormat:
             last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
             if last is None:
                 raise UserError("no assistant message to learn from")
-            return self.chat(messages, last, tools)
+            return self.chat(messages, last, tools, to_end=last == len(messages) - 1)
         if "instruction" in obj:
             instruction, given, output = obj["instruction"], obj.get("input") or "", obj["output"]
             if not all(isinstance(s, str) for s in (instruction, given, output)):
@@ -385,10 +385,11 @@ class ChatFormat:
         check_messages(completion, "completion")
         return self.chat(prompt + completion, len(prompt), tools)
 
-    def chat(self, messages, first_completion, tools=None):
+    def chat(self, messages, first_completion, tools=None, to_end=True):
         """messages -> Chat, trained on: 'assistant', each assistant turn after its header (the generation prompt,
         untrained as in TRL) to its closing token, a think block before the reply included, or what {% generation %}
-        blocks write; 'completion', all from messages[first_completion]'s reply on; 'all', everything. An assistant
+        blocks write; 'completion', all from messages[first_completion]'s reply on (to_end False: to the last
+        assistant turn's closing token, the turns after it untrained); 'all', everything. An assistant
         turn with tool_calls is trained whole: its text and its calls as the template writes them; one with a
         "weight" of 0 (ShareGPT's, as axolotl reads it) is not trained."""
         text = self.render(messages, tools=tools)
@@ -411,7 +412,7 @@ class ChatFormat:
             if message["role"] == "assistant" and (self.train_on == "assistant" or i >= first_completion):
                 spans.append(self.turn(text, messages, i, spans[-1][1] if spans else 0, tools))
         if self.train_on == "completion":
-            return Chat(text, [(spans[0][0], len(text))])
+            return Chat(text, [(spans[0][0], len(text) if to_end else spans[-1][1])])
         spans = [span for span, weight in zip(spans, weights) if weight]
         if not spans:
             raise UserError("every assistant message has weight 0: there is nothing to learn from")

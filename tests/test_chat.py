@@ -401,6 +401,17 @@ def test_completion_mask_is_the_last_turn(style):
     assert other == record
 
 
+def test_completion_mask_leaves_out_the_turns_after_the_last_reply(style):
+    # a conversation that goes on past its last reply (a user's question no one answers): the completion is that
+    # reply, closed by its end-of-turn; the question after it is no target
+    name, folder, theirs, ours = style
+    record = chat_format(folder, ours, "completion").record({"messages": MESSAGES[:6]})
+    ids, mask = ours.encode_chat(record.text, record.spans)
+    assert "Which river" in record.text and "Which river" not in ours.decode(ids[mask == 1].tolist())
+    assert [run.lstrip(" ") for run in trained_runs(ours, ids, mask)] == [
+        "Rome, on the Tiber." + STYLES[name]["end_of_turn"]]
+
+
 def test_all_mask_is_everything(style):
     name, folder, theirs, ours = style
     record = chat_format(folder, ours, "all").record({"messages": MESSAGES})
