@@ -28,6 +28,9 @@ from model import GPT, GPTConfig
 # vocabulary (checked against the data's) is the model's shape, which a resume cannot change
 RUN_SETTINGS = ("dropout", "use_kernels", "block_size")
 SHAPE = tuple(f.name for f in fields(GPTConfig) if f.name not in (*RUN_SETTINGS, "vocab_size"))
+# the settings of the run's learning rates and where they end (max_iters: its own note)
+SCHEDULE = ("lr_decay_iters", "warmup_iters", "warmup_ratio", "max_epochs", "learning_rate", "min_lr", "muon_lr",
+            "decay_lr", "lr_schedule", "lr_decay_fraction", "lr_cycle_iters", "lr_power")
 LORA_SETTINGS = tuple(name for name in SHAPE if name.startswith("lora_"))  # the adapters' rank, scale, dropout, targets
 
 
@@ -244,16 +247,28 @@ def resume(origin, config, meta):
         origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "
                             "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
                             f"not on the batches the first run would have seen{anew}")
-    if config["max_iters"] < loop["iter_num"] and not config["eval_only"]:  # (the loop ends where it begins)
-        origin.notes.append(f"note: max_iters={config['max_iters']} is behind the checkpoint's step "
-                            f"{loop['iter_num']}: nothing is trained (raise max_iters to train on)")
-    elif before.get("max_iters") != config["max_iters"]:  # the run's end moves, and with lr_decay_iters its schedule
+    origin.notes += schedule_notes(before, config, loop["iter_num"])
+
+
+def schedule_notes(before, config, step):
+    # what a resume at step changes of the run's end and its learning rates (before: the checkpoint's config)
+    if config["max_iters"] < step and not config["eval_only"]:  # (the loop ends where it begins)
+        return [f"note: max_iters={config['max_iters']} is behind the checkpoint's step {step}: nothing is trained "
+                f"(raise max_iters to train on)"]
+    notes, moved = [], before.get("max_iters") != config["max_iters"]
+    if moved:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""
         cut = f" (or at the {config['max_epochs']} epochs' last, if sooner)" if config["max_epochs"] > 0 else ""
-        origin.notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's "
-                            f"{before.get('max_iters')}: the run ends at step {config['max_iters']}{cut}; "
-                            f"lr_decay_iters, the schedule's length, is {config['lr_decay_iters']}{cut}{was}")
+        notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's {before.get('max_iters')}: "
+                     f"the run ends at step {config['max_iters']}{cut}; lr_decay_iters, the schedule's length, is "
+                     f"{config['lr_decay_iters']}{cut}{was}")
+    changed = [k for k in SCHEDULE if before.get(k, config[k]) != config[k] and not (moved and k == "lr_decay_iters")]
+    if changed and config["max_iters"] > step and not config["eval_only"]:
+        notes.append(f"note: the learning rate's schedule is this command's, not the checkpoint's ("
+                     f"{'; '.join(f'{k}={config[k]}, was {before[k]}' for k in changed)}): from step {step} on the "
+                     f"run differs from the one it continues")
+    return notes
 
 
 def load_checked(path, needed, **load):

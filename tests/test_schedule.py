@@ -135,6 +135,20 @@ def test_a_resume_takes_the_commands_optimizer_settings_and_says_so(data_dir, tm
     assert [g["weight_decay"] for g in groups] == [0.0, 0.0] and all(tuple(g["betas"]) == (0.9, 0.9) for g in groups)
 
 
+def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, tmp_path):
+    # the run's end stays, but the rates from the checkpoint's step on are not those of the run it continues
+    import shutil
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2", "--max_iters=6",
+            "--keep_last_n=3"]
+    run(*args)
+    shutil.copy(tmp_path / "ckpt_0000004.pt", tmp_path / "ckpt.pt")  # gone back to step 4
+    assert "the learning rate's schedule" not in run(*args, "--init_from=resume").stdout  # the same command
+    shutil.copy(tmp_path / "ckpt_0000004.pt", tmp_path / "ckpt.pt")
+    out = run(*args, "--init_from=resume", "--lr_decay_iters=10", "--learning_rate=2e-2")
+    assert ("note: the learning rate's schedule is this command's, not the checkpoint's (lr_decay_iters=10, was 20; "
+            "learning_rate=0.02, was 0.01): from step 4 on the run differs from the one it continues") in out.stdout
+
+
 def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_path):
     # config/train_small.py's wsd decay fraction, once a flag picks another schedule, and settings given beside
     # what they belong to: each says so at the start, and a setting left at its default says nothing
