@@ -179,7 +179,8 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
              "pretrained": origin.pretrained,  # the Hugging Face folder the run began from, if any
              "base_fingerprint": origin.base_fingerprint, "memory_device": device_name(device),
              "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta),  # (start.resume, trained.load_model)
-             "data_fingerprint": data_fingerprint(meta)}  # its splits, chat template (start.resume, trained.run_chat)
+             "data_fingerprint": data_fingerprint(meta),  # its splits, chat template (start.resume, trained.run_chat)
+             "eval_sequences": eval_sequences}  # the val windows an evaluation reads (start.resume)
 if read_meta(data_dir) != meta:  # prepare.py --overwrite finished since meta.json was read: the token files opened and
     # the tokenizer fingerprinted may be the new dataset's, read as the old one's meta.json says
     raise UserError(f"{data_dir} was prepared again while this run started (prepare.py --overwrite): its files may be "

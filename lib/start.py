@@ -226,9 +226,15 @@ def resume(origin, config, meta):
     if prepared_again:
         origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
                             f"sizes differ): the run goes on through other sequences than it would have seen")
-    if (prepared_again or val_measure(before, meta) != val_measure(config, meta)) and loop["best_val_loss"] < math.inf:
+    # random windows: the first eval_iters x batch_size x processes of them, as train.py's eval_sequences
+    windows = config["eval_iters"] * config["batch_size"] * (dist.get_world_size() if dist.is_initialized() else 1) \
+        // config["tp_size"]
+    measured = val_measure(config, meta)
+    other_windows = not measured[1] and checkpoint.get("eval_sequences", windows) != windows
+    if (prepared_again or val_measure(before, meta) != measured or other_windows) and loop["best_val_loss"] < math.inf:
         origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
-                            f"eval_full, eval_stride, doc_mask, sequences or the data changed): its best val loss "
+                            f"eval_full, eval_stride, doc_mask, sequences, the val windows read: eval_iters x "
+                            f"batch_size x processes, or the data changed): its best val loss "
                             f"{loop['best_val_loss']:.4f} and early stopping's count start anew: the next "
                             f"evaluation replaces ckpt_best (copy it elsewhere to keep the old measure's best)")
         loop["best_val_loss"], loop["evals_without_gain"] = float("inf"), 0

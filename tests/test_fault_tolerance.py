@@ -352,6 +352,16 @@ def test_a_resume_that_measures_the_val_loss_otherwise_starts_its_best_anew(data
     assert "measured otherwise" not in out.stdout
 
 
+def test_a_resume_that_evaluates_other_val_windows_starts_its_best_anew(data_dir, tmp_path):
+    # random windows: the val loss is the mean over the first eval_iters x batch_size x processes of them, and a
+    # resume that reads more or fewer measures another sample, which ckpt_best and early stopping must not compare
+    common = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2"]
+    run(*common, "--max_iters=4")
+    out = run(*common, "--max_iters=6", "--eval_iters=3", "--init_from=resume")
+    assert "the val loss is measured otherwise" in out.stdout
+    assert "measured otherwise" not in run(*common, "--max_iters=8", "--eval_iters=3", "--init_from=resume").stdout
+
+
 def test_val_measure_leaves_out_settings_that_play_no_part():
     # whole examples (sequences='examples', or eval_full over masks) are scored alike whatever eval_full, eval_stride
     # and doc_mask say: resuming with them changed must not start the best val loss anew (ckpt_best overwritten)
