@@ -66,6 +66,8 @@ if gradient_accumulation_steps % dp_size and not batch_size_auto:  # (under 'aut
                     f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")
 micro_steps = gradient_accumulation_steps // dp_size  # this replica's share
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+# an evaluation reads eval_iters batches of batch_size a process, as set: under 'auto' too, whatever micro-batch it takes
+eval_sequences = eval_iters * batch_size * dp_size
 ptdtype = getattr(torch, dtype)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
 claim(out_dir, master)  # one run at a time writes an out_dir (files.py); a second one stops here
@@ -82,7 +84,7 @@ vocab_size, train_tokens = check_data_for_run(data_dir, meta, vocab_size, doc_ma
 # -----------------------------------------------------------------------------
 # 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint (start.py)
 
-origin = begin(config, vocab_size, meta, fsdp)
+origin = begin(config, vocab_size, meta, fsdp, eval_sequences)
 # settings out of play, then what this command changes of a resumed run, or why it stops
 for note in [*settings.unused(config), *origin.notes] if master else ():
     print(note)
@@ -122,8 +124,6 @@ if checkpoint is not None:
         print(f"note: the optimizer's {', '.join(changed)} are this command's, not the checkpoint's")
     resume_rng(checkpoint, rank, world_size, tp_size, device_type)  # its saved dropout stream, if as many processes
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
-# an evaluation reads eval_iters batches of batch_size a process, as set: under 'auto' too, whatever micro-batch it takes
-eval_sequences = eval_iters * batch_size * dp_size
 if batch_size_auto:  # the largest micro-batch that fits, for the same updates (docs/scaling.md)
     from lib.micro_batch import auto_micro_batch
     sequences_per_step = gradient_accumulation_steps * batch_size

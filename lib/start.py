@@ -101,9 +101,10 @@ def check_shared(out_dir, master, wait=10.0):
                         f"mounts (each may give its own path to it)")
 
 
-def begin(config, vocab_size, meta, fsdp):
+def begin(config, vocab_size, meta, fsdp, eval_sequences):
     """The Origin of the run of config (train.py's settings, as given) on the data of meta, with the model's
-    vocab_size and fsdp resolved (tensor parallel brings it). Every process calls it; UserError if it cannot begin."""
+    vocab_size and fsdp resolved (tensor parallel brings it), and the val sequences an evaluation reads. Every process
+    calls it; UserError if it cannot begin."""
     model_args = {**{k: config[k] for k in model_settings()}, "vocab_size": vocab_size}  # GPTConfig's fields
     check_sizes(model_args, "this run", "set it within its range (model.py's GPTConfig)")
     found = ckpt.find_checkpoint(os.path.join(config["out_dir"], "ckpt.pt"))
@@ -119,7 +120,7 @@ def begin(config, vocab_size, meta, fsdp):
                     sharded=os.path.isdir(found) if found else fsdp, loop=dict(ckpt.LOOP),
                     lora_base_dtype=config["lora_base_dtype"])
     if checkpoint is not None:
-        resume(origin, config, meta)
+        resume(origin, config, meta, eval_sequences)
         if origin.stopped:
             return origin
     elif init_from != "scratch":  # a Hugging Face model folder to fine-tune, with this command's LoRA rank
@@ -199,7 +200,7 @@ def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
             torch.cuda.set_rng_state(rngs[rank]["cuda"])
 
 
-def resume(origin, config, meta):
+def resume(origin, config, meta, eval_sequences):
     # origin from its checkpoint (a LoRA run's base held as it was: 4 bits stay 4 bits); notes on what changed
     checkpoint, found = origin.checkpoint, origin.found
     check_resume(checkpoint, config, meta["vocab_size"], found)
@@ -226,11 +227,8 @@ def resume(origin, config, meta):
     if prepared_again:
         origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
                             f"sizes differ): the run goes on through other sequences than it would have seen")
-    # random windows: the first eval_iters x batch_size x processes of them, as train.py's eval_sequences
-    windows = config["eval_iters"] * config["batch_size"] * (dist.get_world_size() if dist.is_initialized() else 1) \
-        // config["tp_size"]
-    measured = val_measure(config, meta)
-    other_windows = not measured[1] and checkpoint.get("eval_sequences", windows) != windows
+    measured = val_measure(config, meta)  # and of random windows, how many (eval_iters x batch_size x replicas)
+    other_windows = not measured[1] and checkpoint.get("eval_sequences", eval_sequences) != eval_sequences
     if (prepared_again or val_measure(before, meta) != measured or other_windows) and loop["best_val_loss"] < math.inf:
         origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
                             f"eval_full, eval_stride, doc_mask, sequences, the val windows read: eval_iters x "
