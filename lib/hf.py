@@ -106,8 +106,9 @@ def config_from_hf(hf, block_size=None):
         raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     if hf.get("mlp_bias") or (family != "qwen2" and hf.get("attention_bias")):
         raise UserError("biases on the attention output or the MLP (attention_bias/mlp_bias) are not supported")
-    # the Hub's released models hold rope_theta and rope_scaling at the top level, transformers 5 rope_parameters
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    # the Hub's released models hold rope_theta and rope_scaling at the top level, transformers 5 rope_parameters;
+    # where both are there, transformers reads rope_scaling whole (with the top-level rope_theta), not rope_parameters
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise UserError(f"rope scaling {rope_type!r} is not supported (only llama3, or none)")

@@ -368,6 +368,18 @@ def test_refuses_other_rope_scaling(where, rope, llama_copy):
     assert_refused(llama_copy, [kind])
 
 
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(llama_copy):
+    # rope_scaling added to a file transformers 5 wrote (rope_parameters): transformers takes rope_scaling whole, with
+    # the top-level rope_theta, and leaves rope_parameters unread, so must we
+    config = read_config(llama_copy)
+    write_config(llama_copy, {**config, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert_refused(llama_copy, ["linear"])
+    scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    write_config(llama_copy, {**config, "rope_scaling": scaling, "rope_theta": 500000.0})
+    ids = random_ids()
+    assert_same_logits(our_logits(load_pretrained(llama_copy), ids), hf_logits(hf_load(llama_copy), ids))
+
+
 def test_refuses_sliding_window_shorter_than_block_size(hf_folder, tmp_path):
     shutil.copytree(hf_folder("mistral_window")[0], tmp_path, dirs_exist_ok=True)
     write_config(tmp_path, {**read_config(tmp_path), "sliding_window": 16})
