@@ -114,10 +114,8 @@ def config_from_hf(hf, block_size=None):
         raise UserError(f"rope scaling {rope_type!r} is not supported (only llama3, or none)")
     scaling = {k: rope.get(k) for k in LLAMA3_SCALING} if rope_type == "llama3" else None  # (checked below)
     max_len = hf.get("max_position_embeddings", 2048)
-    if family == "mistral":  # within 4,096 tokens where config.json does not say (transformers' default); null: none
-        window = hf.get("sliding_window", 4096)
-    else:
-        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    # within 4,096 tokens where config.json does not say (transformers' default); null: none. Qwen's only if switched on
+    window = hf.get("sliding_window", 4096) if family == "mistral" or hf.get("use_sliding_window") else None
     if block_size is not None and block_size > max_len:
         raise UserError(f"block_size={block_size} is past the model's max_position_embeddings={max_len}")
     if block_size is not None and window and window < block_size:

@@ -392,6 +392,17 @@ def test_refuses_sliding_window_shorter_than_block_size(hf_folder, tmp_path):
     assert load_pretrained(tmp_path).config.block_size == 4096
 
 
+def test_a_qwen_sliding_window_switched_on_without_its_size_is_transformers_default(hf_folder, tmp_path):
+    # use_sliding_window without sliding_window: Qwen2Config's and Qwen3Config's default 4,096 tokens, not none
+    shutil.copytree(hf_folder("qwen2")[0], tmp_path, dirs_exist_ok=True)
+    config = {**read_config(tmp_path), "max_position_embeddings": 8192, "use_sliding_window": True,
+              "max_window_layers": 0}
+    config.pop("sliding_window", None)
+    write_config(tmp_path, config)
+    assert_refused(tmp_path, ["sliding_window of 4096"], block_size=4100)
+    assert load_pretrained(tmp_path).config.block_size == 4096
+
+
 def test_refuses_missing_tensor(llama_copy):
     weights = load_file(llama_copy / "model.safetensors")
     del weights["model.layers.1.self_attn.k_proj.weight"]
