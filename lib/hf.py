@@ -271,7 +271,21 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
                     raise UserError(f"{name} in {file} holds a NaN or an infinite value: download the model "
                                     f"again, or use another")
                 target.copy_(tensor)
+    if config.tie_embeddings:
+        check_tied_head(files, model.wte.weight)
     return model
+
+
+def check_tied_head(files, embedding):
+    # a tied model's lm_head.weight, where a file holds one, must be its embedding: transformers 5 unties another
+    # one and computes with it, transformers 4 and vLLM drop it (two models in one folder)
+    for file in files:
+        with open_safetensors(file) as f:
+            head = f.get_tensor("lm_head.weight") if "lm_head.weight" in f.keys() else None
+            if head is not None and not torch.equal(head.to(embedding.dtype), embedding):
+                raise UserError(f"config.json says tie_word_embeddings, but {file} holds an lm_head.weight unlike "
+                                f"the embedding: set tie_word_embeddings to false if it is the model's head, else "
+                                f"remove it")
 
 
 def save_pretrained(model, path, max_shard_bytes=5 * 2**30, ids=None):

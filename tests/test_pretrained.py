@@ -403,6 +403,20 @@ def test_a_qwen_sliding_window_switched_on_without_its_size_is_transformers_defa
     assert load_pretrained(tmp_path).config.block_size == 4096
 
 
+def test_a_tied_model_whose_file_holds_another_head_is_refused(hf_folder, tmp_path):
+    # tie_word_embeddings with an lm_head.weight unlike the embedding: transformers 5 unties them and computes with
+    # it, transformers 4 and vLLM drop it. The same head stored twice loads
+    shutil.copytree(hf_folder("llama_tied")[0], tmp_path, dirs_exist_ok=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids = random_ids()
+    assert_same_logits(our_logits(load_pretrained(tmp_path), ids), hf_logits(hf_folder("llama_tied")[1], ids))
+    head = weights["model.embed_tokens.weight"] + 0.1
+    save_file({**weights, "lm_head.weight": head}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert_refused(tmp_path, ["tie_word_embeddings"])
+
+
 def test_refuses_missing_tensor(llama_copy):
     weights = load_file(llama_copy / "model.safetensors")
     del weights["model.layers.1.self_attn.k_proj.weight"]
