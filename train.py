@@ -66,7 +66,7 @@ if gradient_accumulation_steps % dp_size and not batch_size_auto:  # (under 'aut
                     f"{dp_size} data-parallel replicas (it counts micro-steps over all of them)")
 micro_steps = gradient_accumulation_steps // dp_size  # this replica's share
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
-# an evaluation reads eval_iters batches of batch_size a process, as set: under 'auto' too, whatever micro-batch it takes
+# an evaluation reads eval_iters batches of batch_size a process, as given: under 'auto' too, whatever micro-batch
 eval_sequences = eval_iters * batch_size * dp_size
 ptdtype = getattr(torch, dtype)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)

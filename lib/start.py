@@ -2,7 +2,7 @@
 Where a training run begins: from scratch, a Hugging Face model folder, or its own checkpoint in out_dir (a resume,
 or a run that already stopped early), decided once from train.py's settings and what out_dir holds.
 
-    origin = begin(config, vocab_size=128, meta=read_meta("data/stdlib"), fsdp=False)
+    origin = begin(config, vocab_size=128, meta=read_meta("data/stdlib"), fsdp=False, eval_sequences=80)
     model, model_args = first_model(origin, config, "float32")
 """
 

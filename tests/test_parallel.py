@@ -76,7 +76,7 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
     config = {**defaults(), "data_dir": str(data_dir), "out_dir": str(tmp_path / "c"),
               "init_from": str(folder), "lora_rank": 2, "tp_size": 2}
     with pytest.raises(UserError, match="LoRA does not run under tensor parallel"):
-        begin(config, 64, read_meta(str(data_dir)), fsdp=True)
+        begin(config, 64, read_meta(str(data_dir)), fsdp=True, eval_sequences=8)
 
 
 def test_rotary_tables_stay_fp32_in_a_block_under_fsdp_bf16():
