@@ -49,11 +49,14 @@ def is_conversation(obj):
         {"instruction", "output"} <= keys
 
 
-def sharegpt_messages(turns):
-    """ShareGPT's turns ([{"from": "human", "value": ...}, ...]) -> messages, or ValueError saying why not."""
+def sharegpt_messages(turns, system=None):
+    """ShareGPT's turns ([{"from": "human", "value": ...}, ...]) -> messages, or ValueError saying why not; system:
+    the record's own system prompt (LLaMA-Factory's "system"), the first message."""
     if not isinstance(turns, list) or not turns:
         raise UserError("'conversations' is not a list of turns")
-    messages = []
+    if system is not None and not isinstance(system, str):
+        raise UserError("'system' is not a text: give the system prompt as a string")
+    messages = [{"role": "system", "content": system}] if system else []
     for i, turn in enumerate(turns, 1):
         if isinstance(turn, dict) and {"role", "content"} <= turn.keys():  # already messages
             messages.append(turn)
@@ -64,6 +67,8 @@ def sharegpt_messages(turns):
                              f"text 'value'")
         weight = {"weight": turn["weight"]} if "weight" in turn else {}  # (0: a turn not to train, as in axolotl)
         messages.append({"role": SHAREGPT_ROLES[role], "content": turn["value"], **weight})
+    if system and any(m["role"] == "system" for m in messages[1:]):
+        raise UserError("it has a 'system' prompt and a system turn: keep one")
     return messages
 
 
@@ -343,7 +348,7 @@ class ChatFormat:
     def record(self, obj):
         """A JSON record -> Chat, or ValueError saying why it cannot be one."""
         if "conversations" in obj and "messages" not in obj:  # ShareGPT's layout: its turns as messages
-            obj = {"messages": sharegpt_messages(obj["conversations"]), "tools": obj.get("tools")}
+            obj = {"messages": sharegpt_messages(obj["conversations"], obj.get("system")), "tools": obj.get("tools")}
         tools = obj.get("tools")  # the functions a model may call, as TRL gives them to the template
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise UserError("'tools' is not a list of JSON objects (tool definitions): give it as one (a text of "

@@ -766,6 +766,24 @@ def test_a_sharegpt_turn_of_weight_0_is_not_trained(style):
         fmt.record({"conversations": [turns[0], {**turns[1], "weight": 0.5}]})
 
 
+def test_a_sharegpt_records_system_prompt_is_its_first_message(style):
+    # LLaMA-Factory's ShareGPT files hold the system prompt beside the turns: rendered first, as transformers renders
+    # the same messages, and untrained; beside a system turn of its own, or not a text, the record is refused
+    name, folder, theirs, ours = style
+    fmt = chat_format(folder, ours)
+    turns = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]
+    record = fmt.record({"conversations": turns, "system": "Be terse."})
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}]
+    assert record.text == theirs.apply_chat_template(messages, tokenize=False)
+    assert "Be terse." in record.text and all("Be terse." not in record.text[a:b] for a, b in record.spans)
+    assert fmt.record({"conversations": turns, "system": ""}).text == fmt.record({"conversations": turns}).text
+    with pytest.raises(UserError, match="a 'system' prompt and a system turn"):
+        fmt.record({"conversations": [{"from": "system", "value": "Be kind."}, *turns], "system": "Be terse."})
+    with pytest.raises(UserError, match="'system' is not a text"):
+        fmt.record({"conversations": turns, "system": ["Be terse."]})
+
+
 @pytest.mark.parametrize("style", ["qwen3"], indirect=True)
 def test_content_as_a_list_of_parts_is_refused_naming_the_fix(style):
     # OpenAI's multimodal layout, [{"type": "text", "text": ...}]: a text model's template writes no parts (Qwen3's
