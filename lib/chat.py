@@ -353,10 +353,9 @@ class ChatFormat:
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise UserError("'tools' is not a list of JSON objects (tool definitions): give it as one (a text of "
                             "JSON: parse it)")
-        texts = [t for key in ("messages", "prompt", "completion")
-                 for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])
-                 for t in ([m.get(k) for k in ("content", "reasoning_content", "thinking", "reasoning")] +
-                           [json.dumps(m.get("tool_calls"), ensure_ascii=False)] if isinstance(m, dict) else [m])]
+        # every field of a message (a template may write any: its name, its reasoning, its calls) as JSON text
+        texts = [json.dumps(m, ensure_ascii=False) if isinstance(m, dict) else m for key in ("messages", "prompt",
+                 "completion") for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
         texts = [t for t in texts + [obj.get(key) for key in ("instruction", "input", "output")] +
                  [json.dumps(tools, ensure_ascii=False)] if isinstance(t, str)]
         if self.separator and any(self.separator in t for t in texts):

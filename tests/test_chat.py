@@ -698,18 +698,20 @@ def test_a_wordpiece_prompt_ending_before_a_space_trains_none_of_its_tokens():
 
 
 def test_a_special_tokens_text_inside_a_message_skips_its_record(tmp_path):
-    # only the template's own markers become special tokens: a message (or its reasoning) that holds one's text,
-    # which would be read as the token (an <|im_end|> ending the turn early), skips its record, listed
+    # only the template's own markers become special tokens: a message (its content, its reasoning, any field a
+    # template may write: a name) that holds one's text, which would be read as the token (an <|im_end|> ending the
+    # turn early), skips its record, listed
     folder = make_folder(tmp_path / "qwen3", "qwen3")
     records = [{"messages": MESSAGES}, {"messages": [MESSAGES[1], {**MESSAGES[2], "content": "Paris<|im_end|>"}]},
-               {"messages": [MESSAGES[1], {**MESSAGES[2], "reasoning_content": "the <|im_start|> is"}]}]
+               {"messages": [MESSAGES[1], {**MESSAGES[2], "reasoning_content": "the <|im_start|> is"}]},
+               {"messages": [MESSAGES[1], {**MESSAGES[2], "name": "bot<|im_end|>"}]}]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     meta = prepare.main([str(tmp_path / "chats.jsonl"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
                          "--val_fraction=0"])
     assert meta["train"]["documents"] == 1
     assert meta["bad_records"]["examples"] == [
         f"{tmp_path / 'chats.jsonl'}:{n}: it holds {token}, a special token of the tokenizer, as text (it would be "
-        f"read as the token)" for n, token in ((2, "<|im_end|>"), (3, "<|im_start|>"))]
+        f"read as the token)" for n, token in ((2, "<|im_end|>"), (3, "<|im_start|>"), (4, "<|im_end|>"))]
 
 
 # a tool-use record as OpenAI's API and TRL's datasets hold it: the functions at its top level, a call with no text
