@@ -227,8 +227,9 @@ def resume(origin, config, meta, eval_sequences):
     if prepared_again:
         origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
                             f"sizes differ): the run goes on through other sequences than it would have seen")
-    measured = val_measure(config, meta)  # and of random windows, how many (eval_iters x batch_size x replicas)
-    other_windows = not measured[1] and checkpoint.get("eval_sequences", eval_sequences) != eval_sequences
+    measured = val_measure(config, meta)
+    scored_whole = measured[1]  # (val_measure's) else random windows: how many (eval_iters x batch_size x replicas)
+    other_windows = not scored_whole and checkpoint.get("eval_sequences", eval_sequences) != eval_sequences
     if (prepared_again or val_measure(before, meta) != measured or other_windows) and loop["best_val_loss"] < math.inf:
         origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
                             f"eval_full, eval_stride, doc_mask, sequences, the val windows read: eval_iters x "

@@ -3,6 +3,7 @@ refused, and the factor on every optimizer's own peak; one train.py run checks t
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -137,7 +138,6 @@ def test_a_resume_takes_the_commands_optimizer_settings_and_says_so(data_dir, tm
 
 def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, tmp_path):
     # the run's end stays, but the rates from the checkpoint's step on are not those of the run it continues
-    import shutil
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2", "--max_iters=6",
             "--keep_last_n=3"]
     run(*args)
