@@ -154,12 +154,15 @@ def check_ranges(values, ranges, flag=""):
             raise _UserError(f"{flag}{key}={value} must be at least {low}{above}")
 
 
-# settings that play a part only where another has one of some values: name -> (that setting, those values)
-_PLAYS_UNDER = {**dict.fromkeys(("lr_schedule", "warmup_iters", "warmup_ratio", "lr_decay_iters", "min_lr"),
-                               ("decay_lr", (True,))),
-                "lr_power": ("lr_schedule", ("polynomial",)), "lr_decay_fraction": ("lr_schedule", ("wsd",)),
-                "lr_cycle_iters": ("lr_schedule", ("cosine_restarts",)), "eval_stride": ("eval_full", (True,)),
-                "memory_budget": ("batch_size_auto", (True,))}
+# settings that play a part only where others have some values: name -> ((that setting, those values), ...), the
+# first one out noted (warmup_ratio above 0 replaces warmup_iters; 'constant' never decays to min_lr)
+_DECAYING = ("lr_schedule", tuple(s for s in _optim.SCHEDULES if s != "constant"))
+_PLAYS_UNDER = {**dict.fromkeys(("lr_schedule", "warmup_ratio"), (("decay_lr", (True,)),)),
+                "warmup_iters": (("decay_lr", (True,)), ("warmup_ratio", (0.0,))),
+                **dict.fromkeys(("lr_decay_iters", "min_lr"), (("decay_lr", (True,)), _DECAYING)),
+                "lr_power": (("lr_schedule", ("polynomial",)),), "lr_decay_fraction": (("lr_schedule", ("wsd",)),),
+                "lr_cycle_iters": (("lr_schedule", ("cosine_restarts",)),), "eval_stride": (("eval_full", (True,)),),
+                "memory_budget": (("batch_size_auto", (True,)),)}
 
 
 def unused(config):
@@ -170,9 +173,11 @@ def unused(config):
             return f"batch_size={'auto' if value else config['batch_size']!r}"
         return f"{key}={value!r}"
     default = defaults()
+    out = {name: next(((u, v) for u, v in under if config[u] not in v), None)  # the first that leaves it out
+           for name, under in _PLAYS_UNDER.items() if config[name] != default[name]}
     notes = [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of {said(under, values[0])}, "
-             f"and the run's is {said(under, config[under])}" for name, (under, values) in _PLAYS_UNDER.items()
-             if config[name] != default[name] and config[under] not in values]
+             f"and the run's is {said(under, config[under])}" for name, (under, values) in
+             ((n, o) for n, o in out.items() if o)]
     if config["optimizer"] in _optim.OPTIMIZERS:  # (else refused when built) another optimizer's own settings
         read = {name: _optim.settings_read(name, config) for name in _optim.OPTIMIZERS}
         notes += [f"note: {name}={config[name]!r} plays no part in this run: optimizer={config['optimizer']!r} "

@@ -178,3 +178,16 @@ def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_p
     assert [note.split(" plays")[0] for note in unused(train_settings(
         ["--decay_lr=False", "--warmup_ratio=0.5", "--min_lr=1e-5", "--lr_decay_iters=90"]))] == [
         "note: warmup_ratio=0.5", "note: lr_decay_iters=90", "note: min_lr=1e-05"]
+
+
+def test_a_schedule_setting_its_schedule_leaves_out_of_play_is_noted():
+    # warmup_ratio above 0 replaces warmup_iters, and 'constant' holds the peak: no decay to min_lr at lr_decay_iters
+    from helpers import train_settings
+    from lib.settings import unused
+    assert unused(train_settings(["--warmup_ratio=0.1", "--warmup_iters=10"])) == [
+        "note: warmup_iters=10 plays no part in this run: it is a setting of warmup_ratio=0.0, and the run's is "
+        "warmup_ratio=0.1"]
+    assert [note.split(" plays")[0] for note in unused(train_settings(
+        ["--lr_schedule=constant", "--min_lr=1e-5", "--lr_decay_iters=90"]))] == [
+        "note: lr_decay_iters=90", "note: min_lr=1e-05"]
+    assert unused(train_settings(["--lr_schedule=linear", "--min_lr=1e-5", "--warmup_iters=10"])) == []
