@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from helpers import TINY, run
+from helpers import TINY, run, train_settings
 from lib.files import UserError
 from lib.optim import check_optimizer, lr_factor, run_steps, set_lr
-from lib.settings import defaults
+from lib.settings import defaults, unused
 
 # warmup over 2 steps, then from the peak down to min_lr / learning_rate = 0.1 at step 10 (lr_decay_iters)
 SETTINGS = dict(warmup_iters=2, lr_decay_iters=10, learning_rate=1e-2, min_lr=1e-3, lr_decay_fraction=0.4,
@@ -152,8 +152,6 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
 def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_path):
     # config/train_small.py's wsd decay fraction, once a flag picks another schedule, and settings given beside
     # what they belong to: each says so at the start, and a setting left at its default says nothing
-    from helpers import train_settings
-    from lib.settings import unused
     config = train_settings(["config/train_small.py", "--lr_schedule=cosine", "--eval_stride=8"])
     assert unused(config) == [
         "note: lr_decay_fraction=0.4 plays no part in this run: it is a setting of lr_schedule='wsd', and the run's "
@@ -182,8 +180,6 @@ def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_p
 
 def test_a_schedule_setting_its_schedule_leaves_out_of_play_is_noted():
     # warmup_ratio above 0 replaces warmup_iters, and 'constant' holds the peak: no decay to min_lr at lr_decay_iters
-    from helpers import train_settings
-    from lib.settings import unused
     assert unused(train_settings(["--warmup_ratio=0.1", "--warmup_iters=10"])) == [
         "note: warmup_iters=10 plays no part in this run: it is a setting of warmup_ratio=0.0, and the run's is "
         "warmup_ratio=0.1"]
@@ -191,3 +187,11 @@ def test_a_schedule_setting_its_schedule_leaves_out_of_play_is_noted():
         ["--lr_schedule=constant", "--min_lr=1e-5", "--lr_decay_iters=90"]))] == [
         "note: lr_decay_iters=90", "note: min_lr=1e-05"]
     assert unused(train_settings(["--lr_schedule=linear", "--min_lr=1e-5", "--warmup_iters=10"])) == []
+
+
+def test_a_wandb_name_without_wandb_log_is_noted():
+    # the run is logged nowhere under that project or name: said at the start, as other settings out of play are
+    assert unused(train_settings(["--wandb_project=mine", "--wandb_run_name=first"])) == [
+        f"note: {name} plays no part in this run: it is a setting of wandb_log=True, and the run's is wandb_log=False"
+        for name in ("wandb_project='mine'", "wandb_run_name='first'")]
+    assert unused(train_settings(["--wandb_log=True", "--wandb_project=mine"])) == []
