@@ -187,11 +187,3 @@ def test_a_schedule_setting_its_schedule_leaves_out_of_play_is_noted():
         ["--lr_schedule=constant", "--min_lr=1e-5", "--lr_decay_iters=90"]))] == [
         "note: lr_decay_iters=90", "note: min_lr=1e-05"]
     assert unused(train_settings(["--lr_schedule=linear", "--min_lr=1e-5", "--warmup_iters=10"])) == []
-
-
-def test_a_wandb_name_without_wandb_log_is_noted():
-    # the run is logged nowhere under that project or name: said at the start, as other settings out of play are
-    assert unused(train_settings(["--wandb_project=mine", "--wandb_run_name=first"])) == [
-        f"note: {name} plays no part in this run: it is a setting of wandb_log=True, and the run's is wandb_log=False"
-        for name in ("wandb_project='mine'", "wandb_run_name='first'")]
-    assert unused(train_settings(["--wandb_log=True", "--wandb_project=mine"])) == []
