@@ -232,7 +232,8 @@ def main(argv=None):
             write_adapter(model, checkpoint["pretrained"], staging)
             ids = run_special_ids(tokenizer, base)
         else:  # merged and cast
-            merge_lora(model).to(getattr(torch, export_dtype(args.dtype, base)))
+            dtype = getattr(torch, export_dtype(args.dtype, base))
+            merge_lora(model, dtype).to(dtype)
             ids = run_special_ids(tokenizer, base)
             save_pretrained(model, staging, ids=ids)
         note = write_tokenizer(tokenizer, checkpoint, staging, ids)
@@ -270,7 +271,7 @@ def export_gguf(args):
     try:
         from lib.gguf_export import write_gguf
         model, tokenizer, checkpoint = load_exported(args)
-        merge_lora(model)  # in float32: write_gguf casts the matrices and keeps the norms in float32
+        merge_lora(model, torch.float32)  # in float32: write_gguf casts the matrices and keeps the norms in float32
         base = checkpoint.get("pretrained") or ""
         chat = run_chat(checkpoint)
         template = chat["template"] if chat else None

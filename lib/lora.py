@@ -76,8 +76,9 @@ def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down
     return model
 
 
-def merge_lora(model):
-    """Fold every adapter into its weight, W + (alpha/rank)·B·A in fp32 cast back to W's dtype: a plain model."""
+def merge_lora(model, dtype=None):
+    """Fold every adapter into its weight, W + (alpha/rank)·B·A in fp32 cast to dtype (None: W's): a plain model.
+    An export's dtype, not a bf16 base's: rounded to bf16, a float32 export would lose the adapters' small changes."""
     for _, _, linear in model.projections():
         lora, weight = getattr(linear, "lora", None), linear.weight.detach()
         # quantize_base holds all seven projections quantized, adapted or not (lora_targets): every one goes back
@@ -88,7 +89,7 @@ def merge_lora(model):
         elif type(weight) is not torch.Tensor:  # 8-bit
             weight = weight.dequantize()
         merged = weight.float() + (lora.delta().to(weight.device) if lora is not None else 0)
-        linear.weight = nn.Parameter(merged.to(weight.dtype), requires_grad=False)
+        linear.weight = nn.Parameter(merged.to(dtype or weight.dtype), requires_grad=False)
         if lora is not None:
             del linear.lora
     model.config.lora_rank = 0

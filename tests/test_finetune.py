@@ -290,6 +290,23 @@ def test_a_qlora_run_in_bfloat16_is_exported_on_the_base_it_trained_on(pretraine
     assert torch.equal(exported["model.layers.0.mlp.gate_proj.weight"].to(ours.dtype), ours)
 
 
+def test_a_lora_run_on_a_bfloat16_base_exports_in_float32_with_its_adapters_whole(pretrained, tmp_path):
+    # a float32 folder's LoRA run held in bf16 (a GPU's dtype) exports in float32: W + delta, not rounded to bf16
+    # first, which lost ~5% of the adapters' change (the small entries of B·A below a bf16 weight's last bit)
+    from safetensors.torch import load_file
+
+    from lib.checkpoint import load_checkpoint, model_from_checkpoint
+    folder, data = pretrained
+    run(*LORA, "--lora_base_dtype=bfloat16", f"--data_dir={data}", f"--init_from={folder}",
+        f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    trained = model_from_checkpoint(load_checkpoint(tmp_path / "run" / "ckpt.pt"), torch.bfloat16)
+    q = trained.blocks[0].attn.q
+    exported = load_file(tmp_path / "hf" / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    assert exported.dtype == torch.float32 and q.lora.delta().abs().max() > 0
+    torch.testing.assert_close(exported, q.weight.float() + q.lora.delta(), rtol=0, atol=1e-7)
+
+
 # -----------------------------------------------------------------------------
 # export.py: a run -> a Hugging Face folder (or a peft adapter) that transformers reads as we do
 
