@@ -1,7 +1,8 @@
 """The CUDA tier: what only a GPU can check, in one call of a few minutes on an H100 (`python -m pytest -m cuda
 tests`). The fused kernels compiled for real against their references in bf16 and fp16 at the models' shapes,
 FlexAttention's document mask against SDPA's, train.py in bf16 with compile, the kernels and doc_mask, FSDP on
-one GPU, the memory estimate against the measured peak, LoRA and QLoRA steps. Skipped without a GPU."""
+one GPU, the memory estimate against the measured peak (tied head or not), LoRA and QLoRA steps, a conversation run and
+sample.py --chat against the CPU's, a LoRA run's export in float32. Skipped without a GPU."""
 
 import json
 import os
@@ -19,7 +20,9 @@ from lib.optim import build_optimizers
 from lib.settings import defaults
 from model import GPT, GPTConfig, document_mask, rotary_tables
 from test_kernels import fwd_bwd, rel_err
-from helpers import ROOT
+from helpers import ROOT, losses, run
+from test_finetune import LORA, pretrained  # noqa: F401 (a fixture)
+from test_sft import SMALL as CHAT, chat_data  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available() or K.INTERPRET or not K.HAS_TRITON,
@@ -106,12 +109,12 @@ def test_flex_attention_doc_mask_matches_masked_sdpa():
         assert rel_err(a, c) <= 2 * rel_err(b, c) + 2**-7, (name, rel_err(a, c), rel_err(b, c))
 
 
-def gpu_train(*args, env=None):
-    # train.py on the GPU: the tests' CPU runs hide it (conftest.CPU_ENV), this one must see it
+def gpu_train(*args, env=None, script="train.py"):
+    # a script on the GPU: the tests' CPU runs hide it (conftest.CPU_ENV), this one must see it
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     if env.get("CUDA_VISIBLE_DEVICES") == "":
         del env["CUDA_VISIBLE_DEVICES"]
-    done = subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -146,12 +149,14 @@ def test_fsdp_bf16_on_one_gpu_trains_as_without_it(data_dir, tmp_path):
     assert all(abs(fsdp[i] - plain[i]) <= 2e-2 * plain[i] for i in plain), (plain, fsdp)
 
 
-def test_the_memory_estimate_is_within_15_percent_of_the_peak():
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_memory_estimate_is_within_15_percent_of_the_peak(tied):
     # an eager bf16 step with AdamW (its state made by the first step, so the second is the peak) against
-    # memory.py's estimate of the same step
+    # memory.py's estimate of the same step, the head the embedding's weight or one of its own
     torch.manual_seed(0)
     B, T = 8, 1024
-    config = GPTConfig(vocab_size=32768, block_size=T, n_layer=8, n_head=16, n_kv_head=4, n_embd=1024)
+    config = GPTConfig(vocab_size=32768, block_size=T, n_layer=8, n_head=16, n_kv_head=4, n_embd=1024,
+                       tie_embeddings=tied)
     model = GPT(config).cuda()
     optimizers = build_optimizers(model, {**defaults(), "optimizer": "adamw",
                                   "learning_rate": 1e-4, "weight_decay": 0.1}, "cuda")
@@ -201,3 +206,40 @@ def test_lora_and_qlora_steps(base, tmp_path):
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     if base == "nf4":
         assert all(type(linear.weight).__name__ == "NF4Tensor" for _, _, linear in model.projections())
+
+
+def test_a_conversation_run_trains_as_on_the_cpu_and_its_chat_stops_at_the_end_of_turn(chat_data, tmp_path):
+    # the masks of data format 2 (END after each example) and the loss over the trained tokens alone, with the
+    # kernels compiled: the same losses as the CPU's fp32 run to tf32's error; sample.py --chat on the GPU gives the
+    # CPU's reply to the same checkpoint, cut at the end-of-turn
+    args = [*CHAT, f"--data_dir={chat_data}", "--n_embd=64", "--batch_size=8", "--warmup_iters=10", "--max_iters=300",
+            "--lr_decay_iters=300", "--eval_interval=300", "--dtype=float32"]  # 300 steps: a reply, not at once its end
+    run(*args, f"--out_dir={tmp_path / 'cpu'}")
+    out = gpu_train(*args, f"--out_dir={tmp_path / 'gpu'}", "--device=cuda", "--use_kernels=True")
+    assert "on cuda, float32" in out.stdout
+    cpu, gpu = losses(tmp_path / "cpu"), losses(tmp_path / "gpu")
+    assert cpu.keys() == gpu.keys() and len(cpu) == 300
+    assert abs(gpu[1] - cpu[1]) <= 1e-3 * cpu[1], (cpu[1], gpu[1])
+    assert all(abs(gpu[i] - cpu[i]) <= 2e-2 * cpu[i] for i in range(1, 31)), (cpu, gpu)
+    chat = ["--chat", "--start=stone cloud seven", "--temperature=0", "--max_new_tokens=20", "--dtype=float32"]
+    reply = gpu_train(f"--out_dir={tmp_path / 'cpu'}", *chat, "--device=cuda", script="sample.py").stdout
+    assert reply == gpu_train(f"--out_dir={tmp_path / 'cpu'}", *chat, "--device=cpu", script="sample.py").stdout
+    assert reply.strip() and "<|" not in reply  # the end-of-turn, <|user|>, never reached the text
+
+
+def test_a_lora_run_on_the_gpu_exports_in_float32_with_its_adapters_whole(pretrained, tmp_path):
+    # a float32 folder's LoRA run, its base held in the GPU's bf16 ('auto'): exported in the folder's float32 as
+    # the held weight plus the adapters' change, not that sum rounded to bf16
+    from safetensors.torch import load_file
+
+    from lib.checkpoint import load_checkpoint, model_from_checkpoint
+    folder, data = pretrained
+    out = gpu_train(*LORA, f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path / 'run'}",
+                    "--max_iters=4", "--device=cuda")
+    assert "on cuda, bfloat16" in out.stdout
+    gpu_train(f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}", script="export.py")
+    trained = model_from_checkpoint(load_checkpoint(tmp_path / "run" / "ckpt.pt"), torch.bfloat16)
+    q = trained.blocks[0].attn.q
+    exported = load_file(tmp_path / "hf" / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    assert exported.dtype == torch.float32 and q.weight.dtype == torch.bfloat16 and q.lora.delta().abs().max() > 0
+    torch.testing.assert_close(exported, q.weight.float() + q.lora.delta(), rtol=0, atol=1e-7)
