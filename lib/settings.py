@@ -173,11 +173,13 @@ def unused(config):
             return f"batch_size={'auto' if value else config['batch_size']!r}"
         return f"{key}={value!r}"
     default = defaults()
-    out = {name: next(((u, v) for u, v in under if config[u] not in v), None)  # the first that leaves it out
-           for name, under in _PLAYS_UNDER.items() if config[name] != default[name]}
-    notes = [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of {said(under, values[0])}, "
-             f"and the run's is {said(under, config[under])}" for name, (under, values) in
-             ((n, o) for n, o in out.items() if o)]
+    notes = []
+    for name, conditions in _PLAYS_UNDER.items():
+        out = next(((u, v) for u, v in conditions if config[u] not in v), None)  # the first that leaves it out
+        if out and config[name] != default[name]:
+            under, values = out
+            notes.append(f"note: {name}={config[name]!r} plays no part in this run: it is a setting of "
+                         f"{said(under, values[0])}, and the run's is {said(under, config[under])}")
     if config["optimizer"] in _optim.OPTIMIZERS:  # (else refused when built) another optimizer's own settings
         read = {name: _optim.settings_read(name, config) for name in _optim.OPTIMIZERS}
         notes += [f"note: {name}={config[name]!r} plays no part in this run: optimizer={config['optimizer']!r} "
