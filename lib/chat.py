@@ -393,9 +393,9 @@ class ChatFormat:
         """messages -> Chat, trained on: 'assistant', each assistant turn after its header (the generation prompt,
         untrained as in TRL) to its closing token, a think block before the reply included, or what {% generation %}
         blocks write; 'completion', all from messages[first_completion]'s reply on (to_end False: to the last
-        assistant turn's closing token, the turns after it untrained); 'all', everything. An assistant
-        turn with tool_calls is trained whole: its text and its calls as the template writes them; one with a
-        "weight" of 0 (ShareGPT's, as axolotl reads it) is not trained."""
+        assistant turn's closing token, the turns after it untrained); 'all', everything. An assistant turn with
+        tool_calls is trained whole: its text and its calls as the template writes them; one with a "weight" of 0
+        (ShareGPT's, as axolotl reads it) is not trained."""
         text = self.render(messages, tools=tools)
         if self.train_on == "all":
             return Chat(text, [(0, len(text))])
