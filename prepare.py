@@ -152,11 +152,16 @@ def prepare(args):
 
 
 def check_splits(args, inputs, splits, conversations, stats):
-    # a dataset that would train on nothing is refused before it is written
+    # a dataset that would train on nothing, or that train.py would refuse for an empty val.bin, is refused before it
+    # is written
+    dropped = f"{stats['duplicates_dropped']} duplicates (--dedup) and {stats['short_dropped']} documents under " \
+              f"--min_length were dropped in all; " if stats["duplicates_dropped"] + stats["short_dropped"] else ""
     if args.val_input and splits["val"]["documents"] == 0:
-        dropped = f"{stats['duplicates_dropped']} duplicates (--dedup) and {stats['short_dropped']} documents under " \
-                  f"--min_length were dropped in all; " if stats["duplicates_dropped"] + stats["short_dropped"] else ""
         raise UserError(f"no documents left in --val_input {', '.join(map(str, args.val_input))} ({dropped}check it)")
+    if not args.val_input and args.val_fraction > 0 and splits["val"]["documents"] == 0 and not args.analyze:
+        raise UserError(f"no document left for validation: {', '.join(map(str, inputs))} gave "
+                        f"{splits['train']['documents']}, too few to split ({dropped}add documents, or give "
+                        f"--val_input)")
     if splits["train"]["documents"] == 0 and not args.analyze:
         raise UserError(f"no training documents in {', '.join(map(str, inputs))} (check it)")
     if conversations and splits["train"].get("targets", 0) == 0:

@@ -27,7 +27,7 @@ from lib.settings import SAMPLING, check_ranges
 from lib.trained import chat_folder, chat_stops, load_folder_or_run
 
 one_line_errors("sample.py")
-MAX_PROMPT = 1 << 20  # characters of a --start=FILE: prompt
+MAX_PROMPT = 1 << 20  # characters of a --start=FILE: or --system=FILE: text
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--out_dir", default="out", help="folder holding the checkpoint")
 parser.add_argument("--ckpt", default="ckpt.pt", help="checkpoint in out_dir (ckpt_best.pt: best val loss; the "
@@ -38,7 +38,7 @@ parser.add_argument("--init_from", default="resume", help="nanoGPT's flag: 'resu
 parser.add_argument("--start", default=None, help="prompt text, or FILE:path to read it from a file (default: a "
                     "newline; with --chat: read messages from the terminal)")
 parser.add_argument("--chat", action="store_true", help="chat with the model through its chat template")
-parser.add_argument("--system", default=None, help="with --chat: the system prompt")
+parser.add_argument("--system", default=None, help="with --chat: the system prompt, or FILE:path to read it from")
 parser.add_argument("--num_samples", type=int, default=3)
 parser.add_argument("--max_new_tokens", type=int, default=500)
 parser.add_argument("--temperature", type=float, default=0.8, help="<1 is surer, >1 more varied, 0 greedy")
@@ -61,6 +61,14 @@ def utf8(text, what):
     except UnicodeEncodeError:
         raise UserError(f"{what} is not UTF-8 text: give it in UTF-8") from None
     return text
+
+
+def marker_in(chat, text, what):
+    # a special token's spelling in text, which the chat's encoding would read as the token (a turn closed early, a
+    # role made up), refused in one line as prepare.py refuses it in a conversation; else None
+    found = chat.special_text.search(text) if chat.special_text else None
+    return found and f"{what} holds {found[0]}, a special token of the tokenizer, as text (it would be read as the " \
+                     f"token): leave it out"
 
 
 for name in ("start", "system"):
@@ -91,16 +99,26 @@ if checkpoint is not None and checkpoint["config"].get("doc_mask") and tokenizer
     sampling["document"] = tokenizer.eot_id  # it attended within documents: end-of-text begins one (as eval.py)
 torch.manual_seed(args.seed)
 
-start = args.start if args.start is not None or args.chat else "\n"
-if start is not None and start.startswith("FILE:"):  # read in bounded memory: the model sees its last block_size
-    try:                                             # tokens alone, and a huge text would take gigabytes to encode
-        with open(start[5:], encoding="utf-8") as f:
-            start = f.read(MAX_PROMPT + 1)
+
+
+def given_text(value, what):
+    # --start's or --system's text: as given, or FILE:path's, read in bounded memory (the model sees its last
+    # block_size tokens alone, and a huge text would take gigabytes to encode)
+    if value is None or not value.startswith("FILE:"):
+        return value
+    try:
+        with open(value[5:], encoding="utf-8") as f:
+            text = f.read(MAX_PROMPT + 1)
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read the prompt file {start[5:]} ({e})") from None
-    if len(start) > MAX_PROMPT:
-        raise UserError(f"the prompt file {args.start[5:]} is longer than {MAX_PROMPT:,} characters: give the part "
-                        f"to continue (the model sees its last {model.config.block_size} tokens)")
+        raise UserError(f"cannot read the {what} file {value[5:]} ({e})") from None
+    if len(text) > MAX_PROMPT:
+        raise UserError(f"the {what} file {value[5:]} is longer than {MAX_PROMPT:,} characters: give the part that "
+                        f"matters (the model sees its last {model.config.block_size} tokens)")
+    return text
+
+
+start = given_text(args.start, "prompt") if args.start is not None or args.chat else "\n"
+system = given_text(args.system, "system prompt")
 
 
 def reply(messages):
@@ -135,22 +153,34 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
                         f"{folder} has no chat template; sample without --chat")
     if start is not None and not start.strip():
         raise UserError("--start is empty: give the message to answer (or leave --start out to type messages)")
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    if system and (refused := marker_in(chat, system, "--system")):
+        raise UserError(refused)
+    messages = [{"role": "system", "content": system}] if system else []
     while True:
         try:
             text = start if start is not None else utf8(input("> "), "the message")
         except UnicodeDecodeError:
             raise UserError("the message is not UTF-8 text: type it in UTF-8") from None
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt ends the chat
+            print()
             break
         if not text.strip():
             break
+        refused = marker_in(chat, text, "--start" if start is not None else "the message")
+        if refused and start is not None:
+            raise UserError(refused)
+        if refused:  # typed: said, and asked again
+            print(refused, file=sys.stderr, flush=True)
+            continue
         messages.append({"role": "user", "content": text})
         # a ValueError is said in one line; a conversation past block_size raises none (generate slides its window)
         try:
             messages.append({"role": "assistant", "content": reply(messages)})
         except ValueError as e:
             raise UserError(str(e)) from None
+        except KeyboardInterrupt:  # Ctrl-C while it replies ends the chat too
+            print()
+            break
         print(messages[-1]["content"], flush=True)
         if start is not None:
             break

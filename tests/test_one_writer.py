@@ -249,7 +249,7 @@ def test_eval_on_an_empty_val_split_and_sample_on_a_huge_prompt_file_end_in_one_
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("hello world number 1.\n" * 50_000)  # 1.1 M characters
     done = script("sample.py", f"--out_dir={out}", f"--start=FILE:{prompt}", "--num_samples=1")
-    assert_one_line(done, f"the prompt file {prompt} is longer than 1,048,576 characters: give the part to continue")
+    assert_one_line(done, f"the prompt file {prompt} is longer than 1,048,576 characters: give the part that matters")
 
 
 def test_an_export_whose_destination_cannot_be_written_ends_in_one_line_and_leaves_nothing(runs, tmp_path,

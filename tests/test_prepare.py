@@ -605,6 +605,27 @@ def test_dedup(tmp_path):
                        "--tokenizer", "char"), "no documents left in --val_input", "(4 duplicates (--dedup) and 0 documents under --min_length")
 
 
+def test_too_few_documents_to_split_are_refused_before_anything_is_written(tmp_path):
+    # --val_fraction above 0 with one document left that cannot be cut in two (the other under --min_length, or a
+    # single conversation): val.bin would be empty, which train.py refuses; prepare.py says why instead, and the
+    # dataset already in --out_dir stays as it was
+    write(tmp_path / "src" / "a.txt", "a long enough document here")
+    write(tmp_path / "src" / "b.txt", "hi")
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    before = {f: (tmp_path / "out" / f).read_bytes() for f in ("train.bin", "val.bin", "meta.json")}
+    assert meta["train"]["documents"] == meta["val"]["documents"] == 1
+    one_line_error(cli(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--min_length", "5",
+                       "--overwrite"), "no document left for validation:", "gave 1, too few to split (0 duplicates "
+                   "(--dedup) and 1 documents under --min_length were dropped in all; add documents, or give "
+                   "--val_input)")
+    assert {f: (tmp_path / "out" / f).read_bytes() for f in before} == before
+    write(tmp_path / "chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "hello"},
+                                                            {"role": "assistant", "content": "hi there"}]}) + "\n")
+    one_line_error(cli(tmp_path / "chat.jsonl", "--out_dir", tmp_path / "chat", "--tokenizer", "bpe:256"),
+                   "no document left for validation:", "gave 1, too few to split (add documents, or give --val_input)")
+    assert not (tmp_path / "chat").exists()
+
+
 def test_val_input(tmp_path):
     text_tree(tmp_path / "train")
     write(tmp_path / "val" / "v1.txt", "validation one")

@@ -1,7 +1,9 @@
 """Supervised fine-tuning: conversations with loss masks, whole examples packed exactly (data.py), the loss over
 the trained targets of an update however it is split, epochs, resume, sample.py --chat and export.py's chat files."""
 
+import io
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -273,7 +275,7 @@ def test_examples_under_ddp_match_one_process_and_resume_exactly(chat_data, tmp_
     assert_weights_close(weights(tmp_path / "whole"), weights(tmp_path / "parts"), atol=0)
 
 
-def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
+def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path, monkeypatch):
     run(*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=30", "--eval_interval=30")
     done = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=apple river", "--temperature=0",
                   "--max_new_tokens=20", "--device=cpu", "--system=Reverse the words.")
@@ -294,6 +296,30 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path):
     assert done.stdout.strip() == tokenizer.decode(out).strip()
     empty = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start= ", "--device=cpu")
     assert empty.returncode == 1 and empty.stderr.startswith("sample.py: --start is empty: give the message")
+    # the system prompt read from a file (--system=FILE:), as --start's: the same reply
+    (tmp_path / "system.txt").write_text("Reverse the words.")
+    read = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=apple river", "--temperature=0",
+                  "--max_new_tokens=20", "--device=cpu", f"--system=FILE:{tmp_path / 'system.txt'}")
+    assert read.returncode == 0 and read.stdout == done.stdout, read.stderr
+    # a special token's spelling in a message would be read as the token (here the end of the turn): refused in one
+    # line; typed, it is said and the next message asked for; Ctrl-C at the prompt ends the chat, no traceback
+    for bad, said in [("--start=apple <|endoftext|> river", "--start"), ("--system=Be <|endoftext|>", "--system")]:
+        refused = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--device=cpu", bad,
+                         *[] if bad.startswith("--start") else ["--start=apple river"])
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+        assert f"{said} holds <|endoftext|>, a special token of the tokenizer, as text" in refused.stderr
+
+    class Typed(io.StringIO):  # the lines typed, then Ctrl-C
+        def readline(self, *args):
+            line = super().readline(*args)
+            if not line:
+                raise KeyboardInterrupt
+            return line
+    monkeypatch.setattr(sys, "stdin", Typed("apple <|endoftext|> river\napple river\n"))
+    typed = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--temperature=0", "--max_new_tokens=20",
+                   "--device=cpu", "--system=Reverse the words.")
+    assert typed.returncode == 0 and typed.stdout == f"> > {done.stdout}> \n", typed.stdout
+    assert typed.stderr.startswith("the message holds <|endoftext|>") and typed.stderr.count("\n") == 1
     # export: the template and the end-of-turn token as generation's eos go along
     done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}")
     assert done.returncode == 0, done.stderr
