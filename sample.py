@@ -100,7 +100,6 @@ if checkpoint is not None and checkpoint["config"].get("doc_mask") and tokenizer
 torch.manual_seed(args.seed)
 
 
-
 def given_text(value, what):
     # --start's or --system's text: as given, or FILE:path's, read in bounded memory (the model sees its last
     # block_size tokens alone, and a huge text would take gigabytes to encode)
