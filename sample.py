@@ -66,9 +66,9 @@ def utf8(text, what):
 def marker_in(chat, text, what):
     # a special token's spelling in text, which the chat's encoding would read as the token (a turn closed early, a
     # role made up), refused in one line as prepare.py refuses it in a conversation; else None
-    found = chat.special_text.search(text) if chat.special_text else None
-    return found and f"{what} holds {found[0]}, a special token of the tokenizer, as text (it would be read as the " \
-                     f"token): leave it out"
+    held = chat.special_in(text)
+    return held and f"{what} holds {held}, a special token of the tokenizer, as text (it would be read as the " \
+                    f"token): leave it out"
 
 
 for name in ("start", "system"):

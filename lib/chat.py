@@ -332,6 +332,11 @@ class ChatFormat:
                 "end_of_turn": self.end_of_turn, "end_of_turn_id": tokenizer.special_tokens()[self.end_of_turn],
                 "bos_token": self.context["bos_token"], "eos_token": self.context["eos_token"]}
 
+    def special_in(self, text):
+        """The first special token's spelling in text, which encoding would read as the token; or None."""
+        found = self.special_text.search(text) if self.special_text else None
+        return found[0] if found else None
+
     def render(self, messages, add_generation_prompt=False, marks=False, tools=None):
         # marks: with MARKS around what {% generation %} blocks wrote; tools: the record's, for the template
         from jinja2.exceptions import TemplateError
@@ -360,7 +365,7 @@ class ChatFormat:
                  [json.dumps(tools, ensure_ascii=False)] if isinstance(t, str)]
         if self.separator and any(self.separator in t for t in texts):
             raise UserError(f"it holds {self.separator}, which ends an example in the token files, as text")
-        held = next((m[0] for t in texts if self.special_text and (m := self.special_text.search(t))), None)
+        held = next((held for t in texts if (held := self.special_in(t))), None)
         if held:  # (only the template's own markers are special tokens: the docs' promise)
             raise UserError(f"it holds {held}, a special token of the tokenizer, as text (it would be read as the "
                              f"token)")
