@@ -225,6 +225,10 @@ def check_arguments(args):
         raise UserError("where should the dataset go? (pass --out_dir DIR)")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out_dir {out} is a file (pass a folder)")
+    for path in [p for p in inputs + (args.val_input or []) if not isinstance(p, HubSplit)]:
+        if Path(path).resolve() == out.resolve():  # (a folder inside an input is left out of it)
+            raise UserError(f"--out_dir {out} is the input {path}: its dataset would be read as input the next time; "
+                            f"give the dataset a folder of its own, e.g. --out_dir {out / 'tokens'}")
     return inputs, out, check_replace(out, args.overwrite)
 
 

@@ -93,6 +93,19 @@ def hub_splits(name, config):
         raise UserError(f"cannot read the dataset hf:{name} ({why})") from None
 
 
+def hub_rows(path):
+    # a Hub split's records, streamed; a file of it the library cannot read (pyarrow's ArrowInvalid) stops it there
+    import datasets
+    rows = iter(datasets.load_dataset(path.name, path.config, split=path.split, streaming=True))
+    while True:
+        try:
+            yield next(rows)
+        except StopIteration:
+            return
+        except Exception as e:  # whatever the library or pyarrow raise, named in one line
+            raise SkipFile(f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+
+
 def read_rows(rows, field, chat):  # a Hugging Face dataset's or a parquet file's
     for row, record in enumerate(rows, 1):
         yield f"row {row}", *record_text(record, field, chat)
@@ -182,9 +195,7 @@ def read_documents(path, field, dedup, chat):
     """Yield (position, str, BigText or Chat, None), or (position, None, why) per bad record; SkipFile if unreadable."""
     ext = file_ext(path).removesuffix(".gz")
     if isinstance(path, HubSplit):
-        import datasets
-        yield from read_rows(datasets.load_dataset(path.name, path.config, split=path.split, streaming=True),
-                             field, chat)
+        yield from read_rows(hub_rows(path), field, chat)
     elif not path.is_file():
         raise SkipFile("not a regular file")
     elif ext in (".jsonl", ".ndjson"):
@@ -249,8 +260,10 @@ def read_csv(path, field, chat, ext):
     limit = csv.field_size_limit(MAX_RECORD)  # (the csv module's, for every caller: put back after)
     with open_input(path) as f, contextlib.ExitStack() as stack:
         stack.callback(csv.field_size_limit, limit)
-        # .csv strictly: a stray quote is an error, not records run together (a .tsv's unquoted text may begin with one)
-        rows = csv.DictReader(lines(f), dialect="excel-tab" if ext == ".tsv" else "excel", strict=ext != ".tsv")
+        # .csv strictly: a stray quote is an error, not records run together. A .tsv has no quoting (IANA's, and
+        # GLUE's files): a line a record, its quotes text
+        tsv = dict(dialect="excel-tab", quoting=csv.QUOTE_NONE)
+        rows = csv.DictReader(lines(f), **(tsv if ext == ".tsv" else dict(dialect="excel", strict=True)))
         try:
             for row in rows:
                 record[0] = 0

@@ -664,6 +664,10 @@ def test_no_file_is_read_twice_nor_a_val_file_through_a_link(tmp_path):
     run(tmp_path / "corpus", "--val_input", tmp_path / "val" / "v.txt", "--out_dir", tmp_path / "out",
         "--tokenizer", "char")
     assert sorted(read_split(tmp_path / "out", "train")) == sorted(DOCS)
+    # the dataset in an input folder would be read as input by the next run there: refused (a folder inside is not)
+    one_line_error(cli(tmp_path / "corpus", "--out_dir", tmp_path / "corpus", "--tokenizer", "char"),
+                   f"--out_dir {tmp_path / 'corpus'} is the input {tmp_path / 'corpus'}: its dataset would be read")
+    assert not (tmp_path / "corpus" / "meta.json").exists()
 
 
 def test_min_length_counts_a_documents_own_tokens_not_the_bos_its_tokenizer_adds(tmp_path):
@@ -742,10 +746,11 @@ def test_csv_and_tsv_rows_are_records_and_category_parquet_columns_are_text(tmp_
                                                f"string (NoneType)"]
     assert meta["skipped_files"][0]["reason"].endswith("after 1 documents (those are kept)")
     # in a .csv a quote left open runs to the file's end, taking the rows after it: the file stops there, its rows
-    # before kept (a .tsv is read as before: its unquoted text may begin with a quote)
+    # before kept; a .tsv has no quoting: a line a record, its quotes text, none of them open
     write(tmp_path / "open" / "f.csv", 'id,text\n1,plain row\n2,"unclosed quote\n3,third row\n')
+    write(tmp_path / "open" / "g.tsv", 'id\ttext\n1\t"Hi," she said\n2\t"unclosed\n3\tthird "row"\n')
     meta = run(tmp_path / "open", "--out_dir", tmp_path / "out3", "--tokenizer", "char", "--val_fraction", 0)
-    assert read_all(tmp_path / "out3") == ["plain row"]
+    assert sorted(read_all(tmp_path / "out3")) == ['"Hi," she said', '"unclosed', "plain row", 'third "row"']
     assert meta["skipped_files"][0]["reason"].startswith("not a readable csv file: the record at line 3 (unexpected end")
 
 
@@ -988,6 +993,12 @@ def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, mon
     assert meta["masks"] and meta["train"]["documents"] + meta["val"]["documents"] == 12
     with pytest.raises(UserError, match=r"^cannot read the dataset hf:"):
         prepare.main([f"hf:{tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'none'}"])
+    # a split's file the library cannot read (a line of bad JSON) is named in one line, as a local file is
+    broken = hub_folder(tmp_path / "broken", texts)
+    with open(broken / "data" / "train.jsonl", "a") as f:
+        f.write('{"text": no quotes}\n')
+    with pytest.raises(UserError, match=rf"^hf:{re.escape(str(broken))}:train: unreadable \(\w+: .*JSON"):
+        prepare.main([f"hf:{broken}", "--strict", f"--out_dir={tmp_path / 'none'}"])
     with pytest.raises(UserError, match=rf"^hf:{re.escape(str(folder))} has no split 'test': it has 'train', 'validation'$"):
         prepare.main([f"hf:{folder}:test", f"--out_dir={tmp_path / 'none'}"])
 
