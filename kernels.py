@@ -160,7 +160,7 @@ if HAS_TRITON:
 
     @_rms_norm_bwd_op.register_fake
     def _(dy, x, weight, rstd):
-        return torch.empty_like(x), torch.empty_like(weight)
+        return x.new_empty(x.shape), weight.new_empty(weight.shape)  # contiguous, as the op's are
 
     def _rms_norm_setup(ctx, inputs, output):
         ctx.save_for_backward(inputs[0], inputs[1], output[1])  # x, weight, rstd
@@ -355,7 +355,7 @@ if HAS_TRITON:
     @_lce_op.register_fake
     def _(x, weight, targets, ignore_index, x_grad, w_grad):
         return (x.new_empty((), dtype=_acc(x, weight)), torch.empty_like(x) if x_grad else x.new_empty(0),
-                torch.empty_like(weight) if w_grad else weight.new_empty(0))
+                weight.new_empty(weight.shape) if w_grad else weight.new_empty(0))  # (a matmul's: contiguous)
 
     def _lce_setup(ctx, inputs, output):
         ctx.save_for_backward(output[1], output[2])

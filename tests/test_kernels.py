@@ -562,7 +562,10 @@ def test_each_custom_op_fake_gives_the_real_ops_shapes_and_dtypes():
     cases = [(K._rms_norm_op, (x, w, 1e-5)), (K._rms_norm_bwd_op, (dy, x, w, rstd)), (K._swiglu_op, (gate, up)),
              (K._swiglu_bwd_op, (randn(B * T, 16, grad=False), gate, up)),
              (K._rotary_op, (qk, angles.cos(), angles.sin(), False)),
-             (K._lce_op, (x, head, targets, -1, True, True))]
+             (K._lce_op, (x, head, targets, -1, True, True)),
+             # transposed inputs: the gradients come out contiguous all the same, and the fakes must say so
+             (K._rms_norm_bwd_op, (dy, x.t().contiguous().t(), w, rstd)),
+             (K._lce_op, (x, head.t().contiguous().t(), targets, -1, True, True))]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
