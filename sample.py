@@ -39,7 +39,7 @@ parser.add_argument("--start", default=None, help="prompt text, or FILE:path to 
                     "newline; with --chat: read messages from the terminal)")
 parser.add_argument("--chat", action="store_true", help="chat with the model through its chat template")
 parser.add_argument("--system", default=None, help="with --chat: the system prompt, or FILE:path to read it from")
-parser.add_argument("--num_samples", type=int, default=3)
+parser.add_argument("--num_samples", type=int, default=None, help="samples of the prompt (default 3; not with --chat)")
 parser.add_argument("--max_new_tokens", type=int, default=500)
 parser.add_argument("--temperature", type=float, default=0.8, help="<1 is surer, >1 more varied, 0 greedy")
 parser.add_argument("--top_k", type=int, default=200, help="sample only among the k likeliest tokens (0: among all)")
@@ -51,6 +51,9 @@ parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'flo
 args = parser.parse_args()
 if args.system is not None and not args.chat:  # else sampled without it, and nothing said
     raise UserError("--system is the system prompt of --chat: add --chat, or leave --system out")
+if args.num_samples is not None and args.chat:  # else one reply, and nothing said
+    raise UserError("--num_samples is plain sampling's: --chat gives one reply to each message; leave it out")
+args.num_samples = 3 if args.num_samples is None else args.num_samples
 
 
 def utf8(text, what):

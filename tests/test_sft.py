@@ -296,6 +296,8 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path, mon
     assert done.stdout.strip() == tokenizer.decode(out).strip()
     empty = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start= ", "--device=cpu")
     assert empty.returncode == 1 and empty.stderr.startswith("sample.py: --start is empty: give the message")
+    many = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=apple river", "--num_samples=2")
+    assert many.returncode == 1 and "--num_samples is plain sampling's: --chat gives one reply" in many.stderr
     # the system prompt read from a file (--system=FILE:), as --start's: the same reply
     (tmp_path / "system.txt").write_text("Reverse the words.")
     read = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=apple river", "--temperature=0",
