@@ -308,7 +308,7 @@ def starting_point(out_dir, init_from, found):
                                  f"{os.path.abspath(init_from)}: train into another out_dir")
             init_from = "resume"
     held = sorted(f for f in os.listdir(out_dir) if re.fullmatch(ckpt.NAMES, f)) if os.path.isdir(out_dir) else []
-    if init_from != "resume" and held:
+    if held and (init_from != "resume" or not found):  # (a resume that finds copies alone: which to copy)
         folder = " (a sharded folder: to ckpt/)" if any(os.path.isdir(os.path.join(out_dir, f)) for f in held) else ""
         how = "--init_from=resume" if found else f"--init_from=resume once one of them is copied to ckpt.pt{folder}"
         raise UserError(f"{out_dir} holds a run already ({', '.join(held)}): continue it with {how}, or train into "
@@ -346,6 +346,7 @@ def check_resume(checkpoint, config, data_vocab, path):
     # a pretrained model's shape is its folder's; its adapters are the run's own, and a resume keeps them
     shape = LORA_SETTINGS if checkpoint.get("pretrained") else SHAPE
     changed = [k for k in shape if k in args and k in config and config[k] != args[k]]
+    changed += ["vocab_size"] * (config["vocab_size"] not in (0, args["vocab_size"]))  # (0: whatever it holds)
     if changed:
         raise UserError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "
                          f"{', '.join(f'{k}={config[k]}' for k in changed)}: resume with the checkpoint's shape, "

@@ -85,10 +85,11 @@ def test_where_a_run_begins_and_what_it_refuses(tmp_path):
     epochs.mkdir()
     shutil.copy(tmp_path / "ckpt.pt", epochs / "ckpt_epoch_1.pt")
     (epochs / "ckpt_epoch_2").mkdir()  # a sharded run's
-    with pytest.raises(ValueError, match=r"holds a run already \(ckpt_epoch_1.pt, ckpt_epoch_2\): continue it with "
-                                         r"--init_from=resume once one of them is copied to ckpt.pt \(a sharded "
-                                         r"folder: to ckpt/\)"):
-        start.starting_point(str(epochs), "auto", None)
+    for init_from in ("auto", "resume"):  # (resume: not "no checkpoint", as if there were nothing to copy)
+        with pytest.raises(ValueError, match=r"holds a run already \(ckpt_epoch_1.pt, ckpt_epoch_2\): continue it "
+                                             r"with --init_from=resume once one of them is copied to ckpt.pt \(a "
+                                             r"sharded folder: to ckpt/\)"):
+            start.starting_point(str(epochs), init_from, None)
     # done as told, the folder copied to ckpt/, it resumes
     shutil.copytree(epochs / "ckpt_epoch_2", epochs / "ckpt")
     (epochs / "ckpt" / "state.pt").write_bytes((epochs / "ckpt_epoch_1.pt").read_bytes())

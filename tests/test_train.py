@@ -142,6 +142,10 @@ def test_every_model_setting_reaches_the_model_its_checkpoint_and_the_resume_che
     assert saved["model_args"]["qk_norm"] is True and saved["config"]["head_size"] == 16
     said = train_refusal(*args, "--max_iters=4", "--init_from=resume", "--head_size=16")
     assert "holds a model of qk_norm=True, not qk_norm=False" in said
+    vocab = saved["model_args"]["vocab_size"]  # 0 (the default) is whatever the checkpoint holds; another, refused
+    said = train_refusal(*args, "--max_iters=4", "--init_from=resume", "--qk_norm=True", "--head_size=16",
+                         f"--vocab_size={vocab + 64}")
+    assert f"holds a model of vocab_size={vocab}, not vocab_size={vocab + 64}" in said
 
 
 def test_windows_epochs_end_the_run_and_a_resume_in_mid_epoch_is_exact(data_dir, tmp_path):
