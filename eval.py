@@ -26,7 +26,7 @@ import torch
 
 from lib import harness
 from lib.data import Split, longest_example
-from lib.files import UserError, one_line_errors, open_own, read_meta
+from lib.files import UserError, check_token_files, one_line_errors, open_own, read_meta
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
 from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
@@ -67,8 +67,10 @@ for flag in ("limit", "num_fewshot", "include_path", "apply_chat_template", "out
 if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val loss
     # a model folder is someone else's (downloaded, perhaps): the results of one go to the current folder
     output = args.output or ("eval_tasks.json" if args.model else os.path.join(args.out_dir, "eval_tasks.json"))
-    if not os.path.isdir(os.path.dirname(os.path.abspath(output))):  # found out now, not after the tasks ran
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(output))):  # now, not after the tasks ran
         raise UserError(f"--output={output}: its folder does not exist (make it, or write elsewhere)")
+    if not args.output and args.model and os.path.isdir(args.model) and os.path.samefile(".", args.model):
+        raise UserError(f"the results would go to {output} in the model folder {args.model}: give --output=PATH")
     manager, names = harness.load_tasks(args.tasks, args.include_path)
     device, dtype = pick_device(args.device, args.dtype)
     path = os.path.join(args.out_dir, args.ckpt)
@@ -108,10 +110,7 @@ try:
             check_run_tokenizer(args.data_dir, checkpoint, model.config.vocab_size)
         data_dir = checkpoint["data_dir"]
     meta = read_meta(data_dir)
-    val_path = os.path.join(data_dir, "val.bin")
-    if not os.path.isfile(val_path) or not os.path.getsize(val_path):  # (numpy cannot map an empty file)
-        raise UserError(f"{val_path} is empty or missing, and eval.py scores the val split: prepare the data with "
-                        f"--val_fraction above 0 or --val_input")
+    check_token_files(data_dir, meta, 0, splits=("val",))  # whole tokens, as many as meta.json says, in its vocabulary
 except ValueError as e:
     raise UserError(str(e)) from None
 by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")

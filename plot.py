@@ -5,15 +5,16 @@ tokens/s beside them, from the run's metrics.jsonl. Several runs are drawn toget
     python plot.py out-small                                   # -> out-small/curves.png
     python plot.py out-small out-wide --to=compare.png --title="4 vs 8 layers"
 
-Needs matplotlib (pip install matplotlib), as wandb_log=True needs wandb. Wall time is each record's elapsed_s: a
-resumed run's restarts are joined end to end; a run of a version without it is drawn against steps only.
+Needs matplotlib (pip install matplotlib), as wandb_log=True needs wandb. Wall time is each record's elapsed_s, the
+run's, which a resume goes on from (in a log whose clock starts again at a resume, the restarts are joined end to
+end); a run of a version without it is drawn against steps only.
 """
 
 import argparse
 import json
 import os
 
-from lib.files import UserError, one_line_errors
+from lib.files import UserError, one_line_errors, open_own
 
 
 def read_run(out_dir):
@@ -95,7 +96,8 @@ def main():
         raise UserError(f"--to={to}: plot.py writes a PNG; name it NAME.png")
     figure = draw(runs, args.title or ", ".join(label for label, _, _ in runs))
     try:
-        figure.savefig(to, dpi=100)
+        with open_own(to, "wb") as f:  # a link planted at curves.png is replaced, never written through
+            figure.savefig(f, dpi=100, format="png")
     except OSError as e:
         raise UserError(f"cannot write {to} ({e.strerror}): choose another --to") from None
     print(f"wrote {to}")

@@ -314,11 +314,12 @@ def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
                              f"vocab_size {vocab_size}: it is not the data meta.json describes (prepare it again)")
 
 
-def check_token_files(data_dir, meta, block_size):
-    """The training split's length in tokens, once train.bin and val.bin hold whole tokens of meta's dtype, as many as
-    it counted and more than block_size, a mask byte each where it says so, ids in its vocabulary; else UserError."""
+def check_token_files(data_dir, meta, block_size, splits=("train", "val")):
+    """The training split's length in tokens, once train.bin and val.bin (splits) hold whole tokens of meta's dtype, as
+    many as it counted and more than block_size, a mask byte each where it says so, ids in its vocabulary; else
+    UserError."""
     itemsize = np.dtype(meta["dtype"]).itemsize
-    for split in ("train", "val"):
+    for split in splits:
         path = os.path.join(data_dir, f"{split}.bin")
         if not os.path.exists(path):
             raise UserError(f"no {path}: prepare the data first (python prepare.py --out_dir={data_dir} ..., or "
@@ -340,9 +341,9 @@ def check_token_files(data_dir, meta, block_size):
         mask = os.path.join(data_dir, f"{split}.mask.bin")
         if meta.get("masks") and (not os.path.exists(mask) or os.path.getsize(mask) != size // itemsize):
             raise UserError(f"{mask} is missing or does not hold one byte per token of {path} (re-run prepare.py)")
-    for split in ("train", "val"):
+    for split in splits:
         check_token_ids(os.path.join(data_dir, f"{split}.bin"), meta["dtype"], meta["vocab_size"])
-    return os.path.getsize(os.path.join(data_dir, "train.bin")) // itemsize
+    return os.path.getsize(os.path.join(data_dir, f"{splits[0]}.bin")) // itemsize
 
 
 def check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_size):

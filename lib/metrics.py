@@ -46,12 +46,12 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
         from torch.utils.tensorboard import SummaryWriter
         purge = None if step is None else step and step + 1  # (0: every step of a run from scratch)
         tensorboard = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=purge)
-    cut_records(os.path.join(out_dir, "metrics.jsonl"), step)
-    failed, opened = False, time.time()
+    earlier = cut_records(os.path.join(out_dir, "metrics.jsonl"), step)  # the wall time of the run's steps so far
+    failed, opened = False, time.time() - earlier
 
     def log(record):
         nonlocal failed
-        record = {**record, "elapsed_s": round(time.time() - opened, 3)}  # this process's wall time (plot.py's)
+        record = {**record, "elapsed_s": round(time.time() - opened, 3)}  # the run's wall time (plot.py's), resumes too
         line = (json.dumps(record) + "\n").encode()
         try:
             with open_own(os.path.join(out_dir, "metrics.jsonl"), "ab") as f:
@@ -79,9 +79,11 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
 def cut_records(path, step):
     """Drop an unfinished last line (a process killed mid-write, cut at a page's edge), which the next record would
     join, breaking the file; then (step not None) the first record past step and all after (records are in step
-    order), which a resumed run writes again: else a resume from an earlier checkpoint would leave steps twice."""
+    order), which a resumed run writes again: else a resume from an earlier checkpoint would leave steps twice.
+    Returns the last record kept's elapsed_s (0 if none): where a resumed run's clock goes on from."""
+    elapsed = 0.0
     if not os.path.lexists(path):
-        return
+        return elapsed
     with contextlib.suppress(OSError, UserError), open_own(path, "a+b") as f:  # log() says once why it fails
         size = f.seek(0, os.SEEK_END)
         f.seek(max(0, size - TAIL_BYTES))
@@ -92,10 +94,14 @@ def cut_records(path, step):
         at = 0  # where the line read begins
         for line in f if step is not None else ():
             with contextlib.suppress(ValueError, AttributeError, TypeError):  # a line that is no record: kept
-                if json.loads(line).get("iter", step) > step:
+                record = json.loads(line)
+                if record.get("iter", step) > step:
                     f.truncate(at)
                     break
+                seconds = float(record.get("elapsed_s", elapsed))
+                elapsed = seconds if 0 <= seconds < math.inf else elapsed  # (a hand-made NaN goes no further)
             at += len(line)
+    return elapsed
 
 
 def report_evaluation(log, master, step, losses, task_scores, epoch, lr):

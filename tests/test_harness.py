@@ -268,6 +268,9 @@ def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
     # results that could not be written once the tasks ran: refused before they run
     done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--output={tmp_path / 'no' / 'r.json'}")
     one_line(done, f"--output={tmp_path / 'no' / 'r.json'}: its folder does not exist")
+    # run in a model folder, the results would go into it (the default output is the current folder's)
+    done = script("eval.py", f"--model={tmp_path}", "--tasks=remote_task", "--device=cpu", cwd=tmp_path, env=OFFLINE)
+    one_line(done, f"the results would go to eval_tasks.json in the model folder {tmp_path}: give --output=PATH")
 
 
 def test_a_continuation_that_cannot_be_scored_is_one_line():

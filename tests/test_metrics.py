@@ -125,6 +125,22 @@ def test_a_record_cut_by_a_kill_goes_before_the_resumed_run_writes(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+def test_a_resumed_runs_clock_goes_on_from_its_last_kept_record(tmp_path):
+    # elapsed_s is the run's wall time (plot.py's): a resume's records go on from the last one it keeps, where its
+    # first record may come later than the last one before (it would have been taken for the first process's time)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"iter": step, "elapsed_s": 10.0 * step}) + "\n" for step in (10, 20, 30)))
+    log, close = open_log(str(tmp_path), {}, master=True, step=20)
+    log({"iter": 30, "loss": 1.0})
+    close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["iter"] for r in records] == [10, 20, 30] and 200.0 <= records[-1]["elapsed_s"] < 260  # (+ this test's)
+    log, close = open_log(str(tmp_path), {}, master=True, step=0)  # from scratch: from 0
+    log({"iter": 10, "loss": 1.0})
+    close()
+    assert json.loads(path.read_text())["elapsed_s"] < 60
+
+
 def test_a_resume_drops_what_a_process_recorded_past_its_checkpoint(tmp_path):
     # resumed at step 20 (an earlier checkpoint, or one before a kill -9): the records of steps past 20 are gone
     # from metrics.jsonl and from TensorBoard, before the run records them again; a run from scratch keeps none

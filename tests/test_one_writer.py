@@ -244,7 +244,7 @@ def test_eval_on_an_empty_val_split_and_sample_on_a_huge_prompt_file_end_in_one_
     shutil.copytree(runs / "files", out)
     (data / "val.bin").write_bytes(b"")
     done = script("eval.py", f"--out_dir={out}", f"--data_dir={data}")
-    assert_one_line(done, f"{data / 'val.bin'} is empty or missing", "prepare the data with --val_fraction above 0")
+    assert_one_line(done, f"{data / 'val.bin'} is empty", "prepare the data with --val_fraction above 0")
     # a prompt file past the bound is refused before it is read whole (memory) or encoded (gigabytes of ids)
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("hello world number 1.\n" * 50_000)  # 1.1 M characters

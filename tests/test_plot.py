@@ -25,8 +25,12 @@ def test_two_runs_drawn_together_and_one_by_default_into_its_folder(data_dir, tm
     done = script("plot.py", tmp_path / "two", tmp_path / "three", f"--to={tmp_path / 'both.png'}")
     assert done.returncode == 0 and "wrote" in done.stdout, done.stderr
     assert png_size(tmp_path / "both.png") == (1200, 800)
+    # by default into the first run's folder, where a link planted at curves.png is replaced, not written through
+    (tmp_path / "victim.txt").write_text("precious")
+    (tmp_path / "two" / "curves.png").symlink_to(tmp_path / "victim.txt")
     assert script("plot.py", tmp_path / "two").returncode == 0
-    assert png_size(tmp_path / "two" / "curves.png") == (1200, 800)
+    assert png_size(tmp_path / "two" / "curves.png") == (1200, 800) and not (tmp_path / "two" / "curves.png").is_symlink()
+    assert (tmp_path / "victim.txt").read_text() == "precious"
 
 
 def test_a_resumed_runs_clock_continues_and_an_empty_run_is_refused(tmp_path):

@@ -621,6 +621,15 @@ def test_eval_py_refuses_a_val_split_with_nothing_to_score(data_dir, tmp_path):
     done = script("eval.py", f"--out_dir={tmp_path / 'run'}", f"--data_dir={one}", "--device=cpu")
     assert done.returncode != 0 and "val.bin has nothing to score" in done.stderr, done.stdout + done.stderr
     assert "perplexity" not in done.stdout
+    # a val.bin of part tokens, or of fewer than meta.json counts: refused as train.py refuses it, not scored
+    for cut, said in [(1001, "not a whole number of uint16 tokens"), (1000, "holds 500 uint16 tokens where meta.json")]:
+        part = copy_dataset(data_dir, tmp_path / f"part{cut}", val_tokens=0)
+        (part / "val.bin").write_bytes((data_dir / "val.bin").read_bytes()[:cut])
+        meta = json.loads((data_dir / "meta.json").read_text())
+        meta["val"] = {**meta.get("val", {}), "tokens": (data_dir / "val.bin").stat().st_size // 2}
+        (part / "meta.json").write_text(json.dumps(meta))
+        done = script("eval.py", f"--out_dir={tmp_path / 'run'}", f"--data_dir={part}", "--device=cpu")
+        assert done.returncode == 1 and said in done.stderr and "val loss" not in done.stdout, done.stderr
 
 
 @pytest.mark.slow  # eval_full in the quick tier: test_sft.py's, on conversations
