@@ -63,6 +63,9 @@ check_ranges(vars(args), EVALUATION, "--")  # as train.py's settings are checked
 for flag in ("limit", "num_fewshot", "include_path", "apply_chat_template", "output"):
     if getattr(args, flag) not in (None, False) and args.tasks is None:  # else the val loss, and the flag unused
         raise UserError(f"--{flag} is a setting of --tasks: give --tasks=NAME,... with it, or leave it out")
+for flag in ("block_size", "stride"):
+    if getattr(args, flag) is not None and args.tasks is not None:  # else unused, and nothing said
+        raise UserError(f"--{flag} is a setting of the val loss, not of --tasks (the model's window): leave it out")
 
 if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val loss
     # a model folder is someone else's (downloaded, perhaps): the results of one go to the current folder

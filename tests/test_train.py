@@ -468,6 +468,8 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
                          ("--output=x.json", "--output is a setting of --tasks")]:
         done = script("eval.py", f"--out_dir={out}", bad)
         assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    done = script("eval.py", f"--out_dir={out}", "--tasks=any", "--stride=3")  # the reverse: the tasks' own window
+    assert done.returncode == 1 and "--stride is a setting of the val loss, not of --tasks" in done.stderr
 
 
 @pytest.mark.slow
