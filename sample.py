@@ -192,7 +192,8 @@ try:  # with the BOS the tokenizer begins a text with (Llama 3's), as every trai
     ids = tokenizer.encode(start, bos=True)
 except ValueError as e:  # e.g. a character the char vocabulary lacks
     if args.start is None:  # (the data had no newline)
-        raise UserError("the default prompt, a newline, is not in this model's vocabulary: give one, --start=TEXT")
+        raise UserError("the default prompt, a newline, is not in this model's vocabulary: give one, --start=TEXT") \
+            from None
     raise UserError(f"the prompt cannot be encoded: {e}") from None
 if not ids:
     raise UserError("the prompt encodes to no tokens (give a non-empty --start)")
