@@ -998,7 +998,7 @@ def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, mon
     with open(broken / "data" / "train.jsonl", "a") as f:
         f.write('{"text": no quotes}\n')
     with pytest.raises(UserError, match=rf"^hf:{re.escape(str(broken))}:train: unreadable \(\w+: .*JSON"):
-        prepare.main([f"hf:{broken}", "--strict", f"--out_dir={tmp_path / 'none'}"])
+        prepare.main([f"hf:{broken}", "--strict", "--tokenizer=char", f"--out_dir={tmp_path / 'none'}"])
     with pytest.raises(UserError, match=rf"^hf:{re.escape(str(folder))} has no split 'test': it has 'train', 'validation'$"):
         prepare.main([f"hf:{folder}:test", f"--out_dir={tmp_path / 'none'}"])
 
