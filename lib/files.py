@@ -315,9 +315,9 @@ def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
 
 
 def check_token_files(data_dir, meta, block_size, splits=("train", "val")):
-    """The training split's length in tokens, once train.bin and val.bin (splits) hold whole tokens of meta's dtype, as
-    many as it counted and more than block_size, a mask byte each where it says so, ids in its vocabulary; else
-    UserError."""
+    """The first split's length in tokens (train's, by default), once each split's file (train.bin and val.bin) holds
+    whole tokens of meta's dtype, as many as it counted and more than block_size, a mask byte each where it says so,
+    ids in its vocabulary; else UserError."""
     itemsize = np.dtype(meta["dtype"]).itemsize
     for split in splits:
         path = os.path.join(data_dir, f"{split}.bin")

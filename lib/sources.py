@@ -262,8 +262,10 @@ def read_csv(path, field, chat, ext):
         stack.callback(csv.field_size_limit, limit)
         # .csv strictly: a stray quote is an error, not records run together. A .tsv has no quoting (IANA's, and
         # GLUE's files): a line a record, its quotes text
-        tsv = dict(dialect="excel-tab", quoting=csv.QUOTE_NONE)
-        rows = csv.DictReader(lines(f), **(tsv if ext == ".tsv" else dict(dialect="excel", strict=True)))
+        if ext == ".tsv":
+            rows = csv.DictReader(lines(f), dialect="excel-tab", quoting=csv.QUOTE_NONE)
+        else:
+            rows = csv.DictReader(lines(f), dialect="excel", strict=True)
         try:
             for row in rows:
                 record[0] = 0
