@@ -143,7 +143,8 @@ class Model(TemplateLM):
             if max_new >= self.max_length:
                 raise UserError(f"the task generates up to {max_new} tokens, as many as the model's block_size="
                                 f"{self.max_length}: give it a smaller max_gen_toks")
-            ids = self.tok_encode(context)[-(self.max_length - max_new):]
+            # an empty context begins from the prefix token, as an empty one does when scored (HFLM's would fail)
+            ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
             new = self.greedy(ids, max_new, until)
             text = self.tokenizer.decode([i for i in new if i not in self.specials and i not in self.eos_ids])
             out.append(postprocess_generated_text(text, until, None))
