@@ -200,6 +200,14 @@ def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
             torch.cuda.set_rng_state(rngs[rank]["cuda"])
 
 
+def resolved(settings):
+    # GPTConfig's fields of settings, each 0 that stands for a size made the size (n_kv_head, head_size, mlp_hidden)
+    try:
+        return asdict(GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings}))
+    except (TypeError, ValueError):  # (sizes GPTConfig refuses: compared as given)
+        return settings
+
+
 def resume(origin, config, meta, eval_sequences):
     # origin from its checkpoint (a LoRA run's base held as it was: 4 bits stay 4 bits); notes on what changed
     checkpoint, found = origin.checkpoint, origin.found
@@ -345,7 +353,8 @@ def check_resume(checkpoint, config, data_vocab, path):
                          f"model {checkpoint['pretrained']}")
     # a pretrained model's shape is its folder's; its adapters are the run's own, and a resume keeps them
     shape = LORA_SETTINGS if checkpoint.get("pretrained") else SHAPE
-    changed = [k for k in shape if k in args and k in config and config[k] != args[k]]
+    mine, theirs = resolved(config), resolved(args)  # (mlp_hidden=0 and the width it stands for are one model)
+    changed = [k for k in shape if k in args and k in config and mine[k] != theirs[k]]
     changed += ["vocab_size"] * (config["vocab_size"] not in (0, args["vocab_size"]))  # (0: whatever it holds)
     if changed:
         raise UserError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "

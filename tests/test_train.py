@@ -140,8 +140,8 @@ def test_every_model_setting_reaches_the_model_its_checkpoint_and_the_resume_che
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert "blocks.0.attn.q_norm.weight" in saved["model"] and saved["model"]["blocks.0.attn.q.weight"].shape[0] == 64
     assert saved["model_args"]["qk_norm"] is True and saved["config"]["head_size"] == 16
-    said = train_refusal(*args, "--max_iters=4", "--init_from=resume", "--head_size=16")
-    assert "holds a model of qk_norm=True, not qk_norm=False" in said
+    said = train_refusal(*args, "--max_iters=4", "--init_from=resume", "--head_size=16", "--mlp_hidden=128")
+    assert "holds a model of qk_norm=True, not qk_norm=False:" in said  # (mlp_hidden=0 is 128 at n_embd=32)
     vocab = saved["model_args"]["vocab_size"]  # 0 (the default) is whatever the checkpoint holds; another, refused
     said = train_refusal(*args, "--max_iters=4", "--init_from=resume", "--qk_norm=True", "--head_size=16",
                          f"--vocab_size={vocab + 64}")
