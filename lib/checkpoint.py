@@ -105,7 +105,7 @@ def read_sharded(folder, device="cpu"):
     """A sharded checkpoint's weights, whole, in one process (no group needed), as a file's "model" holds them."""
     try:
         from lib.dcp_metadata import CheckedReader
-        reader = CheckedReader(folder)  # UserError for metadata that is not DCP's own
+        reader = CheckedReader(folder)  # UserError for metadata that is not DCP's own, or a shard file missing
         weights = {name.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype, device=device)
                    for name, m in reader.metadata.state_dict_metadata.items() if name.startswith("model.")}
         with warnings.catch_warnings():  # that it reads in one process is what we ask for
@@ -483,15 +483,12 @@ def check_room(out_dir, size, keep_last_n=0, epoch_copies=0):
 def check_shards(tmp, latest):
     # Every shard .metadata names is in tmp, whole, before tmp becomes a checkpoint: another node's shards are
     # elsewhere where out_dir is not shared (start.check_shared refuses that at start; a mount can still vanish)
-    from lib.dcp_metadata import read_metadata
-    missing = [info.relative_path for info in read_metadata(tmp).storage_data.values()
-               if not os.path.isfile(path := os.path.join(tmp, info.relative_path))
-               or os.path.getsize(path) < info.offset + info.length]
-    if missing:
+    from lib.dcp_metadata import missing_shards, read_metadata
+    if missing := missing_shards(tmp, read_metadata(tmp)):
         retire(tmp)
-        raise UserError(f"the sharded checkpoint in {tmp} lacks {sorted(set(missing))[0]} (of {len(set(missing))} "
-                        f"missing shard files), written where this node cannot see it: put out_dir on storage "
-                        f"every node shares; {latest} is left as it was")
+        raise UserError(f"the sharded checkpoint in {tmp} lacks {missing[0]} (of {len(missing)} missing shard "
+                        f"files), written where this node cannot see it: put out_dir on storage every node shares; "
+                        f"{latest} is left as it was")
 
 
 def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved, keep_last_n, finished_epoch):
@@ -574,7 +571,7 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
     if os.path.isdir(path):  # each process reads what its shards need, resharded from however they were saved
         model_state, optim_state = sharded_state(model, optimizers, lora)
         from lib.dcp_metadata import CheckedReader
-        reader = CheckedReader(path)  # UserError for metadata that is not DCP's own
+        reader = CheckedReader(path)  # UserError for metadata that is not DCP's own, or a shard file missing
         try:
             with warnings.catch_warnings():  # without a process group it warns that it reads in one process
                 warnings.simplefilter("ignore")

@@ -102,12 +102,23 @@ def untiled(entry):
     return None
 
 
+def missing_shards(folder, metadata):
+    # the shard files metadata names that folder lacks or holds cut short, sorted
+    return sorted({info.relative_path for info in metadata.storage_data.values()
+                   if not os.path.isfile(path := os.path.join(folder, info.relative_path))
+                   or os.path.getsize(path) < info.offset + info.length})
+
+
 class CheckedReader(dcp.FileSystemReader):
-    """DCP's reader of a folder, given the metadata read_metadata checked (its own would pickle.load it)."""
+    """DCP's reader of a folder, given the metadata read_metadata checked (its own would pickle.load it), every shard
+    file it names whole in the folder."""
 
     def __init__(self, folder):
         super().__init__(folder)
         self.metadata = read_metadata(folder)
+        if missing := missing_shards(folder, self.metadata):
+            raise UserError(f"{folder} lacks its shard file {missing[0]} (of {len(missing)} missing or cut short); "
+                            f"use another checkpoint, e.g. ckpt_best or a ckpt_NNNNNNN")
 
     def read_metadata(self):
         return self.metadata

@@ -189,3 +189,6 @@ def test_a_sharded_save_whose_shards_are_not_all_in_place_is_never_published(tmp
         ckpt.save(str(tmp_path), {"iter_num": 2}, model, optimizers, sharded=True, lora=0)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before and not (tmp_path / "ckpt.tmp").exists()
     assert torch.load(tmp_path / "ckpt" / "state.pt", weights_only=True)["iter_num"] == 1
+    os.truncate(tmp_path / "ckpt" / "__0_0.distcp", 10)  # a published checkpoint's shard cut short: named to read
+    with pytest.raises(ckpt.UserError, match=r"ckpt lacks its shard file __0_0.distcp \(of 1 missing or cut short\)"):
+        ckpt.load_checkpoint(str(tmp_path / "ckpt"))
