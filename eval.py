@@ -26,7 +26,7 @@ import torch
 
 from lib import harness
 from lib.data import Split, longest_example
-from lib.files import UserError, check_token_files, one_line_errors, open_own, read_meta
+from lib.files import UserError, check_token_files, one_line_errors, open_own, read_json, read_meta
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
 from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
@@ -67,6 +67,14 @@ for flag in ("block_size", "stride"):
     if getattr(args, flag) is not None and args.tasks is not None:  # else unused, and nothing said
         raise UserError(f"--{flag} is a setting of the val loss, not of --tasks (the model's window): leave it out")
 
+def earlier_results(path):
+    # whether the file at path holds results eval.py wrote (a JSON object with lm_eval's "results", not too big)
+    try:
+        return os.path.getsize(path) < 2**26 and "results" in read_json(path)
+    except (OSError, UserError):
+        return False
+
+
 if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val loss
     # a model folder is someone else's (downloaded, perhaps): the results of one go to the current folder
     output = args.output or ("eval_tasks.json" if args.model else os.path.join(args.out_dir, "eval_tasks.json"))
@@ -74,6 +82,9 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
         raise UserError(f"--output={output}: its folder does not exist (make it, or write elsewhere)")
     if not args.output and args.model and os.path.isdir(args.model) and os.path.samefile(".", args.model):
         raise UserError(f"the results would go to {output} in the model folder {args.model}: give --output=PATH")
+    if os.path.lexists(output) and not earlier_results(output):  # (a checkpoint, metrics.jsonl, a config.json)
+        raise UserError(f"--output={output} is a file eval.py did not write, which the results would replace: "
+                        f"write them elsewhere")
     manager, names = harness.load_tasks(args.tasks, args.include_path)
     device, dtype = pick_device(args.device, args.dtype)
     path = os.path.join(args.out_dir, args.ckpt)
