@@ -239,7 +239,7 @@ def make_tokenizer(spec, texts):
     if spec.startswith(("bpe:", "wordpiece:")):
         kind, size = spec.split(":", 1)
         least, example = (256, 4096) if kind == "bpe" else (100, 8192)
-        if not size.isdigit() or int(size) < least:
+        if not (size.isascii() and size.isdigit()) or int(size) < least:
             raise UserError(f"bad tokenizer '{spec}' ({kind}:N needs a whole number N >= {least}, "
                             f"e.g. {kind}:{example})")
         if kind == "wordpiece":
@@ -270,8 +270,8 @@ def make_tokenizer(spec, texts):
                             f"({type(e).__name__}: {str(e)[:80]})") from None
     if path.exists() or "/" in spec or spec.endswith(".json"):
         raise UserError(f"no tokenizer.json at {spec} (check the path)")
-    raise UserError(f"unknown tokenizer '{spec}' (use char, bpe:N, a path to a tokenizer.json, "
-                    f"or one of {', '.join(tiktoken.list_encoding_names())})")
+    raise UserError(f"unknown tokenizer '{spec}' (use char, bpe:N, wordpiece:N, a path to a tokenizer.json or to "
+                    f"a prepared dataset, or one of {', '.join(tiktoken.list_encoding_names())})")
 
 
 def load_tokenizer(data_dir):

@@ -188,6 +188,13 @@ def test_learned_in_is_said_of_a_learned_tokenizer_only(tmp_path, monkeypatch, c
     assert ("learned in" in capsys.readouterr().out) == (kind == "bpe:300")
 
 
+def test_a_corpus_too_small_for_the_vocabulary_asked_says_so(tmp_path, capsys):
+    meta = run(text_tree(tmp_path / "src"), "--out_dir", tmp_path / "out", "--tokenizer", "bpe:4096")
+    assert meta["vocab_size"] < 4096 and meta["tokenizer"]["name"] == "bpe:4096"
+    assert (f"note: the corpus held too little text to learn 4096 tokens: the vocabulary is {meta['vocab_size']} "
+            f"(more text gives more)") in capsys.readouterr().out
+
+
 def text_order(src):
     """Documents of a text tree in the order prepare.py reads them (sorted paths)."""
     return [p.read_bytes().decode() for p in sorted(Path(src).rglob("*"), key=lambda p: p.relative_to(src).parts) if p.is_file()]
@@ -564,8 +571,11 @@ def refusal(*argv):
 
 def test_user_errors_are_one_line(tmp_path):
     write(tmp_path / "a.txt", "hello")
-    assert "unknown tokenizer" in refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "nonsense")
-    assert "bpe:N" in refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "bpe:12")
+    said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "wordpiece")
+    assert said.startswith("unknown tokenizer 'wordpiece' (use char, bpe:N, wordpiece:N, a path to")
+    for spec in ("bpe:12", "bpe:\uff13\uff10\uff10"):  # (full-width digits, which str.isdigit takes)
+        assert "bpe:N needs a whole number N >= 256" in refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o",
+                                                                 "--tokenizer", spec)
     assert "--val_fraction" in refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--val_fraction", "1.5")
     assert "--out_dir" in refusal(tmp_path / "a.txt")
     # argparse's own refusal, and the script's one line on stderr (one_line_errors)
