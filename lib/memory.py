@@ -54,15 +54,16 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     peak of what lives a moment at the loss (its buffers, forward and backward, and the last block's backward's); host,
     what offload keeps there; device, the device's peak: at the loss (gradients are None between steps but DDP's buckets
     and, with micro_steps > 1, those kept between micro-steps) or, checkpointing, while the backward recomputes a block
-    with nearly every gradient made, or past the blocks' backward (tied embeddings: the head's gradient of the shared
-    weight, the embedding's, the sum); checkpoint, a checkpoint's bytes over all processes (the weights or a LoRA run's
-    adapters alone, and the optimizer's state), for checkpoint.check_room. Activations and optimizer state (optimizer: a
-    setting's name, or the run's settings) are traced on fake tensors (traced_forward, traced_optimizer), so edits of
-    the model or optimizers need none here. Layout: dp data-parallel processes, each whole (DDP) or sharding every
-    parameter's dim 0 (FSDP2), times tp tensor-parallel ones. quantized: 'nf4' or 'int8' frozen projections (int8: a
-    byte a value, an fp32 scale and an int8 zero point a row; activations as if unquantized); a model quantized already
-    counts as it is. device: its type. Not counted: document masks, rotary tables, the allocator's cache, and kernels'
-    own allocations but the fused loss's logits (workspace)."""
+    (the last, beside every block's input, or the first, beside every other block's gradients), or past the blocks'
+    backward (tied embeddings: the head's gradient of the shared weight, the embedding's, the sum); checkpoint, a
+    checkpoint's bytes over all processes (the weights or a LoRA run's adapters alone, and the optimizer's state), for
+    checkpoint.check_room. Activations and optimizer state (optimizer: a setting's name, or the run's settings) are
+    traced on fake tensors (traced_forward, traced_optimizer), so edits of the model or optimizers need none here.
+    Layout: dp data-parallel processes, each whole (DDP) or sharding every parameter's dim 0 (FSDP2), times tp
+    tensor-parallel ones. quantized: 'nf4' or 'int8' frozen projections (int8: a byte a value, an fp32 scale and an int8
+    zero point a row; activations as if unquantized); a model quantized already counts as it is. device: its type. Not
+    counted: document masks, rotary tables, the allocator's cache, and kernels' own allocations but the fused loss's
+    logits (workspace)."""
     c = model.config
     params = list(model.named_parameters())  # a tied weight once
     ddp = dp > 1 and not fsdp  # (tensor parallel runs under FSDP)
@@ -80,8 +81,15 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     stored = c.n_layer * (saved.block_input if checkpointing else saved.block)
     made = 0 if offload else grads  # offloaded, the gradients go to the host as they are made
     kept = made if micro_steps > 1 else made // 2 if ddp else 0
+    # while the backward recomputes a block (checkpointing): its activations and its backward's own, the inputs
+    # of the blocks not done and the gradients of those done (each block's: block_grads), or all, kept from an
+    # earlier micro-step; the most at the last block (all inputs) or at the first (every gradient but its own)
+    block_grads = 0 if offload else state_bytes([(n, p) for n, p in params if n.startswith("blocks.0.")],
+                                                state, dp, tp, fsdp, quantized, ddp)[1]
+    recomputing = saved.block + saved.block_backward + max(stored + max(kept, made - c.n_layer * block_grads),
+                                                           saved.block_input + max(kept, made - block_grads))
     # at the loss, or (checkpointing) while the backward recomputes a block
-    peak = max(saved.head + stored + saved.temporary + kept, stored + saved.block + made if checkpointing else made)
+    peak = max(saved.head + stored + saved.temporary + kept, recomputing if checkpointing else made)
     # the tail (after the blocks' backward): every gradient, but those not made yet (kept ones are), and saved.tail;
     # autocast's copies are gone by then, FSDP's gathered root is not
     missing = [(n, p) for n, p in params if n in saved.missing and micro_steps == 1]
@@ -174,6 +182,7 @@ class Saved(NamedTuple):
     """Bytes a forward keeps for the backward (traced_forward): block and block_copies, one block's activations and its
     weights' autocast copies; head and head_copies, the same for all but n_layer blocks; block_input, what checkpointing
     keeps of a block; temporary, the peak beyond them from the last block's output until the backward is back at it;
+    block_backward, the peak beyond the last block's activations and the gradients set in that block's backward;
     tail, the peak from the first block's input's gradient to the backward's end, less the gradients set by then;
     missing, the names of the trained parameters whose gradient was not set at that peak."""
     block: int
@@ -182,6 +191,7 @@ class Saved(NamedTuple):
     head_copies: int
     block_input: int
     temporary: int
+    block_backward: int
     tail: int
     missing: list
 
@@ -218,6 +228,7 @@ def traced_forward(model, batch_size, block_size, dtype="float32", tp=1, fsdp=Fa
             saved, end = trace.saved_bytes(), trace.alive
             loss.backward()
     return Saved(*saved, block_input=trace.block_input, temporary=max(0, trace.peak - end),
+                 block_backward=trace.block_backward,
                  tail=trace.tail, missing=trace.missing)
 
 
@@ -289,9 +300,11 @@ class Trace(TorchDispatchMode):
     """The storages that the ops under it make on fake tensors, each once: the bytes alive now (alive) and at their peak
     while window is open, from the last block's output until the backward is back at its input; in the tail, from the
     first block's input's gradient to the end, the peak of those bytes less params' gradients set (tail), and which
-    trained params had none then (missing); which are casts of a weight (autocast's copies); and, through
-    saved_tensors_hooks (pack), which autograd saves, by the block (its index, or None) whose forward first saved it.
-    weights: the parameters' and buffers' storages, never counted; params: [(name, parameter)]."""
+    trained params had none then (missing); in the last block's backward, the peak beyond what was alive as it began,
+    less its output's gradient, and beyond the gradients set (block_backward); which are casts of a weight (autocast's
+    copies); and, through saved_tensors_hooks (pack), which autograd saves, by the block (its index, or None) whose
+    forward first saved it. weights: the parameters' and buffers' storages, never counted; params: [(name,
+    parameter)]."""
 
     def __init__(self, weights, blocks, params=()):
         super().__init__()
@@ -301,6 +314,7 @@ class Trace(TorchDispatchMode):
         self.saved = {}  # storage: (bytes, block)
         self.alive = self.peak = self.block_input = 0
         self.region, self.window = None, False
+        self.block_backward, self.in_block, self.before_block = 0, False, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -313,10 +327,15 @@ class Trace(TorchDispatchMode):
             self.casts.add(storage_key(out))
         if self.window:
             self.peak = max(self.peak, self.alive + workspace(func, args))
-        held = self.in_tail and self.alive - sum(tensor_bytes(p.grad) for _, p in self.params if p.grad is not None)
+        if self.in_block:
+            self.block_backward = max(self.block_backward, self.alive - self.grad_bytes() - self.before_block)
+        held = self.in_tail and self.alive - self.grad_bytes()
         if held > self.tail:
             self.tail, self.missing = held, [n for n, p in self.params if p.requires_grad and p.grad is None]
         return out
+
+    def grad_bytes(self):
+        return sum(tensor_bytes(p.grad) for _, p in self.params if p.grad is not None)
 
     def free(self, key, _):
         self.alive -= self.made.pop(key)[0]
@@ -335,10 +354,17 @@ class Trace(TorchDispatchMode):
 
     def leave(self, i, block, args, out):
         self.region, self.window = None, i == self.blocks - 1
+        if self.window and out.requires_grad:
+            out.register_hook(self.into_last)
+
+    def into_last(self, grad):
+        # the backward at the last block's output: what is alive then, less its gradient and those set, is its base
+        self.in_block, self.before_block = True, self.alive - tensor_bytes(grad) - self.grad_bytes()
 
     def back_at(self, i, grad):
         # the backward at block i's input: the window closes at the last block's, the tail opens at the first's
         self.window, self.in_tail = self.window and i < self.blocks - 1, self.in_tail or i == 0
+        self.in_block = self.in_block and i < self.blocks - 1
 
     def saved_bytes(self):
         # (the last block's activations and copies, the rest's beside n such blocks): deeper models' blocks are like it
