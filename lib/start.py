@@ -264,7 +264,8 @@ def resume(origin, config, meta, eval_sequences):
 
 
 def schedule_notes(before, config, step):
-    # what a resume at step changes of the run's end and its learning rates (before: the checkpoint's config)
+    # what a resume at step changes of the run's end, its learning rates, dropout, clipping and dtype (before:
+    # the checkpoint's config)
     if config["max_iters"] < step and not config["eval_only"]:  # (the loop ends where it begins)
         return [f"note: max_iters={config['max_iters']} is behind the checkpoint's step {step}: nothing is trained "
                 f"(raise max_iters to train on)"]
@@ -281,6 +282,11 @@ def schedule_notes(before, config, step):
         notes.append(f"note: the learning rate's schedule is this command's, not the checkpoint's ("
                      f"{'; '.join(f'{k}={config[k]}, was {before[k]}' for k in changed)}): from step {step} on the "
                      f"run differs from the one it continues")
+    # more that a resume takes from its command, and that changes the updates (dtype: 'auto' is the machine's)
+    taken = [k for k in ("dropout", "grad_clip", "dtype") if config[k] not in ("auto", before.get(k, config[k]))]
+    if taken and config["max_iters"] > step and not config["eval_only"]:
+        notes.append(f"note: {'; '.join(f'{k}={config[k]}, was {before[k]}' for k in taken)}: this command's, not "
+                     f"the checkpoint's, from step {step} on")
     return notes
 
 

@@ -142,11 +142,16 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
             "--keep_last_n=3"]
     run(*args)
     shutil.copy(tmp_path / "ckpt_0000004.pt", tmp_path / "ckpt.pt")  # gone back to step 4
-    assert "the learning rate's schedule" not in run(*args, "--init_from=resume").stdout  # the same command
+    same = run(*args, "--init_from=resume").stdout  # the same command
+    assert "the learning rate's schedule" not in same and "the checkpoint's, from step" not in same
     shutil.copy(tmp_path / "ckpt_0000004.pt", tmp_path / "ckpt.pt")
     out = run(*args, "--init_from=resume", "--lr_decay_iters=10", "--learning_rate=2e-2")
     assert ("note: the learning rate's schedule is this command's, not the checkpoint's (lr_decay_iters=10, was 20; "
             "learning_rate=0.02, was 0.01): from step 4 on the run differs from the one it continues") in out.stdout
+    shutil.copy(tmp_path / "ckpt_0000004.pt", tmp_path / "ckpt.pt")  # dropout and clipping are the command's too
+    out = run(*args, "--init_from=resume", "--dropout=0.1", "--grad_clip=0.5", "--dtype=float32")
+    assert "note: dropout=0.1, was 0.0; grad_clip=0.5, was 1.0: this command's, not the checkpoint's, from step 4 on" \
+        in out.stdout
 
 
 def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_path):
