@@ -7,6 +7,7 @@ or a run that already stopped early), decided once from train.py's settings and 
 """
 
 import atexit
+import errno
 import math
 import os
 import re
@@ -61,8 +62,11 @@ def claim(out_dir, master):
             os.makedirs(out_dir, exist_ok=True)
             atexit.register(unlock_folder, out_dir, lock_folder(out_dir, "train.py"), made)
             ckpt.recover_first_save(out_dir)
-        except OSError as e:
-            refused = f"cannot make out_dir={out_dir} ({e.strerror}): choose a folder this user can write to"
+        except OSError as e:  # (a full disk: the lock's line, or the recovered ckpt, could not be written)
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            refused = (f"cannot write in out_dir={out_dir} ({e.strerror}): make room, and run it again (what it "
+                       f"holds is as it was)" if full else
+                       f"cannot make out_dir={out_dir} ({e.strerror}): choose a folder this user can write to")
         except UserError as e:
             refused = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -167,6 +167,18 @@ def test_a_save_that_fails_making_its_copies_leaves_the_checkpoint_before_it(tmp
     assert [ckpt.load_checkpoint(out + f"/{name}{suffix}")["iter_num"] for name in ("ckpt", "ckpt_best")] == [2, 2]
 
 
+def test_a_full_disk_at_the_start_says_make_room_and_leaves_out_dir_as_it_was(tmp_path, monkeypatch):
+    # the lock's line (who holds it) is the first write of a run: a disk full then is not a folder to choose again
+    (tmp_path / "ckpt.pt").write_bytes(b"a run's")
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(start.UserError, match=rf"^cannot write in out_dir={tmp_path} \(No space left on device\): "
+                                              r"make room, and run it again \(what it holds is as it was\)$"):
+        start.claim(str(tmp_path), True)
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"a run's"
+
+
 def test_a_sharded_save_whose_shards_are_not_all_in_place_is_never_published(tmp_path, monkeypatch):
     # Another node's shards written to its own disk (out_dir not shared): here the one process's shard goes
     # missing after DCP wrote it, as rank 1's would be missing from rank 0's folder. The save stops in one line
