@@ -363,8 +363,10 @@ def check_resume(checkpoint, config, data_vocab, path):
                          f"model {checkpoint['pretrained']}")
     # a pretrained model's shape is its folder's; its adapters are the run's own, and a resume keeps them
     shape = LORA_SETTINGS if checkpoint.get("pretrained") else SHAPE
-    mine, theirs = resolved(config), resolved(args)  # (mlp_hidden=0 and the width it stands for are one model)
-    changed = [k for k in shape if k in args and k in config and mine[k] != theirs[k]]
+    # as given and as GPTConfig makes them: mlp_hidden=0 and the width it stands for are one model, and a 0 that
+    # stands for another width with n_embd is n_embd's change
+    mine, theirs = resolved(config), resolved(args)
+    changed = [k for k in shape if k in args and k in config and config[k] != args[k] and mine[k] != theirs[k]]
     changed += ["vocab_size"] * (config["vocab_size"] not in (0, args["vocab_size"]))  # (0: whatever it holds)
     if changed:
         raise UserError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "
