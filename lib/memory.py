@@ -81,15 +81,14 @@ def memory_estimate(model, batch_size, block_size, dtype="float32", optimizer="a
     stored = c.n_layer * (saved.block_input if checkpointing else saved.block)
     made = 0 if offload else grads  # offloaded, the gradients go to the host as they are made
     kept = made if micro_steps > 1 else made // 2 if ddp else 0
-    # while the backward recomputes a block (checkpointing): its activations and its backward's own, the inputs
-    # of the blocks not done and the gradients of those done (each block's: block_grads), or all, kept from an
-    # earlier micro-step; the most at the last block (all inputs) or at the first (every gradient but its own)
-    block_grads = 0 if offload else state_bytes([(n, p) for n, p in params if n.startswith("blocks.0.")],
-                                                state, dp, tp, fsdp, quantized, ddp)[1]
-    recomputing = saved.block + saved.block_backward + max(stored + max(kept, made - c.n_layer * block_grads),
-                                                           saved.block_input + max(kept, made - block_grads))
-    # at the loss, or (checkpointing) while the backward recomputes a block
-    peak = max(saved.head + stored + saved.temporary + kept, recomputing if checkpointing else made)
+    peak = max(saved.head + stored + saved.temporary + kept, made)  # at the loss, or as the backward ends
+    if checkpointing:  # or while the backward recomputes a block: its activations and its backward's own, the inputs
+        # of the blocks not done and the gradients of those done (each block's: block_grads), or all, kept from an
+        # earlier micro-step; the most at the last block (all inputs) or at the first (every gradient but its own)
+        block_grads = 0 if offload else state_bytes([(n, p) for n, p in params if n.startswith("blocks.0.")],
+                                                    state, dp, tp, fsdp, quantized, ddp)[1]
+        peak = max(peak, saved.block + saved.block_backward + max(stored + max(kept, made - c.n_layer * block_grads),
+                                                                  saved.block_input + max(kept, made - block_grads)))
     # the tail (after the blocks' backward): every gradient, but those not made yet (kept ones are), and saved.tail;
     # autocast's copies are gone by then, FSDP's gathered root is not
     missing = [(n, p) for n, p in params if n in saved.missing and micro_steps == 1]
