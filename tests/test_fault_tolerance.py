@@ -704,7 +704,10 @@ def failing_save_worker(rank, port, out_dir, results):
         said = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     with open(os.path.join(results, f"{rank}.json"), "w") as f:
         json.dump(said, f)
-    torch.distributed.destroy_process_group()
+    # both have said it; gloo's teardown, peers leaving, can still abort a process ("terminate called without an
+    # active exception", files.end_group), which is not what this test is about: leave without it
+    torch.distributed.barrier()
+    os._exit(0)
 
 
 @pytest.mark.slow
