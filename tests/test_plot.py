@@ -73,7 +73,9 @@ def test_a_record_being_written_is_left_out_and_a_bad_line_is_named(tmp_path):
     assert done.returncode == 1 and "not one JSON record a line" in done.stderr and "at line 4)" in done.stderr
     # what is no record of ours, and a picture that cannot be written, are one line too (tracebacks before)
     for text, says in ((bytes(range(128, 256)) + b"\n", "not UTF-8 text"), (b"1\n", "not a record with its step"),
-                       (b'"val_loss"\n', "not a record with its step"), (b'{"loss": 1}\n', "not a record")):
+                       (b'"val_loss"\n', "not a record with its step"), (b'{"loss": 1}\n', "not a record"),
+                       (b'{"iter": 1, "loss": 1, "elapsed_s": "x"}\n', "elapsed_s not a number at line 1"),
+                       (b'{"iter": 1, "val_loss": null}\n', "val_loss not a number")):
         (tmp_path / "metrics.jsonl").write_bytes(text)
         done = script("plot.py", tmp_path)
         assert done.returncode == 1 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1
