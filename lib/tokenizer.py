@@ -224,8 +224,8 @@ def wordpiece_tokenizer(name, size, texts):
     learner.normalizer = normalizers.BertNormalizer(lowercase=False)
     learner.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     learner.decoder = decoders.WordPiece()
-    learner.train_from_iterator(texts(), trainers.WordPieceTrainer(vocab_size=size,
-                                                                   special_tokens=["[UNK]", "<|endoftext|>"]))
+    learner.train_from_iterator(texts(), trainers.WordPieceTrainer(
+        vocab_size=size, special_tokens=["[UNK]", "<|endoftext|>"], show_progress=False))  # (its bars: blank lines)
     return hf_tokenizer(name, learner.to_str())
 
 

@@ -939,13 +939,15 @@ def test_out_dir_inside_the_input_is_not_read(tmp_path):
         assert meta["files_read"] == len(DOCS) and meta["skipped_files"] == [] and meta["bad_records"]["count"] == 0
 
 
-def test_wordpiece_is_learned_saved_as_tokenizer_json_and_exported(tmp_path):
+def test_wordpiece_is_learned_saved_as_tokenizer_json_and_exported(tmp_path, capfd):
     # wordpiece:N: a WordPiece model in tokenizer.json; text comes back with its characters, whitespace
     # normalized as WordPiece does; transformers reads the exported folder's tokenizer to the same ids
     import re
     text = "".join(f"Line {i}: the quick brown fox, jumping over {i * 7} lazy dogs!\n" for i in range(400))
     (tmp_path / "in.txt").write_text(text)
     meta = prepare.main([str(tmp_path / "in.txt"), "--tokenizer=wordpiece:200", f"--out_dir={tmp_path / 'data'}"])
+    said = capfd.readouterr().out  # prepare's report alone (the learner's progress bars had printed blank lines)
+    assert said.startswith("read 1 files") and "\n\n" not in said, said
     assert meta["tokenizer"] == {"kind": "huggingface", "name": "wordpiece:200", "file": "tokenizer.json"}
     assert json.loads((tmp_path / "data" / "tokenizer.json").read_text())["model"]["type"] == "WordPiece"
     tok = load_tokenizer(tmp_path / "data")
