@@ -104,7 +104,8 @@ def config_from_hf(hf, block_size=None):
                          f"quantizes it here)")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # (the same function: transformers' ACT2FN)
         raise UserError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-    if hf.get("mlp_bias") or (family != "qwen2" and hf.get("attention_bias")):
+    # (transformers reads these two for Llama, attention_bias for Qwen3; Mistral and Qwen2 have fixed biases)
+    if any(hf.get(k) for k in {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}.get(family, ())):
         raise UserError("biases on the attention output or the MLP (attention_bias/mlp_bias) are not supported")
     # the Hub's released models hold rope_theta and rope_scaling at the top level, transformers 5 rope_parameters;
     # where both are there, transformers reads rope_scaling whole (with the top-level rope_theta), not rope_parameters

@@ -339,6 +339,23 @@ def test_refuses_a_number_past_a_floats_range(llama_copy):
     assert_refused(llama_copy, ["must hold numbers above 0"])
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_bias_setting_is_refused_where_transformers_builds_its_biases(family, hf_folder, tmp_path):
+    # attention_bias and mlp_bias, as transformers reads them: a model with biases ours lacks is refused, a setting
+    # transformers does not read for this family (Mistral's, Qwen2's fixed biases) leaves the same model
+    folder, original = tmp_path / family, hf_folder(family)[1]
+    shutil.copytree(hf_folder(family)[0], folder)
+    config, ids = read_config(folder), random_ids()
+    plain = our_logits(load_pretrained(folder), ids)
+    for key in ("attention_bias", "mlp_bias"):
+        write_config(folder, {**config, key: True})
+        built = AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+        if set(built.state_dict()) - set(original.state_dict()):
+            assert_refused(folder, ["(attention_bias/mlp_bias) are not supported"])
+        else:
+            assert torch.equal(our_logits(load_pretrained(folder), ids), plain)
+
+
 def test_refuses_a_quantized_release(llama_copy):
     write_config(llama_copy, {**read_config(llama_copy), "quantization_config": {"quant_method": "fp8"}})
     assert_refused(llama_copy, ["quantization_config (fp8): a quantized release"])
