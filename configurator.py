@@ -4,8 +4,9 @@ Overrides for a run's settings (lib/settings.py), from config files and --key=va
     python train.py config/train_small.py --batch_size=32 --compile=False
 
 A config file is Python whose top-level assignments replace the defaults (names starting with _, modules, functions and
-classes are its own helpers). A --key=value is read with ast.literal_eval, else as a string. Every key must exist and
-every value have its default's type (an int does for a float), or one line names the closest key or the expected type.
+classes are its own helpers); a line that sets nothing (YAML's key: value, a JSON object) is refused. A --key=value
+is read with ast.literal_eval, else as a string. Every key must exist and every value have its default's type (an int
+does for a float), or one line names the closest key or the expected type.
 batch_size='auto' sets batch_size_auto, batch_size keeping its number (times gradient_accumulation_steps: an update's
 sequences, which train.py keeps). dataset='NAME' (nanoGPT's) sets data_dir to data/NAME; of the two, the later wins.
 """
@@ -40,12 +41,18 @@ def configure(config, args):
                 with open(arg, encoding="utf-8-sig") as f:  # (a BOM, as some Windows editors write, is no code)
                     code = f.read()
             except OSError as e:
-                sys.exit(f"config file {arg}: {e.strerror} (give a path like config/train_small.py)")
+                dashes = f"; a setting is --{arg}" if "=" in arg and not os.path.exists(arg) else ""
+                sys.exit(f"config file {arg}: {e.strerror} (give a path like config/train_small.py{dashes})")
             except UnicodeDecodeError:
                 sys.exit(f"config file {arg}: not UTF-8 text (save it as UTF-8)")
             scope, before = dict(config), dict(config)  # what the file reads: the settings so far
             try:
                 compiled = compile(code, arg, "exec")
+                for node in ast.parse(code).body:  # YAML's key: value and a JSON object are Python too, setting nothing
+                    if (isinstance(node, ast.AnnAssign) and node.value is None or isinstance(node, ast.Expr)
+                            and not isinstance(node.value, (ast.Call, ast.Constant))):
+                        sys.exit(f"config file {arg}, line {node.lineno}: {code.splitlines()[node.lineno - 1]!r} sets "
+                                 f"nothing; a config file is Python: write key = value")
                 exec(compiled, scope)
             except Exception as e:  # a mistake in the user's file: name it, no traceback
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
