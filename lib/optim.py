@@ -106,9 +106,9 @@ def check_optimizer(config):
     if config["decay_lr"] and config["lr_schedule"] != "constant" and config["min_lr"] > config["learning_rate"]:
         raise UserError(f"min_lr={config['min_lr']} is above learning_rate={config['learning_rate']}: the schedule "
                         f"would raise the rate as it decays; set min_lr below it (about learning_rate / 10)")
-    if config["lr_cycle_iters"] < 1 or not config["lr_power"] > 0:  # (not NaN either)
+    if config["lr_cycle_iters"] < 1 or not 0 < config["lr_power"] < math.inf:  # (not NaN either)
         raise UserError(f"lr_cycle_iters={config['lr_cycle_iters']} must be at least 1 and lr_power="
-                        f"{config['lr_power']} above 0")
+                        f"{config['lr_power']} above 0 and finite")
     if not 0 <= config["lr_decay_fraction"] <= 1:
         raise UserError(f"lr_decay_fraction={config['lr_decay_fraction']} must be between 0 and 1")
     if config["optimizer"] == "muon":  # it orthogonalizes each matrix whole: tensor parallel and FSDP split them
@@ -161,7 +161,7 @@ def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epo
         warmup_iters = math.ceil(warmup_ratio * (epoch_steps if max_epochs > 0 else max_iters))
     notes = [f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})"
              ] if max_epochs > 0 else []
-    if decay_lr and lr_schedule != "constant" and lr_decay_iters > max_iters:  # max_iters ends it first
+    if decay_lr and lr_schedule != "constant" and lr_decay_iters > max_iters > 0:  # max_iters ends it first
         before = f" before its {max_epochs} epochs, and" if max_epochs > 0 else ", and"
         notes.append(f"note: max_iters={max_iters} ends the run{before} the learning rate decays over "
                      f"lr_decay_iters={lr_decay_iters} steps: it will not reach min_lr in this run (for a run of "
@@ -169,7 +169,7 @@ def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epo
     if decay_lr and 0 < max_iters <= warmup_iters:
         notes.append(f"note: warmup_iters={warmup_iters} is not below max_iters={max_iters}: the run ends in its "
                      f"warmup, short of the peak learning rate (lower warmup_iters)")
-    elif decay_lr and lr_schedule != "constant" and 0 < lr_decay_iters <= warmup_iters:
+    elif decay_lr and lr_schedule != "constant" and lr_decay_iters <= warmup_iters and max_iters > 0:
         notes.append(f"note: lr_decay_iters={lr_decay_iters} is not past warmup_iters={warmup_iters}: the learning "
                      f"rate falls from its warmup straight to min_lr, with no decay (raise lr_decay_iters)")
     return max_iters, lr_decay_iters, warmup_iters, "\n".join(notes)

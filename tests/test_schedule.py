@@ -49,6 +49,7 @@ def test_no_decay_is_the_peak_throughout_and_a_zero_peak_has_a_zero_floor():
     (dict(lr_schedule="no-such-schedule"), "lr_schedule='no-such-schedule' is not one of .*'cosine'"),
     (dict(lr_cycle_iters=0), r"lr_cycle_iters=0 must be at least 1 and lr_power=1.0 above 0"),
     (dict(lr_power=0.0), r"lr_cycle_iters=1000 must be at least 1 and lr_power=0.0 above 0"),
+    (dict(lr_power=math.inf), r"lr_power=inf above 0 and finite"),  # (a config file's: the rate at min_lr at once)
     (dict(lr_decay_fraction=1.5), r"lr_decay_fraction=1.5 must be between 0 and 1"),
 ])
 def test_settings_no_schedule_can_use_are_refused(settings, message):
@@ -122,6 +123,8 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
     assert run_steps(20, 3, 5)[3] == ("note: lr_decay_iters=3 is not past warmup_iters=5: the learning rate falls "
                                       "from its warmup straight to min_lr, with no decay (raise lr_decay_iters)")
     assert run_steps(20, 3, 5, lr_schedule="constant")[3] == run_steps(20, 3, 5, decay_lr=False)[3] == ""
+    assert "lr_decay_iters=0 is not past warmup_iters=0: the learning rate falls" in run_steps(20, 0, 0)[3]
+    assert run_steps(0, 90, 5)[3] == run_steps(0, 0, 0)[3] == ""  # a run of no steps: no schedule to speak of
 
 
 def test_a_resume_takes_the_commands_optimizer_settings_and_says_so(data_dir, tmp_path):
