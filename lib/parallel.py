@@ -187,6 +187,11 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
                          "and a CUDA device")
     if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
         backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if offload else "nccl"
+    lacking = [b for b in backend.split(",") if not dist.is_backend_available(b.split(":")[-1])]
+    if (ddp or fsdp) and lacking:  # (else a traceback from init_process_group)
+        have = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake") and dist.is_backend_available(b)]
+        raise UserError(f"backend={backend!r}: {lacking[0]!r} is no backend this torch has ({', '.join(have)}); use "
+                        f"backend='auto'")
     if ddp:
         # torchrun's store outlives restarts: keys go under each group's generation, or new workers dial dead peers
         store = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))[0]

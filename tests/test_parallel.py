@@ -140,3 +140,14 @@ def test_float16_refusal_names_tensor_parallel_where_it_brought_fsdp():
         init_distributed("cpu", "float16", "gloo", 2, False, False, 60)
     with pytest.raises(UserError, match=r"^fsdp=True does not work with dtype='float16'"):
         init_distributed("cpu", "float16", "gloo", 1, True, False, 60)
+
+
+@pytest.mark.parametrize("backend", ["bogus", "cpu:gloo,cuda:no-such-backend"])
+def test_a_backend_this_torch_lacks_is_one_line_before_any_process_group(backend):
+    # fsdp=True makes a group even of one process: a name torch has no backend for was its traceback
+    import re
+    from lib.parallel import init_distributed
+    with pytest.raises(UserError, match=rf"backend={re.escape(repr(backend))}: '.*' is no backend this torch has "
+                                        rf"\(.*gloo.*\); use backend='auto'"):
+        init_distributed("cpu", "float32", backend, 1, True, False, 60)
+    assert not torch.distributed.is_initialized()
