@@ -68,8 +68,13 @@ def parse_args():
     add("--minutes", type=float, default=6.5, help="--mode=gpu: no row begins after this many minutes, so that a "
         "run under a time limit ends with every row it began")
     args, train_args = parser.parse_known_args()
-    if args.warmup < 0 or args.seconds <= 0:
-        raise UserError(f"--warmup={args.warmup} must be at least 0 and --seconds={args.seconds:g} above 0")
+    if args.warmup < 0 or not 0 < args.seconds < float("inf"):
+        raise UserError(f"--warmup={args.warmup} must be at least 0 and --seconds={args.seconds:g} above 0 and finite")
+    given = [*train_args, f"--{args.compare}=", *(a for run in args.run or () for a in run.split())]
+    taken = [a for a in given if a.startswith(("--max_iters=", "--out_dir=")) and args.mode in ("train", "race")]
+    if taken:  # (its own come after the user's, and would win)
+        raise UserError(f"{taken[0].partition('=')[0]}: bench.py sets it, running --steps steps (--mode=race: as many "
+                        f"as --seconds hold) in a folder it removes; give --steps")
     if (args.seeds is not None and args.seeds < 1) or args.threads < 1:
         raise UserError(f"--seeds={args.seeds} and --threads={args.threads} must be at least 1")
     if args.warmup >= args.steps:

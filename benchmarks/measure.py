@@ -32,7 +32,8 @@ from lib.files import UserError, read_json, read_meta
 from lib.hf import config_from_hf, save_pretrained
 from lib.lora import add_lora, quantize_base
 from lib.memory import tensor_bytes
-from lib.settings import check, defaults, model_settings
+from lib.parallel import pick_device
+from lib.settings import check, check_sizes, defaults, model_settings
 from lib.trained import load_model
 from model import GPT, GPTConfig
 
@@ -207,8 +208,10 @@ def planned_shape(g):
     if not vocab:  # the dataset's, padded as train.py pads it; GPT-2's without one
         have_data = os.path.exists(os.path.join(g.data_dir, "meta.json"))
         vocab = 64 * -(-read_meta(g.data_dir)["vocab_size"] // 64) if have_data else 50304
+    args = {**{k: getattr(g, k) for k in model_settings()}, "vocab_size": vocab}
+    check_sizes(args, "this run", "set it within its range (model.py's GPTConfig)")
     try:  # GPTConfig's fields, as train.py's run from scratch takes them from its settings (start.begin)
-        return GPTConfig(**{**{k: getattr(g, k) for k in model_settings()}, "vocab_size": vocab})
+        return GPTConfig(**args)
     except ValueError as e:  # sizes no model can have
         raise UserError(str(e)) from None
 
@@ -219,6 +222,7 @@ def planned_model(overrides):
     config = defaults()
     configure(config, overrides)
     check(config)  # the values no run can use, refused as train.py refuses them
+    pick_device("cpu", config["dtype"])  # (its dtype's check alone: the device planned may be a GPU this one lacks)
     g = argparse.Namespace(**config)
     on_cpu = g.device == "cpu"
     dtype = ("float32" if on_cpu else "bfloat16") if g.dtype == "auto" else g.dtype

@@ -275,6 +275,31 @@ def test_train_py_settings_pass_through_whole_not_as_abbreviations_of_benchs_own
     assert args.seeds is None and args.steps == 12 and train_args == ["config/train_small.py", "--seed=42"]
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--seconds=nan"], "--seconds=nan above 0 and finite"),  # (a race's steps from it: a traceback after a run)
+    (["--mode=race", "--seconds=inf"], "--seconds=inf above 0 and finite"),
+    # what bench.py sets itself, after the user's: the run had gone on without them, the header still naming them
+    (["--max_iters=100"], "--max_iters: bench.py sets it, running --steps steps"),
+    (["--compare=max_iters", "--values=5,10"], "--max_iters: bench.py sets it"),
+    (["--mode=race", "--run=--out_dir=mine --compile=False"], "--out_dir: bench.py sets it"),
+])
+def test_what_bench_py_cannot_run_or_would_override_is_refused_before_any_run(monkeypatch, argv, says):
+    import bench
+    from lib.files import UserError
+    monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
+    with pytest.raises(UserError, match=re.escape(says)):
+        bench.parse_args()
+
+
+@pytest.mark.parametrize("setting, says", [("--dtype=bogus", "dtype='bogus' is not one of"),
+                                           ("--n_layer=0", "says n_layer=0, not a whole number above 0"),
+                                           ("--rope_theta=0.0", "says rope_theta=0.0, not a number in its range")])
+def test_memory_mode_refuses_the_settings_train_py_refuses(setting, says):
+    # (a table was printed for a model no run can build, or a traceback for the dtype)
+    done = script("bench.py", "--mode=memory", setting)
+    assert done.returncode == 1 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def test_memory_mode_lists_only_layouts_train_py_runs():
     # Muon refuses fsdp=True and tensor parallel (lib/optim.check_optimizer): --mode=memory estimates no FSDP
     # or TP layout for it, as it leaves out none for AdamW
