@@ -126,7 +126,8 @@ def defaults():
 # train.py's numbers that have a range, checked in this order: each must be at least its low and below its high (a
 # negative max_iters would train nothing and save nothing)
 _IN_RANGE = {**dict.fromkeys(("eval_interval", "log_interval", "eval_iters", "batch_size", "block_size",
-                              "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout"), (1, _math.inf)),
+                              "gradient_accumulation_steps", "max_skipped_steps", "dist_timeout", "tp_size"),
+                             (1, _math.inf)),
              **dict.fromkeys(("max_iters", "warmup_iters", "lr_decay_iters", "keep_last_n", "early_stop_patience",
                               "lora_rank", "eval_tasks_limit", "learning_rate", "min_lr", "muon_lr", "weight_decay",
                               "grad_clip", "early_stop_min_delta", "max_epochs", "memory_budget"), (0, _math.inf)),

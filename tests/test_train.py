@@ -288,6 +288,7 @@ def test_a_run_refused_after_making_its_out_dir_leaves_none(data_dir, tmp_path):
     (["--learning_rate=1e-5"], "min_lr=6e-05 is above learning_rate=1e-05: the schedule would raise the rate"),
     (["--optimizer=sgd", "--momentum=-1.0"], "momentum=-1.0 must be at least 0 and below 1"),
     (["--seed=-1"], "seed=-1 must be at least 0"),
+    (["--tp_size=0"], "tp_size=0 must be at least 1"),  # (it was told to divide the processes)
     (["--dropout=2.0"], "dropout=2.0 must be at least 0 and below 1"),
     (["--max_iters=-5"], "max_iters=-5 must be at least 0"),
     (["--max_epochs=-1"], "max_epochs=-1 must be at least 0"),
