@@ -160,6 +160,10 @@ def first_model(origin, config, dtype):
     weights (autocast computes in dtype); a frozen LoRA base is held in dtype, nf4 or int8 quantized from it later."""
     checkpoint, model_args, lora = origin.checkpoint, origin.model_args, origin.lora
     base_dtype = frozen_dtype(origin.lora_base_dtype, dtype) if lora else torch.float32
+    held = checkpoint["config"].get("dtype", dtype) if checkpoint is not None and lora else dtype  # (as resolved)
+    if base_dtype != frozen_dtype(origin.lora_base_dtype, held):  # its base rounded otherwise, as export would
+        raise UserError(f"{origin.found} holds its frozen base in dtype={held!r} (lora_base_dtype="
+                        f"{origin.lora_base_dtype!r}): resume with --dtype={held}, or train anew into another out_dir")
     torch.manual_seed(config["seed"])  # the same initial weights in every process
     if checkpoint is not None and (lora or not os.path.isdir(origin.found)):
         run_settings = {k: model_args[k] for k in RUN_SETTINGS}
@@ -205,9 +209,11 @@ def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
 
 
 def resolved(settings):
-    # GPTConfig's fields of settings, each 0 that stands for a size made the size (n_kv_head, head_size, mlp_hidden)
+    # GPTConfig's fields of settings, each 0 that stands for a size made the size (n_kv_head, head_size, mlp_hidden),
+    # lora_targets the set it names (q,v is v,q)
     try:
-        return asdict(GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings}))
+        out = asdict(GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings}))
+        return {**out, "lora_targets": set(str(out["lora_targets"]).split(","))}
     except (TypeError, ValueError):  # (sizes GPTConfig refuses: compared as given)
         return settings
 

@@ -179,8 +179,14 @@ def test_lora_trains_adapters_only_and_resumes_bit_for_bit(pretrained, tmp_path)
         refused = train_refusal(*LORA, other, f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}",
                                 "--max_iters=12", "--init_from=resume")
         assert said in refused and "resume with the checkpoint's shape" in refused, refused
+    # and its base as it was held: another dtype would round it otherwise (the export, from the folder, does not)
+    refused = train_refusal(*LORA, "--dtype=bfloat16", f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}",
+                            "--max_iters=12", "--init_from=resume")
+    assert "holds its frozen base in dtype='float32' (lora_base_dtype='auto'): resume with --dtype=float32" in refused
     assert (tmp_path / "parts" / "ckpt.pt").read_bytes() == before
-    run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}", "--max_iters=12", "--init_from=resume")
+    # the same targets named in another order are the same adapters
+    run(*LORA, f"--data_dir={data}", f"--out_dir={tmp_path / 'parts'}", "--max_iters=12", "--init_from=resume",
+        "--lora_targets=" + ",".join(reversed(GPTConfig().lora_targets.split(","))))
     assert losses(tmp_path / "whole") == losses(tmp_path / "parts")
     whole, parts = weights(tmp_path / "whole"), weights(tmp_path / "parts")
     assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
