@@ -211,7 +211,8 @@ def main(argv=None):
                         "the sharded folder of an FSDP run, ckpt/, is found by the same name)")
     parser.add_argument("--to", required=True, help="the folder to write, or a file NAME.gguf for llama.cpp")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="the weights' dtype; auto: that of the folder the run began from, else float32")
+                        help="the weights' dtype; auto: that of the folder the run began from, else float32 "
+                        "(an --adapter's: float32)")
     parser.add_argument("--adapter", action="store_true", help="a LoRA run's adapter alone, in peft's layout")
     parser.add_argument("--data_dir", default=None, help="the dataset whose tokenizer to write (default: the run's)")
     parser.add_argument("--overwrite", action="store_true", help="replace --to if it holds an earlier export "
@@ -229,7 +230,8 @@ def main(argv=None):
         model, tokenizer, checkpoint = load_exported(args)
         base = checkpoint.get("pretrained") or ""
         if args.adapter:  # with its tokenizer: a run on conversations has its own chat template
-            write_adapter(model, checkpoint["pretrained"], staging)
+            adapter_dtype = getattr(torch, "float32" if args.dtype == "auto" else args.dtype)  # (peft's: float32)
+            write_adapter(model, checkpoint["pretrained"], staging, adapter_dtype)
             ids = run_special_ids(tokenizer, base)
         else:  # merged and cast
             dtype = getattr(torch, export_dtype(args.dtype, base))

@@ -118,8 +118,9 @@ def quantize_base(model, kind="nf4"):
     return model
 
 
-def write_adapter(model, base, folder):
-    """The adapters in peft's layout (transformers' names) in folder; base: the Hugging Face folder they go on."""
+def write_adapter(model, base, folder, dtype=torch.float32):
+    """The adapters in peft's layout (transformers' names), in dtype, in folder; base: the Hugging Face folder they
+    go on."""
     from safetensors.torch import save_file
     c = model.config
     if not c.lora_rank:
@@ -128,9 +129,9 @@ def write_adapter(model, base, folder):
     for i, name, linear in model.projections():
         if getattr(linear, "lora", None) is not None:
             module = f"base_model.model.model.layers.{i}.{HF_PROJECTIONS[name]}"
-            tensors[f"{module}.lora_A.weight"] = linear.lora.A.detach().contiguous()
-            tensors[f"{module}.lora_B.weight"] = linear.lora.B.detach().contiguous()
-    targets = [HF_PROJECTIONS[t].split(".")[-1] for t in c.lora_targets.split(",")]
+            tensors[f"{module}.lora_A.weight"] = linear.lora.A.detach().to(dtype).contiguous()
+            tensors[f"{module}.lora_B.weight"] = linear.lora.B.detach().to(dtype).contiguous()
+    targets = {HF_PROJECTIONS[t].split(".")[-1] for t in c.lora_targets.split(",")}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
               "r": c.lora_rank, "lora_alpha": c.lora_alpha, "lora_dropout": c.lora_dropout,
               "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,

@@ -384,6 +384,12 @@ def test_lora_exports_merged_and_as_a_peft_adapter_with_the_same_logits(pretrain
     base = transformers.AutoModelForCausalLM.from_pretrained(folder)
     with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     assert (logits_of(with_adapter, ids) - merged).abs().max() <= 1e-4 * merged.abs().max()
+    # --dtype casts the adapter too (it was written in float32 whatever it said), as peft's own bf16 ones are
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "bf16", "--adapter", "--dtype=bfloat16")
+    from safetensors.torch import load_file
+    written, bf16 = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("adapter", "bf16"))
+    assert written.keys() == bf16.keys() and all(t.dtype == torch.float32 for t in written.values())
+    assert all(torch.equal(bf16[k], written[k].to(torch.bfloat16)) for k in written)
 
 
 def test_lora_on_a_model_trained_here(pretrained, tmp_path):
