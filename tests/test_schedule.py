@@ -155,6 +155,12 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
     out = run(*args, "--init_from=resume", "--dropout=0.1", "--grad_clip=0.5", "--dtype=float32")
     assert "note: dropout=0.1, was 0.0; grad_clip=0.5, was 1.0: this command's, not the checkpoint's, from step 4 on" \
         in out.stdout
+    # the same batches split otherwise: dropout's masks, drawn a micro-step at a time, are not the run's it continues
+    run(*args, "--dropout=0.1", "--max_iters=4", f"--out_dir={tmp_path / 'drop'}")
+    out = run(*args, "--dropout=0.1", f"--out_dir={tmp_path / 'drop'}", "--init_from=resume", "--batch_size=2",
+              "--gradient_accumulation_steps=2")
+    assert ("note: an update's sequences are split 2 x 2, not as the checkpoint's: the same batches, but dropout "
+            "draws its masks a micro-step at a time") in out.stdout and "warning: seed" not in out.stdout
 
 
 def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_path):
