@@ -274,7 +274,8 @@ def resume(origin, config, meta, eval_sequences):
     elif config["dropout"] > 0 and not config["batch_size_auto"] and any(before.get(k) != config[k] for k in split):
         origin.notes.append(f"note: an update's sequences are split {config['batch_size']} x "
                             f"{config['gradient_accumulation_steps']}, not as the checkpoint's: the same batches, but "
-                            f"dropout draws its masks a micro-step at a time, and they differ from the run it continues")
+                            f"dropout draws its masks a micro-step at a time, and they differ from the run it "
+                            f"continues")
     origin.notes += schedule_notes(before, config, loop["iter_num"])
 
 
