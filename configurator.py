@@ -50,7 +50,7 @@ def configure(config, args):
                 compiled = compile(code, arg, "exec")
                 for node in ast.parse(code).body:  # YAML's key: value and a JSON object are Python too, setting nothing
                     if (isinstance(node, ast.AnnAssign) and node.value is None or isinstance(node, ast.Expr)
-                            and not isinstance(node.value, (ast.Call, ast.Constant))):
+                            and not isinstance(node.value, (ast.Call, ast.Constant, ast.NamedExpr))):
                         sys.exit(f"config file {arg}, line {node.lineno}: {code.splitlines()[node.lineno - 1]!r} sets "
                                  f"nothing; a config file is Python: write key = value")
                 exec(compiled, scope)
