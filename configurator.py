@@ -47,12 +47,13 @@ def configure(config, args):
                 sys.exit(f"config file {arg}: not UTF-8 text (save it as UTF-8)")
             scope, before = dict(config), dict(config)  # what the file reads: the settings so far
             try:
-                compiled = compile(code, arg, "exec")
-                for node in ast.parse(code).body:  # YAML's key: value and a JSON object are Python too, setting nothing
+                tree = ast.parse(code, arg)
+                for node in tree.body:  # YAML's key: value and a JSON object are Python too, setting nothing
                     if (isinstance(node, ast.AnnAssign) and node.value is None or isinstance(node, ast.Expr)
                             and not isinstance(node.value, (ast.Call, ast.Constant, ast.NamedExpr))):
                         sys.exit(f"config file {arg}, line {node.lineno}: {code.splitlines()[node.lineno - 1]!r} sets "
                                  f"nothing; a config file is Python: write key = value")
+                compiled = compile(tree, arg, "exec")
                 exec(compiled, scope)
             except Exception as e:  # a mistake in the user's file: name it, no traceback
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]

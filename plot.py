@@ -33,9 +33,10 @@ def read_run(out_dir):
             record = json.loads(line) if line.strip() else {"iter": 0}
             if not isinstance(record, dict) or not isinstance(record.get("iter"), (int, float)):
                 raise ValueError("not a record with its step, iter")
-            drawn = [k for k in ("loss", "val_loss", "lr", "tokens_per_s", "elapsed_s") if k in record]
-            if any(type(record[k]) not in (int, float) for k in drawn):
-                raise ValueError(f"{', '.join(k for k in drawn if type(record[k]) not in (int, float))} not a number")
+            bad = [k for k in ("loss", "val_loss", "lr", "tokens_per_s", "elapsed_s")
+                   if k in record and type(record[k]) not in (int, float)]
+            if bad:
+                raise ValueError(f"{', '.join(bad)} not a number")
         except ValueError as e:
             raise UserError(f"{path} is not one JSON record a line ({getattr(e, 'msg', e)} at line {number}): "
                             f"{fix}") from None

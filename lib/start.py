@@ -160,8 +160,8 @@ def first_model(origin, config, dtype):
     weights (autocast computes in dtype); a frozen LoRA base is held in dtype, nf4 or int8 quantized from it later."""
     checkpoint, model_args, lora = origin.checkpoint, origin.model_args, origin.lora
     base_dtype = frozen_dtype(origin.lora_base_dtype, dtype) if lora else torch.float32
-    held = checkpoint["config"].get("dtype", dtype) if checkpoint is not None else dtype  # (as resolved)
-    if lora and base_dtype != frozen_dtype(origin.lora_base_dtype, held):  # its base rounded otherwise
+    held = checkpoint["config"].get("dtype", dtype) if checkpoint is not None else dtype  # (saved resolved)
+    if lora and base_dtype != frozen_dtype(origin.lora_base_dtype, held):  # a resume's base, else rounded otherwise
         raise UserError(f"{origin.found} holds its frozen base in dtype={held!r} (lora_base_dtype="
                         f"{origin.lora_base_dtype!r}): resume with --dtype={held}, or train anew into another out_dir")
     torch.manual_seed(config["seed"])  # the same initial weights in every process
