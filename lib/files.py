@@ -19,6 +19,7 @@ GPT-2 tokens), whether prepare.py finished it, and its token files checked again
     ntokens = check_token_files("data/stdlib", meta, block_size=1024)
 """
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -43,22 +44,25 @@ def one_line_errors(script):
 
     def hook(kind, error, traceback):
         if issubclass(kind, UserError):
-            print(f"{script}: {error}", file=sys.stderr, flush=True)
-            end_group()
+            dist = sys.modules.get("torch.distributed")
+            if not (dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+                print(f"{script}: {error}", file=sys.stderr, flush=True)
+            else:  # a process group in the interpreter's teardown, its peers gone, can abort the process after the
+                # line (gloo's threads: "terminate called without an active exception", 1 run in 4 under torchrun even
+                # once the group is ended): end it, do what atexit holds (the out_dir's lock), leave without teardown.
+                # (The line as torch's hook around this one would print it on return, with the process's rank, in
+                # one write: the other processes' lines go to the same pipe)
+                os.write(sys.__stderr__.fileno(), f"[rank{dist.get_rank()}]: {script}: {error}\n".encode())
+                dist.destroy_process_group()
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                os._exit(1)
         elif issubclass(kind, BrokenPipeError):  # the reader of its output is gone (sample.py | head): no more to say
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at exit, flushing what is left)
         else:
             default(kind, error, traceback)
 
     sys.excepthook = hook
-
-
-def end_group():
-    # a process group left to the interpreter's exit can abort the process after the line ("terminate called without
-    # an active exception": gloo's threads, their peers gone); ended here first, it is rarer (1 run in 7 under torchrun)
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------
