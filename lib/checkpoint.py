@@ -442,8 +442,10 @@ def failed_save(out_dir, step, sharded, error, needed):
             why = f"No space left on device: about {needed / 2**20:,.1f} MB needed, {free / 2**20:,.1f} MB free"
     last = latest(out_dir, sharded)
     kept = f"{last[0]} from step {last[1]} is intact" if last else "no earlier checkpoint was written"
-    return (f"could not write the checkpoint of step {step} in {out_dir} ({why}); {kept}: make room (or move "
-            f"out_dir), then resume with --init_from=auto")
+    fix = ("raise the file size limit (ulimit -f), or move out_dir to a file system that holds larger files"
+           if isinstance(error, OSError) and error.errno == errno.EFBIG else "make room (or move out_dir)")
+    return (f"could not write the checkpoint of step {step} in {out_dir} ({why}); {kept}: {fix}, then resume with "
+            f"--init_from=auto")
 
 
 def check_room(out_dir, size, keep_last_n=0, epoch_copies=0):

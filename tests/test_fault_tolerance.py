@@ -739,10 +739,14 @@ def test_a_sharded_save_that_failed_names_its_ranks_own_error(tmp_path):
     from lib import checkpoint as ckpt
     gone = OSError(errno.ENOENT, "No such file or directory", str(tmp_path / "ckpt.tmp"))
     full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt.tmp"))
-    for error, why in ((gone, "(No such file or directory)"), (full, "(No space left on device: about 0.0 MB needed")):
+    too_large = OSError(errno.EFBIG, "File too large", str(tmp_path / "ckpt.tmp"))  # ulimit -f, or FAT's 4 GiB
+    for error, why, fix in ((gone, "(No such file or directory)", "make room (or move out_dir)"),
+                            (full, "(No space left on device: about 0.0 MB needed", "make room (or move out_dir)"),
+                            (too_large, "(File too large)", "raise the file size limit (ulimit -f), or move out_dir")):
         wrapped = CheckpointException("save failed", {1: (error, traceback.StackSummary())})
         line = ckpt.failed_save(str(tmp_path), 4, True, wrapped, needed=10)
         assert line.startswith(f"could not write the checkpoint of step 4 in {tmp_path} {why}"), line
+        assert f"no earlier checkpoint was written: {fix}" in line, line
 
 
 @pytest.mark.slow
