@@ -32,8 +32,9 @@ from lib.trained import load_run, run_chat
 
 
 def load_exported(args):
-    # load_run's (model, tokenizer, checkpoint), with the folder the run began from (if any) still there
-    model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), args.data_dir)
+    # load_run's (model, tokenizer, checkpoint), with the folder the run began from (if any) still there; an adapter
+    # alone needs no quantized base (nor torchao)
+    model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), args.data_dir, not args.adapter)
     base = checkpoint.get("pretrained")
     if base and not os.path.isdir(base):
         raise UserError(f"the base model this run began from is not at {base}, and its export takes the base's "

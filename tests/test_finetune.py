@@ -3,6 +3,7 @@ resume, sample.py on the folder, export.py back to a folder that transformers lo
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -277,9 +278,10 @@ def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
     assert float(done.stdout.strip().splitlines()[-1].split()[2]) == pytest.approx(val[-1], rel=2e-6)
 
 
-def test_a_qlora_run_in_bfloat16_is_exported_on_the_base_it_trained_on(pretrained, tmp_path):
+def test_a_qlora_run_in_bfloat16_is_exported_on_the_base_it_trained_on(pretrained, tmp_path, monkeypatch):
     # trained in bf16, its nf4 base was quantized from the bf16 weights: export.py (and eval.py, sample.py, whatever
-    # dtype they compute in) quantize from the same, or ~1% of the values take another of nf4's codes
+    # dtype they compute in) quantize from the same, or ~1% of the values take another of nf4's codes. Its adapter
+    # alone is the checkpoint's A and B, exported where torchao is not installed too
     pytest.importorskip("torchao", reason="a 4-bit base needs torchao (pip install torchao)")
     from safetensors.torch import load_file
 
@@ -294,6 +296,14 @@ def test_a_qlora_run_in_bfloat16_is_exported_on_the_base_it_trained_on(pretraine
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     ours = merged["blocks.0.mlp.gate.weight"]
     assert torch.equal(exported["model.layers.0.mlp.gate_proj.weight"].to(ours.dtype), ours)
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "adapter", "--adapter")
+    for name in [n for n in sys.modules if n.split(".")[0] == "torchao"] or ["torchao"]:  # as if not installed:
+        monkeypatch.setitem(sys.modules, name, None)  # each of its imports fails
+    refused = export("--out_dir", tmp_path / "run", "--to", tmp_path / "no", check=False)
+    assert refused.returncode == 1 and "need torchao: pip install torchao" in refused.stderr
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "without", "--adapter")
+    adapter, without = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("adapter", "without"))
+    assert adapter.keys() == without.keys() and all(torch.equal(adapter[k], without[k]) for k in adapter)
 
 
 def test_a_lora_run_on_a_bfloat16_base_exports_in_float32_with_its_adapters_whole(pretrained, tmp_path):
