@@ -56,9 +56,9 @@ def fit_micro_batch(peak, sequences, replicas, budget, margin=0.1, held=0):
     already = f" ({held / 2**30:.2f} GiB of it held already: Python, torch, the data)" if held else ""
     raise UserError(f"batch_size='auto': one sequence needs {need / 2**30:.2f} GiB{already} where {room / 2**30:.2f} "
                     f"GiB may be used ({1 - margin:.0%} of {budget / 2**30:.2f} GiB), {(need - room) / 2**30:.2f} GiB "
-                    f"short; raise memory_budget if it is set, turn on gradient_checkpointing, lower block_size, spread the "
-                    f"model over more processes (fsdp=True), or, fine-tuning a released model, train LoRA adapters "
-                    f"(lora_rank, with lora_base_dtype='nf4' for a 4-bit base)")
+                    f"short; raise memory_budget if it is set, turn on gradient_checkpointing, lower block_size, "
+                    f"spread the model over more processes (fsdp=True), or, fine-tuning a released model, train LoRA "
+                    f"adapters (lora_rank, with lora_base_dtype='nf4' for a 4-bit base)")
 
 
 def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before, autocast, **estimate):

@@ -264,7 +264,8 @@ def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
     assert torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["config"]["lora_base_dtype"] == kind
     other = "int8" if kind == "nf4" else "nf4"  # a resume with another is refused, never silently left out
     assert f"was trained on a base held as lora_base_dtype='{kind}'; resume with that" in train_refusal(
-        *LORA, f"--lora_base_dtype={other}", f"--data_dir={data}", "--init_from=resume", f"--out_dir={tmp_path / 'run'}")
+        *LORA, f"--lora_base_dtype={other}", f"--data_dir={data}", "--init_from=resume",
+        f"--out_dir={tmp_path / 'run'}")
     val = [r["val_loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05
