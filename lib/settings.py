@@ -181,6 +181,9 @@ def unused(config):
             under, values = out
             notes.append(f"note: {name}={config[name]!r} plays no part in this run: it is a setting of "
                          f"{said(under, values[0])}, and the run's is {said(under, config[under])}")
+    notes += [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of eval_tasks, and the run's "
+              f"is eval_tasks=''" for name in ("eval_tasks_limit", "eval_tasks_path")
+              if not config["eval_tasks"] and config[name] != default[name]]
     if config["optimizer"] in _optim.OPTIMIZERS:  # (else refused when built) another optimizer's own settings
         read = {name: _optim.settings_read(name, config) for name in _optim.OPTIMIZERS}
         notes += [f"note: {name}={config[name]!r} plays no part in this run: optimizer={config['optimizer']!r} "

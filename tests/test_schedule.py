@@ -177,6 +177,10 @@ def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_p
         "note: memory_budget=4.0 plays no part in this run: it is a setting of batch_size='auto', and the run's is "
         "batch_size=12"]
     assert unused(train_settings(["config/train_small.py"])) == unused(train_settings([])) == []
+    assert unused(train_settings(["--eval_tasks_limit=5", "--eval_tasks_path=tasks"])) == [  # with no eval_tasks
+        f"note: {name} plays no part in this run: it is a setting of eval_tasks, and the run's is eval_tasks=''"
+        for name in ("eval_tasks_limit=5", "eval_tasks_path='tasks'")]
+    assert unused(train_settings(["--eval_tasks=mine", "--eval_tasks_limit=5"])) == []
     # another optimizer's own settings, found from what each optimizer reads; Muon's AdamW reads the betas
     assert unused(train_settings(["--optimizer=sgd", "--beta1=0.8", "--momentum=0.5"])) == [
         "note: beta1=0.8 plays no part in this run: optimizer='sgd' does not read it"]
