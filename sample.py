@@ -10,6 +10,7 @@ A model trained on conversations (or a folder with a chat template) chats: --cha
 its template and answers until its end-of-turn token; with --start it answers that one message and exits.
 
     python sample.py --out_dir=out-sft --chat --system="You are terse."     # type a message, empty line to end
+                                                                  # (between """ and """: a message of several lines)
     python sample.py --model=models/Qwen3-0.6B --chat --start="Name a prime." --temperature=0
 """
 
@@ -161,6 +162,11 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
     while True:
         try:
             text = start if start is not None else utf8(input("> "), "the message")
+            if start is None and text.startswith('"""'):  # a message of several lines (pasted), up to a closing """
+                text = text[3:]
+                while not text.endswith('"""'):
+                    text += "\n" + utf8(input("... "), "the message")
+                text = text[:-3]
         except UnicodeDecodeError:
             raise UserError("the message is not UTF-8 text: type it in UTF-8") from None
         except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt ends the chat

@@ -322,6 +322,13 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path, mon
                    "--device=cpu", "--system=Reverse the words.")
     assert typed.returncode == 0 and typed.stdout == f"> > {done.stdout}> \n", typed.stdout
     assert typed.stderr.startswith("the message holds <|endoftext|>") and typed.stderr.count("\n") == 1
+    # a message of several lines, an empty one among them, between """ and """: one message, as --start's
+    monkeypatch.setattr(sys, "stdin", Typed('"""apple\n\nriver"""\n'))
+    typed = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--temperature=0", "--max_new_tokens=20",
+                   "--device=cpu", "--system=Reverse the words.")
+    started = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--temperature=0", "--max_new_tokens=20",
+                     "--device=cpu", "--system=Reverse the words.", "--start=apple\n\nriver")
+    assert typed.returncode == started.returncode == 0 and typed.stdout == f"> ... ... {started.stdout}> \n"
     # export: the template and the end-of-turn token as generation's eos go along
     done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}")
     assert done.returncode == 0, done.stderr
