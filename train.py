@@ -190,7 +190,8 @@ log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, 
                           tensorboard_log, loop["iter_num"])  # (eval_only writes nothing)
 if eval_tasks and master:  # the tasks are checked, and their data loaded, before the first step (docs/evaluation.md)
     from lib import harness  # here, not on top: lm-evaluation-harness adds half a second to every run's start
-    task_model = harness.for_training(raw_model, about_run, device, autocast, batch_size, eval_tasks, eval_tasks_path)
+    task_model = harness.for_training(raw_model, about_run, device, autocast, batch_size, eval_tasks, eval_tasks_path,
+                                      eval_tasks_limit)
 preemption = StopRequest()  # SIGTERM or SIGINT: the current step finishes, saves, and the run exits 0
 speed, logged = Speedometer(), False  # the steps since the last log line: their time and attention keys
 clock = start_clock()  # the time left (metrics.py), from the step and evaluation times of this process

@@ -26,6 +26,7 @@ except ImportError:  # optional: a script that runs a task says how to install i
 class Model(TemplateLM):
     """Our GPT and tokenizer as an lm_eval model (TemplateLM: lm_eval's LM, tokenizing requests as HFLM does)."""
     max_gen_toks = 256  # HFLM's default
+    dry = False  # True: each request is checked, not scored (for_training's check before the first step)
 
     def __init__(self, model, tokenizer, device="cpu", autocast=None, batch_size=8, chat_folder=None, name="gpt",
                  eos_ids=None, split_special=False):
@@ -102,6 +103,8 @@ class Model(TemplateLM):
                 why = f"{len(continuation)} tokens, past block_size={self.max_length}" if continuation else "empty"
                 raise UserError(f"a task's continuation {said}is {why}, which cannot be scored: mend the task's "
                                 f"choices or targets")
+        if self.dry:
+            return [(0.0, False)] * len(requests)
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         results = [None] * len(requests)
         for first in range(0, len(order), self.batch_size):
@@ -143,6 +146,9 @@ class Model(TemplateLM):
             if max_new >= self.max_length:
                 raise UserError(f"the task generates up to {max_new} tokens, as many as the model's block_size="
                                 f"{self.max_length}: give it a smaller max_gen_toks")
+            if self.dry:
+                out.append("")
+                continue
             # an empty context begins from the prefix token, as an empty one does when scored (HFLM's would fail)
             ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
             new = self.greedy(ids, max_new, until)
@@ -222,14 +228,18 @@ def main_metrics(results):
     return out
 
 
-def for_training(model, run, device, autocast, batch_size, tasks, include_path):
-    """train.py's (Model, TaskManager, task names), the tasks loaded before the first step; run: what its checkpoints
-    hold beside the tensors (data_dir, pretrained, data_fingerprint)."""
+def for_training(model, run, device, autocast, batch_size, tasks, include_path, limit=None):
+    """train.py's (Model, TaskManager, task names), the tasks loaded and each of their requests (of limit items)
+    checked before the first step, not at an evaluation steps later; run: what its checkpoints hold beside the
+    tensors (data_dir, pretrained, data_fingerprint)."""
     from lib.trained import splits_special
     manager, names = load_tasks(tasks, include_path or None)
     tokenizer = load_tokenizer(run["data_dir"])
     lm = Model(model, tokenizer, device, autocast, batch_size, run["data_dir"], "training",
                split_special=splits_special(run, tokenizer))
+    lm.dry = True
+    task_metrics(lm, manager, names, limit)
+    lm.dry = False
     return lm, manager, names
 
 

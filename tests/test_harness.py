@@ -331,15 +331,27 @@ def test_training_logs_the_task_metric_and_resumes_exactly(run_here, tasks, tmp_
 
 
 @pytest.mark.slow
-def test_training_refuses_a_task_it_cannot_load_before_the_first_step(run_here, tmp_path):
+def test_training_refuses_a_task_it_cannot_load_or_score_before_the_first_step(run_here, tasks, tmp_path):
     # load_tasks's refusal, the one for data that cannot be reached: an unknown name (the same UserError from the
     # same call, test_an_unknown_task_and_unreachable_data_are_one_line) would cost the harness's whole index
     needs_lm_eval()
+    import shutil
     data = run_here[1]
     done = run(*SHAPE, f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--eval_tasks=remote_task",
                f"--eval_tasks_path={remote_task(tmp_path / 'tasks')}", "--max_iters=2", check=False, env=OFFLINE)
     assert done.returncode != 0 and "cannot load the data of remote_task" in done.stderr
     assert "iter 1" not in done.stdout
+    # a task that loads but cannot be scored (it generates past block_size=64): refused before a resume's first step
+    # too, whose first evaluation comes steps later (they were trained, then lost with the run)
+    (tmp_path / "long").mkdir()
+    (tmp_path / "long" / "tiny_long.yaml").write_text((tasks / "tiny_generate.yaml").read_text().replace(
+        "task: tiny_generate", "task: tiny_long").replace("max_gen_toks: 8", "max_gen_toks: 100"))
+    shutil.copytree(run_here[0], tmp_path / "resumed")
+    done = run(*SHAPE, f"--data_dir={data}", f"--out_dir={tmp_path / 'resumed'}", "--init_from=resume",
+               "--max_iters=14", "--eval_interval=4", "--eval_tasks=tiny_long",
+               f"--eval_tasks_path={tmp_path / 'long'}", check=False, env=OFFLINE)
+    assert done.returncode == 1 and "the task generates up to 100 tokens, as many as the model's block_size=64" \
+        in done.stderr and "iter 11" not in done.stdout, done.stdout + done.stderr
 
 
 def bos_llama(folder):
