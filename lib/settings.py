@@ -76,7 +76,7 @@ weight_decay = 0.1  # on matrices only (AdamW, Muon: decoupled; Adam, SGD: an L2
 beta1 = 0.9  # Adam(W)'s
 beta2 = 0.95  # Adam(W)'s, for the second moment (beta1 is the first's)
 momentum = 0.9  # SGD's
-muon_lr = 0.02  # Muon's peak learning rate for the blocks' matrices
+muon_lr = 0.02  # Muon's peak learning rate for the blocks' matrices (the log's lr is learning_rate's, scaled alike)
 muon_momentum = 0.95  # Muon's, for the blocks' matrices (momentum is SGD's)
 grad_clip = 1.0  # clip gradients at this norm (0: off)
 # learning rate schedule: linear warmup over warmup_iters, then lr_schedule, scaling every learning rate (learning_rate,
