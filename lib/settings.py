@@ -173,16 +173,18 @@ def unused(config):
         if key == "batch_size_auto":
             return f"batch_size={'auto' if value else config['batch_size']!r}"
         return f"{key}={value!r}"
+
+    def out_of_play(name, setting_of, runs):
+        return (f"note: {name}={config[name]!r} plays no part in this run: it is a setting of {setting_of}, and the "
+                f"run's is {runs}")
     default = defaults()
     notes = []
     for name, conditions in _PLAYS_UNDER.items():
         out = next(((u, v) for u, v in conditions if config[u] not in v), None)  # the first that leaves it out
         if out and config[name] != default[name]:
             under, values = out
-            notes.append(f"note: {name}={config[name]!r} plays no part in this run: it is a setting of "
-                         f"{said(under, values[0])}, and the run's is {said(under, config[under])}")
-    notes += [f"note: {name}={config[name]!r} plays no part in this run: it is a setting of eval_tasks, and the run's "
-              f"is eval_tasks=''" for name in ("eval_tasks_limit", "eval_tasks_path")
+            notes.append(out_of_play(name, said(under, values[0]), said(under, config[under])))
+    notes += [out_of_play(name, "eval_tasks", "eval_tasks=''") for name in ("eval_tasks_limit", "eval_tasks_path")
               if not config["eval_tasks"] and config[name] != default[name]]
     if config["optimizer"] in _optim.OPTIMIZERS:  # (else refused when built) another optimizer's own settings
         read = {name: _optim.settings_read(name, config) for name in _optim.OPTIMIZERS}
