@@ -92,7 +92,8 @@ def _set(config, key, value, source):
     if type(default) is float and type(value) is int and abs(value) < 2**1024:  # (past it: no float)
         value = float(value)
     elif default is not None and type(value) is not type(default):
-        sys.exit(f"{source}: {key} must be {type(default).__name__} like {default!r}, got {value!r}")
+        also = " or 'auto'" if key == "batch_size" and "batch_size_auto" in config else ""  # ('auto' is lower case)
+        sys.exit(f"{source}: {key} must be {type(default).__name__} like {default!r}{also}, got {value!r}")
     config[key] = value
     if key == "dataset" and value and "data_dir" in config:  # nanoGPT's name for data/NAME
         config["data_dir"] = os.path.join("data", value)

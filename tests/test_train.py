@@ -270,6 +270,7 @@ def test_a_run_refused_after_making_its_out_dir_leaves_none(data_dir, tmp_path):
     (["--lerning_rate=0.1"], "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)"),
     (["--max_iters=1.5"], "max_iters must be int like 5000, got 1.5"),
     (["--compile=yes"], "compile must be bool like False, got 'yes'"),
+    (["--batch_size=AUTO"], "batch_size must be int like 4 or 'auto', got 'AUTO'"),
     (["--batch_size"], "write overrides as --key=value"),
     (["config/no_such_file.py"], "config file config/no_such_file.py: No such file or directory"),
     (["--init_from=gpt2"], "init_from='gpt2' is not 'scratch', 'resume', 'auto' or a Hugging Face model folder"),
