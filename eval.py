@@ -26,7 +26,8 @@ import torch
 
 from lib import harness
 from lib.data import Split, longest_example
-from lib.files import UserError, check_token_files, one_line_errors, open_own, read_json, read_meta
+from lib.files import (UserError, check_meta_unchanged, check_token_files, one_line_errors, open_own, read_json,
+                       read_meta)
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
 from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
@@ -154,6 +155,7 @@ try:
     val = Split(data_dir, "val", meta, block_size, seed=0, examples=by_example, vocab_size=model.config.vocab_size)
 except (ValueError, OSError) as e:
     raise UserError(str(e)) from None
+check_meta_unchanged(data_dir, meta)  # the val split just opened is the one meta.json described
 if by_example and val.targets[0] == 0:
     raise UserError(f"no val example keeps a trained token within its first block_size + 1 = {block_size + 1} "
                     f"tokens: raise --block_size")

@@ -31,8 +31,8 @@ from configurator import configure
 from lib import checkpoint as ckpt
 from lib import settings
 from lib.data import Batches
-from lib.files import (UserError, check_data_for_run, data_fingerprint, one_line_errors, read_meta,
-                      tokenizer_fingerprint)
+from lib.files import (UserError, check_data_for_run, check_meta_unchanged, data_fingerprint, one_line_errors,
+                      read_meta, tokenizer_fingerprint)
 from lib.memory import device_name, measured_mb, memory_estimate, memory_layout, memory_table
 from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
                          utilization, wall_time)
@@ -181,10 +181,7 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
              "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta),  # (start.resume, trained.load_model)
              "data_fingerprint": data_fingerprint(meta),  # its splits, chat template (start.resume, trained.run_chat)
              "eval_sequences": eval_sequences}  # the val windows an evaluation reads (start.resume)
-if read_meta(data_dir) != meta:  # prepare.py --overwrite finished since meta.json was read: the token files opened and
-    # the tokenizer fingerprinted may be the new dataset's, read as the old one's meta.json says
-    raise UserError(f"{data_dir} was prepared again while this run started (prepare.py --overwrite): its files may be "
-                    f"the new dataset's read as the old one's; start the run again")
+check_meta_unchanged(data_dir, meta)  # not prepared again since it was read: the files opened, the tokenizer fingerprinted
 saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,
                           tensorboard_log, loop["iter_num"])  # (eval_only writes nothing)

@@ -209,6 +209,14 @@ def read_meta(data_dir):
             "tokenizer": {"kind": "tiktoken", "name": "gpt2"}}
 
 
+def check_meta_unchanged(data_dir, meta):
+    """UserError where data_dir's meta.json no longer says meta (read_meta's): prepare.py --overwrite finished since,
+    and the token files a script opened meanwhile may be the new dataset's, read as the old meta.json says."""
+    if read_meta(data_dir) != meta:
+        raise UserError(f"{data_dir} was prepared again while this run started (prepare.py --overwrite): its files may "
+                        f"be the new dataset's read as the old one's; start the run again")
+
+
 def tokenizer_fingerprint(data_dir, meta):
     """A digest of what decides which ids the folder's text became: meta's tokenizer entry, vocab_size, eot_id and
     the tokenizer's own file in the folder, if any. A checkpoint keeps its data's, so that whoever reads the run

@@ -303,3 +303,18 @@ def test_data_prepared_again_while_the_run_starts_is_refused(tmp_path, monkeypat
     monkeypatch.setattr(lib.start, "begin", begin)
     said = train_refusal(*TINY, f"--data_dir={data}", "--max_iters=2")
     assert "was prepared again while this run started" in said, said
+    # eval.py: between its reading of meta.json and its opening of val.bin (the window from the longest example, a
+    # read of the whole val split, lies between)
+    monkeypatch.setattr(lib.start, "begin", real)
+    prepare.main([str(tmp_path / "a.txt"), "--tokenizer=char", f"--out_dir={data}", "--overwrite"])
+    run(*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1")
+    import lib.data
+    opened = lib.data.Split
+
+    def split(*args, **kwargs):
+        prepare.main([str(tmp_path / "b.txt"), "--tokenizer=char", f"--out_dir={data}", "--overwrite"])
+        return opened(*args, **kwargs)
+    monkeypatch.setattr(lib.data, "Split", split)
+    done = script("eval.py", f"--out_dir={tmp_path / 'run'}")
+    assert done.returncode == 1 and "was prepared again while this run started" in done.stderr, done.stderr
+    assert "val loss" not in done.stdout
