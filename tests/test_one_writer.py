@@ -303,8 +303,8 @@ def test_data_prepared_again_while_the_run_starts_is_refused(tmp_path, monkeypat
     monkeypatch.setattr(lib.start, "begin", begin)
     said = train_refusal(*TINY, f"--data_dir={data}", "--max_iters=2")
     assert "was prepared again while this run started" in said, said
-    # eval.py: between its reading of meta.json and its opening of val.bin (the window from the longest example, a
-    # read of the whole val split, lies between)
+    # eval.py: between its reading of meta.json and its opening of val.bin (its check of every id in val.bin lies
+    # between)
     monkeypatch.setattr(lib.start, "begin", real)
     prepare.main([str(tmp_path / "a.txt"), "--tokenizer=char", f"--out_dir={data}", "--overwrite"])
     run(*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1")
