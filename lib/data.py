@@ -53,8 +53,8 @@ class Split:
         self.dtype, self.eot_id, self.examples = np.dtype(meta["dtype"]), meta.get("eot_id"), examples
         self.end = end_mark(meta)  # the mask's value where an example ends
         self.block_size, self.seed, self.is_val, self.vocab_size = block_size, seed, split == "val", vocab_size
-        self.epochs = {}  # epoch -> its sequences, each a list of example numbers (the first, the last two met)
-        self.firsts = [0]  # the number of each epoch's first sequence, as far as epochs have been packed
+        self.epochs = {}  # epoch -> its sequences' order (epoch()), the last two met (examples: and the first)
+        self.firsts = [0]  # the number of each epoch's first sequence, as far as epochs have been counted
         if examples:
             self.starts, self.lengths = example_bounds(self.tokens(), self.mask(), self.eot_id, self.end)
             self.cut = int((self.lengths > block_size + 1).sum())  # longer than a sequence: cut to fit
@@ -163,36 +163,57 @@ class Split:
 
     def sequence(self, n):
         # sequence n of the run: the example numbers packed into it, or (windows) where its window starts
-        while n >= self.firsts[-1] and not (self.is_val and len(self.firsts) > 1):  # pack up to n's epoch
-            self.firsts.append(self.firsts[-1] + len(self.epoch(len(self.firsts) - 1)))
-        if n >= self.firsts[-1]:
+        if n >= self.counted_to(n):
             return []  # past the validation split's one epoch: padding
         epoch = bisect.bisect_right(self.firsts, n) - 1
-        return self.epoch(epoch)[n - self.firsts[epoch]]
+        at = n - self.firsts[epoch]
+        if self.examples:
+            return self.epoch(epoch)[at]
+        first, order = self.epoch(epoch)
+        return first + self.block_size * int(order[at])
+
+    def counted_to(self, n):
+        # the epochs' first sequences (firsts) counted as far as sequence n's epoch (val: its one) -> the end of the last
+        while n >= self.firsts[-1] and not (self.is_val and len(self.firsts) > 1):
+            self.firsts.append(self.firsts[-1] + self.epoch_size(len(self.firsts) - 1))
+        return self.firsts[-1]
+
+    def epoch_size(self, epoch):
+        # the sequences an epoch holds; windows counted without drawing their order (a resume draws its epoch's alone)
+        return len(self.epoch(epoch)) if self.examples else self.window_layout(epoch)[1]
+
+    def window_layout(self, epoch):
+        # (offset, count, rng) of a windows epoch: a window starts every block_size-th token from offset, drawn from
+        # (seed, epoch) in [1, block_size], less block_size, so that every token after the first is a target once
+        # (windows may reach past the split); rng then draws their order
+        rng = np.random.default_rng([self.seed, epoch])
+        offset = 1 + int(rng.integers(self.block_size))
+        return offset, 1 + -(-(len(self.tokens()) - 1 - offset) // self.block_size), rng
 
     def epoch(self, epoch):
-        # one epoch's sequences, drawn from (seed, epoch): the examples shuffled (val's in order), packed best-fit;
-        # or where each window starts, shuffled: every block_size-th token from an offset in [1, block_size], less
-        # block_size, so that every token after the first is a target once (windows may reach past the split)
+        # one epoch's sequences in order, drawn from (seed, epoch): the examples shuffled (val's in order), packed
+        # best-fit; or (windows) where the first window starts, and the windows' numbers (window_layout) shuffled:
+        # 4 bytes a window (10^11 tokens in windows of 256: 1.6 GB a process, two epochs held where a step straddles)
         if epoch not in self.epochs:
-            # kept: the epoch before (a batch may straddle two) and the first (evaluation reads train's from it)
-            self.epochs = {e: s for e, s in self.epochs.items() if e in (0, epoch - 1)}
+            # kept: the epoch before (a batch may straddle two) and, for examples, the first (evaluation reads
+            # train's from it; it reads random windows, not these)
+            self.epochs = {e: s for e, s in self.epochs.items() if e == epoch - 1 or e == 0 and self.examples}
             if self.examples:
                 n = len(self.lengths)
                 order = np.arange(n) if self.is_val else np.random.default_rng([self.seed, epoch]).permutation(n)
                 sizes = np.minimum(self.lengths[order], self.block_size + 1)
                 self.epochs[epoch] = [order[b].tolist() for b in best_fit(sizes.tolist(), self.block_size + 1)]
             else:
-                rng = np.random.default_rng([self.seed, epoch])
-                T, offset = self.block_size, 1 + int(rng.integers(self.block_size))
-                count = 1 + -(-(len(self.tokens()) - 1 - offset) // T)
-                self.epochs[epoch] = offset - T + T * rng.permutation(count)
+                offset, count, rng = self.window_layout(epoch)
+                order = np.arange(count, dtype=np.int32 if count < 2**31 else np.int64)
+                rng.shuffle(order)  # (rng.permutation(count)'s order, without its int64 arrays)
+                self.epochs[epoch] = offset - self.block_size, order
         return self.epochs[epoch]
 
     def sequences_in(self, epochs):
         """How many sequences the first `epochs` epochs hold."""
         while len(self.firsts) <= epochs:
-            self.firsts.append(self.firsts[-1] + len(self.epoch(len(self.firsts) - 1)))
+            self.firsts.append(self.firsts[-1] + self.epoch_size(len(self.firsts) - 1))
         return self.firsts[epochs]
 
 
@@ -287,7 +308,7 @@ class Batches:
         """Passes over the training split by the end of step: sequences over the split's, or tokens ('random')."""
         if self.mode.epochs:  # (a last step partly past max_epochs holds padding, not the next epoch)
             train, n = self.splits["train"], min(step * self.sequences_per_step, self.end_of_epochs or math.inf)
-            train.sequence(n)  # packs as far as n: the epochs done, with the fraction of the current one
+            train.counted_to(n)  # the epochs done, with the fraction of the current one
             epoch = bisect.bisect_right(train.firsts, n) - 1
             return epoch + (n - train.firsts[epoch]) / (train.firsts[epoch + 1] - train.firsts[epoch])
         return step * self.tokens_per_step / self.train_tokens

@@ -61,7 +61,29 @@ def test_an_epoch_of_windows_has_every_target_once_however_processes_and_micro_s
                     seen[int(n >= per_epoch)][start + 1 + targets] += 1
     for epoch in (0, 1):  # every token but the first (no token before it to predict it from) once an epoch
         assert seen[epoch][0] == 0 and (seen[epoch][1:] == 1).all()
-    assert not np.array_equal(split.epoch(0), split.epoch(1))  # another order and another grid each epoch
+    starts = [[split.sequence(n) for n in range(split.sequences_in(e), split.sequences_in(e + 1))] for e in (0, 1)]
+    assert starts[0] != starts[1]  # another order and another grid each epoch
+
+
+def test_a_resume_deep_in_the_windows_draws_its_epoch_alone_in_the_order_runs_began_with(tmp_path):
+    # A run resumed in epoch 5 reads its first batch having drawn that epoch's order only (the epochs before are
+    # counted, not drawn; 10^11 tokens in windows of 256 are 1.6 GB an epoch), 4 bytes a window, and its windows are
+    # those of the order runs always drew (rng.permutation's), so that a checkpoint written before resumes as it was
+    meta, _ = shakespeare_like(tmp_path, n=100_003)
+    split = Split(str(tmp_path), "train", meta, 16, seed=7, examples=False, vocab_size=50)
+    first = split.sequences_in(5)
+    assert split.epochs == {}  # counting five epochs drew none
+    numbers = range(first + 3, first + 11)
+    got = [split.sequence(n) for n in numbers]
+    assert list(split.epochs) == [5] and split.epochs[5][1].itemsize == 4
+    rng = np.random.default_rng([7, 5])
+    offset = 1 + int(rng.integers(16))
+    expected = offset - 16 + 16 * rng.permutation(1 + -(-(100_003 - 1 - offset) // 16))
+    assert got == expected[3:11].tolist()
+    split.sequence(split.sequences_in(6) + 2)  # into epoch 6: the one before kept (a step may straddle the two)
+    assert sorted(split.epochs) == [5, 6]
+    split.sequence(split.sequences_in(7))
+    assert sorted(split.epochs) == [6, 7]
 
 
 def test_shuffled_windows_are_a_pure_function_of_seed_and_number(tmp_path):
