@@ -173,7 +173,7 @@ class Split:
         return first + self.block_size * int(order[at])
 
     def counted_to(self, n):
-        # the epochs' first sequences (firsts) counted as far as sequence n's epoch (val: its one) -> the end of the last
+        # the epochs' first sequences (firsts) counted as far as sequence n's epoch (val: its one) -> the last's end
         while n >= self.firsts[-1] and not (self.is_val and len(self.firsts) > 1):
             self.firsts.append(self.firsts[-1] + self.epoch_size(len(self.firsts) - 1))
         return self.firsts[-1]
