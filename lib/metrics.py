@@ -168,7 +168,8 @@ def time_left(clock, steps_done, max_iters, eval_interval, step_seconds, steps):
     left = seconds_left(intervals, clock["eval_seconds"], steps_done, max_iters, eval_interval)
     clock["estimates"] += 1
     untimed = clock["eval_seconds"] is None and evaluations_left(steps_done, max_iters, eval_interval) > 0
-    finish = f", ends ~{finish_time(left)}" if clock["estimates"] <= FINISH_SHOWN else ""
+    # no finish date past 30 years (max_iters=sys.maxsize: until an early stop), which time.localtime may not reach
+    finish = f", ends ~{finish_time(left)}" if clock["estimates"] <= FINISH_SHOWN and left < 1e9 else ""
     return left, f", {duration(left)} left{' (evaluations not timed yet)' if untimed else ''}{finish}"
 
 

@@ -4,6 +4,7 @@ log lines giving it, the finish time and the wall time."""
 import json
 import os
 import re
+import sys
 import time
 
 import pytest
@@ -67,6 +68,15 @@ def test_time_left_says_when_no_evaluation_was_timed():
         left, note = time_left(clock, step, 10, 5, 1.0, 1)
     assert left == pytest.approx(10 - WARMUP_STEPS - 1)
     assert note.startswith(f", {10 - WARMUP_STEPS - 1}s left (evaluations not timed yet), ends ~")
+
+
+def test_a_run_without_end_gives_the_time_left_and_no_finish_time():
+    # max_iters=sys.maxsize (training until an early stop): the time left of ~2.9e12 years, and no date past the
+    # platform's clock (time.localtime raised OverflowError at the run's first estimate)
+    clock = start_clock()
+    for step in range(1, WARMUP_STEPS + 2):
+        left, note = time_left(clock, step, sys.maxsize, 1000, 10.0, 1)
+    assert left == pytest.approx(10.0 * sys.maxsize, rel=1e-6) and note.endswith("h left (evaluations not timed yet)")
 
 
 def test_duration_reads_as_a_person_would():
