@@ -99,7 +99,8 @@ def test_log_lines_give_the_time_left_and_the_last_line_the_wall_time(data_dir, 
     assert not any(" left" in lines[i] for i in range(1, WARMUP_STEPS + 1))  # the warm-up
     assert all(re.search(r"MB, [0-9dhms]+ left", lines[i]) for i in range(WARMUP_STEPS + 1, 9))
     assert [i for i in lines if re.search(r"left, ends ~\d\d:\d\d$", lines[i])] == [4, 5, 6]  # the first three
-    assert re.fullmatch(r"run ended at step 8: wall time [0-9dhms]+ since train.py started", out.strip().splitlines()[-1])
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"run ended at step 8: wall time [0-9dhms]+ since train.py started", last)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     left = {r["iter"]: r["time_left_s"] for r in records if "tokens_per_s" in r}
     assert [left[i] for i in range(1, WARMUP_STEPS + 1)] == [None] * WARMUP_STEPS
