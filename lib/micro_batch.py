@@ -100,6 +100,9 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
     if not (layout["fsdp"] or layout["tp"] > 1):
         b, halved = tried_micro_batch(model, b, share, block_size, device, autocast)
         note += f"\n{halved}" if halved else ""
+    if before:  # a resume's updates split otherwise than its checkpoint's
+        from lib.start import split_note
+        note += "".join("\n" + line for line in split_note(config, b, sequences // b, model.config.dropout))
     return b, f"{note}\n{shared.format(b, share // b)}"
 
 

@@ -265,18 +265,28 @@ def resume(origin, config, meta, eval_sequences):
     def shaping(c):
         return (c.get("seed"), c.get("sequences"), c.get("block_size"),
                 c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0))
-    split = ("batch_size", "gradient_accumulation_steps", "batch_size_auto")  # (dropout's draws follow it)
     if shaping(before) != shaping(config):
         anew = " (and its epochs are counted anew: a ckpt_epoch_N may be written again)" if config["max_epochs"] else ""
         origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "
                             "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
                             f"not on the batches the first run would have seen{anew}")
-    elif config["dropout"] > 0 and not config["batch_size_auto"] and any(before.get(k) != config[k] for k in split):
-        origin.notes.append(f"note: an update's sequences are split {config['batch_size']} x "
-                            f"{config['gradient_accumulation_steps']}, not as the checkpoint's: the same batches, but "
-                            f"dropout draws its masks a micro-step at a time, and they differ from the run it "
-                            f"continues")
+    elif not config["batch_size_auto"]:  # (under 'auto' micro_batch.py splits them, and says so)
+        origin.notes += split_note(before, config["batch_size"], config["gradient_accumulation_steps"],
+                                   config["dropout"])
     origin.notes += schedule_notes(before, config, loop["iter_num"])
+
+
+def split_note(before, batch_size, accumulation, dropout):
+    # [the note] where a resume splits the same updates as batch_size x accumulation, otherwise than its checkpoint
+    # (before: its config), under the same dropout (a changed one has its own note): its masks, drawn a micro-step at
+    # a time, are not those of the run it continues
+    was = (before.get("batch_size", 0), before.get("gradient_accumulation_steps", 0))
+    if dropout > 0 and before.get("dropout") == dropout and was != (batch_size, accumulation) and \
+            was[0] * was[1] == batch_size * accumulation:
+        return [f"note: an update's sequences are split {batch_size} x {accumulation}, not as the checkpoint's: the "
+                f"same batches, but dropout draws its masks a micro-step at a time, and they differ from the run it "
+                f"continues"]
+    return []
 
 
 def schedule_notes(before, config, step):

@@ -161,6 +161,17 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
               "--gradient_accumulation_steps=2")
     assert ("note: an update's sequences are split 2 x 2, not as the checkpoint's: the same batches, but dropout "
             "draws its masks a micro-step at a time") in out.stdout and "warning: seed" not in out.stdout
+    # batch_size='auto' split it as a checkpoint's: no note where the command gives that split, and a note where
+    # 'auto' splits a checkpoint's otherwise (its 2 x 2: here the 4 sequences fit in one micro-step)
+    auto = [*args, "--dropout=0.1", "--memory_budget=1.0"]
+    run(*auto, "--batch_size=auto", "--max_iters=4", f"--out_dir={tmp_path / 'auto'}")
+    out = run(*auto, f"--out_dir={tmp_path / 'auto'}", "--init_from=resume", "--batch_size=4").stdout
+    assert "an update's sequences are split" not in out
+    run(*auto, "--batch_size=2", "--gradient_accumulation_steps=2", "--max_iters=4", f"--out_dir={tmp_path / 'two'}")
+    out = run(*auto, "--batch_size=2", "--gradient_accumulation_steps=2", "--batch_size=auto", "--init_from=resume",
+              f"--out_dir={tmp_path / 'two'}").stdout
+    assert "batch_size='auto': micro-batch 4 of 4 sequences" in out
+    assert "note: an update's sequences are split 4 x 1, not as the checkpoint's" in out
 
 
 def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_path):
