@@ -17,6 +17,7 @@ import fcntl
 import os
 import pickle
 import re
+import resource
 import shutil
 import warnings
 import zipfile
@@ -402,7 +403,7 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
     except UserError as e:  # a save that is not whole (check_shards)
         failed = str(e)
     except (OSError, RuntimeError, dcp().api.CheckpointException) as e:
-        # torch.save reports a full disk as "unexpected pos": the free space against the checkpoint's size says
+        # torch.save says "unexpected pos" for a full disk or ulimit -f's limit: failed_save tells which by the size
         model_state = trained_only(model, model.state_dict()) if lora else model.state_dict()
         needed = nested_bytes([model_state] + [opt.state_dict()["state"] for opt in optimizers])
         failed = failed_save(out_dir, state["iter_num"], sharded, e, needed)
@@ -442,8 +443,9 @@ def failed_save(out_dir, step, sharded, error, needed):
             why = f"No space left on device: about {needed / 2**20:,.1f} MB needed, {free / 2**20:,.1f} MB free"
     last = latest(out_dir, sharded)
     kept = f"{last[0]} from step {last[1]} is intact" if last else "no earlier checkpoint was written"
-    fix = ("raise the file size limit (ulimit -f), or move out_dir to a file system that holds larger files"
-           if isinstance(error, OSError) and error.errno == errno.EFBIG else "make room (or move out_dir)")
+    limited = resource.RLIM_INFINITY != resource.getrlimit(resource.RLIMIT_FSIZE)[0] < needed  # ulimit -f's
+    fix = ("raise the file size limit (ulimit -f), or move out_dir to a file system of larger files" if limited
+           or getattr(error, "errno", None) == errno.EFBIG else "make room (or move out_dir)")
     return (f"could not write the checkpoint of step {step} in {out_dir} ({why}); {kept}: {fix}, then resume with "
             f"--init_from=auto")
 
@@ -589,8 +591,7 @@ def restore(path, checkpoint, model, optimizers, sharded, lora):
         saved = checkpoint["optimizer"]
         check_moments(saved, [dict(model.named_parameters())[name] for name in order], path)
         groups = [{**group, "params": [order[i] for i in group["params"]]} for group in saved["param_groups"]]
-        by_name = {order[i]: moments for i, moments in saved["state"].items()}
-        optim_state = {"state": by_name, "param_groups": groups}
+        optim_state = {"state": {order[i]: moments for i, moments in saved["state"].items()}, "param_groups": groups}
         set_state_dict(model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
                        options=StateDictOptions(full_state_dict=True))
     else:

@@ -750,6 +750,28 @@ def test_a_sharded_save_that_failed_names_its_ranks_own_error(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_past_the_file_size_limit_ends_the_run_in_one_line_naming_the_limit(data_dir, tmp_path):
+    # ulimit -f (a shell's, a scheduler's): torch.save's write that the limit cuts short within a tensor's bytes
+    # fails as "unexpected pos", not as an OSError, with the disk far from full; the line names the limit, not room
+    import resource
+    import zipfile
+    args = [*TINY, f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=4"]
+    run(*args, f"--out_dir={tmp_path / 'whole'}")
+    with zipfile.ZipFile(tmp_path / "whole" / "ckpt.pt") as saved:  # the same run's checkpoint, the same layout
+        largest = max(saved.infolist(), key=lambda entry: entry.file_size)
+    limit = largest.header_offset + largest.file_size // 2  # within its bytes (the log and the lock are far below)
+    out = tmp_path / "limited"
+    done = subprocess.run([sys.executable, "train.py", *on_cpu([*args, f"--out_dir={out}"])], cwd=ROOT,
+                          env={**os.environ, **CPU_ENV}, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    said = done.stderr.strip()
+    assert done.returncode == 1 and len(said.splitlines()) == 1, said
+    assert said.startswith(f"train.py: could not write the checkpoint of step 4 in {out}")
+    assert "no earlier checkpoint was written: raise the file size limit (ulimit -f)" in said, said
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"]
+
+
+@pytest.mark.slow
 def test_a_signal_during_an_evaluation_saves_the_step_unevaluated_and_the_resume_evaluates_it(data_dir, tmp_path):
     # An evaluation can take longer than a scheduler waits after its SIGTERM (torchrun's 30 s, Slurm's KillWait):
     # the signal ends it at its next batch, the step is saved as not yet evaluated, and the resumed run evaluates it,
