@@ -15,6 +15,7 @@ import ast
 import difflib
 import dis
 import os
+import re
 import sys
 import traceback
 import types
@@ -41,7 +42,7 @@ def configure(config, args):
                 with open(arg, encoding="utf-8-sig") as f:  # (a BOM, as some Windows editors write, is no code)
                     code = f.read()
             except OSError as e:
-                dashes = f"; a setting is --{arg}" if "=" in arg and not os.path.exists(arg) else ""
+                dashes = f"; a setting is --{arg.lstrip('-')}" if "=" in arg and not os.path.exists(arg) else ""
                 sys.exit(f"config file {arg}: {e.strerror} (give a path like config/train_small.py{dashes})")
             except UnicodeDecodeError:
                 sys.exit(f"config file {arg}: not UTF-8 text (save it as UTF-8)")
@@ -51,8 +52,9 @@ def configure(config, args):
                 for node in tree.body:  # YAML's key: value and a JSON object are Python too, setting nothing
                     if (isinstance(node, ast.AnnAssign) and node.value is None or isinstance(node, ast.Expr)
                             and not isinstance(node.value, (ast.Call, ast.Constant, ast.NamedExpr))):
-                        sys.exit(f"config file {arg}, line {node.lineno}: {code.splitlines()[node.lineno - 1]!r} sets "
-                                 f"nothing; a config file is Python: write key = value")
+                        said = re.split(r"\r\n|\r|\n", code)[node.lineno - 1]  # Python's lines (not \f's, \x85's)
+                        sys.exit(f"config file {arg}, line {node.lineno}: {said!r} sets nothing; a config file is "
+                                 f"Python: write key = value")
                 compiled = compile(tree, arg, "exec")
                 exec(compiled, scope)
             except Exception as e:  # a mistake in the user's file: name it, no traceback

@@ -84,8 +84,8 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
     if not args.output and args.model and os.path.isdir(args.model) and os.path.samefile(".", args.model):
         raise UserError(f"the results would go to {output} in the model folder {args.model}: give --output=PATH")
     if os.path.lexists(output) and not earlier_results(output):  # (a checkpoint, metrics.jsonl, a config.json)
-        raise UserError(f"--output={output} is a file eval.py did not write, which the results would replace: "
-                        f"write them elsewhere")
+        raise UserError(f"--output={output} is a {'folder' if os.path.isdir(output) else 'file'} eval.py did not "
+                        f"write, which the results would replace: write them elsewhere")
     manager, names = harness.load_tasks(args.tasks, args.include_path)
     device, dtype = pick_device(args.device, args.dtype)
     path = os.path.join(args.out_dir, args.ckpt)

@@ -478,9 +478,10 @@ def report_run(meta, out, replacing, seconds, started, threads):
     print(f"tokenizer: {meta['tokenizer']['name']} (vocab {meta['vocab_size']}, end-of-text {meta['eot_id']}, "
           f"{meta['dtype']})" + (f", learned in {seconds['learn']:.1f} s" if seconds["learn"] > 0.5 else ""))
     kind, _, asked = meta["tokenizer"]["name"].partition(":")
-    if kind in ("bpe", "wordpiece") and meta["vocab_size"] < int(asked):  # (bpe:N's N ranks, then end-of-text)
-        print(f"note: the corpus held too little text to learn {asked} tokens: the vocabulary is "
-              f"{meta['vocab_size']} (more text gives more)")
+    made = meta["vocab_size"] - (kind == "bpe")  # bpe:N's N tokens, then end-of-text; wordpiece:N's N count its own
+    if kind in ("bpe", "wordpiece") and made < int(asked):
+        print(f"note: the corpus held too little text to learn {asked} tokens: it has {made}"
+              f"{' and end-of-text' if kind == 'bpe' else ''} (more text gives more)")
     for split in ("train", "val"):
         print(f"{split:>5}: {meta[split]['documents']:>9,} documents {meta[split]['tokens']:>13,} tokens")
     print(f"split: {meta['split']['method']}")

@@ -271,6 +271,8 @@ def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"iter": 0, "loss": 4.2}\n{"iter": 1, "loss": 4.1}\n')  # a file of the run's
     done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--output={tmp_path / 'metrics.jsonl'}")
     one_line(done, f"--output={tmp_path / 'metrics.jsonl'} is a file eval.py did not write, which the results would")
+    done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--output={tmp_path / 'broken'}")
+    one_line(done, f"--output={tmp_path / 'broken'} is a folder eval.py did not write, which the results would")
     assert (tmp_path / "metrics.jsonl").read_text() == '{"iter": 0, "loss": 4.2}\n{"iter": 1, "loss": 4.1}\n'
     # run in a model folder, the results would go into it (the default output is the current folder's)
     done = script("eval.py", f"--model={tmp_path}", "--tasks=remote_task", "--device=cpu", cwd=tmp_path, env=OFFLINE)

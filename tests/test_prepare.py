@@ -190,9 +190,15 @@ def test_learned_in_is_said_of_a_learned_tokenizer_only(tmp_path, monkeypatch, c
 
 def test_a_corpus_too_small_for_the_vocabulary_asked_says_so(tmp_path, capsys):
     meta = run(text_tree(tmp_path / "src"), "--out_dir", tmp_path / "out", "--tokenizer", "bpe:4096")
-    assert meta["vocab_size"] < 4096 and meta["tokenizer"]["name"] == "bpe:4096"
-    assert (f"note: the corpus held too little text to learn 4096 tokens: the vocabulary is {meta['vocab_size']} "
-            f"(more text gives more)") in capsys.readouterr().out
+    made = meta["vocab_size"] - 1  # bpe:N's N tokens, then end-of-text
+    assert made < 4096 and meta["tokenizer"]["name"] == "bpe:4096"
+    assert (f"note: the corpus held too little text to learn 4096 tokens: it has {made} and end-of-text (more text "
+            f"gives more)") in capsys.readouterr().out
+    # one token short is short; as many as it can make is no note
+    for asked, short in ((made + 1, True), (made, False)):
+        meta = run(text_tree(tmp_path / "src"), "--out_dir", tmp_path / "out", "--tokenizer", f"bpe:{asked}",
+                   "--overwrite")
+        assert meta["vocab_size"] == made + 1 and ("too little text" in capsys.readouterr().out) == short, asked
 
 
 def text_order(src):

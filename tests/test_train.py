@@ -355,12 +355,14 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     huge.write_text("learning_rate = 10**400\n")
     assert "learning_rate must be float like " in train_refusal(str(huge))
     for name, text, line in (("run.yaml", "eval_interval = 1\nmax_iters: 2\n", "line 2: 'max_iters: 2'"),
+                             ("paged.yaml", "eval_interval = 1\n\f\nmax_iters: 2\n", "line 3: 'max_iters: 2'"),
                              ("run.json", '{"max_iters": 2,\n "lr": 0.1}\n', "line 1: '{\"max_iters\": 2,'")):
         other = tmp_path / name  # another format's file, read as Python, had set nothing (and the run went on)
         other.write_text(text)
         assert f"config file {other}, {line} sets nothing; a config file is Python: write key = value" in \
             train_refusal(str(other))
-    assert "(give a path like config/train_small.py; a setting is --max_iters=3)" in train_refusal("max_iters=3")
+    for given in ("max_iters=3", "-max_iters=3"):
+        assert "(give a path like config/train_small.py; a setting is --max_iters=3)" in train_refusal(given)
     bom = tmp_path / "bom.py"  # UTF-8 as some Windows editors save it, a byte-order mark first
     bom.write_bytes(b"\xef\xbb\xbfmax_iters = 3\n")
     assert train_settings([bom])["max_iters"] == 3
