@@ -52,7 +52,8 @@ class Split:
             weakref.finalize(self, f.close)
         self.dtype, self.eot_id, self.examples = np.dtype(meta["dtype"]), meta.get("eot_id"), examples
         self.end = end_mark(meta)  # the mask's value where an example ends
-        self.block_size, self.seed, self.is_val, self.vocab_size = block_size, seed, split == "val", vocab_size
+        self.block_size, self.seed, self.is_val = block_size, seed, split == "val"
+        self.vocab_size = min(vocab_size, meta["vocab_size"])  # the model's, and the data's own (files.check_token_ids)
         self.epochs = {}  # epoch -> its sequences' order (epoch()), the last two met (examples: and the first)
         self.firsts = [0]  # the number of each epoch's first sequence, as far as epochs have been counted
         if examples:
@@ -158,8 +159,8 @@ class Split:
             b, t = np.argwhere(tokens >= self.vocab_size)[0]
             at = position(b, t)
             raise UserError(f"token id {tokens[b, t]}{'' if at is None else f' at position {at}'} of {self.file.name} "
-                             f"is not below the model's vocab_size {self.vocab_size}: the file does not match "
-                             f"meta.json (re-run prepare.py)")
+                             f"is not below {self.vocab_size}, meta.json's vocab_size or the model's: the file does "
+                             f"not match meta.json (re-run prepare.py)")
 
     def sequence(self, n):
         # sequence n of the run: the example numbers packed into it, or (windows) where its window starts

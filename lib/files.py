@@ -313,12 +313,16 @@ def read_json(path, fix="replace it with the model's own file"):
     return data
 
 
+SCANNED = 1 << 30  # the ids a start checks at most (2 GB of uint16, ~2 s): a larger file's chunks spread over it
+
+
 def check_token_ids(path, dtype, vocab_size, chunk=1 << 24):
     """UserError in one line unless every id of path, a non-empty token file of dtype (check_token_files checks it
     is one), is below vocab_size (meta.json's: an id past it but under the model's padded vocabulary would train a row
-    no text has), read in memory-mapped chunks about as fast as the disk reads."""
+    no text has), read in memory-mapped chunks about as fast as the disk reads; of a file past SCANNED ids, every
+    k-th chunk, SCANNED ids in all (a run's every batch is checked as it is read: data.Split.check_ids)."""
     ids = np.memmap(path, dtype=dtype, mode="r")
-    for start in range(0, len(ids), chunk):
+    for start in range(0, len(ids), chunk * -(-len(ids) // SCANNED)):
         piece = ids[start:start + chunk]
         if int(piece.max()) >= vocab_size:
             at = int(np.argmax(piece >= vocab_size))  # the first one, to name where the file goes wrong

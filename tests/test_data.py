@@ -150,3 +150,24 @@ def test_the_data_is_checked_for_the_run(tmp_path):
             check_data_for_run(str(tmp_path), meta, 0, doc_mask, sequences, 32)
     with pytest.raises(UserError, match="has 100 tokens, too few for block_size=100"):
         check_data_for_run(str(tmp_path), meta, 0, False, "windows", 100)
+
+
+def test_a_large_token_file_is_checked_in_chunks_spread_over_it_at_the_start_and_in_every_batch(tmp_path, monkeypatch):
+    # a start reads SCANNED ids at most (10^11 tokens were 200 GB read by every process at every start): a bad id
+    # between the chunks read is found by the batch that reads it, as is an id past the data's own vocab_size that
+    # the model's padded one would take
+    from lib import files
+    monkeypatch.setattr(files, "SCANNED", 2000)
+    ids = np.arange(10_000, dtype=np.uint16) % 50
+    ids[1500] = 60  # in the second chunk of 1,000, which a start reading 2,000 of 10,000 ids skips
+    ids.tofile(tmp_path / "train.bin")
+    files.check_token_ids(str(tmp_path / "train.bin"), "uint16", 50, chunk=1000)
+    ids[5500] = 60  # the sixth chunk, which it reads
+    ids.tofile(tmp_path / "train.bin")
+    with pytest.raises(UserError, match="holds token id 60 at position 5500, past meta.json's vocab_size 50"):
+        files.check_token_ids(str(tmp_path / "train.bin"), "uint16", 50, chunk=1000)
+    meta = {"dtype": "uint16", "vocab_size": 50, "eot_id": None}
+    split = Split(str(tmp_path), "train", meta, 64, seed=0, examples=False, vocab_size=64)  # the model's: padded
+    with pytest.raises(UserError, match="token id 60 at position 1500 of .*train.bin is not below 50, meta.json's "
+                                        "vocab_size or the model's"):
+        split.rows(np.array([1480]), np.zeros(1, dtype=np.int64), doc_mask=False)
