@@ -100,11 +100,11 @@ checkpoint, loop, lora = origin.checkpoint, origin.loop, origin.lora
 
 model, model_args = first_model(origin, config, dtype)  # from the checkpoint, the folder, or new (start.py)
 quantized = origin.lora_base_dtype if origin.lora_base_dtype in ("nf4", "int8") else None
+if lora and quantized:  # QLoRA: the frozen base in 4 or 8 bits (torchao's), quantized on the device a weight at a time
+    from lib.lora import quantize_base
+    quantize_base(model, quantized, device)
 if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded)
     model.to(device)
-if lora and quantized:  # QLoRA: the frozen base in 4 or 8 bits (torchao's)
-    from lib.lora import quantize_base
-    quantize_base(model, quantized)
 # Past one device (docs/scaling.md): tensor parallel, checkpointing, compile, then FSDP or DDP
 raw_model = model
 device_ids = [procs.local_rank] if device_type == "cuda" else None  # DDP's, one GPU a process
@@ -181,7 +181,7 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
              "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta),  # (start.resume, trained.load_model)
              "data_fingerprint": data_fingerprint(meta),  # its splits, chat template (start.resume, trained.run_chat)
              "eval_sequences": eval_sequences}  # the val windows an evaluation reads (start.resume)
-check_meta_unchanged(data_dir, meta)  # not prepared again since it was read: the files opened, the tokenizer fingerprinted
+check_meta_unchanged(data_dir, meta)  # not prepared again since read: the files opened, the tokenizer fingerprinted
 saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,
                           tensorboard_log, loop["iter_num"])  # (eval_only writes nothing)

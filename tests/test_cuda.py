@@ -208,6 +208,27 @@ def test_lora_and_qlora_steps(base, tmp_path):
         assert all(type(linear.weight).__name__ == "NF4Tensor" for _, _, linear in model.projections())
 
 
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_quantized_base_reaches_the_gpu_a_weight_at_a_time(kind, tmp_path):
+    # train.py's order: quantize_base(model, kind, "cuda") on the CPU's bf16 model, then model.cuda(): the GPU's peak
+    # stays below the bf16 projections' bytes (a 13B base in bf16 is past a 24 GB GPU; in nf4, ~7 GB), and the
+    # weights are those quantized on the GPU after the whole model went there
+    pytest.importorskip("torchao", reason="quantized bases need torchao (pip install torchao)")
+    config = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=1024)
+    save_pretrained(GPT(config), tmp_path / "base")
+    model = add_lora(load_pretrained(str(tmp_path / "base"), torch.bfloat16), 8)
+    projections = sum(linear.weight.numel() * 2 for _, _, linear in model.projections())
+    whole = quantize_base(add_lora(load_pretrained(str(tmp_path / "base"), torch.bfloat16), 8).cuda(), kind)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    quantize_base(model, kind, "cuda").cuda()
+    assert torch.cuda.max_memory_allocated() - before < 0.6 * projections, torch.cuda.max_memory_allocated() / 2**20
+    x = torch.randint(0, 256, (2, 64), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert torch.equal(model(x)[0], whole(x)[0])
+
+
 def test_a_conversation_run_trains_as_on_the_cpu_and_its_chat_stops_at_the_end_of_turn(chat_data, tmp_path):
     # the masks of data format 2 (END after each example) and the loss over the trained tokens alone, with the
     # kernels compiled: the same losses as the CPU's fp32 run to tf32's error; sample.py --chat on the GPU gives the
