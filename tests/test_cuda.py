@@ -223,10 +223,10 @@ def test_a_quantized_base_reaches_the_gpu_a_weight_at_a_time(kind, tmp_path):
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     quantize_base(model, kind, "cuda").cuda()
-    assert torch.cuda.max_memory_allocated() - before < 0.6 * projections, torch.cuda.max_memory_allocated() / 2**20
+    assert torch.cuda.max_memory_allocated() - before < 0.75 * projections, torch.cuda.max_memory_allocated() / 2**20
     x = torch.randint(0, 256, (2, 64), device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert torch.equal(model(x)[0], whole(x)[0])
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # (the adapters' B starts at 0: the same model)
+        assert torch.equal(model.eval()(x)[0], whole.eval()(x)[0])
 
 
 def test_a_conversation_run_trains_as_on_the_cpu_and_its_chat_stops_at_the_end_of_turn(chat_data, tmp_path):
