@@ -249,8 +249,8 @@ def save_checkpoint(loop, improved, finished_epoch=None, rng=None):
     # step passes its own); every process's dropout stream is kept, for an exact resume.
     rng = rng or rng_state(device_type)
     rngs = [None] * world_size if ddp else [rng]
-    if ddp:
-        dist.all_gather_object(rngs, rng)
+    if ddp:  # to the master, which alone writes them (an all-gather sent each process all of them)
+        dist.gather_object(rng, rngs if master else None, dst=0)
     state = {"format": ckpt.FORMAT, "scaler": scaler.state_dict(), **loop, **about_run, "rng": rngs}
     ckpt.save(out_dir, state, raw_model, optimizers, improved=improved, finished_epoch=finished_epoch, **saving)
 
