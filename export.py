@@ -274,8 +274,8 @@ def export_gguf(args):
     try:
         from lib.gguf_export import write_gguf
         model, tokenizer, checkpoint = load_exported(args)
-        merge_lora(model, torch.float32)  # in float32: write_gguf casts the matrices and keeps the norms in float32
-        base = checkpoint.get("pretrained") or ""
+        dtype = getattr(torch, export_dtype(args.dtype, base := checkpoint.get("pretrained") or ""))
+        merge_lora(model, dtype)  # added in float32, cast once: the matrices write_gguf writes, not copies of them
         chat = run_chat(checkpoint)
         template = chat["template"] if chat else None
         ids = run_special_ids(tokenizer, base)
@@ -284,7 +284,7 @@ def export_gguf(args):
         elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
             config = os.path.join(base, "tokenizer_config.json")
             template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)
-        write_gguf(model, tokenizer, staging, getattr(torch, export_dtype(args.dtype, base)), ids, template)
+        write_gguf(model, tokenizer, staging, dtype, ids, template)
         durable_replace(staging, args.to)
     except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same
         raise UserError(str(e)) from None
