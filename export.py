@@ -33,7 +33,7 @@ from lib.trained import load_run, run_chat
 
 def load_exported(args):
     # load_run's (model, tokenizer, checkpoint), with the folder the run began from (if any) still there; an adapter
-    # alone needs no quantized base (nor torchao)
+    # alone needs none of the base's weights (a 70B base: 140 GB read for a few MB; nor torchao for a quantized one)
     model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), args.data_dir, not args.adapter)
     base = checkpoint.get("pretrained")
     if base and not os.path.isdir(base):

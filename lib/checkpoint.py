@@ -205,8 +205,7 @@ def check_values(checkpoint, path):
              "tokenizer_fingerprint": lambda v: isinstance(v, str), "data_dir": lambda v: isinstance(v, str),
              "data_fingerprint": lambda v: isinstance(v, dict) and all(isinstance(x, (str, type(None)))
                                                                        for x in v.values()),
-             "pretrained": lambda v: v is None or isinstance(v, str),
-             "base_fingerprint": lambda v: v is None or isinstance(v, str)}
+             **dict.fromkeys(("pretrained", "base_fingerprint"), lambda v: v is None or isinstance(v, str))}
     for name, fits in kinds.items():
         if name in checkpoint and not fits(checkpoint[name]):
             raise UserError(f"{path} holds {name}={str(checkpoint[name])[:60]!r}, which train.py never saves: use "
@@ -242,9 +241,10 @@ def check_shapes(model, shapes, names, where, fix):
                              f"imply {tuple(params[ours].shape)}: {fix}")
 
 
-def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
+def model_from_checkpoint(checkpoint, base_dtype=None, base=True, **overrides):
     """A train.py checkpoint (load_checkpoint's) -> GPT with its weights; overrides as in hf.load_pretrained. A LoRA
-    run's holds only the adapters: they go onto its unchanged base folder again, read in base_dtype."""
+    run's holds only the adapters: they go onto its unchanged base folder again, read in base_dtype (not base: its
+    weights left on the meta device, unread, for the adapters alone)."""
     weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
     if not isinstance(checkpoint["model_args"], dict) or not isinstance(weights, dict) \
             or not all(isinstance(name, str) for name in weights):
@@ -262,15 +262,15 @@ def model_from_checkpoint(checkpoint, base_dtype=None, **overrides):
         return model.materialize()
     from lib.hf import fingerprint, load_pretrained  # a LoRA run's base is a Hugging Face folder
     from lib.lora import add_lora
-    base = checkpoint["pretrained"]
-    if not os.path.isdir(base):
-        raise UserError(f"the base model this LoRA run began from is not at {base}: put it back there")
-    if fingerprint(base) != checkpoint["base_fingerprint"]:
-        raise UserError(f"the base model at {base} is not the one this LoRA run began from (its weights "
+    folder = checkpoint["pretrained"]
+    if not os.path.isdir(folder):
+        raise UserError(f"the base model this LoRA run began from is not at {folder}: put it back there")
+    if fingerprint(folder) != checkpoint["base_fingerprint"]:
+        raise UserError(f"the base model at {folder} is not the one this LoRA run began from (its weights "
                          f"differ): put that model back there")
-    model = load_pretrained(base, base_dtype, dropout=args["dropout"], use_kernels=args["use_kernels"])
+    model = load_pretrained(folder, base_dtype, weights=base, dropout=args["dropout"], use_kernels=args["use_kernels"])
     add_lora(model, args["lora_rank"], args["lora_alpha"], args["lora_dropout"], args["lora_targets"])
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=not base)
     if unexpected or weights and any(p.requires_grad for name, p in model.named_parameters() if name in missing):
         raise UserError("the checkpoint does not hold this model's adapters")
     return model

@@ -221,9 +221,10 @@ def hf_layout(config):
 # a folder -> GPT, and GPT -> a folder
 
 
-def load_pretrained(path, dtype=None, block_size=None, **overrides):
+def load_pretrained(path, dtype=None, block_size=None, weights=True, **overrides):
     """A folder (config.json + safetensors) -> GPT, one copy of the weights in memory. dtype: None keeps the weights';
-    block_size: the longest sequence it will get, checked against the model's limit (config.block_size stays that)."""
+    block_size: the longest sequence it will get, checked against the model's limit (config.block_size stays that);
+    not weights: the model on the meta device, checked against the files' headers, its weights never read."""
     path = Path(path)
     if set(overrides) - {"dropout", "use_kernels"}:
         raise UserError(f"load_pretrained takes dropout and use_kernels, not {sorted(overrides)} (LoRA: add_lora)")
@@ -254,6 +255,8 @@ def load_pretrained(path, dtype=None, block_size=None, **overrides):
     absent = sorted(set(layout) - set(shapes))
     if absent:
         raise UserError(f"{path} lacks {len(absent)} tensor(s) the config needs, e.g. {absent[0]}")
+    if not weights:
+        return model
     model = model.to(dtype).to_empty(device="cpu").materialize()
     params = dict(model.named_parameters())
     for file in files:

@@ -15,11 +15,11 @@ from lib.start import frozen_dtype, load_checked
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 
-def load_model(path, data_dir=None, quantize=True):
+def load_model(path, data_dir=None, base=True):
     """ckpt.pt, or an FSDP run's sharded ckpt/ -> (model, checkpoint), on the CPU. A LoRA run's base is read as the run
-    held it (start.frozen_dtype, quantized if nf4/int8, unless not quantize: for its adapters alone), whatever the
-    caller computes in: its adapters trained on those weights. checkpoint["data_dir"] becomes where the data is now:
-    data_dir, else where it was, else the config's."""
+    held it (start.frozen_dtype, quantized if nf4/int8), whatever the caller computes in: its adapters trained on those
+    weights; not base: its adapters alone, the base's weights on the meta device, never read (export.py --adapter).
+    checkpoint["data_dir"] becomes where the data is now: data_dir, else where it was, else the config's."""
     if (found := find_checkpoint(path)) is None:
         best = " (a run writes ckpt_best once an evaluation after step 0 lowers its val loss)" if "ckpt_best" in \
             os.path.basename(path) else ""
@@ -27,8 +27,8 @@ def load_model(path, data_dir=None, quantize=True):
     path = found
     checkpoint = load_checked(path, {"model", "model_args", "config"}, mmap=True)  # the weights, never the moments
     held = checkpoint["config"].get("lora_base_dtype", "auto")  # a LoRA run's base, as it trained
-    model = model_from_checkpoint(checkpoint, frozen_dtype(held, checkpoint["config"]["dtype"]))
-    if model.config.lora_rank and held in ("nf4", "int8") and quantize:  # QLoRA's adapters on the base they trained on
+    model = model_from_checkpoint(checkpoint, frozen_dtype(held, checkpoint["config"]["dtype"]), base)
+    if model.config.lora_rank and held in ("nf4", "int8") and base:  # QLoRA's adapters on the base they trained on
         from lib.lora import quantize_base
         quantize_base(model, held)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
@@ -62,9 +62,9 @@ def check_run_tokenizer(data_dir, checkpoint, model_vocab):
     check_tokenizer(data_dir, read_meta(data_dir), reference, model_vocab, fix)
 
 
-def load_run(path, data_dir=None, quantize=True):
+def load_run(path, data_dir=None, base=True):
     """load_model's (model, tokenizer, checkpoint): the tokenizer lives with the data the model was trained on."""
-    model, checkpoint = load_model(path, data_dir, quantize)
+    model, checkpoint = load_model(path, data_dir, base)
     found = checkpoint["data_dir"]
     try:
         tokenizer = load_tokenizer(found)
