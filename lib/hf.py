@@ -255,9 +255,10 @@ def load_pretrained(path, dtype=None, block_size=None, weights=True, **overrides
     absent = sorted(set(layout) - set(shapes))
     if absent:
         raise UserError(f"{path} lacks {len(absent)} tensor(s) the config needs, e.g. {absent[0]}")
+    model = model.to(dtype)
     if not weights:
         return model
-    model = model.to(dtype).to_empty(device="cpu").materialize()
+    model = model.to_empty(device="cpu").materialize()
     params = dict(model.named_parameters())
     for file in files:
         with open_safetensors(file) as f, torch.no_grad():

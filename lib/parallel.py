@@ -226,10 +226,12 @@ def attention_in_stream(stream, q, k, v, mask, dropout, causal):
 
 
 def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile=False, dtype=torch.float32,
-                offload=False, ddp=False, device_ids=None):
+                offload=False, ddp=False, device_ids=None, sent=None):
     """Spread model over mesh (dims "dp" and "tp"), in place where it can be, and return the module to call:
     tensor parallel over tp processes, activation checkpointing, compile, then FSDP or DDP over the replicas.
-    Under FSDP with dtype bf16 the shards stay fp32, gathered as bf16, and gradients are reduced in fp32."""
+    Under FSDP with dtype bf16 the shards stay fp32, gathered as bf16, and gradients are reduced in fp32. sent: the
+    weights the master alone read (its model's state_dict; {} in the others), into every process's (DDP's constructor
+    sends the master's own)."""
     if model.config.n_head % tp or model.config.n_kv_head % tp:
         raise UserError(f"tp_size={tp} must divide n_head={model.config.n_head} and n_kv_head="
                         f"{model.config.n_kv_head} (attention is split by heads)")
@@ -258,6 +260,9 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
         for module in [*model.blocks, model]:  # a unit per block, whole only as it computes; the root (the rest) last
             fully_shard(module, mesh=mesh["dp"], mp_policy=mixed, offload_policy=offload)
         register_fsdp_forward_method(model, "loss_and_accuracy")  # evaluation calls it instead of forward
+        if sent is not None:  # each tensor from the master to every process, which keeps its shard
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            set_model_state_dict(model, sent, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     elif ddp:
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, device_ids=device_ids)

@@ -154,10 +154,12 @@ def frozen_dtype(lora_base_dtype, dtype):
     return getattr(torch, dtype if lora_base_dtype in ("auto", "nf4", "int8") else lora_base_dtype)
 
 
-def first_model(origin, config, dtype):
+def first_model(origin, config, dtype, weights=True):
     """The model the run begins with, on the CPU, and its model_args: the checkpoint's (a sharded one's weights come
     in ckpt.restore), a Hugging Face folder's with this run's LoRA adapters, or a new one. Full fine-tuning keeps fp32
-    weights (autocast computes in dtype); a frozen LoRA base is held in dtype, nf4 or int8 quantized from it later."""
+    weights (autocast computes in dtype); a frozen LoRA base is held in dtype, nf4 or int8 quantized from it later.
+    Not weights: a folder's model with memory for its weights, not yet written (nor resident), that the master's
+    fill (parallel.parallelize): its weights are read once, not in every process of a node."""
     checkpoint, model_args, lora = origin.checkpoint, origin.model_args, origin.lora
     base_dtype = frozen_dtype(origin.lora_base_dtype, dtype) if lora else torch.float32
     held = checkpoint["config"].get("dtype", dtype) if checkpoint is not None else dtype  # (saved resolved)
@@ -170,12 +172,12 @@ def first_model(origin, config, dtype):
         return ckpt.model_from_checkpoint(checkpoint, base_dtype, **run_settings), model_args
     if checkpoint is None and origin.pretrained:
         from lib.hf import load_pretrained
-        model = load_pretrained(origin.init_from, base_dtype, config["block_size"], dropout=config["dropout"],
+        model = load_pretrained(origin.init_from, base_dtype, config["block_size"], weights, dropout=config["dropout"],
                                 use_kernels=config["use_kernels"])
         if lora:
             from lib.lora import add_lora
             add_lora(model, lora, config["lora_alpha"], config["lora_dropout"], config["lora_targets"])
-        return model, asdict(model.config)
+        return model if weights else model.to_empty(device="cpu").materialize(), asdict(model.config)
     try:  # GPTConfig refuses sizes no model can have (n_embd not a multiple of n_head, ...) with a ValueError
         return GPT(GPTConfig(**model_args)), model_args
     except ValueError as e:

@@ -109,6 +109,40 @@ def exact_fsdp_run(shared, data_dir):
                                               torchrun=["--standalone", "--nproc_per_node=2"]))
 
 
+class HeadersOnly:
+    """safetensors.safe_open where a tensor's values cannot be read (get_tensor), only the file's header: the names,
+    shapes and dtypes of its tensors."""
+    opened = staticmethod(__import__("safetensors").safe_open)
+
+    def __init__(self, *args, **kwargs):
+        self.file = HeadersOnly.opened(*args, **kwargs)
+
+    def __enter__(self):
+        self.file.__enter__()
+        return self
+
+    def __exit__(self, *error):
+        return self.file.__exit__(*error)
+
+    def keys(self):
+        return self.file.keys()
+
+    def get_slice(self, name):  # (its shape and dtype)
+        return self.file.get_slice(name)
+
+    def get_tensor(self, name):
+        raise AssertionError(f"{name}'s values were read")
+
+
+def master_reads(path):
+    # a config file (path) under which processes other than torchrun's rank 0 cannot read a safetensors file's
+    # tensors (HeadersOnly): a Hugging Face folder's weights are the master's to read -> its path, for train.py
+    path.write_text(f"import os as _os, sys as _sys\n_sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                    "if _os.environ.get('RANK', '0') != '0':\n    import safetensors as _st\n"
+                    "    from helpers import HeadersOnly as _HeadersOnly\n    _st.safe_open = _HeadersOnly\n")
+    return str(path)
+
+
 def poisoned_config(path, body):
     # a config file (Python, as config files are) at path that breaks training as a bug or a bad setting would:
     # body, run as the file is read, may wrap _loss (model.linear_cross_entropy, each real training step's

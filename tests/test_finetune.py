@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from helpers import (assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, run, script, train_refusal,
-                     weights)
+from helpers import (HeadersOnly, assert_every_kernel_ran, assert_no_kernel_ran, kernel_counter, losses, master_reads,
+                     run, script, train_refusal, weights)
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -304,27 +304,6 @@ def test_a_qlora_run_in_bfloat16_is_exported_on_the_base_it_trained_on(pretraine
     assert refused.returncode == 1 and "need torchao: pip install torchao" in refused.stderr
 
     import safetensors  # an adapter alone reads none of the base's weights (a 70B base's 140 GB), headers only
-    opened = safetensors.safe_open
-
-    class HeadersOnly:
-        def __init__(self, *args, **kwargs):
-            self.file = opened(*args, **kwargs)
-
-        def __enter__(self):
-            self.file.__enter__()
-            return self
-
-        def __exit__(self, *error):
-            return self.file.__exit__(*error)
-
-        def keys(self):
-            return self.file.keys()
-
-        def get_slice(self, name):  # (its shape and dtype: its values would be read through get_tensor's code)
-            return self.file.get_slice(name)
-
-        def get_tensor(self, name):
-            raise AssertionError(f"the base's {name} was read")
     monkeypatch.setattr(safetensors, "safe_open", HeadersOnly)
     export("--out_dir", tmp_path / "run", "--to", tmp_path / "without", "--adapter")
     adapter, without = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("adapter", "without"))
@@ -447,12 +426,14 @@ def test_lora_on_a_model_trained_here(pretrained, tmp_path):
 
 
 def test_lora_under_ddp_matches_one_process(pretrained, tmp_path):
-    # 2 processes x 1 micro-step see the sequences of 1 process x 2 micro-steps: the same adapters
+    # 2 processes x 1 micro-step see the sequences of 1 process x 2 micro-steps: the same adapters. The folder's
+    # weights are read by the master alone (the other process cannot: master_reads), and sent by DDP
     folder, data = pretrained
     args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=4", "--gradient_accumulation_steps=2",
             "--dropout=0.0"]
     run(*args, f"--out_dir={tmp_path / 'one'}")
-    run(*args, f"--out_dir={tmp_path / 'ddp'}", torchrun=["--standalone", "--nproc_per_node=2"])
+    run(*args, f"--out_dir={tmp_path / 'ddp'}", master_reads(tmp_path / "reads.py"),
+        torchrun=["--standalone", "--nproc_per_node=2"])
     one, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
     assert one.keys() == ddp.keys() and all(abs(one[i] - ddp[i]) < 1e-5 for i in one)
     a, b = weights(tmp_path / "one"), weights(tmp_path / "ddp")

@@ -15,8 +15,8 @@ import torch
 from lib.checkpoint import find_checkpoint, load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
 from helpers import (EXACT, STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, assert_weights_close,
-                     exact_fsdp_run, kernel_counter, losses, run, script, standard_run, train_refusal, two_nodes,
-                     weights)
+                     exact_fsdp_run, kernel_counter, losses, master_reads, run, script, standard_run, train_refusal,
+                     two_nodes, weights)
 
 pytestmark = pytest.mark.slow  # every test here starts torchrun
 TWO = ["--standalone", "--nproc_per_node=2"]
@@ -257,7 +257,7 @@ def test_fsdp_fine_tunes_an_imported_model_and_sample_and_export_read_its_shards
     args = [*FINETUNE, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=4", "--eval_interval=4",
             "--gradient_accumulation_steps=2", "--dropout=0.0"]
     run(*args, f"--out_dir={tmp_path / 'one'}")
-    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", torchrun=TWO)
+    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", master_reads(tmp_path / "reads.py"), torchrun=TWO)
     assert_close_losses(losses(tmp_path / "fsdp"), losses(tmp_path / "one"), range(1, 5))
     sharded = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))
     assert sharded["pretrained"] == str(folder) and sharded["model_args"]["family"] == "qwen3"
@@ -286,7 +286,8 @@ def test_lora_under_fsdp_matches_one_process_and_saves_the_adapters_alone(pretra
     args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=4", "--eval_interval=4",
             "--gradient_accumulation_steps=2", "--dropout=0.0"]
     run(*args, f"--out_dir={tmp_path / 'one'}")
-    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", torchrun=TWO)
+    # the folder's weights read by the master alone (the other process cannot), each process given its shards
+    run(*args, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", master_reads(tmp_path / "reads.py"), torchrun=TWO)
     assert_close_losses(losses(tmp_path / "fsdp"), losses(tmp_path / "one"), range(1, 5))
     adapters, one = load_checkpoint(str(tmp_path / "fsdp" / "ckpt"))["model"], weights(tmp_path / "one")
     assert adapters.keys() == one.keys() and all(".lora." in name for name in adapters)
