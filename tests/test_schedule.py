@@ -163,7 +163,7 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
             "draws its masks a micro-step at a time") in out.stdout and "warning: seed" not in out.stdout
     # batch_size='auto' split it as a checkpoint's: no note where the command gives that split, and a note where
     # 'auto' splits a checkpoint's otherwise (its 2 x 2: here the 4 sequences fit in one micro-step)
-    auto = [*args, "--dropout=0.1", "--memory_budget=1.0"]
+    auto = [*args, "--dropout=0.1", "--memory_budget=8.0"]  # (the worker running it may hold a GiB already)
     run(*auto, "--batch_size=auto", "--max_iters=4", f"--out_dir={tmp_path / 'auto'}")
     out = run(*auto, f"--out_dir={tmp_path / 'auto'}", "--init_from=resume", "--batch_size=4").stdout
     assert "an update's sequences are split" not in out
