@@ -102,7 +102,6 @@ quantized = origin.lora_base_dtype if origin.lora_base_dtype in ("nf4", "int8") 
 # a Hugging Face folder's weights (unquantized) are read by the master alone, and sent to the others (parallelize)
 sending = origin.checkpoint is None and bool(origin.pretrained) and world_size > 1 and not quantized
 model, model_args = first_model(origin, config, dtype, master or not sending)  # from the checkpoint, the folder, or new
-sent = (model.state_dict() if master else {}) if sending and fsdp else None
 if lora and quantized:  # QLoRA: the frozen base in 4 or 8 bits (torchao's), quantized on the device a weight at a time
     from lib.lora import quantize_base
     quantize_base(model, quantized, device)
@@ -112,8 +111,7 @@ if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is
 raw_model = model
 device_ids = [procs.local_rank] if device_type == "cuda" else None  # DDP's, one GPU a process
 model = parallelize(model, procs.mesh, tp_size, fsdp, gradient_checkpointing, compile, ptdtype, fsdp_cpu_offload,
-                    ddp=ddp and dp_size > 1, device_ids=device_ids, sent=sent)
-sent = None  # (the master's whole weights, freed)
+                    ddp=ddp and dp_size > 1, device_ids=device_ids, from_master=sending)
 optimizers = build_optimizers(raw_model, config, device_type)  # optim.OPTIMIZERS[optimizer]
 peak_lrs = [opt.param_groups[0]["lr"] for opt in optimizers]  # the schedule scales each optimizer's own peak
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")

@@ -226,15 +226,15 @@ def attention_in_stream(stream, q, k, v, mask, dropout, causal):
 
 
 def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile=False, dtype=torch.float32,
-                offload=False, ddp=False, device_ids=None, sent=None):
+                offload=False, ddp=False, device_ids=None, from_master=False):
     """Spread model over mesh (dims "dp" and "tp"), in place where it can be, and return the module to call:
     tensor parallel over tp processes, activation checkpointing, compile, then FSDP or DDP over the replicas.
-    Under FSDP with dtype bf16 the shards stay fp32, gathered as bf16, and gradients are reduced in fp32. sent: the
-    weights the master alone read (its model's state_dict; {} in the others), into every process's (DDP's constructor
-    sends the master's own)."""
+    Under FSDP with dtype bf16 the shards stay fp32, gathered as bf16, and gradients are reduced in fp32. from_master:
+    the weights are the master's alone (start.first_model), sent to every process (by DDP's constructor, or here)."""
     if model.config.n_head % tp or model.config.n_kv_head % tp:
         raise UserError(f"tp_size={tp} must divide n_head={model.config.n_head} and n_kv_head="
                         f"{model.config.n_kv_head} (attention is split by heads)")
+    sent = (model.state_dict() if dist.get_rank() == 0 else {}) if from_master and fsdp else None  # whole, unsplit
     if tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         plan = {PROJECTIONS[n]: ColwiseParallel() for n in SPLIT_BY_OUTPUT}
