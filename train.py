@@ -130,7 +130,8 @@ if batch_size_auto:  # the largest micro-batch that fits, for the same updates (
     from lib.micro_batch import auto_micro_batch
     sequences_per_step = gradient_accumulation_steps * batch_size
     batch_size, note = auto_micro_batch(raw_model, sequences_per_step, block_size, memory_budget, layout, checkpoint,
-                                        autocast, dtype=dtype, optimizer=optimizer, quantized=quantized, device=device)
+                                        autocast, origin.same_batches, dtype=dtype, optimizer=optimizer,
+                                        quantized=quantized, device=device)
     gradient_accumulation_steps = sequences_per_step // batch_size
     micro_steps = gradient_accumulation_steps // dp_size
     config.update(batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps)  # for a resume

@@ -430,20 +430,20 @@ def failed_save(out_dir, step, sharded, error, needed):
     master = not dist.is_initialized() or dist.get_rank() == 0
     names = os.listdir(out_dir) if master and os.path.isdir(out_dir) else []
     first = bool(names) and not find_checkpoint(os.path.join(out_dir, "ckpt.pt"))
-    for name in names:
-        if re.fullmatch(UNFINISHED, name) or first and re.fullmatch(COPIES, name):
-            retire(os.path.join(out_dir, name))
+    for name in [name for name in names if re.fullmatch(UNFINISHED, name) or first and re.fullmatch(COPIES, name)]:
+        retire(os.path.join(out_dir, name))
     failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (its error, its stack)}
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))[0]  # the first failed rank's own (a folder gone, a disk full, ...)
     why = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
     with contextlib.suppress(OSError):  # (the folder itself is gone: the error says why)
         free = shutil.disk_usage(out_dir).free
-        if free < needed or isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        if full := full or free < needed:
             why = f"No space left on device: about {needed / 2**20:,.1f} MB needed, {free / 2**20:,.1f} MB free"
     last = latest(out_dir, sharded)
     kept = f"{last[0]} from step {last[1]} is intact" if last else "no earlier checkpoint was written"
-    limited = resource.RLIM_INFINITY != resource.getrlimit(resource.RLIMIT_FSIZE)[0] < needed  # ulimit -f's
+    limited = not full and resource.RLIM_INFINITY != resource.getrlimit(resource.RLIMIT_FSIZE)[0] < needed  # ulimit -f
     fix = ("raise the file size limit (ulimit -f), or move out_dir to a file system of larger files" if limited
            or getattr(error, "errno", None) == errno.EFBIG else "make room (or move out_dir)")
     return (f"could not write the checkpoint of step {step} in {out_dir} ({why}); {kept}: {fix}, then resume with "

@@ -49,6 +49,7 @@ class Origin:
     base_fingerprint: str | None = None  # that folder's, to know it again when a LoRA run resumes
     notes: list = field(default_factory=list)  # for the master to print: what this command changes, or why it stops
     stopped: bool = False  # the run stopped early before: there is nothing to do (notes say why)
+    same_batches: bool = True  # a resume's steps draw the batches they drew before (seed, sequences, ... unchanged)
 
 
 def claim(out_dir, master):
@@ -267,7 +268,8 @@ def resume(origin, config, meta, eval_sequences):
     def shaping(c):
         return (c.get("seed"), c.get("sequences"), c.get("block_size"),
                 c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0))
-    if shaping(before) != shaping(config):
+    origin.same_batches = shaping(before) == shaping(config)
+    if not origin.same_batches:
         anew = " (and its epochs are counted anew: a ckpt_epoch_N may be written again)" if config["max_epochs"] else ""
         origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "
                             "gradient_accumulation_steps) changed since the checkpoint: training continues, but "

@@ -747,6 +747,17 @@ def test_a_sharded_save_that_failed_names_its_ranks_own_error(tmp_path):
         line = ckpt.failed_save(str(tmp_path), 4, True, wrapped, needed=10)
         assert line.startswith(f"could not write the checkpoint of step 4 in {tmp_path} {why}"), line
         assert f"no earlier checkpoint was written: {fix}" in line, line
+    # a disk full where a file size limit (ulimit -f) is below the checkpoint's size: the room is the fix
+    import resource
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50 << 20, limit[1]))
+    try:
+        line = ckpt.failed_save(str(tmp_path), 4, True, full, needed=200 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    assert "(No space left on device: about 200.0 MB needed" in line, line
+    assert line.endswith("no earlier checkpoint was written: make room (or move out_dir), then resume with "
+                         "--init_from=auto"), line
 
 
 @pytest.mark.slow

@@ -168,10 +168,14 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
     out = run(*auto, f"--out_dir={tmp_path / 'auto'}", "--init_from=resume", "--batch_size=4").stdout
     assert "an update's sequences are split" not in out
     run(*auto, "--batch_size=2", "--gradient_accumulation_steps=2", "--max_iters=4", f"--out_dir={tmp_path / 'two'}")
+    shutil.copytree(tmp_path / "two", tmp_path / "seeded")
     out = run(*auto, "--batch_size=2", "--gradient_accumulation_steps=2", "--batch_size=auto", "--init_from=resume",
               f"--out_dir={tmp_path / 'two'}").stdout
     assert "batch_size='auto': micro-batch 4 of 4 sequences" in out
     assert "note: an update's sequences are split 4 x 1, not as the checkpoint's" in out
+    out = run(*auto, "--batch_size=2", "--gradient_accumulation_steps=2", "--batch_size=auto", "--init_from=resume",
+              "--seed=7", f"--out_dir={tmp_path / 'seeded'}").stdout  # other batches: said, and no note of the same
+    assert "warning: seed, sequences, block_size" in out and "an update's sequences are split" not in out
 
 
 def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_path):
