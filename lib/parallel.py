@@ -139,6 +139,17 @@ def this_process():
     return f"rank {dist.get_rank()} (node {os.environ.get('GROUP_RANK', '?')}, host {socket.gethostname()})"
 
 
+def stop_together(error):
+    """Every process calls it, with the line of the UserError it met (else None): each raises the first process's
+    where any met one, so that none waits in a collective for a process that stopped (on what it alone read)."""
+    said = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        said = [None] * dist.get_world_size()
+        dist.all_gather_object(said, error)
+    if found := next((line for line in said if line), None):
+        raise UserError(found)
+
+
 def check_same_settings(settings, data_dir):
     """Every process calls it: all stop, in one line naming the first difference and its rank and node, where any
     process's settings (per_node's paths aside) or data files' sizes differ from rank 0's (the replicas would drift)."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lib import checkpoint as ckpt
 from lib.data import val_measure
 from lib.files import UserError, data_fingerprint, lock_folder, read_json, tokenizer_fingerprint, unlock_folder
-from lib.parallel import this_process
+from lib.parallel import stop_together, this_process
 from lib.settings import check_sizes, model_settings
 from model import GPT, GPTConfig
 
@@ -173,8 +173,12 @@ def first_model(origin, config, dtype, weights=True):
         return ckpt.model_from_checkpoint(checkpoint, base_dtype, **run_settings), model_args
     if checkpoint is None and origin.pretrained:
         from lib.hf import load_pretrained
-        model = load_pretrained(origin.init_from, base_dtype, config["block_size"], weights, dropout=config["dropout"],
-                                use_kernels=config["use_kernels"])
+        try:  # (the master may be alone to read the weights, and to meet a NaN in them: all stop with it)
+            model, error = load_pretrained(origin.init_from, base_dtype, config["block_size"], weights,
+                                           dropout=config["dropout"], use_kernels=config["use_kernels"]), None
+        except UserError as e:
+            error = str(e)
+        stop_together(error)
         if lora:
             from lib.lora import add_lora
             add_lora(model, lora, config["lora_alpha"], config["lora_dropout"], config["lora_targets"])

@@ -232,11 +232,21 @@ def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_
 @pytest.mark.parametrize("mistake, said", [
     ([], "gradient_accumulation_steps=1 must be a multiple of the 2"),  # TINY's one micro-step, for 2 processes
     (["--gradient_accumulation_steps=2", "--data_dir=nowhere"], "no nowhere/train.bin"),  # once the group has formed
+    # a folder's weights, which the master alone reads: the other process stops with its line, not killed waiting
+    (["--gradient_accumulation_steps=2", "--init_from=NAN"], "up_proj.weight in {nan}/model.safetensors holds a NaN"),
 ])
 def test_workers_that_refuse_end_lib_launch_in_one_line_after_theirs(data_dir, tmp_path, mistake, said):
     # torchrun's own report of failed workers is a traceback of its own after their lines; lib.launch's is a line.
     # Each worker exits 1 after its line, never aborted by gloo's threads in the interpreter's teardown ("terminate
     # called without an active exception", 1 run in 4 of the second mistake before the teardown was skipped)
+    if "--init_from=NAN" in mistake:
+        from lib.hf import save_pretrained
+        from model import GPT, GPTConfig
+        model = GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+        with torch.no_grad():
+            model.blocks[1].mlp.up.weight[0, 0] = float("nan")
+        save_pretrained(model, tmp_path / "nan")
+        mistake, said = [*mistake[:-1], f"--init_from={tmp_path / 'nan'}"], said.format(nan=tmp_path / "nan")
     out_dir = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "lib.launch", "--standalone", "--nproc_per_node=2", "train.py",
                            *on_cpu([*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *mistake])],
