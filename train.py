@@ -84,7 +84,8 @@ vocab_size, train_tokens = check_data_for_run(data_dir, meta, vocab_size, doc_ma
 # -----------------------------------------------------------------------------
 # 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint (start.py)
 
-origin = begin(config, vocab_size, meta, fsdp, eval_sequences)
+# (on GPUs a resume maps ckpt.pt: a node's processes share one copy of it in memory, where each held its own)
+origin = begin(config, vocab_size, meta, fsdp, eval_sequences, mapped=device_type != "cpu")
 # settings out of play, then what this command changes of a resumed run, or why it stops
 for note in [*settings.unused(config), *origin.notes] if master else ():
     print(note)

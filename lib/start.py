@@ -106,10 +106,12 @@ def check_shared(out_dir, master, wait=10.0):
                         f"mounts (each may give its own path to it)")
 
 
-def begin(config, vocab_size, meta, fsdp, eval_sequences):
+def begin(config, vocab_size, meta, fsdp, eval_sequences, mapped=False):
     """The Origin of the run of config (train.py's settings, as given) on the data of meta, with the model's
     vocab_size and fsdp resolved (tensor parallel brings it), and the val sequences an evaluation reads. Every process
-    calls it; UserError if it cannot begin."""
+    calls it; UserError if it cannot begin. mapped: a resume maps ckpt.pt (a node's processes share the page cache's
+    one copy, where each read its own), for a run whose weights and moments go to a GPU, which leaves no mapping
+    (on the CPU they would stay mapped, and a replaced ckpt.pt's disk blocks held)."""
     model_args = {**{k: config[k] for k in model_settings()}, "vocab_size": vocab_size}  # GPTConfig's fields
     check_sizes(model_args, "this run", "set it within its range (model.py's GPTConfig)")
     found = ckpt.find_checkpoint(os.path.join(config["out_dir"], "ckpt.pt"))
@@ -120,7 +122,7 @@ def begin(config, vocab_size, meta, fsdp, eval_sequences):
         if 0 < len(named) < len(seen):
             raise UserError(f"{named[0]} is visible to {len(named)} of {len(seen)} processes: out_dir must be on "
                             f"storage every node shares")
-    init_from, checkpoint = starting_point(config["out_dir"], config["init_from"], found)
+    init_from, checkpoint = starting_point(config["out_dir"], config["init_from"], found, mapped)
     origin = Origin(init_from=init_from, checkpoint=checkpoint, found=found, model_args=model_args,
                     sharded=os.path.isdir(found) if found else fsdp, loop=dict(ckpt.LOOP),
                     lora_base_dtype=config["lora_base_dtype"])
@@ -337,7 +339,7 @@ def load_checked(path, needed, **load):
     return checkpoint
 
 
-def starting_point(out_dir, init_from, found):
+def starting_point(out_dir, init_from, found, mapped=False):
     """init_from resolved to 'scratch', 'resume' or a Hugging Face folder by what out_dir holds (found), and a
     resume's checkpoint: 'auto' resumes any, a folder the run that began from it (the same command after a
     preemption). UserError for a run that would overwrite another, or resume nothing."""
@@ -368,7 +370,7 @@ def starting_point(out_dir, init_from, found):
                          f"set init_from='scratch')")
     # all but a sharded checkpoint's weights and moments, which restore reads
     needed = ckpt.NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(found) else ckpt.NEEDED
-    return init_from, load_checked(found, needed, weights=False)
+    return init_from, load_checked(found, needed, weights=False, mmap=mapped)
 
 
 def check_resume(checkpoint, config, data_vocab, path):

@@ -1,8 +1,9 @@
 """The CUDA tier: what only a GPU can check, in one call of a few minutes on an H100 (`python -m pytest -m cuda
 tests`). The fused kernels compiled for real against their references in bf16 and fp16 at the models' shapes,
 FlexAttention's document mask against SDPA's, train.py in bf16 with compile, the kernels and doc_mask, FSDP on
-one GPU, the memory estimate against the measured peak (tied head or not), LoRA and QLoRA steps, a conversation run and
-sample.py --chat against the CPU's, a LoRA run's export in float32. Skipped without a GPU."""
+one GPU, a resume from a mapped checkpoint, the memory estimate against the measured peak (tied head or not), LoRA
+and QLoRA steps, a conversation run and sample.py --chat against the CPU's, a LoRA run's export in float32. Skipped
+without a GPU."""
 
 import json
 import os
@@ -227,6 +228,25 @@ def test_a_quantized_base_reaches_the_gpu_a_weight_at_a_time(kind, tmp_path):
     x = torch.randint(0, 256, (2, 64), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):  # (the adapters' B starts at 0: the same model)
         assert torch.equal(model.eval()(x)[0], whole.eval()(x)[0])
+
+
+# train.py run in this Python, which then says what it still maps of the out_dir's checkpoints (its globals alive)
+KEEPING = ("import runpy, sys; sys.argv[0] = 'train.py'; kept = runpy.run_path('train.py', run_name='__main__'); "
+           "print('MAPPED', [line for line in open('/proc/self/maps') if 'ckpt' in line])")
+
+
+def test_a_resume_on_the_gpu_maps_its_checkpoint_and_ends_with_no_mapping_of_it(data_dir, tmp_path):
+    # on a GPU a resume maps ckpt.pt (start.begin's mapped: a node's processes share one copy): the weights and
+    # moments go to the GPU, and nothing of the run keeps the file mapped, or its disk blocks would stay held once
+    # a save replaced it
+    args = [*SMALL, f"--data_dir={data_dir}", "--eval_interval=2", "--log_interval=1"]
+    gpu_train(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=4")
+    gpu_train(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=2")
+    done = gpu_train(KEEPING, *args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=4", "--init_from=resume",
+                     script="-c")
+    assert "MAPPED []" in done.stdout, done.stdout[-2000:]
+    whole, parts = losses(tmp_path / "whole"), losses(tmp_path / "parts")
+    assert all(abs(parts[i] - whole[i]) <= 1e-5 * whole[i] for i in (3, 4)), (whole, parts)
 
 
 def test_a_conversation_run_trains_as_on_the_cpu_and_its_chat_stops_at_the_end_of_turn(chat_data, tmp_path):

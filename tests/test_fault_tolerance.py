@@ -94,6 +94,30 @@ def test_bitwise_resume_one_process(data_dir, tmp_path, optimizer, stop_at, shar
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.1  # and every optimizer trains
 
 
+READ_RESUME = """
+import sys
+from lib import start
+from lib.checkpoint import find_checkpoint
+from lib.memory import proc_kib
+out, mapped = sys.argv[1], sys.argv[2] == "mapped"
+before = proc_kib("RssAnon")
+_, checkpoint = start.starting_point(out, "resume", find_checkpoint(out + "/ckpt.pt"), mapped)
+print(proc_kib("RssAnon") - before, checkpoint["iter_num"], float(checkpoint["optimizer"]["state"][0]["exp_avg"].sum()))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssAnon is Linux's")
+def test_a_mapped_resume_holds_no_copy_of_its_checkpoint_of_its_own(data_dir, tmp_path):
+    # under torchrun on GPUs (train.py: mapped) every process of a node reads ckpt.pt: mapped, it is in the page
+    # cache once for all of them, where each held a copy of its own (a 3B model's weights and moments: 36 GB each)
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--n_layer=4", "--n_embd=512", "--n_head=8",
+        "--max_iters=1", "--eval_interval=1", "--eval_iters=1")
+    size_kib = os.path.getsize(tmp_path / "ckpt.pt") / 1024  # ~150 MB: weights and Adam's two moments
+    read = {how: new_python("-c", READ_RESUME, tmp_path, how).stdout.split() for how in ("mapped", "read")}
+    assert read["mapped"][1:] == read["read"][1:] == ["1", read["read"][2]]  # the same checkpoint either way
+    assert int(read["read"][0]) > 0.9 * size_kib and int(read["mapped"][0]) < 0.1 * size_kib, (read, size_kib)
+
+
 def test_resuming_with_another_optimizer_is_refused(data_dir, tmp_path):
     run(*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2", "--optimizer=muon")
     said = train_refusal(*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4",
