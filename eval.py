@@ -90,7 +90,7 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
     device, dtype = pick_device(args.device, args.dtype)
     path = os.path.join(args.out_dir, args.ckpt)
     model, tokenizer, checkpoint = load_folder_or_run(args.model, path, getattr(torch, dtype), args.data_dir,
-                                                      "the tasks' text")
+                                                      "the tasks' text", device)
     # a folder's chat template is beside its weights; a run's is the one sample.py chats with (trained.chat_folder)
     template_folder = args.model or chat_folder(checkpoint, tokenizer)
     model.eval().to(device)
@@ -120,7 +120,7 @@ try:
         check_tokenizer(args.data_dir, read_meta(args.data_dir), args.model, model.config.vocab_size)
         data_dir = args.data_dir
     else:
-        model, checkpoint = load_model(os.path.join(args.out_dir, args.ckpt), args.data_dir)
+        model, checkpoint = load_model(os.path.join(args.out_dir, args.ckpt), args.data_dir, device=device)
         if args.data_dir:  # another dataset than the run's must be made with its tokenizer
             check_run_tokenizer(args.data_dir, checkpoint, model.config.vocab_size)
         data_dir = checkpoint["data_dir"]

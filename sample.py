@@ -92,7 +92,7 @@ check_ranges(vars(args), SAMPLING, "--")  # as a run's settings are (else a trac
 
 try:  # a plain ValueError that comes out of the loaders (sizes GPTConfig refuses) is said in one line too
     model, tokenizer, checkpoint = load_folder_or_run(args.model, os.path.join(args.out_dir, args.ckpt),
-                                                      getattr(torch, dtype), args.data_dir, "the prompt")
+                                                      getattr(torch, dtype), args.data_dir, "the prompt", device)
 except ValueError as e:
     raise UserError(str(e)) from None
 folder = args.model or chat_folder(checkpoint, tokenizer)  # where the chat template is

@@ -15,10 +15,11 @@ from lib.start import frozen_dtype, load_checked
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 
-def load_model(path, data_dir=None, base=True):
+def load_model(path, data_dir=None, base=True, device="cpu"):
     """ckpt.pt, or an FSDP run's sharded ckpt/ -> (model, checkpoint), on the CPU. A LoRA run's base is read as the run
-    held it (start.frozen_dtype, quantized if nf4/int8), whatever the caller computes in: its adapters trained on those
-    weights; not base: its adapters alone, the base's weights on the meta device, never read (export.py --adapter).
+    held it (start.frozen_dtype, quantized if nf4/int8: on device, a weight at a time, where the caller computes; the
+    CPU takes hours at 70B), whatever dtype the caller computes in: its adapters trained on those weights; not base:
+    its adapters alone, the base's weights on the meta device, never read (export.py --adapter).
     checkpoint["data_dir"] becomes where the data is now: data_dir, else where it was, else the config's."""
     if (found := find_checkpoint(path)) is None:
         best = " (a run writes ckpt_best once an evaluation after step 0 lowers its val loss)" if "ckpt_best" in \
@@ -30,7 +31,7 @@ def load_model(path, data_dir=None, base=True):
     model = model_from_checkpoint(checkpoint, frozen_dtype(held, checkpoint["config"]["dtype"]), base)
     if model.config.lora_rank and held in ("nf4", "int8") and base:  # QLoRA's adapters on the base they trained on
         from lib.lora import quantize_base
-        quantize_base(model, held)
+        quantize_base(model, held, device)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
     if found is None and data_dir:
@@ -62,9 +63,9 @@ def check_run_tokenizer(data_dir, checkpoint, model_vocab):
     check_tokenizer(data_dir, read_meta(data_dir), reference, model_vocab, fix)
 
 
-def load_run(path, data_dir=None, base=True):
+def load_run(path, data_dir=None, base=True, device="cpu"):
     """load_model's (model, tokenizer, checkpoint): the tokenizer lives with the data the model was trained on."""
-    model, checkpoint = load_model(path, data_dir, base)
+    model, checkpoint = load_model(path, data_dir, base, device)
     found = checkpoint["data_dir"]
     try:
         tokenizer = load_tokenizer(found)
@@ -78,10 +79,11 @@ def load_run(path, data_dir=None, base=True):
     return model, tokenizer, checkpoint
 
 
-def load_folder_or_run(folder, path, dtype, data_dir, use):
-    """(model, tokenizer, None) of a Hugging Face folder, else load_run's; use: what the folder's tokenizer encodes."""
+def load_folder_or_run(folder, path, dtype, data_dir, use, device="cpu"):
+    """(model, tokenizer, None) of a Hugging Face folder, else load_run's (for device); use: what the folder's tokenizer
+    encodes."""
     if not folder:
-        return load_run(path, data_dir)
+        return load_run(path, data_dir, device=device)
     if not os.path.isdir(folder):
         raise UserError(f"--model={folder} is no folder: name a Hugging Face model's folder (config.json, its "
                         f"*.safetensors and tokenizer.json)")

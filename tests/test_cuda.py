@@ -268,6 +268,22 @@ def test_a_conversation_run_trains_as_on_the_cpu_and_its_chat_stops_at_the_end_o
     assert reply.strip() and "<|" not in reply  # the end-of-turn, <|user|>, never reached the text
 
 
+def test_a_qlora_run_read_back_for_the_gpu_is_quantized_there(pretrained, tmp_path):
+    # sample.py and eval.py read a QLoRA run's base quantized where they compute (trained.load_model's device), a
+    # weight at a time, not on the CPU (to_nf4 there: hours at 70B); the same reply as when read on the CPU
+    pytest.importorskip("torchao", reason="QLoRA's 4-bit base needs torchao (pip install torchao)")
+    from lib.trained import load_model
+    folder, data = pretrained
+    gpu_train(*LORA, f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path}", "--max_iters=2",
+              "--lora_base_dtype=nf4", "--device=cuda")
+    model, _ = load_model(str(tmp_path / "ckpt.pt"), device="cuda")
+    assert all(type(linear.weight).__name__ == "NF4Tensor" and linear.weight.device.type == "cuda"
+               for _, _, linear in model.projections())
+    said = [gpu_train(f"--out_dir={tmp_path}", "--start=the", "--temperature=0", "--max_new_tokens=8",
+                      f"--device={device}", "--dtype=float32", script="sample.py").stdout for device in ("cuda", "cpu")]
+    assert said[0].strip() and said[0] == said[1]
+
+
 def test_a_lora_run_on_the_gpu_exports_in_float32_with_its_adapters_whole(pretrained, tmp_path):
     # a float32 folder's LoRA run, its base held in the GPU's bf16 ('auto'): exported in the folder's float32 as
     # the held weight plus the adapters' change, not that sum rounded to bf16
