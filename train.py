@@ -102,10 +102,8 @@ checkpoint, loop, lora = origin.checkpoint, origin.loop, origin.lora
 quantized = origin.lora_base_dtype if origin.lora_base_dtype in ("nf4", "int8") else None
 # a Hugging Face folder's weights (unquantized) are read by the master alone, and sent to the others (parallelize)
 sending = origin.checkpoint is None and bool(origin.pretrained) and world_size > 1 and not quantized
-model, model_args = first_model(origin, config, dtype, master or not sending)  # from the checkpoint, the folder, or new
-if lora and quantized:  # QLoRA: the frozen base in 4 or 8 bits (torchao's), quantized on the device a weight at a time
-    from lib.lora import quantize_base
-    quantize_base(model, quantized, device)
+# from the checkpoint, the folder, or new (QLoRA: the frozen base in 4 or 8 bits, quantized on the device as it is read)
+model, model_args = first_model(origin, config, dtype, master or not sending, device)
 if not fsdp:  # (under FSDP it goes to the device one unit at a time, as each is sharded)
     model.to(device)
 # Past one device (docs/scaling.md): tensor parallel, checkpointing, compile, then FSDP or DDP

@@ -241,10 +241,9 @@ def check_shapes(model, shapes, names, where, fix):
                              f"imply {tuple(params[ours].shape)}: {fix}")
 
 
-def model_from_checkpoint(checkpoint, base_dtype=None, base=True, **overrides):
-    """A train.py checkpoint (load_checkpoint's) -> GPT with its weights; overrides as in hf.load_pretrained. A LoRA
-    run's holds only the adapters: they go onto its unchanged base folder again, read in base_dtype (not base: its
-    weights left on the meta device, unread, for the adapters alone)."""
+def model_from_checkpoint(checkpoint, base_dtype=None, base=True, quantized=None, device=None, **overrides):
+    """A train.py checkpoint (load_checkpoint's) -> GPT with its weights. A LoRA run's holds only its adapters: they
+    go onto its base folder, read by hf.load_pretrained (base_dtype, quantized, device, overrides; not base: unread)."""
     weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
     if not isinstance(checkpoint["model_args"], dict) or not isinstance(weights, dict) \
             or not all(isinstance(name, str) for name in weights):
@@ -268,7 +267,8 @@ def model_from_checkpoint(checkpoint, base_dtype=None, base=True, **overrides):
     if fingerprint(folder) != checkpoint["base_fingerprint"]:
         raise UserError(f"the base model at {folder} is not the one this LoRA run began from (its weights "
                          f"differ): put that model back there")
-    model = load_pretrained(folder, base_dtype, weights=base, dropout=args["dropout"], use_kernels=args["use_kernels"])
+    model = load_pretrained(folder, base_dtype, None, base, quantized, device, dropout=args["dropout"],
+                            use_kernels=args["use_kernels"])
     add_lora(model, args["lora_rank"], args["lora_alpha"], args["lora_dropout"], args["lora_targets"])
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=not base)
     if unexpected or weights and any(p.requires_grad for name, p in model.named_parameters() if name in missing):

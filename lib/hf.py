@@ -221,10 +221,12 @@ def hf_layout(config):
 # a folder -> GPT, and GPT -> a folder
 
 
-def load_pretrained(path, dtype=None, block_size=None, weights=True, **overrides):
+def load_pretrained(path, dtype=None, block_size=None, weights=True, quantized=None, device=None, **overrides):
     """A folder (config.json + safetensors) -> GPT, one copy of the weights in memory. dtype: None keeps the weights';
     block_size: the longest sequence it will get, checked against the model's limit (config.block_size stays that);
-    not weights: the model on the meta device, checked against the files' headers, its weights never read."""
+    not weights: the model on the meta device, checked against the files' headers, its weights never read;
+    quantized ('nf4', 'int8'): the projections' weights quantized on device as they are read (lora.quantize_weight),
+    never all held in dtype (a 70B base: 140 GB of host memory in every process), the rest on the CPU."""
     path = Path(path)
     if set(overrides) - {"dropout", "use_kernels"}:
         raise UserError(f"load_pretrained takes dropout and use_kernels, not {sorted(overrides)} (LoRA: add_lora)")
@@ -258,8 +260,13 @@ def load_pretrained(path, dtype=None, block_size=None, weights=True, **overrides
     model = model.to(dtype)
     if not weights:
         return model
+    lazy = {f"blocks.{i}.{PROJECTIONS[short]}.weight": linear for i, short, linear in model.projections()} \
+        if quantized else {}
+    params = dict(model.named_parameters())  # (the lazy ones stay on the meta device until read)
+    for linear in lazy.values():
+        del linear.weight
     model = model.to_empty(device="cpu").materialize()
-    params = dict(model.named_parameters())
+    params.update(model.named_parameters())
     for file in files:
         with open_safetensors(file) as f, torch.no_grad():
             for name in f.keys():
@@ -275,7 +282,11 @@ def load_pretrained(path, dtype=None, block_size=None, weights=True, **overrides
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():  # NaN would only show later
                     raise UserError(f"{name} in {file} holds a NaN or an infinite value: download the model "
                                     f"again, or use another")
-                target.copy_(tensor)
+                if layout[name] in lazy:
+                    from lib.lora import quantize_weight
+                    quantize_weight(lazy[layout[name]], tensor.to(dtype), quantized, device)
+                else:
+                    target.copy_(tensor)
     if config.tie_embeddings:
         check_tied_head(files, model.wte.weight)
     return model

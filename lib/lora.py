@@ -100,24 +100,28 @@ def quantize_base(model, kind="nf4", device=None):
     """Hold the frozen projections' weights in 4-bit NF4 (QLoRA) or int8 (weight-only, a scale per output row)
     through torchao, each keeping the dtype it computes in; embeddings, norms and adapters stay as they are. device:
     where each goes first, one at a time, to be quantized there (a GPU never holds the whole unquantized base)."""
+    for _, _, linear in model.projections():
+        quantize_weight(linear, linear.weight.detach(), kind, device)
+    return model
+
+
+def quantize_weight(linear, weight, kind="nf4", device=None):
+    # linear's weight becomes weight (of its shape and dtype) quantized on device (quantize_base; hf.load_pretrained
+    # as it reads a folder's weights, so that no process holds a 70B base whole in bf16)
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError:
         raise UserError(f"{kind} base weights need torchao: pip install torchao") from None
     if kind == "int8":
-        projections = {id(linear) for _, _, linear in model.projections()}
-        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, name: id(module) in projections,
-                  device=device)
-        return model
-    for _, _, linear in model.projections():
-        n = linear.weight.numel()
-        if n % 64:
-            raise UserError(f"a {tuple(linear.weight.shape)} weight cannot be held in nf4 (blocks of 64 values)")
-        # QLoRA's blocks: 64 values per scale, 256 scales per second-level scale (fewer in tiny models)
-        quantized = to_nf4(linear.weight.detach().to(device), 64, math.gcd(256, n // 64))
-        linear.weight = nn.Parameter(quantized, requires_grad=False)
-    return model
+        linear.weight = nn.Parameter(weight.to(device), requires_grad=False)
+        quantize_(linear, Int8WeightOnlyConfig(), device=device)
+        return
+    if weight.numel() % 64:
+        raise UserError(f"a {tuple(weight.shape)} weight cannot be held in nf4 (blocks of 64 values)")
+    # QLoRA's blocks: 64 values per scale, 256 scales per second-level scale (fewer in tiny models)
+    quantized = to_nf4(weight.to(device), 64, math.gcd(256, weight.numel() // 64))
+    linear.weight = nn.Parameter(quantized, requires_grad=False)
 
 
 def write_adapter(model, base, folder, dtype=torch.float32):

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from lib import checkpoint as ckpt
 from lib.data import val_measure
@@ -157,14 +158,16 @@ def frozen_dtype(lora_base_dtype, dtype):
     return getattr(torch, dtype if lora_base_dtype in ("auto", "nf4", "int8") else lora_base_dtype)
 
 
-def first_model(origin, config, dtype, weights=True):
+def first_model(origin, config, dtype, weights=True, device="cpu"):
     """The model the run begins with, on the CPU, and its model_args: the checkpoint's (a sharded one's weights come
     in ckpt.restore), a Hugging Face folder's with this run's LoRA adapters, or a new one. Full fine-tuning keeps fp32
-    weights (autocast computes in dtype); a frozen LoRA base is held in dtype, nf4 or int8 quantized from it later.
+    weights (autocast computes in dtype); a frozen LoRA base is held in dtype, or nf4 or int8 quantized from it on
+    device, a weight at a time as the folder is read (QLoRA's base is never whole in dtype).
     Not weights: a folder's model with memory for its weights, not yet written (nor resident), that the master's
     fill (parallel.parallelize): its weights are read once, not in every process of a node."""
     checkpoint, model_args, lora = origin.checkpoint, origin.model_args, origin.lora
     base_dtype = frozen_dtype(origin.lora_base_dtype, dtype) if lora else torch.float32
+    quantized = origin.lora_base_dtype if lora and origin.lora_base_dtype in ("nf4", "int8") else None
     held = checkpoint["config"].get("dtype", dtype) if checkpoint is not None else dtype  # (saved resolved)
     if lora and base_dtype != frozen_dtype(origin.lora_base_dtype, held):  # a resume's base, else rounded otherwise
         raise UserError(f"{origin.found} holds its frozen base in dtype={held!r} (lora_base_dtype="
@@ -172,12 +175,12 @@ def first_model(origin, config, dtype, weights=True):
     torch.manual_seed(config["seed"])  # the same initial weights in every process
     if checkpoint is not None and (lora or not os.path.isdir(origin.found)):
         run_settings = {k: model_args[k] for k in RUN_SETTINGS}
-        return ckpt.model_from_checkpoint(checkpoint, base_dtype, **run_settings), model_args
+        return ckpt.model_from_checkpoint(checkpoint, base_dtype, True, quantized, device, **run_settings), model_args
     if checkpoint is None and origin.pretrained:
         from lib.hf import load_pretrained
         try:  # (the master may be alone to read the weights, and to meet a NaN in them: all stop with it)
-            model, error = load_pretrained(origin.init_from, base_dtype, config["block_size"], weights,
-                                           dropout=config["dropout"], use_kernels=config["use_kernels"]), None
+            model, error = load_pretrained(origin.init_from, base_dtype, config["block_size"], weights, quantized,
+                                           device, dropout=config["dropout"], use_kernels=config["use_kernels"]), None
         except UserError as e:
             error = str(e)
         stop_together(error)
@@ -370,7 +373,11 @@ def starting_point(out_dir, init_from, found, mapped=False):
                          f"set init_from='scratch')")
     # all but a sharded checkpoint's weights and moments, which restore reads
     needed = ckpt.NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(found) else ckpt.NEEDED
-    return init_from, load_checked(found, needed, weights=False, mmap=mapped)
+    checkpoint = load_checked(found, needed, weights=False, mmap=mapped)
+    # mapped: scalars (Adam's step) copied, for an optimizer keeps them as they are (on the CPU, or unfused), and one
+    # tensor of the file held keeps all of it mapped
+    return init_from, tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.dim() == 0 else t,
+                               checkpoint) if mapped else checkpoint
 
 
 def check_resume(checkpoint, config, data_vocab, path):

@@ -28,10 +28,9 @@ def load_model(path, data_dir=None, base=True, device="cpu"):
     path = found
     checkpoint = load_checked(path, {"model", "model_args", "config"}, mmap=True)  # the weights, never the moments
     held = checkpoint["config"].get("lora_base_dtype", "auto")  # a LoRA run's base, as it trained
-    model = model_from_checkpoint(checkpoint, frozen_dtype(held, checkpoint["config"]["dtype"]), base)
-    if model.config.lora_rank and held in ("nf4", "int8") and base:  # QLoRA's adapters on the base they trained on
-        from lib.lora import quantize_base
-        quantize_base(model, held, device)
+    # QLoRA's adapters on the base they trained on, quantized on device as it is read
+    model = model_from_checkpoint(checkpoint, frozen_dtype(held, checkpoint["config"]["dtype"]), base,
+                                  held if held in ("nf4", "int8") else None, device)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
     if found is None and data_dir:

@@ -211,9 +211,9 @@ def test_lora_and_qlora_steps(base, tmp_path):
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_a_quantized_base_reaches_the_gpu_a_weight_at_a_time(kind, tmp_path):
-    # train.py's order: quantize_base(model, kind, "cuda") on the CPU's bf16 model, then model.cuda(): the GPU's peak
-    # stays below the bf16 projections' bytes (a 13B base in bf16 is past a 24 GB GPU; in nf4, ~7 GB), and the
-    # weights are those quantized on the GPU after the whole model went there
+    # train.py's order: the folder read with each projection quantized on the GPU as it comes (start.first_model),
+    # adapters, then model.cuda(): the GPU's peak stays below the bf16 projections' bytes (a 13B base in bf16 is past
+    # a 24 GB GPU; in nf4, ~7 GB), and the weights are those quantized on the GPU after the whole model went there
     pytest.importorskip("torchao", reason="quantized bases need torchao (pip install torchao)")
     config = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=1024)
     save_pretrained(GPT(config), tmp_path / "base")
@@ -223,7 +223,7 @@ def test_a_quantized_base_reaches_the_gpu_a_weight_at_a_time(kind, tmp_path):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    quantize_base(model, kind, "cuda").cuda()
+    model = add_lora(load_pretrained(str(tmp_path / "base"), torch.bfloat16, quantized=kind, device="cuda"), 8).cuda()
     assert torch.cuda.max_memory_allocated() - before < 0.75 * projections, torch.cuda.max_memory_allocated() / 2**20
     x = torch.randint(0, 256, (2, 64), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):  # (the adapters' B starts at 0: the same model)

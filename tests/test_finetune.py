@@ -234,6 +234,36 @@ PROJECTIONS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.wei
                "mlp.up.weight", "mlp.down.weight")
 
 
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_quantized_base_is_quantized_as_it_is_read_never_whole_in_its_dtype(pretrained, monkeypatch, kind):
+    # train.py, sample.py and eval.py read a QLoRA base with hf.load_pretrained(quantized=): each projection's
+    # weight is quantized as the folder gives it, no other held in bf16 meanwhile (a 70B base: 140 GB of host
+    # memory in every process), and the same weights as quantize_base gives the whole bf16 model
+    pytest.importorskip("torchao", reason="a 4-bit or 8-bit base needs torchao (pip install torchao)")
+    from lib import lora
+    folder, _ = pretrained
+    built, held, quantize, materialize = [], [], lora.quantize_weight, GPT.materialize
+
+    def counted(linear, weight, *args):  # as each is quantized: the projections that hold a plain weight
+        held.append(sum(type(getattr(other, "weight", None)) is torch.nn.Parameter
+                        for _, _, other in built[-1].projections()))
+        quantize(linear, weight, *args)
+
+    monkeypatch.setattr(lora, "quantize_weight", counted)
+    monkeypatch.setattr(GPT, "materialize", lambda self: built.append(self) or materialize(self))
+    model = load_pretrained(folder, torch.bfloat16, quantized=kind, device="cpu")
+    projections = 7 * len(model.blocks)
+    assert held == [0] * projections
+    whole = quantize_base(load_pretrained(folder, torch.bfloat16), kind)  # all read first: all held as it begins
+    assert held[projections:] == list(range(projections, 0, -1))
+    plain = [(a.weight.dequantize(), b.weight.dequantize()) if kind == "int8" else
+             (a.weight.get_original_weight(), b.weight.get_original_weight())
+             for (_, _, a), (_, _, b) in zip(model.projections(), whole.projections())]
+    assert all(torch.equal(a, b) for a, b in plain)
+    ids = torch.randint(0, 400, (1, 16))
+    assert torch.equal(logits_of(model, ids), logits_of(whole, ids))
+
+
 @pytest.mark.parametrize("kind,tensor", [("nf4", "NF4Tensor"), ("int8", "Int8Tensor")])
 def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
     pytest.importorskip("torchao", reason="a 4-bit or 8-bit base needs torchao (pip install torchao)")
