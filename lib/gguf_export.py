@@ -52,7 +52,7 @@ def write_gguf(model, tokenizer, path, dtype, ids, chat_template=None):
     """model (float32) + its data's tokenizer -> GGUF at path, matrices in dtype; ids: export.run_special_ids'."""
     import gguf
     c = model.config
-    check_exportable(c)
+    check_exportable(c, model)
     if c.rope_scaling:
         raise UserError(f"Llama 3.1's rope scaling is not written to GGUF here: {INSTEAD}")
     tokens, types, merges, pre = vocabulary(tokenizer, c.vocab_size, gguf)

@@ -165,9 +165,10 @@ SAID = {"block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", 
         "use_kernels", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}
 
 
-def check_exportable(config):
+def check_exportable(config, model=None):
     """UserError for a GPTConfig that sets a field config.json cannot say (SAID), or whose attention is not its
-    family's: config.json says q, k and v biases by naming Qwen2, and q and k norms by naming Qwen3."""
+    family's: config.json says q, k and v biases by naming Qwen2, and q and k norms by naming Qwen3; or for a model
+    (model.py as edited) with a parameter a folder has no place for, or without one it has (check_layout)."""
     unsaid = [f"{f.name}={getattr(config, f.name)!r}" for f in fields(config) if f.name not in SAID
               and getattr(config, f.name) != f.default]
     if unsaid:
@@ -179,6 +180,19 @@ def check_exportable(config):
                             f"config.json says {field} only by naming {family} as the family, so transformers, vLLM "
                             f"and llama.cpp would run another model (train with family='{family}' and {field}=True "
                             f"or neither; sample this one with sample.py)")
+    if model is not None:
+        check_layout(model, "a Hugging Face folder", "transformers, vLLM and llama.cpp would run another model "
+                     "(sample it with sample.py instead)")
+
+
+def check_layout(model, where, fix):
+    """UserError where model (model.py's, as edited) and a Hugging Face folder's weights (hf_layout) are not the same
+    parameters: read from one, a parameter the folder lacks would start as whatever memory held; written, left out."""
+    ours, theirs = {n for n, _ in model.named_parameters() if ".lora." not in n}, set(hf_layout(model.config).values())
+    if ours - theirs:
+        raise UserError(f"this model.py's {min(ours - theirs)} has no place in {where}: {fix}")
+    if theirs - ours:
+        raise UserError(f"{where} would fill {min(theirs - ours)}, which this model.py does not have: {fix}")
 
 
 def hf_config(config, dtype, ids=None):
@@ -253,6 +267,8 @@ def load_pretrained(path, dtype=None, block_size=None, weights=True, quantized=N
     with torch.device("meta"):
         model = GPT(config)
     layout = hf_layout(config)
+    check_layout(model, f"{path}'s weights", "train an edited model.py from scratch, or give the parameter its "
+                 "starting value in lib/hf.py's load_pretrained (hf_layout)")
     check_shapes(model, shapes, layout, path, fix)
     absent = sorted(set(layout) - set(shapes))
     if absent:
@@ -310,6 +326,7 @@ def save_pretrained(model, path, max_shard_bytes=5 * 2**30, ids=None):
     if model.config.lora_rank or any(hasattr(p, "get_original_weight") for p in model.parameters()):
         raise UserError("save_pretrained writes plain weights: merge_lora() first, and load a 4-bit base "
                          "again unquantized (export.py does both)")
+    check_exportable(model.config, model)
     config, path = hf_config(model.config, model.wte.weight.dtype, ids), Path(path)  # (refused: nothing written)
     path.mkdir(parents=True, exist_ok=True)
     with open_own(path / "config.json", "w") as f:

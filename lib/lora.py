@@ -79,6 +79,8 @@ def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down
 def merge_lora(model, dtype=None):
     """Fold every adapter into its weight, W + (alpha/rank)·B·A in fp32 cast to dtype (None: W's): a plain model.
     An export's dtype, not a bf16 base's: rounded to bf16, a float32 export would lose the adapters' small changes."""
+    if not model.config.lora_rank:  # (nothing to fold: a model.py edited past its projections is told so by export)
+        return model
     for _, _, linear in model.projections():
         lora, weight = getattr(linear, "lora", None), linear.weight.detach()
         # quantize_base holds all seven projections quantized, adapted or not (lora_targets): every one goes back

@@ -58,7 +58,10 @@ def settings_read(name, config):
             read.add(key)
             return super().__getitem__(key)
     named = [("blocks.0.w", torch.nn.Parameter(torch.zeros(2, 2))), ("b", torch.nn.Parameter(torch.zeros(2)))]
-    OPTIMIZERS[name](named, Reads(config), False)
+    try:
+        OPTIMIZERS[name](named, Reads(config), False)
+    except ValueError:  # a number torch's constructor refuses: said where that optimizer is built (build_optimizers)
+        pass
     return read
 
 
@@ -74,7 +77,11 @@ def build_optimizers(model, config, device_type):
     check_optimizer(config)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     fused = device_type in ("cuda", "cpu")  # one fused kernel for all parameters where there is one
-    return OPTIMIZERS[config["optimizer"]](named, config, fused)
+    try:
+        return OPTIMIZERS[config["optimizer"]](named, config, fused)
+    except ValueError as e:  # torch's constructors check their numbers ("Invalid momentum_decay value: -1.0")
+        raise UserError(f"optimizer={config['optimizer']!r} refuses its settings ({e}): set them within their range "
+                        f"(lib/settings.py's _IN_RANGE can say it first)") from None
 
 
 def hyperparameters(optimizers):

@@ -245,6 +245,10 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
     if model.config.n_head % tp or model.config.n_kv_head % tp:
         raise UserError(f"tp_size={tp} must divide n_head={model.config.n_head} and n_kv_head="
                         f"{model.config.n_kv_head} (attention is split by heads)")
+    scalar = next((name for name, p in model.named_parameters() if p.dim() == 0), None) if fsdp or tp > 1 else None
+    if scalar:  # (torch's own error is a traceback from inside fully_shard)
+        raise UserError(f"{scalar} is a 0-dim parameter, which FSDP and tensor parallel cannot shard: give it the "
+                        f"shape (1,) in model.py")
     sent = (model.state_dict() if dist.get_rank() == 0 else {}) if from_master and fsdp else None  # whole, unsplit
     if tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -315,11 +319,13 @@ def target_shares(micro_batches, dp_size, tp_size, ddp):
 
 
 def sum_head_gradients(model, mesh):
-    """Under tensor parallel, the gradients of weights that act on every head alike (qk_norm's: a process applies them
-    to its own heads), each process's over its own heads, summed over the replica's processes (mesh's "tp"), in one
-    all-reduce: the gradient one process has over all heads, the same in every copy."""
+    """Under tensor parallel, the gradients of the weights of attention and the MLP other than the projections, which
+    act on a process's own heads or width alike (qk_norm's, and any a model.py edit adds there: a weight acting on the
+    whole stream belongs in Block), each process's over its own part, summed over the replica's processes (mesh's
+    "tp") in one all-reduce: the gradient one process has over all heads, the same in every copy."""
+    split = tuple(f"{path}.{kind}" for path in PROJECTIONS.values() for kind in ("weight", "bias"))
     grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad for name, p in model.named_parameters()
-             if name.endswith(("q_norm.weight", "k_norm.weight")) and p.grad is not None]
+             if re.search(r"\.(attn|mlp)\.", name) and not name.endswith(split) and p.grad is not None]
     if grads:
         summed = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(summed, group=mesh["tp"].get_group())

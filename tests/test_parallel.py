@@ -37,17 +37,33 @@ def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path, sha
     assert_losses_close(one, losses(tmp_path / "tp"))
 
 
+# an edit of model.py (made by a config file, in every process): a learned gain on the heads' outputs, inside
+# attention, where tensor parallel gives each process its own heads
+GAINED = """import torch as _torch
+import model as _m
+_init = _m.Attention.__init__
+def _gained(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.o_gain = _torch.nn.Parameter(_torch.ones(1))
+    self.proj.register_forward_pre_hook(lambda module, args: (args[0] * self.o_gain,))
+_m.Attention.__init__ = _gained
+"""
+
+
 def test_tensor_parallel_sums_the_gradients_of_weights_every_head_shares(data_dir, tmp_path):
     # qk_norm's weights act on each process's own heads, so each process holds part of their gradient: summed over
-    # the replica's processes, they train as in one process (one copy, not one per process, each on its heads)
-    common = [*STANDARD, f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=4", "--qk_norm=True"]
+    # the replica's processes, they train as in one process (one copy, not one per process, each on its heads); so
+    # does a weight an edit of model.py adds inside attention
+    (tmp_path / "gained.py").write_text(GAINED)
+    common = [*STANDARD, f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=4", "--qk_norm=True",
+              str(tmp_path / "gained.py")]
     run(*common, f"--out_dir={tmp_path / 'one'}")
     run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO)
     assert_losses_close(losses(tmp_path / "one"), losses(tmp_path / "tp"))
     one, tp = (load_checkpoint(find_checkpoint(str(tmp_path / d / "ckpt.pt")))["model"] for d in ("one", "tp"))
-    norms = [name for name in one if name.endswith(("q_norm.weight", "k_norm.weight"))]
-    assert len(norms) == 4 and all(torch.allclose(one[n], tp[n], rtol=0, atol=1e-5) for n in norms), \
-        [(one[n] - tp[n]).abs().max().item() for n in norms]
+    shared = [name for name in one if name.endswith(("q_norm.weight", "k_norm.weight", "o_gain"))]
+    assert len(shared) == 6 and all(torch.allclose(one[n], tp[n], rtol=0, atol=1e-5) for n in shared), \
+        [(n, (one[n] - tp[n]).abs().max().item()) for n in shared]
 
 
 def test_gradient_checkpointing_changes_no_loss(data_dir, tmp_path):
@@ -66,6 +82,12 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
     # is needed to see it refuse; the optimizer's refusal comes with the settings' checks, before the group forms.
     with pytest.raises(UserError, match="tp_size=2 must divide n_head=4 and n_kv_head=1"):
         parallelize(GPT(GPTConfig(n_layer=1, n_head=4, n_kv_head=1, n_embd=32, vocab_size=64, block_size=32)), tp=2)
+    scaled = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=64, block_size=32))
+    scaled.blocks[0].attn.gain = torch.nn.Parameter(torch.tensor(1.0))  # an edit of model.py: a 0-dim weight
+    for layout in (dict(tp=2), dict(fsdp=True)):
+        with pytest.raises(UserError, match="blocks.0.attn.gain is a 0-dim parameter, which FSDP and tensor parallel "
+                                            r"cannot shard: give it the shape \(1,\) in model.py"):
+            parallelize(scaled, **layout)
     assert "optimizer='muon' does not run under tensor parallel" in train_refusal(
         *common, f"--out_dir={tmp_path / 'm'}", "--tp_size=2", "--optimizer=muon")
     # LoRA's refusal comes after the process group forms (start.begin, which every process calls): called here

@@ -563,3 +563,38 @@ def test_a_model_setting_config_json_cannot_say_is_refused_by_the_export(tmp_pat
     model.config.attention_window = 0  # its default: the model is the one config.json says
     save_pretrained(model, tmp_path / "plain")
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_a_parameter_model_py_adds_or_leaves_out_is_refused_where_a_folder_has_no_place_for_it(tmp_path, monkeypatch):
+    # an edit of model.py that adds a parameter (a learned scale per block): started from a folder it would hold
+    # whatever memory held (an inf loss at every step, or garbage that trains on), and an export would leave it out
+    # (transformers would run another model); with the gate left out (an MLP of two matrices), the folder's has
+    # nowhere to go. Each is said in one line, before a weight is read or a file written
+    import model as model_py
+    shape = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    save_pretrained(GPT(GPTConfig(**shape)), tmp_path / "folder")
+    block_init, mlp_init = model_py.Block.__init__, model_py.MLP.__init__
+
+    def scaled(self, *args, **kwargs):
+        block_init(self, *args, **kwargs)
+        self.res_scale = torch.nn.Parameter(torch.ones(1))
+
+    def ungated(self, *args, **kwargs):
+        mlp_init(self, *args, **kwargs)
+        del self.gate
+
+    monkeypatch.setattr(model_py.Block, "__init__", scaled)
+    with pytest.raises(UserError, match=r"this model.py's blocks.0.res_scale has no place in \S+folder's weights: "
+                                        r"train an edited model.py from scratch"):
+        load_pretrained(tmp_path / "folder")
+    with pytest.raises(UserError, match=r"this model.py's blocks.0.res_scale has no place in a Hugging Face folder: "
+                                        r"transformers, vLLM and llama.cpp would run another model"):
+        save_pretrained(GPT(GPTConfig(**shape)), tmp_path / "scaled")
+    monkeypatch.setattr(model_py.Block, "__init__", block_init)
+    monkeypatch.setattr(model_py.MLP, "__init__", ungated)
+    with pytest.raises(UserError, match=r"folder's weights would fill blocks.0.mlp.gate.weight, which this model.py "
+                                        r"does not have"):
+        load_pretrained(tmp_path / "folder")
+    with pytest.raises(UserError, match="a Hugging Face folder would fill blocks.0.mlp.gate.weight, which this "):
+        save_pretrained(GPT(GPTConfig(**shape)), tmp_path / "ungated")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]  # nothing written

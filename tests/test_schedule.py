@@ -57,6 +57,23 @@ def test_settings_no_schedule_can_use_are_refused(settings, message):
         check_optimizer({**defaults(), **settings})
 
 
+def test_an_added_optimizers_setting_out_of_its_range_is_one_line_where_that_optimizer_is_used(monkeypatch):
+    # an edit of lib/optim.py and lib/settings.py (docs/recipe.md): NAdam and its momentum_decay, which torch's
+    # constructor refuses below 0. A run of another optimizer is not stopped by it (it is a setting out of play);
+    # a run of NAdam is, in one line, where it was a traceback from torch
+    from lib import optim, settings
+    monkeypatch.setattr(settings, "nadam_momentum_decay", 4e-3, raising=False)
+    monkeypatch.setitem(optim.OPTIMIZERS, "nadam", lambda named, config, fused: [torch.optim.NAdam(
+        optim.groups(named, config), lr=config["learning_rate"], momentum_decay=config["nadam_momentum_decay"])])
+    config = {**defaults(), "nadam_momentum_decay": -1.0}
+    assert any("nadam_momentum_decay=-1.0 plays no part" in note for note in unused(config))  # adamw's run
+    model = torch.nn.Linear(2, 2)
+    assert len(optim.build_optimizers(model, config, "cpu")) == 1
+    with pytest.raises(UserError, match=r"^optimizer='nadam' refuses its settings \(Invalid momentum_decay value: "
+                                        r"-1.0\): set them within their range"):
+        optim.build_optimizers(model, {**config, "optimizer": "nadam"}, "cpu")
+
+
 def test_every_optimizer_gets_the_factor_of_its_own_peak():
     weights = [torch.nn.Parameter(torch.zeros(2))]
     optimizers = [torch.optim.AdamW(weights, lr=1.0), torch.optim.SGD(weights, lr=1.0)]
