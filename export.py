@@ -25,6 +25,7 @@ import torch
 from lib.bounds import confined
 from lib.files import UserError, durable_replace, one_line_errors, open_own, read_json
 from lib.hf import save_pretrained, special_ids
+from lib.parallel import pick_device
 from lib.lora import merge_lora, write_adapter
 from lib.tokenizer import bases_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files
@@ -34,7 +35,10 @@ from lib.trained import load_run, run_chat
 def load_exported(args):
     # load_run's (model, tokenizer, checkpoint), with the folder the run began from (if any) still there; an adapter
     # alone needs none of the base's weights (a 70B base: 140 GB read for a few MB; nor torchao for a quantized one)
-    model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), args.data_dir, not args.adapter)
+    device = pick_device(args.device)[0]  # where a QLoRA run's base is quantized again (torchao's nf4 on a CPU: 2.4 h
+    # at 70B), and merged a weight at a time into the CPU's copy that is written
+    model, tokenizer, checkpoint = load_run(os.path.join(args.out_dir, args.ckpt), args.data_dir, not args.adapter,
+                                            device)
     base = checkpoint.get("pretrained")
     if base and not os.path.isdir(base):
         raise UserError(f"the base model this run began from is not at {base}, and its export takes the base's "
@@ -218,6 +222,8 @@ def main(argv=None):
     parser.add_argument("--data_dir", default=None, help="the dataset whose tokenizer to write (default: the run's)")
     parser.add_argument("--overwrite", action="store_true", help="replace --to if it holds an earlier export "
                         "(and nothing else)")
+    parser.add_argument("--device", default="auto", help="where a QLoRA run's nf4 or int8 base is quantized again to "
+                        "be merged: 'auto' (a GPU if there is one), 'cpu', 'cuda', 'cuda:N', 'mps'")
     args = parser.parse_args(argv)
     if args.to.lower().endswith(".gguf"):
         return export_gguf(args)
@@ -236,7 +242,7 @@ def main(argv=None):
             ids = run_special_ids(tokenizer, base)
         else:  # merged and cast
             dtype = getattr(torch, export_dtype(args.dtype, base))
-            merge_lora(model, dtype).to(dtype)
+            merge_lora(model, dtype, "cpu").to(dtype)
             ids = run_special_ids(tokenizer, base)
             save_pretrained(model, staging, ids=ids)
         note = write_tokenizer(tokenizer, checkpoint, staging, ids)
@@ -275,7 +281,7 @@ def export_gguf(args):
         from lib.gguf_export import write_gguf
         model, tokenizer, checkpoint = load_exported(args)
         dtype = getattr(torch, export_dtype(args.dtype, base := checkpoint.get("pretrained") or ""))
-        merge_lora(model, dtype)  # added in float32, cast once: the matrices write_gguf writes, not copies of them
+        merge_lora(model, dtype, "cpu")  # added in float32, cast once: the matrices write_gguf writes, not copies
         chat = run_chat(checkpoint)
         template = chat["template"] if chat else None
         ids = run_special_ids(tokenizer, base)

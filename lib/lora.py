@@ -76,9 +76,10 @@ def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down
     return model
 
 
-def merge_lora(model, dtype=None):
+def merge_lora(model, dtype=None, device=None):
     """Fold every adapter into its weight, W + (alpha/rank)·B·A in fp32 cast to dtype (None: W's): a plain model.
-    An export's dtype, not a bf16 base's: rounded to bf16, a float32 export would lose the adapters' small changes."""
+    An export's dtype, not a bf16 base's: rounded to bf16, a float32 export would lose the adapters' small changes.
+    device: where each merged weight goes (None: its own; export's CPU, as a GPU holds a 4-bit base, not merged)."""
     if not model.config.lora_rank:  # (nothing to fold: a model.py edited past its projections is told so by export)
         return model
     for _, _, linear in model.projections():
@@ -91,7 +92,7 @@ def merge_lora(model, dtype=None):
         elif type(weight) is not torch.Tensor:  # 8-bit
             weight = weight.dequantize()
         merged = weight.float() + (lora.delta().to(weight.device) if lora is not None else 0)
-        linear.weight = nn.Parameter(merged.to(dtype or weight.dtype), requires_grad=False)
+        linear.weight = nn.Parameter(merged.to(dtype or weight.dtype).to(device), requires_grad=False)
         if lora is not None:
             del linear.lora
     model.config.lora_rank = 0

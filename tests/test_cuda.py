@@ -269,8 +269,8 @@ def test_a_conversation_run_trains_as_on_the_cpu_and_its_chat_stops_at_the_end_o
 
 
 def test_a_qlora_run_read_back_for_the_gpu_is_quantized_there(pretrained, tmp_path):
-    # sample.py and eval.py read a QLoRA run's base quantized where they compute (trained.load_model's device), a
-    # weight at a time, not on the CPU (to_nf4 there: hours at 70B); the same reply as when read on the CPU
+    # sample.py, eval.py and export.py read a QLoRA run's base quantized where they compute (trained.load_model's
+    # device), a weight at a time, not on the CPU (to_nf4 there: hours at 70B); the same reply and export as on the CPU
     pytest.importorskip("torchao", reason="QLoRA's 4-bit base needs torchao (pip install torchao)")
     from lib.trained import load_model
     folder, data = pretrained
@@ -282,6 +282,12 @@ def test_a_qlora_run_read_back_for_the_gpu_is_quantized_there(pretrained, tmp_pa
     said = [gpu_train(f"--out_dir={tmp_path}", "--start=the", "--temperature=0", "--max_new_tokens=8",
                       f"--device={device}", "--dtype=float32", script="sample.py").stdout for device in ("cuda", "cpu")]
     assert said[0].strip() and said[0] == said[1]
+    # export.py merges it on the GPU too (its --device), into the same folder as on the CPU
+    from safetensors.torch import load_file
+    for device in ("cuda", "cpu"):
+        gpu_train(f"--out_dir={tmp_path}", f"--to={tmp_path / device}", f"--device={device}", script="export.py")
+    on_gpu, on_cpu = (load_file(tmp_path / device / "model.safetensors") for device in ("cuda", "cpu"))
+    assert on_gpu.keys() == on_cpu.keys() and all(torch.equal(on_gpu[k], on_cpu[k]) for k in on_gpu)
 
 
 def test_a_lora_run_on_the_gpu_exports_in_float32_with_its_adapters_whole(pretrained, tmp_path):
