@@ -88,6 +88,10 @@ def apply_rotary(x, cos, sin):
     return (xf * c + xf.roll(x.shape[-1] // 2, dims=-1) * s).to(x.dtype)
 
 
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
 def linear_cross_entropy(x, weight, targets, ignore_index=-1):
     # (N, C) hidden states, (V, C) head, (N,) targets -> the mean loss over targets not ignored (0 where none)
     loss = F.cross_entropy((x @ weight.t()).float(), targets, ignore_index=ignore_index, reduction="sum")
@@ -206,7 +210,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up, kernels = adapted(self.gate, x), adapted(self.up, x), fused(self.use_kernels, x)
-        return self.dropout(adapted(self.down, kernels.swiglu(gate, up) if kernels else F.silu(gate) * up))
+        return self.dropout(adapted(self.down, (kernels.swiglu if kernels else swiglu)(gate, up)))
 
 
 class Block(nn.Module):

@@ -24,6 +24,9 @@ from model import PROJECTIONS, attention
 
 # tensor parallel splits by output (whole heads, hidden units each), their consumers by input; one all-reduce a pair
 SPLIT_BY_OUTPUT, SPLIT_BY_INPUT = ("q", "k", "v", "gate", "up"), ("o", "down")
+# weights inside attention or the MLP, beside the projections, that tensor parallel leaves whole and each process
+# applies to its own heads: their gradients are summed over the processes (sum_head_gradients)
+HEAD_WEIGHTS = ("q_norm.weight", "k_norm.weight")
 
 
 def is_dtensor(t):
@@ -249,6 +252,13 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
     if scalar:  # (torch's own error is a traceback from inside fully_shard)
         raise UserError(f"{scalar} is a 0-dim parameter, which FSDP and tensor parallel cannot shard: give it the "
                         f"shape (1,) in model.py")
+    split = tuple(f"{PROJECTIONS[n]}.{kind}" for n in PROJECTIONS for kind in ("weight", "bias")) + HEAD_WEIGHTS
+    unknown = [name for name, _ in model.named_parameters() if re.search(r"\.(attn|mlp)\.", name)
+               and not name.endswith(split)] if tp > 1 else []
+    if unknown:  # (an edit of model.py: its gradient would be one process's part, or summed twice)
+        raise UserError(f"tensor parallel splits attention and the MLP by heads, and cannot tell whether "
+                        f"{unknown[0]} acts on a process's own heads (then add its name to lib/parallel.py's "
+                        f"HEAD_WEIGHTS, to sum its gradient) or on the whole stream (then it belongs in Block)")
     sent = (model.state_dict() if dist.get_rank() == 0 else {}) if from_master and fsdp else None  # whole, unsplit
     if tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -319,13 +329,11 @@ def target_shares(micro_batches, dp_size, tp_size, ddp):
 
 
 def sum_head_gradients(model, mesh):
-    """Under tensor parallel, the gradients of the weights of attention and the MLP other than the projections, which
-    act on a process's own heads or width alike (qk_norm's, and any a model.py edit adds there: a weight acting on the
-    whole stream belongs in Block), each process's over its own part, summed over the replica's processes (mesh's
-    "tp") in one all-reduce: the gradient one process has over all heads, the same in every copy."""
-    split = tuple(f"{path}.{kind}" for path in PROJECTIONS.values() for kind in ("weight", "bias"))
+    """Under tensor parallel, the gradients of the weights that act on every head alike (HEAD_WEIGHTS: a process
+    applies them to its own heads), each process's over its own heads, summed over the replica's processes (mesh's
+    "tp"), in one all-reduce: the gradient one process has over all heads, the same in every copy."""
     grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad for name, p in model.named_parameters()
-             if re.search(r"\.(attn|mlp)\.", name) and not name.endswith(split) and p.grad is not None]
+             if name.endswith(HEAD_WEIGHTS) and p.grad is not None]
     if grads:
         summed = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(summed, group=mesh["tp"].get_group())

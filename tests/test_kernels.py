@@ -17,8 +17,10 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernels as K
+from helpers import TINY, new_python
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -82,11 +84,45 @@ def test_each_reference_is_the_models_plain_op_bit_for_bit(dtype):
     pairs = [(lambda x, w: model.rms_norm(x, w, 1e-5), lambda x, w: K.rms_norm_ref(x, w, 1e-5), [x, w]),
              (lambda x: model.apply_rotary(x, angles.cos(), angles.sin()),
               lambda x: K.apply_rotary_ref(x, angles.cos(), angles.sin()), [x]),
+             (model.swiglu, K.swiglu_ref, [hidden, hidden.flip(0)]),
              (model.linear_cross_entropy, K.linear_cross_entropy_ref, [hidden, head, targets])]
     for ours, ref, inputs in pairs:
         out, grads = fwd_bwd(ours, inputs)
         out_ref, grads_ref = fwd_bwd(ref, inputs)
         assert torch.equal(out, out_ref) and all(map(torch.equal, grads, grads_ref))
+
+
+def z_loss(x, weight, targets, ignore_index=-1):  # an edit of model.py's loss: a z-loss on the logits
+    logits = (x @ weight.t()).float()
+    kept = targets != ignore_index
+    return (F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+            + 1e-4 * (torch.logsumexp(logits, -1)[kept] ** 2).sum()) / kept.sum().clamp(min=1)
+
+
+@pytest.mark.parametrize("name,edit", [("linear_cross_entropy", z_loss), ("swiglu", lambda g, u: F.gelu(g) * u),
+                                       ("rms_norm", lambda x, w, eps: F.layer_norm(x, x.shape[-1:], w, eps=eps))])
+def test_an_edit_of_a_plain_op_that_the_kernels_fuse_is_refused_where_they_would_run(monkeypatch, name, edit):
+    # where use_kernels runs kernels.py's fused ops (CUDA), model.py's plain op is not run: an edit of it alone (a
+    # z-loss, GELU for SiLU, LayerNorm) would train on a CPU and not on the GPU, with nothing said. kernels.py checks
+    # model.py's ops against the references its kernels are tested against as it is read (where a run fuses)
+    import model
+    K.check_model_ops()
+    monkeypatch.setattr(model, name, edit)
+    with pytest.raises(ValueError, match=rf"^model.py's {name} computes otherwise than kernels.py's fused {name}, "
+                                         rf"which runs in its place on CUDA \(use_kernels\): make the two the same"):
+        K.check_model_ops()
+
+
+@pytest.mark.slow
+def test_train_py_with_the_kernels_refuses_an_edit_of_a_plain_op_they_fuse(data_dir, tmp_path):
+    # the same, end to end: an edit made by a config file (in train.py's process, before kernels.py is read)
+    (tmp_path / "zloss.py").write_text("import model as _m\n_plain = _m.linear_cross_entropy\n"
+                                      "_m.linear_cross_entropy = lambda x, w, t, i=-1: _plain(x, w, t, i) + 1e-3\n")
+    done = new_python("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2",
+                      "--use_kernels=True", tmp_path / "zloss.py", env={"TRITON_INTERPRET": "1"})
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(
+        "train.py: model.py's linear_cross_entropy computes otherwise than kernels.py's fused"), done.stderr[-2000:]
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
 
 
 # -----------------------------------------------------------------------------

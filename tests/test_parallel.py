@@ -38,7 +38,8 @@ def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path, sha
 
 
 # an edit of model.py (made by a config file, in every process): a learned gain on the heads' outputs, inside
-# attention, where tensor parallel gives each process its own heads
+# attention, where tensor parallel gives each process its own heads; and its name added to parallel.HEAD_WEIGHTS,
+# as the refusal without it says
 GAINED = """import torch as _torch
 import model as _m
 _init = _m.Attention.__init__
@@ -48,15 +49,19 @@ def _gained(self, *args, **kwargs):
     self.proj.register_forward_pre_hook(lambda module, args: (args[0] * self.o_gain,))
 _m.Attention.__init__ = _gained
 """
+NAMED = "import lib.parallel as _p\n_p.HEAD_WEIGHTS += ('o_gain',)\n"
 
 
 def test_tensor_parallel_sums_the_gradients_of_weights_every_head_shares(data_dir, tmp_path):
     # qk_norm's weights act on each process's own heads, so each process holds part of their gradient: summed over
     # the replica's processes, they train as in one process (one copy, not one per process, each on its heads); so
-    # does a weight an edit of model.py adds inside attention
+    # does a weight an edit of model.py adds inside attention, once named in HEAD_WEIGHTS: unnamed it is refused
+    # (acting on a process's heads its gradient would be one process's part; on the whole stream, summed twice)
     (tmp_path / "gained.py").write_text(GAINED)
+    (tmp_path / "named.py").write_text(NAMED)
     common = [*STANDARD, f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=4", "--qk_norm=True",
               str(tmp_path / "gained.py")]
+    common.append(str(tmp_path / "named.py"))  # (unnamed: test_tensor_parallel_refusals)
     run(*common, f"--out_dir={tmp_path / 'one'}")
     run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO)
     assert_losses_close(losses(tmp_path / "one"), losses(tmp_path / "tp"))
@@ -84,6 +89,11 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
         parallelize(GPT(GPTConfig(n_layer=1, n_head=4, n_kv_head=1, n_embd=32, vocab_size=64, block_size=32)), tp=2)
     scaled = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=64, block_size=32))
     scaled.blocks[0].attn.gain = torch.nn.Parameter(torch.tensor(1.0))  # an edit of model.py: a 0-dim weight
+    gained = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=64, block_size=32))
+    gained.blocks[0].attn.o_gain = torch.nn.Parameter(torch.ones(1))  # an edit of model.py inside attention (GAINED)
+    with pytest.raises(UserError, match=r"cannot tell whether blocks.0.attn.o_gain acts on a process's own heads "
+                                        r"\(then add its name to lib/parallel.py's HEAD_WEIGHTS"):
+        parallelize(gained, tp=2)
     for layout in (dict(tp=2), dict(fsdp=True)):
         with pytest.raises(UserError, match="blocks.0.attn.gain is a 0-dim parameter, which FSDP and tensor parallel "
                                             r"cannot shard: give it the shape \(1,\) in model.py"):
