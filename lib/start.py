@@ -23,7 +23,7 @@ from lib import checkpoint as ckpt
 from lib.data import val_measure
 from lib.files import UserError, data_fingerprint, lock_folder, read_json, tokenizer_fingerprint, unlock_folder
 from lib.parallel import stop_together, this_process
-from lib.settings import check_sizes, model_settings
+from lib.settings import check_sizes, defaults, model_settings
 from model import GPT, GPTConfig
 
 # GPTConfig's fields that a resume takes from its command (block_size only from scratch); every other but the
@@ -149,7 +149,21 @@ def begin(config, vocab_size, meta, fsdp, eval_sequences, mapped=False):
             origin.base_fingerprint = fingerprint(init_from)
         except OSError as e:
             raise UserError(str(e)) from None
+        origin.notes += folder_notes(config, init_from)
     return origin
+
+
+def folder_notes(config, folder):
+    # notes for the model's settings given a value of their own (config) that a Hugging Face folder's config.json
+    # sets otherwise: the model is the folder's (its LoRA adapters are the run's)
+    from lib.hf import config_from_hf
+    try:
+        own = asdict(config_from_hf(read_json(os.path.join(folder, "config.json"))))
+    except (KeyError, TypeError, ValueError, AttributeError):  # (load_pretrained says in one line what is wrong)
+        return []
+    default = defaults()
+    return [f"note: {k}={config[k]!r} plays no part in this run: the model is {folder}'s, whose {k} is {own[k]!r}"
+            for k in SHAPE if k in default and k not in LORA_SETTINGS and config[k] not in (default[k], own[k])]
 
 
 def frozen_dtype(lora_base_dtype, dtype):
