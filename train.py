@@ -36,7 +36,7 @@ from lib.files import (UserError, check_data_for_run, check_meta_unchanged, data
 from lib.memory import device_name, measured_mb, memory_estimate, memory_layout, memory_table
 from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
                          utilization, wall_time)
-from lib.optim import build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
+from lib.optim import SCHEDULE_SETTINGS, build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
 from lib.parallel import (StopRequest, check_same_settings, clip_gradients, end_processes, init_distributed,
                           parallelize, peak_flops, sum_head_gradients, target_shares)
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
@@ -165,10 +165,9 @@ epoch_copies = int(batches.epoch(max_iters)) - int(batches.epoch(loop["iter_num"
 room_warning = ckpt.check_room(out_dir, memory["checkpoint"], keep_last_n, epoch_copies)  # now, not hours in
 if room_warning and master:
     print(room_warning)
-# the learning rate's schedule (optim.py), with the steps as max_epochs and warmup_ratio made them
-schedule = dict(decay_lr=decay_lr, lr_schedule=lr_schedule, warmup_iters=warmup_iters,
-                lr_decay_iters=lr_decay_iters, learning_rate=learning_rate, min_lr=min_lr,
-                lr_decay_fraction=lr_decay_fraction, lr_cycle_iters=lr_cycle_iters, lr_power=lr_power)
+# the learning rate's schedule: every setting optim.lr_factor takes (a new schedule's knob too), with the steps as
+# max_epochs and warmup_ratio made them
+schedule = {name: globals()[name] for name in SCHEDULE_SETTINGS}
 
 # -----------------------------------------------------------------------------
 # 7. what the loop calls: evaluation, checkpoints, logging

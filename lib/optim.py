@@ -11,6 +11,7 @@ torch's do in _init_group: the memory estimate (memory.py's traced_optimizer) st
 may stop at an op that asks for a value (a .item()), so state made later would be left out of the estimate.
 """
 
+import inspect
 import math
 
 import torch
@@ -149,6 +150,9 @@ def lr_factor(it, decay_lr=True, lr_schedule="cosine", warmup_iters=100, lr_deca
     if lr_schedule == "cosine_restarts":  # where in its cycle the step is
         ratio = (it - warmup_iters) % lr_cycle_iters / lr_cycle_iters
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)  # cosine
+
+
+SCHEDULE_SETTINGS = tuple(inspect.signature(lr_factor).parameters)[1:]  # settings of the same names (train.py)
 
 
 def set_lr(optimizers, peak_lrs, factor):

@@ -74,6 +74,40 @@ def test_an_added_optimizers_setting_out_of_its_range_is_one_line_where_that_opt
         optim.build_optimizers(model, {**config, "optimizer": "nadam"}, "cpu")
 
 
+@pytest.mark.slow
+def test_a_schedule_added_with_a_knob_of_its_own_takes_it_from_the_command(data_dir, tmp_path):
+    # the edit docs/configs.md names, in a copy of the project: an inverse square root schedule in lib/optim.py's
+    # lr_factor, its timescale a new setting in lib/settings.py; nothing else edited, and the command's value is
+    # the one that schedules the run (train.py passes every setting lr_factor takes)
+    from helpers import ROOT, new_python
+    edited = tmp_path / "edited"
+    shutil.copytree(ROOT / "lib", edited / "lib", ignore=shutil.ignore_patterns("__pycache__"))
+    for script in ROOT.glob("*.py"):
+        shutil.copy(script, edited)
+    optim = (edited / "lib" / "optim.py").read_text()
+    for old, new in [('"cosine_restarts")', '"cosine_restarts", "rsqrt")'),
+                     ("lr_power=1.0):", "lr_power=1.0, lr_timescale=100.0):"),
+                     ('    if lr_schedule == "constant":',
+                      '    if lr_schedule == "rsqrt":\n        return 1.0 / math.sqrt(1.0 + it / lr_timescale)\n'
+                      '    if lr_schedule == "constant":')]:
+        assert optim.count(old) == 1, old
+        optim = optim.replace(old, new)
+    (edited / "lib" / "optim.py").write_text(optim)
+    with open(edited / "lib" / "settings.py", "a") as f:
+        f.write("lr_timescale = 100.0  # rsqrt: the steps over which the rate falls as 1/sqrt(1 + step/timescale)\n")
+    lrs = {}
+    for timescale in (1, 100):
+        out = tmp_path / f"t{timescale}"
+        done = new_python("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=4",
+                          "--eval_interval=100", "--warmup_iters=0", "--lr_schedule=rsqrt",
+                          f"--lr_timescale={timescale}", "--device=cpu", cwd=edited)
+        assert done.returncode == 0, done.stderr[-2000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        lrs[timescale] = [r["lr"] for r in records if "tokens_per_s" in r]
+    for timescale, logged in lrs.items():  # the rate of step s, logged after it
+        assert logged == pytest.approx([1e-2 / math.sqrt(1 + s / timescale) for s in range(4)], rel=1e-6)
+
+
 def test_every_optimizer_gets_the_factor_of_its_own_peak():
     weights = [torch.nn.Parameter(torch.zeros(2))]
     optimizers = [torch.optim.AdamW(weights, lr=1.0), torch.optim.SGD(weights, lr=1.0)]
