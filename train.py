@@ -37,8 +37,8 @@ from lib.memory import device_name, measured_mb, memory_estimate, memory_layout,
 from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
                          utilization, wall_time)
 from lib.optim import SCHEDULE_SETTINGS, build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
-from lib.parallel import (StopRequest, check_same_settings, clip_gradients, end_processes, init_distributed,
-                          parallelize, peak_flops, sum_head_gradients, target_shares)
+from lib.parallel import (StopRequest, check_replicas, check_same_settings, clip_gradients, end_processes,
+                          init_distributed, parallelize, peak_flops, sum_head_gradients, target_shares)
 from lib.start import begin, claim, described, first_model, resume_rng, rng_state
 
 # -----------------------------------------------------------------------------
@@ -252,6 +252,8 @@ def save_checkpoint(loop, improved, finished_epoch=None, rng=None):
     rngs = [None] * world_size if ddp else [rng]
     if ddp:  # to the master, which alone writes them (an all-gather sent each process all of them)
         dist.gather_object(rng, rngs if master else None, dst=0)
+    if ddp and not fsdp:  # the master's weights are saved: every replica's must be the same
+        check_replicas(raw_model, loop["iter_num"])
     state = {"format": ckpt.FORMAT, "scaler": scaler.state_dict(), **loop, **about_run, "rng": rngs}
     ckpt.save(out_dir, state, raw_model, optimizers, improved=improved, finished_epoch=finished_epoch, **saving)
 

@@ -341,6 +341,19 @@ def sum_head_gradients(model, mesh):
             g.copy_(part.view_as(g))
 
 
+def check_replicas(model, step):
+    """UserError in every process where DDP's replicas hold different weights at step: each applies the same averaged
+    gradients, so they part only where an edit makes one replica's update its own (random numbers drawn after the
+    gradients' all-reduce, from the replica's own dropout stream), and a checkpoint keeps the master's alone."""
+    total = torch.stack([p.detach().float().sum() for p in model.parameters()]).sum()
+    spread = torch.stack([total, -total])
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)  # the largest sum, and the smallest
+    if spread.isfinite().all() and spread[0] != -spread[1]:  # (a NaN is check_finite's to say)
+        raise UserError(f"the weights of the DDP replicas differ at step {step}: something in the update is not the "
+                        f"same in every replica (random numbers drawn after the gradients' all-reduce: each replica "
+                        f"has a dropout stream of its own); make it the same, or the checkpoint keeps one replica's")
+
+
 def clip_gradients(model, max_norm):
     # all gradients' norm (DTensor shards: each mesh and layout's group reduced over it), then scaled down to max_norm
     grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -294,6 +294,26 @@ def test_workers_that_refuse_end_lib_launch_in_one_line_after_theirs(data_dir, t
     assert not out_dir.exists()  # the folder the refused run made is let go, as at any exit (atexit's)
 
 
+@pytest.mark.slow
+def test_ddp_replicas_whose_weights_part_are_stopped_at_the_first_save(data_dir, tmp_path):
+    # an edit that draws random numbers after the gradients' all-reduce (noise on the gradients before the step):
+    # each replica draws from a dropout stream of its own, so their weights part, and a checkpoint would keep the
+    # master's alone with nothing said. Every process stops at the first save, in one line, and nothing is written
+    config = poisoned_config(tmp_path / "noisy.py", (
+        "def _noisy(self, *args, **kwargs):\n"
+        "    for p in [p for group in self.param_groups for p in group['params'] if p.grad is not None]:\n"
+        "        p.grad.add_(_torch.randn_like(p.grad), alpha=0.01)\n"
+        "    return _step(self, *args, **kwargs)\n"
+        "_torch.optim.AdamW.step = _noisy\n"))
+    done = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=2",
+               "--gradient_accumulation_steps=2", config, torchrun=["--standalone", "--nproc_per_node=2"],
+               check=False)
+    said = [line for line in done.stderr.splitlines() if "train.py: the weights of the DDP replicas differ at step 2: "
+            "something in the update is not the same in every replica" in line]
+    assert done.returncode != 0 and len(said) == 2, done.stderr[-3000:]  # (one line each, as [rank0]: and [rank1]:)
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
 def nan_config(tmp_path, from_call):
     # a config file that turns the training loss to NaN from the from_call-th loss computed on
     return poisoned_config(tmp_path / f"nan_from_{from_call}.py", (
