@@ -422,5 +422,5 @@ if HAS_TRITON:
 
 
 # (kernels.py is first read inside memory.py's trace on fake tensors, under autocast: the check runs outside them)
-with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
+with _disable_current_modes(), torch.device("cpu"), torch.autocast("cpu", enabled=False), torch.no_grad():
     check_model_ops()
