@@ -21,7 +21,8 @@ try:  # optional: only used on CUDA for bf16/fp16 tensors
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
-flex_attention = None  # doc_mask's fast path on CUDA, imported when first needed: its compile costs seconds
+# doc_mask's fast path on CUDA, imported and compiled when first needed (seconds): the attention, and its block mask
+flex_attention = make_block_mask = None
 
 
 @dataclass
@@ -254,11 +255,12 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None, doc_ids=None, mask=None):
         # idx: (B, T) token ids -> (logits (B, T, V), None), or with targets (B, T), (None, mean loss); the fused loss
         # (kernels.linear_cross_entropy, as fused() picks) never holds all (B*T, V) logits at once. cache: a list per
-        # layer (generate). doc_ids: (B, T) document ids of packed sequences: a token sees only its document's tokens up
-        # to itself (not with a cache). mask: instead, doc_ids' attention_mask made outside a compiled model (train.py).
+        # layer (generate), and the logits of the last position alone (B, 1, V): a long prompt's (T, V) are never made.
+        # doc_ids: (B, T) document ids of packed sequences: a token sees only its document's tokens up to itself (not
+        # with a cache). mask: instead, doc_ids' attention_mask made outside a compiled model (train.py).
         x = self.hidden(idx, cache, doc_ids, mask)
         if targets is None:
-            return self.lm_head(x), None
+            return self.lm_head(x if cache is None else x[:, -1:]), None
         kernels = fused(self.config.use_kernels, x, compiled_too=True)
         return None, (kernels.linear_cross_entropy if kernels else linear_cross_entropy)(
             x.view(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
@@ -366,16 +368,18 @@ def document_mask(doc_ids, flex=False):
     """doc_ids (B, T) -> the mask letting a token see only itself and earlier tokens of its own document:
     FlexAttention's block mask (flex, on CUDA; it has no dropout), else a (B, 1, T, T) boolean one for SDPA. A
     compiled model takes it made outside (GPT.forward's mask): a new block mask each batch recompiles it."""
-    global flex_attention
+    global flex_attention, make_block_mask
     B, T = doc_ids.shape
     if flex:
         from torch.nn.attention import flex_attention as flex
         if flex_attention is None:  # compiled, it is a fused kernel; eager, it would build the full scores
             flex_attention = torch.compile(flex.flex_attention, dynamic=False)
+            # and the block mask, which eager makes from a whole (B, T, T) mask (10 bytes a pair: 10 GiB at 32k)
+            make_block_mask = torch.compile(flex.create_block_mask)
 
         def causal_in_document(b, h, q, k):
             return (k <= q) & (doc_ids[b, q] == doc_ids[b, k])
-        return flex.create_block_mask(causal_in_document, B, None, T, T, device=doc_ids.device)
+        return make_block_mask(causal_in_document, B, None, T, T, device=doc_ids.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]  # (B, 1, T, T)
 

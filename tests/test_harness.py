@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from helpers import ROOT, losses, run, script
 from lib.files import UserError
@@ -314,6 +315,24 @@ def task_records(out_dir):
 
 
 @pytest.mark.slow  # four training runs, three of them with the tasks at each evaluation
+def test_a_score_takes_the_log_softmax_of_its_continuations_rows_alone(monkeypatch):
+    # over every row of a batch in fp32 it took twice the logits' bytes again, in fp32 (a rolling task's 40k windows
+    # over 152k tokens, 8 a batch: 185 GiB twice); over the continuation's rows, the same scores
+    needs_lm_eval()
+    from lib import harness
+    from lib.tokenizer import make_tokenizer
+    from model import GPT, GPTConfig
+    tokenizer = make_tokenizer("char", lambda: iter(["an apple a day\n"]))
+    torch.manual_seed(0)
+    lm = harness.Model(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)).eval(), tokenizer)
+    requests = [Request("an apple", " a day"), Request("a", " day")]
+    before = lm.loglikelihood(requests)
+    shapes, log_softmax = [], harness.F.log_softmax
+    monkeypatch.setattr(harness.F, "log_softmax", lambda x, dim: shapes.append(tuple(x.shape)) or log_softmax(x, dim))
+    assert lm.loglikelihood(requests) == before
+    assert shapes == [(6, 64), (4, 64)]
+
+
 def test_training_logs_the_task_metric_and_resumes_exactly(run_here, tasks, tmp_path):
     needs_lm_eval()
     data = run_here[1]
