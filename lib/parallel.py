@@ -342,10 +342,11 @@ def sum_head_gradients(model, mesh):
 
 
 def check_replicas(model, step):
-    """UserError in every process where DDP's replicas hold different weights at step: each applies the same averaged
-    gradients, so they part only where an edit makes one replica's update its own (random numbers drawn after the
-    gradients' all-reduce, from the replica's own dropout stream), and a checkpoint keeps the master's alone."""
-    total = torch.stack([p.detach().float().sum() for p in model.parameters()]).sum()
+    """UserError in every process where DDP's replicas hold different trained weights at step (the frozen ones, a
+    QLoRA base's 4 bits among them, never change): each applies the same averaged gradients, so they part only where
+    an edit makes one replica's update its own (random numbers drawn after the gradients' all-reduce, from the
+    replica's own dropout stream), and a checkpoint keeps the master's alone."""
+    total = torch.stack([p.detach().sum(dtype=torch.float32) for p in model.parameters() if p.requires_grad]).sum()
     spread = torch.stack([total, -total])
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)  # the largest sum, and the smallest
     if spread.isfinite().all() and spread[0] != -spread[1]:  # (a NaN is check_finite's to say)

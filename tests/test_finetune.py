@@ -483,6 +483,21 @@ def test_lora_under_ddp_matches_one_process(pretrained, tmp_path):
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
+@pytest.mark.slow
+def test_qlora_under_ddp_in_float32_matches_one_process(pretrained, tmp_path):
+    # an nf4 base in float32 (a CPU's dtype) under DDP: its saves compare the replicas' trained weights alone (the
+    # 4-bit base has no sum of its own), and the adapters are one process's
+    pytest.importorskip("torchao", reason="a 4-bit base needs torchao (pip install torchao)")
+    folder, data = pretrained
+    args = [*LORA, f"--data_dir={data}", f"--init_from={folder}", "--max_iters=4", "--gradient_accumulation_steps=2",
+            "--dropout=0.0", "--lora_base_dtype=nf4", "--eval_interval=2"]
+    run(*args, f"--out_dir={tmp_path / 'one'}")
+    run(*args, f"--out_dir={tmp_path / 'ddp'}", torchrun=["--standalone", "--nproc_per_node=2"])
+    one, ddp = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    # (float32's rounding of the dequantized matmuls, summed in another order: 1e-6 of the loss at step 1)
+    assert one.keys() == ddp.keys() and all(abs(one[i] - ddp[i]) < 2e-5 * one[i] for i in one), (one, ddp)
+
+
 def test_lora_compiled_with_the_triton_kernels_matches_eager(pretrained, tmp_path):
     # torch.compile and the fused ops (Triton's interpreter on CPU: a tiny batch) around the adapters
     folder, data = pretrained

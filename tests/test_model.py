@@ -81,6 +81,24 @@ def test_generation_makes_the_logits_of_the_last_position_alone():
     assert torch.equal(out, naive_generate(model, out[:, :30], 6, 0, None))
 
 
+def test_grouped_query_attention_on_cuda_in_fp32_or_masked_repeats_keys_and_values_for_sdpa(monkeypatch):
+    # SDPA's GQA runs on CUDA in its flash kernel (half, unmasked) or its math one, which keeps every head's (T, S)
+    # scores (fp32 on a GPU without bf16; a dense document mask): there the keys and values are repeated for each
+    # query head, for the memory-efficient kernel, the same attention. (x.is_cuda answered by memory.py's AskedAbout)
+    from lib.memory import AskedAbout
+    seen, sdpa = [], M.attend
+    monkeypatch.setattr(M, "attend", lambda q, k, v, **kw: seen.append((k.size(2), kw["enable_gqa"])) or
+                        sdpa(q, k, v, **kw))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 4, 8), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    plain = [M.attention(q, k, v, None, 0.0, True), M.attention(q, k, v, mask, 0.0, True)]
+    with AskedAbout("cuda"):
+        on_cuda = [M.attention(q, k, v, None, 0.0, True), M.attention(q, k, v, mask, 0.0, True)]
+    assert seen == [(2, True), (2, True), (4, False), (4, False)]  # (heads of the keys SDPA got, enable_gqa)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, on_cuda))
+
+
 def test_generation_stops_at_the_first_of_its_stop_ids():
     # stop: an id, or a list of them (sample.py --chat: end-of-turn and the folder's end-of-text ids)
     model = tiny()
