@@ -152,11 +152,12 @@ def attention(q, k, v, mask, dropout, causal):
         q, k, v = (t.to(dtype) for t in (q, k, v))
         return flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                               enable_gqa=gqa).transpose(1, 2)
-    half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
-    if gqa and q.is_cuda and (mask is not None or half not in (torch.bfloat16, torch.float16)):
-        # on CUDA, SDPA's GQA runs only in its flash kernel (half, no mask) or its math one, which keeps each head's
-        # (T, S) scores for the backward: keys and values repeated for every query head run its memory-efficient one
-        (k, v), gqa = (t.repeat_interleave(q.size(2) // t.size(2), 2) for t in (k, v)), False
+    if q.is_cuda:  # the dtype a GPU computes in (autocast's where it is on)
+        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+        if gqa and (mask is not None or half not in (torch.bfloat16, torch.float16)):
+            # SDPA's GQA runs only in its flash kernel (half, no mask) or its math one, which keeps each head's (T, S)
+            # scores for the backward: the keys and values repeated for every query head run its memory-efficient one
+            (k, v), gqa = (t.repeat_interleave(q.size(2) // t.size(2), 2) for t in (k, v)), False
     if mask is not None:  # True where a query looks
         return attend(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
     if flash_attn_func is not None and q.is_cuda:  # flash-attn: on a GPU, in bf16 or fp16 (autocast's if on)

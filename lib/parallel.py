@@ -239,6 +239,24 @@ def attention_in_stream(stream, q, k, v, mask, dropout, causal):
         return attention(q, k, v, mask, dropout, causal)
 
 
+def check_splittable(model, tp):
+    """UserError for a parameter of an edited model.py that FSDP or tensor parallel (over tp processes) cannot lay
+    out: a 0-dim one (torch's own error is a traceback from inside fully_shard), or under tensor parallel one inside
+    attention or the MLP beside the projections and HEAD_WEIGHTS (its gradient would be one process's part of it, or
+    summed twice)."""
+    scalar = next((name for name, p in model.named_parameters() if p.dim() == 0), None)
+    if scalar:
+        raise UserError(f"{scalar} is a 0-dim parameter, which FSDP and tensor parallel cannot shard: give it the "
+                        f"shape (1,) in model.py")
+    split = tuple(f"{PROJECTIONS[n]}.{kind}" for n in PROJECTIONS for kind in ("weight", "bias")) + HEAD_WEIGHTS
+    unknown = [name for name, _ in model.named_parameters() if re.search(r"\.(attn|mlp)\.", name)
+               and not name.endswith(split)] if tp > 1 else []
+    if unknown:
+        raise UserError(f"tensor parallel splits attention and the MLP by heads, and cannot tell whether "
+                        f"{unknown[0]} acts on a process's own heads (then add its name to lib/parallel.py's "
+                        f"HEAD_WEIGHTS, to sum its gradient) or on the whole stream (then it belongs in Block)")
+
+
 def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile=False, dtype=torch.float32,
                 offload=False, ddp=False, device_ids=None, from_master=False):
     """Spread model over mesh (dims "dp" and "tp"), in place where it can be, and return the module to call:
@@ -248,17 +266,8 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
     if model.config.n_head % tp or model.config.n_kv_head % tp:
         raise UserError(f"tp_size={tp} must divide n_head={model.config.n_head} and n_kv_head="
                         f"{model.config.n_kv_head} (attention is split by heads)")
-    scalar = next((name for name, p in model.named_parameters() if p.dim() == 0), None) if fsdp or tp > 1 else None
-    if scalar:  # (torch's own error is a traceback from inside fully_shard)
-        raise UserError(f"{scalar} is a 0-dim parameter, which FSDP and tensor parallel cannot shard: give it the "
-                        f"shape (1,) in model.py")
-    split = tuple(f"{PROJECTIONS[n]}.{kind}" for n in PROJECTIONS for kind in ("weight", "bias")) + HEAD_WEIGHTS
-    unknown = [name for name, _ in model.named_parameters() if re.search(r"\.(attn|mlp)\.", name)
-               and not name.endswith(split)] if tp > 1 else []
-    if unknown:  # (an edit of model.py: its gradient would be one process's part, or summed twice)
-        raise UserError(f"tensor parallel splits attention and the MLP by heads, and cannot tell whether "
-                        f"{unknown[0]} acts on a process's own heads (then add its name to lib/parallel.py's "
-                        f"HEAD_WEIGHTS, to sum its gradient) or on the whole stream (then it belongs in Block)")
+    if fsdp or tp > 1:
+        check_splittable(model, tp)
     sent = (model.state_dict() if dist.get_rank() == 0 else {}) if from_master and fsdp else None  # whole, unsplit
     if tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
