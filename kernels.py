@@ -14,7 +14,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import _disable_current_modes
 
 try:
     import triton
@@ -51,28 +50,6 @@ def linear_cross_entropy_ref(x, weight, targets, ignore_index=-1):
     # All N x V logits exist at once here (twice for a half-precision x); the Triton op makes a chunk at a time.
     loss = F.cross_entropy((x @ weight.t()).float(), targets, ignore_index=ignore_index, reduction="sum")
     return loss / (targets != ignore_index).sum().clamp(min=1)
-
-
-def check_model_ops():
-    """UserError where one of model.py's plain ops computes otherwise than the reference its fused op here is tested
-    against: an edit of model.py's alone (a z-loss, GELU for SiLU) would train on a CPU and not where the kernels run.
-    On small fp32 CPU tensors, as this file is read (where a run fuses, model.fused), in a millisecond."""
-    import model
-    from lib.files import UserError
-    g = torch.Generator().manual_seed(0)
-    x, w, head = torch.randn(2, 3, 4, 16, generator=g), torch.randn(16, generator=g), torch.randn(8, 16, generator=g)
-    angles, targets = torch.rand(3, 8, generator=g), torch.randint(-1, 8, (24,), generator=g)
-    pairs = {"rms_norm": (rms_norm_ref(x, w, 1e-5), model.rms_norm(x, w, 1e-5)),
-             "swiglu": (swiglu_ref(x, x.flip(0)), model.swiglu(x, x.flip(0))),
-             "apply_rotary": (apply_rotary_ref(x, angles.cos(), angles.sin()),
-                              model.apply_rotary(x, angles.cos(), angles.sin())),
-             "linear_cross_entropy": (linear_cross_entropy_ref(x.view(24, 16), head, targets),
-                                      model.linear_cross_entropy(x.view(24, 16), head, targets))}
-    for name, (fused_ref, plain) in pairs.items():
-        if fused_ref.shape != plain.shape or not torch.allclose(fused_ref, plain, rtol=1e-5, atol=1e-7):
-            raise UserError(f"model.py's {name} computes otherwise than kernels.py's fused {name}, which runs in its "
-                            f"place on CUDA (use_kernels): make the two the same ({name}_ref is what the fused op is "
-                            f"tested against), or set use_kernels=False")
 
 
 # --- public ops: the Triton versions where Triton can run them, else the references ---
@@ -419,8 +396,3 @@ if HAS_TRITON:
         found += [(_rotary_kernel, _rotary_config(H, head_size)) for H in (n_head, n_kv_head)]
         found.append((_cross_entropy_kernel, _cross_entropy_config(vocab_size)))
         return found
-
-
-# (kernels.py is first read inside memory.py's trace on fake tensors, under autocast: the check runs outside them)
-with _disable_current_modes(), torch.device("cpu"), torch.autocast("cpu", enabled=False), torch.no_grad():
-    check_model_ops()

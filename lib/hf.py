@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from dataclasses import fields, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -276,36 +277,42 @@ def load_pretrained(path, dtype=None, block_size=None, weights=True, quantized=N
     model = model.to(dtype)
     if not weights:
         return model
-    lazy = {f"blocks.{i}.{PROJECTIONS[short]}.weight": linear for i, short, linear in model.projections()} \
-        if quantized else {}
-    params = dict(model.named_parameters())  # (the lazy ones stay on the meta device until read)
-    for linear in lazy.values():
+    params, lazy = dict(model.named_parameters()), {}  # (a lazy one stays on the meta device until read)
+    for i, short, linear in model.projections() if quantized else ():  # quantized on device as read, never all in dtype
+        from lib.lora import quantize_weight
+        lazy[f"blocks.{i}.{PROJECTIONS[short]}.weight"] = partial(quantize_weight, linear, kind=quantized,
+                                                                  device=device)
         del linear.weight
     model = model.to_empty(device="cpu").materialize()
     params.update(model.named_parameters())
     for file in files:
-        with open_safetensors(file) as f, torch.no_grad():
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_embeddings):
-                    continue  # derived from the config, or the tied embedding stored twice
-                if name not in layout:
-                    raise UserError(f"{file} holds {name}, which this model.py does not implement")
-                target = params[layout[name]]
-                tensor = f.get_tensor(name)
-                if tensor.shape != target.shape:
-                    raise UserError(f"{name} in {file} has shape {tuple(tensor.shape)}, but config.json "
-                                     f"implies {tuple(target.shape)}")
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all():  # NaN would only show later
-                    raise UserError(f"{name} in {file} holds a NaN or an infinite value: download the model "
-                                    f"again, or use another")
-                if layout[name] in lazy:
-                    from lib.lora import quantize_weight
-                    quantize_weight(lazy[layout[name]], tensor.to(dtype), quantized, device)
-                else:
-                    target.copy_(tensor)
+        fill(model, file, layout, params, lazy)
     if config.tie_embeddings:
         check_tied_head(files, model.wte.weight)
     return model
+
+
+def fill(model, file, layout, params, lazy):
+    # params ({our name: parameter}) filled from a safetensors file of a folder ({its name: ours}: layout); a lazy one
+    # ({our name: what holds it}: load_pretrained's quantized projections) is given its tensor in the params' dtype
+    with open_safetensors(file) as f, torch.no_grad():
+        for name in f.keys():
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.config.tie_embeddings):
+                continue  # derived from the config, or the tied embedding stored twice
+            if name not in layout:
+                raise UserError(f"{file} holds {name}, which this model.py does not implement")
+            target = params[layout[name]]
+            tensor = f.get_tensor(name)
+            if tensor.shape != target.shape:
+                raise UserError(f"{name} in {file} has shape {tuple(tensor.shape)}, but config.json "
+                                 f"implies {tuple(target.shape)}")
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():  # NaN would only show later
+                raise UserError(f"{name} in {file} holds a NaN or an infinite value: download the model "
+                                f"again, or use another")
+            if layout[name] in lazy:
+                lazy[layout[name]](tensor.to(target.dtype))
+            else:
+                target.copy_(tensor)
 
 
 def check_tied_head(files, embedding):

@@ -24,7 +24,7 @@ from lib.data import val_measure
 from lib.files import UserError, data_fingerprint, lock_folder, read_json, tokenizer_fingerprint, unlock_folder
 from lib.parallel import stop_together, this_process
 from lib.settings import check_sizes, defaults, model_settings
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, fused
 
 # GPTConfig's fields that a resume takes from its command (block_size only from scratch); every other but the
 # vocabulary (checked against the data's) is the model's shape, which a resume cannot change
@@ -180,6 +180,8 @@ def first_model(origin, config, dtype, weights=True, device="cpu"):
     Not weights: a folder's model with memory for its weights, not yet written (nor resident), that the master's
     fill (parallel.parallelize): its weights are read once, not in every process of a node."""
     checkpoint, model_args, lora = origin.checkpoint, origin.model_args, origin.lora
+    if kernels := fused(config["use_kernels"], torch.empty(0, device=device), compiled_too=True):
+        check_fused_ops(kernels)  # the run will fuse: the fused ops must compute model.py's plain ones
     base_dtype = frozen_dtype(origin.lora_base_dtype, dtype) if lora else torch.float32
     quantized = origin.lora_base_dtype if lora and origin.lora_base_dtype in ("nf4", "int8") else None
     held = checkpoint["config"].get("dtype", dtype) if checkpoint is not None else dtype  # (saved resolved)
@@ -206,6 +208,27 @@ def first_model(origin, config, dtype, weights=True, device="cpu"):
         return GPT(GPTConfig(**model_args)), model_args
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def check_fused_ops(kernels):
+    """UserError where one of model.py's plain ops computes otherwise than the reference kernels.py's fused op is
+    tested against: an edit of model.py's alone (a z-loss, GELU for SiLU) would train on a CPU, and not where the
+    fused op runs in its place (first_model, where a run will fuse). On small fp32 CPU tensors, in a millisecond."""
+    import model
+    g = torch.Generator().manual_seed(0)
+    x, w, head = torch.randn(2, 3, 4, 16, generator=g), torch.randn(16, generator=g), torch.randn(8, 16, generator=g)
+    angles, targets = torch.rand(3, 8, generator=g), torch.randint(-1, 8, (24,), generator=g)
+    pairs = {"rms_norm": (kernels.rms_norm_ref(x, w, 1e-5), model.rms_norm(x, w, 1e-5)),
+             "swiglu": (kernels.swiglu_ref(x, x.flip(0)), model.swiglu(x, x.flip(0))),
+             "apply_rotary": (kernels.apply_rotary_ref(x, angles.cos(), angles.sin()),
+                              model.apply_rotary(x, angles.cos(), angles.sin())),
+             "linear_cross_entropy": (kernels.linear_cross_entropy_ref(x.view(24, 16), head, targets),
+                                      model.linear_cross_entropy(x.view(24, 16), head, targets))}
+    for name, (fused_ref, plain) in pairs.items():
+        if fused_ref.shape != plain.shape or not torch.allclose(fused_ref, plain, rtol=1e-5, atol=1e-7):
+            raise UserError(f"model.py's {name} computes otherwise than kernels.py's fused {name}, which runs in its "
+                            f"place on CUDA (use_kernels): make the two the same ({name}_ref is what the fused op is "
+                            f"tested against), or set use_kernels=False")
 
 
 def described(model, model_args, block_size):

@@ -257,10 +257,10 @@ def test_a_quantized_base_is_quantized_as_it_is_read_never_whole_in_its_dtype(pr
     folder, _ = pretrained
     built, held, quantize, materialize = [], [], lora.quantize_weight, GPT.materialize
 
-    def counted(linear, weight, *args):  # as each is quantized: the projections that hold a plain weight
+    def counted(linear, weight, *args, **kwargs):  # as each is quantized: the projections that hold a plain weight
         held.append(sum(type(getattr(other, "weight", None)) is torch.nn.Parameter
                         for _, _, other in built[-1].projections()))
-        quantize(linear, weight, *args)
+        quantize(linear, weight, *args, **kwargs)
 
     monkeypatch.setattr(lora, "quantize_weight", counted)
     monkeypatch.setattr(GPT, "materialize", lambda self: built.append(self) or materialize(self))

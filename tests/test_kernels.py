@@ -103,19 +103,20 @@ def z_loss(x, weight, targets, ignore_index=-1):  # an edit of model.py's loss: 
                                        ("rms_norm", lambda x, w, eps: F.layer_norm(x, x.shape[-1:], w, eps=eps))])
 def test_an_edit_of_a_plain_op_that_the_kernels_fuse_is_refused_where_they_would_run(monkeypatch, name, edit):
     # where use_kernels runs kernels.py's fused ops (CUDA), model.py's plain op is not run: an edit of it alone (a
-    # z-loss, GELU for SiLU, LayerNorm) would train on a CPU and not on the GPU, with nothing said. kernels.py checks
-    # model.py's ops against the references its kernels are tested against as it is read (where a run fuses)
+    # z-loss, GELU for SiLU, LayerNorm) would train on a CPU and not on the GPU, with nothing said. A run that will
+    # fuse checks model.py's ops against the references the kernels are tested against (start.first_model)
     import model
-    K.check_model_ops()
+    from lib.start import check_fused_ops
+    check_fused_ops(K)
     monkeypatch.setattr(model, name, edit)
     with pytest.raises(ValueError, match=rf"^model.py's {name} computes otherwise than kernels.py's fused {name}, "
                                          rf"which runs in its place on CUDA \(use_kernels\): make the two the same"):
-        K.check_model_ops()
+        check_fused_ops(K)
 
 
 @pytest.mark.slow
 def test_train_py_with_the_kernels_refuses_an_edit_of_a_plain_op_they_fuse(data_dir, tmp_path):
-    # the same, end to end: an edit made by a config file (in train.py's process, before kernels.py is read)
+    # the same, end to end: an edit made by a config file (in train.py's process)
     (tmp_path / "zloss.py").write_text("import model as _m\n_plain = _m.linear_cross_entropy\n"
                                       "_m.linear_cross_entropy = lambda x, w, t, i=-1: _plain(x, w, t, i) + 1e-3\n")
     done = new_python("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2",
