@@ -25,8 +25,8 @@ import torch
 from lib.bounds import confined
 from lib.files import UserError, durable_replace, one_line_errors, open_own, read_json
 from lib.hf import save_pretrained, special_ids
-from lib.parallel import pick_device
 from lib.lora import merge_lora, write_adapter
+from lib.parallel import pick_device
 from lib.tokenizer import bases_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files
 from lib.trained import load_run, run_chat
