@@ -31,6 +31,7 @@ from lib.files import (UserError, check_meta_unchanged, check_token_files, one_l
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
 from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
+from lib.start import check_fused_ops
 from lib.tokenizer import check_tokenizer
 from lib.trained import chat_folder, check_run_tokenizer, load_folder_or_run, load_model, splits_special
 
@@ -117,6 +118,7 @@ try:
         if not args.data_dir:
             raise UserError("--model needs --data_dir, a dataset prepared with the folder's tokenizer")
         model = load_pretrained(args.model, getattr(torch, dtype), args.block_size)
+        check_fused_ops(model.config.use_kernels, device)
         check_tokenizer(args.data_dir, read_meta(args.data_dir), args.model, model.config.vocab_size)
         data_dir = args.data_dir
     else:

@@ -24,7 +24,7 @@ from lib.data import val_measure
 from lib.files import UserError, data_fingerprint, lock_folder, read_json, tokenizer_fingerprint, unlock_folder
 from lib.parallel import stop_together, this_process
 from lib.settings import check_sizes, defaults, model_settings
-from model import GPT, GPTConfig, fused
+from model import GPT, GPTConfig
 
 # GPTConfig's fields that a resume takes from its command (block_size only from scratch); every other but the
 # vocabulary (checked against the data's) is the model's shape, which a resume cannot change
@@ -180,8 +180,7 @@ def first_model(origin, config, dtype, weights=True, device="cpu"):
     Not weights: a folder's model with memory for its weights, not yet written (nor resident), that the master's
     fill (parallel.parallelize): its weights are read once, not in every process of a node."""
     checkpoint, model_args, lora = origin.checkpoint, origin.model_args, origin.lora
-    if kernels := fused(config["use_kernels"], torch.empty(0, device=device), compiled_too=True):
-        check_fused_ops(kernels)  # the run will fuse: the fused ops must compute model.py's plain ones
+    check_fused_ops(config["use_kernels"], device)  # where the run will fuse, the fused ops compute model.py's
     base_dtype = frozen_dtype(origin.lora_base_dtype, dtype) if lora else torch.float32
     quantized = origin.lora_base_dtype if lora and origin.lora_base_dtype in ("nf4", "int8") else None
     held = checkpoint["config"].get("dtype", dtype) if checkpoint is not None else dtype  # (saved resolved)
@@ -210,11 +209,15 @@ def first_model(origin, config, dtype, weights=True, device="cpu"):
         raise UserError(str(e)) from None
 
 
-def check_fused_ops(kernels):
-    """UserError where one of model.py's plain ops computes otherwise than the reference kernels.py's fused op is
-    tested against: an edit of model.py's alone (a z-loss, GELU for SiLU) would train on a CPU, and not where the
-    fused op runs in its place (first_model, where a run will fuse). On small fp32 CPU tensors, in a millisecond."""
+def check_fused_ops(use_kernels, device):
+    """Where a model of use_kernels will fuse on device (model.fused): UserError where one of model.py's plain ops
+    computes otherwise than the reference kernels.py's fused op is tested against. An edit of model.py's alone (a
+    z-loss, GELU for SiLU) would train on a CPU, and not where the fused op runs in its place (train.py's model,
+    and sample.py's, eval.py's and export.py's). On small fp32 CPU tensors, in a millisecond."""
     import model
+    kernels = model.fused(use_kernels, torch.empty(0, device=device), compiled_too=True)
+    if kernels is None:
+        return
     g = torch.Generator().manual_seed(0)
     x, w, head = torch.randn(2, 3, 4, 16, generator=g), torch.randn(16, generator=g), torch.randn(8, 16, generator=g)
     angles, targets = torch.rand(3, 8, generator=g), torch.randint(-1, 8, (24,), generator=g)

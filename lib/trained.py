@@ -11,7 +11,7 @@ import os
 from lib.checkpoint import find_checkpoint, model_from_checkpoint
 from lib.files import UserError, data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
-from lib.start import frozen_dtype, load_checked
+from lib.start import check_fused_ops, frozen_dtype, load_checked
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 
@@ -31,6 +31,7 @@ def load_model(path, data_dir=None, base=True, device="cpu"):
     # QLoRA's adapters on the base they trained on, quantized on device as it is read
     model = model_from_checkpoint(checkpoint, frozen_dtype(held, checkpoint["config"]["dtype"]), base,
                                   held if held in ("nf4", "int8") else None, device)
+    check_fused_ops(model.config.use_kernels, device)  # (a model.py edited since, run by the unedited fused ops)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
     if found is None and data_dir:
@@ -90,7 +91,9 @@ def load_folder_or_run(folder, path, dtype, data_dir, use, device="cpu"):
         raise UserError(f"--data_dir is a run's dataset, and {folder} brings its own tokenizer: leave --data_dir out")
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         raise UserError(f"{folder} has no tokenizer.json to encode {use} with")
-    return load_pretrained(folder, dtype), make_tokenizer(folder, None), None
+    model = load_pretrained(folder, dtype)
+    check_fused_ops(model.config.use_kernels, device)
+    return model, make_tokenizer(folder, None), None
 
 
 def chat_folder(checkpoint, tokenizer):

@@ -107,11 +107,28 @@ def test_an_edit_of_a_plain_op_that_the_kernels_fuse_is_refused_where_they_would
     # fuse checks model.py's ops against the references the kernels are tested against (start.first_model)
     import model
     from lib.start import check_fused_ops
-    check_fused_ops(K)
+    check_fused_ops(True, "cpu")
     monkeypatch.setattr(model, name, edit)
+    check_fused_ops(False, "cpu")  # (nothing fuses)
     with pytest.raises(ValueError, match=rf"^model.py's {name} computes otherwise than kernels.py's fused {name}, "
                                          rf"which runs in its place on CUDA \(use_kernels\): make the two the same"):
-        check_fused_ops(K)
+        check_fused_ops(True, "cpu")
+
+
+def test_a_run_that_fused_read_back_after_an_edit_of_a_plain_op_is_refused(data_dir, tmp_path, monkeypatch):
+    # sample.py, eval.py and export.py read a run back with its use_kernels: where that fuses, an edit of model.py's
+    # op since (made on a CPU run's model, say) would be computed by the unedited fused op, and is refused instead
+    import model
+    from helpers import run, script
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=1")
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # a run with use_kernels=True, not trained so
+    checkpoint["model_args"]["use_kernels"] = True  # (under Triton's interpreter it takes half a minute)
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
+    monkeypatch.setattr(model, "swiglu", lambda gate, up: F.gelu(gate) * up)
+    for args in (["sample.py", "--max_new_tokens=2"], ["eval.py"]):
+        done = script(*args, f"--out_dir={tmp_path}")
+        assert done.returncode == 1 and "model.py's swiglu computes otherwise than kernels.py's fused swiglu" in \
+            done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
 
 
 @pytest.mark.slow
