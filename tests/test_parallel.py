@@ -42,12 +42,12 @@ def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path, sha
 # as the refusal without it says
 GAINED = """import torch as _torch
 import model as _m
-_init = _m.Attention.__init__
-def _gained(self, *args, **kwargs):
-    _init(self, *args, **kwargs)
-    self.o_gain = _torch.nn.Parameter(_torch.ones(1))
-    self.proj.register_forward_pre_hook(lambda module, args: (args[0] * self.o_gain,))
-_m.Attention.__init__ = _gained
+class _Gained(_m.Attention):  # (a class of its own: the module's name for it is put back after an in-process run)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.o_gain = _torch.nn.Parameter(_torch.ones(1))
+        self.proj.register_forward_pre_hook(lambda module, args: (args[0] * self.o_gain,))
+_m.Attention = _Gained
 """
 NAMED = "import lib.parallel as _p\n_p.HEAD_WEIGHTS += ('o_gain',)\n"
 
