@@ -39,7 +39,7 @@ from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation
 from lib.optim import SCHEDULE_SETTINGS, build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
 from lib.parallel import (StopRequest, check_replicas, check_same_settings, clip_gradients, end_processes,
                           init_distributed, parallelize, peak_flops, sum_head_gradients, target_shares)
-from lib.start import begin, claim, described, first_model, resume_rng, rng_state
+from lib.start import begin, claim, described, first_model, quantized_kind, resume_rng, rng_state
 
 # -----------------------------------------------------------------------------
 # 1. settings: every one, with its default and what it does, is in lib/settings.py (the model's are GPTConfig's
@@ -99,7 +99,7 @@ checkpoint, loop, lora = origin.checkpoint, origin.loop, origin.lora
 # -----------------------------------------------------------------------------
 # 5. the model, laid out over the processes, and its optimizers
 
-quantized = origin.lora_base_dtype if origin.lora_base_dtype in ("nf4", "int8") else None
+quantized = quantized_kind(origin.lora_base_dtype)
 # a Hugging Face folder's weights (unquantized) are read by the master alone, and sent to the others (parallelize)
 sending = origin.checkpoint is None and bool(origin.pretrained) and world_size > 1 and not quantized
 # from the checkpoint, the folder, or new (QLoRA: the frozen base in 4 or 8 bits, quantized on the device as it is read)

@@ -140,7 +140,8 @@ def begin(config, vocab_size, meta, fsdp, eval_sequences, mapped=False):
         from lib.hf import fingerprint  # the folder's, and the tokenizer its data was made with
         from lib.tokenizer import check_tokenizer
         # data for a pretrained model must be made with its own tokenizer, or its ids mean other words
-        model_vocab = read_json(os.path.join(init_from, "config.json")).get("vocab_size")
+        folder_config = read_json(os.path.join(init_from, "config.json"))
+        model_vocab = folder_config.get("vocab_size")
         if type(model_vocab) is not int or model_vocab < 1:
             raise UserError(f"{init_from}/config.json's vocab_size is {model_vocab!r}, not a whole number above 0: "
                             f"use the model's own config.json")
@@ -149,21 +150,26 @@ def begin(config, vocab_size, meta, fsdp, eval_sequences, mapped=False):
             origin.base_fingerprint = fingerprint(init_from)
         except OSError as e:
             raise UserError(str(e)) from None
-        origin.notes += folder_notes(config, init_from)
+        origin.notes += folder_notes(config, init_from, folder_config)
     return origin
 
 
-def folder_notes(config, folder):
+def folder_notes(config, folder, folder_config):
     # notes for the model's settings given a value of their own (config) that a Hugging Face folder's config.json
-    # sets otherwise: the model is the folder's (its LoRA adapters are the run's)
+    # (folder_config) sets otherwise: the model is the folder's (its LoRA adapters are the run's)
     from lib.hf import config_from_hf
     try:
-        own = asdict(config_from_hf(read_json(os.path.join(folder, "config.json"))))
+        own = asdict(config_from_hf(folder_config))
     except (KeyError, TypeError, ValueError, AttributeError):  # (load_pretrained says in one line what is wrong)
         return []
     default = defaults()
     return [f"note: {k}={config[k]!r} plays no part in this run: the model is {folder}'s, whose {k} is {own[k]!r}"
             for k in SHAPE if k in default and k not in LORA_SETTINGS and config[k] not in (default[k], own[k])]
+
+
+def quantized_kind(lora_base_dtype):
+    # 'nf4' or 'int8' where lora_base_dtype holds a LoRA run's frozen base quantized (torchao's), else None
+    return lora_base_dtype if lora_base_dtype in ("nf4", "int8") else None
 
 
 def frozen_dtype(lora_base_dtype, dtype):
@@ -182,7 +188,7 @@ def first_model(origin, config, dtype, weights=True, device="cpu"):
     checkpoint, model_args, lora = origin.checkpoint, origin.model_args, origin.lora
     check_fused_ops(config["use_kernels"], device)  # where the run will fuse, the fused ops compute model.py's
     base_dtype = frozen_dtype(origin.lora_base_dtype, dtype) if lora else torch.float32
-    quantized = origin.lora_base_dtype if lora and origin.lora_base_dtype in ("nf4", "int8") else None
+    quantized = quantized_kind(origin.lora_base_dtype) if lora else None
     held = checkpoint["config"].get("dtype", dtype) if checkpoint is not None else dtype  # (saved resolved)
     if lora and base_dtype != frozen_dtype(origin.lora_base_dtype, held):  # a resume's base, else rounded otherwise
         raise UserError(f"{origin.found} holds its frozen base in dtype={held!r} (lora_base_dtype="

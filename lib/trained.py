@@ -11,7 +11,7 @@ import os
 from lib.checkpoint import find_checkpoint, model_from_checkpoint
 from lib.files import UserError, data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
-from lib.start import check_fused_ops, frozen_dtype, load_checked
+from lib.start import check_fused_ops, frozen_dtype, load_checked, quantized_kind
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 
@@ -30,7 +30,7 @@ def load_model(path, data_dir=None, base=True, device="cpu"):
     held = checkpoint["config"].get("lora_base_dtype", "auto")  # a LoRA run's base, as it trained
     # QLoRA's adapters on the base they trained on, quantized on device as it is read
     model = model_from_checkpoint(checkpoint, frozen_dtype(held, checkpoint["config"]["dtype"]), base,
-                                  held if held in ("nf4", "int8") else None, device)
+                                  quantized_kind(held), device)
     check_fused_ops(model.config.use_kernels, device)  # (a model.py edited since, run by the unedited fused ops)
     candidates = [data_dir] if data_dir else [checkpoint.get("data_dir"), checkpoint["config"]["data_dir"]]
     found = next((d for d in candidates if d and os.path.isdir(d)), None)
