@@ -299,6 +299,10 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
             set_model_state_dict(model, sent, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     elif ddp:
         from torch.nn.parallel import DistributedDataParallel
+        # a quantized frozen base (torchao's nf4, int8: tensor subclasses) is every process's own reading of its
+        # folder, never the master's (train.py's sending): DDP's first broadcast leaves it out (int8 has no view for it)
+        own = [n for n, p in model.named_parameters() if not p.requires_grad and type(p) is not torch.nn.Parameter]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, own)
         return DistributedDataParallel(model, device_ids=device_ids)
     return model
 
