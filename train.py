@@ -39,7 +39,7 @@ from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation
 from lib.optim import SCHEDULE_SETTINGS, build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
 from lib.parallel import (StopRequest, check_replicas, check_same_settings, clip_gradients, end_processes,
                           init_distributed, parallelize, peak_flops, sum_head_gradients, target_shares)
-from lib.start import begin, claim, described, first_model, quantized_kind, resume_rng, rng_state
+from lib.start import begin, claim, described, first_model, quantized_kind, rng_state
 
 # -----------------------------------------------------------------------------
 # 1. settings: every one, with its default and what it does, is in lib/settings.py (the model's are GPTConfig's
@@ -116,8 +116,9 @@ peak_lrs = [opt.param_groups[0]["lr"] for opt in optimizers]  # the schedule sca
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 torch.manual_seed(seed + dp_rank)  # dropout differs between replicas (a replica's tp processes agree)
 if checkpoint is not None:
+    from lib.resume import restore, resume_rng
     built = hyperparameters(optimizers)  # this command's weight_decay, betas, ...: they stay after the restore
-    ckpt.restore(origin.found, checkpoint, raw_model, optimizers, fsdp, lora)
+    restore(origin.found, checkpoint, raw_model, optimizers, fsdp, lora)
     if checkpoint["scaler"]:  # (empty from a run not in float16: a float16 resume's scaler begins anew)
         scaler.load_state_dict(checkpoint["scaler"])
     changed = reapply(optimizers, built)
@@ -179,9 +180,9 @@ about_run = {"model_args": model_args, "config": config, "world_size": world_siz
              "data_dir": os.path.abspath(data_dir),  # for sample.py, from wherever it runs
              "pretrained": origin.pretrained,  # the Hugging Face folder the run began from, if any
              "base_fingerprint": origin.base_fingerprint, "memory_device": device_name(device),
-             "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta),  # (start.resume, trained.load_model)
-             "data_fingerprint": data_fingerprint(meta),  # its splits, chat template (start.resume, trained.run_chat)
-             "eval_sequences": eval_sequences}  # the val windows an evaluation reads (start.resume)
+             "tokenizer_fingerprint": tokenizer_fingerprint(data_dir, meta),  # (resume.resume, trained.load_model)
+             "data_fingerprint": data_fingerprint(meta),  # its splits, chat template (resume.resume, trained.run_chat)
+             "eval_sequences": eval_sequences}  # the val windows an evaluation reads (resume.resume)
 check_meta_unchanged(data_dir, meta)  # not prepared again since read: the files opened, the tokenizer fingerprinted
 saving = dict(sharded=origin.sharded, lora=lora, keep_last_n=keep_last_n)
 log, close_log = open_log(out_dir, config, master and not eval_only, wandb_log, wandb_project, wandb_run_name,

@@ -2,7 +2,7 @@
 What a checkpoint costs on this machine's disk, at GPT-2 small's shape (124M parameters, AdamW's two moments: a
 1.4 GiB file): the save of ckpt.pt with ckpt_best.pt and one step checkpoint beside it, each a file of its own
 (checkpoint.copy_file: a clone where the file system makes one, else a copy) against hard links to one file, in
-turn in one process; and the read of it, the CRC-32 check (checkpoint.check_crcs) against torch.load alone.
+turn in one process; and the read of it, the CRC-32 check (resume.check_crcs) against torch.load alone.
 
     python benchmarks/checkpoint_save.py --dir=/tmp --repeats=3
 """
@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lib import checkpoint as ckpt  # noqa: E402
+from lib import resume  # noqa: E402
 from lib.optim import build_optimizers  # noqa: E402
 from lib.settings import defaults  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -54,10 +55,10 @@ def main():
             size = os.path.getsize(path)
             if name == "files of their own":
                 began = time.perf_counter()
-                ckpt.check_crcs(path)
+                resume.check_crcs(path)
                 checked = time.perf_counter() - began
                 began = time.perf_counter()
-                ckpt.load_checkpoint(path, verify=False)
+                resume.load_checkpoint(path, verify=False)
                 print(f"read: CRC-32s checked in {checked:.2f} s, torch.load alone {time.perf_counter() - began:.2f} s")
             shutil.rmtree(folder)
     print(f"ckpt.pt: {size / 2**30:.2f} GiB; a save with ckpt_best.pt and one step checkpoint:")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import kernels
 from configurator import configure
-from lib.checkpoint import model_from_checkpoint
+from lib.resume import model_from_checkpoint
 from lib.files import UserError, read_json, read_meta
 from lib.hf import config_from_hf, save_pretrained
 from lib.lora import add_lora, quantize_base

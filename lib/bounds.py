@@ -1,7 +1,8 @@
 """
 Bounds on what comes from disk that only some runs read: a file a folder's index names is read only if it is a regular
 file inside that folder; a tokenizer.json's normalizer and pre-tokenizer must grow a text within a bound and hold no
-regex that backtracks without one. (Elsewhere: settings.check_sizes, checkpoint.check_shapes, files.check_token_ids.)
+regex that backtracks without one; weights must have the shapes their stated sizes imply (check_shapes,
+layer_count). (Elsewhere: settings.check_sizes, files.check_token_ids.)
 
     from lib.bounds import confined
     confined("data/mine", "tokenizer.json", "data/mine/meta.json")    # Path, or a one-line UserError
@@ -124,3 +125,19 @@ def check_tokenizer_rules(name, rules):
             raise UserError(f"{name} splits or replaces with the regex {rule['Regex'][:80]!r}, which repeats a "
                             f"group of repeats or alternatives and can take time without bound: use the model's own "
                             f"tokenizer.json")
+
+
+def layer_count(names, prefix):
+    """How many blocks a set of weight names holds: the distinct N of the names that begin with prefix + 'N.'."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    return len({m.group(1) for m in map(pattern.match, names) if m})
+
+
+def check_shapes(model, shapes, names, where, fix):
+    """UserError in one line at the first of shapes ({name: shape}) that differs from model's parameter names maps
+    it to ({theirs: ours}); model is built on the meta device, so that a lie costs no memory."""
+    params = dict(model.named_parameters())
+    for theirs, ours in names.items():
+        if theirs in shapes and ours in params and tuple(shapes[theirs]) != tuple(params[ours].shape):
+            raise UserError(f"{theirs} in {where} has shape {tuple(shapes[theirs])}, but the sizes it states "
+                             f"imply {tuple(params[ours].shape)}: {fix}")

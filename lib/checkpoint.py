@@ -1,34 +1,31 @@
 """
-Checkpoints: every read and write of a run's state. An out_dir keeps the layout its run began with: files (ckpt.pt,
+Checkpoints: a run's state written, and found again. An out_dir keeps the layout its run began with: files (ckpt.pt,
 the master's, gathered from any shards) or, begun under FSDP or tensor parallel, sharded folders (ckpt/,
 torch.distributed.checkpoint's: each process writes its own shards; the master's state.pt holds all else). Either
-loads into any layout, by parameter name; ckpt_best and ckpt_NNNNNNN follow the same layout.
+loads into any layout, by parameter name (resume.py reads them back); ckpt_best and ckpt_NNNNNNN follow the same
+layout.
 
 Nothing is ever half written: a file is written under a temporary name, flushed and renamed; a folder counts only
-with its state.pt, written after every shard and deleted before any (publish). Reading runs no code: only tensors
-and plain values are unpickled, and a folder's .metadata only as DCP's own types (dcp_metadata.py).
+with its state.pt, written after every shard and deleted before any (publish).
 
-    checkpoint = load_checkpoint("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt (its state.pt)
+    save("out", state, model, optimizers, sharded=False, lora=False)     # out/ckpt.pt
+    find_checkpoint("out/ckpt.pt")                                        # 'out/ckpt.pt', or a sharded out/ckpt
 """
 
 import contextlib
 import errno
 import fcntl
 import os
-import pickle
 import re
 import resource
 import shutil
 import warnings
-import zipfile
 
 import torch
 import torch.distributed as dist
 
-from lib.files import UserError, check_regular, durable_replace, open_own
+from lib.files import UserError, durable_replace, open_own
 from lib.parallel import is_dtensor
-from lib.settings import check_sizes
-from model import GPT, GPTConfig
 
 
 def dcp():
@@ -46,8 +43,10 @@ NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", 
 COPIES = r"ckpt_(best|[0-9]+|epoch_[0-9]+)(\.pt)?"
 NAMES, UNFINISHED = r"ckpt(_best|_[0-9]+|_epoch_[0-9]+)?(\.pt|\.old)?", r"ckpt.*\.tmp"
 FORMAT = 2  # what its values mean; a resume takes this format alone (an older one: resume with its train.py)
+
+
 # -----------------------------------------------------------------------------
-# reading
+# finding
 
 
 def find_checkpoint(path):
@@ -76,6 +75,7 @@ def recover_first_save(out_dir):
 
 def latest(out_dir, sharded=False):
     """(path, step) of out_dir's latest checkpoint (sharded: the folder ckpt/ first), or None."""
+    from lib.resume import load_checkpoint
     found = find_checkpoint(os.path.join(out_dir, "ckpt" + ("" if sharded else ".pt")))
     return (found, load_checkpoint(found, mmap=True, weights=False, verify=False)["iter_num"]) if found else None
 
@@ -102,199 +102,11 @@ def check_finite(model, out_dir, step):
                          f"{last_good(out_dir)} (lower learning_rate, or check the data)")
 
 
-def read_sharded(folder, device="cpu"):
-    """A sharded checkpoint's weights, whole, in one process (no group needed), as a file's "model" holds them."""
-    try:
-        from lib.dcp_metadata import CheckedReader
-        reader = CheckedReader(folder)  # UserError for metadata that is not DCP's own, or a shard file missing
-        weights = {name.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype, device=device)
-                   for name, m in reader.metadata.state_dict_metadata.items() if name.startswith("model.")}
-        with warnings.catch_warnings():  # that it reads in one process is what we ask for
-            warnings.simplefilter("ignore")
-            dcp().load({"model": weights}, storage_reader=reader, no_dist=True)
-    except (dcp().api.CheckpointException, RuntimeError, OSError, AttributeError, TypeError) as e:
-        raise UserError(f"{folder} is not a readable sharded checkpoint ({first_line(e)}); "
-                         f"use another one, e.g. ckpt_best or a ckpt_NNNNNNN") from None
-    return weights
-
-
 def first_line(error, named=False):
     # an error's first line for a message of ours; an empty one (a 0-byte file's) by its kind; named: after its kind
     # where the line alone says little ("101", a KeyError's)
     line = (str(error).strip().splitlines() or [""])[0]
     return f"{type(error).__name__}: {line}" if named and line else line or type(error).__name__
-
-
-def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
-    # weights_only: tensors and plain values alone, and no code in it runs; mmap: tensors are read as they are
-    # used (the weights alone never read the optimizer's moments); verify: check_crcs first. A damaged or foreign
-    # file is a UserError. A sharded folder: its state.pt, and (weights) the weights read whole from its shards.
-    if os.path.isdir(path):
-        checkpoint = load_checkpoint(os.path.join(path, "state.pt"), device, mmap, verify=verify)
-        if weights:
-            checkpoint["model"] = read_sharded(path, device)
-        return checkpoint
-    if verify:
-        check_crcs(path)
-    try:
-        with warnings.catch_warnings():  # torch warns about what it refused; our error says it in one line
-            warnings.simplefilter("ignore")
-            try:
-                return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
-            except RuntimeError:
-                if not mmap:
-                    raise
-                # a file not in torch.save's zip format cannot be mapped: read whole (weights_only refuses it there)
-                return torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError:
-        raise UserError(f"{path} holds objects other than tensors and plain values; refusing to load it "
-                         f"(only load checkpoints you trust, with code you have read)") from None
-    except Exception as e:  # EOFError, and torch's older reader fails on other bytes in many ways (KeyError, ...)
-        raise UserError(f"{path} is not a readable checkpoint ({first_line(e, named=True)}); "
-                         f"use another one, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt") from None
-
-
-def check_crcs(path):
-    """UserError where a byte of the file differs from what was saved: torch.save's zip holds CRC-32s that torch.load
-    never checks (about a second a GB from the page cache); a file that is not a zip is left to torch.load to name."""
-    check_regular(path, "use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")  # a FIFO never ends
-    try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError):
-        return
-    if damaged:
-        raise UserError(f"{path} is damaged: its part {damaged} is not the bytes that were saved (its checksum "
-                         f"differs); use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
-
-
-def check_not_nanogpts(checkpoint, path):
-    """UserError in one line for nanoGPT's own ckpt.pt (model_args name bias; weights transformer.h.N)."""
-    args, weights = checkpoint.get("model_args"), checkpoint.get("model")
-    names = [str(name).removeprefix("_orig_mod.") for name in weights] if isinstance(weights, dict) else []
-    if isinstance(args, dict) and "bias" in args or any(name.startswith("transformer.h.") for name in names):
-        raise UserError(f"{path} is nanoGPT's checkpoint (GPT-2 blocks: learned positions, LayerNorm, GELU, "
-                         f"biases), which this model cannot load: sample it with nanoGPT's sample.py, or train here "
-                         f"anew on the same data folder (nanoGPT's prepared data works as it is)")
-
-
-def check_values(checkpoint, path):
-    """UserError in one line naming a value beside the weights not of the kind train.py saves (a damaged or
-    hand-edited file); model_args and moments are checked against the weights later (meta_model, check_moments)."""
-    def count(value):
-        return type(value) is int and value >= 0
-
-    def rng(value):  # a process's random state, as torch keeps one: tensors of bytes
-        return isinstance(value, dict) and all(
-            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 or key == "cuda" and t is None
-            for key, t in ((k, value.get(k)) for k in ("cpu", "cuda")))
-
-    def optimizer(value):  # a state_dict: moments by parameter index, and the groups' settings
-        return isinstance(value, dict) and isinstance(value.get("state"), dict) and groups(value.get("param_groups"))
-
-    def groups(value):
-        return isinstance(value, list) and all(isinstance(group, dict) for group in value)
-
-    kinds = {"iter_num": count, "evals_without_gain": count, "skipped_in_a_row": count,
-             "world_size": lambda v: count(v) and v > 0, "best_val_loss": lambda v: type(v) is float,
-             "evaluated": lambda v: type(v) is bool,
-             "config": lambda v: isinstance(v, dict) and isinstance(v.get("data_dir", ""), str),
-             "model_args": lambda v: isinstance(v, dict), "scaler": lambda v: isinstance(v, dict),
-             "rng": lambda v: isinstance(v, list) and all(map(rng, v)), "optimizer": optimizer,
-             "more_optimizers": lambda v: isinstance(v, list) and all(map(optimizer, v)), "param_groups": groups,
-             "tokenizer_fingerprint": lambda v: isinstance(v, str), "data_dir": lambda v: isinstance(v, str),
-             "data_fingerprint": lambda v: isinstance(v, dict) and all(isinstance(x, (str, type(None)))
-                                                                       for x in v.values()),
-             **dict.fromkeys(("pretrained", "base_fingerprint"), lambda v: v is None or isinstance(v, str))}
-    for name, fits in kinds.items():
-        if name in checkpoint and not fits(checkpoint[name]):
-            raise UserError(f"{path} holds {name}={str(checkpoint[name])[:60]!r}, which train.py never saves: use "
-                             f"another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
-
-
-def check_moments(state, params, path):
-    """UserError in one line where a saved moment has another shape than its parameter (a scalar, as Adam's step,
-    belongs to none): loaded, it would fail inside the optimizer's first step, or worse."""
-    for index, moments in state["state"].items():
-        param = params[index] if type(index) is int and 0 <= index < len(params) else None
-        # (an index that names no parameter, or moments that are no dict, are refused as a state that does not fit)
-        named = moments.items() if isinstance(moments, dict) and param is not None else [(index, None)]
-        for name, value in named:
-            if not isinstance(value, torch.Tensor) or value.dim() and value.shape != param.shape:
-                raise UserError(f"{path} holds an optimizer state {name!r} for parameter {index} that does not fit "
-                                 f"the model: use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
-
-
-def layer_count(names, prefix):
-    """How many blocks a set of weight names holds: the distinct N of the names that begin with prefix + 'N.'."""
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    return len({m.group(1) for m in map(pattern.match, names) if m})
-
-
-def check_shapes(model, shapes, names, where, fix):
-    """UserError in one line at the first of shapes ({name: shape}) that differs from model's parameter names maps
-    it to ({theirs: ours}); model is built on the meta device, so that a lie costs no memory."""
-    params = dict(model.named_parameters())
-    for theirs, ours in names.items():
-        if theirs in shapes and ours in params and tuple(shapes[theirs]) != tuple(params[ours].shape):
-            raise UserError(f"{theirs} in {where} has shape {tuple(shapes[theirs])}, but the sizes it states "
-                             f"imply {tuple(params[ours].shape)}: {fix}")
-
-
-def model_from_checkpoint(checkpoint, base_dtype=None, base=True, quantized=None, device=None, **overrides):
-    """A train.py checkpoint (load_checkpoint's) -> GPT with its weights. A LoRA run's holds only its adapters: they
-    go onto its base folder, read by hf.load_pretrained (base_dtype, quantized, device, overrides; not base: unread)."""
-    weights = checkpoint.get("model", {})  # a sharded checkpoint's are read into the model later (restore)
-    if not isinstance(checkpoint["model_args"], dict) or not isinstance(weights, dict) \
-            or not all(isinstance(name, str) for name in weights):
-        raise UserError("the checkpoint's model_args or model is not a dict (of weights by name): use another "
-                        "checkpoint")
-    args = {**checkpoint["model_args"], **overrides}
-    if not args.get("lora_rank"):
-        model = meta_model(args, weights)
-        try:
-            model.load_state_dict(weights, assign=True)
-        except RuntimeError as e:  # a tensor missing or left over: load_state_dict lists them all
-            why = str(e).splitlines()[-1].strip()[:200]
-            raise UserError(f"the checkpoint's weights do not fit its model_args ({why}): use another checkpoint") \
-                from None
-        return model.materialize()
-    from lib.hf import fingerprint, load_pretrained  # a LoRA run's base is a Hugging Face folder
-    from lib.lora import add_lora
-    folder = checkpoint["pretrained"]
-    if not os.path.isdir(folder):
-        raise UserError(f"the base model this LoRA run began from is not at {folder}: put it back there")
-    if fingerprint(folder) != checkpoint["base_fingerprint"]:
-        raise UserError(f"the base model at {folder} is not the one this LoRA run began from (its weights "
-                         f"differ): put that model back there")
-    model = load_pretrained(folder, base_dtype, None, base, quantized, device, dropout=args["dropout"],
-                            use_kernels=args["use_kernels"])
-    add_lora(model, args["lora_rank"], args["lora_alpha"], args["lora_dropout"], args["lora_targets"])
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=not base)
-    if unexpected or weights and any(p.requires_grad for name, p in model.named_parameters() if name in missing):
-        raise UserError("the checkpoint does not hold this model's adapters")
-    return model
-
-
-def meta_model(args, weights):
-    # GPT of args on the meta device (the tensors become its weights: no second copy), once its sizes, the
-    # tensors' shapes (a sharded checkpoint's come later, in restore) and values check
-    fix = "use another checkpoint"
-    check_sizes(args, "the checkpoint's model_args", fix)
-    if weights and (blocks := layer_count(weights, "blocks.")) != args["n_layer"]:
-        raise UserError(f"the checkpoint's model_args say n_layer={args['n_layer']}, but its weights hold "
-                         f"{blocks} blocks: {fix}")
-    try:
-        with torch.device("meta"):
-            model = GPT(GPTConfig(**args))
-    except (TypeError, ValueError) as e:  # a name GPTConfig does not know, or a value it cannot use
-        raise UserError(f"the checkpoint's model_args do not make a model ({e}): {fix}") from None
-    shapes = {name: tensor.shape for name, tensor in weights.items() if isinstance(tensor, torch.Tensor)}
-    check_shapes(model, shapes, {name: name for name in shapes}, "the checkpoint", fix)
-    for name, tensor in weights.items():  # a NaN would only show as a traceback in sampling, or a nan loss
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise UserError(f"the checkpoint's {name} holds a NaN or an infinite value: {fix}")
-    return model
 
 
 # -----------------------------------------------------------------------------
@@ -561,40 +373,3 @@ def rotate_step_copies(out_dir, step_now, keep_last_n):
     for step, old in steps:
         if step not in kept:
             retire(os.path.join(out_dir, old))
-
-
-# -----------------------------------------------------------------------------
-# resuming: the optimizers' state (and a sharded checkpoint's weights) into the model as laid out now
-
-
-def restore(path, checkpoint, model, optimizers, sharded, lora):
-    """Load what the model built from checkpoint still lacks: a sharded checkpoint's weights, resharded to this
-    layout, and every optimizer's state, whichever layout saved it. UserError in one line for a damaged one."""
-    if os.path.isdir(path) or sharded:  # torch's layouts, imported where shards are (dcp())
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    if os.path.isdir(path):  # each process reads what its shards need, resharded from however they were saved
-        model_state, optim_state = sharded_state(model, optimizers, lora)
-        from lib.dcp_metadata import CheckedReader
-        reader = CheckedReader(path)  # UserError for metadata that is not DCP's own, or a shard file missing
-        try:
-            with warnings.catch_warnings():  # without a process group it warns that it reads in one process
-                warnings.simplefilter("ignore")
-                dcp().load({"model": model_state, "optimizer": optim_state["state"]}, storage_reader=reader)
-        except (dcp().api.CheckpointException, RuntimeError, OSError) as e:
-            raise UserError(f"{path} is not a readable sharded checkpoint ({first_line(e)}); resume "
-                             f"from another (ckpt_best, ckpt_NNNNNNN)") from None
-        optim_state["param_groups"] = checkpoint["param_groups"]
-        set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
-                       options=StateDictOptions(strict=not lora))
-    elif sharded:  # a single file into shards: keyed by parameter name, split as the parameters are
-        order = parameter_names(model, optimizers[0])
-        saved = checkpoint["optimizer"]
-        check_moments(saved, [dict(model.named_parameters())[name] for name in order], path)
-        groups = [{**group, "params": [order[i] for i in group["params"]]} for group in saved["param_groups"]]
-        optim_state = {"state": {order[i]: moments for i, moments in saved["state"].items()}, "param_groups": groups}
-        set_state_dict(model, optimizers, model_state_dict={}, optim_state_dict=optim_state,
-                       options=StateDictOptions(full_state_dict=True))
-    else:
-        for opt, state in zip(optimizers, [checkpoint["optimizer"], *checkpoint["more_optimizers"]]):
-            check_moments(state, [p for group in opt.param_groups for p in group["params"]], path)
-            opt.load_state_dict(state)

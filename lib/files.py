@@ -238,7 +238,7 @@ def tokenizer_fingerprint(data_dir, meta):
 def data_fingerprint(meta):
     """What a checkpoint keeps of its data beside its tokenizer's fingerprint: digests of the splits' sizes and of
     the chat template its conversations were made with (None without one), which preparing the folder again may
-    change: a resume says so (start.resume); sample.py and export.py refuse another template (trained.run_chat)."""
+    change: a resume says so (resume.resume); sample.py and export.py refuse another template (trained.run_chat)."""
     chat = meta.get("chat") and {k: v for k, v in meta["chat"].items() if k not in ("template_from", "train_on")}
     splits = [meta.get(split, {}).get("tokens") for split in ("train", "val")]
     return {name: None if value is None else blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=8)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lib.bounds import confined
-from lib.checkpoint import check_shapes, layer_count
+from lib.bounds import check_shapes, confined, layer_count
 from lib.files import UserError, check_regular, open_own, read_json
 from lib.settings import LLAMA3_SCALING, check_sizes
 from model import GPT, PROJECTIONS, GPTConfig

@@ -68,7 +68,7 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
     keeps the one it began with (before: its checkpoint) on the same device, budget and processes; else the largest
     whose peak (memory_estimate's; on a CPU, plus what the process holds beside the weights) fits in memory_budget GiB
     (0: available_memory) less 10%, tried once and halved if out of memory (FSDP and TP rely on the estimate alone).
-    same_batches: the resume's steps draw the batches its checkpoint's did (start.resume), and a new split is noted."""
+    same_batches: the resume's steps draw the batches its checkpoint's did (resume.resume), and a new split is noted."""
     if sequences % layout["dp"]:
         raise UserError(f"batch_size='auto': the {sequences} sequences of an update (batch_size x "
                         f"gradient_accumulation_steps) must be a multiple of the {layout['dp']} data-parallel replicas")
@@ -103,7 +103,7 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
         b, halved = tried_micro_batch(model, b, share, block_size, device, autocast)
         note += f"\n{halved}" if halved else ""
     if before and same_batches:  # a resume's updates, the same batches, split otherwise than its checkpoint's
-        from lib.start import split_note
+        from lib.resume import split_note
         note += "".join("\n" + line for line in split_note(config, b, sequences // b, model.config.dropout))
     return b, f"{note}\n{shared.format(b, share // b)}"
 

@@ -8,7 +8,6 @@ or a run that already stopped early), decided once from train.py's settings and 
 
 import atexit
 import errno
-import math
 import os
 import re
 import secrets
@@ -20,8 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from lib import checkpoint as ckpt
-from lib.data import val_measure
-from lib.files import UserError, data_fingerprint, lock_folder, read_json, tokenizer_fingerprint, unlock_folder
+from lib.files import UserError, lock_folder, read_json, unlock_folder
 from lib.parallel import stop_together, this_process
 from lib.settings import check_sizes, defaults, model_settings
 from model import GPT, GPTConfig
@@ -30,9 +28,6 @@ from model import GPT, GPTConfig
 # vocabulary (checked against the data's) is the model's shape, which a resume cannot change
 RUN_SETTINGS = ("dropout", "use_kernels", "block_size")
 SHAPE = tuple(f.name for f in fields(GPTConfig) if f.name not in (*RUN_SETTINGS, "vocab_size"))
-# the settings of the run's learning rates and where they end (max_iters: its own note)
-SCHEDULE = ("lr_decay_iters", "warmup_iters", "warmup_ratio", "max_epochs", "learning_rate", "min_lr", "muon_lr",
-            "decay_lr", "lr_schedule", "lr_decay_fraction", "lr_cycle_iters", "lr_power")
 LORA_SETTINGS = tuple(name for name in SHAPE if name.startswith("lora_"))  # the adapters' rank, scale, dropout, targets
 
 
@@ -128,6 +123,7 @@ def begin(config, vocab_size, meta, fsdp, eval_sequences, mapped=False):
                     sharded=os.path.isdir(found) if found else fsdp, loop=dict(ckpt.LOOP),
                     lora_base_dtype=config["lora_base_dtype"])
     if checkpoint is not None:
+        from lib.resume import resume
         resume(origin, config, meta, eval_sequences)
         if origin.stopped:
             return origin
@@ -180,7 +176,7 @@ def frozen_dtype(lora_base_dtype, dtype):
 
 def first_model(origin, config, dtype, weights=True, device="cpu"):
     """The model the run begins with, on the CPU, and its model_args: the checkpoint's (a sharded one's weights come
-    in ckpt.restore), a Hugging Face folder's with this run's LoRA adapters, or a new one. Full fine-tuning keeps fp32
+    in resume.restore), a Hugging Face folder's with this run's LoRA adapters, or a new one. Full fine-tuning keeps fp32
     weights (autocast computes in dtype); a frozen LoRA base is held in dtype, or nf4 or int8 quantized from it on
     device, a weight at a time as the folder is read (QLoRA's base is never whole in dtype).
     Not weights: a folder's model with memory for its weights, not yet written (nor resident), that the master's
@@ -195,8 +191,9 @@ def first_model(origin, config, dtype, weights=True, device="cpu"):
                         f"{origin.lora_base_dtype!r}): resume with --dtype={held}, or train anew into another out_dir")
     torch.manual_seed(config["seed"])  # the same initial weights in every process
     if checkpoint is not None and (lora or not os.path.isdir(origin.found)):
+        from lib.resume import model_from_checkpoint
         run_settings = {k: model_args[k] for k in RUN_SETTINGS}
-        return ckpt.model_from_checkpoint(checkpoint, base_dtype, True, quantized, device, **run_settings), model_args
+        return model_from_checkpoint(checkpoint, base_dtype, True, quantized, device, **run_settings), model_args
     if checkpoint is None and origin.pretrained:
         from lib.hf import load_pretrained
         try:  # (the master may be alone to read the weights, and to meet a NaN in them: all stop with it)
@@ -256,138 +253,6 @@ def rng_state(device_type):
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}
 
 
-def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
-    # this process's random state from the checkpoint's (every process's) where as many saved them in replicas of as
-    # many processes (a replica's tensor-parallel processes share one dropout stream); else the seed's streams
-    rngs = checkpoint["rng"]
-    if len(rngs) == world_size and checkpoint["config"].get("tp_size", 1) == tp_size:
-        torch.set_rng_state(rngs[rank]["cpu"])
-        if device_type == "cuda" and rngs[rank]["cuda"] is not None:
-            torch.cuda.set_rng_state(rngs[rank]["cuda"])
-
-
-def resolved(settings):
-    # GPTConfig's fields of settings, each 0 that stands for a size made the size (n_kv_head, head_size, mlp_hidden),
-    # lora_targets the set it names (q,v is v,q)
-    try:
-        out = asdict(GPTConfig(**{f.name: settings[f.name] for f in fields(GPTConfig) if f.name in settings}))
-        return {**out, "lora_targets": set(str(out["lora_targets"]).split(","))}
-    except (TypeError, ValueError):  # (sizes GPTConfig refuses: compared as given)
-        return settings
-
-
-def resume(origin, config, meta, eval_sequences):
-    # origin from its checkpoint (a LoRA run's base held as it was: 4 bits stay 4 bits); notes on what changed
-    checkpoint, found = origin.checkpoint, origin.found
-    check_resume(checkpoint, config, meta["vocab_size"], found)
-    trained_on = checkpoint.get("tokenizer_fingerprint")  # (none in a checkpoint from before it was kept)
-    if trained_on and trained_on != tokenizer_fingerprint(config["data_dir"], meta):
-        raise UserError(f"{config['data_dir']} was prepared with another tokenizer than the one {found} was trained "
-                        f"on (its ids would mean other words): resume on the data it was trained on, or train anew "
-                        f"into another out_dir")
-    origin.pretrained, origin.base_fingerprint = checkpoint.get("pretrained"), checkpoint.get("base_fingerprint")
-    origin.model_args = {**checkpoint["model_args"], **{k: config[k] for k in RUN_SETTINGS}}  # (this run's)
-    if origin.pretrained:  # its block_size is the model's own limit, not the length trained on
-        origin.model_args["block_size"] = checkpoint["model_args"]["block_size"]
-    loop = origin.loop = {k: checkpoint[k] for k in ckpt.LOOP}
-    origin.lora = origin.model_args.get("lora_rank", 0)
-    before = checkpoint["config"]
-    if origin.lora:  # the base as it was held: this command may leave the setting out, not change it
-        origin.lora_base_dtype = before.get("lora_base_dtype", config["lora_base_dtype"])
-        if config["lora_base_dtype"] not in ("auto", origin.lora_base_dtype):
-            raise UserError(f"{found} was trained on a base held as lora_base_dtype={origin.lora_base_dtype!r}; "
-                            f"resume with that (or leave it out), or train anew into another out_dir")
-    origin.notes.append(f"resuming {found} at step {loop['iter_num']}")
-    splits = checkpoint.get("data_fingerprint", {}).get("splits")
-    prepared_again = splits not in (None, data_fingerprint(meta)["splits"])
-    if prepared_again:
-        origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
-                            f"sizes differ): the run goes on through other sequences than it would have seen")
-    measured = val_measure(config, meta)
-    scored_whole = measured[1]  # (val_measure's) else random windows: how many (eval_iters x batch_size x replicas)
-    other_windows = not scored_whole and checkpoint.get("eval_sequences", eval_sequences) != eval_sequences
-    if (prepared_again or val_measure(before, meta) != measured or other_windows) and loop["best_val_loss"] < math.inf:
-        origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
-                            f"eval_full, eval_stride, doc_mask, sequences, the val windows read: eval_iters x "
-                            f"batch_size x processes, or the data changed): its best val loss "
-                            f"{loop['best_val_loss']:.4f} and early stopping's count start anew: the next "
-                            f"evaluation replaces ckpt_best (copy it elsewhere to keep the old measure's best)")
-        loop["best_val_loss"], loop["evals_without_gain"] = float("inf"), 0
-    if 0 < config["early_stop_patience"] <= loop["evals_without_gain"] and not config["eval_only"]:
-        origin.stopped = True
-        origin.notes.append(f"this run stopped early at step {loop['iter_num']} (no better val loss in "
-                            f"{loop['evals_without_gain']} evaluations): nothing to do; raise early_stop_patience "
-                            f"to train on")
-        return
-    # a step's batches depend on these alone, not on how processes and micro-steps share them (batch_size='auto')
-    def shaping(c):
-        return (c.get("seed"), c.get("sequences"), c.get("block_size"),
-                c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0))
-    origin.same_batches = shaping(before) == shaping(config)
-    if not origin.same_batches:
-        anew = " (and its epochs are counted anew: a ckpt_epoch_N may be written again)" if config["max_epochs"] else ""
-        origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "
-                            "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
-                            f"not on the batches the first run would have seen{anew}")
-    elif not config["batch_size_auto"]:  # (under 'auto' micro_batch.py splits them, and says so)
-        origin.notes += split_note(before, config["batch_size"], config["gradient_accumulation_steps"],
-                                   config["dropout"])
-    origin.notes += schedule_notes(before, config, loop["iter_num"])
-
-
-def split_note(before, batch_size, accumulation, dropout):
-    # [the note] where a resume splits the same updates as batch_size x accumulation, otherwise than its checkpoint
-    # (before: its config), under the same dropout (a changed one has its own note): its masks, drawn a micro-step at
-    # a time, are not those of the run it continues
-    was = (before.get("batch_size", 0), before.get("gradient_accumulation_steps", 0))
-    if dropout > 0 and before.get("dropout") == dropout and was != (batch_size, accumulation) and \
-            was[0] * was[1] == batch_size * accumulation:
-        return [f"note: an update's sequences are split {batch_size} x {accumulation}, not as the checkpoint's: the "
-                f"same batches, but dropout draws its masks a micro-step at a time, and they differ from the run it "
-                f"continues"]
-    return []
-
-
-def schedule_notes(before, config, step):
-    # what a resume at step changes of the run's end, its learning rates, dropout, clipping and dtype (before:
-    # the checkpoint's config)
-    if config["max_iters"] < step and not config["eval_only"]:  # (the loop ends where it begins)
-        return [f"note: max_iters={config['max_iters']} is behind the checkpoint's step {step}: nothing is trained "
-                f"(raise max_iters to train on)"]
-    notes, moved = [], before.get("max_iters") != config["max_iters"]
-    if moved:  # the run's end moves, and with lr_decay_iters its schedule
-        was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
-            else ""
-        cut = f" (or at the {config['max_epochs']} epochs' last, if sooner)" if config["max_epochs"] > 0 else ""
-        notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's {before.get('max_iters')}: "
-                     f"the run ends at step {config['max_iters']}{cut}; lr_decay_iters, the schedule's length, is "
-                     f"{config['lr_decay_iters']}{cut}{was}")
-    changed = [k for k in SCHEDULE if before.get(k, config[k]) != config[k] and not (moved and k == "lr_decay_iters")]
-    if changed and config["max_iters"] > step and not config["eval_only"]:
-        notes.append(f"note: the learning rate's schedule is this command's, not the checkpoint's ("
-                     f"{'; '.join(f'{k}={config[k]}, was {before[k]}' for k in changed)}): from step {step} on the "
-                     f"run differs from the one it continues")
-    # more that a resume takes from its command, and that changes the updates (dtype: 'auto' is the machine's)
-    taken = [k for k in ("dropout", "grad_clip", "dtype") if config[k] not in ("auto", before.get(k, config[k]))]
-    if taken and config["max_iters"] > step and not config["eval_only"]:
-        notes.append(f"note: {'; '.join(f'{k}={config[k]}, was {before[k]}' for k in taken)}: this command's, not "
-                     f"the checkpoint's, from step {step} on")
-    return notes
-
-
-def load_checked(path, needed, **load):
-    """path's checkpoint (ckpt.load_checkpoint's, with load's options), checked to be this train.py's and to hold the
-    keys needed: a resume's (starting_point), or those sample.py, eval.py and export.py read (trained.load_model)."""
-    checkpoint = ckpt.load_checkpoint(path, **load)
-    if isinstance(checkpoint, dict):
-        ckpt.check_not_nanogpts(checkpoint, path)
-    missing = needed - checkpoint.keys() if isinstance(checkpoint, dict) else needed
-    if missing:
-        raise UserError(f"{path} is not a checkpoint of this train.py (it lacks {', '.join(sorted(missing))})")
-    ckpt.check_values(checkpoint, path)
-    return checkpoint
-
-
 def starting_point(out_dir, init_from, found, mapped=False):
     """init_from resolved to 'scratch', 'resume' or a Hugging Face folder by what out_dir holds (found), and a
     resume's checkpoint: 'auto' resumes any, a folder the run that began from it (the same command after a
@@ -401,7 +266,8 @@ def starting_point(out_dir, init_from, found, mapped=False):
             raise UserError(f"init_from={init_from!r} is not 'scratch', 'resume', 'auto' or a Hugging Face model "
                              f"folder (it has no config.json){gpt2}")
         if found:
-            began_from = ckpt.load_checkpoint(found, mmap=True, weights=False, verify=False).get("pretrained")
+            from lib.resume import load_checkpoint
+            began_from = load_checkpoint(found, mmap=True, weights=False, verify=False).get("pretrained")
             if began_from != os.path.abspath(init_from):
                 raise UserError(f"{out_dir} holds a run that began from {began_from or 'scratch'}, not "
                                  f"{os.path.abspath(init_from)}: train into another out_dir")
@@ -417,6 +283,7 @@ def starting_point(out_dir, init_from, found, mapped=False):
     if not found:
         raise UserError(f"no checkpoint at {os.path.join(out_dir, 'ckpt.pt')} to resume from (train first, or "
                          f"set init_from='scratch')")
+    from lib.resume import load_checked
     # all but a sharded checkpoint's weights and moments, which restore reads
     needed = ckpt.NEEDED - {"model", "optimizer"} | {"param_groups"} if os.path.isdir(found) else ckpt.NEEDED
     checkpoint = load_checked(found, needed, weights=False, mmap=mapped)
@@ -426,37 +293,3 @@ def starting_point(out_dir, init_from, found, mapped=False):
                                checkpoint) if mapped else checkpoint
 
 
-def check_resume(checkpoint, config, data_vocab, path):
-    """UserError, in one line, where this run's settings (config) cannot continue checkpoint (read from path)."""
-    if checkpoint.get("format") != ckpt.FORMAT:
-        raise UserError(f"{path} was written by another train.py (checkpoint format {checkpoint.get('format')}, "
-                         f"this one resumes {ckpt.FORMAT}): resume it with the train.py that wrote it, or train anew")
-    args = checkpoint["model_args"]  # (a dict: checkpoint.check_values)
-    check_sizes(args, f"{path}'s model_args", "use another checkpoint")
-    # a sharded checkpoint's weights come once the model is built: count its blocks first by the names its
-    # param_groups hold (a file checkpoint's hold numbers; model_from_checkpoint counts its weights' names)
-    names = [name for group in checkpoint.get("param_groups") or [] for name in group.get("params", [])
-             if isinstance(name, str)]
-    if names and not args.get("lora_rank") and (blocks := ckpt.layer_count(names, "blocks.")) != args["n_layer"]:
-        raise UserError(f"{path}'s model_args say n_layer={args['n_layer']}, but it holds the weights of "
-                         f"{blocks} blocks: use another checkpoint")
-    if data_vocab > args["vocab_size"]:
-        raise UserError(f"the checkpoint's vocab_size {args['vocab_size']} is smaller than the data's "
-                         f"{data_vocab}: resume with the data it was trained on")
-    if checkpoint.get("pretrained") and config["block_size"] > args["block_size"]:
-        raise UserError(f"block_size={config['block_size']} is past the {args['block_size']} positions of the "
-                         f"model {checkpoint['pretrained']}")
-    # a pretrained model's shape is its folder's; its adapters are the run's own, and a resume keeps them
-    shape = LORA_SETTINGS if checkpoint.get("pretrained") else SHAPE
-    # as given and as GPTConfig makes them: mlp_hidden=0 and the width it stands for are one model, and a 0 that
-    # stands for another width with n_embd is n_embd's change
-    mine, theirs = resolved(config), resolved(args)
-    changed = [k for k in shape if k in args and k in config and config[k] != args[k] and mine[k] != theirs[k]]
-    changed += ["vocab_size"] * (config["vocab_size"] not in (0, args["vocab_size"]))  # (0: whatever it holds)
-    if changed:
-        raise UserError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "
-                         f"{', '.join(f'{k}={config[k]}' for k in changed)}: resume with the checkpoint's shape, "
-                         f"or train the new one into another out_dir")
-    trained_with = checkpoint["config"].get("optimizer", "adamw")
-    if trained_with != config["optimizer"]:
-        raise UserError(f"{path} was trained with optimizer={trained_with!r}: resume with --optimizer={trained_with}")

@@ -8,10 +8,11 @@ tokenizer of the data it was trained on, and the folder whose chat template it c
 
 import os
 
-from lib.checkpoint import find_checkpoint, model_from_checkpoint
+from lib.checkpoint import find_checkpoint
 from lib.files import UserError, data_fingerprint, read_meta, tokenizer_fingerprint
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
-from lib.start import check_fused_ops, frozen_dtype, load_checked, quantized_kind
+from lib.resume import load_checked, model_from_checkpoint
+from lib.start import check_fused_ops, frozen_dtype, quantized_kind
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
 
 

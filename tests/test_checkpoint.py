@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lib import checkpoint as ckpt
+from lib import resume
 from lib import start
 from lib.files import durable_replace
 from lib.optim import build_optimizers
@@ -51,11 +52,11 @@ def plain_run(out_dir, steps=1):
 def test_a_file_checkpoint_holds_torchs_own_state_dicts_and_its_copies(tmp_path):
     model, optimizers = plain_run(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt_0000001.pt", "ckpt_best.pt"]
-    saved = ckpt.load_checkpoint(str(tmp_path / "ckpt.pt"))
+    saved = resume.load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert saved.keys() >= {"model", "optimizer", "more_optimizers", "iter_num"} and saved["more_optimizers"] == []
     assert all(torch.equal(saved["model"][k], v) for k, v in model.state_dict().items())
     assert saved["optimizer"]["param_groups"] == optimizers[0].state_dict()["param_groups"]
-    rebuilt = ckpt.model_from_checkpoint(saved)
+    rebuilt = resume.model_from_checkpoint(saved)
     assert all(torch.equal(rebuilt.state_dict()[k], v) for k, v in model.state_dict().items())
     # each name a file of its own: the bytes the same, and a copy over one (as going back to a step checkpoint
     # by hand does: cp writes into the file it replaces) leaves the others as they were
@@ -112,7 +113,7 @@ def test_keep_last_n_after_a_resume_from_an_earlier_step_keeps_the_new_steps(tmp
     # (the left-behind 4 is among the last 2 steps still: it goes at the next save)
     assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_0000003{suffix}", f"ckpt_0000004{suffix}",
                                             f"ckpt_0000005{suffix}", f"ckpt_0000006{suffix}"]
-    assert ckpt.load_checkpoint(str(tmp_path / f"ckpt_0000005{suffix}"))["iter_num"] == 5
+    assert resume.load_checkpoint(str(tmp_path / f"ckpt_0000005{suffix}"))["iter_num"] == 5
     ckpt.save(str(tmp_path), {"iter_num": 6}, model, optimizers, sharded=sharded, lora=0, keep_last_n=2)
     assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_0000005{suffix}", f"ckpt_0000006{suffix}"]
 
@@ -138,7 +139,7 @@ def test_a_resume_takes_each_processs_random_state_only_in_the_same_replicas():
     checkpoint = {"rng": saved, "config": {"tp_size": 1}}
     for tp_size, taken in ((1, True), (2, False)):
         torch.manual_seed(0)
-        start.resume_rng(checkpoint, 1, 2, tp_size, "cpu")
+        resume.resume_rng(checkpoint, 1, 2, tp_size, "cpu")
         assert torch.equal(torch.get_rng_state(), saved[1]["cpu"]) is taken
 
 
@@ -161,10 +162,10 @@ def test_a_save_that_fails_making_its_copies_leaves_the_checkpoint_before_it(tmp
                                              f"is intact"):
         ckpt.save(out, {"iter_num": 2}, model, optimizers, sharded=sharded, lora=0, improved=True)
     assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_best{suffix}"]
-    assert ckpt.latest(out, sharded)[1] == 1 and ckpt.load_checkpoint(out + f"/ckpt_best{suffix}")["iter_num"] == 1
+    assert ckpt.latest(out, sharded)[1] == 1 and resume.load_checkpoint(out + f"/ckpt_best{suffix}")["iter_num"] == 1
     monkeypatch.setattr(ckpt, "copy_file", copy_file)  # room again: the resumed run saves step 2, copies and all
     ckpt.save(out, {"iter_num": 2}, model, optimizers, sharded=sharded, lora=0, improved=True)
-    assert [ckpt.load_checkpoint(out + f"/{name}{suffix}")["iter_num"] for name in ("ckpt", "ckpt_best")] == [2, 2]
+    assert [resume.load_checkpoint(out + f"/{name}{suffix}")["iter_num"] for name in ("ckpt", "ckpt_best")] == [2, 2]
 
 
 def test_a_full_disk_at_the_start_says_make_room_and_leaves_out_dir_as_it_was(tmp_path, monkeypatch):
@@ -203,4 +204,4 @@ def test_a_sharded_save_whose_shards_are_not_all_in_place_is_never_published(tmp
     assert torch.load(tmp_path / "ckpt" / "state.pt", weights_only=True)["iter_num"] == 1
     os.truncate(tmp_path / "ckpt" / "__0_0.distcp", 10)  # a published checkpoint's shard cut short: named to read
     with pytest.raises(ckpt.UserError, match=r"ckpt lacks its shard file __0_0.distcp \(of 1 missing or cut short\)"):
-        ckpt.load_checkpoint(str(tmp_path / "ckpt"))
+        resume.load_checkpoint(str(tmp_path / "ckpt"))

@@ -295,7 +295,7 @@ def test_a_lora_run_on_the_gpu_exports_in_float32_with_its_adapters_whole(pretra
     # the held weight plus the adapters' change, not that sum rounded to bf16
     from safetensors.torch import load_file
 
-    from lib.checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.resume import load_checkpoint, model_from_checkpoint
     folder, data = pretrained
     out = gpu_train(*LORA, f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path / 'run'}",
                     "--max_iters=4", "--device=cuda")

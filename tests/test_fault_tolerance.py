@@ -483,7 +483,7 @@ def test_out_of_range_token_names_file_and_position(data_dir, tmp_path):
 
 def final_weights(out_dir):
     # the weights of a run's last checkpoint, a file or (FSDP) a sharded folder
-    from lib.checkpoint import read_sharded
+    from lib.resume import read_sharded
     return read_sharded(str(out_dir / "ckpt")) if (out_dir / "ckpt").is_dir() else weights(out_dir)
 
 

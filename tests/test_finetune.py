@@ -329,7 +329,7 @@ def test_a_qlora_run_in_bfloat16_is_exported_on_the_base_it_trained_on(pretraine
     pytest.importorskip("torchao", reason="a 4-bit base needs torchao (pip install torchao)")
     from safetensors.torch import load_file
 
-    from lib.checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.resume import load_checkpoint, model_from_checkpoint
     from lib.lora import merge_lora
     folder, data = pretrained
     run(*LORA, "--lora_base_dtype=nf4", "--dtype=bfloat16", f"--data_dir={data}", f"--init_from={folder}",
@@ -358,7 +358,7 @@ def test_a_lora_run_on_a_bfloat16_base_exports_in_float32_with_its_adapters_whol
     # first, which lost ~5% of the adapters' change (the small entries of B·A below a bf16 weight's last bit)
     from safetensors.torch import load_file
 
-    from lib.checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.resume import load_checkpoint, model_from_checkpoint
     folder, data = pretrained
     run(*LORA, "--lora_base_dtype=bfloat16", f"--data_dir={data}", f"--init_from={folder}",
         f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
@@ -382,7 +382,7 @@ def export(*args, check=True):
 
 def run_model(out_dir):
     # the model of a run's checkpoint, as sample.py and export.py rebuild it
-    from lib.checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.resume import load_checkpoint, model_from_checkpoint
     return model_from_checkpoint(load_checkpoint(out_dir / "ckpt.pt"), use_kernels=False).eval()
 
 

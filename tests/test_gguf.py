@@ -46,7 +46,7 @@ def exported(folder, tmp_path, *args):
 
 
 def run_model(folder):
-    from lib.checkpoint import load_checkpoint, model_from_checkpoint
+    from lib.resume import load_checkpoint, model_from_checkpoint
     return model_from_checkpoint(load_checkpoint(folder / "run" / "ckpt.pt"))
 
 

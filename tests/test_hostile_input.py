@@ -26,7 +26,7 @@ import torch
 import prepare
 from helpers import needs_tiktoken, new_python, train_refusal
 from lib import checkpoint as ckpt
-from lib import start
+from lib import resume
 from lib import hf
 from lib.files import UserError, read_meta
 from lib.tokenizer import load_tokenizer
@@ -179,9 +179,9 @@ def tiny_checkpoint(**args):
     ({"block_size": 10**12}, "block_size=1000000000000"),
 ])
 def test_model_args_are_checked_against_the_tensors_before_anything_is_built(monkeypatch, args, says):
-    built_on_meta_only(monkeypatch, ckpt)
+    built_on_meta_only(monkeypatch, resume)
     with pytest.raises(ValueError, match=says):
-        ckpt.model_from_checkpoint(tiny_checkpoint(**args))
+        resume.model_from_checkpoint(tiny_checkpoint(**args))
 
 
 @pytest.mark.parametrize("args, says", [({"n_layer": 10**9}, "n_layer=1000000000, but it holds the weights of 2"),
@@ -193,7 +193,7 @@ def test_a_sharded_checkpoint_is_checked_before_its_model_is_built_to_resume(arg
     state = {"format": ckpt.FORMAT, "model_args": {**asdict(TINY), **args}, "param_groups": [{"params": names}],
              "config": {}}
     with pytest.raises(ValueError, match=says):
-        start.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt")
+        resume.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt")
 
 
 @pytest.mark.parametrize("written", [{"format": ckpt.FORMAT - 1}, {}])
@@ -202,23 +202,23 @@ def test_a_checkpoint_of_another_format_is_refused_to_resume_in_one_line(written
     state = {**written, "model_args": asdict(TINY), "config": {}}
     with pytest.raises(ValueError, match=r"^out/ckpt.pt was written by another train.py \(checkpoint format "
                                          r".*resume it with the train.py that wrote it"):
-        start.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt.pt")
+        resume.check_resume(state, {"optimizer": "adamw", "block_size": 16}, 64, "out/ckpt.pt")
 
 
 def test_a_checkpoint_with_tensors_its_model_lacks_is_one_line():
     checkpoint = tiny_checkpoint()
     checkpoint["model"]["blocks.0.extra"] = torch.zeros(3)
     with pytest.raises(ValueError, match="do not fit its model_args"):
-        ckpt.model_from_checkpoint(checkpoint)
+        resume.model_from_checkpoint(checkpoint)
     checkpoint["model"][3] = checkpoint["model"].pop("blocks.0.extra")  # a weight's name that is no name
     with pytest.raises(ValueError, match=r"model is not a dict \(of weights by name\)"):
-        ckpt.model_from_checkpoint(checkpoint)
+        resume.model_from_checkpoint(checkpoint)
 
 
 def test_an_empty_ckpt_pt_is_one_line(tmp_path):
     (tmp_path / "ckpt.pt").write_bytes(b"")
     with pytest.raises(ValueError, match="not a readable checkpoint"):
-        ckpt.load_checkpoint(tmp_path / "ckpt.pt")
+        resume.load_checkpoint(tmp_path / "ckpt.pt")
 
 
 def test_bytes_of_any_other_kind_named_ckpt_pt_are_one_line(tmp_path):
@@ -228,7 +228,7 @@ def test_bytes_of_any_other_kind_named_ckpt_pt_are_one_line(tmp_path):
     for data in [b"hello\n", *(rng.integers(0, 256, rng.integers(1, 64), dtype=np.uint8).tobytes() for _ in range(200))]:
         (tmp_path / "ckpt.pt").write_bytes(data)
         with pytest.raises(ValueError, match="not a readable checkpoint|holds objects other than tensors"):
-            ckpt.load_checkpoint(tmp_path / "ckpt.pt")
+            resume.load_checkpoint(tmp_path / "ckpt.pt")
 
 # -----------------------------------------------------------------------------
 # prepare.py: text with no safe cut, --min_length on big files, nested JSON
@@ -673,7 +673,7 @@ def test_a_nan_weight_is_named_when_a_model_is_loaded(folder):
     checkpoint = tiny_checkpoint()
     checkpoint["model"]["blocks.0.attn.q.weight"][0, 0] = float("inf")
     with pytest.raises(UserError, match="the checkpoint's blocks.0.attn.q.weight holds a NaN or an infinite value"):
-        ckpt.model_from_checkpoint(checkpoint)
+        resume.model_from_checkpoint(checkpoint)
 
 
 @pytest.mark.parametrize("factor", [0, "8", float("nan")])
@@ -686,7 +686,7 @@ def test_rope_scaling_that_would_divide_by_zero_or_by_a_string_is_one_line(folde
     checkpoint = tiny_checkpoint()  # a checkpoint's model_args, checked by the same rule (a KeyError before)
     checkpoint["model_args"]["rope_scaling"] = {"factor": factor}
     with pytest.raises(UserError, match="the checkpoint's model_args says rope_scaling .* must hold numbers above 0"):
-        ckpt.model_from_checkpoint(checkpoint)
+        resume.model_from_checkpoint(checkpoint)
 
 
 def test_a_missing_tensor_is_named_before_the_memory_for_the_model_is_taken(folder, monkeypatch):

@@ -5,7 +5,8 @@ import torch
 
 from helpers import STANDARD, TINY, losses, run, standard_run, train_refusal
 
-from lib.checkpoint import find_checkpoint, load_checkpoint
+from lib.checkpoint import find_checkpoint
+from lib.resume import load_checkpoint
 from lib.files import UserError, read_meta
 from lib.hf import save_pretrained
 from lib.settings import defaults

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from lib.checkpoint import find_checkpoint, load_checkpoint
+from lib.checkpoint import find_checkpoint
+from lib.resume import load_checkpoint
 from test_fault_tolerance import kill, start, wait_for
 from helpers import (EXACT, STANDARD, TINY, assert_every_kernel_ran, assert_no_kernel_ran, assert_weights_close,
                      exact_fsdp_run, kernel_counter, losses, master_reads, run, script, standard_run, train_refusal,

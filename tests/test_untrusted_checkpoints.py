@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from helpers import TINY, run, script
 from lib import checkpoint as ckpt
+from lib import resume
 from lib.optim import build_optimizers
 from lib.settings import defaults
 
@@ -50,8 +51,8 @@ def write_runs(folder):
     assert prepared.returncode == 0, prepared.stderr
     files, sharded = folder / "files", folder / "sharded"
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={files}", "--max_iters=2", "--eval_interval=2")
-    saved = ckpt.load_checkpoint(str(files / "ckpt.pt"))
-    model = ckpt.model_from_checkpoint(saved)
+    saved = resume.load_checkpoint(str(files / "ckpt.pt"))
+    model = resume.model_from_checkpoint(saved)
     optimizers = build_optimizers(model, {**defaults(), "optimizer": "adamw",
                                   "learning_rate": 1e-2, "weight_decay": 0.1}, "cpu")
     optimizers[0].load_state_dict(saved["optimizer"])
@@ -94,8 +95,8 @@ SCRIPTS = ["sample", "eval", "export", "train"]
 
 
 def test_a_genuine_sharded_checkpoint_reads_through_the_checked_metadata(runs):
-    weights = ckpt.read_sharded(str(runs / "sharded" / "ckpt"))
-    files = ckpt.load_checkpoint(str(runs / "files" / "ckpt.pt"))["model"]
+    weights = resume.read_sharded(str(runs / "sharded" / "ckpt"))
+    files = resume.load_checkpoint(str(runs / "files" / "ckpt.pt"))["model"]
     assert weights.keys() == files.keys() and all(torch.equal(weights[k], files[k]) for k in files)
 
 
@@ -151,7 +152,7 @@ def test_metadata_pointing_outside_its_folder_is_refused(runs, tmp_path):
     with open(out / "ckpt" / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     with pytest.raises(ValueError, match=r"points at '../../elsewhere.distcp', not a file of its own folder"):
-        ckpt.read_sharded(str(out / "ckpt"))
+        resume.read_sharded(str(out / "ckpt"))
 
 
 @pytest.mark.parametrize("damage", ["no chunks", "a chunk twice", "past its size", "no size"])
@@ -172,7 +173,7 @@ def test_metadata_whose_chunks_do_not_cover_a_tensor_once_is_refused(runs, tmp_p
     with open(out / "ckpt" / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     with pytest.raises(ValueError, match=r"\.metadata: the shards of model\.wte\.weight (do|have|hold|overlap)"):
-        ckpt.read_sharded(str(out / "ckpt"))
+        resume.read_sharded(str(out / "ckpt"))
 
 
 @pytest.mark.parametrize("which", SCRIPTS)

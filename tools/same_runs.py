@@ -29,7 +29,7 @@ import torch
 
 HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
-from lib.checkpoint import load_checkpoint  # noqa: E402 (this checkout's: a file, or a sharded folder, whole)
+from lib.resume import load_checkpoint  # noqa: E402 (this checkout's: a file, or a sharded folder, whole)
 TINY = ["--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--lr_decay_iters=20", "--learning_rate=1e-2",
         "--max_iters=8", "--eval_interval=4", "--keep_last_n=2", "--device=cpu"]
