@@ -25,13 +25,14 @@ from lib.bounds import check_shapes, layer_count
 from lib.checkpoint import dcp, first_line, parameter_names, sharded_state
 from lib.data import val_measure
 from lib.files import UserError, check_regular, data_fingerprint, tokenizer_fingerprint
+from lib.optim import SCHEDULE_SETTINGS
 from lib.settings import check_sizes
 from lib.start import LORA_SETTINGS, RUN_SETTINGS, SHAPE
 from model import GPT, GPTConfig
 
-# the settings of the run's learning rates and where they end (max_iters: its own note)
-SCHEDULE = ("lr_decay_iters", "warmup_iters", "warmup_ratio", "max_epochs", "learning_rate", "min_lr", "muon_lr",
-            "decay_lr", "lr_schedule", "lr_decay_fraction", "lr_cycle_iters", "lr_power")
+# the settings of the run's learning rates and where they end (max_iters: its own note): every one lr_factor takes
+# (a new schedule's knob too), and those train.py reads beside it
+SCHEDULE = (*SCHEDULE_SETTINGS, "warmup_ratio", "max_epochs", "muon_lr")
 
 
 def load_checked(path, needed, **load):

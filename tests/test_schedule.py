@@ -106,6 +106,13 @@ def test_a_schedule_added_with_a_knob_of_its_own_takes_it_from_the_command(data_
         lrs[timescale] = [r["lr"] for r in records if "tokens_per_s" in r]
     for timescale, logged in lrs.items():  # the rate of step s, logged after it
         assert logged == pytest.approx([1e-2 / math.sqrt(1 + s / timescale) for s in range(4)], rel=1e-6)
+    # a resume with another value of it takes the command's, and says so, as of every setting of the schedule
+    done = new_python("train.py", *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 't1'}", "--max_iters=6",
+                      "--eval_interval=100", "--warmup_iters=0", "--lr_schedule=rsqrt", "--lr_timescale=100",
+                      "--init_from=resume", "--device=cpu", cwd=edited)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the learning rate's schedule is this command's, not the checkpoint's (lr_timescale=100.0, was 1.0)" \
+        in done.stdout, done.stdout
 
 
 def test_every_optimizer_gets_the_factor_of_its_own_peak():
