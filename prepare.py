@@ -131,7 +131,8 @@ def prepare(args):
             "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
             "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name}, **splits,  # train, val
             "split": {"method": split_method, "val_fraction": None if args.val_input else args.val_fraction},
-            "masks": bool(conversations), **({"chat": args.chat().meta(tokenizer)} if conversations else {}),
+            "masks": bool(conversations),  # and the template, where a record was written with it (sample.py --chat)
+            **({"chat": args.chat().meta(tokenizer)} if conversations and args.chat().templated else {}),
             "inputs": [shown(p) for p in inputs], "val_inputs": [shown(p) for p in args.val_input or []],
             **stats,  # files_read ... duplicates_dropped: what was read and skipped
             "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)},
@@ -144,7 +145,7 @@ def prepare(args):
     report_run(meta, out, replacing, seconds, started, threads)
     if meta["masks"]:
         report_example(out, tokenizer, meta)
-    if meta["masks"] and meta["chat"]["template_from"] == "built-in" and os.path.exists(args.tokenizer):
+    if meta.get("chat", {}).get("template_from") == "built-in" and os.path.exists(args.tokenizer):
         print(f"warning: {args.tokenizer} has no chat template (chat_template.jinja, or chat_template in "
               f"tokenizer_config.json): the built-in one was used, which that model never saw; give it its own "
               f"with --chat_template=FILE")
@@ -503,9 +504,10 @@ def report_example(out, tokenizer, meta):
     runs = np.split(np.arange(end), np.flatnonzero(np.diff(mask[:end])) + 1)  # stretches of equal mask
     text = "".join(("[[{}]]" if mask[r[0]] == 1 else "{}").format(tokenizer.decode(ids[r].tolist()))
                    for r in runs if len(r))
-    print(f"{meta['train']['targets']:,} of {meta['train']['tokens']:,} training tokens are trained on "
-          f"({meta['chat']['train_on']}, template: {meta['chat']['template_from']}); the first example, "
-          f"its trained part in [[ ]]:\n{text}")
+    how = f"{meta['chat']['train_on']}, template: {meta['chat']['template_from']}" if "chat" in meta else \
+        "prompt and completion as plain text, no template"
+    print(f"{meta['train']['targets']:,} of {meta['train']['tokens']:,} training tokens are trained on ({how}); the "
+          f"first example, its trained part in [[ ]]:\n{text}")
 
 
 def report_skips(report):

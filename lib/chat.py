@@ -261,9 +261,10 @@ def generation_spans(marked):
 
 
 def find_template(folder, template_file=None):
-    """(template text, where it is from, {bos_token, eos_token: their text}) for a tokenizer's folder (or None):
-    --chat_template=FILE, else the folder's chat_template.jinja or tokenizer_config.json's chat_template (a dataset
-    of ours: its meta.json's), else DEFAULT_TEMPLATE. The special tokens are that file's."""
+    """(template text, where it is from, {bos_token, eos_token: their text}, the 'tool_use' template or None) for a
+    tokenizer's folder (or None): --chat_template=FILE, else the folder's chat_template.jinja or tokenizer_config.json's
+    chat_template (a dataset of ours: its meta.json's), else DEFAULT_TEMPLATE. The special tokens are that file's.
+    Of several named templates, the 'default' one, and 'tool_use', which transformers takes for a record with tools."""
     config, config_file = {}, "tokenizer_config.json"
     path = Path(folder) if folder else None
     if path is not None and path.is_file():
@@ -280,27 +281,30 @@ def find_template(folder, template_file=None):
         if isinstance(token, str):
             tokens[name] = token
     if template_file:
-        return Path(template_file).read_text(encoding="utf-8"), str(template_file), tokens
+        return Path(template_file).read_text(encoding="utf-8"), str(template_file), tokens, None
     if path is not None and (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text(encoding="utf-8"), str(path / "chat_template.jinja"), tokens
-    template = config.get("chat_template")
-    if isinstance(template, list):  # several named templates: the default one
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                        None)
+        jinja = path / "chat_template.jinja"
+        return jinja.read_text(encoding="utf-8"), str(jinja), tokens, None
+    template, named = config.get("chat_template"), {}
+    if isinstance(template, list):  # several named templates
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
     if isinstance(template, str):
-        return template, str(path / config_file), tokens
-    return DEFAULT_TEMPLATE, "built-in", tokens
+        return template, str(path / config_file), tokens, named.get("tool_use")
+    return DEFAULT_TEMPLATE, "built-in", tokens, None
 
 
 class ChatFormat:
     """A chat template, its special tokens and train_on: renders records and conversations, finds trained spans."""
 
     def __init__(self, source, origin, special_tokens, eos_token, train_on="assistant", bos_token=None,
-                 separator=None, text_bos=""):
+                 separator=None, text_bos="", tool_template=None):
         if train_on not in TRAIN_ON:
             raise UserError(f"--train_on={train_on} is not one of {', '.join(TRAIN_ON)}")
         self.source, self.origin, self.train_on = source, origin, train_on
         self.text_bos = text_bos  # the BOS the tokenizer puts before a text: plain prompt/completion strings
+        self.tool_template = tool_template if tool_template != source else None  # (a record's tools: record)
+        self.templated = False  # whether a record was written with the template (plain prompt/completion: no)
         self.separator = separator  # what ends an example in the token files: no message may hold it
         self.specials = sorted(special_tokens, key=len, reverse=True)  # the longest first: "</s>" before "<"
         # any of them as a message's text would be read as the token (the regex factors out their common prefix)
@@ -322,9 +326,9 @@ class ChatFormat:
 
     @classmethod
     def for_tokenizer(cls, folder, special_tokens, eot_text, train_on="assistant", template_file=None, text_bos=""):
-        source, origin, tokens = find_template(folder, template_file)  # (a bare tokenizer.json: the BOS it puts)
-        return cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on,
-                   tokens.get("bos_token", text_bos), eot_text, text_bos)
+        source, origin, tokens, tool_template = find_template(folder, template_file)  # (a bare tokenizer.json: the
+        return cls(source, origin, special_tokens, tokens.get("eos_token", eot_text), train_on,  # BOS it puts)
+                   tokens.get("bos_token", text_bos), eot_text, text_bos, tool_template)
 
     def meta(self, tokenizer):
         """What meta.json says of the conversations (sample.py and export.py use its template again)."""
@@ -358,6 +362,9 @@ class ChatFormat:
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise UserError("'tools' is not a list of JSON objects (tool definitions): give it as one (a text of "
                             "JSON: parse it)")
+        if tools is not None and self.tool_template:
+            raise UserError(f"it has tools, which transformers writes with {self.origin}'s 'tool_use' template, not "
+                            f"its default one: prepare such records apart, with that template as --chat_template=FILE")
         # every field of a message (a template may write any: its name, its reasoning, its calls) as JSON text
         texts = [json.dumps(m, ensure_ascii=False) if isinstance(m, dict) else m for key in ("messages", "prompt",
                  "completion") for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
@@ -392,15 +399,17 @@ class ChatFormat:
             return Chat(text, [(start, len(text))])
         check_messages(prompt, "prompt")
         check_messages(completion, "completion")
-        return self.chat(prompt + completion, len(prompt), tools)
+        return self.chat(prompt + completion, len(prompt), tools, prompt=len(prompt))
 
-    def chat(self, messages, first_completion, tools=None, to_end=True):
+    def chat(self, messages, first_completion, tools=None, to_end=True, prompt=0):
         """messages -> Chat, trained on: 'assistant', each assistant turn after its header (the generation prompt,
         untrained as in TRL) to its closing token, a think block before the reply included, or what {% generation %}
         blocks write; 'completion', all from messages[first_completion]'s reply on (to_end False: to the last
         assistant turn's closing token, the turns after it untrained); 'all', everything. An assistant turn with
         tool_calls is trained whole: its text and its calls as the template writes them; one with a "weight" of 0
-        (ShareGPT's, as axolotl reads it) is not trained."""
+        (ShareGPT's, as axolotl reads it) is not trained. The first prompt messages (a prompt/completion record's
+        prompt) are context: their assistant turns are never trained but under 'all', as TRL's completion-only loss."""
+        self.templated = True
         text = self.render(messages, tools=tools)
         if self.train_on == "all":
             return Chat(text, [(0, len(text))])
@@ -413,16 +422,23 @@ class ChatFormat:
                             "drop the turn, or use a template without them (--chat_template)")
         if self.tagged and self.train_on == "assistant":  # what its {% generation %} blocks write, as in TRL
             found = generation_spans(self.render(messages, marks=True, tools=tools))
+            if prompt:  # what the blocks write inside the prompt is context
+                lead = self.render(messages[:prompt], tools=tools)
+                if not text.startswith(lead):
+                    raise UserError("the chat template writes the prompt otherwise before its completion: cannot "
+                                    "tell where the completion begins")
+                found = Chat(found.text, [(a, b) for a, b in found.spans if a >= len(lead)])
             if not found.spans:
                 raise UserError("the chat template's {% generation %} blocks write nothing of it to train on")
             return found
-        spans = []  # each turn is looked for after where the last one found ends
+        spans, kept = [], []  # each turn is looked for after where the last one found ends
         for i, message in enumerate(messages):
-            if message["role"] == "assistant" and (self.train_on == "assistant" or i >= first_completion):
+            if message["role"] == "assistant" and i >= (prompt if self.train_on == "assistant" else first_completion):
                 spans.append(self.turn(text, messages, i, spans[-1][1] if spans else 0, tools))
+                kept.append(message.get("weight") != 0)
         if self.train_on == "completion":
             return Chat(text, [(spans[0][0], len(text) if to_end else spans[-1][1])])
-        spans = [span for span, weight in zip(spans, weights) if weight]
+        spans = [span for span, weight in zip(spans, kept) if weight]
         if not spans:
             raise UserError("every assistant message has weight 0: there is nothing to learn from")
         return Chat(text, spans)

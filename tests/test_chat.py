@@ -401,6 +401,38 @@ def test_completion_mask_is_the_last_turn(style):
     assert other == record
 
 
+def test_a_prompts_own_replies_are_context_under_the_assistant_mask(style, tmp_path):
+    # a prompt/completion record whose prompt holds earlier exchanges (few-shot): only the completion's reply is
+    # trained, as TRL's completion-only loss, however the template marks replies ({% generation %} blocks too)
+    name, folder, theirs, ours = style
+    split = {"prompt": MESSAGES[:-1], "completion": MESSAGES[-1:]}
+    formats = [chat_format(folder, ours)]
+    if name == "qwen3":  # (its markers)
+        formats.append(chat.ChatFormat(GENERATION, "test", ours.special_tokens(), ours.decode([ours.eot_id])))
+    for fmt in formats:
+        record = fmt.record(split)
+        ids, mask = ours.encode_chat(record.text, record.spans)
+        runs = [run.lstrip(" ") for run in trained_runs(ours, ids, mask)]
+        assert len(runs) == 1 and runs[0].endswith("The Spree runs through Berlin." + fmt.end_of_turn), runs
+        assert record.text == fmt.record({"messages": MESSAGES}).text  # the same text, every reply trained there
+
+
+def test_a_record_with_tools_where_transformers_takes_the_tool_use_template_is_skipped_and_said(tmp_path):
+    # a tokenizer_config.json of named templates: transformers writes a record with tools with 'tool_use', not
+    # 'default'; rendered with the default one, the tools would be dropped from what the model sees
+    name = "qwen3"
+    folder = make_folder(tmp_path / name, name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    plain = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    config["chat_template"] = [{"name": "default", "template": plain}, {"name": "tool_use", "template": QWEN3}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    fmt = chat_format(folder, make_tokenizer(str(folder), None))
+    tool = {"type": "function", "function": {"name": "lookup", "description": "Looks a word up.", "parameters": {}}}
+    with pytest.raises(ValueError, match="it has tools, which transformers writes with .*'tool_use' template"):
+        fmt.record({"messages": MESSAGES[1:3], "tools": [tool]})
+    assert fmt.record({"messages": MESSAGES[1:3]}).text.startswith("<|im_start|>user\nWhat is")  # the default
+
+
 def test_completion_mask_leaves_out_the_turns_after_the_last_reply(style):
     # a conversation that goes on past its last reply (a user's question no one answers): the completion is that
     # reply, closed by its end-of-turn; the question after it is no target
@@ -578,6 +610,18 @@ def test_prepare_masked_dataset(tmp_path, name):
     expected = [*REPLIES, REPLIES[0], "Madrid, on the Manzanares.", "Lisbon, on the Tagus.",
                 "The Spree flows there.", "fleuve or riviere"]
     assert sorted(runs) == sorted(reply + end for reply in expected)
+
+
+def test_plain_prompt_completion_strings_keep_no_template_for_a_chat(tmp_path):
+    # strings are trained as plain text: the dataset names no chat template, and sample.py --chat refuses to wrap
+    # a prompt in one the model never saw (records written with the template keep it: the test above)
+    folder = make_folder(tmp_path / "qwen3", "qwen3")
+    path = tmp_path / "pc.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Capital number {i}?", "completion": f" City {i}."}) + "\n"
+                            for i in range(8)), encoding="utf-8")
+    meta = prepare.main([str(path), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}"])
+    assert meta["masks"] is True and "chat" not in meta
+    assert chat.find_template(tmp_path / "data")[1] == "built-in"
 
 
 def test_a_templates_own_end_of_text_inside_a_conversation_ends_no_example(tmp_path):
