@@ -334,7 +334,7 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
     framing = 1 + (tokenizer.bos_id is not None and not stats["conversations"])  # end-of-text, BOS: not its text
     for infos, (ids, masks, lens, sizes, dropped) in encoded(docs, tokenizer, dtype, threads, in_one_piece,
                                                              min_length, stats):
-        ids, dropped = drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length)
+        ids, dropped = drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length, framing)
         for split, i in (("train", 0), ("val", 1)):
             if files:
                 files[split].write(ids[i])
@@ -367,10 +367,11 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
     return splits, last, histogram
 
 
-def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length):
-    """-> (ids, dropped) less each document of several pieces (only BOS-less tokenizers cut them; encode_batch drops
-    one-piece ones) ending in this batch under min_length tokens: its last piece marked dropped, earlier batches'
-    pieces cut off its file. doc: the one under way, {"pieces", "tokens", "begin" (here, or None), "file_start"}."""
+def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length, framing):
+    """-> (ids, dropped) less each document of several pieces (one too long to encode at once; encode_batch drops
+    one-piece ones) ending in this batch under min_length tokens of text (framing: its end-of-text and BOS, not
+    counted): its last piece marked dropped, earlier batches' pieces cut off its file. doc: the one under way,
+    {"pieces", "tokens", "begin" (here, or None), "file_start"}."""
     if not min_length:
         return ids, dropped
     keep, at, dropped = [np.ones(len(a), bool) for a in ids], [0, 0], list(dropped)
@@ -382,7 +383,7 @@ def drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length):
         doc["pieces"] += 1
         doc["tokens"] += ntokens
         at[is_val] += ntokens
-        if is_last and doc["pieces"] > 1 and doc["tokens"] - 1 < min_length:  # its end-of-text not counted
+        if is_last and doc["pieces"] > 1 and doc["tokens"] - framing < min_length:
             keep[is_val][doc["begin"] or 0:at[is_val]] = False
             if doc["begin"] is None and files:  # begun in an earlier batch: cut off what it wrote
                 written = files["val" if is_val else "train"]

@@ -20,7 +20,6 @@ import stat
 import zlib
 from collections import namedtuple
 from hashlib import blake2b
-from itertools import chain
 from pathlib import Path
 
 from lib.chat import Chat, is_conversation
@@ -290,8 +289,7 @@ def read_parquet(path, field, chat):
         raise SkipFile(f"not a readable parquet file ({str(e)[:80]})")
     names = parquet.schema_arrow.names
     if not field and is_conversation(dict.fromkeys(names)):  # conversations: each row as a record
-        rows = chain.from_iterable(batch.to_pylist() for batch in parquet.iter_batches(batch_size=1024))
-        yield from read_rows(rows, None, chat)
+        yield from read_rows(parquet_values(parquet.iter_batches(batch_size=1024), True), None, chat)
         return
     column = field or next((c for c in TEXT_FIELDS if c in names), None)
     if column not in names:
@@ -301,8 +299,18 @@ def read_parquet(path, field, chat):
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
         raise SkipFile(f"column '{column}' holds {kind}, not text")
     batches = parquet.iter_batches(columns=[column], batch_size=1024)  # streams, one batch at a time
-    for row, text in enumerate(chain.from_iterable(batch.column(0).to_pylist() for batch in batches), 1):
+    for row, text in enumerate(parquet_values(batches, False), 1):
         yield f"row {row}", text, None if text is not None else f"'{column}' is null"
+
+
+def parquet_values(batches, rows):
+    # the rows of batches as records (rows), else their one column's values; SkipFile from a value that is not UTF-8
+    # (a parquet string may hold any bytes) on, as for a text file
+    try:
+        for batch in batches:
+            yield from batch.to_pylist() if rows else batch.column(0).to_pylist()
+    except UnicodeDecodeError as e:
+        raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} in a value)") from None
 
 
 def decoded(path):

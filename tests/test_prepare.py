@@ -311,6 +311,18 @@ def test_input_formats(tmp_path):
     assert meta["extensions"][".parquet"]["documents"] == 3 and meta["extensions"][".txt.gz"]["files"] == 1
 
 
+def test_a_parquet_value_that_is_not_utf8_skips_its_file_as_a_text_files_byte_does(tmp_path):
+    # parquet's strings may hold any bytes: the file is skipped from there and listed, the other inputs prepared
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    values = pa.array([b"good one", b"bad \xff byte", b"good two"], type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": values}), tmp_path / "x.parquet")
+    write(tmp_path / "y.txt", "another document")
+    meta = run(tmp_path / "x.parquet", tmp_path / "y.txt", "--out_dir", tmp_path / "out", "--tokenizer", "char",
+               "--val_fraction", "0")
+    assert read_all(tmp_path / "out") == ["another document"]
+    assert [s["reason"] for s in meta["skipped_files"]] == ["not UTF-8 (byte 0xff in a value)"]
+
+
 def test_field_option(tmp_path):
     write(tmp_path / "a.jsonl", json.dumps({"text": "not this", "article": "this one"}) + "\n")
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
@@ -686,22 +698,42 @@ def test_no_file_is_read_twice_nor_a_val_file_through_a_link(tmp_path):
     assert not (tmp_path / "corpus" / "meta.json").exists()
 
 
-def test_min_length_counts_a_documents_own_tokens_not_the_bos_its_tokenizer_adds(tmp_path):
-    # a tokenizer.json whose post-processor puts <s> before a text (Llama 3's way): a document of 2 words is under
-    # --min_length=3 words, its BOS and end-of-text beside it not counted (nor in the length histogram)
+def bos_tokenizer(path):
+    # a tokenizer.json whose post-processor puts <s> before a text (Llama 3's way), a token per word of a, b, c
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     words = {"<|endoftext|>": 0, "<s>": 1, "[UNK]": 2, "a": 3, "b": 4, "c": 5}
     tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tokenizer.add_special_tokens(["<|endoftext|>", "<s>"])
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tokenizer.save(str(path))
+    return path
+
+
+def test_min_length_counts_a_documents_own_tokens_not_the_bos_its_tokenizer_adds(tmp_path):
+    # a document of 2 words is under --min_length=3 words, its BOS and end-of-text beside it not counted (nor in the
+    # length histogram)
     write(tmp_path / "docs" / "short.txt", "a b")
     write(tmp_path / "docs" / "long.txt", "a b c")
-    meta = run(tmp_path / "docs", "--out_dir", tmp_path / "out", f"--tokenizer={tmp_path / 'tokenizer.json'}",
+    meta = run(tmp_path / "docs", "--out_dir", tmp_path / "out", f"--tokenizer={bos_tokenizer(tmp_path / 'tok.json')}",
                "--min_length", "3", "--val_fraction", "0")
     assert meta["short_dropped"] == 1 and meta["train"]["documents"] == 1 and meta["train"]["tokens"] == 5
     assert meta["document_tokens_histogram"] == {"2-3": 1}
+
+
+def test_min_length_weighs_a_document_encoded_in_pieces_as_a_whole_one(tmp_path, monkeypatch):
+    # a document too long to encode at once (past HARD_CUT characters: made small here) comes in pieces: its BOS is
+    # not counted either, as for a whole one (300 words: kept at --min_length=300, dropped at 301)
+    monkeypatch.setattr(sources, "PIECE", 64)
+    monkeypatch.setattr(sources, "HARD_CUT", 128)
+    write(tmp_path / "docs" / "three_hundred.txt", "a b c " * 100)
+    write(tmp_path / "docs" / "four_hundred.txt", "a b c d " * 100)  # (d: unknown, a token too)
+    tokenizer = f"--tokenizer={bos_tokenizer(tmp_path / 'tok.json')}"
+    for min_length, dropped in ((300, 0), (301, 1)):
+        meta = run(tmp_path / "docs", "--out_dir", tmp_path / f"out{min_length}", tokenizer, "--min_length",
+                   min_length, "--val_fraction", "0")
+        assert meta["hard_cuts"] > 0 and meta["short_dropped"] == dropped
+        assert meta["train"]["documents"] == 2 - dropped
 
 def test_min_length_is_the_single_documents_whole_length_not_its_halves(tmp_path):
     # one document, cut into a train head and a val tail: --min_length weighs the whole document (1,640 characters),
