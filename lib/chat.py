@@ -385,21 +385,24 @@ class ChatFormat:
             last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
             if last is None:
                 raise UserError("no assistant message to learn from")
-            return self.chat(messages, last, tools, to_end=last == len(messages) - 1)
-        if "instruction" in obj:
+            chat = self.chat(messages, last, tools, to_end=last == len(messages) - 1)
+        elif "instruction" in obj:
             instruction, given, output = obj["instruction"], obj.get("input") or "", obj["output"]
             if not all(isinstance(s, str) for s in (instruction, given, output)):
                 raise UserError("instruction, input and output must be strings")
             user = instruction + ("\n\n" + given if given else "")
-            return self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}], 1)
-        prompt, completion = obj["prompt"], obj["completion"]
-        if isinstance(prompt, str) and isinstance(completion, str):  # untemplated, as in TRL; the BOS first if any
-            text = self.text_bos + prompt + completion + self.context["eos_token"]
-            start = 0 if self.train_on == "all" else len(self.text_bos + prompt)
-            return Chat(text, [(start, len(text))])
-        check_messages(prompt, "prompt")
-        check_messages(completion, "completion")
-        return self.chat(prompt + completion, len(prompt), tools, prompt=len(prompt))
+            chat = self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}], 1)
+        else:
+            prompt, completion = obj["prompt"], obj["completion"]
+            if isinstance(prompt, str) and isinstance(completion, str):  # untemplated, as in TRL; the BOS first if any
+                text = self.text_bos + prompt + completion + self.context["eos_token"]
+                start = 0 if self.train_on == "all" else len(self.text_bos + prompt)
+                return Chat(text, [(start, len(text))])
+            check_messages(prompt, "prompt")
+            check_messages(completion, "completion")
+            chat = self.chat(prompt + completion, len(prompt), tools, prompt=len(prompt))
+        self.templated = True
+        return chat
 
     def chat(self, messages, first_completion, tools=None, to_end=True, prompt=0):
         """messages -> Chat, trained on: 'assistant', each assistant turn after its header (the generation prompt,
@@ -409,15 +412,15 @@ class ChatFormat:
         tool_calls is trained whole: its text and its calls as the template writes them; one with a "weight" of 0
         (ShareGPT's, as axolotl reads it) is not trained. The first prompt messages (a prompt/completion record's
         prompt) are context: their assistant turns are never trained but under 'all', as TRL's completion-only loss."""
-        self.templated = True
         text = self.render(messages, tools=tools)
         if self.train_on == "all":
             return Chat(text, [(0, len(text))])
-        weights = [1 if m.get("weight") is None else m["weight"] for m in messages if m["role"] == "assistant"]
-        bad = next((w for w in weights if w not in (0, 1)), None)
+        weights = {i: 1 if m.get("weight") is None else m["weight"] for i, m in enumerate(messages)
+                   if m["role"] == "assistant"}
+        bad = next((w for w in weights.values() if w not in (0, 1)), None)
         if bad is not None:
             raise UserError(f"an assistant message's weight is {bad!r}: give 1 to train it, 0 not to")
-        if self.tagged and self.train_on == "assistant" and 0 in weights:
+        if self.tagged and self.train_on == "assistant" and any(w == 0 for i, w in weights.items() if i >= prompt):
             raise UserError("a weight of 0 cannot be told apart in what the template's {% generation %} blocks write: "
                             "drop the turn, or use a template without them (--chat_template)")
         if self.tagged and self.train_on == "assistant":  # what its {% generation %} blocks write, as in TRL
@@ -435,7 +438,7 @@ class ChatFormat:
         for i, message in enumerate(messages):
             if message["role"] == "assistant" and i >= (prompt if self.train_on == "assistant" else first_completion):
                 spans.append(self.turn(text, messages, i, spans[-1][1] if spans else 0, tools))
-                kept.append(message.get("weight") != 0)
+                kept.append(weights[i])
         if self.train_on == "completion":
             return Chat(text, [(spans[0][0], len(text) if to_end else spans[-1][1])])
         spans = [span for span, weight in zip(spans, kept) if weight]

@@ -53,7 +53,7 @@ def check_resume(checkpoint, config, data_vocab, path):
     if checkpoint.get("format") != ckpt.FORMAT:
         raise UserError(f"{path} was written by another train.py (checkpoint format {checkpoint.get('format')}, "
                          f"this one resumes {ckpt.FORMAT}): resume it with the train.py that wrote it, or train anew")
-    args = checkpoint["model_args"]  # (a dict: checkpoint.check_values)
+    args = checkpoint["model_args"]  # (a dict: check_values)
     check_sizes(args, f"{path}'s model_args", "use another checkpoint")
     # a sharded checkpoint's weights come once the model is built: count its blocks first by the names its
     # param_groups hold (a file checkpoint's hold numbers; model_from_checkpoint counts its weights' names)

@@ -415,6 +415,9 @@ def test_a_prompts_own_replies_are_context_under_the_assistant_mask(style, tmp_p
         runs = [run.lstrip(" ") for run in trained_runs(ours, ids, mask)]
         assert len(runs) == 1 and runs[0].endswith("The Spree runs through Berlin." + fmt.end_of_turn), runs
         assert record.text == fmt.record({"messages": MESSAGES}).text  # the same text, every reply trained there
+        # a weight of 0 on a reply of the prompt changes nothing: it is context either way
+        weighted = {**split, "prompt": [*MESSAGES[:2], {**MESSAGES[2], "weight": 0}, *MESSAGES[3:-1]]}
+        assert fmt.record(weighted) == record
 
 
 def test_a_record_with_tools_where_transformers_takes_the_tool_use_template_is_skipped_and_said(tmp_path):
@@ -617,10 +620,11 @@ def test_plain_prompt_completion_strings_keep_no_template_for_a_chat(tmp_path):
     # a prompt in one the model never saw (records written with the template keep it: the test above)
     folder = make_folder(tmp_path / "qwen3", "qwen3")
     path = tmp_path / "pc.jsonl"
+    empty = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]}  # refused
     path.write_text("".join(json.dumps({"prompt": f"Capital number {i}?", "completion": f" City {i}."}) + "\n"
-                            for i in range(8)), encoding="utf-8")
+                            for i in range(8)) + json.dumps(empty) + "\n", encoding="utf-8")
     meta = prepare.main([str(path), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}"])
-    assert meta["masks"] is True and "chat" not in meta
+    assert meta["masks"] is True and "chat" not in meta and meta["bad_records"]["count"] == 1
     assert chat.find_template(tmp_path / "data")[1] == "built-in"
 
 
