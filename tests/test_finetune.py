@@ -334,13 +334,16 @@ def test_a_qlora_run_in_bfloat16_is_exported_on_the_base_it_trained_on(pretraine
     folder, data = pretrained
     run(*LORA, "--lora_base_dtype=nf4", "--dtype=bfloat16", f"--data_dir={data}", f"--init_from={folder}",
         f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
-    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    done = export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    assert f"(the adapters merged into {folder} as the run held it: nf4, dequantized)" in done.stdout, done.stdout
     trained = quantize_base(model_from_checkpoint(load_checkpoint(tmp_path / "run" / "ckpt.pt"), torch.bfloat16))
     merged = dict(merge_lora(trained).named_parameters())
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     ours = merged["blocks.0.mlp.gate.weight"]
     assert torch.equal(exported["model.layers.0.mlp.gate_proj.weight"].to(ours.dtype), ours)
-    export("--out_dir", tmp_path / "run", "--to", tmp_path / "adapter", "--adapter")
+    # the adapter alone goes on the folder's own weights, which it did not train on: said, not silent
+    done = export("--out_dir", tmp_path / "run", "--to", tmp_path / "adapter", "--adapter")
+    assert f"note: the adapters trained on {folder} held as nf4, and peft puts them on its own weights" in done.stdout
     for name in [n for n in sys.modules if n.split(".")[0] == "torchao"] or ["torchao"]:  # as if not installed:
         monkeypatch.setitem(sys.modules, name, None)  # each of its imports fails
     refused = export("--out_dir", tmp_path / "run", "--to", tmp_path / "no", check=False)
@@ -435,7 +438,8 @@ def test_lora_exports_merged_and_as_a_peft_adapter_with_the_same_logits(pretrain
     export("--out_dir", tmp_path / "run", "--to", tmp_path / "merged")
     merged = logits_of(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval(), ids)
     assert (merged - ours).abs().max() <= 1e-4 * ours.abs().max()
-    export("--out_dir", tmp_path / "run", "--to", tmp_path / "adapter", "--adapter")
+    done = export("--out_dir", tmp_path / "run", "--to", tmp_path / "adapter", "--adapter")
+    assert "note" not in done.stdout  # (on the base it trained on: nothing to say)
     adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["target_modules"] == ["down_proj", "o_proj", "q_proj", "v_proj"]
     base = transformers.AutoModelForCausalLM.from_pretrained(folder)
