@@ -161,7 +161,7 @@ max_iters, lr_decay_iters, warmup_iters, steps_note = run_steps(max_iters, lr_de
                                                                 max_epochs, epoch_steps, decay_lr, lr_schedule)
 eval_batches = batches.evaluation_batches(dp_size)  # as many in every process
 if master:
-    print(batches.describe(eval_iters) + (f"\n{steps_note}" if steps_note else ""))
+    print(batches.describe(eval_iters) + (f"\n{steps_note}" if steps_note and not eval_only else ""))
 epoch_copies = int(batches.epoch(max_iters)) - int(batches.epoch(loop["iter_num"])) if save_every_epoch else 0
 room_warning = ckpt.check_room(out_dir, memory["checkpoint"], keep_last_n, epoch_copies)  # now, not hours in
 if room_warning and master:

@@ -178,7 +178,9 @@ def unused(config):
         return (f"note: {name}={config[name]!r} plays no part in this run: it is a setting of {setting_of}, and the "
                 f"run's is {runs}")
     default = defaults()
-    notes = []
+    # one evaluation, as nanoGPT's: a training config's settings of training, saving and logging are all left out
+    notes = ["note: eval_only=True evaluates once and exits, writing nothing: the settings of training, checkpoints "
+             "and logging play no part"] if config["eval_only"] else []
     for name, conditions in _PLAYS_UNDER.items():
         out = next(((u, v) for u, v in conditions if config[u] not in v), None)  # the first that leaves it out
         if out and config[name] != default[name]:

@@ -63,6 +63,7 @@ def test_nanogpts_config_file_runs_as_it_is_and_eval_only_writes_nothing(nanogpt
                   cwd=nanogpt_folder)
     assert done.returncode == 0, done.stderr
     assert "step 4: train loss" in done.stdout and "iter 5" not in done.stdout  # evaluated, nothing trained
+    assert "note: eval_only=True evaluates once" in done.stdout and "ends the run" not in done.stdout  # (its schedule)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written
     # its dataset= names a folder of data/; a --data_dir given beside it is the data the run reads
     shutil.copytree(nanogpt_folder / "data" / "shakespeare_char", nanogpt_folder / "elsewhere")

@@ -250,6 +250,10 @@ def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_p
         "note: memory_budget=4.0 plays no part in this run: it is a setting of batch_size='auto', and the run's is "
         "batch_size=12"]
     assert unused(train_settings(["config/train_small.py"])) == unused(train_settings([])) == []
+    # eval_only: one evaluation, whatever a training config says of training (one note, not one a setting)
+    assert unused(train_settings(["config/train_small.py", "--eval_only=True"])) == [
+        "note: eval_only=True evaluates once and exits, writing nothing: the settings of training, checkpoints and "
+        "logging play no part"]
     assert unused(train_settings(["--eval_tasks_limit=5", "--eval_tasks_path=tasks"])) == [  # with no eval_tasks
         f"note: {name} plays no part in this run: it is a setting of eval_tasks, and the run's is eval_tasks=''"
         for name in ("eval_tasks_limit=5", "eval_tasks_path='tasks'")]
