@@ -12,6 +12,7 @@ end); a run of a version without it is drawn against steps only.
 
 import argparse
 import json
+import math
 import os
 
 from lib.files import UserError, one_line_errors, open_own
@@ -33,8 +34,9 @@ def read_run(out_dir):
             record = json.loads(line) if line.strip() else {"iter": 0}
             if not isinstance(record, dict) or not isinstance(record.get("iter"), (int, float)):
                 raise ValueError("not a record with its step, iter")
-            bad = [k for k in ("loss", "val_loss", "lr", "tokens_per_s", "elapsed_s")
-                   if k in record and type(record[k]) not in (int, float)]
+            numbers = ("loss", "val_loss", "lr", "tokens_per_s", "elapsed_s")
+            record.update({k: math.nan for k in numbers if k in record and record[k] is None})  # non-finite: a gap
+            bad = [k for k in numbers if k in record and type(record[k]) not in (int, float)]
             if bad:
                 raise ValueError(f"{', '.join(bad)} not a number")
         except ValueError as e:

@@ -52,7 +52,9 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
     def log(record):
         nonlocal failed
         record = {**record, "elapsed_s": round(time.time() - opened, 3)}  # the run's wall time (plot.py's), resumes too
-        line = (json.dumps(record) + "\n").encode()
+        # standard JSON, which has no NaN or Infinity: a skipped update's non-finite loss or norm is null (jq, node)
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        line = (json.dumps(finite, allow_nan=False) + "\n").encode()
         try:
             with open_own(os.path.join(out_dir, "metrics.jsonl"), "ab") as f:
                 end = f.seek(0, os.SEEK_END)

@@ -2,6 +2,7 @@
 end; a folder without records refused in one line."""
 
 import json
+import math
 import struct
 
 import pytest
@@ -38,10 +39,12 @@ def test_a_resumed_runs_clock_continues_and_an_empty_run_is_refused(tmp_path):
     records = [{"iter": 10, "loss": 3.0, "lr": 1e-3, "elapsed_s": 5.0},
                {"iter": 10, "loss": 3.0, "val_loss": 3.1, "elapsed_s": 6.0},
                {"iter": 20, "loss": 2.0, "lr": 1e-3, "elapsed_s": 2.0},  # the resumed process: its clock anew
-               {"iter": 21, "loss": float("nan"), "skipped": True, "elapsed_s": 2.5}]
+               {"iter": 21, "loss": None, "skipped": True, "elapsed_s": 2.5},  # a NaN, in JSON
+               {"iter": 22, "loss": None, "val_loss": None, "elapsed_s": 2.6}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     steps, evaluations = read_run(tmp_path)
-    assert [r["wall_s"] for r in steps] == [5.0, 8.0] and [r["wall_s"] for r in evaluations] == [6.0]
+    assert [r["wall_s"] for r in steps] == [5.0, 8.0] and [r["wall_s"] for r in evaluations] == [6.0, 8.6]
+    assert math.isnan(evaluations[-1]["val_loss"])  # drawn as a gap
     # the steps a killed run had logged past its checkpoint, logged again by its resume: the last records count
     killed = [{"iter": i, "loss": 5.0 - i, "lr": 1e-3} for i in (1, 2, 3, 4)] + [{"iter": 2, "val_loss": 3.6}]
     records = killed + [{"iter": i, "loss": 9.0 - i, "lr": 2e-3} for i in (3, 4, 5)] + [{"iter": 2, "val_loss": 3.5}]
@@ -75,7 +78,7 @@ def test_a_record_being_written_is_left_out_and_a_bad_line_is_named(tmp_path):
     for text, says in ((bytes(range(128, 256)) + b"\n", "not UTF-8 text"), (b"1\n", "not a record with its step"),
                        (b'"val_loss"\n', "not a record with its step"), (b'{"loss": 1}\n', "not a record"),
                        (b'{"iter": 1, "loss": 1, "elapsed_s": "x"}\n', "elapsed_s not a number at line 1"),
-                       (b'{"iter": 1, "val_loss": null}\n', "val_loss not a number")):
+                       (b'{"iter": 1, "val_loss": "3.1"}\n', "val_loss not a number")):
         (tmp_path / "metrics.jsonl").write_bytes(text)
         done = script("plot.py", tmp_path)
         assert done.returncode == 1 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1
