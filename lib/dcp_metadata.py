@@ -68,11 +68,20 @@ def read_metadata(folder):
         if why:  # DCP would leave the rest of the tensor as torch.empty left it: whatever was in memory
             raise UserError(f"{path}: the shards of {name} {why}; use another checkpoint, e.g. ckpt_best or a "
                             f"ckpt_NNNNNNN")
-    for info in files.values():
+    stored = {}  # the bytes the shards hold of each tensor
+    for index, info in files.items():
         name = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not isinstance(name, str) or os.path.basename(name) != name \
-                or name in ("", ".", ".."):
+                or name in ("", ".", "..") or type(info.length) is not int:
             raise UserError(f"{path} points at {name!r}, not a file of its own folder; refusing it")
+        stored[getattr(index, "fqn", None)] = stored.get(getattr(index, "fqn", None), 0) + info.length
+    for name, entry in entries.items():  # a size its shards cannot hold would be allocated whole before any read
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        needed = math.prod(entry.size) * dtype.itemsize if isinstance(dtype, torch.dtype) else None
+        if needed is None or stored.get(name, 0) < needed:
+            raise UserError(f"{path}: {name} is said to be {tuple(entry.size)} of {dtype}, which its shards do not "
+                            f"hold ({stored.get(name, 0):,} bytes); use another checkpoint, e.g. ckpt_best or a "
+                            f"ckpt_NNNNNNN")
     return metadata
 
 

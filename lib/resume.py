@@ -258,9 +258,14 @@ def check_crcs(path):
     check_regular(path, "use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")  # a FIFO never ends
     try:
         with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
+            # torch.save stores its parts as they are: a compressed one (a few MB of zeros inflating to GBs) is not its
+            packed = next((i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
+            damaged = None if packed else archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError):
         return
+    if packed:
+        raise UserError(f"{path} holds a compressed part, {packed}, which torch.save never writes; refusing it (only "
+                         f"load checkpoints you trust)")
     if damaged:
         raise UserError(f"{path} is damaged: its part {damaged} is not the bytes that were saved (its checksum "
                          f"differs); use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
@@ -310,6 +315,15 @@ def check_values(checkpoint, path):
                              f"another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
 
 
+def check_stored(tensor, what, fix):
+    """UserError where a tensor read from a file holds more values than its bytes there (a view with a stride of 0:
+    a 5 KB file's weight of 32 GB, made whole by the first op on it)."""
+    if isinstance(tensor, torch.Tensor) and tensor.numel() * tensor.element_size() > \
+            tensor.untyped_storage().nbytes():
+        raise UserError(f"{what} is {tuple(tensor.shape)}, more values than the file stores for it "
+                        f"({tensor.untyped_storage().nbytes():,} bytes): {fix}")
+
+
 def check_moments(state, params, path):
     """UserError in one line where a saved moment has another shape than its parameter (a scalar, as Adam's step,
     belongs to none): loaded, it would fail inside the optimizer's first step, or worse."""
@@ -318,6 +332,7 @@ def check_moments(state, params, path):
         # (an index that names no parameter, or moments that are no dict, are refused as a state that does not fit)
         named = moments.items() if isinstance(moments, dict) and param is not None else [(index, None)]
         for name, value in named:
+            check_stored(value, f"{path}'s optimizer state {name!r} for parameter {index}", "use another checkpoint")
             if not isinstance(value, torch.Tensor) or value.dim() and value.shape != param.shape:
                 raise UserError(f"{path} holds an optimizer state {name!r} for parameter {index} that does not fit "
                                  f"the model: use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
@@ -373,6 +388,8 @@ def meta_model(args, weights):
         raise UserError(f"the checkpoint's model_args do not make a model ({e}): {fix}") from None
     shapes = {name: tensor.shape for name, tensor in weights.items() if isinstance(tensor, torch.Tensor)}
     check_shapes(model, shapes, {name: name for name in shapes}, "the checkpoint", fix)
+    for name, tensor in weights.items():
+        check_stored(tensor, f"the checkpoint's {name}", fix)
     for name, tensor in weights.items():  # a NaN would only show as a traceback in sampling, or a nan loss
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise UserError(f"the checkpoint's {name} holds a NaN or an infinite value: {fix}")

@@ -155,6 +155,51 @@ def test_metadata_pointing_outside_its_folder_is_refused(runs, tmp_path):
         resume.read_sharded(str(out / "ckpt"))
 
 
+def test_a_tensor_with_more_values_than_its_file_stores_is_refused(runs, tmp_path):
+    # a view with a stride of 0 is saved as one value: a few KB on disk for a weight of any size, made whole in memory
+    # by the first op on it (weights_only loads it): refused by what the file stores, before any op
+    out = copy_run(runs, "files", tmp_path)
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    name = next(iter(state["model"]))
+    state["model"][name] = torch.zeros(1).expand_as(state["model"][name])
+    moments = next(iter(state["optimizer"]["state"].values()))
+    moments["exp_avg"] = torch.zeros(1).expand_as(moments["exp_avg"])
+    torch.save(state, out / "ckpt.pt")
+    saved = resume.load_checkpoint(str(out / "ckpt.pt"))
+    with pytest.raises(ValueError, match=rf"the checkpoint's {re.escape(name)} is \(.*\), more values than the file"):
+        resume.model_from_checkpoint(saved)
+    params = [torch.zeros(t.shape) for t in (m["exp_avg"] for m in saved["optimizer"]["state"].values())]
+    with pytest.raises(ValueError, match=r"optimizer state 'exp_avg' for parameter \d+ is \(.*\), more values"):
+        resume.check_moments(saved["optimizer"], params, "ckpt.pt")
+
+
+def test_a_checkpoint_with_a_compressed_part_is_refused_before_it_is_inflated(runs, tmp_path):
+    # torch.save stores its parts as they are: a deflated one (a few MB of zeros that inflate to GBs) is no checkpoint
+    # of ours, refused before the CRCs' check would inflate it
+    import zipfile
+    out = copy_run(runs, "files", tmp_path)
+    with zipfile.ZipFile(out / "ckpt.pt", "a", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("ckpt/data/zeros", bytes(1 << 20))
+    with pytest.raises(ValueError, match=r"holds a compressed part, ckpt/data/zeros, which torch.save never writes"):
+        resume.load_checkpoint(str(out / "ckpt.pt"))
+
+
+def test_metadata_saying_a_tensor_is_larger_than_its_shards_hold_is_refused(runs, tmp_path):
+    # read_sharded makes each tensor whole before reading it: a .metadata that swells one (20 KB of shards for a
+    # 32 GB weight) is refused by the bytes its shards store, before anything is allocated
+    out = copy_run(runs, "sharded", tmp_path)
+    with open(out / "ckpt" / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    entry = metadata.state_dict_metadata["model.wte.weight"]
+    entry.size = torch.Size([1 << 16, *entry.size[1:]])
+    entry.chunks = [dataclasses.replace(entry.chunks[0], offsets=torch.Size([0] * len(entry.size)), sizes=entry.size)]
+    with open(out / "ckpt" / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(ValueError, match=r"model\.wte\.weight is said to be \(65536, \d+\) of torch\.float32, which "
+                                         r"its shards do not hold"):
+        resume.read_sharded(str(out / "ckpt"))
+
+
 @pytest.mark.parametrize("damage", ["no chunks", "a chunk twice", "past its size", "no size"])
 def test_metadata_whose_chunks_do_not_cover_a_tensor_once_is_refused(runs, tmp_path, damage):
     # the rest of a tensor its chunks leave out would be what torch.empty left in memory: weights read silently wrong
