@@ -159,7 +159,7 @@ def budget(env):
             value = left + right
             if type(value) is str and len(value) > MAX_OUTPUT:
                 raise TemplateError(f"it makes a text of more than {MAX_OUTPUT:,} characters")
-            return value
+            return bounded(value)  # a list or tuple too (one doubled in a loop)
         bits = [x.bit_length() for x in (left, right) if type(x) is int]
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64 or operator == "*" and \
                 any(type(x) is int and abs(x) > 1 and MAX_OUTPUT // abs(x) < len(y)

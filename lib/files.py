@@ -165,6 +165,7 @@ def end_mark(meta):
 
 
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
+MAX_PICKLE = 1 << 26  # bytes of a meta.pkl read at most (nanoGPT's: under 1 KB for 65 characters)
 MAX_VOCAB = 1 << 24  # 16.7M ids: released tokenizers have up to ~262K
 
 
@@ -258,9 +259,21 @@ def read_plain_pickle(path):
         def find_class(self, module, name):  # a pickle runs code only by calling what it names: nothing is named
             raise refused(f"{module}.{name}")
 
+    import io
+    import pickletools
     try:
         with open(path, "rb") as f:
-            value = PlainUnpickler(f).load()
+            data = f.read(MAX_PICKLE + 1)
+        if len(data) > MAX_PICKLE:
+            raise UserError(f"{path} is past {MAX_PICKLE >> 20} MB, which no nanoGPT meta.pkl is; not loaded")
+        # its numbers are ids and sizes: whole and below 2**31, so that no two keys share a hash (ints' hashes are
+        # not random: keys i * (2**61 - 1) all hash alike, and a dict of 150,000 of them takes minutes to build)
+        big = next((arg for _, arg, _ in pickletools.genops(data) if type(arg) in (int, float) and
+                    not (abs(arg) < 2**31 and arg == int(arg))), None)
+        if big is not None:
+            raise UserError(f"{path} holds the number {big!r}, not an id or a size (a whole number below 2**31); "
+                            f"not loaded")
+        value = PlainUnpickler(io.BytesIO(data)).load()
     except UserError:
         raise
     except Exception as e:  # a damaged pickle fails in many ways

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from lib.bounds import check_tokenizer_rules, confined
-from lib.files import UserError, nanogpt_chars, open_own, refuse_unfinished
+from lib.files import MAX_VOCAB, UserError, nanogpt_chars, open_own, refuse_unfinished
 
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # Hugging Face's, preferred first
 
@@ -186,7 +186,15 @@ def hf_tokenizer(name, hf_json):
         import tokenizers  # noqa: F401 (hf_encoder's)
     except ImportError:
         raise UserError("a tokenizer.json needs the tokenizers library (pip install tokenizers)") from None
-    check_tokenizer_rules(name, json.loads(hf_json))  # its normalizer's growth and its regexes, before any text
+    spec = json.loads(hf_json)
+    check_tokenizer_rules(name, spec)  # its normalizer's growth and its regexes, before any text
+    # an id past any vocabulary (the library would size a table by it; train.py would refuse the dataset made with it)
+    vocab = spec.get("model").get("vocab") if isinstance(spec.get("model"), dict) else None
+    ids = [*(vocab.values() if isinstance(vocab, dict) else []),
+           *(t.get("id") for t in spec.get("added_tokens") or [] if isinstance(t, dict))]
+    if (top := max((i for i in ids if type(i) is int), default=0)) >= MAX_VOCAB:
+        raise UserError(f"tokenizer {name} has the id {top:,}, past {MAX_VOCAB:,}, more than any tokenizer has: use "
+                        f"the model's own tokenizer.json")
     hf = hf_encoder(hf_json)
     hf.encode_special_tokens = True  # a literal "</s>" in a document is text, not a token
     vocab = hf.get_vocab(with_added_tokens=True)

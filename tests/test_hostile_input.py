@@ -350,6 +350,44 @@ def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, say
     assert time.time() - started < 20
 
 
+def test_a_list_a_chat_template_doubles_is_held_to_the_budget(monkeypatch):
+    # + on lists and tuples is measured as on texts: a list doubled 40 times was 2**40 items, a machine's memory
+    from lib import chat
+    monkeypatch.setattr(chat, "MAX_OUTPUT", 1000)  # (the budget's 16M items, reached in a few steps)
+    grow = "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = ns.l + ns.l %}{% endfor %}"
+    for template in (grow, grow.replace("[1]", "(1,)")):
+        with deadline(20), pytest.raises(ValueError, match="it makes a value of more than 1,000 characters or items"):
+            chat.ChatFormat(PROBE + template, "test", ["</s>"], "</s>")
+
+
+def test_a_meta_pkl_whose_keys_share_a_hash_is_refused_at_once(tmp_path):
+    # ints' hashes are not random: keys i * (2**61 - 1) all hash alike, and a dict of 150,000 of them took minutes to
+    # unpickle; a meta.pkl's numbers are ids and sizes, and one past 2**31 is refused before anything is built
+    import pickle
+    from lib.files import read_plain_pickle
+    colliding = {"vocab_size": 3, "itos": {i * (2**61 - 1): "a" for i in range(3)}}
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps(colliding))
+    with pytest.raises(UserError, match=r"meta.pkl holds the number 2305843009213693951, not an id or a size"):
+        read_plain_pickle(tmp_path / "meta.pkl")
+    plain = {"vocab_size": 3, "itos": {0: "a", 1: "b", 2: "c"}, "stoi": {"a": 0, "b": 1, "c": 2}}
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps(plain))
+    assert read_plain_pickle(tmp_path / "meta.pkl") == plain
+
+
+def test_a_tokenizer_json_with_an_id_past_any_vocabulary_is_refused_by_prepare(tmp_path):
+    # prepare.py wrote its dataset, which train.py refused, asking for it to be prepared again: refused where it is read
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from lib.tokenizer import make_tokenizer
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1, "<|endoftext|>": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["<|endoftext|>"] = 2_000_000_000  # (written as text: the library's own save takes 10 s)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(UserError, match=r"has the id 2,000,000,000, past 16,777,216, more than any tokenizer has"):
+        make_tokenizer(str(tmp_path / "tokenizer.json"), None)
+
+
 def test_a_chat_template_runs_under_a_time_budget(monkeypatch):
     # an `in` over a long text is one step of a loop but takes a while: a rendering stops at MAX_SECONDS
     from lib import chat
