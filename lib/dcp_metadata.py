@@ -74,7 +74,8 @@ def read_metadata(folder):
         if not isinstance(info, _StorageInfo) or not isinstance(name, str) or os.path.basename(name) != name \
                 or name in ("", ".", "..") or type(info.length) is not int:
             raise UserError(f"{path} points at {name!r}, not a file of its own folder; refusing it")
-        stored[getattr(index, "fqn", None)] = stored.get(getattr(index, "fqn", None), 0) + info.length
+        fqn = getattr(index, "fqn", None)
+        stored[fqn] = stored.get(fqn, 0) + info.length
     for name, entry in entries.items():  # a size its shards cannot hold would be allocated whole before any read
         dtype = getattr(getattr(entry, "properties", None), "dtype", None)
         needed = math.prod(entry.size) * dtype.itemsize if isinstance(dtype, torch.dtype) else None

@@ -189,8 +189,8 @@ def hf_tokenizer(name, hf_json):
     spec = json.loads(hf_json)
     check_tokenizer_rules(name, spec)  # its normalizer's growth and its regexes, before any text
     # an id past any vocabulary (the library would size a table by it; train.py would refuse the dataset made with it)
-    vocab = spec.get("model").get("vocab") if isinstance(spec.get("model"), dict) else None
-    ids = [*(vocab.values() if isinstance(vocab, dict) else []),
+    listed = spec.get("model").get("vocab") if isinstance(spec.get("model"), dict) else None
+    ids = [*(listed.values() if isinstance(listed, dict) else []),
            *(t.get("id") for t in spec.get("added_tokens") or [] if isinstance(t, dict))]
     if (top := max((i for i in ids if type(i) is int), default=0)) >= MAX_VOCAB:
         raise UserError(f"tokenizer {name} has the id {top:,}, past {MAX_VOCAB:,}, more than any tokenizer has: use "
