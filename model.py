@@ -384,7 +384,9 @@ def document_mask(doc_ids, flex=False):
 
         def causal_in_document(b, h, q, k):
             return (k <= q) & (doc_ids[b, q] == doc_ids[b, k])
-        return make_block_mask(causal_in_document, B, None, T, T, device=doc_ids.device)
+        # made alike in training and evaluation (grad mode and autocast are in its compiled graph's guards)
+        with torch.no_grad(), torch.autocast(doc_ids.device.type, enabled=False):
+            return make_block_mask(causal_in_document, B, None, T, T, device=doc_ids.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]  # (B, 1, T, T)
 

@@ -280,6 +280,8 @@ def evaluate(step):
     # True where the run ends here: eval_only, a signal, or no better val loss in early_stop_patience evaluations.
     eval_began = time.time()
     losses = estimate_loss(model, raw_model)
+    if fsdp:  # a forward with no backward leaves the root unit's weights gathered: back to shards before a save
+        model.reshard()
     if losses is None:  # stopped by a signal: the step is saved unevaluated (eval_only: nothing is written)
         if not eval_only:
             stop_run()

@@ -138,12 +138,17 @@ def test_a_bf16_run_with_compile_kernels_and_doc_mask(data_dir, tmp_path):
     assert steps and all(r["mfu"] is None or 0 < r["mfu_run"] < r["mfu"] < 1 for r in steps)  # less run
 
 
-def test_fsdp_bf16_on_one_gpu_trains_as_without_it(data_dir, tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["fsdp", "cpu_offload"])
+def test_fsdp_bf16_on_one_gpu_trains_as_without_it(data_dir, tmp_path, offload):
+    # and saves at its last step, just after an evaluation (which left the root unit's weights gathered on the GPU
+    # beside the shards offloaded to the CPU: a traceback at the save), and resumes
     common = [*SMALL, f"--data_dir={data_dir}", "--dtype=bfloat16", "--max_iters=10", "--eval_interval=10",
               "--log_interval=1"]
     gpu_train(*common, f"--out_dir={tmp_path / 'plain'}")
-    out = gpu_train(*common, f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True")
-    assert "FSDP x1" in out.stdout
+    fsdp_args = [f"--out_dir={tmp_path / 'fsdp'}", "--fsdp=True", f"--fsdp_cpu_offload={offload}"]
+    out = gpu_train(*common, *fsdp_args)
+    assert "FSDP x1" in out.stdout and "saved" in out.stdout
+    assert "resuming" in gpu_train(*common, *fsdp_args, "--max_iters=12", "--init_from=resume").stdout
     plain, fsdp = ({r["iter"]: r["loss"] for r in records(tmp_path / name) if "val_loss" not in r}
                    for name in ("plain", "fsdp"))
     assert plain.keys() == fsdp.keys() and len(plain) == 10

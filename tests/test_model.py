@@ -361,18 +361,21 @@ def test_flex_attention_gets_one_dtype_from_a_qwen3_under_bf16_autocast(monkeypa
 @pytest.mark.slow  # the model and FlexAttention are compiled (~20-60 s)
 def test_a_compiled_model_takes_block_masks_made_outside_without_recompiling():
     # doc_mask's block mask made inside a compiled model is a new function each batch: a recompile each time.
-    # Made outside (as train.py does), two batches with different documents run the one compiled graph. (torch's
+    # Made outside (as train.py does), two batches with different documents run the one compiled graph; and the
+    # compiled maker of the mask runs once, made as in training (grad, autocast), then as in evaluation. (torch's
     # config.patch, not monkeypatch: undoing a ConfigModule attribute deletes it for the rest of the process.)
     import torch._dynamo
     torch._dynamo.reset()
     model = tiny(block_size=128, n_layer=1)
     compiled = torch.compile(model)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for cut in (40, 90):
+        for cut, making in ((40, torch.autocast("cpu", dtype=torch.bfloat16)), (90, torch.no_grad())):
             idx = torch.randint(1, 97, (2, 128))
             docs = (torch.arange(128) >= cut).long().expand(2, 128)
+            with making:
+                mask = document_mask(docs, flex=True)
             with torch.no_grad():  # FlexAttention has no backward on CPU
-                logits = compiled(idx, mask=document_mask(docs, flex=True))[0]
+                logits = compiled(idx, mask=mask)[0]
                 torch.testing.assert_close(logits, model(idx, doc_ids=docs)[0], rtol=1e-4, atol=1e-4)
 
 
