@@ -201,8 +201,10 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
                          "and a CUDA device")
     if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
         backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if offload else "nccl"
-    lacking = [b for b in backend.split(",") if not dist.is_backend_available(b.split(":")[-1])]
-    if (ddp or fsdp) and lacking:  # (else a traceback from init_process_group)
+    # a name torch has no backend for, wherever it runs (one process never uses it); one it lacks, where a group is made
+    lacking = [b for b in backend.split(",") if b.split(":")[-1] not in dist.Backend.backend_list
+               or (ddp or fsdp) and not dist.is_backend_available(b.split(":")[-1])]
+    if lacking:  # (else a traceback from init_process_group)
         have = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake") and dist.is_backend_available(b)]
         raise UserError(f"backend={backend!r}: {lacking[0]!r} is no backend this torch has ({', '.join(have)}); use "
                         f"backend='auto'")

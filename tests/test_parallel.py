@@ -175,12 +175,15 @@ def test_float16_refusal_names_tensor_parallel_where_it_brought_fsdp():
         init_distributed("cpu", "float16", "gloo", 1, True, False, 60)
 
 
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "one_process"])
 @pytest.mark.parametrize("backend", ["bogus", "cpu:gloo,cuda:no-such-backend"])
-def test_a_backend_this_torch_lacks_is_one_line_before_any_process_group(backend):
-    # fsdp=True makes a group even of one process: a name torch has no backend for was its traceback
+def test_a_backend_this_torch_lacks_is_one_line_before_any_process_group(backend, fsdp):
+    # fsdp=True makes a group even of one process: a name torch has no backend for was its traceback. One process
+    # alone makes none, and a typo there was recorded with the run (and met only on the cluster)
     import re
     from lib.parallel import init_distributed
     with pytest.raises(UserError, match=rf"backend={re.escape(repr(backend))}: '.*' is no backend this torch has "
                                         rf"\(.*gloo.*\); use backend='auto'"):
-        init_distributed("cpu", "float32", backend, 1, True, False, 60)
+        init_distributed("cpu", "float32", backend, 1, fsdp, False, 60)
     assert not torch.distributed.is_initialized()
+    assert init_distributed("cpu", "float32", "nccl", 1, False, False, 60).backend == "nccl"  # (a GPU's, named)
