@@ -166,7 +166,7 @@ def budget(env):
                     for x, y in ((left, right), (right, left)) if isinstance(y, (str, list, tuple))) \
                 or len(bits) == 2 and operator != "%" and (sum(bits) if operator == "*" else bits[0] * abs(right)) \
                 > MAX_WIDTH \
-                or operator == "%" and isinstance(left, str) and not formats_within(left):
+                or operator == "%" and isinstance(left, str) and not formats_within(left, right):
             raise TemplateError(f"its {operator} makes a value past the budget of a chat template")
         return bounded(sandbox_binop(context, operator, left, right))
 
@@ -179,26 +179,50 @@ def budget(env):
 def str_call_within(method, values):
     # whether a str method's call (method bound to its text, given values) makes a text within the budget: a width
     # (ljust's, center's, zfill's, expandtabs', a format field's, or a number a nested field takes) at most MAX_WIDTH,
-    # and what expandtabs, replace and join make at most MAX_OUTPUT; a number a format writes is no width
+    # and what expandtabs, replace, join, format and translate make at most MAX_OUTPUT, measured before they make it
+    # (a format's field or a translated character each the longest value); a number a format writes is no width
     text, name, texts = method.__self__, method.__name__, [v for v in values if isinstance(v, str)]
     widths = name in ("ljust", "rjust", "center", "zfill", "expandtabs") or \
         name in ("format", "format_map") and re.search(r"\{[^{}]*\{", text)  # '{:>{w}}': its width from w
     numbers = [*values, *(v for mapping in values if isinstance(mapping, dict) for v in mapping.values())]
     if widths and any(type(v) is int and abs(v) > MAX_WIDTH for v in numbers):  # (format_map's in its mapping)
         return False
-    if name in ("format", "format_map"):
-        return all(int(n) <= MAX_WIDTH for field in re.findall(r"\{[^{}]*\}", text) for n in re.findall(r"\d+", field))
+    if name in ("format", "format_map") and any(int(n) > MAX_WIDTH for field in re.findall(r"\{[^{}]*\}", text)
+                                                for n in re.findall(r"\d+", field)):
+        return False
     grows = {"expandtabs": lambda: text.count("\t") * MAX_WIDTH,
+             **dict.fromkeys(("format", "format_map"), lambda: text.count("{") * longest(values)),
+             "translate": lambda: len(text) * longest(values[0])  # each character may become the longest value
+             if values and isinstance(values[0], (dict, list, tuple)) else 0,
              "replace": lambda: len(texts[1]) * text.count(texts[0]) if len(texts) >= 2 else 0,
              "join": lambda: len(text) * len(values[0]) + sum(len(str(x)) for x in values[0])
              if values and hasattr(values[0], "__len__") else 0}
     return len(text) + grows.get(name, lambda: 0)() <= MAX_OUTPUT
 
 
-def formats_within(text):
-    # a % or format filter's widths and precisions at most MAX_WIDTH (* would take them from its values)
+def formats_within(text, values):
+    # a % or format filter's widths and precisions at most MAX_WIDTH (* would take them from its values), and what
+    # its fields write at most MAX_OUTPUT: each field the longest of its values at most (a '%(k)s' repeats one)
     sizes = re.findall(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d*)(?:\.(\*|\d*))?", text.replace("%%", ""))
-    return all(n != "*" and int(n or 0) <= MAX_WIDTH for spec in sizes for n in spec)
+    return all(n != "*" and int(n or 0) <= MAX_WIDTH for spec in sizes for n in spec) \
+        and len(text) + len(sizes) * longest([values]) <= MAX_OUTPUT
+
+
+def longest(values, cap=MAX_OUTPUT):
+    # the most characters one of values (a list, tuple or dict's values, at any depth) writes as str() writes it,
+    # counted no further than past cap: a container's items summed, a text's length, another value's str
+    most = 0
+    for value in values.values() if isinstance(values, dict) else values:
+        if isinstance(value, (list, tuple, dict)):
+            size = 0
+            for item in value.items() if isinstance(value, dict) else value:
+                size += longest([item], cap) + 2
+                if size > cap:
+                    break
+        else:
+            size = len(value) if isinstance(value, str) else len(str(value))
+        most = max(most, size)
+    return most
 
 
 def checked_filter(name, run, step, bounded):
@@ -218,7 +242,8 @@ def checked_filter(name, run, step, bounded):
                 for v in values[1:]) or len(texts) > 1 and max(map(len, texts[1:])) \
                 > MAX_WIDTH and name in ("indent", "wordwrap") \
                 or name == "replace" and len(texts) >= 3 and len(texts[-3]) + len(texts[-1]) * \
-                texts[-3].count(texts[-2]) > MAX_OUTPUT or name == "format" and not formats_within(str(args[0])) \
+                texts[-3].count(texts[-2]) > MAX_OUTPUT \
+                or name == "format" and not formats_within(str(args[0]), values[1:]) \
                 or name == "join" and items and sum(len(str(x)) + len(texts[-1] if texts else "")
                                                     for x in items[0]) > MAX_OUTPUT:
             raise TemplateError(f"its {name} filter makes a value past the budget of a chat template")

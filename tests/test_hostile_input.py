@@ -341,6 +341,12 @@ PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant'
     ("{{ ('a' * 1000000).replace('a', 'a' * 20) }}", "its replace makes a text past the budget"),
     ("{{ ('a' * 10000).join('b' * 10000) }}", "its join makes a text past the budget"),
     ("{{ ('\t' * 100000).expandtabs(4000) }}", "its expandtabs makes a text past the budget"),
+    # and what a value repeated by a format's fields or a translation makes, refused before it is made (it was made
+    # first: about 1.5 GB at these factors of 100)
+    ("{{ ('%(a)s' * 1000) % {'a': 'x' * 100000} }}", "its % makes a value past the budget"),
+    ("{{ ('%(a)s' * 1000) | format(a='x' * 100000) }}", "its format filter makes a value past the budget"),
+    ("{{ ('{0}' * 1000).format('x' * 100000) }}", "its format makes a text past the budget"),
+    ("{{ ('a' * 10000).translate({97: 'b' * 10000}) }}", "its translate makes a text past the budget"),
 ])
 def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, says):
     from lib import chat
