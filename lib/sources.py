@@ -368,9 +368,11 @@ def pieces(doc, start=0, stop=None, in_one_piece=False, stats=None):
                 held = [text[cut.end():]]
             else:
                 held.append(text)
-            if sum(map(len, held)) >= HARD_CUT:
-                yield "".join(held), False
-                held = []
+            if sum(map(len, held)) >= HARD_CUT:  # before its last space: a piece that begins with one is not given
+                text = "".join(held)  # another by a tokenizer that puts a space before a text's first word
+                end = text.rfind(" ") if text.rfind(" ") > 0 else len(text)
+                yield text[:end], False
+                held = [text[end:]]
                 if stats is not None:
                     stats["hard_cuts"] += 1
             if stop is not None and at >= stop:

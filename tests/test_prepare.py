@@ -98,12 +98,12 @@ def read_all(out):
     return read_split(out, "train") + read_split(out, "val")
 
 
-def hf_tokenizer_json(folder, special=("<|endoftext|>",)):
+def hf_tokenizer_json(folder, special=("<|endoftext|>",), prefix_space=False):
     """A tiny byte-level BPE made with the tokenizers library, saved as folder/tokenizer.json."""
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
     tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -402,6 +402,20 @@ def test_big_file_in_pieces_encodes_like_the_whole(tmp_path, monkeypatch, kind):
         assert np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])[:-1].tolist() == tok.encode(part)
     if kind == "bpe:300":  # learned from the pieces, the same as from the whole text
         assert load_tokenizer(out).ranks == tok.ranks
+
+
+def test_a_tokenizer_that_puts_a_space_before_a_text_adds_none_where_a_big_file_is_cut(tmp_path, monkeypatch):
+    # a tokenizer.json gets a document whole up to HARD_CUT characters, then a piece; one whose ByteLevel step adds
+    # a space before a text's first word ('Ġhello') added one inside the text at each cut ('hell o'): it is cut before
+    # a space, which such a piece keeps as it is. (The first word of each document gets its space, as ever.)
+    monkeypatch.setattr(sources, "PIECE", 512)
+    monkeypatch.setattr(sources, "HARD_CUT", 3000)
+    text = "hello world\n" * 2000
+    meta = run(write(tmp_path / "a.txt", text), "--out_dir", tmp_path / "out", "--tokenizer",
+               hf_tokenizer_json(tmp_path / "hf", prefix_space=True))
+    (train,), (val,) = read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "val")
+    assert meta["hard_cuts"] >= 7 and train.startswith(" hello") and val.startswith(" hello")
+    assert train[1:] + val[1:] == text
 
 
 def test_bad_byte_late_in_a_big_file_skips_all_of_it(tmp_path, monkeypatch):
