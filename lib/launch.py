@@ -1,8 +1,9 @@
 """
 torchrun for a job that a scheduler stops: torch.distributed.run, arguments unchanged, ending in one line instead of
 a traceback where its workers already said why:
-- on SIGTERM (Slurm's preemption, time limit or requeue, sent to every process of the job), once its workers have
-  finished their step, saved and exited (train.py's StopRequest): status 0. torchrun kills one still running 30 s
+- on SIGTERM (Slurm's preemption, time limit or requeue, sent to every process of the job, or to one node's
+  torchrun), once its workers have finished their step, saved and exited (train.py's StopRequest), and the other
+  nodes' torchruns have ended too (their exit barrier, up to EXIT_WAIT): status 0. torchrun kills one still running 30 s
   later (as Slurm's KillWait does by default), losing its steps since the last checkpoint: the line names it, status 1;
 - workers that failed (a refusal or traceback above, or a signal): status 1.
 
@@ -11,13 +12,30 @@ a traceback where its workers already said why:
 
 import signal
 import sys
+import time
 
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
 
+EXIT_WAIT = 30  # s a signalled torchrun waits at the exit barrier for the other nodes' (Slurm's KillWait)
 closed = {}  # local rank: exit status of each worker, as torchrun last closed them
-_close = SubprocessContext._close
+_close, _run = SubprocessContext._close, SimpleElasticAgent.run
+
+
+def run_then_meet_the_others(self, *args, **kwargs):
+    # torchrun's run; once a signal has stopped its workers, it meets the other nodes' torchruns at their exit
+    # barrier, where theirs, told by their workers that the run stopped, wait for it: a SIGTERM to one node's
+    # torchrun left the others waiting there 300 s, then ending in a traceback. (Slurm signals every node.)
+    try:
+        return _run(self, *args, **kwargs)
+    except SignalException:
+        if self._worker_group.group_world_size > 1:
+            self._exit_barrier_timeout = min(self._exit_barrier_timeout, EXIT_WAIT)
+            self._exit_barrier()
+            time.sleep(2)  # and lets them close their rendezvous in the store it may serve (else a warning of theirs)
+        raise
 
 
 def close_and_keep_statuses(self, *args, **kwargs):
@@ -26,7 +44,7 @@ def close_and_keep_statuses(self, *args, **kwargs):
     closed.update({rank: handler.proc.poll() for rank, handler in self.subprocess_handlers.items()})
 
 
-SubprocessContext._close = close_and_keep_statuses
+SubprocessContext._close, SimpleElasticAgent.run = close_and_keep_statuses, run_then_meet_the_others
 
 
 def ended(status):

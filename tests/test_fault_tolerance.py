@@ -262,6 +262,32 @@ def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_
         assert output.count("SignalException: Process") == 1, output
 
 
+@pytest.mark.kills
+def test_sigterm_to_one_nodes_lib_launch_ends_the_other_node_too(data_dir, tmp_path):
+    # one node's torchrun stopped alone (SIGTERM to it, which passes it on): every worker saves and stops, and the
+    # other node's torchrun, at its exit barrier, is met there (it waited 300 s, then ended in a traceback)
+    from helpers import free_port
+    port, env = free_port(), {**os.environ, **CPU_ENV, "PYTHONUNBUFFERED": "1"}
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100000", "--eval_interval=100000",
+            "--gradient_accumulation_steps=2"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "lib.launch", "--nnodes=2", f"--node_rank={node}",
+                               "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                               "--rdzv_id=one_signalled", "train.py", *on_cpu(args)], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for node in (0, 1)]
+    try:
+        wait_for(nodes[0], "iter 3:")
+        nodes[1].send_signal(signal.SIGTERM)  # its torchrun alone
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert outputs[1].rstrip().endswith("torchrun: SIGTERM, its workers stopped"), outputs[1]
+    assert "a signal to another process: saved step" in outputs[0] and "Traceback" not in outputs[0], outputs[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake, said", [
     ([], "gradient_accumulation_steps=1 must be a multiple of the 2"),  # TINY's one micro-step, for 2 processes
