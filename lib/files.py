@@ -167,6 +167,7 @@ def end_mark(meta):
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
 MAX_PICKLE = 1 << 26  # bytes of a meta.pkl read at most (nanoGPT's: under 1 KB for 65 characters)
 MAX_VOCAB = 1 << 24  # 16.7M ids: released tokenizers have up to ~262K
+MAX_JSON = 1 << 26  # bytes of a config.json, meta.json... read at most (parsed, ~9x that in memory); released: KBs
 
 
 def refuse_unfinished(data_dir):
@@ -180,6 +181,7 @@ def read_meta(data_dir):
     refuse_unfinished(data_dir)
     path = Path(data_dir) / "meta.json"
     if path.exists():
+        check_json_size(path, "prepare the folder again with prepare.py")
         try:
             meta = json.loads(path.read_text(encoding="utf-8"))
             meta["dtype"] = np.dtype(meta["dtype"]).name
@@ -315,6 +317,7 @@ def read_json(path, fix="replace it with the model's own file"):
     data: UserError in one line, saying fix, for one that does not."""
     check_regular(path, fix)
     try:
+        check_json_size(path, fix)
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as e:
@@ -324,6 +327,13 @@ def read_json(path, fix="replace it with the model's own file"):
     if not isinstance(data, dict):
         raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object: {fix}")
     return data
+
+
+def check_json_size(path, fix):
+    # UserError in one line for a JSON file past MAX_JSON, before it is read
+    if os.path.getsize(path) > MAX_JSON:
+        raise UserError(f"{path} is {os.path.getsize(path) / 2**20:,.0f} MB, past the {MAX_JSON >> 20} MB any such "
+                        f"file needs: {fix}")
 
 
 SCANNED = 1 << 30  # the ids a start checks at most (2 GB of uint16, ~2 s): a larger file's chunks spread over it

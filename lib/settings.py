@@ -15,6 +15,7 @@ from lib import data as _data
 from lib import optim as _optim
 from lib.files import UserError as _UserError
 from model import GPTConfig as _GPTConfig
+from model import rotary_tables as _rotary_tables
 
 # I/O
 out_dir = "out"  # checkpoints and metrics.jsonl go here
@@ -265,3 +266,6 @@ def check_sizes(args, where, fix):
         if not all(type(v) in (int, float) and 0 < v < 1e300 for v in values) or values[2] <= values[1]:
             raise _UserError(f"{where} says rope_scaling {scaling!r}: it must hold numbers above 0 for "
                              f"{', '.join(LLAMA3_SCALING)}, high_freq_factor above low_freq_factor: {fix}")
+    if not _rotary_tables(head, 2, args.get("rope_theta", 1e4), scaling)[0].isfinite().all():  # float32's range
+        raise _UserError(f"{where} says rope_theta={args.get('rope_theta', 1e4)!r}" + (f" and rope_scaling {scaling!r}"
+                         if scaling else "") + f": rotary frequencies past float32's range (a NaN at once): {fix}")

@@ -733,6 +733,45 @@ def test_rope_scaling_that_would_divide_by_zero_or_by_a_string_is_one_line(folde
         resume.model_from_checkpoint(checkpoint)
 
 
+@pytest.mark.parametrize("where", ["rope_theta", "factor"])
+def test_rotary_frequencies_past_float32s_range_are_one_line(folder, where):
+    # a rope_theta or llama3 factor of 1e-300 is above 0, and 0 in float32: every loss NaN, blamed on the
+    # learning rate (eval.py and sample.py ran on, a NaN perplexity and garbage text)
+    scaling = {"rope_type": "llama3", "factor": 1e-300 if where == "factor" else 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+    edit_config(folder, rope_scaling=scaling, rope_theta=1e-300 if where == "rope_theta" else 1e4)
+    with pytest.raises(UserError, match="rotary frequencies past float32's range"):
+        hf.load_pretrained(folder)
+    checkpoint = tiny_checkpoint()
+    checkpoint["model_args"]["rope_theta"] = 1e-50
+    with pytest.raises(UserError, match=r"model_args says rope_theta=1e-50: rotary frequencies past float32's"):
+        resume.model_from_checkpoint(checkpoint)
+
+
+def test_a_lora_rank_past_the_projections_width_is_one_line_before_any_adapter(folder):
+    from lib.lora import add_lora
+    model = hf.load_pretrained(folder)
+    with pytest.raises(UserError, match=r"lora_rank=1000000000 is past the narrowest width of the projections it "
+                                        r"adapts \(32\)"):
+        add_lora(model, 10**9)
+    assert not any(hasattr(linear, "lora") for _, _, linear in model.projections())
+    assert add_lora(model, 32).blocks[0].attn.k.lora.A.shape[0] == 32  # as wide as the narrowest
+
+
+def test_a_json_file_past_any_models_is_refused_before_it_is_read(folder, tmp_path, monkeypatch):
+    # a 110 MB config.json was read and parsed whole (1.45 GB), and a meta.json too
+    from lib import files
+    monkeypatch.setattr(files, "MAX_JSON", 1000)
+    edit_config(folder, padding=[0] * 1000)
+    with pytest.raises(UserError, match=r"config.json is 0 MB, past the 0 MB any such file needs: replace it"):
+        hf.load_pretrained(folder)
+    tiny_dataset(tmp_path / "d")
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    (tmp_path / "d" / "meta.json").write_text(json.dumps({**meta, "padding": "x" * 1000}))
+    with pytest.raises(UserError, match=r"meta.json is 0 MB, past .*: prepare the folder again"):
+        read_meta(tmp_path / "d")
+
+
 def test_a_missing_tensor_is_named_before_the_memory_for_the_model_is_taken(folder, monkeypatch):
     from safetensors.torch import load_file, save_file
     weights = load_file(folder / "model.safetensors")
