@@ -132,6 +132,9 @@ def vocabulary(tokenizer, vocab_size, gguf):
         raise UserError(refusal)
     if pattern not in PRE_TOKENIZERS:
         raise UserError(f"llama.cpp knows no pre-tokenizer that splits as {pattern!r}: {INSTEAD}")
+    if not merges:  # (gguf's writer leaves an empty list out, and llama.cpp refuses a BPE without the key)
+        raise UserError("this BPE tokenizer has no merges, and llama.cpp reads none without: learn one with more "
+                        "tokens than bytes (prepare.py --tokenizer=bpe:N, N above 256) on enough text")
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     types = [gguf.TokenType.UNUSED] * vocab_size
     # Special tokens are control tokens; an added token that is not special is matched whole in text.

@@ -195,6 +195,9 @@ def hf_tokenizer(name, hf_json):
     if (top := max((i for i in ids if type(i) is int), default=0)) >= MAX_VOCAB:
         raise UserError(f"tokenizer {name} has the id {top:,}, past {MAX_VOCAB:,}, more than any tokenizer has: use "
                         f"the model's own tokenizer.json")
+    if isinstance(spec.get("model"), dict) and spec["model"].get("dropout"):  # (training-time BPE-dropout)
+        raise UserError(f"tokenizer {name} has BPE dropout {spec['model']['dropout']}: it spells a text another way "
+                        f"each time, and the data would not be the text's tokens; set its model's dropout to null")
     hf = hf_encoder(hf_json)
     hf.encode_special_tokens = True  # a literal "</s>" in a document is text, not a token
     vocab = hf.get_vocab(with_added_tokens=True)
@@ -247,9 +250,9 @@ def make_tokenizer(spec, texts):
     if spec.startswith(("bpe:", "wordpiece:")):
         kind, size = spec.split(":", 1)
         least, example = (256, 4096) if kind == "bpe" else (100, 8192)
-        if not (size.isascii() and size.isdigit()) or int(size) < least:
-            raise UserError(f"bad tokenizer '{spec}' ({kind}:N needs a whole number N >= {least}, "
-                            f"e.g. {kind}:{example})")
+        if not (size.isascii() and size.isdigit()) or not least <= int(size) <= MAX_VOCAB:
+            raise UserError(f"bad tokenizer '{spec}' ({kind}:N needs a whole number N from {least} to "
+                            f"{MAX_VOCAB:,}, e.g. {kind}:{example})")
         if kind == "wordpiece":
             return wordpiece_tokenizer(spec, int(size), texts)
         import rustbpe

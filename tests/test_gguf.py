@@ -284,6 +284,15 @@ def test_autotokenizer_encodes_as_prepare_did(kind, bpe_run, shared, tmp_path):
         assert written["eos_token_id"] == written["pad_token_id"] == eot and "bos_token_id" not in written
 
 
+def test_a_bpe_without_merges_is_refused_in_one_line():
+    # bpe:256 is the bytes alone: gguf's writer left out the empty merges, and llama.cpp refuses a BPE without them
+    tokenizer = make_tokenizer("bpe:256", lambda: iter(["hello world, hello there"] * 50))
+    with pytest.raises(UserError, match=r"^this BPE tokenizer has no merges, and llama.cpp reads none without"):
+        vocabulary(tokenizer, 320, gguf)
+    four_merges = make_tokenizer("bpe:260", lambda: iter(["hello world, hello there"] * 50))
+    assert len(vocabulary(four_merges, 320, gguf)[2]) == 4
+
+
 def test_wordpiece_and_sentencepiece_style_tokenizers_are_refused():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     wordpiece = make_tokenizer("wordpiece:100", lambda: iter(["hello world, hello there"] * 50))

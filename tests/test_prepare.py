@@ -376,6 +376,17 @@ def old_tail_cut(text, val_fraction):
     return nl + 1 if nl != -1 else pos
 
 
+def test_a_tokenizer_json_with_bpe_dropout_is_refused(tmp_path):
+    # it spells a text another way on every call: two preparations of one corpus gave other tokens (23,390 and 23,428)
+    folder = hf_tokenizer_json(tmp_path / "hf")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["model"]["dropout"] = 0.3
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    write(tmp_path / "a.txt", "hello world\n" * 10)
+    assert "has BPE dropout 0.3: it spells a text another way each time" in refusal(
+        tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", folder)
+
+
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=needs_tiktoken) for k in ("gpt2", "cl100k_base", "o200k_base")]
                          + ["bpe:300", "char", "hf"])
 def test_big_file_in_pieces_encodes_like_the_whole(tmp_path, monkeypatch, kind):
@@ -605,9 +616,10 @@ def test_user_errors_are_one_line(tmp_path):
     write(tmp_path / "a.txt", "hello")
     said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "wordpiece")
     assert said.startswith("unknown tokenizer 'wordpiece' (use char, bpe:N, wordpiece:N, a path to")
-    for spec in ("bpe:12", "bpe:\uff13\uff10\uff10"):  # (full-width digits, which str.isdigit takes)
-        assert "bpe:N needs a whole number N >= 256" in refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o",
-                                                                 "--tokenizer", spec)
+    for spec in ("bpe:12", "bpe:\uff13\uff10\uff10", "bpe:99999999999"):  # (full-width digits: str.isdigit's;
+        # a size past any vocabulary was a traceback from rustbpe, and wordpiece's an abort of the process)
+        said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", spec)
+        assert "bpe:N needs a whole number N from 256 to 16,777,216" in said
     assert "--val_fraction" in refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--val_fraction", "1.5")
     assert "--out_dir" in refusal(tmp_path / "a.txt")
     # argparse's own refusal, and the script's one line on stderr (one_line_errors)
@@ -1008,8 +1020,9 @@ def test_wordpiece_is_learned_saved_as_tokenizer_json_and_exported(tmp_path, cap
     assert tok.decode([tok.eot_id]) == "<|endoftext|>" and tok.eot_id not in ids
     assert re.sub(r"\s", "", tok.decode(ids)) == re.sub(r"\s", "", sample)  # only whitespace changes
     assert tok.encode(tok.decode(ids)) == ids
-    with pytest.raises(UserError, match="wordpiece:N needs a whole number N >= 100"):
-        prepare.main([str(tmp_path / "in.txt"), "--tokenizer=wordpiece:x", f"--out_dir={tmp_path / 'bad'}"])
+    for size in ("x", "5000000000"):
+        with pytest.raises(UserError, match="wordpiece:N needs a whole number N from 100 to"):
+            prepare.main([str(tmp_path / "in.txt"), f"--tokenizer=wordpiece:{size}", f"--out_dir={tmp_path / 'bad'}"])
     transformers = pytest.importorskip("transformers")
     files, note = hf_tokenizer_files(tok)
     (tmp_path / "hf").mkdir()
