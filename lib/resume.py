@@ -23,10 +23,11 @@ import torch
 from lib import checkpoint as ckpt
 from lib.bounds import check_shapes, layer_count
 from lib.checkpoint import dcp, first_line, parameter_names, sharded_state
-from lib.data import val_measure
+from lib.data import SEQUENCES, val_measure
 from lib.files import UserError, check_regular, data_fingerprint, tokenizer_fingerprint
+from lib.hf import HF_ARCHITECTURES
 from lib.optim import SCHEDULE_SETTINGS
-from lib.settings import check_sizes
+from lib.settings import LORA_BASE_DTYPES, check_sizes
 from lib.start import LORA_SETTINGS, RUN_SETTINGS, SHAPE
 from model import GPT, GPTConfig
 
@@ -309,10 +310,26 @@ def check_values(checkpoint, path):
              "data_fingerprint": lambda v: isinstance(v, dict) and all(isinstance(x, (str, type(None)))
                                                                        for x in v.values()),
              **dict.fromkeys(("pretrained", "base_fingerprint"), lambda v: v is None or isinstance(v, str))}
-    for name, fits in kinds.items():
-        if name in checkpoint and not fits(checkpoint[name]):
-            raise UserError(f"{path} holds {name}={str(checkpoint[name])[:60]!r}, which train.py never saves: use "
+    # and the settings that sample.py, eval.py and export.py read back (config's, model_args'), each of its kind
+    def one_of(choices):
+        return lambda value: isinstance(value, str) and value in choices
+
+    settings = {"dtype": one_of(("float32", "bfloat16", "float16")), "lora_base_dtype": one_of(LORA_BASE_DTYPES),
+                "block_size": lambda v: count(v) and v > 0, "eval_stride": lambda v: type(v) is int,
+                **dict.fromkeys(("eval_full", "doc_mask"), lambda v: type(v) is bool),
+                "sequences": one_of(SEQUENCES), "family": one_of(HF_ARCHITECTURES), "lora_rank": count}
+    config, model_args = checkpoint.get("config"), checkpoint.get("model_args")
+    parts = [part for part in (config, model_args) if isinstance(part, dict)]
+    given = [(name, checkpoint[name], fits) for name, fits in kinds.items() if name in checkpoint] + \
+        [(name, part[name], fits) for part in parts for name, fits in settings.items() if name in part]
+    for name, value, fits in given:
+        if not fits(value):
+            raise UserError(f"{path} holds {name}={str(value)[:60]!r}, which train.py never saves: use "
                              f"another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
+    if isinstance(model_args, dict) and model_args.get("lora_rank") and not isinstance(checkpoint.get("pretrained"),
+                                                                                      str):
+        raise UserError(f"{path} holds a LoRA run's adapters but not the base folder they go on (pretrained): use "
+                         f"another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
 
 
 def check_stored(tensor, what, fix):

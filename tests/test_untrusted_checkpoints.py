@@ -295,6 +295,24 @@ def test_a_damaged_value_in_a_checkpoint_is_named_before_it_is_used(runs, tmp_pa
     assert (out / "ckpt.pt").read_bytes() == before
 
 
+@pytest.mark.parametrize("part, name, value, says", [
+    ("config", "dtype", "nonsense", None), ("config", "lora_base_dtype", "zzz", None),
+    ("config", "block_size", "32", None), ("config", "eval_stride", "x", None), ("model_args", "family", "gpt2", None),
+    ("model_args", "lora_rank", "4", None),
+    ("model_args", "lora_rank", 4, "holds a LoRA run's adapters but not the base folder they go on (pretrained)")])
+def test_a_setting_the_readers_take_from_a_checkpoint_is_named_if_damaged(runs, tmp_path, part, name, value, says):
+    # sample.py, eval.py and export.py read back the run's dtype, block_size, family...: a hand-edited one was a
+    # traceback (torch has no attribute 'nonsense'; export's KeyError 'gpt2'; a LoRA run with no base: stat(None))
+    out = copy_run(runs, "files", tmp_path)
+    state = torch.load(out / "ckpt.pt", weights_only=True)
+    torch.save({**state, part: {**state[part], name: value}}, out / "ckpt.pt")
+    for which in ("sample", "eval", "export"):
+        done = run_script(which, out, tmp_path, runs / "data")
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert (says or f"holds {name}={str(value)!r}, which train.py never saves: use another") in done.stderr, \
+            (which, done.stderr[-2000:])
+
+
 @pytest.mark.parametrize("layout", ["files", "sharded"])
 def test_an_optimizer_moment_of_another_shape_is_refused_in_one_line(runs, tmp_path, layout):
     # Adam's first moment of one parameter cut short: loaded as it is, the optimizer's first step would fail
