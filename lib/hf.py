@@ -24,6 +24,10 @@ from model import GPT, PROJECTIONS, GPTConfig
 # ours -> transformers' names of a block's seven projections (model.PROJECTIONS), and of the families
 HF_PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                   "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+# config.json's names of the model's settings (config_from_hf reads them)
+HF_NAMES = {"block_size": "max_position_embeddings", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+            "n_kv_head": "num_key_value_heads", "n_embd": "hidden_size", "head_size": "head_dim",
+            "mlp_hidden": "intermediate_size", "norm_eps": "rms_norm_eps"}
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM"}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -129,7 +133,7 @@ def config_from_hf(hf, block_size=None):
                  rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
                  norm_eps=hf.get("rms_norm_eps", 1e-6))
     # config.json is data: its sizes are checked before GPTConfig divides one by another
-    check_sizes({**sizes, "rope_scaling": scaling}, "config.json", "fix it, or download the model again")
+    check_sizes({**sizes, "rope_scaling": scaling}, "config.json", "fix it, or download the model again", HF_NAMES)
     sizes["rope_theta"] = float(sizes["rope_theta"])
     return GPTConfig(**sizes, tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling,
                      qkv_bias=family == "qwen2", qk_norm=family == "qwen3", family=family)

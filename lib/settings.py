@@ -240,25 +240,27 @@ _MAX_TABLE = _MAX_POSITIONS * 256  # positions x head size: 2M positions of head
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # rope_scaling
 
 
-def check_sizes(args, where, fix):
+def check_sizes(args, where, fix, names=None):
     """UserError in one line, naming where (the file that says them) and fix, unless every model size in args is a
     whole number above 0 (0 where derived), block_size within limits, rope_theta, norm_eps and dropout in range, and
-    rope_scaling (if any) llama3's numbers."""
+    rope_scaling (if any) llama3's numbers. names: each setting's own name in where (config.json's), if another."""
+    said = (names or {}).get
     for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "head_size", "mlp_hidden"):
         value = args.get(name, 1)  # n_kv_head, head_size and mlp_hidden 0: from the other sizes (GPTConfig)
         if type(value) is not int or value < (0 if name in ("n_kv_head", "head_size", "mlp_hidden") else 1):
-            raise _UserError(f"{where} says {name}={value!r}, not a whole number above 0: {fix}")
+            raise _UserError(f"{where} says {said(name, name)}={value!r}, not a whole number above 0: {fix}")
     if args.get("block_size", 1) > _MAX_POSITIONS:
-        raise _UserError(f"{where} says block_size={args['block_size']}, past the {_MAX_POSITIONS} positions this "
-                         f"model.py holds tables for: {fix}")
+        raise _UserError(f"{where} says {said('block_size', 'block_size')}={args['block_size']}, past the "
+                         f"{_MAX_POSITIONS} positions this model.py holds tables for: {fix}")
     head = args.get("head_size") or args.get("n_embd", 1) // max(args.get("n_head", 1), 1)
     if args.get("block_size", 1) * head > _MAX_TABLE:  # the rotary tables' cos and sin, each positions x head / 2
-        raise _UserError(f"{where} says block_size={args['block_size']} positions of heads {head} wide: rotary tables "
-                        f"of {args['block_size'] * head * 4 / 2**30:.0f} GiB, past every released model's: {fix}")
+        raise _UserError(f"{where} says {said('block_size', 'block_size')}={args['block_size']} positions of heads "
+                         f"{head} wide: rotary tables of {args['block_size'] * head * 4 / 2**30:.0f} GiB, past every "
+                         f"released model's: {fix}")
     for name, low, high in (("rope_theta", 0, 1e300), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
         value = args.get(name, 0.5)  # (an int past 1e300 would be past a float's range, or nearly)
         if type(value) not in (int, float) or not low < value < high:
-            raise _UserError(f"{where} says {name}={value!r}, not a number in its range: {fix}")
+            raise _UserError(f"{where} says {said(name, name)}={value!r}, not a number in its range: {fix}")
     scaling = args.get("rope_scaling")
     if scaling is not None:
         values = [scaling.get(k) for k in LLAMA3_SCALING] if isinstance(scaling, dict) else [None] * 4

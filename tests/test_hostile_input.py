@@ -82,10 +82,10 @@ def edit_config(folder, **changes):
     ({"intermediate_size": 10**9}, "shape"),
     ({"vocab_size": 10**9}, "shape"),
     ({"num_hidden_layers": -1}, "num_hidden_layers|n_layer=-1"),
-    ({"hidden_size": "32"}, "n_embd='32'"),
-    ({"num_attention_heads": 0}, "n_head=0"),
-    ({"rms_norm_eps": "tiny"}, "norm_eps='tiny'"),
-    ({"max_position_embeddings": 10**12}, "block_size=1000000000000"),
+    ({"hidden_size": "32"}, "config.json says hidden_size='32'"),  # (config.json's names, not ours: n_embd)
+    ({"num_attention_heads": 0}, "num_attention_heads=0"),
+    ({"rms_norm_eps": "tiny"}, "rms_norm_eps='tiny'"),
+    ({"max_position_embeddings": 10**12}, "max_position_embeddings=1000000000000"),
 ])
 def test_config_json_is_checked_against_the_weights_before_anything_is_built(folder, monkeypatch, changes, says):
     edit_config(folder, **changes)
