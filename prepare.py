@@ -335,6 +335,8 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
     for infos, (ids, masks, lens, sizes, dropped) in encoded(docs, tokenizer, dtype, threads, in_one_piece,
                                                              min_length, stats):
         ids, dropped = drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length, framing)
+        if tokenizer.unk_id is not None:
+            stats["unknown_tokens"] += sum(int(np.count_nonzero(np.asarray(part) == tokenizer.unk_id)) for part in ids)
         for split, i in (("train", 0), ("val", 1)):
             if files:
                 files[split].write(ids[i])
@@ -525,6 +527,9 @@ def report_skips(report):
     short = f", {report['short_dropped']} shorter than --min_length" if report.get("short_dropped") else ""
     print(f"dropped {report['empty_documents']} empty documents, {report['duplicates_dropped']} duplicates{short}; "
           f"left out {report['hidden_skipped']} hidden files and folders")
+    if report.get("unknown_tokens"):
+        print(f"{report['unknown_tokens']:,} tokens are the tokenizer's unknown token: text it cannot spell "
+              f"(characters its vocabulary lacks), which trains as that one token")
     if report.get("hard_cuts"):
         print(f"cut text {report['hard_cuts']} times where {human(HARD_CUT)} characters held no safe place to cut "
               f"(its tokens there may differ from those of the text whole)")

@@ -388,6 +388,7 @@ def new_stats():
             "bad_records": {"count": 0, "examples": []}, "empty_documents": 0, "duplicates_dropped": 0,
             "short_dropped": 0,  # documents of fewer tokens than --min_length
             "hard_cuts": 0,  # places text was cut off a safe cut, none being within HARD_CUT characters
+            "unknown_tokens": 0,  # tokens that stand for text the tokenizer cannot spell (a tokenizer.json's [UNK])
             "conversations": None}  # whether the documents are conversations: the first one decides
 
 

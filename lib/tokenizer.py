@@ -27,10 +27,11 @@ class Tokenizer:
     """Exactly one of enc (tiktoken's, for tiktoken and bpe), chars and hf does the encoding."""
 
     def __init__(self, kind, name, vocab_size, eot_id, enc=None, chars=None, hf=None,
-                 hf_json=None, ranks=None, pattern=None, bos_id=None):
+                 hf_json=None, ranks=None, pattern=None, bos_id=None, unk_id=None):
         self.kind, self.name = kind, name  # kind: tiktoken | bpe | char | nanogpt_char | huggingface
         self.vocab_size, self.eot_id = vocab_size, eot_id  # eot_id None: nanoGPT's characters have none
         self.bos_id = bos_id  # what a tokenizer.json's post-processor puts before a text (Llama 3's), or None
+        self.unk_id = unk_id  # what a tokenizer.json writes for text it cannot spell ([UNK], <unk>), or None
         self.enc, self.chars, self.hf = enc, chars, hf
         self.hf_json, self.ranks, self.pattern = hf_json, ranks, pattern  # what save() writes
         if chars is not None:  # np.searchsorted needs the code points sorted; ids keep the given order
@@ -209,7 +210,11 @@ def hf_tokenizer(name, hf_json):
         plain = hf.encode("a", add_special_tokens=False).ids
         full = hf.encode("a", add_special_tokens=True).ids
     bos_id = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
-    return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json, bos_id=bos_id)
+    model = spec["model"] if isinstance(spec.get("model"), dict) else {}  # unk_token: BPE's, WordPiece's; Unigram's id
+    unk, unk_id = model.get("unk_token"), model.get("unk_id")
+    unk_id = vocab.get(unk) if isinstance(unk, str) else unk_id if type(unk_id) is int else None
+    return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json, bos_id=bos_id,
+                     unk_id=unk_id)
 
 
 def bases_tokenizer(tokenizer, base):

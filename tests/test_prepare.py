@@ -376,6 +376,24 @@ def old_tail_cut(text, val_fraction):
     return nl + 1 if nl != -1 else pos
 
 
+def test_text_a_tokenizer_json_cannot_spell_is_counted_and_said(tmp_path, capsys):
+    # a WordPiece (or Unigram) tokenizer.json writes [UNK] for a word with a character it lacks: that text is gone
+    # from the data, and nothing said so
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world"] * 10, trainers.WordPieceTrainer(
+        vocab_size=60, special_tokens=["[UNK]", "<|endoftext|>"], show_progress=False))
+    (tmp_path / "hf").mkdir()
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    meta = run(write(tmp_path / "a.txt", "hello world\n" * 20 + "hello \ua66e\ua66e world\n" + "world hello\n" * 5),
+               "--out_dir", tmp_path / "out", "--tokenizer", tmp_path / "hf")
+    assert meta["unknown_tokens"] == 1
+    assert "1 tokens are the tokenizer's unknown token: text it cannot spell" in capsys.readouterr().out
+    meta = run(tmp_path / "a.txt", "--out_dir", tmp_path / "out2", "--tokenizer", hf_tokenizer_json(tmp_path / "bpe"))
+    assert meta["unknown_tokens"] == 0  # a byte-level BPE spells every text
+
+
 def test_a_tokenizer_json_with_bpe_dropout_is_refused(tmp_path):
     # it spells a text another way on every call: two preparations of one corpus gave other tokens (23,390 and 23,428)
     folder = hf_tokenizer_json(tmp_path / "hf")
