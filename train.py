@@ -223,8 +223,11 @@ def estimate_loss(model, raw_model):
                 model.train()
                 return None
             batch = batches.evaluation(split, k * dp_size + dp_rank)
-            if batch is None:  # past the sequences an evaluation reads: this process's last share was short
+            if batch is None and not fsdp:  # past the sequences an evaluation reads: this process's share was short
                 continue
+            if batch is None:  # under FSDP each forward gathers every process's shards: one with no targets
+                x, y, doc_ids = batches.evaluation(split, 0)
+                batch = x, torch.full_like(y, -1), doc_ids
             x, y, doc_ids = batch
             with autocast:
                 loss, accuracy = raw_model.loss_and_accuracy(x, y, doc_ids)

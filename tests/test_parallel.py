@@ -175,6 +175,22 @@ def test_float16_refusal_names_tensor_parallel_where_it_brought_fsdp():
         init_distributed("cpu", "float16", "gloo", 1, True, False, 60)
 
 
+@pytest.mark.parametrize("backend", ["nccl", "cuda:nccl"])
+def test_cpu_offload_with_a_backend_that_has_none_for_the_cpu_is_one_line(monkeypatch, backend):
+    # offloaded shards' gradients are reduced on the CPU, which nccl's collectives refuse: on 2 GPUs the first step
+    # was a traceback ("No backend type associated with device type cpu"); auto gives nccl and gloo beside it
+    from lib import parallel
+    monkeypatch.setattr(parallel, "pick_device", lambda device, dtype: ("cuda", "bfloat16"))  # (as on a GPU)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # (a CUDA device's settings)
+    try:
+        with pytest.raises(UserError, match=rf"^backend='{backend}' has none for the CPU, where fsdp_cpu_offload=True "
+                                            rf"keeps the shards and their gradients: use backend='auto'"):
+            parallel.init_distributed("cuda", "bfloat16", backend, 1, True, True, 60)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "one_process"])
 @pytest.mark.parametrize("backend", ["bogus", "cpu:gloo,cuda:no-such-backend"])
 def test_a_backend_this_torch_lacks_is_one_line_before_any_process_group(backend, fsdp):

@@ -233,6 +233,21 @@ def test_fsdp_in_one_process_compiled_with_the_triton_kernels_matches_plain(data
     assert fused["model_args"]["use_kernels"] is True
 
 
+def test_fsdp_with_batch_size_auto_evaluates_where_a_process_has_no_share_left(data_dir, tmp_path):
+    # 'auto' takes a micro-batch past the one an evaluation's sequences were counted by, and a process's last share
+    # can be empty: under FSDP it skipped that forward, and the all-gathers the other process waited in (a hang until
+    # dist_timeout). It now computes one with no targets: the losses of the same sequences split as given, to rounding
+    args = [*TINY, f"--data_dir={data_dir}", "--fsdp=True", "--gradient_accumulation_steps=8", "--memory_budget=4.0",
+            "--eval_iters=1", "--max_iters=2", "--eval_interval=2", "--dist_timeout=60"]
+    out = run(*args, "--batch_size=auto", f"--out_dir={tmp_path / 'auto'}", torchrun=TWO).stdout
+    micro = int(re.search(r"batch_size='auto': micro-batch (\d+)", out)[1])
+    assert micro > 4  # past the --batch_size an evaluation's sequences were counted by (the case)
+    run(*args, f"--out_dir={tmp_path / 'given'}", torchrun=TWO)
+    auto, given = losses(tmp_path / "auto", "val_loss"), losses(tmp_path / "given", "val_loss")
+    assert auto.keys() == given.keys() == {0, 2}
+    assert all(abs(auto[i] - given[i]) <= 1e-4 * given[i] for i in given), (auto, given)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--dtype=float16"], "fsdp=True does not work with dtype='float16'"),
     (["--optimizer=muon"], "optimizer='muon' orthogonalizes whole matrices, and fsdp=True splits them"),
