@@ -78,8 +78,9 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
     kept = config.get("batch_size_auto") and config["batch_size"]
     shared = (f"micro-batch {{}} x {{}} accumulation x {layout['dp']} processes x {block_size} tokens = "
               f"{sequences * block_size:,} tokens per update")
-    if kept and share % kept == 0 and (before.get("memory_device"), config.get("memory_budget"), before["world_size"]) \
-            == (where, memory_budget, layout["dp"] * layout["tp"]):
+    same = kept and share % kept == 0 and (before.get("memory_device"), config.get("memory_budget"),
+                                           before["world_size"]) == (where, memory_budget, layout["dp"] * layout["tp"])
+    if smallest(int(bool(same)), device):  # each process asks of its own GPU: kept by all, or chosen anew by all
         return kept, (f"batch_size='auto': micro-batch {kept}, the one the run began with on {where}\n"
                       + shared.format(kept, share // kept))
     budget = memory_budget * 2**30 if memory_budget > 0 else available_memory(device)

@@ -475,6 +475,34 @@ def test_auto_micro_batch_is_the_largest_whose_peak_fits_the_budget(monkeypatch)
     assert again[0] == chosen[-1]
 
 
+def kept_or_chosen_worker(rank, port, out):
+    # one of 2 processes resuming a batch_size='auto' run begun on rank 0's GPU, rank 1's another: each compared its
+    # own device with the checkpoint's, rank 0 kept the micro-batch and rank 1 chose anew in smallest()'s all-reduce,
+    # which rank 0 never joined (a hang, or another collective matched)
+    from datetime import timedelta
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                         timeout=timedelta(seconds=20))
+    micro_batch.device_name = lambda device: f"the GPU of rank {rank}"  # (this process's module)
+    micro_batch.fit_micro_batch = lambda peak, sequences, dp, budget, held=0: (4, 2**20)
+    before = {"config": {"batch_size_auto": True, "batch_size": 2, "memory_budget": 1.0,
+                         "gradient_accumulation_steps": 8}, "world_size": 2, "memory_device": "the GPU of rank 0"}
+    layout = dict(dp=2, tp=1, fsdp=True, checkpointing=False, offload=False)
+    try:
+        b = micro_batch.auto_micro_batch(GPT(GPTConfig(**SHAPE)), 16, 16, 1.0, layout, before, None, dtype="float32",
+                                         optimizer="adamw", quantized=None, device="cpu")[0]
+    except Exception as e:  # (the old code's: a gloo timeout)
+        b = type(e).__name__
+    Path(f"{out}.{rank}").write_text(str(b))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_its_micro_batch_in_every_process_or_in_none(tmp_path):
+    torch.multiprocessing.spawn(kept_or_chosen_worker, args=(free_port(), str(tmp_path / "b")), nprocs=2)
+    assert [(tmp_path / f"b.{rank}").read_text() for rank in (0, 1)] == ["4", "4"]  # chosen anew by both
+
+
 def test_a_micro_batch_out_of_memory_in_its_first_try_is_halved_once():
     class OutOfMemoryPast(torch.nn.Module):  # a model that runs out of memory past `fits` sequences
         def __init__(self, fits):
