@@ -135,8 +135,7 @@ def prepare(args):
             **({"chat": args.chat().meta(tokenizer)} if conversations and args.chat().templated else {}),
             "inputs": [shown(p) for p in inputs], "val_inputs": [shown(p) for p in args.val_input or []],
             **stats,  # files_read ... duplicates_dropped: what was read and skipped
-            "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)},
-        }
+            "document_tokens_histogram": {f"{2**k}-{2**(k+1)-1}": histogram[k] for k in sorted(histogram)}}
         if args.analyze:
             report_analyze(meta)
             return meta
@@ -335,8 +334,8 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
     for infos, (ids, masks, lens, sizes, dropped) in encoded(docs, tokenizer, dtype, threads, in_one_piece,
                                                              min_length, stats):
         ids, dropped = drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length, framing)
-        if tokenizer.unk_id is not None:
-            stats["unknown_tokens"] += sum(int(np.count_nonzero(np.asarray(part) == tokenizer.unk_id)) for part in ids)
+        if tokenizer.unk_id is not None:  # (text it cannot spell)
+            stats["unknown_tokens"] += sum(np.count_nonzero(np.asarray(part) == tokenizer.unk_id) for part in ids)
         for split, i in (("train", 0), ("val", 1)):
             if files:
                 files[split].write(ids[i])
@@ -528,8 +527,7 @@ def report_skips(report):
     print(f"dropped {report['empty_documents']} empty documents, {report['duplicates_dropped']} duplicates{short}; "
           f"left out {report['hidden_skipped']} hidden files and folders")
     if report.get("unknown_tokens"):
-        print(f"{report['unknown_tokens']:,} tokens are the tokenizer's unknown token: text it cannot spell "
-              f"(characters its vocabulary lacks), which trains as that one token")
+        print(f"{report['unknown_tokens']:,} tokens are the tokenizer's unknown token: text it cannot spell")
     if report.get("hard_cuts"):
         print(f"cut text {report['hard_cuts']} times where {human(HARD_CUT)} characters held no safe place to cut "
               f"(its tokens there may differ from those of the text whole)")
