@@ -334,8 +334,8 @@ def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):
     for infos, (ids, masks, lens, sizes, dropped) in encoded(docs, tokenizer, dtype, threads, in_one_piece,
                                                              min_length, stats):
         ids, dropped = drop_short_pieces(infos, ids, lens, dropped, files, doc, min_length, framing)
-        if tokenizer.unk_id is not None:  # (text it cannot spell)
-            stats["unknown_tokens"] += sum(np.count_nonzero(np.asarray(part) == tokenizer.unk_id) for part in ids)
+        if tokenizer.unk_id not in (None, tokenizer.eot_id, tokenizer.bos_id):  # (text it cannot spell)
+            stats["unknown_tokens"] += sum(int(np.count_nonzero(np.asarray(p) == tokenizer.unk_id)) for p in ids)
         for split, i in (("train", 0), ("val", 1)):
             if files:
                 files[split].write(ids[i])
