@@ -515,8 +515,8 @@ def report_example(out, tokenizer, meta):
 def report_skips(report):
     """What was left out, from meta.json's content or from the stats that go into it."""
     if report["skipped_files"]:
-        print(f"skipped {len(report['skipped_files'])} files:")
-        for skipped in report["skipped_files"]:
+        print(f"skipped {report['files_skipped']} files" + (", the first:" if report["files_skipped"] > 20 else ":"))
+        for skipped in report["skipped_files"][:20]:
             print(f"  {skipped['path']}: {skipped['reason']}")
     bad = report["bad_records"]
     if bad["count"]:

@@ -384,7 +384,7 @@ def pieces(doc, start=0, stop=None, in_one_piece=False, stats=None):
 
 def new_stats():
     """What was read and skipped, in meta.json's own words and order (meta.json takes it whole)."""
-    return {"files_read": 0, "extensions": {}, "skipped_files": [], "hidden_skipped": 0,
+    return {"files_read": 0, "extensions": {}, "files_skipped": 0, "skipped_files": [], "hidden_skipped": 0,
             "bad_records": {"count": 0, "examples": []}, "empty_documents": 0, "duplicates_dropped": 0,
             "short_dropped": 0,  # documents of fewer tokens than --min_length
             "hard_cuts": 0,  # places text was cut off a safe cut, none being within HARD_CUT characters
@@ -404,8 +404,10 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
     def reject(where, why, whole_file):
         if args.strict:
             raise UserError(f"{where}: {why} (fix or remove it, or run without --strict to skip it)")
-        if whole_file:
-            stats["skipped_files"].append({"path": where, "reason": why})
+        if whole_file:  # counted, and the first MAX_EXAMPLES listed (a folder of 650K images: a 64 MB meta.json)
+            stats["files_skipped"] += 1
+            if len(stats["skipped_files"]) < MAX_EXAMPLES:
+                stats["skipped_files"].append({"path": where, "reason": why})
             return
         stats["bad_records"]["count"] += 1
         if len(stats["bad_records"]["examples"]) < MAX_EXAMPLES:

@@ -535,6 +535,18 @@ def test_bad_file_is_skipped_and_listed(tmp_path, monkeypatch, case):
     assert meta["files_read"] == 1
 
 
+def test_skipped_files_are_counted_and_the_first_listed(tmp_path, monkeypatch, capsys):
+    # every skipped file was listed in meta.json: a folder of 650K images beside its captions made one past the 64 MB
+    # train.py reads, and prepared again the same
+    monkeypatch.setattr(sources, "MAX_EXAMPLES", 2)
+    write(tmp_path / "in" / "a.txt", "kept")
+    for i in range(5):
+        (tmp_path / "in" / f"{i}.jpg").write_bytes(b"\xff\xd8\xff\x00" * 4)
+    meta = run(tmp_path / "in", "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert meta["files_skipped"] == 5 and len(meta["skipped_files"]) == 2
+    assert "skipped 5 files:" in capsys.readouterr().out
+
+
 def test_symlinked_folder_is_listed_not_followed(tmp_path):
     src = tmp_path / "src"
     make_good(src)
