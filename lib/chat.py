@@ -180,7 +180,8 @@ def str_call_within(method, values):
     # whether a str method's call (method bound to its text, given values) makes a text within the budget: a width
     # (ljust's, center's, zfill's, expandtabs', a format field's, or a number a nested field takes) at most MAX_WIDTH,
     # and what expandtabs, replace, join, format and translate make at most MAX_OUTPUT, measured before they make it
-    # (a format's field or a translated character each the longest value); a number a format writes is no width
+    # (a format's field each all its values, a translated character the longest text); a number a format writes is no
+    # width
     text, name, texts = method.__self__, method.__name__, [v for v in values if isinstance(v, str)]
     widths = name in ("ljust", "rjust", "center", "zfill", "expandtabs") or \
         name in ("format", "format_map") and re.search(r"\{[^{}]*\{", text)  # '{:>{w}}': its width from w
@@ -191,8 +192,9 @@ def str_call_within(method, values):
                                                 for n in re.findall(r"\d+", field)):
         return False
     grows = {"expandtabs": lambda: text.count("\t") * MAX_WIDTH,
-             **dict.fromkeys(("format", "format_map"), lambda: text.count("{") * longest(values)),
-             "translate": lambda: len(text) * longest(values[0])  # each character may become the longest value
+             **dict.fromkeys(("format", "format_map"), lambda: text.count("{") * written(values)),
+             "translate": lambda: len(text) * max((len(v) for v in (values[0].values() if isinstance(values[0], dict)
+                                                                     else values[0]) if isinstance(v, str)), default=1)
              if values and isinstance(values[0], (dict, list, tuple)) else 0,
              "replace": lambda: len(texts[1]) * text.count(texts[0]) if len(texts) >= 2 else 0,
              "join": lambda: len(text) * len(values[0]) + sum(len(str(x)) for x in values[0])
@@ -202,27 +204,27 @@ def str_call_within(method, values):
 
 def formats_within(text, values):
     # a % or format filter's widths and precisions at most MAX_WIDTH (* would take them from its values), and what
-    # its fields write at most MAX_OUTPUT: each field the longest of its values at most (a '%(k)s' repeats one)
+    # its fields write at most MAX_OUTPUT: each field all its values at most (a '%(k)s' repeats one)
     sizes = re.findall(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d*)(?:\.(\*|\d*))?", text.replace("%%", ""))
     return all(n != "*" and int(n or 0) <= MAX_WIDTH for spec in sizes for n in spec) \
-        and len(text) + len(sizes) * longest([values]) <= MAX_OUTPUT
+        and len(text) + len(sizes) * written(values) <= MAX_OUTPUT
 
 
-def longest(values, cap=MAX_OUTPUT):
-    # the most characters one of values (a list, tuple or dict's values, at any depth) writes as str() writes it,
-    # counted no further than past cap: a container's items summed, a text's length, another value's str
-    most = 0
-    for value in values.values() if isinstance(values, dict) else values:
-        if isinstance(value, (list, tuple, dict)):
-            size = 0
-            for item in value.items() if isinstance(value, dict) else value:
-                size += longest([item], cap) + 2
-                if size > cap:
-                    break
-        else:
-            size = len(value) if isinstance(value, str) else len(str(value))
-        most = max(most, size)
-    return most
+def written(value, cap=MAX_OUTPUT, nested=False):
+    # the characters str(value) writes, counted no further than past cap (a walk of at most cap / 3 items): a text's
+    # length (inside a list, its repr's: up to 10 a character), a list, tuple or dict's items' and separators
+    if isinstance(value, str):
+        return len(value) if not nested or value.isprintable() else 10 * len(value)
+    if not isinstance(value, (list, tuple, dict)):
+        return len(str(value))
+    if 3 * len(value) > cap:  # each item writes a character and a separator of two at least
+        return cap + 1
+    size = 2
+    for item in value.items() if isinstance(value, dict) else value:
+        size += written(item, cap - size, True) + 2
+        if size > cap:
+            break
+    return size
 
 
 def checked_filter(name, run, step, bounded):

@@ -347,6 +347,9 @@ PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant'
     ("{{ ('%(a)s' * 1000) | format(a='x' * 100000) }}", "its format filter makes a value past the budget"),
     ("{{ ('{0}' * 1000).format('x' * 100000) }}", "its format makes a text past the budget"),
     ("{{ ('a' * 10000).translate({97: 'b' * 10000}) }}", "its translate makes a text past the budget"),
+    # measured in bounded time (each argument walked in full took minutes), and a text in a list as its repr
+    ("{% set x = [[]] * 8000000 %}{{ '{}'.format(x, x, x, x, x, x, x, x) }}", "its format makes a text past"),
+    ("{{ '{}'.format(['\U000e0001' * 2000000]) }}", "its format makes a text past the budget"),
 ])
 def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, says):
     from lib import chat
