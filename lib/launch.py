@@ -14,7 +14,8 @@ import signal
 import sys
 import time
 
-from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+import torch.distributed.elastic.utils.store as store_util
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID, SimpleElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
@@ -32,9 +33,12 @@ def run_then_meet_the_others(self, *args, **kwargs):
         return _run(self, *args, **kwargs)
     except SignalException:
         if self._worker_group.group_world_size > 1:
-            self._exit_barrier_timeout = min(self._exit_barrier_timeout, EXIT_WAIT)
-            self._exit_barrier()
-            time.sleep(2)  # and lets them close their rendezvous in the store it may serve (else a warning of theirs)
+            try:  # (torchrun's own _exit_barrier, without its traceback where a node is gone: EXIT_WAIT, then on)
+                store_util.barrier(self._store, self._worker_group.group_world_size, _TERMINAL_STATE_SYNC_ID,
+                                   barrier_timeout=EXIT_WAIT)
+                time.sleep(2)  # and lets them close their rendezvous in the store it may serve (else their warning)
+            except Exception:
+                pass
         raise
 
 

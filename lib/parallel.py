@@ -205,7 +205,7 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
         raise UserError(f"backend={backend!r} has none for the CPU, where fsdp_cpu_offload=True keeps the shards and "
                         f"their gradients: use backend='auto' (cuda:nccl,cpu:gloo)")
     # a name torch has no backend for, wherever it runs (one process never uses it); one it lacks, where a group is made
-    lacking = [b for b in backend.split(",") if b.split(":")[-1] not in dist.Backend.backend_list
+    lacking = [b for b in backend.split(",") if b.split(":")[-1].lower() not in dist.Backend.backend_list
                or (ddp or fsdp) and not dist.is_backend_available(b.split(":")[-1])]
     if lacking:  # (else a traceback from init_process_group)
         have = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake") and dist.is_backend_available(b)]

@@ -15,7 +15,6 @@ from lib import data as _data
 from lib import optim as _optim
 from lib.files import UserError as _UserError
 from model import GPTConfig as _GPTConfig
-from model import rotary_tables as _rotary_tables
 
 # I/O
 out_dir = "out"  # checkpoints and metrics.jsonl go here
@@ -257,7 +256,9 @@ def check_sizes(args, where, fix, names=None):
         raise _UserError(f"{where} says {said('block_size', 'block_size')}={args['block_size']} positions of heads "
                          f"{head} wide: rotary tables of {args['block_size'] * head * 4 / 2**30:.0f} GiB, past every "
                          f"released model's: {fix}")
-    for name, low, high in (("rope_theta", 0, 1e300), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
+    # rope_theta above 1 and llama3's factor at least 1: every rotary frequency at most 1, and finite in float32 (1e-300
+    # is above 0, and 0 there: every loss NaN)
+    for name, low, high in (("rope_theta", 1, 1e300), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
         value = args.get(name, 0.5)  # (an int past 1e300 would be past a float's range, or nearly)
         if type(value) not in (int, float) or not low < value < high:
             raise _UserError(f"{where} says {said(name, name)}={value!r}, not a number in its range: {fix}")
@@ -265,9 +266,8 @@ def check_sizes(args, where, fix, names=None):
     if scaling is not None:
         values = [scaling.get(k) for k in LLAMA3_SCALING] if isinstance(scaling, dict) else [None] * 4
         # (the high frequency factor above the low one: rotary_tables' ramp divides by their difference)
-        if not all(type(v) in (int, float) and 0 < v < 1e300 for v in values) or values[2] <= values[1]:
+        if not all(type(v) in (int, float) and 0 < v < 1e300 for v in values) or values[2] <= values[1] \
+                or values[0] < 1:
             raise _UserError(f"{where} says rope_scaling {scaling!r}: it must hold numbers above 0 for "
-                             f"{', '.join(LLAMA3_SCALING)}, high_freq_factor above low_freq_factor: {fix}")
-    if not _rotary_tables(head, 2, args.get("rope_theta", 1e4), scaling)[0].isfinite().all():  # float32's range
-        raise _UserError(f"{where} says rope_theta={args.get('rope_theta', 1e4)!r}" + (f" and rope_scaling {scaling!r}"
-                         if scaling else "") + f": rotary frequencies past float32's range (a NaN at once): {fix}")
+                             f"{', '.join(LLAMA3_SCALING)}, high_freq_factor above low_freq_factor, factor at least 1: "
+                             f"{fix}")

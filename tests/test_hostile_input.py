@@ -739,15 +739,17 @@ def test_rope_scaling_that_would_divide_by_zero_or_by_a_string_is_one_line(folde
 @pytest.mark.parametrize("where", ["rope_theta", "factor"])
 def test_rotary_frequencies_past_float32s_range_are_one_line(folder, where):
     # a rope_theta or llama3 factor of 1e-300 is above 0, and 0 in float32: every loss NaN, blamed on the
-    # learning rate (eval.py and sample.py ran on, a NaN perplexity and garbage text)
+    # learning rate (eval.py and sample.py ran on, a NaN perplexity and garbage text); 1e-36 was NaN past 3,400
+    # positions. A theta above 1 and a factor of at least 1 keep every frequency at most 1
     scaling = {"rope_type": "llama3", "factor": 1e-300 if where == "factor" else 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
     edit_config(folder, rope_scaling=scaling, rope_theta=1e-300 if where == "rope_theta" else 1e4)
-    with pytest.raises(UserError, match="rotary frequencies past float32's range"):
+    with pytest.raises(UserError, match="says rope_theta=1e-300, not a number in its range" if where == "rope_theta"
+                       else "rope_scaling .* factor at least 1"):
         hf.load_pretrained(folder)
     checkpoint = tiny_checkpoint()
-    checkpoint["model_args"]["rope_theta"] = 1e-50
-    with pytest.raises(UserError, match=r"model_args says rope_theta=1e-50: rotary frequencies past float32's"):
+    checkpoint["model_args"]["rope_theta"] = 1e-36
+    with pytest.raises(UserError, match=r"model_args says rope_theta=1e-36, not a number in its range"):
         resume.model_from_checkpoint(checkpoint)
 
 

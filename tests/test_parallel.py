@@ -203,3 +203,4 @@ def test_a_backend_this_torch_lacks_is_one_line_before_any_process_group(backend
         init_distributed("cpu", "float32", backend, 1, fsdp, False, 60)
     assert not torch.distributed.is_initialized()
     assert init_distributed("cpu", "float32", "nccl", 1, False, False, 60).backend == "nccl"  # (a GPU's, named)
+    assert init_distributed("cpu", "float32", "GLOO", 1, False, False, 60).backend == "GLOO"  # (torch's: any case)
