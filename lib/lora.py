@@ -67,10 +67,10 @@ def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down
     if chosen - set(PROJECTIONS) or rank < 1:
         raise UserError(f"lora_targets={targets!r} and lora_rank={rank} must name some of "
                          f"{','.join(PROJECTIONS)} and be at least 1")
-    narrowest = min(min(linear.weight.shape) for _, name, linear in model.projections() if name in chosen)
-    if rank > narrowest:  # (before any adapter is made: a rank of 10**9 asked for 128 GB)
-        raise UserError(f"lora_rank={rank} is past the narrowest width of the projections it adapts ({narrowest}), "
-                         f"which it cannot exceed to any use: take at most {narrowest} (8 to 64 is usual)")
+    widest = max(max(linear.weight.shape) for _, name, linear in model.projections() if name in chosen)
+    if rank > widest:  # (before any adapter is made: a rank of 10**9 asked for 128 GB)
+        raise UserError(f"lora_rank={rank} is past the widest of the projections it adapts ({widest}): its adapters "
+                         f"would outweigh the weights; take at most {widest} (8 to 64 is usual)")
     model.config.lora_rank, model.config.lora_alpha, model.config.lora_dropout = rank, alpha, dropout
     model.config.lora_targets = targets
     model.requires_grad_(False)

@@ -753,14 +753,15 @@ def test_rotary_frequencies_past_float32s_range_are_one_line(folder, where):
         resume.model_from_checkpoint(checkpoint)
 
 
-def test_a_lora_rank_past_the_projections_width_is_one_line_before_any_adapter(folder):
+def test_a_lora_rank_past_every_projections_width_is_one_line_before_any_adapter(folder):
     from lib.lora import add_lora
     model = hf.load_pretrained(folder)
-    with pytest.raises(UserError, match=r"lora_rank=1000000000 is past the narrowest width of the projections it "
-                                        r"adapts \(32\)"):
+    widest = max(max(linear.weight.shape) for _, _, linear in model.projections())  # (the MLP's)
+    with pytest.raises(UserError, match=rf"lora_rank=1000000000 is past the widest of the projections it adapts "
+                                        rf"\({widest}\)"):
         add_lora(model, 10**9)
     assert not any(hasattr(linear, "lora") for _, _, linear in model.projections())
-    assert add_lora(model, 32).blocks[0].attn.k.lora.A.shape[0] == 32  # as wide as the narrowest
+    assert add_lora(model, widest).blocks[0].attn.k.lora.A.shape[0] == widest  # past k's 32 (peft's too)
 
 
 def test_a_json_file_past_any_models_is_refused_before_it_is_read(folder, tmp_path, monkeypatch):
