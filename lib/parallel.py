@@ -48,8 +48,9 @@ def pick_device(device="auto", dtype="auto"):
         raise UserError(f"device={device} but no CUDA GPU is visible (use --device=cpu)")
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"dtype={dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
+    from lib.settings import DTYPES  # (settings' optim imports this module)
+    if dtype not in DTYPES:
+        raise UserError(f"dtype={dtype!r} is not one of {', '.join(map(repr, DTYPES))}")
     return device, dtype
 
 

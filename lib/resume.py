@@ -27,7 +27,7 @@ from lib.data import SEQUENCES, val_measure
 from lib.files import UserError, check_regular, data_fingerprint, tokenizer_fingerprint
 from lib.hf import HF_ARCHITECTURES
 from lib.optim import SCHEDULE_SETTINGS
-from lib.settings import LORA_BASE_DTYPES, check_sizes
+from lib.settings import DTYPES, LORA_BASE_DTYPES, check_sizes
 from lib.start import LORA_SETTINGS, RUN_SETTINGS, SHAPE
 from model import GPT, GPTConfig
 
@@ -314,7 +314,7 @@ def check_values(checkpoint, path):
     def one_of(choices):
         return lambda value: isinstance(value, str) and value in choices
 
-    settings = {"dtype": one_of(("float32", "bfloat16", "float16")), "lora_base_dtype": one_of(LORA_BASE_DTYPES),
+    settings = {"dtype": one_of(DTYPES), "lora_base_dtype": one_of(LORA_BASE_DTYPES),
                 "block_size": lambda v: count(v) and v > 0, "eval_stride": lambda v: type(v) is int,
                 **dict.fromkeys(("eval_full", "doc_mask"), lambda v: type(v) is bool),
                 "sequences": one_of(SEQUENCES), "family": one_of(HF_ARCHITECTURES), "lora_rank": count}

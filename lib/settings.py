@@ -107,7 +107,8 @@ gradient_checkpointing = False  # keep only each block's input; recompute the re
 # -----------------------------------------------------------------------------
 _PLAIN = (int, float, bool, str, type(None))
 
-LORA_BASE_DTYPES = ("auto", "float32", "bfloat16", "float16", "nf4", "int8")  # lora_base_dtype's choices
+DTYPES = ("float32", "bfloat16", "float16")  # dtype's choices, beside 'auto'
+LORA_BASE_DTYPES = ("auto", *DTYPES, "nf4", "int8")  # lora_base_dtype's choices
 
 
 def model_settings():
@@ -259,7 +260,7 @@ def check_sizes(args, where, fix, names=None):
     # rope_theta above 1 and llama3's factor at least 1: every rotary frequency at most 1, and finite in float32 (1e-300
     # is above 0, and 0 there: every loss NaN)
     for name, low, high in (("rope_theta", 1, 1e300), ("norm_eps", 0, 1), ("dropout", -1e-9, 1)):
-        value = args.get(name, 0.5)  # (an int past 1e300 would be past a float's range, or nearly)
+        value = args.get(name, low + 0.5)  # (absent: passes; an int past 1e300 would be past a float's range)
         if type(value) not in (int, float) or not low < value < high:
             raise _UserError(f"{where} says {said(name, name)}={value!r}, not a number in its range: {fix}")
     scaling = args.get("rope_scaling")
