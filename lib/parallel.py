@@ -202,7 +202,7 @@ def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
                          "and a CUDA device")
     if backend == "auto":  # offloaded shards' gradient norms are reduced on the CPU: gloo beside nccl
         backend = "gloo" if device_type != "cuda" else "cuda:nccl,cpu:gloo" if offload else "nccl"
-    if offload and backend != "gloo" and "cpu:" not in backend:  # (nccl's collectives take GPU tensors alone)
+    if offload and backend.lower() != "gloo" and "cpu:" not in backend.lower():  # (nccl's take GPU tensors alone)
         raise UserError(f"backend={backend!r} has none for the CPU, where fsdp_cpu_offload=True keeps the shards and "
                         f"their gradients: use backend='auto' (cuda:nccl,cpu:gloo)")
     # a name torch has no backend for, wherever it runs (one process never uses it); one it lacks, where a group is made
