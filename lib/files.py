@@ -331,8 +331,8 @@ def read_json(path, fix="replace it with the model's own file"):
 
 def check_json_size(path, fix):
     # UserError in one line for a JSON file past MAX_JSON, before it is read
-    if os.path.getsize(path) > MAX_JSON:
-        raise UserError(f"{path} is {os.path.getsize(path) / 2**20:,.0f} MB, past the {MAX_JSON >> 20} MB any such "
+    if (size := os.path.getsize(path)) > MAX_JSON:
+        raise UserError(f"{path} is {size / 2**20:,.0f} MB, past the {MAX_JSON >> 20} MB any such "
                         f"file needs: {fix}")
 
 

@@ -24,7 +24,7 @@ from model import GPT, PROJECTIONS, GPTConfig
 # ours -> transformers' names of a block's seven projections (model.PROJECTIONS), and of the families
 HF_PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                   "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-# config.json's names of the model's settings (config_from_hf reads them)
+# config.json's names of the model's settings (hf_config writes them; config_from_hf reads them, with defaults)
 HF_NAMES = {"block_size": "max_position_embeddings", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
             "n_kv_head": "num_key_value_heads", "n_embd": "hidden_size", "head_size": "head_dim",
             "mlp_hidden": "intermediate_size", "norm_eps": "rms_norm_eps"}
@@ -205,9 +205,7 @@ def hf_config(config, dtype, ids=None):
     check_exportable(c)
     scaling = {**c.rope_scaling, "rope_type": "llama3"} if c.rope_scaling else None
     out = {"architectures": [HF_ARCHITECTURES[c.family]], "model_type": c.family, "vocab_size": c.vocab_size,
-           "hidden_size": c.n_embd, "intermediate_size": c.mlp_hidden, "num_hidden_layers": c.n_layer,
-           "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_size,
-           "hidden_act": "silu", "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps,
+           **{name: getattr(c, ours) for ours, name in HF_NAMES.items()}, "hidden_act": "silu",
            "rope_theta": c.rope_theta, "rope_scaling": scaling, "tie_word_embeddings": c.tie_embeddings,
            "attention_dropout": 0.0, "torch_dtype": str(dtype).removeprefix("torch."), **(ids or {})}
     if c.family in ("llama", "qwen3"):

@@ -370,7 +370,8 @@ def pieces(doc, start=0, stop=None, in_one_piece=False, stats=None):
                 held.append(text)
             if sum(map(len, held)) >= HARD_CUT:  # before its last space: a piece that begins with one is not given
                 text = "".join(held)  # another by a tokenizer that puts a space before a text's first word
-                end = text.rfind(" ") if text.rfind(" ") > 0 else len(text)
+                end = text.rfind(" ", 1)
+                end = end if end > 0 else len(text)
                 yield text[:end], False
                 held = [text[end:]]
                 if stats is not None:
