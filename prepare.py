@@ -127,9 +127,8 @@ def prepare(args):
         conversations = stats.pop("conversations")
         check_splits(args, inputs, splits, conversations, stats)
         meta = {
-            "format_version": DATA_FORMAT, "dtype": np.dtype(dtype).name,
-            "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
-            "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name}, **splits,  # train, val
+            "format_version": DATA_FORMAT, "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size,
+            "eot_id": tokenizer.eot_id, "tokenizer": {"kind": tokenizer.kind, "name": tokenizer.name}, **splits,
             "split": {"method": split_method, "val_fraction": None if args.val_input else args.val_fraction},
             "masks": bool(conversations),  # and the template, where a record was written with it (sample.py --chat)
             **({"chat": args.chat().meta(tokenizer)} if conversations and args.chat().templated else {}),
@@ -152,8 +151,7 @@ def prepare(args):
 
 
 def check_splits(args, inputs, splits, conversations, stats):
-    # a dataset that would train on nothing, or that train.py would refuse for an empty val.bin, is refused before it
-    # is written
+    # a dataset that would train on nothing, or that train.py would refuse (an empty val.bin), is refused unwritten
     dropped = f"{stats['duplicates_dropped']} duplicates (--dedup) and {stats['short_dropped']} documents under " \
               f"--min_length were dropped in all; " if stats["duplicates_dropped"] + stats["short_dropped"] else ""
     if args.val_input and splits["val"]["documents"] == 0:
@@ -485,6 +483,8 @@ def report_run(meta, out, replacing, seconds, started, threads):
     if kind in ("bpe", "wordpiece") and made < int(asked):
         print(f"note: the corpus held too little text to learn {asked} tokens: it has {made}"
               f"{' and end-of-text' if kind == 'bpe' else ''} (more text gives more)")
+    if kind == "wordpiece" and made > int(asked):  # each character, alone and as a word's continuation, is a token
+        print(f"note: the corpus's characters alone make {made} WordPiece tokens, more than the {asked} asked for")
     for split in ("train", "val"):
         print(f"{split:>5}: {meta[split]['documents']:>9,} documents {meta[split]['tokens']:>13,} tokens")
     print(f"split: {meta['split']['method']}")

@@ -9,6 +9,7 @@ import os
 import random
 import re
 import signal
+import string
 import subprocess
 import sys
 import time
@@ -199,6 +200,15 @@ def test_a_corpus_too_small_for_the_vocabulary_asked_says_so(tmp_path, capsys):
         meta = run(text_tree(tmp_path / "src"), "--out_dir", tmp_path / "out", "--tokenizer", f"bpe:{asked}",
                    "--overwrite")
         assert meta["vocab_size"] == made + 1 and ("too little text" in capsys.readouterr().out) == short, asked
+
+
+def test_a_wordpiece_whose_characters_alone_pass_the_size_asked_says_so(tmp_path, capsys):
+    # WordPiece keeps every character, alone and as a word's continuation (##c): 60 letters and digits make 120
+    (tmp_path / "in.txt").write_text(" ".join(string.ascii_letters[i:] + string.digits for i in range(52)) * 20)
+    meta = run(tmp_path / "in.txt", "--out_dir", tmp_path / "out", "--tokenizer", "wordpiece:100")
+    assert meta["vocab_size"] > 100
+    assert (f"note: the corpus's characters alone make {meta['vocab_size']} WordPiece tokens, more than the 100 "
+            f"asked for") in capsys.readouterr().out
 
 
 def text_order(src):
