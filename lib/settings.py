@@ -162,8 +162,9 @@ _DECAYING = ("lr_schedule", tuple(s for s in _optim.SCHEDULES if s != "constant"
 _PLAYS_UNDER = {**dict.fromkeys(("lr_schedule", "warmup_ratio"), (("decay_lr", (True,)),)),
                 "warmup_iters": (("decay_lr", (True,)), ("warmup_ratio", (0.0,))),
                 **dict.fromkeys(("lr_decay_iters", "min_lr"), (("decay_lr", (True,)), _DECAYING)),
-                "lr_power": (("lr_schedule", ("polynomial",)),), "lr_decay_fraction": (("lr_schedule", ("wsd",)),),
-                "lr_cycle_iters": (("lr_schedule", ("cosine_restarts",)),), "eval_stride": (("eval_full", (True,)),),
+                **{knob: (("decay_lr", (True,)), ("lr_schedule", (schedule,))) for knob, schedule in
+                   (("lr_power", "polynomial"), ("lr_decay_fraction", "wsd"), ("lr_cycle_iters", "cosine_restarts"))},
+                "eval_stride": (("eval_full", (True,)),),
                 "memory_budget": (("batch_size_auto", (True,)),)}
 
 
