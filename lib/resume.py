@@ -16,6 +16,7 @@ import os
 import pickle
 import warnings
 import zipfile
+import zlib
 from dataclasses import asdict, fields
 
 import torch
@@ -226,20 +227,21 @@ def read_sharded(folder, device="cpu"):
 
 def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
     # weights_only: tensors and plain values alone, and no code in it runs; mmap: tensors are read as they are
-    # used (the weights alone never read the optimizer's moments); verify: check_crcs first. A damaged or foreign
-    # file is a UserError. A sharded folder: its state.pt, and (weights) the weights read whole from its shards.
+    # used (the weights alone never read the optimizer's moments); verify: check_crcs first ("model", mapped: the
+    # weights' parts alone, as they are read, never the moments). A damaged or foreign file is a UserError.
+    # A sharded folder: its state.pt, and (weights) the weights read whole from its shards.
     if os.path.isdir(path):
-        checkpoint = load_checkpoint(os.path.join(path, "state.pt"), device, mmap, verify=verify)
+        checkpoint = load_checkpoint(os.path.join(path, "state.pt"), device, mmap, verify=bool(verify))
         if weights:
             checkpoint["model"] = read_sharded(path, device)
         return checkpoint
     if verify:
-        check_crcs(path)
+        check_crcs(path, parts=None if verify is True or not mmap else "pickle")
     try:
         with warnings.catch_warnings():  # torch warns about what it refused; our error says it in one line
             warnings.simplefilter("ignore")
             try:
-                return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+                checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
             except RuntimeError:
                 if not mmap:
                     raise
@@ -251,17 +253,23 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
     except Exception as e:  # EOFError, and torch's older reader fails on other bytes in many ways (KeyError, ...)
         raise UserError(f"{path} is not a readable checkpoint ({first_line(e, named=True)}); "
                          f"use another one, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt") from None
+    if verify not in (True, False) and mmap and isinstance(checkpoint, dict):
+        check_read(path, checkpoint.get(verify))
+    return checkpoint
 
 
-def check_crcs(path):
+def check_crcs(path, parts=None):
     """UserError where a byte of the file differs from what was saved: torch.save's zip holds CRC-32s that torch.load
-    never checks (about a second a GB from the page cache); a file that is not a zip is left to torch.load to name."""
+    never checks (about a second a GB from the page cache); a file that is not a zip is left to torch.load to name.
+    parts="pickle": all but the tensors' (check_read checks those read)."""
     check_regular(path, "use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")  # a FIFO never ends
     try:
         with zipfile.ZipFile(path) as archive:
             # torch.save stores its parts as they are: a compressed one (a few MB of zeros inflating to GBs) is not its
             packed = next((i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
-            damaged = None if packed else archive.testzip()
+            damaged = None if packed else archive.testzip() if parts is None else next(
+                (i.filename for i in archive.infolist() if "/data/" not in i.filename and not crc_holds(archive, i)),
+                None)
     except (zipfile.BadZipFile, OSError, EOFError):
         return
     if packed:
@@ -270,6 +278,28 @@ def check_crcs(path):
     if damaged:
         raise UserError(f"{path} is damaged: its part {damaged} is not the bytes that were saved (its checksum "
                          f"differs); use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
+
+
+def crc_holds(archive, info):
+    try:
+        archive.read(info)  # (zipfile checks the CRC of what it reads)
+        return True
+    except zipfile.BadZipFile:
+        return False
+
+
+def check_read(path, tensors):
+    """check_crcs' UserError where a storage of tensors (a dict's values, mapped from path) is not the bytes of a
+    part path saved: its CRC-32 and size are none of theirs."""
+    with zipfile.ZipFile(path) as archive:
+        saved = {(i.file_size, i.CRC) for i in archive.infolist()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage()
+                for t in (tensors.values() if isinstance(tensors, dict) else ()) if isinstance(t, torch.Tensor)}
+    for s in storages.values():
+        if (s.nbytes(), zlib.crc32(torch.empty(0, dtype=torch.uint8).set_(s).numpy())) not in saved:
+            check_crcs(path)  # finds the part, and names it
+            raise UserError(f"{path} is damaged: a tensor's bytes are not those saved; use another checkpoint, "
+                             f"e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
 
 
 def check_not_nanogpts(checkpoint, path):

@@ -27,7 +27,7 @@ def load_model(path, data_dir=None, base=True, device="cpu"):
             os.path.basename(path) else ""
         raise UserError(f"no checkpoint at {path} (train first: python train.py ..., or pass --out_dir){best}")
     path = found
-    checkpoint = load_checked(path, {"model", "model_args", "config"}, mmap=True)  # the weights, never the moments
+    checkpoint = load_checked(path, {"model", "model_args", "config"}, mmap=True, verify="model")  # never the moments
     held = checkpoint["config"].get("lora_base_dtype", "auto")  # a LoRA run's base, as it trained
     # QLoRA's adapters on the base they trained on, quantized on device as it is read
     model = model_from_checkpoint(checkpoint, frozen_dtype(held, checkpoint["config"]["dtype"]), base,

@@ -268,14 +268,39 @@ def flip_a_byte_of(path, part="data/0"):
 @pytest.mark.parametrize("which", SCRIPTS)
 def test_a_flipped_bit_in_a_checkpoint_is_found_by_every_reader(runs, tmp_path, which):
     out = copy_run(runs, "files", tmp_path)
-    flip_a_byte_of(out / "ckpt.pt")
+    flip_a_byte_of(out / "ckpt.pt", "data/1")  # the embedding's (data/0: the random state, which a resume alone reads)
     damaged = (out / "ckpt.pt").read_bytes()
     done = run_script(which, out, tmp_path, runs / "data")
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert re.search(rf"{re.escape(str(out / 'ckpt.pt'))} is damaged: its part \w+/data/0 is not the bytes that "
+    assert re.search(rf"{re.escape(str(out / 'ckpt.pt'))} is damaged: its part \w+/data/1 is not the bytes that "
                      rf"were saved \(its checksum differs\); use another checkpoint, e.g. ckpt_best.pt or a "
                      rf"ckpt_NNNNNNN.pt$", done.stderr.strip().splitlines()[-1]), done.stderr[-2000:]
     assert (out / "ckpt.pt").read_bytes() == damaged and not (tmp_path / "exported").exists()
+
+
+def test_a_reader_of_the_weights_checks_their_parts_and_never_reads_the_moments(tmp_path):
+    # sample.py, eval.py and export.py map a checkpoint and read its weights: the parts that hold them are checked
+    # (with the pickle), the optimizer's moments (twice the weights under AdamW) never read; a resume checks every part
+    import zipfile
+    import zlib
+    weight, moment, path = torch.randn(64, 32), 3 * torch.randn(64, 32), tmp_path / "ckpt.pt"
+
+    def part_of(t):  # the name of the part that holds t's bytes
+        with zipfile.ZipFile(path) as archive:
+            return next(i.filename for i in archive.infolist() if i.CRC == zlib.crc32(t.numpy().tobytes()))
+
+    for damaged in (moment, weight):
+        torch.save({"model": {"w": weight, "tied": weight, "b": torch.ones(5)},
+                    "optimizer": {"state": {0: {"exp_avg": moment}}}}, path)
+        flip_a_byte_of(path, part_of(damaged))
+        said = rf"{re.escape(str(path))} is damaged: its part {re.escape(part_of(damaged))} is not the bytes"
+        with pytest.raises(resume.UserError, match=said):
+            resume.load_checkpoint(str(path))
+        if damaged is weight:
+            with pytest.raises(resume.UserError, match=said):
+                resume.load_checkpoint(str(path), mmap=True, verify="model")
+        else:
+            assert torch.equal(resume.load_checkpoint(str(path), mmap=True, verify="model")["model"]["w"], weight)
 
 
 @pytest.mark.parametrize("name, value", [("iter_num", "5"), ("iter_num", -1), ("best_val_loss", None),
