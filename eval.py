@@ -26,7 +26,7 @@ import torch
 
 from lib import harness
 from lib.data import Split, longest_example
-from lib.files import (UserError, check_meta_unchanged, check_token_files, one_line_errors, open_own, read_json,
+from lib.files import (UserError, check_meta_unchanged, check_token_files, one_line_errors, read_json, replaced_whole,
                        read_meta)
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
 from lib.parallel import pick_device
@@ -103,7 +103,7 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
     from lm_eval.utils import handle_non_serializable, make_table
     print(make_table(results))
-    with open_own(output, "w", encoding="utf-8") as f:  # lm_eval's results, less the per-item samples
+    with replaced_whole(output, "w", encoding="utf-8") as f:  # lm_eval's results, less the per-item samples
         json.dump({k: v for k, v in results.items() if k != "samples"}, f, indent=2, default=handle_non_serializable,
                   ensure_ascii=False)
     print(f"results written to {output}")

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import tempfile
 
 import torch
@@ -203,6 +204,27 @@ def temporary(make, to, mode):
     return made
 
 
+def on_disk(path):
+    # path's bytes (a file, or a folder's files) on the disk before it takes its name, so that a power cut never
+    # leaves a short file there; each readable as any new file is (huggingface_hub writes its safetensors 0600)
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in [path] + ([os.path.join(path, n) for n in os.listdir(path)] if os.path.isdir(path) else []):
+        if os.path.isfile(name):
+            os.chmod(name, 0o666 & ~mask)
+        fd = os.open(name, os.O_RDONLY)  # (a folder's fsync keeps its names)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def stopped(signum, frame):
+    # SIGTERM (a scheduler's, timeout's) as an exception, so that the cleanup below removes the files made so far
+    raise SystemExit(f"export.py: stopped by {signal.Signals(signum).name}; its temporary files are removed, and an "
+                     f"earlier export at --to is as it was")
+
+
 def written_nothing(to, error):
     # the one line for an export the disk refused (ENOSPC, EDQUOT, EACCES, ...)
     return (f"cannot write --to={to} ({error.strerror or error}); nothing was left there: make room, or choose "
@@ -221,8 +243,7 @@ def main(argv=None):
                         "(an --adapter's: float32)")
     parser.add_argument("--adapter", action="store_true", help="a LoRA run's adapter alone, in peft's layout")
     parser.add_argument("--data_dir", default=None, help="the dataset whose tokenizer to write (default: the run's)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --to if it holds an earlier export "
-                        "(and nothing else)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --to if it is an earlier export (alone)")
     parser.add_argument("--device", default="auto", help="where a QLoRA run's nf4 or int8 base is quantized again to "
                         "be merged: 'auto' (a GPU if there is one), 'cpu', 'cuda', 'cuda:N', 'mps'")
     args = parser.parse_args(argv)
@@ -249,6 +270,7 @@ def main(argv=None):
         note = write_tokenizer(tokenizer, checkpoint, staging, ids)
         if base and os.path.abspath(base) == to:
             raise UserError(f"--to={args.to} is the base model this run began from; choose another --to")
+        on_disk(staging)
         if os.path.exists(to):
             os.replace(to, old)
         durable_replace(staging, to)
@@ -299,6 +321,7 @@ def export_gguf(args):
             config = os.path.join(base, "tokenizer_config.json")
             template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)
         write_gguf(model, tokenizer, staging, dtype, ids, template)
+        on_disk(staging)
         durable_replace(staging, args.to)
     except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same
         raise UserError(str(e)) from None
@@ -313,4 +336,5 @@ def export_gguf(args):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, stopped)
     main()

@@ -15,7 +15,7 @@ import json
 import math
 import os
 
-from lib.files import UserError, one_line_errors, open_own
+from lib.files import UserError, one_line_errors, replaced_whole
 
 
 def read_run(out_dir):
@@ -101,11 +101,8 @@ def main():
     if not to.lower().endswith(".png"):
         raise UserError(f"--to={to}: plot.py writes a PNG; name it NAME.png")
     figure = draw(runs, args.title or ", ".join(label for label, _, _ in runs))
-    try:
-        with open_own(to, "wb") as f:  # a link planted at curves.png is replaced, never written through
-            figure.savefig(f, dpi=100, format="png")
-    except OSError as e:
-        raise UserError(f"cannot write {to} ({e.strerror}): choose another --to") from None
+    with replaced_whole(to, "wb") as f:  # a link planted at curves.png is replaced, never written through
+        figure.savefig(f, dpi=100, format="png")
     print(f"wrote {to}")
 
 

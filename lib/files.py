@@ -124,6 +124,25 @@ def open_own(path, mode="w", encoding=None):
     return os.fdopen(fd, mode, encoding=encoding)
 
 
+@contextlib.contextmanager
+def replaced_whole(path, mode="w", encoding=None):
+    """open_own(path)'s file, written beside it and given path's name (durable_replace) only once whole and on the
+    disk: a failure or a kill part way (a full disk) leaves whatever path held as it was. OSError: one line."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open_own(tmp, mode, encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        durable_replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror or e}); what was there is as it was: make room, or write "
+                        f"elsewhere") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
 def unlock_folder(folder, fd, made=False):
     # the lock file goes first, while still held, so that no one locks it after we let go of it; a folder the
     # locker made (made) goes too where nothing else was written in it

@@ -465,3 +465,8 @@ def test_a_tokenizer_json_that_llama_cpp_would_encode_otherwise_is_refused(step)
     with pytest.raises(ValueError) as e:
         vocabulary(hf_tokenizer("odd", hf.to_str()), 320, gguf)
     assert "\n" not in str(e.value) and "llama.cpp's byte-level BPE does not" in str(e.value)
+
+
+def test_a_gguf_export_stopped_by_sigterm_leaves_the_earlier_one_and_no_copy(bpe_run, tmp_path):
+    from test_one_writer import check_stopped_export
+    check_stopped_export(bpe_run / "run", tmp_path / "model.gguf")

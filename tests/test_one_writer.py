@@ -285,6 +285,40 @@ def test_an_export_whose_destination_cannot_be_written_ends_in_one_line_and_leav
     assert sorted(os.listdir(tmp_path)) == ["a_file", "exported", "models"]
 
 
+def check_stopped_export(run_dir, to):
+    # a scheduler's SIGTERM once the new export is written whole beside --to, not yet renamed: the earlier export
+    # stays as it was, and the new one's temporary copy (a model's size) goes; one line. A finished export's files
+    # are readable by others, as any new file (huggingface_hub writes its safetensors 0600). (test_gguf's too)
+    args = [f"--out_dir={run_dir}", f"--to={to}"]
+    assert script("export.py", *args).returncode == 0
+    files = sorted(to.iterdir()) if to.is_dir() else [to]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~mask for f in files), [(f.name, oct(f.stat().st_mode))
+                                                                          for f in files]
+    before = {f.name: f.read_bytes() for f in files}
+    slow = ("import os, runpy, signal, sys\n"
+            "import lib.hf, lib.gguf_export\n"
+            "def stopped(real):\n"
+            "    def write(*args, **kwargs):\n"
+            "        real(*args, **kwargs)\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return write\n"
+            "lib.hf.save_pretrained = stopped(lib.hf.save_pretrained)\n"
+            "lib.gguf_export.write_gguf = stopped(lib.gguf_export.write_gguf)\n"
+            "sys.argv = sys.argv[1:]\n"
+            "runpy.run_path('export.py', run_name='__main__')\n")
+    done = new_python("-c", slow, "export.py", *args, "--overwrite", "--dtype=float32")
+    assert_one_line(done, "export.py: stopped by SIGTERM; its temporary files are removed, and an earlier export at "
+                          "--to is as it was")
+    assert sorted(p.name for p in to.parent.iterdir()) == [to.name]
+    assert {f.name: f.read_bytes() for f in (sorted(to.iterdir()) if to.is_dir() else [to])} == before
+
+
+def test_an_export_stopped_by_sigterm_leaves_the_earlier_one_and_no_copy(runs, tmp_path):
+    check_stopped_export(runs / "files", tmp_path / "model")
+
+
 def test_data_prepared_again_while_the_run_starts_is_refused(tmp_path, monkeypatch):
     # prepare.py --overwrite finishing between train.py's reading of meta.json (and its checks of the token files)
     # and its opening of them (a checkpoint or a model loading meanwhile): the run would train on the new files read

@@ -87,3 +87,25 @@ def test_a_record_being_written_is_left_out_and_a_bad_line_is_named(tmp_path):
                      (tmp_path / "nowhere" / "a.png", "cannot write")):
         done = script("plot.py", tmp_path, f"--to={to}")
         assert done.returncode == 1 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_full_disk_leaves_the_earlier_picture_as_it_was(tmp_path, monkeypatch):
+    # the disk fills part way through the new PNG: one line, and the earlier curves.png whole, nothing else left
+    import sys
+    import matplotlib.figure
+    import plot
+    from lib.files import UserError
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"iter": i, "loss": 3.0 - i}) + "\n" for i in (1, 2)))
+    monkeypatch.setattr(sys, "argv", ["plot.py", str(tmp_path)])
+    plot.main()
+    before = (tmp_path / "curves.png").read_bytes()
+
+    def full_disk(figure, f, **kwargs):
+        f.write(before[:1000])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    with pytest.raises(UserError, match=rf"^cannot write {tmp_path / 'curves.png'} \(No space left on device\); what "
+                                        rf"was there is as it was: make room, or write elsewhere$"):
+        plot.main()
+    assert (tmp_path / "curves.png").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]
