@@ -29,7 +29,7 @@ from lib.files import UserError, check_regular, data_fingerprint, tokenizer_fing
 from lib.hf import HF_ARCHITECTURES
 from lib.optim import SCHEDULE_SETTINGS
 from lib.settings import DTYPES, LORA_BASE_DTYPES, check_sizes
-from lib.start import LORA_SETTINGS, RUN_SETTINGS, SHAPE
+from lib.start import LORA_SETTINGS, RUN_SETTINGS, SHAPE, folder_notes
 from model import GPT, GPTConfig
 
 # the settings of the run's learning rates and where they end (max_iters: its own note): every one lr_factor takes
@@ -76,7 +76,8 @@ def check_resume(checkpoint, config, data_vocab, path):
     # stands for another width with n_embd is n_embd's change
     mine, theirs = resolved(config), resolved(args)
     changed = [k for k in shape if k in args and k in config and config[k] != args[k] and mine[k] != theirs[k]]
-    changed += ["vocab_size"] * (config["vocab_size"] not in (0, args["vocab_size"]))  # (0: whatever it holds)
+    if config["vocab_size"] not in (0, args["vocab_size"]) and not checkpoint.get("pretrained"):  # (0: whatever it
+        changed.append("vocab_size")  # holds; a folder's model: its own, noted as at the start)
     if changed:
         raise UserError(f"{path} holds a model of {', '.join(f'{k}={args[k]}' for k in changed)}, not "
                          f"{', '.join(f'{k}={config[k]}' for k in changed)}: resume with the checkpoint's shape, "
@@ -108,6 +109,8 @@ def resume(origin, config, meta, eval_sequences):
             raise UserError(f"{found} was trained on a base held as lora_base_dtype={origin.lora_base_dtype!r}; "
                             f"resume with that (or leave it out), or train anew into another out_dir")
     origin.notes.append(f"resuming {found} at step {loop['iter_num']}")
+    if origin.pretrained:  # the model's settings given here, as at the run's start
+        origin.notes += folder_notes(config, origin.pretrained, checkpoint["model_args"])
     splits = checkpoint.get("data_fingerprint", {}).get("splits")
     prepared_again = splits not in (None, data_fingerprint(meta)["splits"])
     if prepared_again:

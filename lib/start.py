@@ -150,17 +150,19 @@ def begin(config, vocab_size, meta, fsdp, eval_sequences, mapped=False):
     return origin
 
 
-def folder_notes(config, folder, folder_config):
-    # notes for the model's settings given a value of their own (config) that a Hugging Face folder's config.json
-    # (folder_config) sets otherwise: the model is the folder's (its LoRA adapters are the run's)
+def folder_notes(config, folder, own):
+    # notes for the model's settings given a value of their own (config) that a Hugging Face folder sets otherwise
+    # (own: its config.json, or GPTConfig's fields as a resume's checkpoint holds them): the model is the folder's
+    # (its LoRA adapters are the run's), at its start and at each resume
     from lib.hf import config_from_hf
     try:
-        own = asdict(config_from_hf(folder_config))
+        own = own if "n_embd" in own else asdict(config_from_hf(own))
     except (KeyError, TypeError, ValueError, AttributeError):  # (load_pretrained says in one line what is wrong)
         return []
     default = defaults()
     return [f"note: {k}={config[k]!r} plays no part in this run: the model is {folder}'s, whose {k} is {own[k]!r}"
-            for k in SHAPE if k in default and k not in LORA_SETTINGS and config[k] not in (default[k], own[k])]
+            for k in (*SHAPE, "vocab_size") if k in default and k not in LORA_SETTINGS
+            and config[k] not in (default[k], own[k])]
 
 
 def quantized_kind(lora_base_dtype):
