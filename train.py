@@ -158,7 +158,8 @@ batches = Batches(data_dir, meta, block_size, seed, model_args["vocab_size"], se
                   eval_stride, device)
 epoch_steps = batches.steps_for(max_epochs) if max_epochs > 0 else None  # (and where the epochs end)
 max_iters, lr_decay_iters, warmup_iters, steps_note = run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio,
-                                                                max_epochs, epoch_steps, decay_lr, lr_schedule)
+                                                                max_epochs, epoch_steps, decay_lr, lr_schedule,
+                                                                lr_decay_fraction)
 eval_batches = batches.evaluation_batches(dp_size)  # as many in every process
 if master:
     print(batches.describe(eval_iters) + (f"\n{steps_note}" if steps_note and not eval_only else ""))

@@ -162,7 +162,7 @@ def set_lr(optimizers, peak_lrs, factor):
 
 
 def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epochs=0, epoch_steps=None,
-              decay_lr=True, lr_schedule="cosine"):
+              decay_lr=True, lr_schedule="cosine", lr_decay_fraction=0.2):
     """The run's steps as max_epochs (epoch_steps: the steps that make them) and warmup_ratio set them ->
     max_iters, lr_decay_iters, warmup_iters, and what train.py says about them: the epochs' steps, and a schedule
     the run ends before (a stop to resume from, or a run shortened with its schedule left as it was)."""
@@ -183,4 +183,8 @@ def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epo
     elif decay_lr and lr_schedule != "constant" and lr_decay_iters <= warmup_iters and max_iters > 0:
         notes.append(f"note: lr_decay_iters={lr_decay_iters} is not past warmup_iters={warmup_iters}: the learning "
                      f"rate falls from its warmup straight to min_lr, with no decay (raise lr_decay_iters)")
+    elif decay_lr and lr_schedule == "wsd" and warmup_iters > lr_decay_iters * (1 - lr_decay_fraction) and max_iters:
+        notes.append(f"note: warmup_iters={warmup_iters} reaches into wsd's decay, the last lr_decay_fraction="
+                     f"{lr_decay_fraction} of lr_decay_iters={lr_decay_iters} steps: it decays over the "
+                     f"{lr_decay_iters - warmup_iters} after the warmup (lower warmup_iters or lr_decay_fraction)")
     return max_iters, lr_decay_iters, warmup_iters, "\n".join(notes)

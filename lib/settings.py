@@ -85,7 +85,7 @@ decay_lr = True  # False: learning_rate throughout, no warmup and no schedule
 lr_schedule = "cosine"  # 'cosine', 'linear', 'polynomial', 'constant' (the peak after warmup), 'wsd', or
 # 'cosine_restarts' (cosine to min_lr and back to the peak every lr_cycle_iters, until lr_decay_iters)
 warmup_iters = 100  # steps of the linear warmup to the peak, whatever lr_schedule follows
-warmup_ratio = 0.0  # if above 0: warm up over this fraction of the run's steps instead of warmup_iters
+warmup_ratio = 0.0  # if above 0: warm up over this fraction of the run's steps (max_epochs': theirs) for warmup_iters
 lr_decay_iters = 5000  # should be ~max_iters
 lr_decay_fraction = 0.2  # wsd: stable at the peak, then a linear decay over this last part of lr_decay_iters
 min_lr = 6e-5  # ~learning_rate/10

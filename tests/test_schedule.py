@@ -161,6 +161,13 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
     # optim.run_steps, as train.py calls it once the epochs' steps are known
     assert run_steps(100, 90, 5) == (100, 90, 5, "")
     assert run_steps(100, 90, 5, warmup_ratio=0.1) == (100, 90, 10, "")  # of max_iters, rounded up
+    # a warmup past where wsd's decay would begin: it begins after the warmup, shorter, and says so
+    assert run_steps(20, 20, 10, lr_schedule="wsd", lr_decay_fraction=0.6)[3] == (
+        "note: warmup_iters=10 reaches into wsd's decay, the last lr_decay_fraction=0.6 of lr_decay_iters=20 steps: "
+        "it decays over the 10 after the warmup (lower warmup_iters or lr_decay_fraction)")
+    wsd = dict(lr_schedule="wsd", warmup_iters=10, lr_decay_iters=20, lr_decay_fraction=0.6, min_lr=0.0)
+    assert [lr_factor(it, **wsd) for it in (10, 15)] == [1.0, 0.5]
+    assert run_steps(20, 20, 8, lr_schedule="wsd", lr_decay_fraction=0.6)[3] == ""  # the decay's 12 steps whole
     # max_epochs ends the run first, and the decay with it; warmup_ratio counts those steps
     assert run_steps(100, 90, 5, 0.25, max_epochs=2, epoch_steps=30) == \
         (30, 30, 8, "max_epochs=2: 30 steps (lr_decay_iters 30, warmup 8)")
