@@ -164,7 +164,8 @@ eval_batches = batches.evaluation_batches(dp_size)  # as many in every process
 if master:
     print(batches.describe(eval_iters) + (f"\n{steps_note}" if steps_note and not eval_only else ""))
 epoch_copies = int(batches.epoch(max_iters)) - int(batches.epoch(loop["iter_num"])) if save_every_epoch else 0
-room_warning = ckpt.check_room(out_dir, memory["checkpoint"], keep_last_n, epoch_copies)  # now, not hours in
+# out_dir's room for the run's saves, now, not hours in (eval_only writes none)
+room_warning = None if eval_only else ckpt.check_room(out_dir, memory["checkpoint"], keep_last_n, epoch_copies)
 if room_warning and master:
     print(room_warning)
 # the learning rate's schedule: every setting optim.lr_factor takes (a new schedule's knob too), with the steps as

@@ -154,7 +154,8 @@ def publish(tmp, dst):
         retire(old)
         durable_replace(dst, old)
     durable_replace(tmp, dst)
-    retire(old)
+    with contextlib.suppress(OSError):  # published: an old one left (a reader's NFS file in it) goes at the next save
+        retire(old)
 
 
 def copy_checkpoint(src, dst):
@@ -217,7 +218,8 @@ def save(out_dir, state, model, optimizers, sharded, lora, improved=False, keep_
     except (OSError, RuntimeError, dcp().api.CheckpointException) as e:
         # torch.save says "unexpected pos" for a full disk or ulimit -f's limit: failed_save tells which by the size
         model_state = trained_only(model, model.state_dict()) if lora else model.state_dict()
-        needed = nested_bytes([model_state] + [opt.state_dict()["state"] for opt in optimizers])
+        copies = 1 + bool(improved) + (keep_last_n > 0) + (finished_epoch is not None)  # it, and each of its copies
+        needed = copies * nested_bytes([model_state] + [opt.state_dict()["state"] for opt in optimizers])
         failed = failed_save(out_dir, state["iter_num"], sharded, e, needed)
     if dist.is_initialized() and dist.get_world_size() > 1:
         failures = [None] * dist.get_world_size()
@@ -252,12 +254,15 @@ def failed_save(out_dir, step, sharded, error, needed):
     with contextlib.suppress(OSError):  # (the folder itself is gone: the error says why)
         free = shutil.disk_usage(out_dir).free
         if full := full or free < needed:
-            why = f"No space left on device: about {needed / 2**20:,.1f} MB needed, {free / 2**20:,.1f} MB free"
+            why = (f"No space left on device: about {needed / 2**20:,.1f} MB needed for it and its copies, "
+                   f"{free / 2**20:,.1f} MB free")
     last = latest(out_dir, sharded)
     kept = f"{last[0]} from step {last[1]} is intact" if last else "no earlier checkpoint was written"
     limited = not full and resource.RLIM_INFINITY != resource.getrlimit(resource.RLIMIT_FSIZE)[0] < needed  # ulimit -f
+    code = getattr(error, "errno", None)
     fix = ("raise the file size limit (ulimit -f), or move out_dir to a file system of larger files" if limited
-           or getattr(error, "errno", None) == errno.EFBIG else "make room (or move out_dir)")
+           or code == errno.EFBIG else "make out_dir writable again (its permissions, or a mount gone read-only)"
+           if not full and code in (errno.EACCES, errno.EPERM, errno.EROFS) else "make room (or move out_dir)")
     return (f"could not write the checkpoint of step {step} in {out_dir} ({why}); {kept}: {fix}, then resume with "
             f"--init_from=auto")
 
@@ -372,4 +377,8 @@ def rotate_step_copies(out_dir, step_now, keep_last_n):
     kept = set(ours[-keep_last_n:]) | set(sorted(written)[-keep_last_n:])
     for step, old in steps:
         if step not in kept:
-            retire(os.path.join(out_dir, old))
+            try:  # the save is whole by now: a copy that will not go (a reader's NFS file in it) never stops the run
+                retire(os.path.join(out_dir, old))
+            except OSError as e:
+                print(f"warning: could not remove {os.path.join(out_dir, old)}, an older step's copy "
+                      f"({e.strerror or e}): the run goes on; remove it by hand")

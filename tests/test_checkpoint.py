@@ -118,6 +118,26 @@ def test_keep_last_n_after_a_resume_from_an_earlier_step_keeps_the_new_steps(tmp
     assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_0000005{suffix}", f"ckpt_0000006{suffix}"]
 
 
+def test_an_old_copy_that_will_not_go_is_a_warning_once_the_save_is_whole(tmp_path, monkeypatch, capsys):
+    # keep_last_n's oldest copy cannot be removed (a reader's NFS file in it): the save is whole already, and the run
+    # goes on, saying so (it stopped with "could not write the checkpoint of step 3 ...; ckpt.pt from step 3 is intact")
+    model = GPT(GPTConfig(**SHAPE))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    retire = ckpt.retire
+
+    def busy(path):
+        if path.endswith("ckpt_0000001.pt"):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        retire(path)
+    monkeypatch.setattr(ckpt, "retire", busy)
+    for step in (1, 2, 3):
+        ckpt.save(str(tmp_path), {"iter_num": step}, model, optimizers, sharded=False, lora=0, keep_last_n=2)
+    assert f"warning: could not remove {tmp_path / 'ckpt_0000001.pt'}, an older step's copy (Device or resource " \
+           f"busy): the run goes on; remove it by hand" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt_0000001.pt", "ckpt_0000002.pt", "ckpt_0000003.pt"]
+    assert ckpt.latest(str(tmp_path), False)[1] == 3
+
+
 def test_keep_last_n_keeps_its_steps_whatever_their_file_times(tmp_path):
     # copies made with `cp` (no -p) dated in any order, or a clock stepped back: no step of the run goes
     model = GPT(GPTConfig(**SHAPE))

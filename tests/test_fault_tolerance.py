@@ -708,6 +708,15 @@ def test_eval_only_evaluates_a_run_that_stopped_early(data_dir, tmp_path):
     run(*args)
     out = run(*args, "--init_from=resume", "--eval_only=True")
     assert re.search(r"step 2: train loss [\d.]+, val loss [\d.]+", out.stdout), out.stdout
+    # and on a disk with no room left: it writes nothing, so the room a save needs is no reason to refuse it
+    import shutil
+    real = shutil.disk_usage
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=0))
+        out = run(*args, "--init_from=resume", "--eval_only=True")
+        assert "val loss" in out.stdout and "MB free" not in out.stdout, out.stdout
+        refused = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'new'}", check=False)
+        assert "0.0 MB free" in refused.stderr, refused.stderr  # (where a run would write)
 
 
 def test_a_run_begun_in_float32_resumes_in_float16(data_dir, tmp_path):
@@ -835,7 +844,10 @@ def test_a_sharded_save_that_failed_names_its_ranks_own_error(tmp_path):
     gone = OSError(errno.ENOENT, "No such file or directory", str(tmp_path / "ckpt.tmp"))
     full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt.tmp"))
     too_large = OSError(errno.EFBIG, "File too large", str(tmp_path / "ckpt.tmp"))  # ulimit -f, or FAT's 4 GiB
+    read_only = OSError(errno.EROFS, "Read-only file system", str(tmp_path / "ckpt.tmp"))
     for error, why, fix in ((gone, "(No such file or directory)", "make room (or move out_dir)"),
+                            (read_only, "(Read-only file system)", "make out_dir writable again (its permissions, or "
+                                                                  "a mount gone read-only)"),
                             (full, "(No space left on device: about 0.0 MB needed", "make room (or move out_dir)"),
                             (too_large, "(File too large)", "raise the file size limit (ulimit -f), or move out_dir")):
         wrapped = CheckpointException("save failed", {1: (error, traceback.StackSummary())})
