@@ -295,7 +295,10 @@ def evaluate(step):
     task_scores = harness.task_metrics(*task_model, eval_tasks_limit) if eval_tasks and master else {}
     improved = losses["val"] < loop["best_val_loss"] - early_stop_min_delta
     unimproved = {"best_val_loss": loop["best_val_loss"], "evals_without_gain": loop["evals_without_gain"] + 1}
-    loop.update({"best_val_loss": losses["val"], "evals_without_gain": 0} if improved else unimproved)
+    # the last step, off the interval, is evaluated (its ckpt_best kept) but not counted: its run resumed with a
+    # later max_iters goes on as the one that never stopped there, whose early stop counts the interval's alone
+    if step % eval_interval == 0:
+        loop.update({"best_val_loss": losses["val"], "evals_without_gain": 0} if improved else unimproved)
     report_evaluation(log, master, step, losses, task_scores, batches.epoch(step),
                       learning_rate * lr_factor(step, **schedule))
     if eval_only:  # nanoGPT's: the losses of the model as it is, and nothing trained or saved

@@ -701,6 +701,21 @@ def test_a_first_save_that_dies_after_its_copies_leaves_a_run_that_resumes(data_
     assert_same_weights(weights(tmp_path / "whole", "ckpt_best.pt"), weights(out, "ckpt_best.pt"))
 
 
+def test_a_run_stopped_off_the_evaluation_interval_stops_early_where_the_whole_run_does(data_dir, tmp_path):
+    # learning rate 0: every evaluation after step 0's finds no gain, and patience 2 ends the run at step 10. Its
+    # first part run to max_iters=7 evaluates step 7 (its last), which is no evaluation of the whole run: counted,
+    # it ended the run at 7, and the same command with max_iters=30 (and init_from=auto) found it stopped early
+    args = [*TINY, f"--data_dir={data_dir}", "--eval_interval=5", "--learning_rate=0", "--min_lr=0",
+            "--early_stop_patience=2"]
+    whole = run(*args, f"--out_dir={tmp_path / 'whole'}", "--max_iters=30").stdout
+    run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=7")
+    parts = run(*args, f"--out_dir={tmp_path / 'parts'}", "--max_iters=30", "--init_from=auto").stdout
+    for out in (whole, parts):
+        assert "early stop: no better val loss in 2 evaluations" in out and "step 10: train loss" in out, out
+    from lib.checkpoint import latest
+    assert [latest(str(tmp_path / name), False)[1] for name in ("whole", "parts")] == [10, 10]
+
+
 def test_eval_only_evaluates_a_run_that_stopped_early(data_dir, tmp_path):
     # a run that stopped early has nothing left to train, but eval_only asks for its losses, not for training
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100", "--eval_interval=2",
