@@ -198,14 +198,19 @@ def resolved(settings):
         return settings
 
 
-def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
+def resume_rng(checkpoint, rank, world_size, tp_size, device_type, dropout=0.0):
     # this process's random state from the checkpoint's (every process's) where as many saved them in replicas of as
-    # many processes (a replica's tensor-parallel processes share one dropout stream); else the seed's streams
+    # many processes (a replica's tensor-parallel processes share one dropout stream); else the seed's streams, and
+    # under dropout a note (returned; else None) that its masks are not those of the run it continues
     rngs = checkpoint["rng"]
     if len(rngs) == world_size and checkpoint["config"].get("tp_size", 1) == tp_size:
         torch.set_rng_state(rngs[rank]["cpu"])
         if device_type == "cuda" and rngs[rank]["cuda"] is not None:
             torch.cuda.set_rng_state(rngs[rank]["cuda"])
+    elif dropout > 0:
+        return (f"note: dropout's masks are drawn from the seed again: the checkpoint's random streams are those of "
+                f"{len(rngs)} process(es) (tp_size={checkpoint['config'].get('tp_size', 1)}), not of these "
+                f"{world_size} (tp_size={tp_size}), and the run goes on otherwise than it would have")
 
 
 # -----------------------------------------------------------------------------
