@@ -110,7 +110,7 @@ def resume(origin, config, meta, eval_sequences):
                             f"resume with that (or leave it out), or train anew into another out_dir")
     origin.notes.append(f"resuming {found} at step {loop['iter_num']}")
     if origin.pretrained:  # the model's settings given here, as at the run's start
-        origin.notes += folder_notes(config, origin.pretrained, checkpoint["model_args"])
+        origin.notes += folder_notes(config, origin.pretrained, checkpoint["model_args"], hf=False)
     splits = checkpoint.get("data_fingerprint", {}).get("splits")
     prepared_again = splits not in (None, data_fingerprint(meta)["splits"])
     if prepared_again:

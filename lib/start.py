@@ -150,18 +150,18 @@ def begin(config, vocab_size, meta, fsdp, eval_sequences, mapped=False):
     return origin
 
 
-def folder_notes(config, folder, own):
+def folder_notes(config, folder, own, hf=True):
     # notes for the model's settings given a value of their own (config) that a Hugging Face folder sets otherwise
-    # (own: its config.json, or GPTConfig's fields as a resume's checkpoint holds them): the model is the folder's
-    # (its LoRA adapters are the run's), at its start and at each resume
+    # (own: its config.json; hf=False: GPTConfig's fields, as a resume's checkpoint holds them): the model is the
+    # folder's (its LoRA adapters are the run's), at its start and at each resume
     from lib.hf import config_from_hf
     try:
-        own = own if "n_embd" in own else asdict(config_from_hf(own))
+        own = asdict(config_from_hf(own)) if hf else own
     except (KeyError, TypeError, ValueError, AttributeError):  # (load_pretrained says in one line what is wrong)
         return []
     default = defaults()
     return [f"note: {k}={config[k]!r} plays no part in this run: the model is {folder}'s, whose {k} is {own[k]!r}"
-            for k in (*SHAPE, "vocab_size") if k in default and k not in LORA_SETTINGS
+            for k in (*SHAPE, "vocab_size") if k in default and k in own and k not in LORA_SETTINGS
             and config[k] not in (default[k], own[k])]
 
 
