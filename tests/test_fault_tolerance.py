@@ -714,6 +714,13 @@ def test_a_run_stopped_off_the_evaluation_interval_stops_early_where_the_whole_r
         assert "early stop: no better val loss in 2 evaluations" in out and "step 10: train loss" in out, out
     from lib.checkpoint import latest
     assert [latest(str(tmp_path / name), False)[1] for name in ("whole", "parts")] == [10, 10]
+    # learning: step 7's val loss is the lowest, but ckpt_best stays step 5's, the best the whole run counts
+    run(*TINY, f"--data_dir={data_dir}", "--eval_interval=5", f"--out_dir={tmp_path / 'learns'}", "--max_iters=7")
+    val = {r["iter"]: r["val_loss"] for r in map(json.loads, (tmp_path / "learns" / "metrics.jsonl").open())
+           if "val_loss" in r}
+    best, last = (torch.load(tmp_path / "learns" / name, weights_only=True) for name in ("ckpt_best.pt", "ckpt.pt"))
+    assert val[7] < val[5] < val[0] and (best["iter_num"], last["iter_num"]) == (5, 7)
+    assert best["best_val_loss"] == last["best_val_loss"] == pytest.approx(val[5])
 
 
 def test_eval_only_evaluates_a_run_that_stopped_early(data_dir, tmp_path):
