@@ -297,17 +297,27 @@ def crc_holds(archive, info):
 
 
 def check_read(path, tensors):
-    """check_crcs' UserError where a storage of tensors (a dict's values, mapped from path) is not the bytes of a
-    part path saved: its CRC-32 and size are none of theirs."""
-    with zipfile.ZipFile(path) as archive:
-        saved = {(i.file_size, i.CRC) for i in archive.infolist()}
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage()
-                for t in (tensors.values() if isinstance(tensors, dict) else ()) if isinstance(t, torch.Tensor)}
-    for s in storages.values():
-        if (s.nbytes(), zlib.crc32(torch.empty(0, dtype=torch.uint8).set_(s).numpy())) not in saved:
-            check_crcs(path)  # finds the part, and names it
-            raise UserError(f"{path} is damaged: a tensor's bytes are not those saved; use another checkpoint, "
-                             f"e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")
+    """check_crcs' UserError where a storage of tensors (a dict's values, mapped from path by torch.load) is not the
+    bytes of its own part. torch maps the file whole, each storage where its part lies: their bytes are the saved
+    ones where one base (the mapping's) puts every storage at a part whose size and CRC-32 are its own."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in
+                (tensors.values() if isinstance(tensors, dict) else ()) if isinstance(t, torch.Tensor) and t.nbytes}
+    if not storages:
+        return
+    read = {at: (s.nbytes(), zlib.crc32(torch.empty(0, dtype=torch.uint8).set_(s).numpy()))
+            for at, s in storages.items()}
+    parts = {}  # where each part's bytes begin in the file -> (size, CRC-32)
+    with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+        for info in archive.infolist():
+            f.seek(info.header_offset + 26)  # a local header: 30 bytes, its name's and its extra field's lengths
+            name, extra = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+            parts[info.header_offset + 30 + name + extra] = (info.file_size, info.CRC)
+    first = min(read)
+    for base in (first - at for at, part in parts.items() if part == read[first]):  # (a base to try: few fit)
+        if all(parts.get(at - base) == part for at, part in read.items()):
+            return
+    check_crcs(path)  # finds the damaged part, and names it; else the file was replaced while it was read
+    raise UserError(f"{path} changed while it was read (a run saving over it?): read it again")
 
 
 def check_not_nanogpts(checkpoint, path):

@@ -289,10 +289,16 @@ def test_a_reader_of_the_weights_checks_their_parts_and_never_reads_the_moments(
         with zipfile.ZipFile(path) as archive:
             return next(i.filename for i in archive.infolist() if i.CRC == zlib.crc32(t.numpy().tobytes()))
 
-    for damaged in (moment, weight):
-        torch.save({"model": {"w": weight, "tied": weight, "b": torch.ones(5)},
+    for damaged, how in ((moment, "flip"), (weight, "flip"), (weight, "zero")):
+        # (zero: the weight's bytes all zeros, as a zeroed page leaves them: those of another part, of a zero weight)
+        torch.save({"model": {"w": weight, "tied": weight, "b": torch.ones(5), "zero": torch.zeros(64, 32)},
                     "optimizer": {"state": {0: {"exp_avg": moment}}}}, path)
-        flip_a_byte_of(path, part_of(damaged))
+        if how == "flip":
+            flip_a_byte_of(path, part_of(damaged))
+        else:
+            data = path.read_bytes()
+            at = data.index(weight.numpy().tobytes())
+            path.write_bytes(data[:at] + bytes(weight.nbytes) + data[at + weight.nbytes:])
         said = rf"{re.escape(str(path))} is damaged: its part {re.escape(part_of(damaged))} is not the bytes"
         with pytest.raises(resume.UserError, match=said):
             resume.load_checkpoint(str(path))
