@@ -250,19 +250,19 @@ def failed_save(out_dir, step, sharded, error, needed):
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))[0]  # the first failed rank's own (a folder gone, a disk full, ...)
     why = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
-    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    code = getattr(error, "errno", None)
+    full = code in (errno.ENOSPC, errno.EDQUOT)
     with contextlib.suppress(OSError):  # (the folder itself is gone: the error says why)
-        free = shutil.disk_usage(out_dir).free
-        if full := full or free < needed:
+        free = shutil.disk_usage(out_dir).free  # torch.save's "unexpected pos" may be the disk's: so its room says
+        if full := full or free < needed and not isinstance(error, OSError):
             why = (f"No space left on device: about {needed / 2**20:,.1f} MB needed for it and its copies, "
                    f"{free / 2**20:,.1f} MB free")
     last = latest(out_dir, sharded)
     kept = f"{last[0]} from step {last[1]} is intact" if last else "no earlier checkpoint was written"
     limited = not full and resource.RLIM_INFINITY != resource.getrlimit(resource.RLIMIT_FSIZE)[0] < needed  # ulimit -f
-    code = getattr(error, "errno", None)
     fix = ("raise the file size limit (ulimit -f), or move out_dir to a file system of larger files" if limited
            or code == errno.EFBIG else "make out_dir writable again (its permissions, or a mount gone read-only)"
-           if not full and code in (errno.EACCES, errno.EPERM, errno.EROFS) else "make room (or move out_dir)")
+           if code in (errno.EACCES, errno.EPERM, errno.EROFS) else "make room (or move out_dir)")
     return (f"could not write the checkpoint of step {step} in {out_dir} ({why}); {kept}: {fix}, then resume with "
             f"--init_from=auto")
 

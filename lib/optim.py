@@ -183,8 +183,10 @@ def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epo
     elif decay_lr and lr_schedule != "constant" and lr_decay_iters <= warmup_iters and max_iters > 0:
         notes.append(f"note: lr_decay_iters={lr_decay_iters} is not past warmup_iters={warmup_iters}: the learning "
                      f"rate falls from its warmup straight to min_lr, with no decay (raise lr_decay_iters)")
-    elif decay_lr and lr_schedule == "wsd" and warmup_iters > lr_decay_iters * (1 - lr_decay_fraction) and max_iters:
+    elif decay_lr and lr_schedule == "wsd" and warmup_iters > lr_decay_iters - lr_decay_fraction * lr_decay_iters \
+            and max_iters:  # (lr_factor's own expression: another rounding of it fired at the decay's very start)
         notes.append(f"note: warmup_iters={warmup_iters} reaches into wsd's decay, the last lr_decay_fraction="
                      f"{lr_decay_fraction} of lr_decay_iters={lr_decay_iters} steps: it decays over the "
-                     f"{lr_decay_iters - warmup_iters} after the warmup (lower warmup_iters or lr_decay_fraction)")
+                     f"{lr_decay_iters - warmup_iters} steps after the warmup (lower warmup_iters or "
+                     f"lr_decay_fraction)")
     return max_iters, lr_decay_iters, warmup_iters, "\n".join(notes)

@@ -876,6 +876,9 @@ def test_a_sharded_save_that_failed_names_its_ranks_own_error(tmp_path):
         line = ckpt.failed_save(str(tmp_path), 4, True, wrapped, needed=10)
         assert line.startswith(f"could not write the checkpoint of step 4 in {tmp_path} {why}"), line
         assert f"no earlier checkpoint was written: {fix}" in line, line
+    # a disk that is also short of room does not make another error a full disk
+    line = ckpt.failed_save(str(tmp_path), 4, True, read_only, needed=1 << 60)
+    assert "(Read-only file system)" in line and "make out_dir writable again" in line, line
     # a disk full where a file size limit (ulimit -f) is below the checkpoint's size: the room is the fix
     import resource
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)

@@ -164,10 +164,11 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
     # a warmup past where wsd's decay would begin: it begins after the warmup, shorter, and says so
     assert run_steps(20, 20, 10, lr_schedule="wsd", lr_decay_fraction=0.6)[3] == (
         "note: warmup_iters=10 reaches into wsd's decay, the last lr_decay_fraction=0.6 of lr_decay_iters=20 steps: "
-        "it decays over the 10 after the warmup (lower warmup_iters or lr_decay_fraction)")
+        "it decays over the 10 steps after the warmup (lower warmup_iters or lr_decay_fraction)")
     wsd = dict(lr_schedule="wsd", warmup_iters=10, lr_decay_iters=20, lr_decay_fraction=0.6, min_lr=0.0)
     assert [lr_factor(it, **wsd) for it in (10, 15)] == [1.0, 0.5]
     assert run_steps(20, 20, 8, lr_schedule="wsd", lr_decay_fraction=0.6)[3] == ""  # the decay's 12 steps whole
+    assert run_steps(10, 10, 2, lr_schedule="wsd", lr_decay_fraction=0.8)[3] == ""  # (10 x 0.2 is not 2 in floats)
     # max_epochs ends the run first, and the decay with it; warmup_ratio counts those steps
     assert run_steps(100, 90, 5, 0.25, max_epochs=2, epoch_steps=30) == \
         (30, 30, 8, "max_epochs=2: 30 steps (lr_decay_iters 30, warmup 8)")
