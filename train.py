@@ -78,8 +78,10 @@ claim(out_dir, master)  # one run at a time writes an out_dir (files.py); a seco
 # per update give the same sequences however they are split into processes and micro-steps
 
 meta = read_meta(data_dir)  # meta.json, or nanoGPT's meta.pkl, or GPT-2 tokens with neither
-# the model's vocabulary (0: the data's, padded to a multiple of 64), and the token files checked for this run
-vocab_size, train_tokens = check_data_for_run(data_dir, meta, vocab_size, doc_mask, sequences, block_size)
+# the model's vocabulary (0: the data's, padded to a multiple of 64; a folder's model: its own, a vocab_size given
+# beside it noted), and the token files checked for this run
+vocab_size, train_tokens = check_data_for_run(data_dir, meta, vocab_size if init_from in ("scratch", "resume", "auto")
+                                              else 0, doc_mask, sequences, block_size)
 
 # -----------------------------------------------------------------------------
 # 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint (start.py)
@@ -124,8 +126,9 @@ if checkpoint is not None:
     changed = reapply(optimizers, built)
     if changed and master:
         print(f"note: the optimizer's {', '.join(changed)} are this command's, not the checkpoint's")
-    note = resume_rng(checkpoint, rank, world_size, tp_size, device_type, dropout)  # its dropout streams, if it can
-    if note and master:
+    note = resume_rng(checkpoint, rank, world_size, tp_size, device_type,  # its dropout streams, if it can
+                      max(dropout, model_args.get("lora_dropout", 0.0)))
+    if note and master and not eval_only:
         print(note)
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
 if batch_size_auto:  # the largest micro-batch that fits, for the same updates (docs/scaling.md)

@@ -136,8 +136,9 @@ def replaced_whole(path, mode="w", encoding=None):
             os.fsync(f.fileno())
         durable_replace(tmp, path)
     except OSError as e:
-        raise UserError(f"cannot write {path} ({e.strerror or e}); what was there is as it was: make room, or write "
-                        f"elsewhere") from None
+        kept = "; what was there is as it was" if os.path.lexists(path) else ""
+        fix = "make room, or write elsewhere" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "write elsewhere"
+        raise UserError(f"cannot write {path} ({e.strerror or e}){kept}: {fix}") from None
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)

@@ -88,10 +88,10 @@ def test_finetune_lowers_val_loss_and_resumes_bit_for_bit(pretrained, tmp_path):
 def test_model_settings_a_folder_sets_otherwise_are_said_to_play_no_part(pretrained, tmp_path):
     # from a Hugging Face folder the model is the folder's: a shape given with it (a config file's n_layer, an untied
     # head) is not built, and the run says so, as of any setting out of play; one equal to the folder's, nothing
-    # (its vocabulary too); and the same command again, which resumes the run, says the same
+    # (its vocabulary too, even one below the data's); and the same command again, which resumes the run, says the same
     folder, data = pretrained
     args = [*FINETUNE, f"--data_dir={data}", f"--init_from={folder}", f"--out_dir={tmp_path}", "--n_layer=4",
-            "--tie_embeddings=False", "--n_head=4", "--dropout=0.0", "--vocab_size=999"]
+            "--tie_embeddings=False", "--n_head=4", "--dropout=0.0", "--vocab_size=64"]
     for steps in (1, 2):
         out = run(*args, f"--max_iters={steps}").stdout
         notes = [line for line in out.splitlines() if "plays no part" in line]
@@ -99,7 +99,7 @@ def test_model_settings_a_folder_sets_otherwise_are_said_to_play_no_part(pretrai
         assert notes == [f"note: n_layer=4 plays no part in this run: the model is {folder}'s, whose n_layer is 2",
                          f"note: tie_embeddings=False plays no part in this run: the model is {folder}'s, whose "
                          f"tie_embeddings is True",
-                         f"note: vocab_size=999 plays no part in this run: the model is {folder}'s, whose "
+                         f"note: vocab_size=64 plays no part in this run: the model is {folder}'s, whose "
                          f"vocab_size is {vocab}"], out
         assert (f"resuming {tmp_path / 'ckpt.pt'} at step 1" in out) == (steps == 2)
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["model_args"]["n_layer"] == 2
