@@ -126,10 +126,7 @@ if checkpoint is not None:
     changed = reapply(optimizers, built)
     if changed and master:
         print(f"note: the optimizer's {', '.join(changed)} are this command's, not the checkpoint's")
-    note = resume_rng(checkpoint, rank, world_size, tp_size, device_type,  # its dropout streams, if it can
-                      max(dropout, model_args.get("lora_dropout", 0.0)))
-    if note and master and not eval_only:
-        print(note)
+    resume_rng(checkpoint, rank, world_size, tp_size, device_type)  # its saved dropout stream, if as many processes
 layout = dict(dp=dp_size, tp=tp_size, fsdp=fsdp, checkpointing=gradient_checkpointing, offload=fsdp_cpu_offload)
 if batch_size_auto:  # the largest micro-batch that fits, for the same updates (docs/scaling.md)
     from lib.micro_batch import auto_micro_batch

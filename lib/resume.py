@@ -20,6 +20,7 @@ import zlib
 from dataclasses import asdict, fields
 
 import torch
+import torch.distributed as dist
 
 from lib import checkpoint as ckpt
 from lib.bounds import check_shapes, layer_count
@@ -146,6 +147,10 @@ def resume(origin, config, meta, eval_sequences):
         origin.notes += split_note(before, config["batch_size"], config["gradient_accumulation_steps"],
                                    config["dropout"])
     origin.notes += schedule_notes(before, config, loop["iter_num"])
+    if not config["eval_only"]:  # (the model's dropout, or its adapters')
+        dropout = max(config["dropout"], origin.model_args.get("lora_dropout", 0.0))
+        origin.notes += dropout_note(checkpoint, dist.get_world_size() if dist.is_initialized() else 1,
+                                     config["tp_size"], dropout)
 
 
 def split_note(before, batch_size, accumulation, dropout):
@@ -198,19 +203,25 @@ def resolved(settings):
         return settings
 
 
-def resume_rng(checkpoint, rank, world_size, tp_size, device_type, dropout=0.0):
+def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
     # this process's random state from the checkpoint's (every process's) where as many saved them in replicas of as
-    # many processes (a replica's tensor-parallel processes share one dropout stream); else the seed's streams, and
-    # under dropout a note (returned; else None) that its masks are not those of the run it continues
+    # many processes (a replica's tensor-parallel processes share one dropout stream); else the seed's streams
     rngs = checkpoint["rng"]
     if len(rngs) == world_size and checkpoint["config"].get("tp_size", 1) == tp_size:
         torch.set_rng_state(rngs[rank]["cpu"])
         if device_type == "cuda" and rngs[rank]["cuda"] is not None:
             torch.cuda.set_rng_state(rngs[rank]["cuda"])
-    elif dropout > 0:
-        return (f"note: dropout's masks are drawn from the seed again: the checkpoint's random streams are those of "
-                f"{len(rngs)} process(es) (tp_size={checkpoint['config'].get('tp_size', 1)}), not of these "
-                f"{world_size} (tp_size={tp_size}), and the run goes on otherwise than it would have")
+
+
+def dropout_note(checkpoint, world_size, tp_size, dropout):
+    # [the note] where dropout (the model's, or its adapters') draws its masks from the seed again (resume_rng): the
+    # checkpoint's streams are another number of processes'
+    saved = (len(checkpoint["rng"]), checkpoint["config"].get("tp_size", 1))
+    if dropout > 0 and saved != (world_size, tp_size):
+        return [f"note: dropout's masks are drawn from the seed again: the checkpoint's random streams are those of "
+                f"{saved[0]} process(es) (tp_size={saved[1]}), not of these {world_size} (tp_size={tp_size}), and the "
+                f"run goes on otherwise than it would have"]
+    return []
 
 
 # -----------------------------------------------------------------------------

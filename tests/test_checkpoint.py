@@ -159,13 +159,13 @@ def test_a_resume_takes_each_processs_random_state_only_in_the_same_replicas():
     checkpoint = {"rng": saved, "config": {"tp_size": 1}}
     for tp_size, taken in ((1, True), (2, False)):
         torch.manual_seed(0)
-        note = resume.resume_rng(checkpoint, 1, 2, tp_size, "cpu", dropout=0.1)
+        resume.resume_rng(checkpoint, 1, 2, tp_size, "cpu")
         assert torch.equal(torch.get_rng_state(), saved[1]["cpu"]) is taken
-        # dropout's masks then differ from the run it continues, which is said (and without dropout, nothing is)
-        assert note == (None if taken else "note: dropout's masks are drawn from the seed again: the checkpoint's "
-                        "random streams are those of 2 process(es) (tp_size=1), not of these 2 (tp_size=2), and the "
-                        "run goes on otherwise than it would have")
-    assert resume.resume_rng(checkpoint, 0, 1, 1, "cpu") is None
+        # dropout's masks then differ from the run it continues, which the resume says (without dropout, nothing)
+        assert resume.dropout_note(checkpoint, 2, tp_size, 0.1) == ([] if taken else [
+            "note: dropout's masks are drawn from the seed again: the checkpoint's random streams are those of 2 "
+            "process(es) (tp_size=1), not of these 2 (tp_size=2), and the run goes on otherwise than it would have"])
+    assert resume.dropout_note(checkpoint, 1, 1, 0.0) == []
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])

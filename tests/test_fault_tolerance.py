@@ -723,6 +723,18 @@ def test_a_run_stopped_off_the_evaluation_interval_stops_early_where_the_whole_r
     assert best["best_val_loss"] == last["best_val_loss"] == pytest.approx(val[5])
 
 
+def test_a_resume_on_another_number_of_processes_under_dropout_says_its_masks_begin_anew(data_dir, tmp_path):
+    # the checkpoint of a run on 2 processes (its random streams two), resumed on 1: dropout's masks come from the seed
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--dropout=0.1", "--eval_interval=2"]
+    run(*args, "--max_iters=2")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    torch.save({**state, "rng": state["rng"] * 2, "world_size": 2}, tmp_path / "ckpt.pt")
+    out = run(*args, "--max_iters=4", "--init_from=resume").stdout
+    assert "note: dropout's masks are drawn from the seed again: the checkpoint's random streams are those of 2 " \
+           "process(es) (tp_size=1), not of these 1 (tp_size=1)" in out, out
+    assert "dropout's masks" not in run(*args, "--max_iters=6", "--init_from=resume").stdout  # (saved by 1 now)
+
+
 def test_eval_only_evaluates_a_run_that_stopped_early(data_dir, tmp_path):
     # a run that stopped early has nothing left to train, but eval_only asks for its losses, not for training
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=100", "--eval_interval=2",
