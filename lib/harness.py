@@ -97,7 +97,10 @@ class Model(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
         # requests: (strings, context ids, continuation ids) -> (log-likelihood of the continuation, whether greedy
         # decoding writes it), with HFLM's truncation: the last max_length + 1 tokens, less the last one
-        for strings, _, continuation in requests:  # (HFLM asserts both)
+        for strings, context, continuation in requests:  # (HFLM asserts all three)
+            if not context:  # ("" is the prefix token by now: whitespace alone went to the continuation, lm_eval's)
+                raise UserError(f"a task's context {strings[0][:60]!r} is whitespace alone, which lm_eval moves into "
+                                f"the continuation, leaving nothing to score it after: mend the task's context")
             if not 0 < len(continuation) <= self.max_length:
                 said = f"{strings[1][:60]!r} " if strings else ""
                 why = f"{len(continuation)} tokens, past block_size={self.max_length}" if continuation else "empty"

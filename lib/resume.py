@@ -147,10 +147,7 @@ def resume(origin, config, meta, eval_sequences):
         origin.notes += split_note(before, config["batch_size"], config["gradient_accumulation_steps"],
                                    config["dropout"])
     origin.notes += schedule_notes(before, config, loop["iter_num"])
-    if not config["eval_only"]:  # (the model's dropout, or its adapters')
-        dropout = max(config["dropout"], origin.model_args.get("lora_dropout", 0.0))
-        origin.notes += dropout_note(checkpoint, dist.get_world_size() if dist.is_initialized() else 1,
-                                     config["tp_size"], dropout)
+    origin.notes += dropout_note(checkpoint, config, origin.model_args)
 
 
 def split_note(before, batch_size, accumulation, dropout):
@@ -213,13 +210,14 @@ def resume_rng(checkpoint, rank, world_size, tp_size, device_type):
             torch.cuda.set_rng_state(rngs[rank]["cuda"])
 
 
-def dropout_note(checkpoint, world_size, tp_size, dropout):
+def dropout_note(checkpoint, config, model_args):
     # [the note] where dropout (the model's, or its adapters') draws its masks from the seed again (resume_rng): the
-    # checkpoint's streams are another number of processes'
+    # checkpoint's streams are another number of processes' (eval_only draws none)
     saved = (len(checkpoint["rng"]), checkpoint["config"].get("tp_size", 1))
-    if dropout > 0 and saved != (world_size, tp_size):
+    now = (dist.get_world_size() if dist.is_initialized() else 1, config["tp_size"])
+    if max(config["dropout"], model_args.get("lora_dropout", 0.0)) > 0 and saved != now and not config["eval_only"]:
         return [f"note: dropout's masks are drawn from the seed again: the checkpoint's random streams are those of "
-                f"{saved[0]} process(es) (tp_size={saved[1]}), not of these {world_size} (tp_size={tp_size}), and the "
+                f"{saved[0]} process(es) (tp_size={saved[1]}), not of these {now[0]} (tp_size={now[1]}), and the "
                 f"run goes on otherwise than it would have"]
     return []
 

@@ -161,11 +161,15 @@ def test_a_resume_takes_each_processs_random_state_only_in_the_same_replicas():
         torch.manual_seed(0)
         resume.resume_rng(checkpoint, 1, 2, tp_size, "cpu")
         assert torch.equal(torch.get_rng_state(), saved[1]["cpu"]) is taken
-        # dropout's masks then differ from the run it continues, which the resume says (without dropout, nothing)
-        assert resume.dropout_note(checkpoint, 2, tp_size, 0.1) == ([] if taken else [
-            "note: dropout's masks are drawn from the seed again: the checkpoint's random streams are those of 2 "
-            "process(es) (tp_size=1), not of these 2 (tp_size=2), and the run goes on otherwise than it would have"])
-    assert resume.dropout_note(checkpoint, 1, 1, 0.0) == []
+    # dropout's masks then differ from the run it continues, which the resume says (in this 1 process; without
+    # dropout, the model's or its adapters', nothing)
+    config = {"tp_size": 1, "dropout": 0.0, "eval_only": False}
+    assert resume.dropout_note(checkpoint, {**config, "dropout": 0.1}, {}) == resume.dropout_note(
+        checkpoint, config, {"lora_dropout": 0.05}) == [
+        "note: dropout's masks are drawn from the seed again: the checkpoint's random streams are those of 2 "
+        "process(es) (tp_size=1), not of these 1 (tp_size=1), and the run goes on otherwise than it would have"]
+    assert resume.dropout_note(checkpoint, config, {}) == resume.dropout_note(
+        checkpoint, {**config, "dropout": 0.1, "eval_only": True}, {}) == []
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])

@@ -295,6 +295,10 @@ def test_a_continuation_that_cannot_be_scored_is_one_line():
     with pytest.raises(UserError, match="continuation ' a day a day' is 12 tokens, past block_size=8"):
         lm.loglikelihood([Request("an apple", " a day a day")])
     assert len(lm.loglikelihood([Request("an apple", " a day")])) == 1
+    # a context of whitespace alone, which lm_eval's split moves into the continuation (an index error before)
+    with pytest.raises(UserError, match=r"^a task's context '\\n' is whitespace alone, which lm_eval moves into the "
+                                        r"continuation, leaving nothing to score it after: mend the task's context$"):
+        lm.loglikelihood([Request("\n", "an")])
     # an empty context to generate from begins with the prefix token, as an empty one to score does
     written = [i for i in lm.greedy([lm.prefix_token_id], 4, []) if i not in lm.eos_ids]
     assert lm.generate_until([Request("", {"until": ["@"], "max_gen_toks": 4})]) == [tokenizer.decode(written)]
