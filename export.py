@@ -219,8 +219,21 @@ def on_disk(path):
             os.close(fd)
 
 
+def undo(staging, old, to, made):
+    # what a failed or stopped export leaves: its staging folder goes; the earlier export goes back where it was, or
+    # goes (the new one took its place already); and a parent folder made for --to, where --to is not there
+    shutil.rmtree(staging, ignore_errors=True)
+    if os.path.exists(old) and not os.path.exists(to):
+        os.replace(old, to)
+    shutil.rmtree(old, ignore_errors=True)
+    if made and not os.path.exists(to):
+        shutil.rmtree(made, ignore_errors=True)
+
+
 def stopped(signum, frame):
-    # SIGTERM (a scheduler's, timeout's) as an exception, so that the cleanup below removes the files made so far
+    # SIGTERM (a scheduler's, timeout's) as an exception, so that the cleanup (undo) removes the files made so far;
+    # a second one is ignored, or it would cut the cleanup short
+    signal.signal(signum, signal.SIG_IGN)
     raise SystemExit(f"export.py: stopped by {signal.Signals(signum).name}; its temporary files are removed, and an "
                      f"earlier export at --to is as it was")
 
@@ -258,14 +271,13 @@ def main(argv=None):
     try:
         model, tokenizer, checkpoint = load_exported(args)
         base = checkpoint.get("pretrained") or ""
+        ids = run_special_ids(tokenizer, base)
         if args.adapter:  # with its tokenizer: a run on conversations has its own chat template
             adapter_dtype = getattr(torch, "float32" if args.dtype == "auto" else args.dtype)  # (peft's: float32)
             write_adapter(model, checkpoint["pretrained"], staging, adapter_dtype)
-            ids = run_special_ids(tokenizer, base)
         else:  # merged and cast
             dtype = getattr(torch, export_dtype(args.dtype, base))
             merge_lora(model, dtype, "cpu").to(dtype)
-            ids = run_special_ids(tokenizer, base)
             save_pretrained(model, staging, ids=ids)
         note = write_tokenizer(tokenizer, checkpoint, staging, ids)
         if base and os.path.abspath(base) == to:
@@ -275,10 +287,8 @@ def main(argv=None):
             os.replace(to, old)
         durable_replace(staging, to)
         shutil.rmtree(old, ignore_errors=True)
-    except BaseException as e:  # model.py's plain ValueError too, a full disk, a Ctrl-C: nothing left
-        shutil.rmtree(made or staging, ignore_errors=True)
-        if os.path.exists(old) and not os.path.exists(to):  # an earlier export goes back where it was
-            os.replace(old, to)
+    except BaseException as e:  # model.py's plain ValueError too, a full disk, a Ctrl-C, a SIGTERM: nothing left
+        undo(staging, old, to, made)
         if not isinstance(e, (ValueError, OSError)):
             raise
         raise UserError(str(e) if isinstance(e, ValueError) else written_nothing(args.to, e)) from None

@@ -316,7 +316,23 @@ def check_stopped_export(run_dir, to):
 
 
 def test_an_export_stopped_by_sigterm_leaves_the_earlier_one_and_no_copy(runs, tmp_path):
-    check_stopped_export(runs / "files", tmp_path / "model")
+    to = tmp_path / "model"
+    check_stopped_export(runs / "files", to)
+    # stopped once the new export has taken the name, before the earlier one (set aside) is removed: that one goes
+    before = {f.name: f.read_bytes() for f in to.iterdir()}
+    renamed = ("import os, runpy, signal, sys\n"
+               "import lib.files\n"
+               "real = lib.files.durable_replace\n"
+               "def replace(src, dst):\n"
+               "    real(src, dst)\n"
+               "    os.kill(os.getpid(), signal.SIGTERM)\n"
+               "lib.files.durable_replace = replace\n"
+               "sys.argv = sys.argv[1:]\n"
+               "runpy.run_path('export.py', run_name='__main__')\n")
+    done = new_python("-c", renamed, "export.py", f"--out_dir={runs / 'files'}", f"--to={to}", "--overwrite")
+    assert done.returncode == 1 and "stopped by SIGTERM" in done.stderr, done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert {f.name: f.read_bytes() for f in to.iterdir()} == before
 
 
 def test_data_prepared_again_while_the_run_starts_is_refused(tmp_path, monkeypatch):
