@@ -295,13 +295,9 @@ def evaluate(step):
         return True
     loop["evaluated"] = True
     task_scores = harness.task_metrics(*task_model, eval_tasks_limit) if eval_tasks and master else {}
-    # the last step, off the interval, is evaluated and saved, not counted (for ckpt_best or early stop): a run stopped
-    # there by max_iters and resumed with a later one goes on as the one that never stopped there
-    counted = step % eval_interval == 0
-    improved = counted and losses["val"] < loop["best_val_loss"] - early_stop_min_delta
+    improved = losses["val"] < loop["best_val_loss"] - early_stop_min_delta
     unimproved = {"best_val_loss": loop["best_val_loss"], "evals_without_gain": loop["evals_without_gain"] + 1}
-    if counted:
-        loop.update({"best_val_loss": losses["val"], "evals_without_gain": 0} if improved else unimproved)
+    loop.update({"best_val_loss": losses["val"], "evals_without_gain": 0} if improved else unimproved)
     report_evaluation(log, master, step, losses, task_scores, batches.epoch(step),
                       learning_rate * lr_factor(step, **schedule))
     if eval_only:  # nanoGPT's: the losses of the model as it is, and nothing trained or saved
@@ -456,8 +452,8 @@ while True:
 
 if master and not eval_only and loop["evaluated"] and loop["iter_num"] > 0 and math.isfinite(loop["best_val_loss"]) \
         and ckpt.find_checkpoint(os.path.join(out_dir, "ckpt_best.pt")) is None:  # (a fine-tune that only got worse)
-    print(f"note: no evaluation after step 0 (each eval_interval) lowered its val loss {loop['best_val_loss']:.4f}, "
-          f"so no ckpt_best was written: the model the run began from scored best (lower learning_rate)")
+    print(f"note: no evaluation after step 0 lowered its val loss {loop['best_val_loss']:.4f}, so no ckpt_best was "
+          f"written: the model the run began from scored best (lower learning_rate)")
 close_log()  # TensorBoard writes out what it buffers
 if master:
     print(wall_time(loop["iter_num"]))

@@ -174,9 +174,12 @@ def schedule_notes(before, config, step):
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""
         cut = f" (or at the {config['max_epochs']} epochs' last, if sooner)" if config["max_epochs"] > 0 else ""
+        last = step == before.get("max_iters") and step % before.get("eval_interval", config["eval_interval"])
         notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's {before.get('max_iters')}: "
                      f"the run ends at step {config['max_iters']}{cut}; lr_decay_iters, the schedule's length, is "
-                     f"{config['lr_decay_iters']}{cut}{was}")
+                     f"{config['lr_decay_iters']}{cut}{was}" + (
+                         f"; step {step}, its last, off eval_interval, was evaluated, and counts for ckpt_best and "
+                         f"early stopping as it would in no run that went on past it" if last else ""))
     changed = [k for k in SCHEDULE if before.get(k, config[k]) != config[k] and not (moved and k == "lr_decay_iters")]
     if changed and config["max_iters"] > step and not config["eval_only"]:
         notes.append(f"note: the learning rate's schedule is this command's, not the checkpoint's ("
