@@ -22,7 +22,6 @@ from contextlib import nullcontext
 import torch
 
 from lib.chat import ChatFormat, find_template
-from lib.data import SEQUENCES
 from lib.files import UserError, one_line_errors
 from lib.parallel import pick_device
 from lib.settings import SAMPLING, check_ranges
@@ -100,10 +99,8 @@ folder = args.model or chat_folder(checkpoint, tokenizer)  # where the chat temp
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
 sampling = dict(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, vocab=tokenizer.vocab_size)
-trained = checkpoint["config"] if checkpoint is not None else {}  # a run that attended within documents (or examples)
-if (trained.get("doc_mask") or SEQUENCES[trained.get("sequences", "windows")].examples) and not args.chat \
-        and tokenizer.eot_id is not None:
-    sampling["document"] = tokenizer.eot_id  # end-of-text begins one (as eval.py)
+if checkpoint is not None and checkpoint["config"].get("doc_mask") and tokenizer.eot_id is not None and not args.chat:
+    sampling["document"] = tokenizer.eot_id  # it attended within documents: end-of-text begins one (as eval.py)
 torch.manual_seed(args.seed)
 
 

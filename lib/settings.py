@@ -157,8 +157,8 @@ def check_ranges(values, ranges, flag=""):
 
 
 # settings that play a part only where others have some values: name -> ((that setting, those values), ...), the
-# first one out noted (warmup_ratio above 0 replaces warmup_iters; 'constant' never decays to min_lr; examples each
-# attend within themselves, and val is scored example by example)
+# first one out noted (warmup_ratio above 0 replaces warmup_iters; 'constant' never decays to min_lr; examples are
+# scored one by one; doc_mask under examples, which attend within themselves anyway, is sample.py's still)
 _DECAYING = ("lr_schedule", tuple(s for s in _optim.SCHEDULES if s != "constant"))
 _WINDOWS = ("sequences", tuple(name for name, mode in _data.SEQUENCES.items() if not mode.examples))
 _PLAYS_UNDER = {**dict.fromkeys(("lr_schedule", "warmup_ratio"), (("decay_lr", (True,)),)),
@@ -166,7 +166,7 @@ _PLAYS_UNDER = {**dict.fromkeys(("lr_schedule", "warmup_ratio"), (("decay_lr", (
                 **dict.fromkeys(("lr_decay_iters", "min_lr"), (("decay_lr", (True,)), _DECAYING)),
                 **{knob: (("decay_lr", (True,)), ("lr_schedule", (schedule,))) for knob, schedule in
                    (("lr_power", "polynomial"), ("lr_decay_fraction", "wsd"), ("lr_cycle_iters", "cosine_restarts"))},
-                "eval_stride": (_WINDOWS, ("eval_full", (True,))), "eval_full": (_WINDOWS,), "doc_mask": (_WINDOWS,),
+                "eval_stride": (_WINDOWS, ("eval_full", (True,))), "eval_full": (_WINDOWS,),
                 **dict.fromkeys(("wandb_project", "wandb_run_name"), (("wandb_log", (True,)),)),
                 "memory_budget": (("batch_size_auto", (True,)),)}
 

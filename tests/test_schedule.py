@@ -279,10 +279,10 @@ def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_p
     assert [note.split(" plays")[0] for note in unused(train_settings(
         ["--decay_lr=False", "--warmup_ratio=0.5", "--min_lr=1e-5", "--lr_decay_iters=90"]))] == [
         "note: warmup_ratio=0.5", "note: lr_decay_iters=90", "note: min_lr=1e-05"]
-    # what examples do anyway (each attends within itself; val is scored example by example), and a logger's names
+    # what examples do anyway (val is scored example by example), and a logger's names
     assert [note.split(" plays")[0] for note in unused(train_settings(
         ["--sequences=examples", "--doc_mask=True", "--eval_full=True", "--eval_stride=8", "--wandb_project=p"]))] == [
-        "note: eval_stride=8", "note: eval_full=True", "note: doc_mask=True", "note: wandb_project='p'"]
+        "note: eval_stride=8", "note: eval_full=True", "note: wandb_project='p'"]
     assert unused(train_settings(["--sequences=random", "--doc_mask=True", "--eval_full=True", "--eval_stride=8",
                                   "--wandb_log=True", "--wandb_run_name=r"])) == []
     # a schedule's own knob too (train_small.py's wsd fraction), as its schedule is out of play
