@@ -238,6 +238,12 @@ def stopped(signum, frame):
                      f"earlier export at --to is as it was")
 
 
+def finishing():
+    # the export is whole: from its renames on it finishes, a SIGTERM ignored (stopped's line would not be true)
+    if signal.getsignal(signal.SIGTERM) is stopped:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def written_nothing(to, error):
     # the one line for an export the disk refused (ENOSPC, EDQUOT, EACCES, ...)
     return (f"cannot write --to={to} ({error.strerror or error}); nothing was left there: make room, or choose "
@@ -283,6 +289,7 @@ def main(argv=None):
         if base and os.path.abspath(base) == to:
             raise UserError(f"--to={args.to} is the base model this run began from; choose another --to")
         on_disk(staging)
+        finishing()
         if os.path.exists(to):
             os.replace(to, old)
         durable_replace(staging, to)
@@ -332,6 +339,7 @@ def export_gguf(args):
             template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)
         write_gguf(model, tokenizer, staging, dtype, ids, template)
         on_disk(staging)
+        finishing()
         durable_replace(staging, args.to)
     except ValueError as e:  # gguf's and model.py's plain ValueErrors too: one line all the same
         raise UserError(str(e)) from None
