@@ -198,20 +198,23 @@ def temporary(make, to, mode):
     if isinstance(made, tuple):  # mkstemp's (handle, path)
         os.close(made[0])
         made = made[1]
+    os.chmod(made, new_mode(mode))
+    return made
+
+
+def new_mode(mode):
+    # the permissions a new file or folder of mode gets (this process's umask taken off)
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(made, mode & ~mask)
-    return made
+    return mode & ~mask
 
 
 def on_disk(path):
     # path's bytes (a file, or a folder's files) on the disk before it takes its name, so that a power cut never
     # leaves a short file there; each readable as any new file is (huggingface_hub writes its safetensors 0600)
-    mask = os.umask(0)
-    os.umask(mask)
     for name in [path] + ([os.path.join(path, n) for n in os.listdir(path)] if os.path.isdir(path) else []):
         if os.path.isfile(name):
-            os.chmod(name, 0o666 & ~mask)
+            os.chmod(name, new_mode(0o666))
         fd = os.open(name, os.O_RDONLY)  # (a folder's fsync keeps its names)
         try:
             os.fsync(fd)

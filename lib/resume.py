@@ -256,7 +256,7 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
             checkpoint["model"] = read_sharded(path, device)
         return checkpoint
     if verify:
-        check_crcs(path, parts=None if verify is True or not mmap else "pickle")
+        check_crcs(path, tensors=verify is True or not mmap)
     try:
         with warnings.catch_warnings():  # torch warns about what it refused; our error says it in one line
             warnings.simplefilter("ignore")
@@ -278,16 +278,16 @@ def load_checkpoint(path, device="cpu", mmap=False, weights=True, verify=True):
     return checkpoint
 
 
-def check_crcs(path, parts=None):
+def check_crcs(path, tensors=True):
     """UserError where a byte of the file differs from what was saved: torch.save's zip holds CRC-32s that torch.load
     never checks (about a second a GB from the page cache); a file that is not a zip is left to torch.load to name.
-    parts="pickle": all but the tensors' (check_read checks those read)."""
+    tensors=False: all parts but the tensors' (check_read checks those read)."""
     check_regular(path, "use another checkpoint, e.g. ckpt_best.pt or a ckpt_NNNNNNN.pt")  # a FIFO never ends
     try:
         with zipfile.ZipFile(path) as archive:
             # torch.save stores its parts as they are: a compressed one (a few MB of zeros inflating to GBs) is not its
             packed = next((i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
-            damaged = None if packed else archive.testzip() if parts is None else next(
+            damaged = None if packed else archive.testzip() if tensors else next(
                 (i.filename for i in archive.infolist() if "/data/" not in i.filename and not crc_holds(archive, i)),
                 None)
     except (zipfile.BadZipFile, OSError, EOFError):
