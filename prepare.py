@@ -296,14 +296,10 @@ def temporary_outputs(out, overwrite):
     """The token and mask files under .tmp names, opened empty, in out locked for this run alone (files.py: a
     second prepare.py is refused). After it, finished or stopped, no .tmp file stays, nor an empty folder it made."""
     created = not out.exists()
-    held = lock_folder(out, "prepare.py")
+    held, files = lock_folder(out, "prepare.py"), {}
     try:
         check_replace(out, overwrite)  # a dataset another prepare.py finished since the start: --overwrite or none
-    except UserError:
-        unlock_folder(out, held)
-        raise
-    files = {name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in OUTPUTS[:4]}
-    try:
+        files.update({name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in OUTPUTS[:4]})
         yield files
     finally:
         for f in files.values():
@@ -449,6 +445,8 @@ def move_into_place(out, files, tokenizer, meta):
     except BaseException:  # no rename yet: the dataset there before is whole, and no marker may say otherwise
         (out / MARKER).unlink(missing_ok=True)
         raise
+    for signum in [s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is stopped]:
+        signal.signal(signum, signal.SIG_IGN)  # from the first rename on it finishes: stopped's line would not be true
     (out / "meta.json").unlink(missing_ok=True)
     masks = ("train.mask.bin", "val.mask.bin") if meta.get("masks") else ()
     for name in filter(None, ("train.bin", "val.bin", *masks, tokenizer_file, "meta.json")):  # tiktoken: no file

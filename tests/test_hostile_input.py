@@ -6,6 +6,7 @@ one-line exit itself is what is tested.
     python -m pytest tests/test_hostile_input.py -q
 """
 
+import errno
 import gzip
 import json
 import os
@@ -619,15 +620,19 @@ def test_export_py_says_its_own_name_in_one_line(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_prepare_py_on_a_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, monkeypatch):
+@pytest.mark.parametrize("at", ["a write", "an open"])
+def test_prepare_py_on_a_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, monkeypatch, at):
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here to fill a disk with")
     (tmp_path / "in.txt").write_text("hello world\n" * 20000)
     (tmp_path / "d").mkdir()
     opened = prepare.open_own
 
-    def full_disk(path, mode="w", encoding=None):  # every write to train.bin.tmp fails with ENOSPC
-        return open("/dev/full", mode) if str(path).endswith("train.bin.tmp") else opened(path, mode, encoding)
+    def full_disk(path, mode="w", encoding=None):  # every write to train.bin.tmp fails with ENOSPC, or val.bin.tmp's
+        if at == "an open" and str(path).endswith("val.bin.tmp"):  # open (train.bin.tmp's was made): no lock left
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return open("/dev/full", mode) if str(path).endswith("train.bin.tmp") and at == "a write" \
+            else opened(path, mode, encoding)
     monkeypatch.setattr(prepare, "open_own", full_disk)
     with pytest.raises(UserError, match="^the disk of .* is full .*no dataset was written"):
         prepare.main([str(tmp_path / "in.txt"), "--tokenizer=char", "--out_dir", str(tmp_path / "d")])

@@ -1031,6 +1031,20 @@ def test_killed_while_renaming_leaves_a_marker_and_a_rerun_replaces_it(tmp_path,
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
 
 
+@pytest.mark.kills
+def test_a_sigterm_once_the_renames_begin_is_ignored_and_the_dataset_finishes(tmp_path):
+    # stopped's line ("no dataset was written") would not be true once a rename is made: from the first one on, a
+    # SIGTERM is ignored, and the dataset is written whole
+    write(tmp_path / "a.txt", "the new dataset")
+    script = KILL_ON_SECOND_RENAME.replace("SIGKILL", "SIGTERM").replace(
+        "import prepare", "import prepare\nsignal.signal(signal.SIGTERM, prepare.stopped)")
+    r = subprocess.run([sys.executable, "-c", script, str(REPO), str(tmp_path / "a.txt"), "--out_dir",
+                        str(tmp_path / "out"), "--tokenizer", "char"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "stopped by" not in r.stderr, r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
+    assert "".join(read_all(tmp_path / "out")) == "the new dataset"
+
+
 def test_cpu_count_without_sched_getaffinity(monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS has none
     assert prepare.cpu_count() == (os.cpu_count() or 1)
