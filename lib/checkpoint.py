@@ -15,10 +15,12 @@ with its state.pt, written after every shard and deleted before any (publish).
 import contextlib
 import errno
 import fcntl
+import glob
 import os
 import re
 import resource
 import shutil
+import time
 import warnings
 
 import torch
@@ -151,11 +153,20 @@ def publish(tmp, dst):
     # aside as dst.old first, whole where a kill comes between (find_checkpoint takes it; the next save removes it)
     old = dst + ".old"
     if os.path.isdir(dst):
-        retire(old)
+        clear(old)
         durable_replace(dst, old)
     durable_replace(tmp, dst)
-    with contextlib.suppress(OSError):  # published: an old one left (a reader's NFS file in it) goes at the next save
-        retire(old)
+    clear(old)
+
+
+def clear(old):
+    # remove publish's old folder, and those set aside before: one that will not go (a reader's NFS file held open
+    # in it) is set aside as old.N, for a later save to remove, and never stops a save
+    for path in [old, *glob.glob(glob.escape(old) + ".*")]:
+        with contextlib.suppress(OSError):
+            retire(path)
+    if os.path.exists(old):
+        os.rename(old, f"{old}.{time.time_ns()}")
 
 
 def copy_checkpoint(src, dst):

@@ -2,6 +2,7 @@
 
 import errno
 import os
+import re
 import shutil
 import stat
 import time
@@ -136,6 +137,31 @@ def test_an_old_copy_that_will_not_go_is_a_warning_once_the_save_is_whole(tmp_pa
            f"busy): the run goes on; remove it by hand" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt_0000001.pt", "ckpt_0000002.pt", "ckpt_0000003.pt"]
     assert ckpt.latest(str(tmp_path), False)[1] == 3
+
+
+def test_an_old_folder_that_will_not_go_is_set_aside_and_never_stops_a_save(tmp_path, monkeypatch):
+    # a sharded ckpt/ steps aside as ckpt.old/ at the next save; a reader's NFS file held open in it keeps it there
+    # (the next save's rename onto it had failed: "could not write the checkpoint of step 3"): it is set aside under
+    # a name of its own, and a save once the reader is done removes it
+    model = GPT(GPTConfig(**SHAPE))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    retire = ckpt.retire
+
+    def busy(path):
+        if os.path.exists(os.path.join(path, "held")):  # (the file a reader holds goes with its folder's renames)
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        retire(path)
+    monkeypatch.setattr(ckpt, "retire", busy)
+    ckpt.save(str(tmp_path), {"iter_num": 1}, model, optimizers, sharded=True, lora=0)
+    (tmp_path / "ckpt" / "held").write_text("")
+    for step in (2, 3):
+        ckpt.save(str(tmp_path), {"iter_num": step}, model, optimizers, sharded=True, lora=0)
+        names = sorted(os.listdir(tmp_path))
+        assert len(names) == 2 and names[0] == "ckpt" and re.fullmatch(r"ckpt\.old\.[0-9]+", names[1]), names
+        assert ckpt.latest(str(tmp_path), True)[1] == step
+    os.remove(tmp_path / names[1] / "held")  # the reader is done
+    ckpt.save(str(tmp_path), {"iter_num": 4}, model, optimizers, sharded=True, lora=0)
+    assert os.listdir(tmp_path) == ["ckpt"] and ckpt.latest(str(tmp_path), True)[1] == 4
 
 
 def test_keep_last_n_keeps_its_steps_whatever_their_file_times(tmp_path):
