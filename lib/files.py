@@ -128,7 +128,7 @@ def open_own(path, mode="w", encoding=None):
 def replaced_whole(path, mode="w", encoding=None):
     """open_own(path)'s file, written beside it and given path's name (durable_replace) only once whole and on the
     disk: a failure or a kill part way (a full disk) leaves whatever path held as it was. OSError: one line."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"  # its own, though two containers' pids may be equal
     try:
         with open_own(tmp, mode, encoding) as f:
             yield f

@@ -368,3 +368,17 @@ def test_data_prepared_again_while_the_run_starts_is_refused(tmp_path, monkeypat
     done = script("eval.py", f"--out_dir={tmp_path / 'run'}")
     assert done.returncode == 1 and "was prepared again while this run started" in done.stderr, done.stderr
     assert "val loss" not in done.stdout
+
+
+def test_two_writers_of_one_file_each_write_it_whole_though_their_pids_are_equal(tmp_path):
+    # eval.py --output and plot.py --to (replaced_whole) in two containers, whose processes' pids may be the same:
+    # each writes a temporary file of its own, and the file is one of theirs, whole (the second's open had removed
+    # the first's file, whose rename then failed)
+    from lib.files import replaced_whole
+    path = tmp_path / "scores.json"
+    with replaced_whole(path) as first:
+        first.write("the first's")
+        with replaced_whole(path) as second:
+            second.write("the second's")
+        assert path.read_text() == "the second's"
+    assert path.read_text() == "the first's" and os.listdir(tmp_path) == ["scores.json"]
