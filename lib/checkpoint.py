@@ -165,7 +165,7 @@ def clear(old):
     for path in [old, *glob.glob(glob.escape(old) + ".*")]:
         with contextlib.suppress(OSError):
             retire(path)
-    if os.path.exists(old):
+    with contextlib.suppress(OSError):  # none left, or the rename refused (then publish's own onto it says why)
         os.rename(old, f"{old}.{time.time_ns()}")
 
 
