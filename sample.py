@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from lib.chat import ChatFormat, find_template
-from lib.files import UserError, one_line_errors
+from lib.files import UserError, one_line_errors, read_meta
 from lib.parallel import pick_device
 from lib.settings import SAMPLING, check_ranges
 from lib.trained import chat_folder, chat_stops, load_folder_or_run
@@ -99,8 +99,11 @@ folder = args.model or chat_folder(checkpoint, tokenizer)  # where the chat temp
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
 sampling = dict(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, vocab=tokenizer.vocab_size)
-if checkpoint is not None and checkpoint["config"].get("doc_mask") and tokenizer.eot_id is not None and not args.chat:
-    sampling["document"] = tokenizer.eot_id  # it attended within documents: end-of-text begins one (as eval.py)
+# it attended within documents: end-of-text begins one (as eval.py); on conversations (masks) only the one that ends
+# an example did, which a generation cannot tell from one that ends a turn: none does
+if checkpoint is not None and checkpoint["config"].get("doc_mask") and tokenizer.eot_id is not None and not args.chat \
+        and not read_meta(checkpoint["data_dir"]).get("masks"):
+    sampling["document"] = tokenizer.eot_id
 torch.manual_seed(args.seed)
 
 

@@ -351,6 +351,34 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path, mon
 
 
 @pytest.mark.slow
+def test_plain_sampling_of_a_doc_mask_run_on_conversations_keeps_the_conversation_past_a_turns_end(tmp_path):
+    # under doc_mask a document began where the mask marks an example's end, not at the end-of-text that closes a turn
+    # (the built-in template's): sample.py keeps the context there, as the run attended (it dropped it at every one)
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "chats.jsonl", "w") as f:  # replies a model learns to end in a few steps
+        for _ in range(300):
+            words = list(rng.choice(WORDS, size=rng.integers(1, 6)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(words)},
+                                             {"role": "assistant", "content": f"ok {words[0]}"}]}) + "\n")
+    prepare.main([str(tmp_path / "chats.jsonl"), "--tokenizer=bpe:300", f"--out_dir={tmp_path / 'data'}"])
+    run(*SMALL, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--max_iters=40",
+        "--eval_interval=40", "--lr_decay_iters=40", "--doc_mask=True")
+    from lib.trained import load_run
+    model, tokenizer, _ = load_run(str(tmp_path / "run" / "ckpt.pt"))
+    prompt = f"<|user|>\n{' '.join(WORDS[:3])}\n<|assistant|>\n"
+    ids = torch.tensor([tokenizer.encode(prompt, bos=True)])
+
+    def samples(**extra):  # as sample.py draws them: one seed, then a sample after another
+        torch.manual_seed(0)
+        return [model.eval().generate(ids, 60, temperature=1.0, vocab=tokenizer.vocab_size, **extra)[0, ids.shape[1]:].tolist() for _ in range(5)]
+    kept, reset = samples(), samples(document=tokenizer.eot_id)
+    assert any(tokenizer.eot_id in k and k != r for k, r in zip(kept, reset))  # they part after an end-of-text
+    done = script("sample.py", f"--out_dir={tmp_path / 'run'}", f"--start={prompt}", "--temperature=1", "--top_k=0",
+                  "--seed=0", "--num_samples=5", "--max_new_tokens=60", "--device=cpu")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n---------------\n")[:5] == [prompt + tokenizer.decode(k) for k in kept]
+
+
 def test_sample_and_export_refuse_another_tokenizers_data_in_one_line(chat_data, tmp_path):
     # --data_dir made with another tokenizer (the same conversations, another vocabulary): its ids would mean other
     # words, so sample.py, export.py and eval.py refuse it in one line, as train.py does; the run's own data is taken
