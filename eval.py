@@ -131,6 +131,8 @@ try:
 except ValueError as e:
     raise UserError(str(e)) from None
 by_example = bool(meta.get("masks")) or (not args.model and checkpoint["config"].get("sequences") == "examples")
+if by_example and args.stride is not None:  # else unused, and nothing said
+    raise UserError("--stride is a setting of text's windows, and each example is scored on its own: leave it out")
 # a folder's window: the data's longest example (text: at most TEXT_WINDOW); its 32K or 128K limit costs gigabytes
 if args.block_size:
     block_size, window_from = args.block_size, "--block_size"

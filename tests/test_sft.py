@@ -219,6 +219,9 @@ def test_eval_py_scores_conversations_as_training_does(scored_run):
     logged = logged_val_loss(scored_run)
     assert eval_py_loss(scored_run) == pytest.approx(logged, rel=1e-5)
     assert eval_py_loss(scored_run, "--batch_size=3") == pytest.approx(logged, rel=1e-5)
+    done = script("eval.py", f"--out_dir={scored_run}", "--device=cpu", "--stride=5")  # it had no effect, unsaid
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "eval.py: --stride is a setting of text's windows, and each example is scored on its own: leave it out"]
 
 
 def test_eval_full_scores_conversations_as_training_does(chat_data, scored_run, tmp_path):
