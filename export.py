@@ -28,7 +28,7 @@ from lib.files import UserError, durable_replace, one_line_errors, open_own, rea
 from lib.hf import save_pretrained, special_ids
 from lib.lora import merge_lora, write_adapter
 from lib.parallel import pick_device
-from lib.start import quantized_kind
+from lib.start import frozen_dtype, quantized_kind
 from lib.tokenizer import bases_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files
 from lib.trained import load_run, run_chat
@@ -304,13 +304,17 @@ def main(argv=None):
         raise UserError(str(e) if isinstance(e, ValueError) else written_nothing(args.to, e)) from None
     what = "a peft adapter" if args.adapter else "a Hugging Face model"
     print(f"wrote {what} to {args.to}" + (f" (tokenizer: {note})" if note else ""))
-    held = quantized_kind(checkpoint["config"].get("lora_base_dtype")) if checkpoint["model_args"].get("lora_rank") \
-        else None
-    if held and args.adapter:  # QLoRA's adapters trained on the base rounded to 4 or 8 bits; peft adds them to its own
+    # the base as a LoRA run held it, where that is rounder than the folder's own: 4 or 8 bits, or a float dtype (bf16
+    # from an fp32 folder)
+    config, lora = checkpoint["config"], checkpoint["model_args"].get("lora_rank")
+    quantized = quantized_kind(config.get("lora_base_dtype")) if lora else None
+    kept = str(frozen_dtype(config.get("lora_base_dtype", "auto"), config["dtype"])).removeprefix("torch.")
+    held = quantized or (kept if lora and kept not in ("float32", export_dtype("auto", base)) else None)
+    if held and args.adapter:  # the adapters trained on that rounding; peft adds them to the folder's own weights
         print(f"note: the adapters trained on {base} held as {held}, and peft puts them on its own weights: a slightly "
               f"other model than the one trained and validated (export without --adapter for that one, merged)")
     elif held:
-        print(f"(the adapters merged into {base} as the run held it: {held}, dequantized)")
+        print(f"(the adapters merged into {base} as the run held it: {held}{', dequantized' if quantized else ''})")
 
 
 def export_gguf(args):

@@ -372,12 +372,17 @@ def test_a_lora_run_on_a_bfloat16_base_exports_in_float32_with_its_adapters_whol
     folder, data = pretrained
     run(*LORA, "--lora_base_dtype=bfloat16", f"--data_dir={data}", f"--init_from={folder}",
         f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
-    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    done = export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    assert f"(the adapters merged into {folder} as the run held it: bfloat16)" in done.stdout, done.stdout
     trained = model_from_checkpoint(load_checkpoint(tmp_path / "run" / "ckpt.pt"), torch.bfloat16)
     q = trained.blocks[0].attn.q
     exported = load_file(tmp_path / "hf" / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
     assert exported.dtype == torch.float32 and q.lora.delta().abs().max() > 0
     torch.testing.assert_close(exported, q.weight.float() + q.lora.delta(), rtol=0, atol=1e-7)
+    # the adapter alone goes on the folder's float32 weights, which it did not train on: said, not silent
+    done = export("--out_dir", tmp_path / "run", "--to", tmp_path / "adapter", "--adapter")
+    assert f"note: the adapters trained on {folder} held as bfloat16, and peft puts them on its own weights" \
+        in done.stdout, done.stdout
 
 
 # -----------------------------------------------------------------------------
