@@ -139,6 +139,15 @@ def write_chat(folder, chat, eot_id):
     write_json(os.path.join(folder, "generation_config.json"), generation)
 
 
+def held_base(checkpoint, base):
+    # how a LoRA run held its base where that is rounder than the folder base's own dtype: in 4 or 8 bits ('nf4',
+    # 'int8'), or in a float dtype ('bfloat16' from an fp32 folder); else None
+    config, lora = checkpoint["config"], checkpoint["model_args"].get("lora_rank")
+    kept = str(frozen_dtype(config.get("lora_base_dtype", "auto"), config["dtype"])).removeprefix("torch.")
+    rounder = kept not in ("float32", export_dtype("auto", base))
+    return (quantized_kind(config.get("lora_base_dtype")) or (kept if rounder else None)) if lora else None
+
+
 def export_dtype(dtype, base):
     # --dtype; auto: the dtype the run began from (its base's config.json's), else the checkpoint's (float32)
     if dtype != "auto":
@@ -304,17 +313,13 @@ def main(argv=None):
         raise UserError(str(e) if isinstance(e, ValueError) else written_nothing(args.to, e)) from None
     what = "a peft adapter" if args.adapter else "a Hugging Face model"
     print(f"wrote {what} to {args.to}" + (f" (tokenizer: {note})" if note else ""))
-    # the base as a LoRA run held it, where that is rounder than the folder's own: 4 or 8 bits, or a float dtype (bf16
-    # from an fp32 folder)
-    config, lora = checkpoint["config"], checkpoint["model_args"].get("lora_rank")
-    quantized = quantized_kind(config.get("lora_base_dtype")) if lora else None
-    kept = str(frozen_dtype(config.get("lora_base_dtype", "auto"), config["dtype"])).removeprefix("torch.")
-    held = quantized or (kept if lora and kept not in ("float32", export_dtype("auto", base)) else None)
+    held = held_base(checkpoint, base)
     if held and args.adapter:  # the adapters trained on that rounding; peft adds them to the folder's own weights
         print(f"note: the adapters trained on {base} held as {held}, and peft puts them on its own weights: a slightly "
               f"other model than the one trained and validated (export without --adapter for that one, merged)")
     elif held:
-        print(f"(the adapters merged into {base} as the run held it: {held}{', dequantized' if quantized else ''})")
+        print(f"(the adapters merged into {base} as the run held it: {held}"
+              f"{', dequantized' if held in ('nf4', 'int8') else ''})")
 
 
 def export_gguf(args):
