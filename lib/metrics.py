@@ -10,6 +10,7 @@ and TensorBoard; and the run's clock: the time left, the finish time and the wal
 
 import contextlib
 import errno
+import glob
 import json
 import math
 import os
@@ -41,13 +42,33 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
         except Exception as e:  # not logged in, no network, ...: wandb's own errors are many
             raise UserError(f"wandb_log=True: Weights & Biases did not start ({str(e).strip().splitlines()[0]}): "
                             f"run `wandb login`, or set wandb_log=False") from None
-    tensorboard = None
-    if tensorboard_log:
-        from torch.utils.tensorboard import SummaryWriter
-        purge = None if step is None else step and step + 1  # (0: every step of a run from scratch)
-        tensorboard = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=purge)
     earlier = cut_records(os.path.join(out_dir, "metrics.jsonl"), step)  # the wall time of the run's steps so far
-    failed, opened = False, time.time() - earlier
+    failed, opened, tensorboard = False, time.time() - earlier, None
+    if tensorboard_log:  # its events written anew, metrics.jsonl's records kept first: no step a killed process or an
+        # earlier run logged stays (TensorBoard's own fast loader reads no purge_step)
+        from torch.utils.tensorboard import SummaryWriter
+        for old in glob.glob(os.path.join(glob.escape(out_dir), "tb", "events.out.tfevents.*")):
+            os.remove(old)
+        tensorboard = SummaryWriter(os.path.join(out_dir, "tb"))
+
+    def dashboards(record, replayed=False):
+        # an evaluation's numbers under eval/: the same step's update record has its own loss and lr
+        nonlocal tensorboard
+        numbers = {("eval/" if "val_loss" in record else "") + key: value for key, value in record.items()
+                   if key != "iter" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if wandb_log and not replayed:
+            wandb.log(numbers, step=record["iter"])
+        elapsed = record.get("elapsed_s")  # a record given again: at its time, on this run's clock
+        walltime = opened + elapsed if replayed and type(elapsed) in (int, float) else None
+        try:
+            for key, value in numbers.items() if tensorboard else ():
+                tensorboard.add_scalar(key, value, record["iter"], walltime=walltime)
+        except OSError as e:  # its writer's thread met a full disk: as metrics.jsonl's, no reason to lose the run
+            print(f"warning: cannot write {out_dir}/tb ({e.strerror or e}); training goes on without TensorBoard")
+            tensorboard = None
+
+    for record in kept_records(os.path.join(out_dir, "metrics.jsonl")) if tensorboard else ():
+        dashboards(record, replayed=True)
 
     def log(record):
         nonlocal failed
@@ -66,16 +87,24 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
                 why = e.strerror if isinstance(e, OSError) else "a symbolic link, never written through"
                 print(f"warning: cannot write {out_dir}/metrics.jsonl ({why}); training goes on without it")
             failed = True
-        # dashboards get an evaluation's numbers under eval/: the same step's update record has its own loss and lr
-        numbers = {("eval/" if "val_loss" in record else "") + key: value for key, value in record.items()
-                   if key != "iter" and isinstance(value, (int, float)) and not isinstance(value, bool)}
-        if wandb_log:
-            wandb.log(numbers, step=record["iter"])
-        if tensorboard:
-            for key, value in numbers.items():
-                tensorboard.add_scalar(key, value, record["iter"])
+        dashboards(record)
 
-    return log, tensorboard.close if tensorboard else (lambda: None)
+    def close():  # TensorBoard writes out what it buffers
+        with contextlib.suppress(OSError):  # (said at its record already)
+            if tensorboard:
+                tensorboard.close()
+    return log, close
+
+
+def kept_records(path):
+    # the records of metrics.jsonl (cut_records leaves whole lines), each a dict with its step; a line that is none
+    # is left out, and a link never read through
+    with contextlib.suppress(OSError), os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        for line in f:
+            with contextlib.suppress(ValueError):  # (a UnicodeDecodeError is one)
+                record = json.loads(line)
+                if isinstance(record, dict) and isinstance(record.get("iter"), int):
+                    yield record
 
 
 def cut_records(path, step):

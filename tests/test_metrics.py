@@ -1,6 +1,7 @@
 """The run's clock (metrics.py): the time left from the steps' and evaluations' times, its format, and train.py's
 log lines giving it, the finish time and the wall time."""
 
+import errno
 import json
 import os
 import re
@@ -154,8 +155,11 @@ def test_a_resumed_runs_clock_goes_on_from_its_last_kept_record(tmp_path):
 
 def test_a_resume_drops_what_a_process_recorded_past_its_checkpoint(tmp_path):
     # resumed at step 20 (an earlier checkpoint, or one before a kill -9): the records of steps past 20 are gone
-    # from metrics.jsonl and from TensorBoard, before the run records them again; a run from scratch keeps none
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    # from metrics.jsonl and from TensorBoard, before the run records them again; a run from scratch keeps none.
+    # TensorBoard's events are read as its default (fast) loader reads them, which reads no purge_step: every
+    # event of every file (its old loader drew the dead process's steps 30 and 40 no more, the fast one did)
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
     log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=0)
     for step in (10, 20, 30, 40):
         log({"iter": step, "loss": float(step)})
@@ -167,14 +171,33 @@ def test_a_resume_drops_what_a_process_recorded_past_its_checkpoint(tmp_path):
     assert [(r["iter"], r["loss"]) for r in records] == [(10, 10.0), (20, 20.0), (30, 3.0)]
 
     def scalars():
-        events = EventAccumulator(str(tmp_path / "tb"))
-        events.Reload()
-        return [(e.step, e.value) for e in events.Scalars("loss")]
+        events = [Event.FromString(raw) for path in sorted((tmp_path / "tb").iterdir())
+                  for raw in RawEventFileLoader(str(path)).Load()]
+        return sorted((e.step, v.simple_value) for e in events for v in e.summary.value if v.tag == "loss")
     assert scalars() == [(10, 10.0), (20, 20.0), (30, 3.0)]
     log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=0)
     log({"iter": 10, "loss": 1.0})
     close()
     assert scalars() == [(10, 1.0)]
+
+
+def test_tensorboard_on_a_full_disk_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    # TensorBoard's writer thread meets a full disk, which its next add_scalar raises: said once, as metrics.jsonl's
+    # failures are, and the records go on to metrics.jsonl (it ended the run in a traceback)
+    from torch.utils.tensorboard import SummaryWriter
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=0)
+    log({"iter": 1, "loss": 1.0})
+    monkeypatch.setattr(SummaryWriter, "add_scalar", full)
+    monkeypatch.setattr(SummaryWriter, "close", full)
+    for step in (2, 3):
+        log({"iter": step, "loss": float(step)})
+    close()
+    assert capsys.readouterr().out == (f"warning: cannot write {tmp_path}/tb (No space left on device); training goes "
+                                       f"on without TensorBoard\n")
+    assert [json.loads(line)["iter"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
 def test_a_record_the_disk_had_room_for_only_in_part_leaves_no_piece(tmp_path, monkeypatch):
