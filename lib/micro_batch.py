@@ -1,6 +1,6 @@
 """
 batch_size='auto': each process's micro-batch, the largest whose estimated peak (memory.py's) fits the device's
-memory, tried once on the device. Only a run that asks for it imports this module (train.py).
+memory, tried on the device. Only a run that asks for it imports this module (train.py).
 """
 
 import os
@@ -67,7 +67,7 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
     layout's dp replicas -> (micro-batch, lines saying how it was chosen and the update shared out). A resumed run
     keeps the one it began with (before: its checkpoint) on the same device, budget and processes; else the largest
     whose peak (memory_estimate's; on a CPU, plus what the process holds beside the weights) fits in memory_budget GiB
-    (0: available_memory) less 10%, tried once and halved if out of memory (FSDP and TP rely on the estimate alone).
+    (0: available_memory) less 10%, tried, and halved while out of memory (FSDP and TP rely on the estimate alone).
     same_batches: the resume's steps draw the batches its checkpoint's did (resume.resume), and a new split is noted."""
     if sequences % layout["dp"]:
         raise UserError(f"batch_size='auto': the {sequences} sequences of an update (batch_size x "
@@ -100,6 +100,12 @@ def auto_micro_batch(model, sequences, block_size, memory_budget, layout, before
         raise refused or UserError("batch_size='auto': another process cannot fit one sequence (its line says why)")
     note = (f"batch_size='auto': micro-batch {b} of {share} sequences a process, estimated peak {need / 2**30:.2f} "
             f"GiB of {budget / 2**30:.2f} GiB ({'memory_budget' if memory_budget > 0 else where})")
+    if memory_budget > 0 and budget > (room := available_memory(device)):  # (a CPU's would meet the OOM killer)
+        note += f", more than the {room / 2**30:.2f} GiB this process may have here ({where})"
+    if kept:  # a resume whose micro-batch is not the one it began with
+        note += (f"\nbatch_size='auto': chosen anew: the run began with micro-batch {kept} on "
+                 f"{before.get('memory_device')}, memory_budget={config.get('memory_budget')}, {before['world_size']} "
+                 f"process(es)")
     if not (layout["fsdp"] or layout["tp"] > 1):
         b, halved = tried_micro_batch(model, b, share, block_size, device, autocast)
         note += f"\n{halved}" if halved else ""
@@ -135,16 +141,17 @@ def micro_batch_fits(model, batch_size, block_size, device, autocast):
 
 
 def tried_micro_batch(model, b, share, block_size, device, autocast):
-    """batch_size='auto': micro-batch b tried once in every process (micro_batch_fits); where any runs out of memory,
-    halved once to the largest divisor of share (a process's sequences an update) at most b / 2 -> (micro-batch, a line
-    saying so, or None). Never a second try: a run that still does not fit stops at its first step."""
-    if smallest(int(micro_batch_fits(model, b, block_size, device, autocast)), device):  # fits in every process
-        return b, None
-    if b == 1:
-        raise UserError("batch_size='auto': one sequence ran out of memory in a first try although the estimate "
-                        "let it fit; turn on gradient_checkpointing, lower block_size, or set memory_budget lower")
-    half = max(d for d in range(1, b // 2 + 1) if share % d == 0)
-    return half, f"batch_size='auto': micro-batch {b} ran out of memory in a first try: halved to {half}"
+    """batch_size='auto': micro-batch b tried in every process (micro_batch_fits); where any runs out of memory,
+    halved to the largest divisor of share (a process's sequences an update) at most b / 2 and tried again, until one
+    fits in all -> (micro-batch, a line saying so, or None); UserError where one sequence does not."""
+    tried = b
+    while not smallest(int(micro_batch_fits(model, b, block_size, device, autocast)), device):
+        if b == 1:
+            raise UserError("batch_size='auto': one sequence ran out of memory in a try although the estimate let it "
+                            "fit; turn on gradient_checkpointing, lower block_size, or set memory_budget lower")
+        b = max(d for d in range(1, b // 2 + 1) if share % d == 0)
+    return b, None if b == tried else (f"batch_size='auto': micro-batch {tried} ran out of memory in a try: halved "
+                                       f"to {b}, which fit")
 
 
 def smallest(value, device):

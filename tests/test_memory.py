@@ -5,6 +5,7 @@ its peak against MemTracker's, and bench.py --mode=memory."""
 
 import contextlib
 import json
+import re
 import weakref
 from functools import partial
 from pathlib import Path
@@ -503,7 +504,7 @@ def test_a_resume_keeps_its_micro_batch_in_every_process_or_in_none(tmp_path):
     assert [(tmp_path / f"b.{rank}").read_text() for rank in (0, 1)] == ["4", "4"]  # chosen anew by both
 
 
-def test_a_micro_batch_out_of_memory_in_its_first_try_is_halved_once():
+def test_a_micro_batch_out_of_memory_in_a_try_is_halved_until_one_fits():
     class OutOfMemoryPast(torch.nn.Module):  # a model that runs out of memory past `fits` sequences
         def __init__(self, fits):
             super().__init__()
@@ -518,8 +519,9 @@ def test_a_micro_batch_out_of_memory_in_its_first_try_is_halved_once():
     assert torch.equal(torch.get_rng_state(), state)  # dropout's stream as if nothing had run
     model = OutOfMemoryPast(5)
     b, note = micro_batch.tried_micro_batch(model, 12, 48, 8, "cpu", contextlib.nullcontext())
-    assert (b, note) == (6, "batch_size='auto': micro-batch 12 ran out of memory in a first try: halved to 6")
-    assert model.w.grad is None  # once: 6 is not tried, the run goes on with it
+    # 6 is tried too (it ran out of memory at the first step, in a traceback): 3 fits
+    assert (b, note) == (3, "batch_size='auto': micro-batch 12 ran out of memory in a try: halved to 3, which fit")
+    assert model.w.grad is None and torch.equal(torch.get_rng_state(), state)
     assert micro_batch.tried_micro_batch(model, 9, 27, 8, "cpu", contextlib.nullcontext())[0] == 3  # divides 27
     with pytest.raises(UserError, match="one sequence ran out of memory"):
         micro_batch.tried_micro_batch(OutOfMemoryPast(0), 1, 4, 8, "cpu", contextlib.nullcontext())
@@ -531,7 +533,7 @@ def test_a_micro_batch_out_of_memory_in_its_first_try_is_halved_once():
             return super().forward(x, y)
     model = CpuOutOfMemory(5)
     model.error = "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried"
-    assert micro_batch.tried_micro_batch(model, 12, 48, 8, "cpu", contextlib.nullcontext())[0] == 6
+    assert micro_batch.tried_micro_batch(model, 12, 48, 8, "cpu", contextlib.nullcontext())[0] == 3
     model.error = "mat1 and mat2 shapes cannot be multiplied"
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         micro_batch.tried_micro_batch(model, 12, 48, 8, "cpu", contextlib.nullcontext())
@@ -573,6 +575,23 @@ def test_batch_size_auto_shares_an_update_over_replicas_or_names_what_fits():
                                         r"the data\), and 461 MiB may be used \(90% of 512 MiB\): raise "
                                         r"memory_budget, or leave it 0 for what the machine has$"):
         micro_batch.fit_micro_batch(lambda b: 2**30, 4, 1, 2**29, held=0.9 * 2**30)
+
+
+def test_a_micro_batch_chosen_anew_on_resume_and_a_budget_past_the_machine_are_said():
+    # a resumed run whose budget changed chooses anew, and says what it began with; a budget past what the process
+    # may have here is said beside the estimate (a CPU's process would meet the kernel's OOM killer, not an error)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    layout = dict(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False)
+    resumed = {"config": {"batch_size_auto": True, "batch_size": 2, "memory_budget": 2.0}, "world_size": 1,
+               "memory_device": micro_batch.device_name("cpu")}
+    kwargs = dict(dtype="float32", optimizer="adamw", quantized=None, device="cpu")
+    b, note = micro_batch.auto_micro_batch(model, 8, 16, 4.0, layout, resumed, contextlib.nullcontext(), **kwargs)
+    assert b == 8 and f"\nbatch_size='auto': chosen anew: the run began with micro-batch 2 on " \
+        f"{micro_batch.device_name('cpu')}, memory_budget=2.0, 1 process(es)\n" in note, note
+    assert "more than the" not in note
+    note = micro_batch.auto_micro_batch(model, 8, 16, 1e9, layout, None, contextlib.nullcontext(), **kwargs)[1]
+    assert re.search(r"of 1,?000,?000,?000.00 GiB \(memory_budget\), more than the [0-9.]+ GiB this process may "
+                     r"have here \(cpu, [0-9.]+ GiB\)\n", note), note
 
 
 def test_a_process_that_cannot_fit_one_sequence_says_so_after_the_others_heard(monkeypatch):
