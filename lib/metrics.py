@@ -87,7 +87,8 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
                 why = e.strerror if isinstance(e, OSError) else "a symbolic link, never written through"
                 print(f"warning: cannot write {out_dir}/metrics.jsonl ({why}); training goes on without it")
             failed = True
-        dashboards(record)
+        if wandb_log or tensorboard:
+            dashboards(record)
 
     def close():  # TensorBoard writes out what it buffers
         with contextlib.suppress(OSError):  # (said at its record already)
