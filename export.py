@@ -142,10 +142,12 @@ def write_chat(folder, chat, eot_id):
 def held_base(checkpoint, base):
     # how a LoRA run held its base where that is rounder than the folder base's own dtype: in 4 or 8 bits ('nf4',
     # 'int8'), or in a float dtype ('bfloat16' from an fp32 folder); else None
-    config, lora = checkpoint["config"], checkpoint["model_args"].get("lora_rank")
+    config = checkpoint["config"]
+    if not checkpoint["model_args"].get("lora_rank"):
+        return None
     kept = str(frozen_dtype(config.get("lora_base_dtype", "auto"), config["dtype"])).removeprefix("torch.")
-    rounder = kept not in ("float32", export_dtype("auto", base))
-    return (quantized_kind(config.get("lora_base_dtype")) or (kept if rounder else None)) if lora else None
+    return quantized_kind(config.get("lora_base_dtype")) or (kept if kept not in ("float32", export_dtype("auto", base))
+                                                              else None)
 
 
 def export_dtype(dtype, base):
