@@ -272,6 +272,8 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
     if model.config.n_head % tp or model.config.n_kv_head % tp:
         raise UserError(f"tp_size={tp} must divide n_head={model.config.n_head} and n_kv_head="
                         f"{model.config.n_kv_head} (attention is split by heads)")
+    if model.config.mlp_hidden % tp:
+        raise UserError(f"tp_size={tp} must divide mlp_hidden={model.config.mlp_hidden} (the MLP is split by width)")
     if fsdp or tp > 1:
         check_splittable(model, tp)
     sent = (model.state_dict() if dist.get_rank() == 0 else {}) if from_master and fsdp else None  # whole, unsplit

@@ -88,6 +88,8 @@ def test_tensor_parallel_refusals(data_dir, tmp_path):
     # is needed to see it refuse; the optimizer's refusal comes with the settings' checks, before the group forms.
     with pytest.raises(UserError, match="tp_size=2 must divide n_head=4 and n_kv_head=1"):
         parallelize(GPT(GPTConfig(n_layer=1, n_head=4, n_kv_head=1, n_embd=32, vocab_size=64, block_size=32)), tp=2)
+    with pytest.raises(UserError, match=r"tp_size=2 must divide mlp_hidden=37 \(the MLP is split by width\)"):
+        parallelize(GPT(GPTConfig(n_layer=1, n_head=4, mlp_hidden=37, n_embd=32, vocab_size=64, block_size=32)), tp=2)
     scaled = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=64, block_size=32))
     scaled.blocks[0].attn.gain = torch.nn.Parameter(torch.tensor(1.0))  # an edit of model.py: a 0-dim weight
     gained = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=64, block_size=32))
