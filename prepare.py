@@ -199,11 +199,12 @@ def check_arguments(args):
     for path in inputs + (args.val_input or []):
         if not isinstance(path, HubSplit) and not os.path.exists(path):
             raise UserError(f"no such input: {path} (check the path)")
-    files = [(p, Path(p).resolve()) for p in inputs if not isinstance(p, HubSplit)]
-    for (path, real), (other, other_real) in [(a, b) for i, a in enumerate(files) for b in files[:i]]:
-        if real.is_relative_to(other_real) or other_real.is_relative_to(real):  # read twice, in both splits
-            raise UserError(f"the inputs {other} and {path} overlap (the same, or one inside the other): "
-                            f"pass each file once")
+    for group in (inputs, args.val_input or []):  # each file read once: else in both splits, or twice in one
+        files = [(p, Path(p).resolve()) for p in group if not isinstance(p, HubSplit)]
+        for (path, real), (other, other_real) in [(a, b) for i, a in enumerate(files) for b in files[:i]]:
+            if real.is_relative_to(other_real) or other_real.is_relative_to(real):
+                raise UserError(f"the inputs {other} and {path} overlap (the same, or one inside the other): "
+                                f"pass each file once")
     for path, val in [(p, v) for p in inputs for v in args.val_input or []]:  # trained on and validated on
         files = not isinstance(path, HubSplit) and not isinstance(val, HubSplit)
         if path == val or files and Path(path).resolve().is_relative_to(Path(val).resolve()):
@@ -269,7 +270,7 @@ def plan_split(args, inputs, docs, stats):
         pos = int(nchars * (1 - args.val_fraction))
         for where, sep in (("a line start", "\n"), ("a word start", " "), ("a character", None)):
             cut = next_cut(doc, nchars, pos, sep)
-            if cut is not None:
+            if cut is not None and abs(cut - pos) <= (nchars - pos) // 2:  # val within half its share of the asked
                 break
         if 0 < cut < nchars:  # else no split: a part would be empty
             halves = [(False, ext, doc, 0, cut), (True, ext, doc, cut, None)]

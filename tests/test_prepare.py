@@ -365,6 +365,10 @@ def test_a_single_document_without_line_breaks_is_cut_at_a_word_and_says_so(tmp_
     (train,), (val,) = read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "val")
     assert train.endswith(" ") and val.startswith("alpha") and len(train) == 2160  # the next word start from 90%
     assert meta["split"]["method"] == "tail of the single document, cut at a word start"
+    # a line start far from the fraction is no cut: one line break near the start gave val 99.99% of the text
+    write(tmp_path / "c.txt", "Title\n" + "word " * 2000)
+    meta = run(tmp_path / "c.txt", "--out_dir", tmp_path / "out3", "--tokenizer", "char")
+    assert meta["split"]["method"].endswith("cut at a word start") and 995 <= meta["val"]["tokens"] <= 1010
     write(tmp_path / "b.txt", "長" * 100)  # no space either: where the fraction falls
     meta = run(tmp_path / "b.txt", "--out_dir", tmp_path / "out2", "--tokenizer", "char")
     assert meta["split"]["method"].endswith("cut at a character") and meta["val"]["tokens"] == 11
@@ -758,6 +762,9 @@ def test_no_file_is_read_twice_nor_a_val_file_through_a_link(tmp_path):
     run(tmp_path / "corpus", "--val_input", tmp_path / "val" / "v.txt", "--out_dir", tmp_path / "out",
         "--tokenizer", "char")
     assert sorted(read_split(tmp_path / "out", "train")) == sorted(DOCS)
+    one_line_error(cli(tmp_path / "corpus", "--val_input", tmp_path / "val" / "v.txt", tmp_path / "corpus" / "alias.txt",
+                       "--out_dir", tmp_path / "out2", "--tokenizer", "char"),  # (it was in val twice)
+                   "overlap (the same, or one inside the other): pass each file once")
     # the dataset in an input folder would be read as input by the next run there: refused (a folder inside is not)
     one_line_error(cli(tmp_path / "corpus", "--out_dir", tmp_path / "corpus", "--tokenizer", "char"),
                    f"--out_dir {tmp_path / 'corpus'} is the input {tmp_path / 'corpus'}: its dataset would be read")
