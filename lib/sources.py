@@ -203,12 +203,14 @@ def read_documents(path, field, dedup, chat):
                 if line is None:
                     yield str(n), None, f"a record over {MAX_RECORD >> 20} MB (split it)"
                     continue
+                if n == 1 and line.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                    raise SkipFile("UTF-16 text (convert it to UTF-8)")
                 line = line.removeprefix(codecs.BOM_UTF8) if n == 1 else line
                 if not line.strip():
                     continue
                 why = None
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line.decode("utf-8"))  # (json's own guess reads UTF-16 and UTF-32 too)
                 except UnicodeDecodeError:
                     why = "not UTF-8"
                 except ValueError as e:
@@ -289,7 +291,7 @@ def read_parquet(path, field, chat):
         raise SkipFile(f"not a readable parquet file ({str(e)[:80]})")
     names = parquet.schema_arrow.names
     if not field and is_conversation(dict.fromkeys(names)):  # conversations: each row as a record
-        yield from read_rows(parquet_values(parquet.iter_batches(batch_size=1024), True), None, chat)
+        yield from read_rows(parquet_values(parquet.iter_batches(batch_size=batch_rows(parquet)), True), None, chat)
         return
     column = field or next((c for c in TEXT_FIELDS if c in names), None)
     if column not in names:
@@ -298,9 +300,17 @@ def read_parquet(path, field, chat):
     kind = kind.value_type if pa.types.is_dictionary(kind) else kind  # pandas' category: its values
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
         raise SkipFile(f"column '{column}' holds {kind}, not text")
-    batches = parquet.iter_batches(columns=[column], batch_size=1024)  # streams, one batch at a time
+    batches = parquet.iter_batches(columns=[column], batch_size=batch_rows(parquet))  # streams, a batch at a time
     for row, text in enumerate(parquet_values(batches, False), 1):
         yield f"row {row}", text, None if text is not None else f"'{column}' is null"
+
+
+def batch_rows(parquet):
+    # rows a record batch of about PIECE * 64 bytes holds (1,024 at most), by the largest rows of its row groups (rows
+    # of 240 KB had made batches of 240 MB); a row group's column is read whole all the same
+    groups = [parquet.metadata.row_group(i) for i in range(parquet.metadata.num_row_groups)]
+    per_row = max([g.total_byte_size / g.num_rows for g in groups if g.num_rows] or [1])
+    return max(1, min(1024, int(PIECE * 64 / per_row)))
 
 
 def parquet_values(batches, rows):
@@ -380,6 +390,8 @@ def pieces(doc, start=0, stop=None, in_one_piece=False, stats=None):
                 break
     except (SkipFile, OSError, EOFError, zlib.error) as e:  # it was whole when read_text checked it
         raise UserError(f"{doc.path} changed while it was read ({e}); run again") from None
+    if stop is None and at != doc.nchars:  # read to its end: longer or shorter than read_text counted
+        raise UserError(f"{doc.path} changed while it was read ({doc.nchars:,} characters, then {at:,}); run again")
     yield "".join(held), True
 
 
@@ -418,6 +430,10 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
         for path, rel in input_files(root, stats, lambda path, why: reject(shown(path), why, True), only_py, exclude):
             ext, kept, where = file_ext(path), 0, shown(path)
             try:
+                if not isinstance(path, HubSplit) and path.is_file():  # (seen is shared by the two splits' calls)
+                    if (same := ("file", os.stat(path).st_dev, os.stat(path).st_ino)) in seen:
+                        raise SkipFile("a file read already, named again by a link: read once")
+                    seen.add(same)
                 for pos, doc, why in read_documents(path, args.field, args.dedup, args.chat):
                     chat = isinstance(doc, Chat)
                     if why is None and stats["conversations"] not in (None, chat):

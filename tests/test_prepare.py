@@ -771,6 +771,63 @@ def test_no_file_is_read_twice_nor_a_val_file_through_a_link(tmp_path):
     assert not (tmp_path / "corpus" / "meta.json").exists()
 
 
+def test_a_file_named_again_by_a_link_is_read_once_and_listed(tmp_path):
+    # a folder's link (or hard link) to a file read already, in its own folder, another input or --val_input's:
+    # read once, the other name listed (it was read twice: in both splits, or twice in one)
+    text_tree(tmp_path / "corpus")
+    write(tmp_path / "other" / "o.txt", "another input's document")
+    (tmp_path / "corpus" / "again.txt").symlink_to(tmp_path / "corpus" / "d0" / "sub0" / "doc0.txt")
+    (tmp_path / "corpus" / "z.txt").symlink_to(tmp_path / "other" / "o.txt")
+    write(tmp_path / "val" / "w.txt", "a validation document")
+    os.link(tmp_path / "other" / "o.txt", tmp_path / "val" / "v.txt")
+    meta = run(tmp_path / "other", tmp_path / "corpus", "--val_input", tmp_path / "val", "--out_dir",
+               tmp_path / "out", "--tokenizer", "char")
+    assert sorted(read_split(tmp_path / "out", "train")) == sorted([*DOCS, "another input's document"])
+    assert read_split(tmp_path / "out", "val") == ["a validation document"]
+    # the name met second is listed: doc0.txt, after the folder's again.txt (sorted order); the other input's o.txt
+    # before z.txt; v.txt, --val_input's, after both
+    assert sorted(s["path"].rsplit("/", 1)[-1] for s in meta["skipped_files"]) == ["doc0.txt", "v.txt", "z.txt"]
+    assert {s["reason"] for s in meta["skipped_files"]} == {"a file read already, named again by a link: read once"}
+
+
+def test_a_utf16_jsonl_is_skipped_whole_as_a_utf16_text_is(tmp_path):
+    # each line after the first was read through json's own guess of its encoding (UTF-16), the first listed as a
+    # bad record: the file was mostly read, and the report said one record was bad
+    records = "".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(5))
+    write(tmp_path / "u.jsonl", records.encode("utf-16"))
+    write(tmp_path / "a.jsonl", records)
+    meta = run(tmp_path / "u.jsonl", tmp_path / "a.jsonl", "--out_dir", tmp_path / "out", "--tokenizer", "char",
+               "--val_fraction=0")
+    assert sorted(read_split(tmp_path / "out", "train")) == [f"record {i}" for i in range(5)]
+    assert meta["skipped_files"] == [{"path": str(tmp_path / "u.jsonl"), "reason": "UTF-16 text (convert it to UTF-8)"}]
+    assert meta["bad_records"]["count"] == 0
+
+
+def test_a_big_file_that_changes_length_while_read_is_one_line(tmp_path):
+    # read_text counted its characters; the encoding pass reads it again: grown or shrunk meanwhile, it stops
+    # (it was encoded as its new text, with --dedup's digest and the split of the old)
+    path = write(tmp_path / "big.txt", "word " * 40000)
+    doc = sources.read_text(path, dedup=False)
+    assert isinstance(doc, sources.BigText)
+    for changed in ("word " * 30000, "word " * 50000):
+        path.write_text(changed)
+        with pytest.raises(UserError, match=r"big.txt changed while it was read \(200,000 characters, then "):
+            list(sources.pieces(doc))
+
+
+def test_parquet_batches_of_big_rows_hold_a_few_rows(tmp_path):
+    # rows of 240 KB in batches of 1,024 rows held 240 MB at once; a batch now holds about 4 MB of them
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rng = random.Random(0)
+    rows = ["".join(rng.choices(string.ascii_letters, k=240_000)) for _ in range(40)]
+    pq.write_table(pa.table({"text": rows}), tmp_path / "big.parquet", row_group_size=20)
+    pq.write_table(pa.table({"text": ["tiny"] * 3000}), tmp_path / "small.parquet")
+    big, small = (sources.batch_rows(pq.ParquetFile(tmp_path / name)) for name in ("big.parquet", "small.parquet"))
+    assert 1 <= big * 240_000 <= 2**22 and small == 1024
+    meta = run(tmp_path / "big.parquet", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction=0")
+    assert meta["train"]["documents"] == 40 and meta["train"]["tokens"] == 40 * 240_001
+
+
 def bos_tokenizer(path):
     # a tokenizer.json whose post-processor puts <s> before a text (Llama 3's way), a token per word of a, b, c
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
