@@ -43,13 +43,8 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
             raise UserError(f"wandb_log=True: Weights & Biases did not start ({str(e).strip().splitlines()[0]}): "
                             f"run `wandb login`, or set wandb_log=False") from None
     earlier = cut_records(os.path.join(out_dir, "metrics.jsonl"), step)  # the wall time of the run's steps so far
-    failed, opened, tensorboard = False, time.time() - earlier, None
-    if tensorboard_log:  # its events written anew, metrics.jsonl's records kept first: no step a killed process or an
-        # earlier run logged stays (TensorBoard's own fast loader reads no purge_step)
-        from torch.utils.tensorboard import SummaryWriter
-        for old in glob.glob(os.path.join(glob.escape(out_dir), "tb", "events.out.tfevents.*")):
-            os.remove(old)
-        tensorboard = SummaryWriter(os.path.join(out_dir, "tb"))
+    failed, opened = False, time.time() - earlier
+    tensorboard = fresh_tensorboard(out_dir) if tensorboard_log else None
 
     def dashboards(record, replayed=False):
         # an evaluation's numbers under eval/: the same step's update record has its own loss and lr
@@ -58,11 +53,10 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
                    if key != "iter" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if wandb_log and not replayed:
             wandb.log(numbers, step=record["iter"])
-        elapsed = record.get("elapsed_s")  # a record given again: at its time, on this run's clock
-        walltime = opened + elapsed if replayed and type(elapsed) in (int, float) else None
+        elapsed = record.get("elapsed_s") if replayed else None  # a record given again: at its time, on this clock
         try:
             for key, value in numbers.items() if tensorboard else ():
-                tensorboard.add_scalar(key, value, record["iter"], walltime=walltime)
+                tensorboard.add_scalar(key, value, record["iter"], walltime=opened + elapsed if elapsed else None)
         except OSError as e:  # its writer's thread met a full disk: as metrics.jsonl's, no reason to lose the run
             print(f"warning: cannot write {out_dir}/tb ({e.strerror or e}); training goes on without TensorBoard")
             tensorboard = None
@@ -90,21 +84,30 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
         if wandb_log or tensorboard:
             dashboards(record)
 
-    def close():  # TensorBoard writes out what it buffers
-        with contextlib.suppress(OSError):  # (said at its record already)
-            if tensorboard:
-                tensorboard.close()
+    def close():  # TensorBoard writes out what it buffers (a full disk: said at its record already)
+        with contextlib.suppress(OSError):
+            return tensorboard and tensorboard.close()
     return log, close
 
 
+def fresh_tensorboard(out_dir):
+    # a SummaryWriter for out_dir/tb without the events there: open_log gives it metrics.jsonl's kept records first,
+    # so that no step a killed process or an earlier run logged stays (TensorBoard's fast loader reads no purge_step)
+    from torch.utils.tensorboard import SummaryWriter
+    for old in glob.glob(os.path.join(glob.escape(out_dir), "tb", "events.out.tfevents.*")):
+        os.remove(old)
+    return SummaryWriter(os.path.join(out_dir, "tb"))
+
+
 def kept_records(path):
-    # the records of metrics.jsonl (cut_records leaves whole lines), each a dict with its step; a line that is none
-    # is left out, and a link never read through
+    # the records of metrics.jsonl (cut_records leaves whole lines), each a dict with its step (and its time, if
+    # any, a number); a line that is none is left out, and a link never read through
     with contextlib.suppress(OSError), os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError):  # (a UnicodeDecodeError is one)
                 record = json.loads(line)
-                if isinstance(record, dict) and isinstance(record.get("iter"), int):
+                if isinstance(record, dict) and isinstance(record.get("iter"), int) and \
+                        isinstance(record.get("elapsed_s", 0), (int, float)):
                     yield record
 
 
