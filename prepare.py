@@ -31,7 +31,7 @@ from lib.chat import TRAIN_ON, Chat, ChatFormat
 from lib.files import (DATA_FORMAT, END, MARKER, UserError, durable_replace, lock_folder, one_line_errors, open_own,
                       unlock_folder)
 from lib.sources import (HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, new_stats, pieces,
-                         shown)
+                         shown, val_files)
 from lib.tokenizer import make_tokenizer
 
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
@@ -245,11 +245,12 @@ def check_replace(out, overwrite):
 def labelled_documents(args, inputs, exclude, stats):
     """Yield (is_val, ext, doc, start, stop: which characters of doc), --val_input's documents last. Without it, a hash
     of a document's name picks its split (the same every run and worker count); --dedup spans both splits."""
-    seen = set()
+    seen = set(reserved := val_files(args.val_input or []))  # val's files: left out of training, however named
     for key, ext, doc in corpus(inputs, args, stats, only_py=not args.input, exclude=exclude, seen=seen):
         digest = blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
         is_val = args.val_input is None and int.from_bytes(digest, "little") < args.val_fraction * 2**64
         yield is_val, ext, doc, 0, None
+    seen -= reserved  # (read as val now)
     for key, ext, doc in corpus(args.val_input or [], args, stats, exclude=exclude, seen=seen):
         yield True, ext, doc, 0, None
 

@@ -42,9 +42,9 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
         except Exception as e:  # not logged in, no network, ...: wandb's own errors are many
             raise UserError(f"wandb_log=True: Weights & Biases did not start ({str(e).strip().splitlines()[0]}): "
                             f"run `wandb login`, or set wandb_log=False") from None
-    earlier = cut_records(os.path.join(out_dir, "metrics.jsonl"), step)  # the wall time of the run's steps so far
+    earlier, cut = cut_records(os.path.join(out_dir, "metrics.jsonl"), step)  # the run's wall time so far
     failed, opened = False, time.time() - earlier
-    tensorboard = fresh_tensorboard(out_dir) if tensorboard_log else None
+    tensorboard, anew = open_tensorboard(out_dir, step, cut) if tensorboard_log else (None, False)
 
     def dashboards(record, replayed=False):
         # an evaluation's numbers under eval/: the same step's update record has its own loss and lr
@@ -61,7 +61,7 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
             print(f"warning: cannot write {out_dir}/tb ({e.strerror or e}); training goes on without TensorBoard")
             tensorboard = None
 
-    for record in kept_records(os.path.join(out_dir, "metrics.jsonl")) if tensorboard else ():
+    for record in kept_records(os.path.join(out_dir, "metrics.jsonl")) if anew and tensorboard else ():
         dashboards(record, replayed=True)
 
     def log(record):
@@ -90,13 +90,17 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
     return log, close
 
 
-def fresh_tensorboard(out_dir):
-    # a SummaryWriter for out_dir/tb without the events there: open_log gives it metrics.jsonl's kept records first,
-    # so that no step a killed process or an earlier run logged stays (TensorBoard's fast loader reads no purge_step)
+def open_tensorboard(out_dir, step, cut):
+    """(a SummaryWriter for out_dir/tb, whether open_log gives it metrics.jsonl's kept records first). A run from
+    scratch (step 0), or a resume whose metrics.jsonl held records past its step (cut: a process killed between
+    checkpoints), has the events there removed and written anew from those records, as TensorBoard's fast loader
+    reads no purge_step; else the events go on (purge_step for its older loader)."""
     from torch.utils.tensorboard import SummaryWriter
-    for old in glob.glob(os.path.join(glob.escape(out_dir), "tb", "events.out.tfevents.*")):
+    anew = step == 0 or cut
+    for old in glob.glob(os.path.join(glob.escape(out_dir), "tb", "events.out.tfevents.*")) if anew else ():
         os.remove(old)
-    return SummaryWriter(os.path.join(out_dir, "tb"))
+    purge = None if anew or step is None else step + 1
+    return SummaryWriter(os.path.join(out_dir, "tb"), purge_step=purge), anew
 
 
 def kept_records(path):
@@ -115,16 +119,18 @@ def cut_records(path, step):
     """Drop an unfinished last line (a process killed mid-write, cut at a page's edge), which the next record would
     join, breaking the file; then (step not None) the first record past step and all after (records are in step
     order), which a resumed run writes again: else a resume from an earlier checkpoint would leave steps twice.
-    Returns the last record kept's elapsed_s (0 if none): where a resumed run's clock goes on from."""
-    elapsed = 0.0
+    Returns (the last record kept's elapsed_s (0 if none): where a resumed run's clock goes on from, whether any
+    line was cut)."""
+    elapsed, cut = 0.0, False
     if not os.path.lexists(path):
-        return elapsed
+        return elapsed, cut
     with contextlib.suppress(OSError, UserError), open_own(path, "a+b") as f:  # log() says once why it fails
         size = f.seek(0, os.SEEK_END)
         f.seek(max(0, size - TAIL_BYTES))
         tail = f.read()
         if tail and not tail.endswith(b"\n"):  # no newline in the tail: the whole tail is the piece
             f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
+            cut = True
         f.seek(0)
         at = 0  # where the line read begins
         for line in f if step is not None else ():
@@ -132,11 +138,12 @@ def cut_records(path, step):
                 record = json.loads(line)
                 if record.get("iter", step) > step:
                     f.truncate(at)
+                    cut = True
                     break
                 seconds = float(record.get("elapsed_s", elapsed))
                 elapsed = seconds if 0 <= seconds < math.inf else elapsed  # (a hand-made NaN goes no further)
             at += len(line)
-    return elapsed
+    return elapsed, cut
 
 
 def report_evaluation(log, master, step, losses, task_scores, epoch, lr):

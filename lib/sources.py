@@ -210,7 +210,7 @@ def read_documents(path, field, dedup, chat):
                     continue
                 why = None
                 try:
-                    record = json.loads(line.decode("utf-8"))  # (json's own guess reads UTF-16 and UTF-32 too)
+                    record = json.loads(line.decode("utf-8-sig"))  # (json's own guess reads UTF-16 and UTF-32)
                 except UnicodeDecodeError:
                     why = "not UTF-8"
                 except ValueError as e:
@@ -409,6 +409,18 @@ def ext_stats(stats, ext):
     return stats["extensions"].setdefault(ext or "(none)", {"files": 0, "documents": 0, "bytes": 0, "tokens": 0})
 
 
+def file_id(path):
+    # what names one file whatever its path (a link, a hard link): corpus reads each once
+    st = os.stat(path)
+    return "file", st.st_dev, st.st_ino
+
+
+def val_files(val_inputs):
+    """file_id of every file under val_inputs: prepare.py's training pass leaves them out, whatever names them."""
+    return {file_id(p) for root in val_inputs for p, _ in input_files(root, new_stats(), lambda *_: None)
+            if isinstance(p, Path) and p.is_file()}
+
+
 def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
     """Yield (key, ext, doc: a str, BigText or Chat) per accepted document of inputs, in a fixed order; key (path in
     its INPUT:position) names it for the split. seen: digests of the documents kept before (--dedup), added to."""
@@ -431,8 +443,8 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
             ext, kept, where = file_ext(path), 0, shown(path)
             try:
                 if not isinstance(path, HubSplit) and path.is_file():  # (seen is shared by the two splits' calls)
-                    if (same := ("file", os.stat(path).st_dev, os.stat(path).st_ino)) in seen:
-                        raise SkipFile("a file read already, named again by a link: read once")
+                    if (same := file_id(path)) in seen:
+                        raise SkipFile("another name (a link) for a file read once, here or as --val_input's")
                     seen.add(same)
                 for pos, doc, why in read_documents(path, args.field, args.dedup, args.chat):
                     chat = isinstance(doc, Chat)

@@ -175,6 +175,13 @@ def test_a_resume_drops_what_a_process_recorded_past_its_checkpoint(tmp_path):
                   for raw in RawEventFileLoader(str(path)).Load()]
         return sorted((e.step, v.simple_value) for e in events for v in e.summary.value if v.tag == "loss")
     assert scalars() == [(10, 10.0), (20, 20.0), (30, 3.0)]
+    # a resume with nothing past its step (a SIGTERM's save) goes on in the events there, as where metrics.jsonl is
+    # gone: TensorBoard's may be the only record of the run, and is kept (a rewrite took it all away)
+    (tmp_path / "metrics.jsonl").unlink()
+    log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=30)
+    log({"iter": 40, "loss": 4.0})
+    close()
+    assert scalars() == [(10, 10.0), (20, 20.0), (30, 3.0), (40, 4.0)]
     log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=0)
     log({"iter": 10, "loss": 1.0})
     close()

@@ -2,6 +2,7 @@
 like the whole, bad input is skipped and listed, outputs are identical for any worker count, memory
 stays flat, a killed run leaves nothing that looks finished. Run: python -m pytest -q tests/test_prepare.py"""
 
+import codecs
 import gzip
 import hashlib
 import json
@@ -772,22 +773,25 @@ def test_no_file_is_read_twice_nor_a_val_file_through_a_link(tmp_path):
 
 
 def test_a_file_named_again_by_a_link_is_read_once_and_listed(tmp_path):
-    # a folder's link (or hard link) to a file read already, in its own folder, another input or --val_input's:
-    # read once, the other name listed (it was read twice: in both splits, or twice in one)
+    # a folder's link (or hard link) to a file read already, in its own folder or another input: read once, the other
+    # name listed (it was read twice, in one split or both); a --val_input file is val's, however training names it
     text_tree(tmp_path / "corpus")
     write(tmp_path / "other" / "o.txt", "another input's document")
+    write(tmp_path / "other" / "p.txt", "a document of val's, linked from training")
     (tmp_path / "corpus" / "again.txt").symlink_to(tmp_path / "corpus" / "d0" / "sub0" / "doc0.txt")
     (tmp_path / "corpus" / "z.txt").symlink_to(tmp_path / "other" / "o.txt")
     write(tmp_path / "val" / "w.txt", "a validation document")
-    os.link(tmp_path / "other" / "o.txt", tmp_path / "val" / "v.txt")
+    os.link(tmp_path / "other" / "p.txt", tmp_path / "val" / "v.txt")
     meta = run(tmp_path / "other", tmp_path / "corpus", "--val_input", tmp_path / "val", "--out_dir",
                tmp_path / "out", "--tokenizer", "char")
     assert sorted(read_split(tmp_path / "out", "train")) == sorted([*DOCS, "another input's document"])
-    assert read_split(tmp_path / "out", "val") == ["a validation document"]
-    # the name met second is listed: doc0.txt, after the folder's again.txt (sorted order); the other input's o.txt
-    # before z.txt; v.txt, --val_input's, after both
-    assert sorted(s["path"].rsplit("/", 1)[-1] for s in meta["skipped_files"]) == ["doc0.txt", "v.txt", "z.txt"]
-    assert {s["reason"] for s in meta["skipped_files"]} == {"a file read already, named again by a link: read once"}
+    assert sorted(read_split(tmp_path / "out", "val")) == ["a document of val's, linked from training",
+                                                           "a validation document"]
+    # the name met second is listed: doc0.txt, after the folder's again.txt (sorted order); z.txt after the other
+    # input's o.txt; p.txt, which training met first, as val's v.txt
+    assert sorted(s["path"].rsplit("/", 1)[-1] for s in meta["skipped_files"]) == ["doc0.txt", "p.txt", "z.txt"]
+    assert {s["reason"] for s in meta["skipped_files"]} == {
+        "another name (a link) for a file read once, here or as --val_input's"}
 
 
 def test_a_utf16_jsonl_is_skipped_whole_as_a_utf16_text_is(tmp_path):
@@ -801,6 +805,10 @@ def test_a_utf16_jsonl_is_skipped_whole_as_a_utf16_text_is(tmp_path):
     assert sorted(read_split(tmp_path / "out", "train")) == [f"record {i}" for i in range(5)]
     assert meta["skipped_files"] == [{"path": str(tmp_path / "u.jsonl"), "reason": "UTF-16 text (convert it to UTF-8)"}]
     assert meta["bad_records"]["count"] == 0
+    # files of a BOM each, joined by cat: a BOM mid-file begins a record as at the top (json's own guess took it)
+    write(tmp_path / "joined.jsonl", (codecs.BOM_UTF8 + records.encode()) * 2)
+    meta = run(tmp_path / "joined.jsonl", "--out_dir", tmp_path / "out2", "--tokenizer", "char", "--val_fraction=0")
+    assert meta["train"]["documents"] == 10 and meta["bad_records"]["count"] == 0
 
 
 def test_a_big_file_that_changes_length_while_read_is_one_line(tmp_path):
