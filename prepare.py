@@ -161,6 +161,7 @@ def check_splits(args, inputs, splits, conversations, stats):
                         f"{splits['train']['documents']}, too few to split ({dropped}add documents, or give "
                         f"--val_input)")
     if splits["train"]["documents"] == 0 and not args.analyze:
+        report_skips(stats)  # what was left out, and why
         raise UserError(f"no training documents in {', '.join(map(str, inputs))} (check it)")
     if conversations and splits["train"].get("targets", 0) == 0:
         raise UserError(f"the masks of {', '.join(map(str, inputs))} select no token to train on (check "
@@ -297,8 +298,7 @@ def next_cut(doc, nchars, pos, sep):
 def temporary_outputs(out, overwrite):
     """The token and mask files under .tmp names, opened empty, in out locked for this run alone (files.py: a
     second prepare.py is refused). After it, finished or stopped, no .tmp file stays, nor an empty folder it made."""
-    created = not out.exists()
-    held, files = lock_folder(out, "prepare.py"), {}
+    created, held, files = not out.exists(), lock_folder(out, "prepare.py"), {}
     try:
         check_replace(out, overwrite)  # a dataset another prepare.py finished since the start: --overwrite or none
         files.update({name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in OUTPUTS[:4]})

@@ -44,7 +44,7 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
                             f"run `wandb login`, or set wandb_log=False") from None
     earlier, cut = cut_records(os.path.join(out_dir, "metrics.jsonl"), step)  # the run's wall time so far
     failed, opened = False, time.time() - earlier
-    tensorboard, anew = open_tensorboard(out_dir, step, cut) if tensorboard_log else (None, False)
+    tensorboard, anew = open_tensorboard(out_dir, step, cut, tensorboard_log)
 
     def dashboards(record, replayed=False):
         # an evaluation's numbers under eval/: the same step's update record has its own loss and lr
@@ -90,17 +90,20 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
     return log, close
 
 
-def open_tensorboard(out_dir, step, cut):
-    """(a SummaryWriter for out_dir/tb, whether open_log gives it metrics.jsonl's kept records first). A run from
-    scratch (step 0), or a resume whose metrics.jsonl held records past its step (cut: a process killed between
-    checkpoints), has the events there removed and written anew from those records, as TensorBoard's fast loader
-    reads no purge_step; else the events go on (purge_step for its older loader)."""
-    from torch.utils.tensorboard import SummaryWriter
-    anew = step == 0 or cut
-    for old in glob.glob(os.path.join(glob.escape(out_dir), "tb", "events.out.tfevents.*")) if anew else ():
+def open_tensorboard(out_dir, step, cut, wanted):
+    """(a SummaryWriter for out_dir/tb where wanted, else None; whether open_log gives it metrics.jsonl's kept records
+    first). From scratch (step 0), or where metrics.jsonl held records past the step (cut: a process killed between
+    checkpoints), the events there no longer match it (TensorBoard's fast loader reads no purge_step): they go, wanted
+    or not. A writer with no events left gets the kept records (so does a run that turns TensorBoard on late); else
+    the events go on (purge_step for TensorBoard's older loader)."""
+    events = glob.glob(os.path.join(glob.escape(out_dir), "tb", "events.out.tfevents.*"))
+    for old in events if step == 0 or cut else ():
         os.remove(old)
-    purge = None if anew or step is None else step + 1
-    return SummaryWriter(os.path.join(out_dir, "tb"), purge_step=purge), anew
+    if not wanted:
+        return None, False
+    from torch.utils.tensorboard import SummaryWriter
+    anew = step == 0 or cut or not events
+    return SummaryWriter(os.path.join(out_dir, "tb"), purge_step=None if anew or step is None else step + 1), anew
 
 
 def kept_records(path):

@@ -205,12 +205,12 @@ def read_documents(path, field, dedup, chat):
                     continue
                 if n == 1 and line.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
                     raise SkipFile("UTF-16 text (convert it to UTF-8)")
-                line = line.removeprefix(codecs.BOM_UTF8) if n == 1 else line
+                line = line.removeprefix(codecs.BOM_UTF8)  # (files joined by cat: a BOM at each one's first line)
                 if not line.strip():
                     continue
                 why = None
                 try:
-                    record = json.loads(line.decode("utf-8-sig"))  # (json's own guess reads UTF-16 and UTF-32)
+                    record = json.loads(line.decode("utf-8"))  # (json's own guess reads UTF-16 and UTF-32 too)
                 except UnicodeDecodeError:
                     why = "not UTF-8"
                 except ValueError as e:

@@ -186,6 +186,18 @@ def test_a_resume_drops_what_a_process_recorded_past_its_checkpoint(tmp_path):
     log({"iter": 10, "loss": 1.0})
     close()
     assert scalars() == [(10, 1.0)]
+    # a resume without TensorBoard that cuts records past its step takes the events that no longer match away; the
+    # next start with it writes them anew, as for a run that turns TensorBoard on late (it got none of them before)
+    log, close = open_log(str(tmp_path), {}, master=True, step=10)
+    log({"iter": 20, "loss": 2.0})
+    close()
+    log, close = open_log(str(tmp_path), {}, master=True, step=10)
+    assert scalars() == []
+    log({"iter": 20, "loss": 2.5})
+    log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=20)
+    log({"iter": 30, "loss": 3.0})
+    close()
+    assert scalars() == [(10, 1.0), (20, 2.5), (30, 3.0)]
 
 
 def test_tensorboard_on_a_full_disk_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):

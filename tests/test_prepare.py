@@ -792,6 +792,12 @@ def test_a_file_named_again_by_a_link_is_read_once_and_listed(tmp_path):
     assert sorted(s["path"].rsplit("/", 1)[-1] for s in meta["skipped_files"]) == ["doc0.txt", "p.txt", "z.txt"]
     assert {s["reason"] for s in meta["skipped_files"]} == {
         "another name (a link) for a file read once, here or as --val_input's"}
+    # an input that is another name for the --val_input file: no training documents, and what was skipped says why
+    os.link(tmp_path / "val" / "w.txt", tmp_path / "t.txt")
+    done = cli(tmp_path / "t.txt", "--val_input", tmp_path / "val" / "w.txt", "--out_dir", tmp_path / "out2",
+               "--tokenizer", "char")
+    one_line_error(done, "no training documents in")
+    assert f"  {tmp_path / 't.txt'}: another name (a link) for a file read once" in done.stdout
 
 
 def test_a_utf16_jsonl_is_skipped_whole_as_a_utf16_text_is(tmp_path):
@@ -806,7 +812,7 @@ def test_a_utf16_jsonl_is_skipped_whole_as_a_utf16_text_is(tmp_path):
     assert meta["skipped_files"] == [{"path": str(tmp_path / "u.jsonl"), "reason": "UTF-16 text (convert it to UTF-8)"}]
     assert meta["bad_records"]["count"] == 0
     # files of a BOM each, joined by cat: a BOM mid-file begins a record as at the top (json's own guess took it)
-    write(tmp_path / "joined.jsonl", (codecs.BOM_UTF8 + records.encode()) * 2)
+    write(tmp_path / "joined.jsonl", (codecs.BOM_UTF8 + b"\n" + codecs.BOM_UTF8 + records.encode()) * 2)
     meta = run(tmp_path / "joined.jsonl", "--out_dir", tmp_path / "out2", "--tokenizer", "char", "--val_fraction=0")
     assert meta["train"]["documents"] == 10 and meta["bad_records"]["count"] == 0
 
