@@ -423,7 +423,8 @@ def val_files(val_inputs):
 
 def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
     """Yield (key, ext, doc: a str, BigText or Chat) per accepted document of inputs, in a fixed order; key (path in
-    its INPUT:position) names it for the split. seen: digests of the documents kept before (--dedup), added to."""
+    its INPUT:position) names it for the split. seen: digests of the documents kept before (--dedup) and the file_id
+    of each file read (prepare.py's training pass finds --val_input's there too), added to."""
     seen = set() if seen is None else seen
 
     def reject(where, why, whole_file):
