@@ -35,6 +35,9 @@ MAX_RECORD = 1 << 25
 # A .gz inflating past MAX_RATIO x the bytes read (after INFLATED_FREE) is refused: text packs 3-10x, a bomb ~1000x
 MAX_RATIO = 100
 INFLATED_FREE = 1 << 26
+# What a file's first bytes say it was compressed with: only .gz is read (a gzip named otherwise is refused by name)
+COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd",
+              b"PK\x03\x04": "zip", b"7z\xbc\xaf\x27\x1c": "7z"}
 BigText = namedtuple("BigText", "path nchars blank digest")  # a checked plain-text file too big to hold
 # Where text can be cut so that its pieces, encoded apart, give the whole's tokens under the pre-tokenizers of GPT-2,
 # cl100k, o200k and rustbpe (tests/test_prepare.py checks): before a space or newline between two letters or digits,
@@ -331,6 +334,10 @@ def decoded(path):
             data = f.read(PIECE)
             if offset == 0 and data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
                 raise SkipFile("UTF-16 text (convert it to UTF-8)")
+            packed = next((kind for magic, kind in COMPRESSED.items() if offset == 0 and data.startswith(magic)), None)
+            if packed and (packed != "bzip2" or data[4:10] in (b"1AY&SY", b"\x17rE8P")):  # (a text may begin "BZh")
+                raise SkipFile(f"{packed}-compressed ({'name it .gz' if packed == 'gzip' else 'decompress it'}"
+                               f" to have it read)")
             if offset == 0 and data.startswith(codecs.BOM_UTF8):
                 data, offset = data[3:], 3
             if b"\0" in data:

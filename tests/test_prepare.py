@@ -1272,3 +1272,19 @@ def test_a_dataset_finished_by_another_prepare_meanwhile_needs_overwrite(tmp_pat
         prepare.main([str(tmp_path / "b.txt"), f"--out_dir={out}", "--tokenizer=char"])
     assert "".join(read_all(out)).startswith("the first dataset")
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
+
+
+def test_a_compressed_file_is_named_as_compressed_not_binary(tmp_path):
+    import bz2
+    import lzma
+    text = b"a document to be read\n" * 20
+    write(tmp_path / "src" / "a.txt.bz2", bz2.compress(text))
+    write(tmp_path / "src" / "b.jsonl.xz", lzma.compress(text))
+    write(tmp_path / "src" / "c.txt", gzip.compress(text))  # a gzip not named .gz
+    write(tmp_path / "src" / "d.txt", b"BZh is how this text begins\n")
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction=0")
+    assert read_all(tmp_path / "out") == ["BZh is how this text begins\n"]
+    assert {Path(s["path"]).name: s["reason"] for s in meta["skipped_files"]} == {
+        "a.txt.bz2": "bzip2-compressed (decompress it to have it read)",
+        "b.jsonl.xz": "xz-compressed (decompress it to have it read)",
+        "c.txt": "gzip-compressed (name it .gz to have it read)"}
