@@ -256,7 +256,7 @@ if HAS_TRITON:
         mask = (h < H) & (d < D2)
         c = tl.load(cos_ptr + t * D2 + d, mask=d < D2, other=0.0).to(ACC)
         s = tl.load(sin_ptr + t * D2 + d, mask=d < D2, other=0.0).to(ACC) * SIGN
-        xp = x_ptr + b.to(tl.int64) * sb + t * st + h * sh + d * sd
+        xp = x_ptr + b.to(tl.int64) * sb + t.to(tl.int64) * st + h * sh + d * sd
         x1 = tl.load(xp, mask=mask, other=0.0).to(ACC)
         x2 = tl.load(xp + D2 * sd, mask=mask, other=0.0).to(ACC)
         yp = y_ptr + pid.to(tl.int64) * H * 2 * D2 + h * 2 * D2 + d
@@ -312,13 +312,13 @@ if HAS_TRITON:
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of -inf alone: exp(-inf - -inf) is NaN
             d = d * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), 0)
             m = m_new
-        lse = m + tl.log(d)
+        log_d = tl.log(d)  # logsumexp(z) = m + log_d, kept apart: their sum rounds at z's size (1e-4 at z ~ 1,000)
         scale = tl.where(valid, tl.load(scale_ptr), 0.0)
         for start in range(0, V, BLOCK):
             z = tl.load(ptr + start + cols, mask=start + cols < V, other=0.0).to(ACC)
-            g = (tl.exp(z - lse) - tl.where(start + cols == target, 1.0, 0.0)) * scale
+            g = (tl.exp((z - m) - log_d) - tl.where(start + cols == target, 1.0, 0.0)) * scale
             tl.store(ptr + start + cols, g.to(logits_ptr.dtype.element_ty), mask=start + cols < V)
-        tl.store(loss_ptr + row, tl.where(valid, lse - z_target, 0.0))
+        tl.store(loss_ptr + row, tl.where(valid, (m - z_target) + log_d, 0.0))
 
     def _cross_entropy_config(V):
         block = min(triton.next_power_of_2(V), 4096)
@@ -331,12 +331,16 @@ if HAS_TRITON:
         # only scales them), each empty where not wanted (a frozen head under LoRA: no V x C matmul or buffer)
         N, V, acc = x.shape[0], weight.shape[0], _acc(x, weight)
         targets = targets.contiguous()
+        # a target past the vocabulary would be read from another row's logits (the reference raises): on CUDA a
+        # device-side assert, with no sync
+        torch._assert_async(((targets == ignore_index) | ((targets >= 0) & (targets < V))).all(),
+                            "linear_cross_entropy: a target outside [0, vocab_size) that is not ignore_index")
         n_valid = (targets != ignore_index).sum().clamp(min=1)  # stays on device: no sync
         scale = 1.0 / n_valid.to(acc)
         loss_rows = torch.empty(N, dtype=acc, device=x.device)
         grad_x = torch.empty_like(x) if x_grad else x.new_empty(0)
         grad_w = None if w_grad else weight.new_empty(0)
-        rows = triton.cdiv(N, triton.cdiv(N * V, LCE_CHUNK_ELEMENTS))  # per chunk, of as few chunks as fit
+        rows = max(1, triton.cdiv(N, max(1, triton.cdiv(N * V, LCE_CHUNK_ELEMENTS))))  # per chunk, of as few chunks as fit
         cfg = _cross_entropy_config(V)
         for s in range(0, N, rows):
             xc = x[s:s + rows]
@@ -350,7 +354,7 @@ if HAS_TRITON:
                 # than chunking saves; cuBLAS sums each chunk in fp32 and rounds once per chunk, so bf16's error
                 # grows with the chunks (16 for 32K tokens at V=128K; 32 chunks: 1.1e-2 relative, 4x the plain op's)
                 grad_w = logits.t() @ xc if grad_w is None else grad_w.addmm_(logits.t(), xc)
-        return loss_rows.sum() * scale, grad_x, grad_w
+        return loss_rows.sum() * scale, grad_x, torch.zeros_like(weight) if grad_w is None else grad_w  # (no rows)
 
     @_lce_op.register_fake
     def _(x, weight, targets, ignore_index, x_grad, w_grad):
@@ -364,7 +368,8 @@ if HAS_TRITON:
     def _lce_backward(ctx, dloss, _dgx, _dgw):
         if dloss is None:  # no gradient reached the loss
             return (None,) * 6
-        # out of place: scaling the saved gradients in place would break a second backward
+        # out of place: scaling the saved gradients in place would break a second backward. dloss is rounded to their
+        # dtype: a bf16 run's gradients all scaled by at most 1 + 2^-9 (loss / grad_accum's 1/3, not a power of 2)
         grads = [g * dloss.to(g.dtype) if g.numel() else None for g in ctx.saved_tensors]
         return *grads, None, None, None, None
 

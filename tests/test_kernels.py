@@ -297,6 +297,39 @@ def test_linear_cross_entropy_with_a_first_block_of_minus_infinity():
 
 
 @needs_triton
+def test_linear_cross_entropy_with_large_logits_is_as_close_to_float64_as_the_plain_op():
+    # logits ~1,000 (fp32) and confident targets: the loss is small beside them, and logsumexp formed whole rounds at
+    # the logits' size (2^-24 x 1,000), which the plain op's log_softmax (z - max first) does not
+    torch.manual_seed(0)
+    w, t = torch.eye(50, device=DEVICE), torch.arange(8, device=DEVICE)  # logits = x, exactly
+    x = 990 + 3 * torch.randn(8, 50, device=DEVICE)
+    x[range(8), t] += 15  # the target ~15 above the rest: a loss of ~0.01
+    for op in (K.linear_cross_entropy, K.linear_cross_entropy_ref):
+        leaf, truth_leaf = x.clone().requires_grad_(), x.double().requires_grad_()
+        loss, truth = op(leaf, w, t), F.cross_entropy(truth_leaf @ w.double().t(), t)
+        loss.backward(), truth.backward()
+        # a few roundings of values near 1 (the sum of exps), not of ~1,000 (2^-14 each)
+        assert abs(loss.item() - truth.item()) <= 2**-20 and rel_err(leaf.grad, truth_leaf.grad) <= TOL[torch.float32]
+
+
+@needs_triton
+def test_linear_cross_entropy_refuses_a_target_outside_the_vocabulary():
+    # it would read another row's logits (or past the buffer) for its loss; the plain op raises
+    x, w = randn(4, 8), randn(30, 8)
+    for bad in (30, -100):
+        with pytest.raises(RuntimeError, match="outside"):
+            K.linear_cross_entropy(x, w, torch.tensor([1, 2, bad, -1], device=DEVICE))
+
+
+@needs_triton
+def test_linear_cross_entropy_of_no_rows_is_the_plain_ops():
+    x, w = randn(0, 8), randn(30, 8)
+    loss = K.linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.long, device=DEVICE))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@needs_triton
 def test_linear_cross_entropy_all_ignored():
     x, w = randn(7, 8), randn(30, 8)
     loss = K.linear_cross_entropy(x, w, _targets(7, 30, "all"))
