@@ -33,7 +33,8 @@ from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
 from lib.start import check_fused_ops
 from lib.tokenizer import check_tokenizer
-from lib.trained import chat_folder, check_run_tokenizer, load_folder_or_run, load_model, splits_special
+from lib.trained import (chat_folder, check_run_tokenizer, exported_eos_ids, load_folder_or_run, load_model,
+                         splits_special)
 
 one_line_errors("eval.py")
 TEXT_WINDOW = 2048  # a folder's window over text without --block_size: at most this many tokens
@@ -97,7 +98,7 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
     model.eval().to(device)
     autocast = None if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
     lm = harness.Model(model, tokenizer, device, autocast, args.batch_size, template_folder, args.model or path,
-                       eos_ids(args.model, tokenizer) if args.model else None,  # (as transformers reads the folder)
+                       eos_ids(args.model, tokenizer) if args.model else exported_eos_ids(checkpoint, tokenizer),
                        folder_splits_special(args.model) if args.model else splits_special(checkpoint, tokenizer))
     limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)

@@ -25,7 +25,7 @@ import torch
 
 from lib.bounds import confined
 from lib.files import UserError, durable_replace, one_line_errors, open_own, read_json
-from lib.hf import save_pretrained, special_ids
+from lib.hf import eos_ids, save_pretrained, special_ids
 from lib.lora import merge_lora, write_adapter
 from lib.parallel import pick_device
 from lib.start import frozen_dtype, quantized_kind
@@ -112,7 +112,11 @@ def base_jinja(base):
 def run_special_ids(tokenizer, base):
     """config.json's special token ids: a base's own, else the data's BOS (if any) and end-of-text as eos and pad."""
     if base:
-        return special_ids(base)
+        ids = special_ids(base)
+        if ids.get("eos_token_id") is None:  # (as transformers 5 saves a Qwen3Config()): as llama.cpp's converter
+            said = eos_ids(base, tokenizer) if bases_tokenizer(tokenizer, base) else []  # and transformers read it
+            ids["eos_token_id"] = said[0] if said else tokenizer.eot_id
+        return ids
     if tokenizer.eot_id is None:  # nanoGPT's characters have no end-of-text
         return {}
     bos = {"bos_token_id": tokenizer.bos_id} if tokenizer.bos_id is not None else {}
@@ -332,13 +336,15 @@ def export_gguf(args):
         raise UserError("writing GGUF needs llama.cpp's gguf package: pip install gguf") from None
     if args.adapter:
         raise UserError("a peft adapter is a folder, not a GGUF file: drop --adapter, or choose a --to without .gguf")
+    if os.path.islink(args.to):  # replaced, the link would go and the file it names keep the old export
+        raise UserError(f"{args.to} is a link; give the file it names as --to")
     if os.path.isdir(args.to):
         raise UserError(f"{args.to} is a folder, not a file; choose another --to")
     if os.path.exists(args.to) and not args.overwrite:
         raise UserError(f"{args.to} exists; pass --overwrite to replace it, or choose another --to")
-    made = make_parent(args.to)
-    staging = temporary(tempfile.mkstemp, os.path.abspath(args.to), 0o666)
+    made, staging = make_parent(args.to), None
     try:
+        staging = temporary(tempfile.mkstemp, os.path.abspath(args.to), 0o666)
         from lib.gguf_export import write_gguf
         model, tokenizer, checkpoint = load_exported(args)
         dtype = getattr(torch, export_dtype(args.dtype, base := checkpoint.get("pretrained") or ""))
@@ -348,6 +354,10 @@ def export_gguf(args):
         ids = run_special_ids(tokenizer, base)
         if chat:  # generation stops at the end of the assistant's turn, as in write_chat
             ids["eos_token_id"] = chat["end_of_turn_id"]
+            # llama.cpp gives the template the text of the file's BOS and EOS (a default where it has no BOS): the
+            # template is given the ones the data was rendered with
+            template = "".join(f"{{% set {name} = {json.dumps(chat[name], ensure_ascii=False)} %}}"
+                               for name in ("bos_token", "eos_token") if isinstance(chat.get(name), str)) + template
         elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
             config = os.path.join(base, "tokenizer_config.json")
             template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)
@@ -360,7 +370,7 @@ def export_gguf(args):
     except OSError as e:  # a full disk, a quota, permissions
         raise UserError(written_nothing(args.to, e)) from None
     finally:  # whatever stopped it, no half-written file stays behind, nor a folder made for it
-        if os.path.exists(staging):
+        if staging and os.path.exists(staging):
             os.remove(staging)
         if made and not os.path.exists(args.to):
             shutil.rmtree(made, ignore_errors=True)

@@ -236,11 +236,11 @@ def for_training(model, run, device, autocast, batch_size, tasks, include_path, 
     """train.py's (Model, TaskManager, task names), the tasks loaded and each of their requests (of limit items)
     checked before the first step, not at an evaluation steps later; run: what its checkpoints hold beside the
     tensors (data_dir, pretrained, data_fingerprint)."""
-    from lib.trained import splits_special
+    from lib.trained import exported_eos_ids, splits_special
     manager, names = load_tasks(tasks, include_path or None)
     tokenizer = load_tokenizer(run["data_dir"])
     lm = Model(model, tokenizer, device, autocast, batch_size, run["data_dir"], "training",
-               split_special=splits_special(run, tokenizer))
+               exported_eos_ids(run, tokenizer), splits_special(run, tokenizer))
     lm.dry = True
     task_metrics(lm, manager, names, limit)
     lm.dry = False

@@ -114,6 +114,20 @@ def chat_stops(folder, tokenizer, end_of_turn, checkpoint=None):
     return list(dict.fromkeys(i for i in stops if i is not None))
 
 
+def exported_eos_ids(checkpoint, tokenizer):
+    """The ids that end a text in the run's export, as transformers reads them there (hf.eos_ids: tokenizer_config.json's
+    eos_token, lm_eval's end of text, then generation_config.json's): export.write_tokenizer carries a base's
+    generation_config.json, and its tokenizer_config.json where the data was made with its tokenizer (else it writes
+    the end-of-text as eos_token); write_chat puts the data's eos_token first and the end of turn before the rest."""
+    base, chat = checkpoint.get("pretrained") or "", run_chat(checkpoint)
+    ids = eos_ids(base, tokenizer) if base else []
+    if not bases_tokenizer(tokenizer, base):
+        ids = [tokenizer.eot_id, *ids]
+    if chat:
+        ids = [tokenizer.special_tokens().get(chat.get("eos_token")), chat["end_of_turn_id"], *ids, tokenizer.eot_id]
+    return list(dict.fromkeys(i for i in ids if i is not None)) or None
+
+
 def splits_special(checkpoint, tokenizer):
     """Whether the run's export reads a special token's spelling in a text as text (split_special_tokens in the
     tokenizer_config.json export.py writes): not a chat run's (its markers are tokens); a run on its base's very

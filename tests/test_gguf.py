@@ -137,6 +137,12 @@ def test_overwrite_and_adapter(bpe_run, tmp_path):
     assert ((tmp_path / "model.gguf").stat().st_mode & 0o777) == 0o666 & ~mask  # not tempfile's 0600
     done = script("export.py", f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'upper.GGUF'}")
     assert done.returncode == 0 and gguf.GGUFReader(tmp_path / "upper.GGUF").fields  # a GGUF file, not a folder
+    # a link (an Ollama Modelfile's current.gguf), dangling or not, is refused: replaced, it would stop being one
+    for name, target in (("current.gguf", "model.gguf"), ("dangling.gguf", "gone.gguf")):
+        (tmp_path / name).symlink_to(target)
+        done = script("export.py", f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / name}", "--overwrite")
+        assert done.returncode == 1 and done.stderr.count("\n") == 1 and "is a link" in done.stderr, done.stderr
+        assert (tmp_path / name).is_symlink()
 
 
 @pytest.mark.slow  # tiktoken's three encodings, read whole
@@ -216,11 +222,17 @@ def make_base(folder, family, text):
 
 
 @pytest.mark.slow  # a base, a dataset with its tokenizer and a short fine-tune
-@pytest.mark.parametrize("family", list(BASES))
+@pytest.mark.parametrize("family", [*BASES, "qwen3 without eos_token_id"])
 def test_a_fine_tuned_import_keeps_its_bases_ids(family, tmp_path):
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[d-f]*.py"))
     text = "\n".join(f.read_text(errors="replace") for f in files)[:100_000]
+    family, variant = family.split()[0], family != family.split()[0]
     make_base(tmp_path / "base", family, text)
+    base = json.loads((tmp_path / "base" / "config.json").read_text())
+    if variant:  # config.json without it (transformers 5 saves a Qwen3Config() so), tokenizer_config.json naming it:
+        # llama.cpp, lacking one, would end texts at its default (11, a comma in a real Qwen vocabulary)
+        (tmp_path / "base" / "config.json").write_text(json.dumps({**base, "eos_token_id": None}))
+        (tmp_path / "base" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     (tmp_path / "corpus.txt").write_text(text)
     done = script("prepare.py", tmp_path / "corpus.txt", f"--tokenizer={tmp_path / 'base'}",
                   f"--out_dir={tmp_path / 'data'}")
@@ -229,7 +241,6 @@ def test_a_fine_tuned_import_keeps_its_bases_ids(family, tmp_path):
         f"--init_from={tmp_path / 'base'}", f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}")
     done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}")
     assert done.returncode == 0, done.stderr
-    base = json.loads((tmp_path / "base" / "config.json").read_text())
     ours = json.loads((tmp_path / "hf" / "config.json").read_text())
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         assert ours.get(name) == base.get(name), name

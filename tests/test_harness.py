@@ -4,6 +4,7 @@ HellaSwag's format, a rolling log-likelihood, a generation scored by exact match
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -111,9 +112,10 @@ def make_lora_run(root, pretrained):
 
 def ours(out_dir, tasks_dir, batch_size=4):
     from lib import harness
-    from lib.trained import load_run, splits_special
+    from lib.trained import exported_eos_ids, load_run, splits_special
     model, tokenizer, checkpoint = load_run(str(out_dir / "ckpt.pt"))
     lm = harness.Model(model.eval(), tokenizer, batch_size=batch_size, chat_folder=checkpoint["data_dir"],
+                       eos_ids=exported_eos_ids(checkpoint, tokenizer),
                        split_special=splits_special(checkpoint, tokenizer))  # as eval.py's
     manager, names = harness.load_tasks(",".join(ROOT_TASKS), str(tasks_dir))
     return harness.run_tasks(lm, manager, names, log_samples=True, stderr=False)
@@ -177,6 +179,40 @@ def test_an_imported_qwen3_with_lora_scores_as_its_export_under_lm_eval_hf(share
     pretrained = shared("pretrained", make_pretrained)  # test_finetune's, built once for both files
     root = shared("harness-lora", lambda folder: make_lora_run(folder, pretrained))
     assert_same_results(ours(root / "run", tasks, batch_size=3), theirs(root / "hf", tasks))
+
+
+@pytest.mark.slow  # a fine-tune of a copy of test_finetune's tiny Qwen3, its export, and eval.py on both: ~40 s
+def test_a_run_from_a_folder_whose_texts_end_with_im_end_scores_as_its_export(shared, tasks, tmp_path):
+    # a base whose tokenizer_config.json names <|im_end|> as eos_token, as a real Qwen3's does: lm_eval's end of text
+    # (which begins every rolling window, and stands for an empty context) is it in the export, and so in the run
+    # (eval.py on the run took the tokenizer's <|endoftext|>: every rolling item differed)
+    needs_lm_eval()
+    tokenizers = pytest.importorskip("tokenizers")
+    from test_finetune import FINETUNE, corpus_text, make_pretrained
+    base = tmp_path / "qwen"
+    shutil.copytree(shared("pretrained", make_pretrained) / "qwen", base)
+    tok = tokenizers.Tokenizer.from_file(str(base / "tokenizer.json"))
+    tok.add_special_tokens(["<|im_end|>"])
+    tok.save(str(base / "tokenizer.json"))
+    ends = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "text.txt").write_text(corpus_text()[:100_000])
+    done = script("prepare.py", tmp_path / "corpus", f"--tokenizer={base}", f"--out_dir={tmp_path / 'data'}")
+    assert done.returncode == 0, done.stderr
+    run(*FINETUNE, f"--data_dir={tmp_path / 'data'}", f"--init_from={base}", f"--out_dir={tmp_path / 'run'}",
+        "--max_iters=2")
+    export(tmp_path / "run", tmp_path)
+    scores = []
+    for which in (f"--out_dir={tmp_path / 'run'}", f"--model={tmp_path / 'hf'}"):
+        done = eval_py(which, "--tasks=tiny_perplexity,tiny_hellaswag", f"--include_path={tasks}", "--batch_size=2",
+                       f"--output={tmp_path / 'results.json'}")
+        assert done.returncode == 0, done.stderr
+        results = json.loads((tmp_path / "results.json").read_text())["results"]
+        scores.append({f"{task}/{key}": value for task in results for key, value in results[task].items()
+                       if isinstance(value, float) and "stderr" not in key})
+    assert scores[0] == pytest.approx(scores[1], rel=1e-6) and scores[0]
 
 
 # -----------------------------------------------------------------------------

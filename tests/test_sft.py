@@ -343,11 +343,15 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path, mon
     done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'model.gguf'}")
     assert done.returncode == 0, done.stderr
     fields = gguf.GGUFReader(tmp_path / "model.gguf").fields
-    assert fields["tokenizer.chat_template"].contents() == meta["chat"]["template"]
     assert fields["tokenizer.ggml.eos_token_id"].contents() == meta["chat"]["end_of_turn_id"]
+    # llama.cpp renders the template with its BOS's and EOS's text (the end of turn here; where the file names no BOS,
+    # a default: ","): it renders as the data was, whatever they are
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    messages = [{"role": "user", "content": "apple river"}, {"role": "assistant", "content": "river apple"}]
+    template = ImmutableSandboxedEnvironment().from_string(fields["tokenizer.chat_template"].contents())
+    assert template.render(messages=messages, bos_token=",", eos_token=",") == fmt.render(messages)
     transformers = pytest.importorskip("transformers")
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    messages = [{"role": "user", "content": "apple river"}, {"role": "assistant", "content": "river apple"}]
     theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False)
     assert theirs == fmt.render(messages)
     assert hf_tokenizer(theirs, add_special_tokens=False)["input_ids"] == tokenizer.encode_chat(theirs, [])[0].tolist()
