@@ -340,7 +340,7 @@ if HAS_TRITON:
         loss_rows = torch.empty(N, dtype=acc, device=x.device)
         grad_x = torch.empty_like(x) if x_grad else x.new_empty(0)
         grad_w = None if w_grad else weight.new_empty(0)
-        rows = max(1, triton.cdiv(N, max(1, triton.cdiv(N * V, LCE_CHUNK_ELEMENTS))))  # per chunk, of as few chunks as fit
+        rows = max(1, triton.cdiv(N, max(1, triton.cdiv(N * V, LCE_CHUNK_ELEMENTS))))  # a chunk's, as few as fit
         cfg = _cross_entropy_config(V)
         for s in range(0, N, rows):
             xc = x[s:s + rows]

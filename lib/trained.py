@@ -115,7 +115,7 @@ def chat_stops(folder, tokenizer, end_of_turn, checkpoint=None):
 
 
 def exported_eos_ids(checkpoint, tokenizer):
-    """The ids that end a text in the run's export, as transformers reads them there (hf.eos_ids: tokenizer_config.json's
+    """The ids that end a text in the run's export, as transformers reads them there (hf.eos_ids: tokenizer_config's
     eos_token, lm_eval's end of text, then generation_config.json's): export.write_tokenizer carries a base's
     generation_config.json, and its tokenizer_config.json where the data was made with its tokenizer (else it writes
     the end-of-text as eos_token); write_chat puts the data's eos_token first and the end of turn before the rest."""
