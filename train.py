@@ -46,8 +46,8 @@ from lib.start import begin, claim, described, first_model, quantized_kind, rng_
 # fields); config files and --key=value override them (configurator.py), and each becomes a global here
 
 config = settings.defaults()
-configure(config, sys.argv[1:])
 one_line_errors("train.py")  # a UserError, ours or a library's, stops the run with its one line (files.py)
+configure(config, sys.argv[1:])
 settings.check(config)
 globals().update(config)  # every setting a global of its own name from here on, as at nanoGPT's top
 

@@ -320,6 +320,14 @@ def test_config_errors_stop_train_py_in_one_line(data_dir, tmp_path, args, messa
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_a_tilde_after_an_equals_sign_is_the_home_folder(data_dir, tmp_path):
+    # bash leaves --out_dir=~/run as it is (it expands --out_dir ~/run): the run went to a folder named ~
+    run(*TINY, f"--data_dir={data_dir}", "--out_dir=~/run", "--max_iters=1", env={"HOME": str(tmp_path)})
+    assert (tmp_path / "run" / "ckpt.pt").is_file() and not (ROOT / "~").exists()
+    done = script("export.py", "--out_dir=~/elsewhere", "--to=~/hf", env={"HOME": str(tmp_path)})
+    assert done.returncode == 1 and f"no checkpoint at {tmp_path}/elsewhere/ckpt.pt" in done.stderr, done.stderr
+
+
 def test_config_file_is_python_and_checked(data_dir, tmp_path):
     good = tmp_path / "good.py"
     good.write_text("from math import sqrt\nmax_iters = 2\nlearning_rate = 1e-3 * sqrt(4)\neval_interval = 1\n")
