@@ -320,6 +320,15 @@ def test_config_errors_stop_train_py_in_one_line(data_dir, tmp_path, args, messa
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+@pytest.mark.parametrize("left", ["WORLD_SIZE", "RANK"])
+def test_half_of_torchruns_variables_left_in_the_environment_is_one_line(data_dir, tmp_path, left):
+    # WORLD_SIZE=2 alone ran one process that printed and saved two; RANK=0 alone ended in init's traceback
+    value = {"WORLD_SIZE": "2", "RANK": "0"}[left]
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", check=False, env={left: value})
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and not (tmp_path / "ckpt.pt").exists()
+    assert f"{left} is set but" in out.stderr and f"unset {left}" in out.stderr, out.stderr
+
+
 def test_a_tilde_after_an_equals_sign_is_the_home_folder(data_dir, tmp_path):
     # bash leaves --out_dir=~/run as it is (it expands --out_dir ~/run): the run went to a folder named ~
     run(*TINY, f"--data_dir={data_dir}", "--out_dir=~/run", "--max_iters=1", env={"HOME": str(tmp_path)})
