@@ -89,6 +89,8 @@ def _set(config, key, value, source):
         close = difflib.get_close_matches(key, config, n=1)
         own = "" if source.startswith("--") else "; a name of the file's own begins with _"  # (a helper of its)
         hint = f"did you mean '{close[0]}'?" if close else f"see lib/settings.py{own}"
+        if key == "config" and source.startswith("--"):  # (other trainers' flag)
+            hint = f"a config file is given as it is: python {os.path.basename(sys.argv[0])} {value}"
         sys.exit(f"{source}: unknown config key '{key}' ({hint})")
     default = config[key]
     if type(default) is float and type(value) is int and abs(value) < 2**1024:  # (past it: no float)

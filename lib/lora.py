@@ -64,9 +64,12 @@ def check_lora(asked, rank, base_dtype, tp, fsdp):
 def add_lora(model, rank, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down"):
     """Freeze every weight and give the projections named in targets fp32 low-rank adapters, which alone train."""
     chosen = set(targets.split(","))
-    if chosen - set(PROJECTIONS) or rank < 1:
-        raise UserError(f"lora_targets={targets!r} and lora_rank={rank} must name some of "
-                         f"{','.join(PROJECTIONS)} and be at least 1")
+    unknown = sorted(chosen - set(PROJECTIONS))
+    if unknown:
+        raise UserError(f"lora_targets={targets!r}: {unknown[0]!r} is none of {','.join(PROJECTIONS)} (name some of "
+                        f"them, apart by commas alone)")
+    if rank < 1:
+        raise UserError(f"lora_rank={rank} must be at least 1")
     widest = max(max(linear.weight.shape) for _, name, linear in model.projections() if name in chosen)
     if rank > widest:  # (before any adapter is made: a rank of 10**9 asked for 128 GB)
         raise UserError(f"lora_rank={rank} is past the widest of the projections it adapts ({widest}): its adapters "

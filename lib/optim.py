@@ -177,16 +177,18 @@ def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epo
         notes.append(f"note: max_iters={max_iters} ends the run{before} the learning rate decays over "
                      f"lr_decay_iters={lr_decay_iters} steps: it will not reach min_lr in this run (for a run of "
                      f"{max_iters} steps, set lr_decay_iters={max_iters})")
+    # the warmup as the run's settings say it: warmup_ratio's steps where it is set, which warmup_iters then is not
+    warmup, knob = ((f"warmup_ratio={warmup_ratio} (a warmup of {warmup_iters})", "warmup_ratio") if warmup_ratio > 0 else
+                    (f"warmup_iters={warmup_iters}", "warmup_iters"))
     if decay_lr and 0 < max_iters <= warmup_iters:
-        notes.append(f"note: warmup_iters={warmup_iters} is not below max_iters={max_iters}: the run ends in its "
-                     f"warmup, short of the peak learning rate (lower warmup_iters)")
+        notes.append(f"note: {warmup} is not below max_iters={max_iters}: the run ends in its warmup, short of the "
+                     f"peak learning rate (lower {knob})")
     elif decay_lr and lr_schedule != "constant" and lr_decay_iters <= warmup_iters and max_iters > 0:
-        notes.append(f"note: lr_decay_iters={lr_decay_iters} is not past warmup_iters={warmup_iters}: the learning "
-                     f"rate falls from its warmup straight to min_lr, with no decay (raise lr_decay_iters)")
+        notes.append(f"note: lr_decay_iters={lr_decay_iters} is not past {warmup}: the learning rate falls from its "
+                     f"warmup straight to min_lr, with no decay (raise lr_decay_iters)")
     elif decay_lr and lr_schedule == "wsd" and warmup_iters > lr_decay_iters - lr_decay_fraction * lr_decay_iters \
             and max_iters:  # (lr_factor's own expression: another rounding of it fired at the decay's very start)
-        notes.append(f"note: warmup_iters={warmup_iters} reaches into wsd's decay, the last lr_decay_fraction="
-                     f"{lr_decay_fraction} of lr_decay_iters={lr_decay_iters} steps: it decays over the "
-                     f"{lr_decay_iters - warmup_iters} steps after the warmup (lower warmup_iters or "
-                     f"lr_decay_fraction)")
+        notes.append(f"note: {warmup} reaches into wsd's decay, the last lr_decay_fraction={lr_decay_fraction} of "
+                     f"lr_decay_iters={lr_decay_iters} steps: it decays over the {lr_decay_iters - warmup_iters} steps "
+                     f"after the warmup (lower {knob} or lr_decay_fraction)")
     return max_iters, lr_decay_iters, warmup_iters, "\n".join(notes)

@@ -219,7 +219,7 @@ def check(config):
     if config["bias"]:  # a nanoGPT config file's bias=True
         raise _UserError("bias=True: this model's blocks are Llama's, with no biases in their linears and norms "
                          "(nanoGPT's GPT-2 blocks have them); leave bias out, or set qkv_bias=True for Qwen2's")
-    if config["use_kernels"] not in (None, True, False):
+    if not any(config["use_kernels"] is allowed for allowed in (None, True, False)):  # (1 == True, 0.0 == False)
         raise _UserError(f"use_kernels={config['use_kernels']!r} must be True, False or None (auto)")
     if config["eval_full"] and config["eval_stride"] != -1 and not 0 <= config["eval_stride"] < config["block_size"]:
         raise _UserError(f"eval_stride={config['eval_stride']} must be at least 0 and below block_size="
@@ -250,9 +250,10 @@ def check_sizes(args, where, fix, names=None):
     rope_scaling (if any) llama3's numbers. names: each setting's own name in where (config.json's), if another."""
     said = (names or {}).get
     for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "head_size", "mlp_hidden"):
-        value = args.get(name, 1)  # n_kv_head, head_size and mlp_hidden 0: from the other sizes (GPTConfig)
-        if type(value) is not int or value < (0 if name in ("n_kv_head", "head_size", "mlp_hidden") else 1):
-            raise _UserError(f"{where} says {said(name, name)}={value!r}, not a whole number above 0: {fix}")
+        value, low = args.get(name, 1), 0 if name in ("n_kv_head", "head_size", "mlp_hidden") else 1  # 0: derived
+        if type(value) is not int or value < low:  # (from the other sizes, by GPTConfig)
+            raise _UserError(f"{where} says {said(name, name)}={value!r}, not a whole number "
+                             f"{'of at least 0' if low == 0 else 'above 0'}: {fix}")
     if args.get("block_size", 1) > _MAX_POSITIONS:
         raise _UserError(f"{where} says {said('block_size', 'block_size')}={args['block_size']}, past the "
                          f"{_MAX_POSITIONS} positions this model.py holds tables for: {fix}")

@@ -747,3 +747,13 @@ def test_a_compiled_fine_tuning_step_has_no_graph_break_and_no_recompile(base):
             loss.backward()
     trained = [p for p in model.parameters() if p.requires_grad]
     assert trained and all(p.grad is not None and torch.isfinite(p.grad).all() for p in trained)
+
+
+def test_lora_targets_with_a_name_that_is_no_projection_names_it():
+    # 'q, v' (a space after the comma) said only that the targets "must name some of q,k,v,...": they did
+    from lib.files import UserError
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    with pytest.raises(UserError, match="lora_targets='q, v': ' v' is none of q,k,v,o,gate,up,down"):
+        add_lora(model, 4, targets="q, v")
+    with pytest.raises(UserError, match="lora_rank=0 must be at least 1"):
+        add_lora(model, 0, targets="q,v")

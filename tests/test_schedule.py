@@ -183,6 +183,10 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
                                        "lr_decay_iters=90 steps: it will not reach min_lr in this run (for a run of "
                                        "10 steps, set lr_decay_iters=10)")
     assert run_steps(10, 90, 5, lr_schedule="constant")[3] == run_steps(10, 90, 5, decay_lr=False)[3] == ""
+    # under warmup_ratio, which sets warmup_iters, the note names it (lowering warmup_iters would change nothing)
+    assert run_steps(3, 100, 1, warmup_ratio=0.5, max_epochs=1, epoch_steps=16)[3].endswith(
+        "note: warmup_ratio=0.5 (a warmup of 8) is not below max_iters=3: the run ends in its warmup, short of the peak "
+        "learning rate (lower warmup_ratio)")
     assert run_steps(10, 10, 10)[3] == ("note: warmup_iters=10 is not below max_iters=10: the run ends in its warmup, "
                                         "short of the peak learning rate (lower warmup_iters)")
     # a decay that ends before the warmup does: the warmup, then min_lr at once

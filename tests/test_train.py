@@ -304,6 +304,9 @@ def test_a_run_refused_after_making_its_out_dir_leaves_none(data_dir, tmp_path):
     (["--lora_base_dtype=nf4"], "lora_base_dtype='nf4' is a setting of LoRA's adapters, and lora_rank=0 trains none"),
     (["--lora_targets=q,v"], "lora_targets='q,v' is a setting of LoRA's adapters, and lora_rank=0 trains none"),
     (["--family=banana"], "family='banana' is not one of 'llama', 'mistral', 'qwen2', 'qwen3'"),
+    (["--use_kernels=1"], "use_kernels=1 must be True, False or None (auto)"),  # (1 == True: it was taken)
+    (["--n_kv_head=-2"], "this run says n_kv_head=-2, not a whole number of at least 0"),  # (0: as n_head)
+    (["--config=config/train_small.py"], "a config file is given as it is: python train.py config/train_small.py"),
 ])
 def test_config_errors(data_dir, tmp_path, args, message):
     assert message in train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", *args)
