@@ -87,7 +87,7 @@ vocab_size, train_tokens = check_data_for_run(data_dir, meta, vocab_size if init
 # 4. where the run begins: from scratch, from a Hugging Face folder, or from its own checkpoint (start.py)
 
 # (on GPUs a resume maps ckpt.pt: a node's processes share one copy of it in memory, where each held its own)
-origin = begin(config, vocab_size, meta, fsdp, eval_sequences, mapped=device_type != "cpu")
+origin = begin({**config, "dtype": dtype}, vocab_size, meta, fsdp, eval_sequences, mapped=device_type != "cpu")
 # settings out of play, then what this command changes of a resumed run, or why it stops
 for note in [*settings.unused(config), *origin.notes] if master else ():
     print(note)
@@ -452,8 +452,10 @@ while True:
 
 if master and not eval_only and loop["evaluated"] and loop["iter_num"] > 0 and math.isfinite(loop["best_val_loss"]) \
         and ckpt.find_checkpoint(os.path.join(out_dir, "ckpt_best.pt")) is None:  # (a fine-tune that only got worse)
-    print(f"note: no evaluation after step 0 lowered its val loss {loop['best_val_loss']:.4f}, so no ckpt_best was "
-          f"written: the model the run began from scored best (lower learning_rate)")
+    came = ("it came before the checkpoint resumed from, whose run's ckpt_best (if any) this out_dir lacks" if
+            origin.found else "the model the run began from scored best (lower learning_rate)")
+    print(f"note: no evaluation {'of this resume' if origin.found else 'after step 0'} lowered the best val loss "
+          f"{loop['best_val_loss']:.4f}, so no ckpt_best was written: {came}")
 close_log()  # TensorBoard writes out what it buffers
 if master:
     print(wall_time(loop["iter_num"]))

@@ -114,9 +114,13 @@ def resume(origin, config, meta, eval_sequences):
         origin.notes += folder_notes(config, origin.pretrained, checkpoint["model_args"], hf=False)
     splits = checkpoint.get("data_fingerprint", {}).get("splits")
     prepared_again = splits not in (None, data_fingerprint(meta)["splits"])
-    if prepared_again:
-        origin.notes.append(f"note: {config['data_dir']} was prepared again since {found} was saved (its splits' "
-                            f"sizes differ): the run goes on through other sequences than it would have seen")
+    moved = checkpoint.get("data_dir") not in (None, os.path.abspath(config["data_dir"]))
+    if prepared_again or moved:  # (the same tokenizer: checked)
+        said = f"is not the data folder of {found} ({checkpoint['data_dir']})" if moved else \
+            f"was prepared again since {found} was saved"
+        origin.notes.append(f"note: {config['data_dir']} {said}" + (
+            " (its splits' sizes differ): the run goes on through other sequences than it would have seen"
+            if prepared_again else ": the run goes on through its sequences (those it would have seen, if a copy)"))
     measured = val_measure(config, meta)
     scored_whole = measured[1]  # (val_measure's) else random windows: how many (eval_iters x batch_size x replicas)
     other_windows = not scored_whole and checkpoint.get("eval_sequences", eval_sequences) != eval_sequences
@@ -175,6 +179,11 @@ def schedule_notes(before, config, step):
             else ""
         cut = f" (or at the {config['max_epochs']} epochs' last, if sooner)" if config["max_epochs"] > 0 else ""
         last = step == before.get("max_iters") and step % before.get("eval_interval", config["eval_interval"])
+        ratio, warmup = config["warmup_ratio"], math.ceil(config["warmup_ratio"] * config["max_iters"])
+        if ratio > 0 and not config["max_epochs"]:  # (of the epochs' steps, which max_iters does not move)
+            was += (f"; warmup_ratio={ratio} makes the warmup {warmup} steps (was "
+                    f"{math.ceil(ratio * before.get('max_iters', 0))})" + (
+                        f": from step {step} the learning rate is back in it" if warmup > step else ""))
         notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's {before.get('max_iters')}: "
                      f"the run ends at step {config['max_iters']}{cut}; lr_decay_iters, the schedule's length, is "
                      f"{config['lr_decay_iters']}{cut}{was}" + (

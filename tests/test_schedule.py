@@ -185,8 +185,8 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
     assert run_steps(10, 90, 5, lr_schedule="constant")[3] == run_steps(10, 90, 5, decay_lr=False)[3] == ""
     # under warmup_ratio, which sets warmup_iters, the note names it (lowering warmup_iters would change nothing)
     assert run_steps(3, 100, 1, warmup_ratio=0.5, max_epochs=1, epoch_steps=16)[3].endswith(
-        "note: warmup_ratio=0.5 (a warmup of 8) is not below max_iters=3: the run ends in its warmup, short of the peak "
-        "learning rate (lower warmup_ratio)")
+        "note: warmup_ratio=0.5 (a warmup of 8) is not below max_iters=3: the run ends in its warmup, short of the "
+        "peak learning rate (lower warmup_ratio)")
     assert run_steps(10, 10, 10)[3] == ("note: warmup_iters=10 is not below max_iters=10: the run ends in its warmup, "
                                         "short of the peak learning rate (lower warmup_iters)")
     # a decay that ends before the warmup does: the warmup, then min_lr at once
@@ -225,6 +225,15 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
     out = run(*args, "--init_from=resume", "--dropout=0.1", "--grad_clip=0.5", "--dtype=float32")
     assert "note: dropout=0.1, was 0.0; grad_clip=0.5, was 1.0: this command's, not the checkpoint's, from step 4 on" \
         in out.stdout
+    # dtype='auto' as this machine makes it: a checkpoint of another's (bfloat16 on a GPU) is said to differ
+    run(*args, "--dtype=bfloat16", "--max_iters=4", f"--out_dir={tmp_path / 'bf16'}")
+    out = run(*args, f"--out_dir={tmp_path / 'bf16'}", "--init_from=resume")
+    assert "note: dtype=float32, was bfloat16: this command's, not the checkpoint's, from step 4 on" in out.stdout
+    # under warmup_ratio, a longer run's warmup is longer: one that ends past the step takes the rates back into it
+    run(*args, "--warmup_ratio=0.5", "--max_iters=4", f"--out_dir={tmp_path / 'ratio'}")
+    out = run(*args, "--warmup_ratio=0.5", "--max_iters=12", f"--out_dir={tmp_path / 'ratio'}", "--init_from=resume")
+    assert ("; warmup_ratio=0.5 makes the warmup 6 steps (was 2): from step 4 the learning rate is back in it"
+            in out.stdout), out.stdout
     # the same batches split otherwise: dropout's masks, drawn a micro-step at a time, are not the run's it continues
     run(*args, "--dropout=0.1", "--max_iters=4", f"--out_dir={tmp_path / 'drop'}")
     out = run(*args, "--dropout=0.1", f"--out_dir={tmp_path / 'drop'}", "--init_from=resume", "--batch_size=2",

@@ -332,6 +332,16 @@ def test_half_of_torchruns_variables_left_in_the_environment_is_one_line(data_di
     assert f"{left} is set but" in out.stderr and f"unset {left}" in out.stderr, out.stderr
 
 
+def test_a_resume_on_another_data_folder_says_so(data_dir, tmp_path):
+    # it said nothing (a folder of the same sizes), or that the run's own folder "was prepared again"
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1")
+    shutil.copytree(data_dir, tmp_path / "copy")
+    out = run(*TINY, f"--data_dir={tmp_path / 'copy'}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2",
+              "--init_from=resume").stdout
+    assert (f"note: {tmp_path / 'copy'} is not the data folder of {tmp_path / 'run' / 'ckpt.pt'} ({data_dir}): the run "
+            f"goes on through its sequences (those it would have seen, if a copy)") in out, out
+
+
 def test_a_tilde_after_an_equals_sign_is_the_home_folder(data_dir, tmp_path):
     # bash leaves --out_dir=~/run as it is (it expands --out_dir ~/run): the run went to a folder named ~
     run(*TINY, f"--data_dir={data_dir}", "--out_dir=~/run", "--max_iters=1", env={"HOME": str(tmp_path)})
@@ -435,9 +445,15 @@ def test_a_run_no_evaluation_of_which_beats_step_0_says_it_wrote_no_best(data_di
     from lib.trained import load_model
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2", "--eval_interval=1",
               "--learning_rate=0", "--min_lr=0")
-    assert re.search(r"note: no evaluation after step 0 lowered its val loss \d\.\d{4}, so no ckpt_best was written: "
-                     r"the model the run began from scored best \(lower learning_rate\)", out.stdout), out.stdout
+    assert re.search(r"note: no evaluation after step 0 lowered the best val loss \d\.\d{4}, so no ckpt_best was "
+                     r"written: the model the run began from scored best \(lower learning_rate\)", out.stdout)
     assert (tmp_path / "ckpt.pt").exists() and not (tmp_path / "ckpt_best.pt").exists()
+    # a resume (here in a folder a step copy was taken into) whose evaluations did not beat the best before it: that
+    # best came from the run it continues (the note blamed the step 0 it never had)
+    resumed = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=1",
+                  "--learning_rate=0", "--min_lr=0", "--init_from=resume").stdout
+    assert "note: no evaluation of this resume lowered the best val loss" in resumed and "it came before the " \
+        "checkpoint resumed from, whose run's ckpt_best (if any) this out_dir lacks" in resumed, resumed
     with pytest.raises(UserError, match=r"\(a run writes ckpt_best once an evaluation after step 0 lowers its val "
                                         r"loss\)$"):
         load_model(str(tmp_path / "ckpt_best.pt"))
