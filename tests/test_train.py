@@ -342,6 +342,20 @@ def test_a_resume_on_another_data_folder_says_so(data_dir, tmp_path):
             f"goes on through its sequences (those it would have seen, if a copy)") in out, out
 
 
+def test_examples_that_lose_most_of_their_tokens_to_block_size_warn(data_dir, tmp_path):
+    # plain text read as examples is one example (or a few), cut to a sequence: a run trained on 0.0% of it, said
+    # only in a line of figures
+    (tmp_path / "book.txt").write_text("".join(f"line {i} of one long text\n" for i in range(400)))
+    done = script("prepare.py", tmp_path / "book.txt", "--tokenizer=char", f"--out_dir={tmp_path / 'data'}")
+    assert done.returncode == 0, done.stderr
+    args = [*TINY, f"--data_dir={tmp_path / 'data'}", "--max_iters=1", "--eval_iters=1"]
+    out = run(*args, f"--out_dir={tmp_path / 'run'}", "--sequences=examples").stdout
+    assert "warning: cut to block_size, the examples lose most of their tokens: sequences='windows'" in out, out
+    many = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'many'}", "--max_iters=1",
+               "--sequences=examples").stdout  # documents of which ~80% of the tokens fit: no warning
+    assert "examples: " in many and "warning: cut" not in many
+
+
 def test_a_tilde_after_an_equals_sign_is_the_home_folder(data_dir, tmp_path):
     # bash leaves --out_dir=~/run as it is (it expands --out_dir ~/run): the run went to a folder named ~
     run(*TINY, f"--data_dir={data_dir}", "--out_dir=~/run", "--max_iters=1", env={"HOME": str(tmp_path)})
