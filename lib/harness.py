@@ -148,7 +148,7 @@ class Model(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_new = kwargs.pop("max_gen_toks")
             if max_new >= self.max_length:
-                raise UserError(f"the task generates up to {max_new} tokens, as many as the model's block_size="
+                raise UserError(f"the task generates up to {max_new} tokens, at least the model's block_size="
                                 f"{self.max_length}: give it a smaller max_gen_toks")
             if self.dry:
                 out.append("")
@@ -189,6 +189,8 @@ def load_tasks(names, include_path=None):
     wanted = [name.strip() for name in names.split(",") if name.strip()]
     if not wanted:
         raise UserError("no task named: give --tasks=NAME[,NAME...] (hellaswag, arc_easy, or a local task file's)")
+    if include_path and not os.path.isdir(include_path):
+        raise UserError(f"the task folder {include_path} is not a folder: give --include_path a folder of task files")
     if include_path:  # a task folder is code, as a config file is (docs/checkpoints.md, 'What is checked')
         print(f"task files from {os.path.abspath(include_path)}: lm-evaluation-harness runs their !function modules "
               f"and renders their templates unsandboxed (load only folders you trust)", flush=True)

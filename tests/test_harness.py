@@ -300,6 +300,8 @@ def test_an_unknown_task_and_unreachable_data_are_one_line(tasks, tmp_path):
     with pytest.raises(UserError, match=r"no task broken nor in .*broken \(whose files lm_eval cannot parse it "
                                         r"leaves out: check the YAML\)$"):
         harness.load_tasks("broken", str(tmp_path / "broken"))
+    with pytest.raises(UserError, match=r"the task folder .*nowhere is not a folder"):  # (it said the task was not in
+        harness.load_tasks("tiny_hellaswag", str(tmp_path / "nowhere"))  # it, whose YAML was to check)
     done = eval_py(f"--out_dir={tmp_path}", "--tasks=remote_task", f"--include_path={remote_task(tmp_path)}")
     one_line(done, "cannot load the data of remote_task")
     # results that could not be written once the tasks ran: refused before they run
@@ -396,7 +398,6 @@ def test_training_refuses_a_task_it_cannot_load_or_score_before_the_first_step(r
     # load_tasks's refusal, the one for data that cannot be reached: an unknown name (the same UserError from the
     # same call, test_an_unknown_task_and_unreachable_data_are_one_line) would cost the harness's whole index
     needs_lm_eval()
-    import shutil
     data = run_here[1]
     done = run(*SHAPE, f"--data_dir={data}", f"--out_dir={tmp_path / 'run'}", "--eval_tasks=remote_task",
                f"--eval_tasks_path={remote_task(tmp_path / 'tasks')}", "--max_iters=2", check=False, env=OFFLINE)
@@ -411,7 +412,7 @@ def test_training_refuses_a_task_it_cannot_load_or_score_before_the_first_step(r
     done = run(*SHAPE, f"--data_dir={data}", f"--out_dir={tmp_path / 'resumed'}", "--init_from=resume",
                "--max_iters=14", "--eval_interval=4", "--eval_tasks=tiny_long",
                f"--eval_tasks_path={tmp_path / 'long'}", check=False, env=OFFLINE)
-    assert done.returncode == 1 and "the task generates up to 100 tokens, as many as the model's block_size=64" \
+    assert done.returncode == 1 and "the task generates up to 100 tokens, at least the model's block_size=64" \
         in done.stderr and "iter 11" not in done.stdout, done.stdout + done.stderr
 
 
