@@ -25,13 +25,13 @@ import torch
 
 from lib.bounds import confined
 from lib.files import UserError, durable_replace, one_line_errors, open_own, read_json
-from lib.hf import eos_ids, save_pretrained, special_ids
+from lib.hf import save_pretrained
 from lib.lora import merge_lora, write_adapter
 from lib.parallel import pick_device
 from lib.start import frozen_dtype, quantized_kind
 from lib.tokenizer import bases_tokenizer
 from lib.tokenizer_json import hf_tokenizer_files
-from lib.trained import load_run, run_chat
+from lib.trained import load_run, run_chat, run_special_ids
 
 
 def load_exported(args):
@@ -107,20 +107,6 @@ def base_jinja(base):
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text, not a chat template: replace it with the model's own, or "
                         f"remove it") from None
-
-
-def run_special_ids(tokenizer, base):
-    """config.json's special token ids: a base's own, else the data's BOS (if any) and end-of-text as eos and pad."""
-    if base:
-        ids = special_ids(base)
-        if ids.get("eos_token_id") is None:  # (as transformers 5 saves a Qwen3Config()): as llama.cpp's converter
-            said = eos_ids(base, tokenizer) if bases_tokenizer(tokenizer, base) else []  # and transformers read it
-            ids["eos_token_id"] = said[0] if said else tokenizer.eot_id
-        return ids
-    if tokenizer.eot_id is None:  # nanoGPT's characters have no end-of-text
-        return {}
-    bos = {"bos_token_id": tokenizer.bos_id} if tokenizer.bos_id is not None else {}
-    return {**bos, "eos_token_id": tokenizer.eot_id, "pad_token_id": tokenizer.eot_id}
 
 
 def write_json(path, content):
@@ -328,6 +314,14 @@ def main(argv=None):
               f"{', dequantized' if held in ('nf4', 'int8') else ''})")
 
 
+def gguf_template(chat):
+    # a chat run's template for llama.cpp, which renders it with the text of the file's BOS and EOS (its default where
+    # it has none): the ones the data was rendered with set first, on a line of their own (trim_blocks takes it along)
+    said = [f"{{% set {name} = {json.dumps(chat[name], ensure_ascii=False)} %}}"
+            for name in ("bos_token", "eos_token") if isinstance(chat.get(name), str)]
+    return "".join(said) + "\n" + chat["template"]
+
+
 def export_gguf(args):
     # --to=NAME.gguf: one file, written beside its name and renamed into place when whole
     try:
@@ -354,10 +348,7 @@ def export_gguf(args):
         ids = run_special_ids(tokenizer, base)
         if chat:  # generation stops at the end of the assistant's turn, as in write_chat
             ids["eos_token_id"] = chat["end_of_turn_id"]
-            # llama.cpp gives the template the text of the file's BOS and EOS (a default where it has no BOS): the
-            # template is given the ones the data was rendered with
-            template = "".join(f"{{% set {name} = {json.dumps(chat[name], ensure_ascii=False)} %}}"
-                               for name in ("bos_token", "eos_token") if isinstance(chat.get(name), str)) + template
+            template = gguf_template(chat)
         elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
             config = os.path.join(base, "tokenizer_config.json")
             template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)

@@ -323,8 +323,8 @@ class Batches:
         train = self.splits["train"]
         lost = self.mode.examples and train.targets[0] < train.targets[1] / 2  # (plain text: one example, the corpus)
         return f"val loss: {val}" + (f"\n{train.packing()}" if self.mode.examples else "") + (
-            "\nwarning: cut to block_size, the examples lose most of their tokens: sequences='windows' trains on all "
-            "of a text (examples are for conversations and records; or raise block_size)" if lost else "")
+            "\nwarning: cut to block_size, the examples lose most of their tokens: raise block_size (plain text: "
+            "sequences='windows' trains on all of it)" if lost else "")
 
     def to_device(self, tensors):
         return [t if t is None else (t.pin_memory() if self.pinned else t).to(self.device, non_blocking=self.pinned)

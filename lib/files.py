@@ -41,9 +41,9 @@ def one_line_errors(script):
     """Print an uncaught UserError as one line labelled with the running script's name (train.py, ...), and nothing
     for output cut short by its reader (a BrokenPipeError). And a ~ that begins an argument's value (--out_dir=~/runs)
     is the home folder, as the shell makes it of --out_dir ~/runs but leaves it after an '=' (a folder named ~)."""
-    for i, arg in enumerate(sys.argv[1:], 1):
+    for i, arg in enumerate(sys.argv[1:], 1):  # (not a prompt's: sample.py's --start and --system are text)
         key, eq, value = arg.partition("=")
-        if key.startswith("--") and eq and value.startswith("~"):
+        if key.startswith("--") and key not in ("--start", "--system", "--title") and value.startswith("~/"):
             sys.argv[i] = key + eq + os.path.expanduser(value)
     default = sys.excepthook
 

@@ -145,11 +145,13 @@ def special_ids(folder):
     return {name: hf[name] for name in ("bos_token_id", "eos_token_id", "pad_token_id") if name in hf}
 
 
-def eos_ids(folder, tokenizer):
+def eos_ids(folder, tokenizer, names=("tokenizer_config.json", "generation_config.json")):
     """The ids a Hugging Face folder's model ends a text with, as transformers reads them: tokenizer_config.json's
-    eos_token first (Qwen3's <|im_end|>, where tokenizer.eot_id is <|endoftext|>), then generation_config.json's."""
+    eos_token first (Qwen3's <|im_end|>, where tokenizer.eot_id is <|endoftext|>), then generation_config.json's
+    (names: of these files, those to read)."""
     ids, specials = [], tokenizer.special_tokens()
-    for name, key in (("tokenizer_config.json", "eos_token"), ("generation_config.json", "eos_token_id")):
+    for name, key in [(name, key) for name, key in (("tokenizer_config.json", "eos_token"),
+                                                    ("generation_config.json", "eos_token_id")) if name in names]:
         said = read_json(Path(folder) / name).get(key) if (Path(folder) / name).is_file() else None
         said = said.get("content") if isinstance(said, dict) else said
         ids += [specials.get(i) if isinstance(i, str) else i for i in (said if isinstance(said, list) else [said])]

@@ -178,8 +178,9 @@ def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epo
                      f"lr_decay_iters={lr_decay_iters} steps: it will not reach min_lr in this run (for a run of "
                      f"{max_iters} steps, set lr_decay_iters={max_iters})")
     # the warmup as the run's settings say it: warmup_ratio's steps where it is set, which warmup_iters then is not
-    warmup, knob = ((f"warmup_ratio={warmup_ratio} (a warmup of {warmup_iters})", "warmup_ratio") if warmup_ratio > 0 else
-                    (f"warmup_iters={warmup_iters}", "warmup_iters"))
+    knob = "warmup_ratio" if warmup_ratio > 0 else "warmup_iters"
+    warmup = f"warmup_ratio={warmup_ratio} (a warmup of {warmup_iters})" if warmup_ratio > 0 else \
+        f"warmup_iters={warmup_iters}"
     if decay_lr and 0 < max_iters <= warmup_iters:
         notes.append(f"note: {warmup} is not below max_iters={max_iters}: the run ends in its warmup, short of the "
                      f"peak learning rate (lower {knob})")

@@ -182,7 +182,8 @@ def check_same_settings(settings, data_dir):
 def init_distributed(device, dtype, backend, tp_size, fsdp, offload, timeout):
     """This run's processes (torchrun's, or one alone) in a (dp, tp) mesh: 'auto' resolved, group joined."""
     said = [name for name in ("RANK", "WORLD_SIZE") if name in os.environ]  # torchrun sets both, a stray one is left
-    if len(said) == 1:  # over from a job script (one process that took WORLD_SIZE=2 ran half of what it printed)
+    if len(said) == 1 and os.environ.get("WORLD_SIZE") != "1":  # over from a job script (one process that took
+        # WORLD_SIZE=2 ran half of what it printed; WORLD_SIZE=1 is one process)
         raise UserError(f"{said[0]} is set but {({'RANK', 'WORLD_SIZE'} - set(said)).pop()} is not: start the run with "
                         f"torchrun, or unset {said[0]}")
     ddp, rank, world_size = "RANK" in os.environ, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

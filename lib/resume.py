@@ -114,7 +114,8 @@ def resume(origin, config, meta, eval_sequences):
         origin.notes += folder_notes(config, origin.pretrained, checkpoint["model_args"], hf=False)
     splits = checkpoint.get("data_fingerprint", {}).get("splits")
     prepared_again = splits not in (None, data_fingerprint(meta)["splits"])
-    moved = checkpoint.get("data_dir") not in (None, os.path.abspath(config["data_dir"]))
+    moved = checkpoint.get("data_dir") is not None and \
+        os.path.realpath(checkpoint["data_dir"]) != os.path.realpath(config["data_dir"])  # (a link to it is it)
     if prepared_again or moved:  # (the same tokenizer: checked)
         said = f"is not the data folder of {found} ({checkpoint['data_dir']})" if moved else \
             f"was prepared again since {found} was saved"
@@ -180,10 +181,11 @@ def schedule_notes(before, config, step):
         cut = f" (or at the {config['max_epochs']} epochs' last, if sooner)" if config["max_epochs"] > 0 else ""
         last = step == before.get("max_iters") and step % before.get("eval_interval", config["eval_interval"])
         ratio, warmup = config["warmup_ratio"], math.ceil(config["warmup_ratio"] * config["max_iters"])
+        warmed = math.ceil(before.get("warmup_ratio", 0) * before.get("max_iters", 0)) if before.get(
+            "warmup_ratio", 0) > 0 else before.get("warmup_iters", 0)  # the checkpoint's warmup
         if ratio > 0 and not config["max_epochs"]:  # (of the epochs' steps, which max_iters does not move)
-            was += (f"; warmup_ratio={ratio} makes the warmup {warmup} steps (was "
-                    f"{math.ceil(ratio * before.get('max_iters', 0))})" + (
-                        f": from step {step} the learning rate is back in it" if warmup > step else ""))
+            was += f"; warmup_ratio={ratio} makes the warmup {warmup} steps (was {warmed})" + (
+                f": from step {step} the learning rate is back in it" if warmed <= step < warmup else "")
         notes.append(f"note: max_iters is {config['max_iters']}, not the checkpoint's {before.get('max_iters')}: "
                      f"the run ends at step {config['max_iters']}{cut}; lr_decay_iters, the schedule's length, is "
                      f"{config['lr_decay_iters']}{cut}{was}" + (

@@ -336,8 +336,9 @@ def decoded(path):
                 raise SkipFile("UTF-16 text (convert it to UTF-8)")
             packed = next((kind for magic, kind in COMPRESSED.items() if offset == 0 and data.startswith(magic)), None)
             if packed and (packed != "bzip2" or data[4:10] in (b"1AY&SY", b"\x17rE8P")):  # (a text may begin "BZh")
-                raise SkipFile(f"{packed}-compressed ({'name it .gz' if packed == 'gzip' else 'decompress it'}"
-                               f" to have it read)")
+                misnamed = packed == "gzip" and not path.name.lower().endswith(".gz")
+                raise SkipFile(f"{packed}-compressed ({'name it .gz' if misnamed else 'decompress it'} to have it "
+                               f"read{'; a .docx or .epub is a zip of XML: save its text' if packed == 'zip' else ''})")
             if offset == 0 and data.startswith(codecs.BOM_UTF8):
                 data, offset = data[3:], 3
             if b"\0" in data:

@@ -10,7 +10,7 @@ import os
 
 from lib.checkpoint import find_checkpoint
 from lib.files import UserError, data_fingerprint, read_meta, tokenizer_fingerprint
-from lib.hf import eos_ids, folder_splits_special, load_pretrained
+from lib.hf import eos_ids, folder_splits_special, load_pretrained, special_ids
 from lib.resume import load_checked, model_from_checkpoint
 from lib.start import check_fused_ops, frozen_dtype, quantized_kind
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
@@ -114,18 +114,40 @@ def chat_stops(folder, tokenizer, end_of_turn, checkpoint=None):
     return list(dict.fromkeys(i for i in stops if i is not None))
 
 
+def run_special_ids(tokenizer, base):
+    """config.json's special token ids for the run's export: a base's own, else the data's BOS (if any) and
+    end-of-text as eos and pad. A base's config.json without an eos (as transformers 5 saves a Qwen3Config()) gets the
+    one its tokenizer_config.json, else generation_config.json names, as llama.cpp's converter and transformers read."""
+    if base:
+        ids = special_ids(base)
+        if ids.get("eos_token_id") is None:
+            said = eos_ids(base, tokenizer) if bases_tokenizer(tokenizer, base) else []
+            ids["eos_token_id"] = said[0] if said else tokenizer.eot_id
+        return ids
+    if tokenizer.eot_id is None:  # nanoGPT's characters have no end-of-text
+        return {}
+    bos = {"bos_token_id": tokenizer.bos_id} if tokenizer.bos_id is not None else {}
+    return {**bos, "eos_token_id": tokenizer.eot_id, "pad_token_id": tokenizer.eot_id}
+
+
 def exported_eos_ids(checkpoint, tokenizer):
     """The ids that end a text in the run's export, as transformers reads them there (hf.eos_ids: tokenizer_config's
-    eos_token, lm_eval's end of text, then generation_config.json's): export.write_tokenizer carries a base's
-    generation_config.json, and its tokenizer_config.json where the data was made with its tokenizer (else it writes
-    the end-of-text as eos_token); write_chat puts the data's eos_token first and the end of turn before the rest."""
+    eos_token, lm_eval's end of text, then generation_config.json's), as export.write_tokenizer writes them: a base's
+    tokenizer_config.json carried where the data was made with its tokenizer (else its own, eos_token the end of
+    text), its generation_config.json carried (else run_special_ids'); write_chat's eos_token first, the end of turn
+    before the rest and the end of text after them."""
     base, chat = checkpoint.get("pretrained") or "", run_chat(checkpoint)
-    ids = eos_ids(base, tokenizer) if base else []
-    if not bases_tokenizer(tokenizer, base):
-        ids = [tokenizer.eot_id, *ids]
+    carried = [name for name in ("tokenizer_config.json", "generation_config.json")
+               if base and os.path.isfile(os.path.join(base, name))]
+    first = eos_ids(base, tokenizer, ["tokenizer_config.json"]) \
+        if "tokenizer_config.json" in carried and bases_tokenizer(tokenizer, base) else [tokenizer.eot_id]
+    written = run_special_ids(tokenizer, base).get("eos_token_id")
+    then = eos_ids(base, tokenizer, ["generation_config.json"]) if "generation_config.json" in carried else \
+        written if isinstance(written, list) else [written]
     if chat:
-        ids = [tokenizer.special_tokens().get(chat.get("eos_token")), chat["end_of_turn_id"], *ids, tokenizer.eot_id]
-    return list(dict.fromkeys(i for i in ids if i is not None)) or None
+        first = [tokenizer.special_tokens().get(chat["eos_token"])] if chat.get("eos_token") else first
+        then = [chat["end_of_turn_id"], *then, tokenizer.eot_id]
+    return list(dict.fromkeys(i for i in [*first, *then] if i is not None)) or None
 
 
 def splits_special(checkpoint, tokenizer):

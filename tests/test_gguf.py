@@ -157,6 +157,19 @@ def test_every_tiktoken_pattern_has_llama_cpps_name():
         assert PRE_TOKENIZERS[pattern] == pre, name
 
 
+def test_a_chat_template_renders_in_gguf_as_its_data_was_whatever_bos_and_eos_llama_cpp_gives_it():
+    # llama.cpp gives {{ bos_token }} its default (11: a comma in GPT-2's) where the file has no BOS; the template's
+    # first line (a newline, spaces before a block) renders as it did, under trim_blocks and lstrip_blocks
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import export
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    for template in ["\n{{ bos_token }}X{{ eos_token }}", "  {% if true %}X{% endif %}{{ eos_token }}",
+                     "{%- if true %}\nY {{ bos_token }}{% endif %}"]:
+        chat = {"template": template, "bos_token": "", "eos_token": '<|end "of" \\ tür|>'}
+        data = env.from_string(template).render(bos_token="", eos_token=chat["eos_token"])
+        assert env.from_string(export.gguf_template(chat)).render(bos_token=",", eos_token=",") == data, template
+
+
 def test_char_tokenizer_is_refused_in_one_line():
     tokenizer = make_tokenizer("char", lambda: iter(["hello world"]))
     with pytest.raises(ValueError) as e:

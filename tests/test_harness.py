@@ -181,11 +181,13 @@ def test_an_imported_qwen3_with_lora_scores_as_its_export_under_lm_eval_hf(share
     assert_same_results(ours(root / "run", tasks, batch_size=3), theirs(root / "hf", tasks))
 
 
-@pytest.mark.slow  # a fine-tune of a copy of test_finetune's tiny Qwen3, its export, and eval.py on both: ~40 s
-def test_a_run_from_a_folder_whose_texts_end_with_im_end_scores_as_its_export(shared, tasks, tmp_path):
+@pytest.mark.slow  # a fine-tune of a copy of test_finetune's tiny Qwen3, its export, and eval.py on both: ~10 s
+@pytest.mark.parametrize("named", [True, False], ids=["tokenizer_config names it", "generation_config alone"])
+def test_a_run_from_a_folder_whose_texts_end_with_im_end_scores_as_its_export(shared, tasks, tmp_path, named):
     # a base whose tokenizer_config.json names <|im_end|> as eos_token, as a real Qwen3's does: lm_eval's end of text
     # (which begins every rolling window, and stands for an empty context) is it in the export, and so in the run
-    # (eval.py on the run took the tokenizer's <|endoftext|>: every rolling item differed)
+    # (eval.py on the run took the tokenizer's <|endoftext|>: every rolling item differed). Without that file the
+    # export's tokenizer_config.json is its own, whose eos_token is the end of text, the run's too
     needs_lm_eval()
     tokenizers = pytest.importorskip("tokenizers")
     from test_finetune import FINETUNE, corpus_text, make_pretrained
@@ -195,7 +197,8 @@ def test_a_run_from_a_folder_whose_texts_end_with_im_end_scores_as_its_export(sh
     tok.add_special_tokens(["<|im_end|>"])
     tok.save(str(base / "tokenizer.json"))
     ends = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
-    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    if named:
+        (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     (base / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "text.txt").write_text(corpus_text()[:100_000])

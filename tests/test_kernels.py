@@ -313,6 +313,7 @@ def test_linear_cross_entropy_with_large_logits_is_as_close_to_float64_as_the_pl
 
 
 @needs_triton
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA a device-side assert, which ends the process's CUDA context")
 def test_linear_cross_entropy_refuses_a_target_outside_the_vocabulary():
     # it would read another row's logits (or past the buffer) for its loss; the plain op raises
     x, w = randn(4, 8), randn(30, 8)

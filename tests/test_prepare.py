@@ -1282,9 +1282,11 @@ def test_a_compressed_file_is_named_as_compressed_not_binary(tmp_path):
     write(tmp_path / "src" / "b.jsonl.xz", lzma.compress(text))
     write(tmp_path / "src" / "c.txt", gzip.compress(text))  # a gzip not named .gz
     write(tmp_path / "src" / "d.txt", b"BZh is how this text begins\n")
+    write(tmp_path / "src" / "e.txt.gz", gzip.compress(gzip.compress(text)))  # gzipped twice: named .gz already
     meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction=0")
     assert read_all(tmp_path / "out") == ["BZh is how this text begins\n"]
     assert {Path(s["path"]).name: s["reason"] for s in meta["skipped_files"]} == {
         "a.txt.bz2": "bzip2-compressed (decompress it to have it read)",
         "b.jsonl.xz": "xz-compressed (decompress it to have it read)",
-        "c.txt": "gzip-compressed (name it .gz to have it read)"}
+        "c.txt": "gzip-compressed (name it .gz to have it read)",
+        "e.txt.gz": "gzip-compressed (decompress it to have it read)"}

@@ -234,6 +234,9 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
     out = run(*args, "--warmup_ratio=0.5", "--max_iters=12", f"--out_dir={tmp_path / 'ratio'}", "--init_from=resume")
     assert ("; warmup_ratio=0.5 makes the warmup 6 steps (was 2): from step 4 the learning rate is back in it"
             in out.stdout), out.stdout
+    # the checkpoint's own warmup (its ratio of its max_iters), and no "back" for a run still in it
+    out = run(*args, "--warmup_ratio=0.25", "--max_iters=40", f"--out_dir={tmp_path / 'ratio'}", "--init_from=resume")
+    assert "; warmup_ratio=0.25 makes the warmup 10 steps (was 6)" in out.stdout and "back in it" not in out.stdout
     # the same batches split otherwise: dropout's masks, drawn a micro-step at a time, are not the run's it continues
     run(*args, "--dropout=0.1", "--max_iters=4", f"--out_dir={tmp_path / 'drop'}")
     out = run(*args, "--dropout=0.1", f"--out_dir={tmp_path / 'drop'}", "--init_from=resume", "--batch_size=2",

@@ -348,7 +348,8 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path, mon
     # a default: ","): it renders as the data was, whatever they are
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     messages = [{"role": "user", "content": "apple river"}, {"role": "assistant", "content": "river apple"}]
-    template = ImmutableSandboxedEnvironment().from_string(fields["tokenizer.chat_template"].contents())
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        fields["tokenizer.chat_template"].contents())
     assert template.render(messages=messages, bos_token=",", eos_token=",") == fmt.render(messages)
     transformers = pytest.importorskip("transformers")
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

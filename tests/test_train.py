@@ -330,6 +330,8 @@ def test_half_of_torchruns_variables_left_in_the_environment_is_one_line(data_di
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", check=False, env={left: value})
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and not (tmp_path / "ckpt.pt").exists()
     assert f"{left} is set but" in out.stderr and f"unset {left}" in out.stderr, out.stderr
+    if left == "WORLD_SIZE":  # WORLD_SIZE=1 alone (some job environments export it) is one process, as it was
+        run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'one'}", "--max_iters=1", env={left: "1"})
 
 
 def test_a_resume_on_another_data_folder_says_so(data_dir, tmp_path):
@@ -340,6 +342,10 @@ def test_a_resume_on_another_data_folder_says_so(data_dir, tmp_path):
               "--init_from=resume").stdout
     assert (f"note: {tmp_path / 'copy'} is not the data folder of {tmp_path / 'run' / 'ckpt.pt'} ({data_dir}): the run "
             f"goes on through its sequences (those it would have seen, if a copy)") in out, out
+    (tmp_path / "link").symlink_to(tmp_path / "copy")  # the checkpoint's folder by another name: no note
+    out = run(*TINY, f"--data_dir={tmp_path / 'link'}", f"--out_dir={tmp_path / 'run'}", "--max_iters=3",
+              "--init_from=resume").stdout
+    assert "is not the data folder" not in out, out
 
 
 def test_examples_that_lose_most_of_their_tokens_to_block_size_warn(data_dir, tmp_path):
@@ -350,18 +356,27 @@ def test_examples_that_lose_most_of_their_tokens_to_block_size_warn(data_dir, tm
     assert done.returncode == 0, done.stderr
     args = [*TINY, f"--data_dir={tmp_path / 'data'}", "--max_iters=1", "--eval_iters=1"]
     out = run(*args, f"--out_dir={tmp_path / 'run'}", "--sequences=examples").stdout
-    assert "warning: cut to block_size, the examples lose most of their tokens: sequences='windows'" in out, out
+    assert "warning: cut to block_size, the examples lose most of their tokens: raise block_size (plain text: " \
+        "sequences='windows'" in out, out
     many = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'many'}", "--max_iters=1",
                "--sequences=examples").stdout  # documents of which ~80% of the tokens fit: no warning
     assert "examples: " in many and "warning: cut" not in many
 
 
-def test_a_tilde_after_an_equals_sign_is_the_home_folder(data_dir, tmp_path):
+def test_a_tilde_after_an_equals_sign_is_the_home_folder(data_dir, tmp_path, monkeypatch):
     # bash leaves --out_dir=~/run as it is (it expands --out_dir ~/run): the run went to a folder named ~
     run(*TINY, f"--data_dir={data_dir}", "--out_dir=~/run", "--max_iters=1", env={"HOME": str(tmp_path)})
     assert (tmp_path / "run" / "ckpt.pt").is_file() and not (ROOT / "~").exists()
     done = script("export.py", "--out_dir=~/elsewhere", "--to=~/hf", env={"HOME": str(tmp_path)})
     assert done.returncode == 1 and f"no checkpoint at {tmp_path}/elsewhere/ckpt.pt" in done.stderr, done.stderr
+    # a prompt is text, and ~user or ~ alone is not taken for a folder
+    from lib.files import one_line_errors
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(sys, "argv", ["sample.py", "--start=~/ a prompt", "--system=~/", "--out_dir=~root/x",
+                                      "--to=~", "--data_dir=~/d"])
+    monkeypatch.setenv("HOME", str(tmp_path))
+    one_line_errors("sample.py")
+    assert sys.argv[1:] == ["--start=~/ a prompt", "--system=~/", "--out_dir=~root/x", "--to=~", f"--data_dir={tmp_path}/d"]
 
 
 def test_config_file_is_python_and_checked(data_dir, tmp_path):
