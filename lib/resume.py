@@ -112,16 +112,7 @@ def resume(origin, config, meta, eval_sequences):
     origin.notes.append(f"resuming {found} at step {loop['iter_num']}")
     if origin.pretrained:  # the model's settings given here, as at the run's start
         origin.notes += folder_notes(config, origin.pretrained, checkpoint["model_args"], hf=False)
-    splits = checkpoint.get("data_fingerprint", {}).get("splits")
-    prepared_again = splits not in (None, data_fingerprint(meta)["splits"])
-    moved = checkpoint.get("data_dir") is not None and \
-        os.path.realpath(checkpoint["data_dir"]) != os.path.realpath(config["data_dir"])  # (a link to it is it)
-    if prepared_again or moved:  # (the same tokenizer: checked)
-        said = f"is not the data folder of {found} ({checkpoint['data_dir']})" if moved else \
-            f"was prepared again since {found} was saved"
-        origin.notes.append(f"note: {config['data_dir']} {said}" + (
-            " (its splits' sizes differ): the run goes on through other sequences than it would have seen"
-            if prepared_again else ": the run goes on through its sequences (those it would have seen, if a copy)"))
+    prepared_again = data_note(origin, checkpoint, config["data_dir"], meta)
     measured = val_measure(config, meta)
     scored_whole = measured[1]  # (val_measure's) else random windows: how many (eval_iters x batch_size x replicas)
     other_windows = not scored_whole and checkpoint.get("eval_sequences", eval_sequences) != eval_sequences
@@ -153,6 +144,22 @@ def resume(origin, config, meta, eval_sequences):
                                    config["dropout"])
     origin.notes += schedule_notes(before, config, loop["iter_num"])
     origin.notes += dropout_note(checkpoint, config, origin.model_args)
+
+
+def data_note(origin, checkpoint, data_dir, meta):
+    # a note where the data is another folder than the checkpoint's, or its folder prepared again since (its splits'
+    # sizes differ, as returned: the val loss is measured anew); the same tokenizer is checked already
+    splits = checkpoint.get("data_fingerprint", {}).get("splits")
+    prepared_again = splits not in (None, data_fingerprint(meta)["splits"])
+    moved = checkpoint.get("data_dir") is not None and \
+        os.path.realpath(checkpoint["data_dir"]) != os.path.realpath(data_dir)  # (a link to it is it)
+    if prepared_again or moved:
+        said = f"is not the data folder of {origin.found} ({checkpoint['data_dir']})" if moved else \
+            f"was prepared again since {origin.found} was saved"
+        origin.notes.append(f"note: {data_dir} {said}" + (
+            " (its splits' sizes differ): the run goes on through other sequences than it would have seen"
+            if prepared_again else ": the run goes on through its sequences (those it would have seen, if a copy)"))
+    return prepared_again
 
 
 def split_note(before, batch_size, accumulation, dropout):
