@@ -480,10 +480,10 @@ def report_run(meta, out, replacing, seconds, started, threads):
           f"{meta['dtype']})" + (f", learned in {seconds['learn']:.1f} s" if seconds["learn"] > 0.5 else ""))
     kind, _, asked = meta["tokenizer"]["name"].partition(":")
     made = meta["vocab_size"] - (kind == "bpe")  # bpe:N's N tokens, then end-of-text; wordpiece:N's N count its own
-    if kind in ("bpe", "wordpiece") and made < int(asked):
+    if kind in ("bpe", "wordpiece") and made < int(asked) and seconds["learn"]:  # (learned here, not reused)
         print(f"note: the corpus held too little text to learn {asked} tokens: it has {made}"
               f"{' and end-of-text' if kind == 'bpe' else ''} (more text gives more)")
-    if kind == "wordpiece" and made > int(asked):  # each character, alone and as a word's continuation, is a token
+    if kind == "wordpiece" and made > int(asked) and seconds["learn"]:  # a character: a token alone, and as a 2nd
         print(f"note: the corpus's characters alone make {made} WordPiece tokens, more than the {asked} asked for")
     for split in ("train", "val"):
         print(f"{split:>5}: {meta[split]['documents']:>9,} documents {meta[split]['tokens']:>13,} tokens")

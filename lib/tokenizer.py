@@ -12,13 +12,14 @@ Every tokenizer prepare.py makes or reads as one Tokenizer: tiktoken's encodings
 import base64
 import json
 import os
+import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
 
 from lib.bounds import check_tokenizer_rules, confined
-from lib.files import MAX_VOCAB, UserError, nanogpt_chars, open_own, refuse_unfinished
+from lib.files import MAX_VOCAB, UserError, check_json_size, nanogpt_chars, open_own, refuse_unfinished
 
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # Hugging Face's, preferred first
 
@@ -138,11 +139,17 @@ class Tokenizer:
 
 @contextmanager
 def stopped_in_one_line(name):
-    """A Rust panic in the tokenizers library (a BaseException, with a traceback) as one line naming the tokenizer."""
+    """A Rust panic in the tokenizers library (a BaseException, with a traceback), or an error of its own (a plain
+    Exception: a WordPiece without its [UNK]), as one line naming the tokenizer."""
     try:
         yield
-    except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
+    except Exception as e:
+        if type(e) is not Exception:  # ours (UserError), Python's own
+            raise
+        raise UserError(f"tokenizer {name} failed on a document ({str(e)[:160]}): use the model's own "
+                        f"tokenizer.json") from None
     except BaseException as e:
         why = (str(e).strip().splitlines() or [""])[0][:160]
         raise UserError(f"tokenizer {name} failed on a document ({type(e).__name__}: {why}): its normalizer or "
@@ -209,12 +216,35 @@ def hf_tokenizer(name, hf_json):
     with stopped_in_one_line(name):
         plain = hf.encode("a", add_special_tokens=False).ids
         full = hf.encode("a", add_special_tokens=True).ids
+        check_linear(name, hf)
     bos_id = full[0] if len(full) > len(plain) and full[1:1 + len(plain)] == plain else None
     model = spec["model"] if isinstance(spec.get("model"), dict) else {}  # unk_token: BPE's, WordPiece's; Unigram's id
     unk, unk_id = model.get("unk_token"), model.get("unk_id")
     unk_id = vocab.get(unk) if isinstance(unk, str) else unk_id if type(unk_id) is int else None
     return Tokenizer("huggingface", name, max(vocab.values()) + 1, eot_id, hf=hf, hf_json=hf_json, bos_id=bos_id,
                      unk_id=unk_id)
+
+
+def check_linear(name, hf):
+    """UserError where hf (tokenizers') takes time past linear in a run of one character: a regex that backtracks
+    ([a-z]*[a-z]*\\d on letters: cubic) that bounds.nested_repeat does not see would take hours on a long document.
+    4 times the text takes ~3-4 times as long in every released tokenizer (~0.2 ms for 1,000 characters)."""
+    def seconds(text, tries):  # the fewest of tries: a process preempted once is not the tokenizer's time
+        fewest = float("inf")
+        for _ in range(tries):
+            began = time.perf_counter()
+            hf.encode(text, add_special_tokens=False)
+            fewest = min(fewest, time.perf_counter() - began)
+        return fewest
+    for char in "aA1 .\n\u00e9\u4e2d":
+        short, long = seconds(char * 250, 1), seconds(char * 1000, 1)
+        if long > 0.02 and long > 8 * short:  # (measured again where it looks so)
+            short, long = seconds(char * 250, 3), seconds(char * 1000, 3)
+            if long > 0.02 and long > 8 * short:
+                raise UserError(f"tokenizer {name} takes {long:.2f} s on {char * 3!r}... of 1,000 characters, "
+                                f"{long / short:.0f} times its time on 250: its normalizer or pre-tokenizer (a regex "
+                                f"that backtracks) would take hours on a long document; use the model's own "
+                                f"tokenizer.json")
 
 
 def bases_tokenizer(tokenizer, base):
@@ -274,9 +304,13 @@ def make_tokenizer(spec, texts):
             return load_tokenizer(path)
         except ValueError as e:  # a damaged meta.json too
             raise UserError(str(e)) from None
+    if path.is_dir() and not (path / "tokenizer.json").exists() and any(path.glob("*.bin")):
+        raise UserError(f"{spec} is a nanoGPT dataset, whose tokenizer prepare.py does not reuse (its characters have "
+                        f"no end-of-text to end documents with): use --tokenizer=char, or gpt2 for its GPT-2 tokens")
     if path.is_dir():
         path = path / "tokenizer.json"
     if path.is_file():
+        check_json_size(path, "use the model's own tokenizer.json")  # (read whole, and parsed)
         try:
             return hf_tokenizer(str(path), path.read_text(encoding="utf-8"))
         except UserError:
@@ -310,6 +344,7 @@ def load_tokenizer(data_dir):
     path = confined(data_dir, spec.get("file"), data_dir / "meta.json")  # no /dev/zero, no ../elsewhere
     if not path.exists():
         raise UserError(f"{path} is missing, and meta.json needs it (re-run prepare.py)")
+    check_json_size(path, "re-run prepare.py")
     try:
         data = path.read_text(encoding="utf-8")
         if spec["kind"] == "huggingface":

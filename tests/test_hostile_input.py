@@ -463,10 +463,11 @@ def test_a_tokenizer_pattern_the_regex_engine_refuses_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="cannot read the tokenizer in .*re-run prepare.py"):
         load_tokenizer(dataset)
 
-def rules_tokenizer(path, normalizer=None, split=None, decoder=None):
-    # a tokenizer.json of two words, with the normalizer, split regex or decoder of a hostile one
+def rules_tokenizer(path, normalizer=None, split=None, decoder=None, unk="[UNK]"):
+    # a tokenizer.json of two words, with the normalizer, split regex or decoder of a hostile one (or its unknown
+    # word's token not in its vocabulary)
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    hf = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    hf = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "[UNK]": 1}, unk_token=unk))
     hf.normalizer, hf.decoder = normalizer, decoder
     if split:
         hf.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
@@ -484,6 +485,10 @@ def rules_tokenizer(path, normalizer=None, split=None, decoder=None):
     ({"split": r"(a|aa)+b"}, "repeats a group of repeats or alternatives"),
     # no group repeated, but past the regex engine's retry limit on a run of 60: a panic, a traceback before
     ({"split": r"\w*" * 10 + "c"}, "failed on a document (PanicException: Onig: Regex search error"),
+    # no group repeated, under the retry limit, but cubic in a run of letters: 12 minutes on 20,000 a's, SIGTERM unheard
+    ({"split": r"[a-z]*[a-z]*\d"}, "times its time on 250: its normalizer or pre-tokenizer (a regex that backtracks)"),
+    # the library's own error, a plain Exception, went out as a traceback
+    ({"unk": "[MISSING]"}, "failed on a document (WordLevel error: Missing [UNK] token from the vocabulary)"),
 ])
 def test_a_tokenizer_whose_rules_blow_up_is_stopped_in_one_line_and_the_folder_left_as_it_was(tmp_path, rules, says):
     from tokenizers import normalizers

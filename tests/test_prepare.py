@@ -201,6 +201,12 @@ def test_a_corpus_too_small_for_the_vocabulary_asked_says_so(tmp_path, capsys):
         meta = run(text_tree(tmp_path / "src"), "--out_dir", tmp_path / "out", "--tokenizer", f"bpe:{asked}",
                    "--overwrite")
         assert meta["vocab_size"] == made + 1 and ("too little text" in capsys.readouterr().out) == short, asked
+    # its dataset's tokenizer reused on other text: nothing is learned there, and nothing said of it
+    (tmp_path / "other.txt").write_text("other text\n" * 50)
+    run(text_tree(tmp_path / "src"), "--out_dir", tmp_path / "short", "--tokenizer", "bpe:4096")
+    assert "too little text" in capsys.readouterr().out
+    run(tmp_path / "other.txt", "--out_dir", tmp_path / "again", "--tokenizer", tmp_path / "short")
+    assert "too little text" not in capsys.readouterr().out
 
 
 def test_a_wordpiece_whose_characters_alone_pass_the_size_asked_says_so(tmp_path, capsys):
@@ -661,6 +667,13 @@ def test_user_errors_are_one_line(tmp_path):
     write(tmp_path / "a.txt", "hello")
     said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", "wordpiece")
     assert said.startswith("unknown tokenizer 'wordpiece' (use char, bpe:N, wordpiece:N, a path to")
+    write(tmp_path / "nanogpt" / "train.bin", b"\0\0")  # a nanoGPT dataset (its meta.pkl or none): no tokenizer.json
+    said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", tmp_path / "nanogpt")
+    assert said.startswith(f"{tmp_path / 'nanogpt'} is a nanoGPT dataset, whose tokenizer prepare.py does not reuse")
+    with open(tmp_path / "huge.json", "wb") as f:  # sparse: read whole, it took 650 MB before the JSON error
+        f.truncate((1 << 26) + 1)
+    said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", tmp_path / "huge.json")
+    assert said.startswith(f"{tmp_path / 'huge.json'} is 64 MB, past the 64 MB any such file needs")
     for spec in ("bpe:12", "bpe:\uff13\uff10\uff10", "bpe:99999999999"):  # (full-width digits: str.isdigit's;
         # a size past any vocabulary was a traceback from rustbpe, and wordpiece's an abort of the process)
         said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", spec)
