@@ -26,7 +26,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from lib.files import UserError, durable_replace, open_own
+from lib.files import UserError, durable_replace, open_own, unwritable
 from lib.parallel import is_dtensor
 
 
@@ -291,11 +291,12 @@ def check_room(out_dir, size, keep_last_n=0, epoch_copies=0):
             f.write(b"0")
             f.flush()
             os.fsync(f.fileno())
-        os.remove(probe)
         free = shutil.disk_usage(out_dir).free
     except OSError as e:
-        raise UserError(f"cannot write in out_dir={out_dir} ({e.strerror}): choose a folder this user can write "
-                         f"to, on a disk that is mounted") from None
+        raise UserError(unwritable(out_dir, e)) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
     room = f"{free / 2**20:,.1f} MB free in {out_dir}, and a checkpoint takes about {size / 2**20:,.1f} MB"
     if free < size:
         raise UserError(f"{room}: make room, or choose another out_dir")

@@ -149,10 +149,20 @@ def replaced_whole(path, mode="w", encoding=None):
             os.remove(tmp)
 
 
+def unwritable(out_dir, e):
+    """The one line for an out_dir that could not be written at a run's start (e: the OSError): room to make, or
+    another folder to choose."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"cannot write in out_dir={out_dir} ({e.strerror}): make room, and run it again (what it holds is as " \
+            f"it was)"
+    return f"cannot write in out_dir={out_dir} ({e.strerror}): choose a folder this user can write to, on a disk " \
+        f"that is mounted"
+
+
 def unlock_folder(folder, fd, made=False):
     # the lock file goes first, while still held, so that no one locks it after we let go of it; a folder the
     # locker made (made) goes too where nothing else was written in it
-    with contextlib.suppress(FileNotFoundError):  # the folder went with it
+    with contextlib.suppress(OSError):  # the folder went with it, or went read-only (a stale lock stops no one)
         os.remove(os.path.join(folder, LOCK_NAME))
     os.close(fd)
     if made:

@@ -68,6 +68,17 @@ def signalled(signal_name):
             "may be lost", 1)
 
 
+def failed(error):
+    # torchrun's one line where its workers failed (error: a ChildFailedError), by the first to fail: its own lines
+    # above say why, but not one killed by a signal (the kernel's out-of-memory killer, a kill -9), which said nothing
+    rank, failure = error.get_first_failure()
+    more = f" (and {len(error.failures) - 1} more)" if len(error.failures) > 1 else ""
+    why = ("killed from outside (the kernel's out-of-memory killer, a kill -9), it wrote nothing: the other ranks' "
+           "errors above follow from its end" if failure.exitcode is not None and failure.exitcode < 0 else
+           "its own lines above say why")
+    return f"torchrun: {error.name}'s rank {rank}{more} {ended(failure.exitcode)}; {why}"
+
+
 if __name__ == "__main__":
     try:
         main()
@@ -76,8 +87,5 @@ if __name__ == "__main__":
         print(line, file=sys.stderr, flush=True)
         sys.exit(status)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        more = f" (and {len(e.failures) - 1} more)" if len(e.failures) > 1 else ""
-        print(f"torchrun: {e.name}'s rank {rank}{more} {ended(failure.exitcode)}; its own lines above say why",
-              file=sys.stderr, flush=True)
+        print(failed(e), file=sys.stderr, flush=True)
         sys.exit(1)

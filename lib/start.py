@@ -7,7 +7,7 @@ or a run that already stopped early), decided once from train.py's settings and 
 """
 
 import atexit
-import errno
+import contextlib
 import os
 import re
 import secrets
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from lib import checkpoint as ckpt
-from lib.files import UserError, lock_folder, read_json, unlock_folder
+from lib.files import UserError, lock_folder, read_json, unlock_folder, unwritable
 from lib.parallel import stop_together, this_process
 from lib.settings import check_sizes, defaults, model_settings
 from model import GPT, GPTConfig
@@ -60,10 +60,7 @@ def claim(out_dir, master):
             atexit.register(unlock_folder, out_dir, lock_folder(out_dir, "train.py"), made)
             ckpt.recover_first_save(out_dir)
         except OSError as e:  # (a full disk: the lock's line, or the recovered ckpt, could not be written)
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            refused = (f"cannot write in out_dir={out_dir} ({e.strerror}): make room, and run it again (what it "
-                       f"holds is as it was)" if full else
-                       f"cannot make out_dir={out_dir} ({e.strerror}): choose a folder this user can write to")
+            refused = unwritable(out_dir, e)
         except UserError as e:
             refused = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -82,11 +79,18 @@ def check_shared(out_dir, master, wait=10.0):
     up to wait s, as a network file system may show a new file late."""
     token = [secrets.token_hex(8) if master else None]
     dist.broadcast_object_list(token, src=0)
-    probe = os.path.join(out_dir, f".shared-{token[0]}")
+    probe, refused = os.path.join(out_dir, f".shared-{token[0]}"), [None]
     if master:
-        with open(probe, "w") as f:
-            f.write(token[0])
-    dist.barrier()
+        try:
+            with open(probe, "w") as f:
+                f.write(token[0])
+        except OSError as e:  # (a full disk: the lock's file had its room already) all stop with the master's line
+            with contextlib.suppress(OSError):
+                os.remove(probe)
+            refused = [unwritable(out_dir, e)]
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0]:
+        raise UserError(refused[0])
     deadline = time.monotonic() + wait
     while not (seen := os.path.isfile(probe)) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -260,3 +260,50 @@ def test_a_sharded_save_whose_shards_are_not_all_in_place_is_never_published(tmp
     os.truncate(tmp_path / "ckpt" / "__0_0.distcp", 10)  # a published checkpoint's shard cut short: named to read
     with pytest.raises(ckpt.UserError, match=r"ckpt lacks its shard file __0_0.distcp \(of 1 missing or cut short\)"):
         resume.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_a_full_disk_at_a_runs_start_checks_says_make_room_and_leaves_no_probe(tmp_path, monkeypatch):
+    # check_room's and check_shared's probes (the lock's file had its room already, from a killed run): check_room said
+    # "choose a folder this user can write to" and left its probe; check_shared ended every rank in a traceback
+    import torch.distributed as dist
+    from lib import files
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    said = rf"^cannot write in out_dir={tmp_path} \(No space left on device\): make room, and run it again"
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "fsync", full)
+        with pytest.raises(start.UserError, match=said):
+            ckpt.check_room(str(tmp_path), 1000)
+    real_open = open
+    def full_open(path, *args, **kwargs):
+        if os.path.basename(str(path)).startswith(".shared-"):
+            real_open(path, *args, **kwargs).close()  # made, then the write fails
+            full()
+        return real_open(path, *args, **kwargs)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr("builtins.open", full_open)
+        with pytest.raises(start.UserError, match=said):
+            start.check_shared(str(tmp_path), True)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    assert os.listdir(tmp_path) == []
+    # a lock file the run cannot remove at its end (out_dir gone read-only) is left without a traceback
+    fd = files.lock_folder(str(tmp_path), "train.py")
+    def read_only(*args):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(os, "remove", read_only)
+    files.unlock_folder(str(tmp_path), fd)
+
+
+def test_torchruns_line_for_a_worker_killed_by_a_signal_says_it_wrote_nothing():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from lib.launch import failed
+    killed = ChildFailedError("train.py", {1: ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file=""),
+                                           0: ProcessFailure(local_rank=0, pid=2, exitcode=1, error_file="")})
+    assert failed(killed) == ("torchrun: train.py's rank 1 (and 1 more) ended by SIGKILL; killed from outside (the "
+                              "kernel's out-of-memory killer, a kill -9), it wrote nothing: the other ranks' errors "
+                              "above follow from its end")
+    refused = ChildFailedError("train.py", {0: ProcessFailure(local_rank=0, pid=2, exitcode=1, error_file="")})
+    assert failed(refused) == "torchrun: train.py's rank 0 ended with exit code 1; its own lines above say why"

@@ -769,7 +769,7 @@ def test_out_dir_that_cannot_be_written_or_holds_no_checkpoint_is_refused_before
     (tmp_path / "file").write_text("")
     out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'file' / 'out'}", check=False)
     assert out.returncode != 0 and out.stderr.strip().count("\n") == 0
-    assert f"cannot make out_dir={tmp_path / 'file' / 'out'} (Not a directory)" in out.stderr
+    assert f"cannot write in out_dir={tmp_path / 'file' / 'out'} (Not a directory): choose a folder" in out.stderr
 
     def free(nbytes):  # a config file that makes the disk seem to have nbytes free
         path = tmp_path / f"free_{nbytes}.py"
