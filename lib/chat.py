@@ -54,9 +54,7 @@ def sharegpt_messages(turns, system=None):
     the record's own system prompt (LLaMA-Factory's "system"), the first message."""
     if not isinstance(turns, list) or not turns:
         raise UserError("'conversations' is not a list of turns")
-    if system is not None and not isinstance(system, str):
-        raise UserError("'system' is not a text: give the system prompt as a string")
-    messages = [{"role": "system", "content": system}] if system else []
+    messages = []
     for i, turn in enumerate(turns, 1):
         if isinstance(turn, dict) and {"role", "content"} <= turn.keys():  # already messages
             messages.append(turn)
@@ -67,9 +65,31 @@ def sharegpt_messages(turns, system=None):
                              f"text 'value'")
         weight = {"weight": turn["weight"]} if "weight" in turn else {}  # (0: a turn not to train, as in axolotl)
         messages.append({"role": SHAREGPT_ROLES[role], "content": turn["value"], **weight})
-    if system and any(m["role"] == "system" for m in messages[1:]):
-        raise UserError("it has a 'system' prompt and a system turn: keep one")
-    return messages
+    return with_system(messages, system)
+
+
+def alpaca_messages(record):
+    """An Alpaca record (instruction, input, output; LLaMA-Factory's system and history of [instruction, output]
+    pairs before it) -> messages, or ValueError saying why not."""
+    instruction, given, output = record["instruction"], record.get("input") or "", record.get("output")
+    history = record.get("history") or []
+    if not all(isinstance(s, str) for s in (instruction, given, output)):
+        raise UserError("instruction, input and output must be strings")
+    pairs = isinstance(history, list) and all(isinstance(p, list) and len(p) == 2 for p in history)
+    if not pairs or not all(isinstance(s, str) for p in history for s in p):
+        raise UserError("'history' is not a list of [instruction, output] pairs of strings")
+    turns = [*history, [instruction + ("\n\n" + given if given else ""), output]]
+    return with_system([{"role": role, "content": text} for pair in turns
+                        for role, text in zip(("user", "assistant"), pair)], record.get("system"))
+
+
+def with_system(messages, system):
+    # messages after a record's own system prompt (ShareGPT's, Alpaca's, beside OpenAI messages), or ValueError
+    if system is not None and not isinstance(system, str):
+        raise UserError("'system' is not a text: give the system prompt as a string")
+    if system and any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        raise UserError("it has a 'system' prompt and a system message: keep one")
+    return ([{"role": "system", "content": system}] if system else []) + messages
 
 
 def with_reasoning(message):
@@ -385,6 +405,10 @@ class ChatFormat:
         """A JSON record -> Chat, or ValueError saying why it cannot be one."""
         if "conversations" in obj and "messages" not in obj:  # ShareGPT's layout: its turns as messages
             obj = {"messages": sharegpt_messages(obj["conversations"], obj.get("system")), "tools": obj.get("tools")}
+        elif "instruction" in obj and "messages" not in obj:  # Alpaca's (LLaMA-Factory's system, history): the same
+            obj = {"messages": alpaca_messages(obj), "tools": obj.get("tools")}
+        elif isinstance(obj.get("messages"), list) and obj.get("system") is not None:  # a system prompt beside them
+            obj = {**obj, "messages": with_system(obj["messages"], obj["system"])}
         tools = obj.get("tools")  # the functions a model may call, as TRL gives them to the template
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise UserError("'tools' is not a list of JSON objects (tool definitions): give it as one (a text of "
@@ -413,12 +437,6 @@ class ChatFormat:
             if last is None:
                 raise UserError("no assistant message to learn from")
             chat = self.chat(messages, last, tools, to_end=last == len(messages) - 1)
-        elif "instruction" in obj:
-            instruction, given, output = obj["instruction"], obj.get("input") or "", obj["output"]
-            if not all(isinstance(s, str) for s in (instruction, given, output)):
-                raise UserError("instruction, input and output must be strings")
-            user = instruction + ("\n\n" + given if given else "")
-            chat = self.chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}], 1)
         else:
             prompt, completion = obj["prompt"], obj["completion"]
             if isinstance(prompt, str) and isinstance(completion, str):  # untemplated, as in TRL; the BOS first if any
@@ -466,6 +484,8 @@ class ChatFormat:
             if message["role"] == "assistant" and i >= (prompt if self.train_on == "assistant" else first_completion):
                 spans.append(self.turn(text, messages, i, spans[-1][1] if spans else 0, tools))
                 kept.append(weights[i])
+        if not spans:  # (a completion of no assistant turn)
+            raise UserError("no assistant message to learn from" + (" in its completion" if prompt else ""))
         if self.train_on == "completion":
             return Chat(text, [(spans[0][0], len(text) if to_end else spans[-1][1])])
         spans = [span for span, weight in zip(spans, kept) if weight]
@@ -477,8 +497,11 @@ class ChatFormat:
         # (start, end) of assistant message i's turn in text, the first after at: from where the conversation before it
         # and the generation prompt end; where the template writes that otherwise (Mistral's moves the system prompt),
         # where a stand-in reply stands. The reply is found back from the closing token (a think block may repeat it).
-        before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
-        if text.startswith(before):
+        try:  # (a conversation the assistant begins: a template may read messages[0], of none)
+            before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+        except UserError:
+            before = None
+        if before is not None and text.startswith(before):
             begin = len(before)
         else:
             marked = self.render(messages[:i] + [{**messages[i], "content": STAND_IN}] + messages[i + 1:], tools=tools)

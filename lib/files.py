@@ -87,8 +87,7 @@ def lock_folder(folder, writer):
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise UserError(link_refused(path)) from None
-            raise UserError(f"cannot write in {folder} ({e.strerror}): choose a folder this user can write to, "
-                             f"on a disk that is mounted") from None
+            raise UserError(unwritable(folder, e)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -434,6 +434,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
     its INPUT:position) names it for the split. seen: digests of the documents kept before (--dedup) and the file_id
     of each file read (prepare.py's training pass finds --val_input's there too), added to."""
     seen = set() if seen is None else seen
+    counts = {"kept": 0, "other kind": 0}  # documents yielded; those of the kind the first one did not decide
 
     def reject(where, why, whole_file):
         if args.strict:
@@ -460,6 +461,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
                     if why is None and stats["conversations"] not in (None, chat):
                         why = "a conversation among texts" if chat else "a text among conversations"
                         why += " (prepare the two kinds apart)"
+                        counts["other kind"] += 1
                         if not pos:  # a plain-text file among conversations
                             raise SkipFile(why)
                     if why is not None:
@@ -478,6 +480,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
                         seen.add(digest)
                     stats["conversations"] = chat
                     kept += 1
+                    counts["kept"] += 1
                     yield f"{rel}:{pos}", ext, doc
             except (SkipFile, OSError, EOFError, zlib.error) as e:  # SkipFile; permissions, broken links, corrupt gzip
                 why = str(e) if isinstance(e, SkipFile) else f"unreadable ({getattr(e, 'strerror', None) or e})"
@@ -486,3 +489,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
             else:
                 stats["files_read"] += 1
                 ext_stats(stats, ext)["files"] += 1
+    if counts["other kind"] > counts["kept"]:  # (a README.md read first made a folder of conversations a text)
+        kinds = ("texts", "conversations") if stats["conversations"] else ("conversations", "texts")
+        raise UserError(f"the inputs are mostly {kinds[0]} ({counts['other kind']:,} left out), but the first read "
+                        f"made this a dataset of {counts['kept']:,} {kinds[1]}: prepare the two kinds apart")

@@ -401,6 +401,36 @@ def test_completion_mask_is_the_last_turn(style):
     assert other == record
 
 
+def test_record_shapes_a_review_found_refused_crashed_or_cut_short(style):
+    name, folder, theirs, ours = style
+    fmt, last = chat_format(folder, ours), chat_format(folder, ours, "completion")
+    # a completion of no assistant turn: IndexError under 'completion' (prepare.py's traceback), a false reason under
+    # 'assistant' ("every assistant message has weight 0")
+    record = {"prompt": MESSAGES[1:3], "completion": [{"role": "user", "content": "Thanks."}]}
+    for each in (fmt, last):
+        with pytest.raises(UserError, match="^no assistant message to learn from in its completion$"):
+            each.record(record)
+    # a conversation the assistant opens: a template reading messages[0] refused the empty one before it
+    if name != "mistral":  # (whose template refuses roles that do not alternate, as transformers')
+        opened = [{"role": "assistant", "content": "Hello! Ask me of capitals."}, *MESSAGES[1:3]]
+        chat_record = fmt.record({"messages": opened})
+        assert chat_record.text == theirs.apply_chat_template(opened, tokenize=False)
+        ids, mask = ours.encode_chat(chat_record.text, chat_record.spans)
+        runs = trained_runs(ours, ids, mask)
+        assert len(runs) == 2 and "Hello! Ask me" in runs[0] and "Paris is the capital" in runs[1], runs
+    # Alpaca's system and history (LLaMA-Factory's): the context is the messages', not dropped
+    alpaca = {"instruction": "And of Italy?", "output": "Rome, on the Tiber.", "system": MESSAGES[0]["content"],
+              "history": [[MESSAGES[1]["content"], MESSAGES[2]["content"]]]}
+    assert fmt.record(alpaca) == fmt.record({"messages": MESSAGES[:5]})
+    # a system prompt beside OpenAI messages: the first message, as ShareGPT's; beside a system message: refused
+    assert fmt.record({"messages": MESSAGES[1:5], "system": MESSAGES[0]["content"]}) == \
+        fmt.record({"messages": MESSAGES[:5]})
+    with pytest.raises(UserError, match="a 'system' prompt and a system message: keep one"):
+        fmt.record({"messages": MESSAGES[:5], "system": "Be brief."})
+    with pytest.raises(UserError, match="'history' is not a list of \\[instruction, output\\] pairs of strings"):
+        fmt.record({**alpaca, "history": [["one"]]})
+
+
 def test_a_prompts_own_replies_are_context_under_the_assistant_mask(style, tmp_path):
     # a prompt/completion record whose prompt holds earlier exchanges (few-shot): only the completion's reply is
     # trained, as TRL's completion-only loss, however the template marks replies ({% generation %} blocks too)
@@ -628,6 +658,25 @@ def test_plain_prompt_completion_strings_keep_no_template_for_a_chat(tmp_path):
     assert chat.find_template(tmp_path / "data")[1] == "built-in"
 
 
+def test_a_readme_read_before_a_folders_conversations_is_refused_not_trained_on(tmp_path):
+    # the first document decides the dataset's kind: a README.md sorted first made 60 conversations "a conversation
+    # among texts", listed, and the README alone the dataset (exit 0); the other way round, a text among conversations
+    # is left out as it was
+    folder = make_folder(tmp_path / "qwen3", "qwen3")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "README.md").write_text("These are our support conversations.\n")
+    (tmp_path / "src" / "chats.jsonl").write_text("".join(json.dumps({"messages": MESSAGES}) + "\n" for _ in range(6)))
+    with pytest.raises(UserError, match=r"^the inputs are mostly conversations \(6 left out\), but the first read "
+                                        r"made this a dataset of 1 texts: prepare the two kinds apart$"):
+        prepare.main([str(tmp_path / "src"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}"])
+    assert not (tmp_path / "data").exists()
+    (tmp_path / "src" / "README.md").rename(tmp_path / "src" / "z_notes.md")  # read after them: left out, listed
+    meta = prepare.main([str(tmp_path / "src"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
+                         "--val_fraction=0.2"])
+    assert meta["masks"] and [s["reason"] for s in meta["skipped_files"]] == [
+        "a text among conversations (prepare the two kinds apart)"]
+
+
 def test_a_templates_own_end_of_text_inside_a_conversation_ends_no_example(tmp_path):
     # Zephyr's template closes every turn, a user's too, with the eos, Mistral's end-of-text </s>: only the one
     # prepare.py puts after a conversation ends an example, so that each reply is trained with its question in view
@@ -828,7 +877,7 @@ def test_a_sharegpt_records_system_prompt_is_its_first_message(style):
     assert record.text == theirs.apply_chat_template(messages, tokenize=False)
     assert "Be terse." in record.text and all("Be terse." not in record.text[a:b] for a, b in record.spans)
     assert fmt.record({"conversations": turns, "system": ""}).text == fmt.record({"conversations": turns}).text
-    with pytest.raises(UserError, match="a 'system' prompt and a system turn"):
+    with pytest.raises(UserError, match="a 'system' prompt and a system message"):
         fmt.record({"conversations": [{"from": "system", "value": "Be kind."}, *turns], "system": "Be terse."})
     with pytest.raises(UserError, match="'system' is not a text"):
         fmt.record({"conversations": turns, "system": ["Be terse."]})

@@ -670,6 +670,9 @@ def test_user_errors_are_one_line(tmp_path):
     write(tmp_path / "nanogpt" / "train.bin", b"\0\0")  # a nanoGPT dataset (its meta.pkl or none): no tokenizer.json
     said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", tmp_path / "nanogpt")
     assert said.startswith(f"{tmp_path / 'nanogpt'} is a nanoGPT dataset, whose tokenizer prepare.py does not reuse")
+    write(tmp_path / "opt" / "pytorch_model.bin", b"\0\0")  # a model folder of vocab.json and merges.txt: what it is
+    said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", tmp_path / "opt")
+    assert said == f"no tokenizer.json at {tmp_path / 'opt'} (check the path)"
     with open(tmp_path / "huge.json", "wb") as f:  # sparse: read whole, it took 650 MB before the JSON error
         f.truncate((1 << 26) + 1)
     said = refusal(tmp_path / "a.txt", "--out_dir", tmp_path / "o", "--tokenizer", tmp_path / "huge.json")
