@@ -307,6 +307,6 @@ def test_torchruns_line_for_a_worker_killed_by_a_signal_says_it_wrote_nothing():
                               "above follow from its end")
     refused = ChildFailedError("train.py", {0: ProcessFailure(local_rank=0, pid=2, exitcode=1, error_file="")})
     assert failed(refused) == "torchrun: train.py's rank 0 ended with exit code 1; its own lines above say why"
+    # NCCL's watchdog writes its line, then aborts
     aborted = ChildFailedError("train.py", {0: ProcessFailure(local_rank=0, pid=2, exitcode=-6, error_file="")})
-    assert failed(aborted) == ("torchrun: train.py's rank 0 ended by SIGABRT; its lines above, if any, say why")  # (NCCL's
-    # watchdog writes its line, then aborts)
+    assert failed(aborted) == "torchrun: train.py's rank 0 ended by SIGABRT; its lines above, if any, say why"
