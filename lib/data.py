@@ -3,7 +3,8 @@ What train.py trains and evaluates on, read from prepare.py's token files (and m
 of the token stream (pretraining), each token once an epoch or at random places with replacement (as nanoGPT); or
 whole examples packed best-fit into sequences (fine-tuning), each once an epoch. A batch is a pure function of the
 seed and its number, so a resumed run sees the same batches. A target is -1 where nothing is learned: a masked-out
-token (a user's turn), padding, or an example's first token, which nothing before it predicts.
+token (a user's turn), padding, or (examples) an example's first token, which nothing before it predicts (windows
+under --train_on=all train it, from the example before).
 """
 
 import bisect
