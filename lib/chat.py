@@ -416,10 +416,12 @@ class ChatFormat:
         if tools is not None and self.tool_template:
             raise UserError(f"it has tools, which transformers writes with {self.origin}'s 'tool_use' template, not "
                             f"its default one: prepare such records apart, with that template as --chat_template=FILE")
-        # every field of a message (a template may write any: its name, its reasoning, its calls) as JSON text
-        texts = [json.dumps(m, ensure_ascii=False) if isinstance(m, dict) else m for key in ("messages", "prompt",
-                 "completion") for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
-        texts = [t for t in texts + [obj.get(key) for key in ("instruction", "input", "output")] +
+        # every field of a message (a template may write any: its name, its reasoning, its calls) as JSON text, and
+        # its texts as they are (JSON escapes a newline or a quote a special token may hold)
+        messages = [m for key in ("messages", "prompt", "completion")
+                    for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
+        texts = [json.dumps(m, ensure_ascii=False) if isinstance(m, dict) else m for m in messages]
+        texts = [t for t in texts + [v for m in messages if isinstance(m, dict) for v in m.values()] +
                  [json.dumps(tools, ensure_ascii=False)] if isinstance(t, str)]
         if self.separator and any(self.separator in t for t in texts):
             raise UserError(f"it holds {self.separator}, which ends an example in the token files, as text")

@@ -434,7 +434,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
     its INPUT:position) names it for the split. seen: digests of the documents kept before (--dedup) and the file_id
     of each file read (prepare.py's training pass finds --val_input's there too), added to."""
     seen = set() if seen is None else seen
-    counts = {"kept": 0, "other kind": 0}  # documents yielded; those of the kind the first one did not decide
+    counts = {"kept": 0, "conversations left": 0, "first": None}  # (a text read first decides against conversations)
 
     def reject(where, why, whole_file):
         if args.strict:
@@ -461,7 +461,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
                     if why is None and stats["conversations"] not in (None, chat):
                         why = "a conversation among texts" if chat else "a text among conversations"
                         why += " (prepare the two kinds apart)"
-                        counts["other kind"] += 1
+                        counts["conversations left"] += chat
                         if not pos:  # a plain-text file among conversations
                             raise SkipFile(why)
                     if why is not None:
@@ -481,6 +481,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
                     stats["conversations"] = chat
                     kept += 1
                     counts["kept"] += 1
+                    counts["first"] = counts["first"] or (f"{where}:{pos}" if pos else where)
                     yield f"{rel}:{pos}", ext, doc
             except (SkipFile, OSError, EOFError, zlib.error) as e:  # SkipFile; permissions, broken links, corrupt gzip
                 why = str(e) if isinstance(e, SkipFile) else f"unreadable ({getattr(e, 'strerror', None) or e})"
@@ -489,7 +490,7 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
             else:
                 stats["files_read"] += 1
                 ext_stats(stats, ext)["files"] += 1
-    if counts["other kind"] > counts["kept"]:  # (a README.md read first made a folder of conversations a text)
-        kinds = ("texts", "conversations") if stats["conversations"] else ("conversations", "texts")
-        raise UserError(f"the inputs are mostly {kinds[0]} ({counts['other kind']:,} left out), but the first read "
-                        f"made this a dataset of {counts['kept']:,} {kinds[1]}: prepare the two kinds apart")
+    if counts["conversations left"] > counts["kept"]:  # (a README.md read first made a folder of conversations texts)
+        raise UserError(f"{counts['first']}, read first, made this a dataset of texts, and "
+                        f"{counts['conversations left']:,} conversations were left out, more than the {counts['kept']:,} "
+                        f"texts kept: prepare the two kinds apart (leave {counts['first']} out)")

@@ -666,8 +666,9 @@ def test_a_readme_read_before_a_folders_conversations_is_refused_not_trained_on(
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "README.md").write_text("These are our support conversations.\n")
     (tmp_path / "src" / "chats.jsonl").write_text("".join(json.dumps({"messages": MESSAGES}) + "\n" for _ in range(6)))
-    with pytest.raises(UserError, match=r"^the inputs are mostly conversations \(6 left out\), but the first read "
-                                        r"made this a dataset of 1 texts: prepare the two kinds apart$"):
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'src' / 'README.md'}, read first, made this a dataset of "
+                                        r"texts, and 6 conversations were left out, more than the 1 texts kept: "
+                                        r"prepare the two kinds apart \(leave .*README.md out\)$"):
         prepare.main([str(tmp_path / "src"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}"])
     assert not (tmp_path / "data").exists()
     (tmp_path / "src" / "README.md").rename(tmp_path / "src" / "z_notes.md")  # read after them: left out, listed
@@ -675,6 +676,12 @@ def test_a_readme_read_before_a_folders_conversations_is_refused_not_trained_on(
                          "--val_fraction=0.2"])
     assert meta["masks"] and [s["reason"] for s in meta["skipped_files"]] == [
         "a text among conversations (prepare the two kinds apart)"]
+    # texts that outnumber them after a conversation read first (notes beside a small chat file): left out as before
+    for i in range(8):
+        (tmp_path / "src" / f"z_note{i}.txt").write_text(f"note {i}\n")
+    meta = prepare.main([str(tmp_path / "src"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
+                         "--val_fraction=0.2", "--overwrite"])
+    assert meta["masks"] and meta["files_skipped"] == 9
 
 
 def test_a_templates_own_end_of_text_inside_a_conversation_ends_no_example(tmp_path):
@@ -892,3 +899,13 @@ def test_content_as_a_list_of_parts_is_refused_naming_the_fix(style):
     with pytest.raises(UserError, match=r"^messages 1's content is a list of parts \(multimodal\): give its text as "
                                         r"one string$"):
         chat_format(folder, ours).record({"messages": parts})
+
+
+def test_a_special_token_whose_spelling_json_escapes_is_found_in_a_message():
+    # the check read each message as JSON text, where a newline or a quote is escaped: such a token went unseen
+    fmt = chat.ChatFormat(PROBE, "test", ["</s>", '<said\n"this">'], "</s>")
+    said = 'y <said\n"this">'
+    for record in ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": said}]},
+                   {"instruction": "x", "output": said}):
+        with pytest.raises(UserError, match="a special token of the tokenizer, as text"):
+            fmt.record(record)
