@@ -19,6 +19,7 @@ import re
 import stat
 import zlib
 from collections import namedtuple
+from functools import partial
 from hashlib import blake2b
 from pathlib import Path
 
@@ -429,25 +430,28 @@ def val_files(val_inputs):
             if isinstance(p, Path) and p.is_file()}
 
 
+def rejected(stats, strict, where, why, whole_file):
+    # a file or a record left out, in stats: counted, and the first MAX_EXAMPLES listed (a folder of 650K images:
+    # a 64 MB meta.json); strict: UserError instead
+    if strict:
+        raise UserError(f"{where}: {why} (fix or remove it, or run without --strict to skip it)")
+    if whole_file:
+        stats["files_skipped"] += 1
+        if len(stats["skipped_files"]) < MAX_EXAMPLES:
+            stats["skipped_files"].append({"path": where, "reason": why})
+        return
+    stats["bad_records"]["count"] += 1
+    if len(stats["bad_records"]["examples"]) < MAX_EXAMPLES:
+        stats["bad_records"]["examples"].append(f"{where}: {why}")
+
+
 def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
     """Yield (key, ext, doc: a str, BigText or Chat) per accepted document of inputs, in a fixed order; key (path in
     its INPUT:position) names it for the split. seen: digests of the documents kept before (--dedup) and the file_id
     of each file read (prepare.py's training pass finds --val_input's there too), added to."""
     seen = set() if seen is None else seen
     counts = {"kept": 0, "conversations left": 0, "first": None}  # (a text read first decides against conversations)
-
-    def reject(where, why, whole_file):
-        if args.strict:
-            raise UserError(f"{where}: {why} (fix or remove it, or run without --strict to skip it)")
-        if whole_file:  # counted, and the first MAX_EXAMPLES listed (a folder of 650K images: a 64 MB meta.json)
-            stats["files_skipped"] += 1
-            if len(stats["skipped_files"]) < MAX_EXAMPLES:
-                stats["skipped_files"].append({"path": where, "reason": why})
-            return
-        stats["bad_records"]["count"] += 1
-        if len(stats["bad_records"]["examples"]) < MAX_EXAMPLES:
-            stats["bad_records"]["examples"].append(f"{where}: {why}")
-
+    reject = partial(rejected, stats, args.strict)
     for root in inputs:
         for path, rel in input_files(root, stats, lambda path, why: reject(shown(path), why, True), only_py, exclude):
             ext, kept, where = file_ext(path), 0, shown(path)
