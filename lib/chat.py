@@ -416,13 +416,15 @@ class ChatFormat:
         if tools is not None and self.tool_template:
             raise UserError(f"it has tools, which transformers writes with {self.origin}'s 'tool_use' template, not "
                             f"its default one: prepare such records apart, with that template as --chat_template=FILE")
-        # every field of a message (a template may write any: its name, its reasoning, its calls) as JSON text, and
-        # its texts as they are (JSON escapes a newline or a quote a special token may hold)
-        messages = [m for key in ("messages", "prompt", "completion")
-                    for m in (obj.get(key) if isinstance(obj.get(key), list) else [obj.get(key)])]
-        texts = [json.dumps(m, ensure_ascii=False) if isinstance(m, dict) else m for m in messages]
-        texts = [t for t in texts + [v for m in messages if isinstance(m, dict) for v in m.values()] +
-                 [json.dumps(tools, ensure_ascii=False)] if isinstance(t, str)]
+        # every text of the messages and tools, however deep, keys too: a template may write any field (a name, the
+        # reasoning, a call's arguments, as they are)
+        texts, stack = [], [[obj.get(key) for key in ("messages", "prompt", "completion")], tools]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, str):
+                texts.append(value)
+            elif isinstance(value, (dict, list)):
+                stack.extend([*value.keys(), *value.values()] if isinstance(value, dict) else value)
         if self.separator and any(self.separator in t for t in texts):
             raise UserError(f"it holds {self.separator}, which ends an example in the token files, as text")
         held = next((held for t in texts if (held := self.special_in(t))), None)

@@ -482,10 +482,11 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
                             stats["duplicates_dropped"] += 1
                             continue
                         seen.add(digest)
+                    if stats["conversations"] is None:  # the document that decides the kind (here, not a pass before)
+                        counts["first"] = f"{where}:{pos}" if pos else where
                     stats["conversations"] = chat
                     kept += 1
                     counts["kept"] += 1
-                    counts["first"] = counts["first"] or (f"{where}:{pos}" if pos else where)
                     yield f"{rel}:{pos}", ext, doc
             except (SkipFile, OSError, EOFError, zlib.error) as e:  # SkipFile; permissions, broken links, corrupt gzip
                 why = str(e) if isinstance(e, SkipFile) else f"unreadable ({getattr(e, 'strerror', None) or e})"
@@ -495,6 +496,8 @@ def corpus(inputs, args, stats, only_py=False, exclude=frozenset(), seen=None):
                 stats["files_read"] += 1
                 ext_stats(stats, ext)["files"] += 1
     if counts["conversations left"] > counts["kept"]:  # (a README.md read first made a folder of conversations texts)
-        raise UserError(f"{counts['first']}, read first, made this a dataset of texts, and "
-                        f"{counts['conversations left']:,} conversations were left out, more than the {counts['kept']:,} "
-                        f"texts kept: prepare the two kinds apart (leave {counts['first']} out)")
+        first = f"{counts['first']}, read first," if counts["first"] else "the training inputs, read first,"
+        fix = f"leave {counts['first']} out" if counts["first"] else "--val_input holds conversations"
+        raise UserError(f"{first} made this a dataset of texts, and {counts['conversations left']:,} conversations "
+                        f"were left out, more than the {counts['kept']:,} texts kept: prepare the two kinds apart "
+                        f"({fix})")

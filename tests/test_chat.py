@@ -682,6 +682,13 @@ def test_a_readme_read_before_a_folders_conversations_is_refused_not_trained_on(
     meta = prepare.main([str(tmp_path / "src"), f"--tokenizer={folder}", f"--out_dir={tmp_path / 'data'}",
                          "--val_fraction=0.2", "--overwrite"])
     assert meta["masks"] and meta["files_skipped"] == 9
+    # the kind decided by the training inputs' text, the conversations in --val_input: no file of its to blame
+    (tmp_path / "book").mkdir()
+    (tmp_path / "book" / "book.txt").write_text("A book of text.\n" * 20)
+    with pytest.raises(UserError, match=r"^the training inputs, read first, made this a dataset of texts, and 6 "
+                                        r"conversations were left out, .* \(--val_input holds conversations\)$"):
+        prepare.main([str(tmp_path / "book"), f"--val_input={tmp_path / 'src' / 'chats.jsonl'}",
+                      f"--tokenizer={folder}", f"--out_dir={tmp_path / 'mixed'}"])
 
 
 def test_a_templates_own_end_of_text_inside_a_conversation_ends_no_example(tmp_path):
@@ -905,7 +912,8 @@ def test_a_special_token_whose_spelling_json_escapes_is_found_in_a_message():
     # the check read each message as JSON text, where a newline or a quote is escaped: such a token went unseen
     fmt = chat.ChatFormat(PROBE, "test", ["</s>", '<said\n"this">'], "</s>")
     said = 'y <said\n"this">'
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": said}}]}
     for record in ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": said}]},
-                   {"instruction": "x", "output": said}):
+                   {"instruction": "x", "output": said}, {"messages": [{"role": "user", "content": "x"}, call]}):
         with pytest.raises(UserError, match="a special token of the tokenizer, as text"):
             fmt.record(record)
