@@ -348,7 +348,7 @@ def test_a_resume_on_another_data_folder_says_so(data_dir, tmp_path):
     assert "is not the data folder" not in out, out
 
 
-def test_examples_that_lose_most_of_their_tokens_to_block_size_warn(data_dir, tmp_path):
+def test_examples_that_lose_most_of_their_tokens_to_block_size_warn(tmp_path):
     # plain text read as examples is one example (or a few), cut to a sequence: a run trained on 0.0% of it, said
     # only in a line of figures
     (tmp_path / "book.txt").write_text("".join(f"line {i} of one long text\n" for i in range(400)))
@@ -358,9 +358,14 @@ def test_examples_that_lose_most_of_their_tokens_to_block_size_warn(data_dir, tm
     out = run(*args, f"--out_dir={tmp_path / 'run'}", "--sequences=examples").stdout
     assert "warning: cut to block_size, the examples lose most of their tokens: raise block_size (plain text: " \
         "sequences='windows'" in out, out
-    many = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'many'}", "--max_iters=1",
-               "--sequences=examples").stdout  # documents of which ~80% of the tokens fit: no warning
-    assert "examples: " in many and "warning: cut" not in many
+    for i in range(60):  # short documents, each within a sequence: no warning
+        (tmp_path / "notes" / f"{i}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "notes" / f"{i}.txt").write_text(f"note {i}: a short one\n")
+    done = script("prepare.py", tmp_path / "notes", "--tokenizer=char", f"--out_dir={tmp_path / 'notes_data'}")
+    assert done.returncode == 0, done.stderr
+    many = run(*TINY, f"--data_dir={tmp_path / 'notes_data'}", f"--out_dir={tmp_path / 'many'}", "--max_iters=1",
+               "--eval_iters=1", "--sequences=examples").stdout
+    assert "examples: " in many and "warning: cut" not in many, many
 
 
 def test_a_tilde_after_an_equals_sign_is_the_home_folder(data_dir, tmp_path, monkeypatch):
