@@ -150,9 +150,8 @@ def eos_ids(folder, tokenizer, names=("tokenizer_config.json", "generation_confi
     eos_token first (Qwen3's <|im_end|>, where tokenizer.eot_id is <|endoftext|>), then generation_config.json's
     (names: of these files, those to read)."""
     ids, specials = [], tokenizer.special_tokens()
-    for name, key in [(name, key) for name, key in (("tokenizer_config.json", "eos_token"),
-                                                    ("generation_config.json", "eos_token_id")) if name in names]:
-        said = read_json(Path(folder) / name).get(key) if (Path(folder) / name).is_file() else None
+    for name, key in (("tokenizer_config.json", "eos_token"), ("generation_config.json", "eos_token_id")):
+        said = read_json(Path(folder) / name).get(key) if name in names and (Path(folder) / name).is_file() else None
         said = said.get("content") if isinstance(said, dict) else said
         ids += [specials.get(i) if isinstance(i, str) else i for i in (said if isinstance(said, list) else [said])]
     return list(dict.fromkeys(i for i in ids if type(i) is int and 0 <= i < tokenizer.vocab_size))

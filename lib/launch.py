@@ -73,9 +73,12 @@ def failed(error):
     # above say why, but not one killed by a signal (the kernel's out-of-memory killer, a kill -9), which said nothing
     rank, failure = error.get_first_failure()
     more = f" (and {len(error.failures) - 1} more)" if len(error.failures) > 1 else ""
-    why = ("killed from outside (the kernel's out-of-memory killer, a kill -9), it wrote nothing: the other ranks' "
-           "errors above follow from its end" if failure.exitcode == -signal.SIGKILL else "its own lines above say why"
-           if failure.exitcode is None or failure.exitcode >= 0 else "its lines above, if any, say why")
+    why = "its own lines above say why"
+    if failure.exitcode == -signal.SIGKILL:
+        why = ("killed from outside (the kernel's out-of-memory killer, a kill -9), it wrote nothing: the other ranks' "
+               "errors above follow from its end")
+    elif failure.exitcode is not None and failure.exitcode < 0:  # (NCCL's watchdog writes its line, then aborts)
+        why = "its lines above, if any, say why"
     return f"torchrun: {error.name}'s rank {rank}{more} {ended(failure.exitcode)}; {why}"
 
 
