@@ -444,6 +444,8 @@ class ChatFormat:
         else:
             prompt, completion = obj["prompt"], obj["completion"]
             if isinstance(prompt, str) and isinstance(completion, str):  # untemplated, as in TRL; the BOS first if any
+                if not completion.strip():  # as an empty assistant message is
+                    raise UserError("the completion is empty: there is no reply to learn from")
                 text = self.text_bos + prompt + completion + self.context["eos_token"]
                 start = 0 if self.train_on == "all" else len(self.text_bos + prompt)
                 return Chat(text, [(start, len(text))])

@@ -551,6 +551,12 @@ def test_an_empty_reply_is_skipped_as_the_records_fault_not_the_templates(tmp_pa
     n = len(records[3]["messages"])
     assert meta["bad_records"]["examples"] == [f"{tmp_path / 'chats.jsonl'}:4: assistant message {n} is empty: there "
                                                f"is no reply to learn from"]
+    # a prompt/completion record of strings: its completion
+    pairs = [{"prompt": f"Question {i}?", "completion": " " if i == 2 else f" Answer {i}."} for i in range(10)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    meta = prepare.main([str(tmp_path / "pairs.jsonl"), "--tokenizer=bpe:300", f"--out_dir={tmp_path / 'pairs'}"])
+    assert meta["bad_records"]["examples"] == [f"{tmp_path / 'pairs.jsonl'}:3: the completion is empty: there is no "
+                                               f"reply to learn from"]
 
 
 def test_examples_cut_to_nothing_trained_are_refused(chat_data, tmp_path):
