@@ -11,6 +11,7 @@ and listed. Memory stays bounded: a big text file is checked whole, then given o
 import codecs
 import contextlib
 import csv
+import dataclasses
 import errno
 import gzip
 import json
@@ -92,26 +93,64 @@ def hub_splits(name, config):
     try:
         return datasets.get_dataset_split_names(name, config)
     except Exception as e:  # not found, offline, a config needed: the library says which
-        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        raise UserError(f"cannot read the dataset hf:{name} ({why})") from None
+        if config is None and "Config name is missing" in str(e):
+            configs = ", ".join(datasets.get_dataset_config_names(name))
+            raise UserError(f"the dataset hf:{name} has several configurations ({configs[:200]}): choose one with "
+                            f"--hf_config=NAME") from None
+        raise UserError(f"cannot read the dataset hf:{name} ({first_line(e)})") from None
+
+
+def first_line(e):
+    # an exception in one line: its type and its message's first line (pyarrow's and the datasets library's run on)
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]}"
 
 
 def hub_rows(path):
     # a Hub split's records, streamed; a file of it the library cannot read (pyarrow's ArrowInvalid) stops it there
     import datasets
-    rows = iter(datasets.load_dataset(path.name, path.config, split=path.split, streaming=True))
-    while True:
-        try:
+    try:
+        if os.path.isfile(os.path.join(path.name, "state.json")):  # a folder Dataset.save_to_disk wrote
+            split = datasets.load_from_disk(path.name).to_iterable_dataset()
+        else:
+            split = datasets.load_dataset(path.name, path.config, split=path.split, streaming=True)
+        if split.features:  # media (an image's path, a URL) kept as stored, never opened: only text is read here
+            split = split.cast(undecoded(split.features))
+        rows = iter(split)
+        while True:
             yield next(rows)
-        except StopIteration:
-            return
-        except Exception as e:  # whatever the library or pyarrow raise, named in one line
-            raise SkipFile(f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+    except StopIteration:
+        return
+    except Exception as e:  # whatever the library or pyarrow raise, named in one line
+        raise SkipFile(f"unreadable ({first_line(e)})") from None
+
+
+def undecoded(feature):
+    # a dataset's features with every media kind (Image, Audio, Video, Pdf...) at decode=False, however deep
+    if isinstance(feature, dict):
+        return type(feature)({name: undecoded(f) for name, f in feature.items()})
+    if isinstance(feature, (list, tuple)):
+        return type(feature)(undecoded(f) for f in feature)
+    if hasattr(feature, "feature"):  # a List's items
+        return dataclasses.replace(feature, feature=undecoded(feature.feature))
+    if getattr(feature, "decode", False) and type(feature).__name__ != "Json":  # (Json's decoding is json.loads)
+        return dataclasses.replace(feature, decode=False)
+    return feature
 
 
 def read_rows(rows, field, chat):  # a Hugging Face dataset's or a parquet file's
     for row, record in enumerate(rows, 1):
+        if isinstance(record, dict) and not field:  # Arrow gives each message every key any message has: None
+            record = {key: without_nulls(value) for key, value in record.items()}  # where it had none, as in JSON
         yield f"row {row}", *record_text(record, field, chat)
+
+
+def without_nulls(value):
+    # value with its dicts' keys whose value is None dropped, however deep, but a message's content
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None or k == "content"}
+    return value
 
 
 def input_files(folder, stats, skip, only_py=False, exclude=frozenset(), rel_folder=""):
@@ -229,8 +268,9 @@ def read_documents(path, field, dedup, chat):
     elif ext == ".json":
         try:
             obj = json.loads("".join(text for _, text in decoded(path)))
-        except json.JSONDecodeError as e:
-            raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
+        except json.JSONDecodeError as e:  # (records a line each, as the datasets library reads a .json: .jsonl)
+            lines = " (JSON Lines? name it .jsonl)" if e.msg == "Extra data" and e.colno == 1 else ""
+            raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno}){lines}")
         except ValueError as e:  # an integer past Python's 4,300 digits
             raise SkipFile(f"malformed JSON ({e})")
         except RecursionError:
@@ -292,7 +332,7 @@ def read_parquet(path, field, chat):
     try:
         parquet = pq.ParquetFile(path)
     except pa.ArrowException as e:
-        raise SkipFile(f"not a readable parquet file ({str(e)[:80]})")
+        raise SkipFile(f"not a readable parquet file ({first_line(e)})")
     names = parquet.schema_arrow.names
     if not field and is_conversation(dict.fromkeys(names)):  # conversations: each row as a record
         yield from read_rows(parquet_values(parquet.iter_batches(batch_size=batch_rows(parquet)), True), None, chat)
@@ -320,11 +360,14 @@ def batch_rows(parquet):
 def parquet_values(batches, rows):
     # the rows of batches as records (rows), else their one column's values; SkipFile from a value that is not UTF-8
     # (a parquet string may hold any bytes) on, as for a text file
+    import pyarrow as pa
     try:
         for batch in batches:
             yield from batch.to_pylist() if rows else batch.column(0).to_pylist()
     except UnicodeDecodeError as e:
         raise SkipFile(f"not UTF-8 (byte 0x{e.object[e.start]:02x} in a value)") from None
+    except (pa.ArrowException, OSError) as e:  # a damaged file (pyarrow's OSError, ArrowInvalid), read so far
+        raise SkipFile(f"unreadable ({first_line(e)})") from None
 
 
 def decoded(path):

@@ -340,6 +340,24 @@ def test_a_parquet_value_that_is_not_utf8_skips_its_file_as_a_text_files_byte_do
     assert [s["reason"] for s in meta["skipped_files"]] == ["not UTF-8 (byte 0xff in a value)"]
 
 
+def test_a_damaged_parquet_or_json_lines_named_json_is_skipped_in_one_line(tmp_path):
+    # pyarrow's own errors past the file's footer (ArrowInvalid: a ValueError) skip the file, in one line
+    pa = pytest.importorskip("pyarrow")
+
+    def damaged():
+        yield pa.RecordBatch.from_pydict({"text": ["kept"]})
+        raise pa.ArrowInvalid("Index not in dictionary bounds\nmore of the library's lines")
+    values = sources.parquet_values(damaged(), False)
+    assert next(values) == "kept"
+    with pytest.raises(sources.SkipFile, match=r"^unreadable \(ArrowInvalid: Index not in dictionary bounds\)$"):
+        next(values)
+    write(tmp_path / "lines.json", '{"text": "one"}\n{"text": "two"}\n')  # JSON Lines named .json (the Hub's way)
+    write(tmp_path / "y.txt", "another document")
+    meta = run(tmp_path / "lines.json", tmp_path / "y.txt", "--out_dir", tmp_path / "out", "--tokenizer", "char")
+    assert [s["reason"] for s in meta["skipped_files"]] == [
+        "malformed JSON (Extra data at line 2 column 1) (JSON Lines? name it .jsonl)"]
+
+
 def test_field_option(tmp_path):
     write(tmp_path / "a.jsonl", json.dumps({"text": "not this", "article": "this one"}) + "\n")
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
@@ -1226,6 +1244,41 @@ def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, mon
         prepare.main([f"hf:{broken}", "--strict", "--tokenizer=char", f"--out_dir={tmp_path / 'none'}"])
     with pytest.raises(UserError, match=rf"^hf:{re.escape(str(folder))} has no split 'test': it has 'train', 'validation'$"):
         prepare.main([f"hf:{folder}:test", f"--out_dir={tmp_path / 'none'}"])
+
+
+@pytest.mark.slow  # the datasets library's import alone is seconds
+def test_hugging_face_dataset_folders_with_images_saved_to_disk_or_of_several_configurations(tmp_path, monkeypatch):
+    # media the text does not need are never opened (a path or URL in the file: read as data, not followed), and
+    # a row whose image would not decode loses no text; a folder save_to_disk wrote is read; several configurations
+    # are named with the option that chooses one
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    features = datasets.Features({"text": datasets.Value("string"), "image": datasets.Image(),
+                                  "more": datasets.List(datasets.Image())})
+    images = [{"bytes": None, "path": str(tmp_path / "no such image.png")}, {"bytes": b"not an image", "path": None}]
+    rows = {"text": [f"caption {i}" for i in range(8)], "image": [images[i % 2] for i in range(8)],
+            "more": [images for _ in range(8)]}
+    (tmp_path / "img" / "data").mkdir(parents=True)
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")  # (to_parquet reads images in)
+    pq.write_table(pa.Table.from_pydict(rows, schema=features.arrow_schema), tmp_path / "img/data/train.parquet")
+    meta = prepare.main([f"hf:{tmp_path / 'img'}", "--tokenizer=char", f"--out_dir={tmp_path / 'a'}"])
+    assert meta["train"]["documents"] + meta["val"]["documents"] == 8 and meta["skipped_files"] == []
+    datasets.Dataset.from_dict({"text": [f"saved {i}" for i in range(6)]}).save_to_disk(tmp_path / "saved")
+    meta = prepare.main([f"hf:{tmp_path / 'saved'}", "--tokenizer=char", f"--out_dir={tmp_path / 'b'}"])
+    assert meta["train"]["documents"] + meta["val"]["documents"] == 6
+    front = ["---", "configs:"]
+    for config in ("en", "fr"):
+        (tmp_path / "cfg" / config).mkdir(parents=True)
+        (tmp_path / "cfg" / config / "train.jsonl").write_text(json.dumps({"text": config}) + "\n")
+        front += [f"- config_name: {config}", "  data_files:", "  - split: train", f"    path: {config}/train.jsonl"]
+    (tmp_path / "cfg" / "README.md").write_text("\n".join(front + ["---"]) + "\n")
+    with pytest.raises(UserError, match=rf"^the dataset hf:{re.escape(str(tmp_path / 'cfg'))} has several "
+                                        rf"configurations \(en, fr\): choose one with --hf_config=NAME$"):
+        prepare.main([f"hf:{tmp_path / 'cfg'}", f"--out_dir={tmp_path / 'c'}"])
+    meta = prepare.main([f"hf:{tmp_path / 'cfg'}", "--hf_config=fr", "--tokenizer=char", f"--out_dir={tmp_path / 'c'}",
+                         "--val_fraction=0"])
+    assert read_all(tmp_path / "c") == ["fr"]
 
 
 def test_a_full_disk_leaves_the_dataset_there_before_usable_and_no_tmp_file(tmp_path, monkeypatch):

@@ -425,6 +425,28 @@ def test_conversations_from_parquet_and_json_are_those_of_jsonl(tmp_path):
     assert made[0] == made[1] == made[2]
 
 
+def test_a_parquet_conversation_has_the_keys_of_its_record_not_its_tables(tmp_path):
+    # a parquet table gives each message every key any message has (None where it had none): a template that asks
+    # whether one is defined renders the records as their JSON Lines do
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    records = list(conversations(6, seed=3))
+    records[0]["messages"][0]["name"] = "bob"
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "b.parquet")
+    (tmp_path / "t.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}{% if m.name is defined %} ({{ m.name }}){% endif %}: "
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}"
+        "{% else %}{{ m.content }}\n{% endif %}{% endfor %}")
+    made = []
+    for name in ("a.jsonl", "b.parquet"):
+        out = tmp_path / f"data-{name}"
+        prepare.main([str(tmp_path / name), "--tokenizer=bpe:300", f"--out_dir={out}", "--val_fraction=0",
+                      f"--chat_template={tmp_path / 't.jinja'}"])
+        made.append([(out / f).read_bytes() for f in ("train.bin", "train.mask.bin")])
+    assert made[0] == made[1]
+
+
 def test_sharegpt_conversations_are_those_of_messages_in_files_and_hub_datasets(tmp_path, monkeypatch):
     # ShareGPT's layout ({"conversations": [{"from": "human", "value": ...}]}, its roles mapped to the template's)
     # makes the very tokens and masks of the same conversations as messages, from a file and from an hf: dataset;
