@@ -174,8 +174,9 @@ def memory_layouts(g, shape):
         if tp > 1:
             layouts.append((gpus, dict(dp=gpus // tp, tp=tp, fsdp=True, checkpointing=True)))  # TP brings FSDP
         layouts.append((gpus, dict(dp=gpus, fsdp=True, checkpointing=True, offload=True)))
-    return [(gpus, layout) for gpus, layout in layouts
-            if runs_under(g, tp_size=layout.get("tp", 1), fsdp=layout.get("fsdp", False))]
+    return [(gpus, layout) for gpus, layout in layouts  # (an update's micro-steps shared out over the replicas)
+            if runs_under(g, tp_size=layout.get("tp", 1), fsdp=layout.get("fsdp", False))
+            and g.gradient_accumulation_steps % layout.get("dp", 1) == 0]
 
 
 def bench_memory(args, train_args):
@@ -186,7 +187,8 @@ def bench_memory(args, train_args):
     rows = [(f"{gpus} GPU{'s' * (gpus > 1)}: {memory_layout(**layout)}",
              memory_estimate(model, g.batch_size, g.block_size, dtype, g.optimizer,
                              quantized=g.lora_base_dtype if g.lora_base_dtype in ("nf4", "int8") else None,
-                             **layout)) for gpus, layout in memory_layouts(g, model.config)]
+                             micro_steps=g.gradient_accumulation_steps // layout.get("dp", 1), **layout))
+            for gpus, layout in memory_layouts(g, model.config)]
     print(memory_table(rows))
 
 # -----------------------------------------------------------------------------
