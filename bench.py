@@ -71,10 +71,13 @@ def parse_args():
     if args.warmup < 0 or not 0 < args.seconds < float("inf"):
         raise UserError(f"--warmup={args.warmup} must be at least 0 and --seconds={args.seconds:g} above 0 and finite")
     given = [*train_args, f"--{args.compare}=", *(a for run in args.run or () for a in run.split())]
-    taken = [a for a in given if a.startswith(("--max_iters=", "--out_dir=")) and args.mode in ("train", "race")]
+    sets = {"train": ["eval_iters"], "race": ["lr_decay_iters"]}.get(args.mode)  # (measure.run_train's)
+    sets = sets and [*sets, "max_iters", "out_dir", "eval_interval", "log_interval", "always_save_checkpoint"]
+    taken = [a for a in given if sets and a.startswith(tuple(f"--{key}=" for key in sets))]
     if taken:  # (its own come after the user's, and would win)
         raise UserError(f"{taken[0].partition('=')[0]}: bench.py sets it, running --steps steps (--mode=race: as many "
-                        f"as --seconds hold) in a folder it removes; give --steps")
+                        f"as --seconds hold, to the end of the schedule) with one evaluation, in a folder it removes; "
+                        f"give --steps")
     if (args.seeds is not None and args.seeds < 1) or args.threads < 1:
         raise UserError(f"--seeds={args.seeds} and --threads={args.threads} must be at least 1")
     if args.warmup >= args.steps:

@@ -100,6 +100,10 @@ def bench_seeds(args, train_args):
     nanogpt, tiny = os.path.abspath(args.nanogpt), TINY_SHAPE if args.tiny else []
     config = settings.defaults()
     configure(config, train_args)  # where the data is, for nanoGPT too
+    ours = os.path.isfile(os.path.join(config["data_dir"], "meta.json")) and read_meta(config["data_dir"])
+    if ours and ours["vocab_size"] != 50257 and not os.path.isfile(os.path.join(config["data_dir"], "meta.pkl")):
+        raise UserError(f"{config['data_dir']} has no meta.pkl, without which nanoGPT trains on GPT-2's vocabulary, "
+                        f"not its {ours['vocab_size']:,} tokens: prepare it with nanoGPT's own prepare.py")
     tokens = np.fromfile(os.path.join(config["data_dir"], "val.bin"), dtype=np.uint16)  # nanoGPT reads uint16
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     seeds = range(1, (args.seeds or (2 if args.tiny else 5)) + 1)

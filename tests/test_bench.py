@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CPU_ENV, needs_tiktoken, script
+from helpers import CPU_ENV, needs_tiktoken, new_python, script
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["versus", "race", "kernels", "step", "memory", "optimizers", "finetune", "tests"]
@@ -256,6 +256,25 @@ def test_seeds_mode_puts_our_seeds_beside_nanogpts_run_on_the_whole_val_split(da
     assert done.returncode == 1 and "--nanogpt=DIR" in done.stderr and done.stderr.strip().count("\n") == 0
 
 
+def test_seeds_mode_refuses_our_dataset_of_another_vocabulary_without_nanogpts_meta_pkl(data_dir, tmp_path):
+    # nanoGPT, without meta.pkl, models GPT-2's 50,304 tokens: its losses would not be comparable with ours
+    (tmp_path / "nanogpt").mkdir()
+    (tmp_path / "nanogpt" / "train.py").write_text("")  # (refused before it runs)
+    done = script("bench.py", "--mode=seeds", "--tiny", f"--nanogpt={tmp_path / 'nanogpt'}", f"--data_dir={data_dir}")
+    assert done.returncode == 1 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "has no meta.pkl, without which nanoGPT trains on GPT-2's vocabulary" in done.stderr
+
+
+def test_same_runs_refuses_what_it_cannot_compare_before_it_makes_anything(tmp_path):
+    # (a traceback had come after its data was made, its temporary folder left behind)
+    done = new_python("tools/same_runs.py", tmp_path, "--only=plain", env={"TMPDIR": str(tmp_path)})
+    assert done.returncode == 1 and done.stderr.strip() == f"{tmp_path} is no checkout of the trainer (no train.py " \
+        f"there): make one with git worktree add /tmp/before REVISION"
+    done = new_python("tools/same_runs.py", ROOT, "--only=plain,bogus", env={"TMPDIR": str(tmp_path)})
+    assert done.returncode == 1 and done.stderr.startswith("no run named bogus: the runs are plain, ")
+    assert os.listdir(tmp_path) == []
+
+
 def test_load_mode_measures_its_three_loads_at_a_tiny_shape():
     # each load in a Python of its own, which imports the project's load_pretrained: a table of three rows, the
     # streamed load's memory above the baseline's
@@ -282,6 +301,8 @@ def test_train_py_settings_pass_through_whole_not_as_abbreviations_of_benchs_own
     (["--max_iters=100"], "--max_iters: bench.py sets it, running --steps steps"),
     (["--compare=max_iters", "--values=5,10"], "--max_iters: bench.py sets it"),
     (["--mode=race", "--run=--out_dir=mine --compile=False"], "--out_dir: bench.py sets it"),
+    (["--compare=eval_iters", "--values=1,50"], "--eval_iters: bench.py sets it"),
+    (["--mode=race", "--lr_decay_iters=100"], "--lr_decay_iters: bench.py sets it"),
 ])
 def test_what_bench_py_cannot_run_or_would_override_is_refused_before_any_run(monkeypatch, argv, says):
     import bench

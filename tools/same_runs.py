@@ -6,7 +6,7 @@ compared: every record of metrics.jsonl but its timings, every tensor and value 
 bit, the sample text, the stdout less its timings, and the exit status with the last line of stderr.
 
     git worktree add /tmp/before HEAD~1
-    python tools/same_runs.py /tmp/before                 # prints each run's verdict; exit status 1 on a difference
+    python tools/same_runs.py /tmp/before     # each run's verdict; exit status 1 on a difference or a failed run
     python tools/same_runs.py /tmp/before --only=plain,ddp
 
 Both checkouts run with this Python, on CPU, one at a time, in out_dirs of the same path (so that the paths
@@ -155,36 +155,55 @@ def main():
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders and print where")
     options = parser.parse_args()
     names = options.only.split(",") if options.only else list(RUNS)
-    if "resume" in names and "plain" not in names:  # it resumes the plain run
-        names.insert(0, "plain")
-    if "qlora" in names and importlib.util.find_spec("torchao") is None:
-        print("qlora: left out (no torchao)")
-        names.remove("qlora")
+    before = Path(options.before).resolve()
+    if not (before / "train.py").is_file():
+        raise SystemExit(f"{options.before} is no checkout of the trainer (no train.py there): make one with "
+                         f"git worktree add /tmp/before REVISION")
+    if unknown := [name for name in names if name not in RUNS]:
+        raise SystemExit(f"no run named {', '.join(unknown)}: the runs are {', '.join(RUNS)}")
+    if "resume" in names:  # it resumes the plain run, made first
+        names = ["plain"] + [name for name in names if name != "plain"]
+    for name, package in (("qlora", "torchao"), ("kernels", "triton")):
+        if name in names and importlib.util.find_spec(package) is None:
+            print(f"{name}: left out (no {package})")
+            names.remove(name)
     work = Path(tempfile.mkdtemp(prefix="same_runs_"))
+    try:
+        failed = compare(names, before, work)
+    finally:
+        if options.keep:
+            print(f"runs kept in {work}")
+        else:
+            shutil.rmtree(work)
+    sys.exit(1 if failed else 0)
+
+
+def compare(names, before, work):
+    # each run by both checkouts, its verdict printed -> how many differ or fail (but the diverging run, meant to)
     make_data(work)
     failed = 0
     for name in names:
         out, results = work / "runs" / name, {}
-        for side, checkout in (("before", Path(options.before).resolve()), ("after", HERE)):
+        for side, checkout in (("before", before), ("after", HERE)):
             if name == "resume":  # both resume the other checkout's plain run
                 shutil.rmtree(out, ignore_errors=True)
                 shutil.copytree(work / "plain_before", out)
             results[side] = run(checkout, name, work, out)
+            out.mkdir(parents=True, exist_ok=True)  # (a run that failed before making it)
             shutil.move(out, work / f"{name}_{side}")
             results[side]["checkpoints"] = {k: work / f"{name}_{side}" / k for k in results[side]["checkpoints"]}
         if name == "plain" and results["before"]["status"]:
             raise SystemExit(f"the plain run failed:\n{results['before']['stderr']}")
         found = differences(results["before"], results["after"])
+        status = results["after"]["status"]
         steps = len([r for r in results["after"].get("metrics", []) if "val_loss" not in r])
-        print(f"{name}: {'the same' if not found else 'DIFFERS: ' + ', '.join(found)} (exit "
-              f"{results['after']['status']}, {steps} step records, {len(results['after']['checkpoints'])} "
+        broke = status and name != "diverges"  # the same failure on both sides compares nothing
+        verdict = "DIFFERS: " + ", ".join(found) if found else \
+            f"FAILED on both sides: {results['after']['stderr'][:160]}" if broke else "the same"
+        print(f"{name}: {verdict} (exit {status}, {steps} step records, {len(results['after']['checkpoints'])} "
               f"checkpoint files)", flush=True)
-        failed += bool(found)
-    if options.keep:
-        print(f"runs kept in {work}")
-    else:
-        shutil.rmtree(work)
-    sys.exit(1 if failed else 0)
+        failed += bool(found or broke)
+    return failed
 
 
 if __name__ == "__main__":
