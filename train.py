@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,8 @@ if origin.stopped:  # the run stopped early before: the same command again has n
     sys.exit(0)
 stale_log = os.path.join(out_dir, "metrics.jsonl")  # left by a run that died before its first checkpoint
 if origin.init_from != "resume" and master and not eval_only and os.path.exists(stale_log):
-    os.remove(stale_log)
+    with suppress(OSError):  # (one that cannot go: its first record says why, and the run goes on)
+        os.remove(stale_log)
 checkpoint, loop, lora = origin.checkpoint, origin.loop, origin.lora
 
 # -----------------------------------------------------------------------------

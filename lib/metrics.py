@@ -94,16 +94,25 @@ def open_tensorboard(out_dir, step, cut, wanted):
     """(a SummaryWriter for out_dir/tb where wanted, else None; whether open_log gives it metrics.jsonl's kept records
     first). From scratch (step 0), or where metrics.jsonl held records past the step (cut: a process killed between
     checkpoints), the events there no longer match it (TensorBoard's fast loader reads no purge_step): they go, wanted
-    or not. A writer with no events left gets the kept records (so does a run that turns TensorBoard on late); else
-    the events go on (purge_step for TensorBoard's older loader)."""
+    or not; so do events older than metrics.jsonl's last record (a run without TensorBoard, or a writer killed
+    before it wrote out what it held), wanted. A writer with no events left gets the kept records; else the events go
+    on (purge_step for TensorBoard's older loader). A folder that cannot be written: said, and the run goes on."""
     events = glob.glob(os.path.join(glob.escape(out_dir), "tb", "events.out.tfevents.*"))
-    for old in events if step == 0 or cut else ():
-        os.remove(old)
-    if not wanted:
+    try:
+        behind = max(map(os.path.getmtime, events)) <= os.path.getmtime(os.path.join(out_dir, "metrics.jsonl"))
+    except (OSError, ValueError):  # no events, or no metrics.jsonl
+        behind = False
+    try:
+        for old in events if step == 0 or cut or behind and wanted else ():
+            os.remove(old)
+        if not wanted:
+            return None, False
+        from torch.utils.tensorboard import SummaryWriter
+        anew = step == 0 or cut or behind or not events
+        return SummaryWriter(os.path.join(out_dir, "tb"), purge_step=None if anew or step is None else step + 1), anew
+    except OSError as e:
+        print(f"warning: cannot write {out_dir}/tb ({e.strerror or e}); training goes on without TensorBoard")
         return None, False
-    from torch.utils.tensorboard import SummaryWriter
-    anew = step == 0 or cut or not events
-    return SummaryWriter(os.path.join(out_dir, "tb"), purge_step=None if anew or step is None else step + 1), anew
 
 
 def kept_records(path):

@@ -216,6 +216,11 @@ def check(config):
             import torch.utils.tensorboard  # noqa: F401 (metrics.py writes with it)
         except ImportError:
             raise _UserError("tensorboard_log=True needs TensorBoard: pip install tensorboard") from None
+    if config["wandb_log"]:
+        try:
+            import wandb  # noqa: F401 (metrics.py logs with it)
+        except ImportError:
+            raise _UserError("wandb_log=True needs Weights & Biases: pip install wandb") from None
     if config["bias"]:  # a nanoGPT config file's bias=True
         raise _UserError("bias=True: this model's blocks are Llama's, with no biases in their linears and norms "
                          "(nanoGPT's GPT-2 blocks have them); leave bias out, or set qkv_bias=True for Qwen2's")

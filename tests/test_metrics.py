@@ -198,6 +198,23 @@ def test_a_resume_drops_what_a_process_recorded_past_its_checkpoint(tmp_path):
     log({"iter": 30, "loss": 3.0})
     close()
     assert scalars() == [(10, 1.0), (20, 2.5), (30, 3.0)]
+    # a resume without TensorBoard that cuts nothing: the events miss its records, and the next start with it
+    # writes them all anew (it had gone on after the checkpoint's step, its events without step 40)
+    log, close = open_log(str(tmp_path), {}, master=True, step=30)
+    log({"iter": 40, "loss": 4.0})
+    log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=40)
+    log({"iter": 50, "loss": 5.0})
+    close()
+    assert scalars() == [(10, 1.0), (20, 2.5), (30, 3.0), (40, 4.0), (50, 5.0)]
+
+
+def test_a_tensorboard_folder_that_cannot_be_made_is_a_warning_and_the_run_goes_on(tmp_path, capsys):
+    (tmp_path / "tb").write_text("a file where the folder goes")
+    log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=0)
+    log({"iter": 1, "loss": 1.0})
+    close()
+    assert capsys.readouterr().out.startswith(f"warning: cannot write {tmp_path}/tb (")
+    assert [json.loads(line)["iter"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 def test_tensorboard_on_a_full_disk_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, capsys):

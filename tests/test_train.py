@@ -684,6 +684,16 @@ def test_tensorboard_missing_is_one_line(data_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails
     said = train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", "--tensorboard_log=True")
     assert "tensorboard_log=True needs TensorBoard: pip install tensorboard" in said
+    monkeypatch.setitem(sys.modules, "wandb", None)  # (a traceback after the model was built)
+    said = train_refusal(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'o'}", "--wandb_log=True")
+    assert "wandb_log=True needs Weights & Biases: pip install wandb" in said
+
+
+def test_a_metrics_jsonl_that_cannot_be_removed_or_written_is_a_warning(data_dir, tmp_path):
+    (tmp_path / "metrics.jsonl").mkdir()  # (a fresh run's removal of a stale one had ended in a traceback)
+    done = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2")
+    assert f"warning: cannot write {tmp_path}/metrics.jsonl (Is a directory); training goes on without it" \
+        in done.stdout and "run ended at step 2" in done.stdout
 
 
 @pytest.mark.slow
