@@ -86,7 +86,11 @@ if args.init_from != "resume":  # nanoGPT's way to name what to sample: a folder
     if not os.path.isdir(args.init_from):
         raise UserError(f"--init_from={args.init_from} is not 'resume' or a Hugging Face model folder (nanoGPT's "
                         f"GPT-2 weights are not this model's: sample a run with --out_dir, a folder with --model)")
+    if args.model and os.path.realpath(args.model) != os.path.realpath(args.init_from):
+        raise UserError(f"--model={args.model} and --init_from={args.init_from} name two folders: give one")
     args.model = args.model or args.init_from
+if args.model and (args.out_dir, args.ckpt) != ("out", "ckpt.pt"):  # (else the run's checkpoint, left unsaid)
+    raise UserError("--out_dir and --ckpt name a run's checkpoint, --model a folder to sample instead: give one")
 device, dtype = pick_device(args.device, args.dtype)
 check_ranges(vars(args), SAMPLING, "--")  # as a run's settings are (else a traceback, or the least likely tokens)
 
@@ -98,7 +102,8 @@ except ValueError as e:
 folder = args.model or chat_folder(checkpoint, tokenizer)  # where the chat template is
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
-sampling = dict(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, vocab=tokenizer.vocab_size)
+sampling = dict(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                vocab=min(tokenizer.vocab_size, model.config.vocab_size))
 # it attended within documents: end-of-text begins one (as eval.py); on conversations (masks) only the one that ends
 # an example did, which a generation cannot tell from one that ends a turn: none does
 if checkpoint is not None and checkpoint["config"].get("doc_mask") and tokenizer.eot_id is not None and not args.chat \
@@ -113,7 +118,7 @@ def given_text(value, what):
     if value is None or not value.startswith("FILE:"):
         return value
     try:
-        with open(value[5:], encoding="utf-8") as f:
+        with open(os.path.expanduser(value[5:]), encoding="utf-8") as f:  # (the shell leaves ~ after FILE: alone)
             text = f.read(MAX_PROMPT + 1)
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read the {what} file {value[5:]} ({e})") from None
@@ -125,6 +130,16 @@ def given_text(value, what):
 
 start = given_text(args.start, "prompt") if args.start is not None or args.chat else "\n"
 system = given_text(args.system, "system prompt")
+
+
+def known(ids, what):
+    # ids, or UserError where one is past the model's embeddings (a folder whose tokenizer has tokens it was not
+    # given rows for: an index error in the first forward)
+    past = next((i for i in ids if i >= model.config.vocab_size), None)
+    if past is not None:
+        raise UserError(f"{what} holds {tokenizer.decode([past])!r}, token {past}, which the model has no embedding "
+                        f"for (its vocab_size is {model.config.vocab_size}): leave it out")
+    return ids
 
 
 def reply(messages):
@@ -140,7 +155,10 @@ def reply(messages):
                 len(turns) <= 1:
             break
         turns = turns[2:]  # a user message and its reply
-    x = torch.tensor(ids, dtype=torch.long, device=device)[None, :]
+    if len(ids) > model.config.block_size:  # (one message, or the system prompt, past it: generate slides)
+        print(f"note: the conversation is {len(ids)} tokens, of which the model sees the last "
+              f"{model.config.block_size} (its block_size): the system prompt is cut off", file=sys.stderr)
+    x = torch.tensor(known(ids, "the conversation"), dtype=torch.long, device=device)[None, :]
     with autocast:
         y = model.generate(x, args.max_new_tokens, stop=stops, **sampling)[0, len(ids):].tolist()
     return tokenizer.decode(y[:next((i for i, t in enumerate(y) if t in stops), len(y))]).strip()
@@ -170,8 +188,9 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
                 while not text.endswith('"""'):
                     text += "\n" + utf8(input("... "), "the message")
                 text = text[:-3]
-        except UnicodeDecodeError:
-            raise UserError("the message is not UTF-8 text: type it in UTF-8") from None
+        except (UnicodeDecodeError, UserError):  # typed: said, and asked again
+            print("the message is not UTF-8 text: type it in UTF-8", file=sys.stderr, flush=True)
+            continue
         except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt ends the chat
             print()
             break
@@ -204,7 +223,7 @@ except ValueError as e:  # e.g. a character the char vocabulary lacks
         raise UserError("the default prompt, a newline, is not in this model's vocabulary: give one, --start=TEXT") \
             from None
     raise UserError(f"the prompt cannot be encoded: {e}") from None
-if not ids:
+if not known(ids, "the prompt"):
     raise UserError("the prompt encodes to no tokens (give a non-empty --start)")
 if len(ids) > model.config.block_size:  # generate slides its window over it
     print(f"note: the prompt is {len(ids)} tokens, of which the model sees the last {model.config.block_size} "
@@ -219,8 +238,12 @@ if args.temperature < 1e-5 and args.num_samples > 1:  # greedy (model.generate):
     print(f"note: --temperature=0 is greedy, so its {args.num_samples} samples would be identical: printing one",
           file=sys.stderr)
     args.num_samples = 1
-with autocast:
-    for _ in range(args.num_samples):
-        y = model.generate(x, args.max_new_tokens, **sampling)
-        print(tokenizer.decode(y[0, skip:].tolist()))  # the prompt and its continuation, without the BOS
-        print("---------------", flush=True)  # each sample as it comes
+try:
+    with autocast:
+        for _ in range(args.num_samples):
+            y = model.generate(x, args.max_new_tokens, **sampling)
+            print(tokenizer.decode(y[0, skip:].tolist()))  # the prompt and its continuation, without the BOS
+            print("---------------", flush=True)  # each sample as it comes
+except KeyboardInterrupt:  # Ctrl-C: the samples printed so far stand, no traceback
+    print()
+    sys.exit(130)

@@ -3,6 +3,7 @@ resume, sample.py on the folder, export.py back to a folder that transformers lo
 
 import json
 import math
+import shutil
 import sys
 
 import pytest
@@ -160,6 +161,28 @@ def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(pretrained):
                       *extra)
         assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert "is not UTF-8 text: give it in UTF-8" in done.stderr
+
+
+def test_sample_refuses_two_models_and_a_token_past_the_models_embeddings(pretrained, tmp_path):
+    # --model with another --init_from folder, or with a run's --out_dir, had sampled one and dropped the other
+    # without a word; a folder whose tokenizer has tokens past its embeddings had an IndexError in the first forward
+    folder, _ = pretrained
+    for extra, says in (([f"--init_from={tmp_path}"], f"--model={folder} and --init_from={tmp_path} name two folders"),
+                        ([f"--out_dir={tmp_path}"], "--out_dir and --ckpt name a run's checkpoint, --model a folder")):
+        done = script("sample.py", f"--model={folder}", "--start=def ", *extra)
+        assert done.returncode == 1 and says in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    config = transformers.AutoConfig.from_pretrained(folder)
+    config.vocab_size = 300  # of the tokenizer's 400
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / "small")
+    shutil.copy(folder / "tokenizer.json", tmp_path / "small")
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    word = next(w for w in (" the", " and", " of", " to", " that", "ing") if max(tok.encode(w).ids) >= 300)
+    past = max(tok.encode(word).ids)
+    done = script("sample.py", f"--model={tmp_path / 'small'}", f"--start={word}", "--max_new_tokens=2",
+                  "--device=cpu")
+    assert done.returncode == 1 and done.stderr.strip() == (
+        f"sample.py: the prompt holds {tok.decode([past])!r}, token {past}, which the model has no embedding for (its "
+        f"vocab_size is 300): leave it out")
 
 
 def test_greedy_sampling_prints_one_sample_with_a_note(pretrained):
