@@ -70,12 +70,13 @@ def draw(runs, title):
         for axes, x in ((by_step, "iter"), (by_time, "wall_s")):
             train = [r for r in steps if x in r]
             axes.plot([r[x] for r in train], [r["loss"] for r in train], color=color, alpha=0.5, lw=1,
-                      label=f"{label} train")
+                      marker="." if len(train) == 1 else None, label=f"{label} train")  # (a line of one: unseen)
             val = [r for r in evaluations if x in r]
             axes.plot([r[x] for r in val], [r["val_loss"] for r in val], "o-", color=color, ms=4, label=f"{label} val")
         for axes, key in ((lr, "lr"), (speed, "tokens_per_s")):
             logged = [r for r in steps if key in r]
-            axes.plot([r["iter"] for r in logged], [r[key] for r in logged], color=color, label=label)
+            axes.plot([r["iter"] for r in logged], [r[key] for r in logged], color=color, label=label,
+                      marker="." if len(logged) == 1 else None)
     for axes, xlabel, ylabel in ((by_step, "step", "loss"), (by_time, "wall time (s)", "loss"),
                                  (lr, "step", "learning rate"), (speed, "step", "tokens/s")):
         axes.set(xlabel=xlabel, ylabel=ylabel)
@@ -84,6 +85,17 @@ def draw(runs, title):
     figure.suptitle(title)
     figure.tight_layout()
     return figure
+
+
+def labels(out_dirs):
+    # each run's name: its folder's, or as many of its path's last folders as tell it from the others' (a/out, b/out)
+    parts, names = [os.path.abspath(d).split(os.sep) for d in out_dirs], []
+    for i, path in enumerate(parts):
+        for k in range(1, len(path) + 1):
+            if all(other[-k:] != path[-k:] for j, other in enumerate(parts) if j != i):
+                break
+        names.append(os.sep.join(path[-k:]))
+    return names
 
 
 def main():
@@ -96,7 +108,7 @@ def main():
         import matplotlib  # noqa: F401 (found out now, not after reading every run)
     except ImportError:
         raise UserError("plot.py draws with matplotlib: pip install matplotlib") from None
-    runs = [(os.path.basename(os.path.normpath(d)), *read_run(d)) for d in args.out_dirs]
+    runs = [(label, *read_run(d)) for label, d in zip(labels(args.out_dirs), args.out_dirs)]
     to = args.to or os.path.join(args.out_dirs[0], "curves.png")
     if not to.lower().endswith(".png"):
         raise UserError(f"--to={to}: plot.py writes a PNG; name it NAME.png")

@@ -34,6 +34,15 @@ def test_two_runs_drawn_together_and_one_by_default_into_its_folder(data_dir, tm
     assert (tmp_path / "victim.txt").read_text() == "precious"
 
 
+def test_runs_of_one_folder_name_are_told_apart_and_a_single_record_is_seen():
+    from plot import draw, labels
+    assert labels(["lab/a/out", "lab/b/out/", "/runs/wide"]) == ["a/out", "b/out", "wide"]
+    assert labels(["out-small"]) == ["out-small"]
+    figure = draw([("one", [{"iter": 1, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 9.0, "wall_s": 1.0}], [])], "one")
+    assert all(line.get_marker() == "." for axes in figure.axes for line in axes.lines if len(line.get_xdata()) == 1)
+    assert sum(len(axes.lines) for axes in figure.axes) == 6  # train by step and by time, their empty val, lr, speed
+
+
 def test_a_resumed_runs_clock_continues_and_an_empty_run_is_refused(tmp_path):
     from plot import read_run
     records = [{"iter": 10, "loss": 3.0, "lr": 1e-3, "elapsed_s": 5.0},
