@@ -420,8 +420,8 @@ def section_memory(cuda, scratch, args, train_args):
                              f"{scratch}/mem_{name}{i}", min(args.steps, 10), min(args.warmup, 3))
             if result:
                 (med, measured) = result
-                print(f"| {name} | {layout} | {estimate:,.0f} | {measured:,.0f} | {measured / estimate:.2f} "
-                      f"| {med['tokens_per_s']:,.0f} |")
+                ratio = f"{measured / estimate:.2f}" if cuda else "n/a (a CPU's is the process's, torch's own too)"
+                print(f"| {name} | {layout} | {estimate:,.0f} | {measured:,.0f} | {ratio} | {med['tokens_per_s']:,.0f} |")
 
 
 def section_optimizers(cuda, scratch, args, train_args):

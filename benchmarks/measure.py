@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 import kernels
 from configurator import configure
-from lib.resume import model_from_checkpoint
+from lib.checkpoint import find_checkpoint
+from lib.resume import load_checkpoint, model_from_checkpoint
 from lib.files import UserError, read_json, read_meta
 from lib.hf import config_from_hf, save_pretrained
 from lib.lora import add_lora, quantize_base
@@ -198,7 +199,12 @@ def matmul_peak(cuda):
 
 
 def planned_shape(g):
-    # the GPTConfig of a run's settings: a Hugging Face folder's, or the settings' own
+    # the GPTConfig of a run's settings: a Hugging Face folder's, a resume's checkpoint's, or the settings' own
+    found = g.init_from in ("resume", "auto") and find_checkpoint(os.path.join(g.out_dir, "ckpt.pt"))
+    if found:  # as train.py resumes it: the checkpoint's shape (LoRA's adapters: planned_model's), this run's length
+        args = {**load_checkpoint(found, weights=False)["model_args"], "block_size": g.block_size, "lora_rank": 0}
+        check_sizes(args, "the checkpoint's model_args", "use another checkpoint")
+        return GPTConfig(**args)
     if g.init_from not in ("scratch", "resume", "auto"):  # a Hugging Face folder: its shape
         try:
             return config_from_hf(read_json(os.path.join(g.init_from, "config.json")), g.block_size)

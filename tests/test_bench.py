@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CPU_ENV, needs_tiktoken, new_python, script
+from helpers import CPU_ENV, TINY, needs_tiktoken, new_python, run, script
+from lib.resume import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["versus", "race", "kernels", "step", "memory", "optimizers", "finetune", "tests"]
@@ -105,7 +106,8 @@ def check_step(text):
 def check_memory(text):
     assert "eager: --compile=False" in text
     measured = [r for r in rows(text) if not r[2].startswith("failed")]
-    assert [r[1] for r in measured] == ["one process", "checkpointing"] and all(map(number, measured[0][2:]))
+    assert [r[1] for r in measured] == ["one process", "checkpointing"]
+    assert all(map(number, measured[0][2:4] + measured[0][5:])) and measured[0][4].startswith("n/a")  # (the CPU's)
     assert "fsdp_cpu_offload=True" in text  # CUDA only: a line
 
 
@@ -321,6 +323,18 @@ def test_memory_mode_refuses_the_settings_train_py_refuses(setting, says):
     assert done.returncode == 1 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+def test_memory_mode_plans_a_resume_with_its_checkpoints_shape(data_dir, tmp_path):
+    # (it had planned the settings' default 30M model for any --init_from=resume)
+    from benchmarks.measure import planned_model
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2", "--n_layer=3")
+    _, model, _ = planned_model([f"--out_dir={tmp_path}", "--init_from=resume", f"--data_dir={data_dir}"])
+    assert (model.config.n_layer, model.config.n_embd, model.config.n_kv_head) == (3, 32, 2)
+    weights = load_checkpoint(str(tmp_path / "ckpt.pt"))["model"]
+    assert {name: t.shape for name, t in model.state_dict().items()} == {name: t.shape for name, t in weights.items()}
+    _, model, _ = planned_model([f"--out_dir={tmp_path / 'none'}", "--init_from=auto", f"--data_dir={data_dir}"])
+    assert model.config.n_layer == 6  # no checkpoint there: the settings' own (the default shape)
+
+
 def test_memory_mode_lists_only_layouts_train_py_runs():
     # Muon refuses fsdp=True and tensor parallel (lib/optim.check_optimizer): --mode=memory estimates no FSDP
     # or TP layout for it, as it leaves out none for AdamW
@@ -344,6 +358,7 @@ def test_memory_section_estimates_the_settings_it_measures(tmp_path, monkeypatch
         gpu.section_memory(False, str(tmp_path), types.SimpleNamespace(steps=3, warmup=1), train_args)
         row = next(r for r in rows(capsys.readouterr().out) if r[:2] == ["tiny", "one process"])
         estimates.append(float(row[2].replace(",", "")))
+        assert row[4].startswith("n/a")  # a CPU's peak is the whole process's: no ratio to a tensors' estimate
     assert estimates[1] > estimates[0], estimates
 
 
