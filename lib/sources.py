@@ -105,7 +105,7 @@ def first_line(e):
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]}"
 
 
-def hub_rows(path):
+def hub_rows(path, field=None):
     # a Hub split's records, streamed; a file of it the library cannot read (pyarrow's ArrowInvalid) stops it there
     import datasets
     try:
@@ -115,11 +115,15 @@ def hub_rows(path):
             split = datasets.load_dataset(path.name, path.config, split=path.split, streaming=True)
         if split.features:  # media (an image's path, a URL) kept as stored, never opened: only text is read here
             split = split.cast(undecoded(split.features))
+            if field and field not in split.features:  # said now, not at every row of the split
+                raise SkipFile(f"no text column ({field}); it has {', '.join(split.features)[:80]}")
         rows = iter(split)
         while True:
             yield next(rows)
     except StopIteration:
         return
+    except SkipFile:
+        raise
     except Exception as e:  # whatever the library or pyarrow raise, named in one line
         raise SkipFile(f"unreadable ({first_line(e)})") from None
 
@@ -237,7 +241,7 @@ def read_documents(path, field, dedup, chat):
     """Yield (position, str, BigText or Chat, None), or (position, None, why) per bad record; SkipFile if unreadable."""
     ext = file_ext(path).removesuffix(".gz")
     if isinstance(path, HubSplit):
-        yield from read_rows(hub_rows(path), field, chat)
+        yield from read_rows(hub_rows(path, field), field, chat)
     elif not path.is_file():
         raise SkipFile("not a regular file")
     elif ext in (".jsonl", ".ndjson"):

@@ -1247,7 +1247,8 @@ def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, mon
 
 
 @pytest.mark.slow  # the datasets library's import alone is seconds
-def test_hugging_face_dataset_folders_with_images_saved_to_disk_or_of_several_configurations(tmp_path, monkeypatch):
+def test_hugging_face_dataset_folders_with_images_saved_to_disk_or_of_several_configurations(tmp_path, monkeypatch,
+                                                                                           capsys):
     # media the text does not need are never opened (a path or URL in the file: read as data, not followed), and
     # a row whose image would not decode loses no text; a folder save_to_disk wrote is read; several configurations
     # are named with the option that chooses one
@@ -1264,6 +1265,9 @@ def test_hugging_face_dataset_folders_with_images_saved_to_disk_or_of_several_co
     pq.write_table(pa.Table.from_pydict(rows, schema=features.arrow_schema), tmp_path / "img/data/train.parquet")
     meta = prepare.main([f"hf:{tmp_path / 'img'}", "--tokenizer=char", f"--out_dir={tmp_path / 'a'}"])
     assert meta["train"]["documents"] + meta["val"]["documents"] == 8 and meta["skipped_files"] == []
+    with pytest.raises(UserError, match="no documents found"):  # a column it lacks: said before any row is read
+        prepare.main([f"hf:{tmp_path / 'img'}", "--field=body", "--tokenizer=char", f"--out_dir={tmp_path / 'x'}"])
+    assert "train: no text column (body); it has text, image, more" in capsys.readouterr().out
     datasets.Dataset.from_dict({"text": [f"saved {i}" for i in range(6)]}).save_to_disk(tmp_path / "saved")
     meta = prepare.main([f"hf:{tmp_path / 'saved'}", "--tokenizer=char", f"--out_dir={tmp_path / 'b'}"])
     assert meta["train"]["documents"] + meta["val"]["documents"] == 6
