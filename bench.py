@@ -71,7 +71,8 @@ def parse_args():
     if args.warmup < 0 or not 0 < args.seconds < float("inf"):
         raise UserError(f"--warmup={args.warmup} must be at least 0 and --seconds={args.seconds:g} above 0 and finite")
     given = [*train_args, f"--{args.compare}=", *(a for run in args.run or () for a in run.split())]
-    sets = {"train": ["eval_iters"], "race": ["lr_decay_iters"]}.get(args.mode)  # (measure.run_train's)
+    sets = {"train": ["eval_iters"], "race": ["lr_decay_iters"],  # (measure.run_train's, which --mode=gpu runs too)
+            "gpu": ["eval_iters", "lr_decay_iters"]}.get(args.mode)
     sets = sets and [*sets, "max_iters", "out_dir", "eval_interval", "log_interval", "always_save_checkpoint"]
     taken = [a for a in given if sets and a.startswith(tuple(f"--{key}=" for key in sets))]
     if taken:  # (its own come after the user's, and would win)

@@ -157,7 +157,8 @@ def reply(messages):
         turns = turns[2:]  # a user message and its reply
     if len(ids) > model.config.block_size:  # (one message, or the system prompt, past it: generate slides)
         print(f"note: the conversation is {len(ids)} tokens, of which the model sees the last "
-              f"{model.config.block_size} (its block_size): the system prompt is cut off", file=sys.stderr)
+              f"{model.config.block_size} (its block_size): {'the system prompt' if system else 'its beginning'} is "
+              f"cut off", file=sys.stderr)
     x = torch.tensor(known(ids, "the conversation"), dtype=torch.long, device=device)[None, :]
     with autocast:
         y = model.generate(x, args.max_new_tokens, stop=stops, **sampling)[0, len(ids):].tolist()
@@ -182,12 +183,13 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
     messages = [{"role": "system", "content": system}] if system else []
     while True:
         try:
-            text = start if start is not None else utf8(input("> "), "the message")
+            text = start if start is not None else input("> ")
             if start is None and text.startswith('"""'):  # a message of several lines (pasted), up to a closing """
                 text = text[3:]
                 while not text.endswith('"""'):
-                    text += "\n" + utf8(input("... "), "the message")
+                    text += "\n" + input("... ")
                 text = text[:-3]
+            text = utf8(text, "the message")  # (checked whole: a bad line leaves the rest of a paste in it)
         except (UnicodeDecodeError, UserError):  # typed: said, and asked again
             print("the message is not UTF-8 text: type it in UTF-8", file=sys.stderr, flush=True)
             continue
@@ -208,8 +210,10 @@ if args.chat:  # one reply to --start, or a conversation typed in the terminal
             messages.append({"role": "assistant", "content": reply(messages)})
         except ValueError as e:
             raise UserError(str(e)) from None
-        except KeyboardInterrupt:  # Ctrl-C while it replies ends the chat too
+        except KeyboardInterrupt:  # Ctrl-C while it replies ends the chat too (--start's: unanswered, as a failure)
             print()
+            if start is not None:
+                sys.exit(130)
             break
         print(messages[-1]["content"], flush=True)
         if start is not None:

@@ -111,7 +111,8 @@ def open_tensorboard(out_dir, step, cut, wanted):
         anew = step == 0 or cut or behind or not events
         return SummaryWriter(os.path.join(out_dir, "tb"), purge_step=None if anew or step is None else step + 1), anew
     except OSError as e:
-        print(f"warning: cannot write {out_dir}/tb ({e.strerror or e}); training goes on without TensorBoard")
+        print(f"warning: cannot write {out_dir}/tb ({e.strerror or e})"
+              + ("; training goes on without TensorBoard" if wanted else ": its events are not this run's"))
         return None, False
 
 

@@ -325,23 +325,29 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path, mon
                    "--device=cpu", "--system=Reverse the words.")
     assert typed.returncode == 0 and typed.stdout == f"> > {done.stdout}> \n", typed.stdout
     assert typed.stderr.startswith("the message holds <|endoftext|>") and typed.stderr.count("\n") == 1
-    monkeypatch.setattr(sys, "stdin", Typed("caf\udce9\napple river\n"))  # bytes not UTF-8: said, asked again
+    monkeypatch.setattr(sys, "stdin", Typed('caf\udce9\n"""apple\ncaf\udce9\nriver"""\napple river\n'))  # bytes not
+    # UTF-8, alone or in a pasted message: said once a message, the whole of it left out, and the next asked for
     typed = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--temperature=0", "--max_new_tokens=20",
                    "--device=cpu", "--system=Reverse the words.")
-    assert typed.returncode == 0 and typed.stdout == f"> > {done.stdout}> \n", typed.stdout
-    assert typed.stderr == "the message is not UTF-8 text: type it in UTF-8\n"
+    assert typed.returncode == 0 and typed.stdout == f"> > ... ... > {done.stdout}> \n", typed.stdout
+    assert typed.stderr == "the message is not UTF-8 text: type it in UTF-8\n" * 2
     # a message past block_size with the system prompt: said, as a plain prompt past it is
     long = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=" + "apple river " * 60,
                   "--max_new_tokens=2", "--device=cpu", "--system=Reverse the words.")
     assert long.returncode == 0 and "of which the model sees the last" in long.stderr, long.stderr
     assert long.stderr.strip().endswith("(its block_size): the system prompt is cut off")
+    long = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=" + "apple river " * 60,
+                  "--max_new_tokens=2", "--device=cpu")
+    assert long.returncode == 0 and long.stderr.strip().endswith("(its block_size): its beginning is cut off")
 
     def interrupted(*args, **kwargs):  # Ctrl-C while it samples: no traceback, the status a shell gives SIGINT
         raise KeyboardInterrupt
     with monkeypatch.context() as patched:
         patched.setattr(GPT, "generate", interrupted)
         stopped = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--start=apple", "--device=cpu")
-    assert stopped.returncode == 130 and stopped.stdout == "\n" and stopped.stderr == "", stopped.stderr
+        asked = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=apple", "--device=cpu")
+    assert stopped.returncode == asked.returncode == 130 and stopped.stdout == asked.stdout == "\n"
+    assert stopped.stderr == asked.stderr == ""
     # a message of several lines, an empty one among them, between """ and """: one message, as --start's
     monkeypatch.setattr(sys, "stdin", Typed('"""apple\n\nriver"""\n'))
     typed = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--temperature=0", "--max_new_tokens=20",
