@@ -50,7 +50,8 @@ parser.add_argument("--stride", type=int, default=None, help="tokens a window sh
                     "context (default: a run's eval_stride under eval_full, where it fits; else half the window)")
 parser.add_argument("--batch_size", type=int, default=8, help="windows (or a task's requests) at a time")
 parser.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'mps'")
-parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: bf16 on CUDA")
+parser.add_argument("--dtype", default="auto", help="'float32', 'bfloat16', 'float16'; auto: the run's, else bf16 "
+                    "on CUDA")
 parser.add_argument("--tasks", default=None, help="lm-evaluation-harness tasks to run instead, comma-separated")
 parser.add_argument("--limit", type=float, default=None, help="--tasks: at most this many items of each task "
                     "(below 1: this share of them; 0: all)")
@@ -66,6 +67,8 @@ check_ranges(vars(args), EVALUATION, "--")  # as train.py's settings are checked
 for flag in ("limit", "num_fewshot", "include_path", "apply_chat_template", "output"):
     if getattr(args, flag) not in (None, False) and args.tasks is None:  # else the val loss, and the flag unused
         raise UserError(f"--{flag} is a setting of --tasks: give --tasks=NAME,... with it, or leave it out")
+if args.model and (args.out_dir, args.ckpt) != ("out", "ckpt.pt"):  # (else unused, and nothing said)
+    raise UserError("--out_dir and --ckpt name a run's checkpoint, --model a folder to score instead: give one")
 for flag in ("block_size", "stride"):
     if getattr(args, flag) is not None and args.tasks is not None:  # else unused, and nothing said
         raise UserError(f"--{flag} is a setting of the val loss, not of --tasks (the model's window): leave it out")
@@ -124,6 +127,8 @@ try:
         data_dir = args.data_dir
     else:
         model, checkpoint = load_model(os.path.join(args.out_dir, args.ckpt), args.data_dir, device=device)
+        if args.dtype == "auto" and checkpoint["config"]["dtype"] != "auto":  # the run's, as its evaluations were
+            dtype = checkpoint["config"]["dtype"]
         if args.data_dir:  # another dataset than the run's must be made with its tokenizer
             check_run_tokenizer(args.data_dir, checkpoint, model.config.vocab_size)
         data_dir = checkpoint["data_dir"]
@@ -155,7 +160,7 @@ if not 0 < block_size <= model.config.block_size:
     raise UserError(f"--block_size={block_size} must be in 1..{model.config.block_size} (the model's limit)")
 if not 0 <= stride < block_size:  # (one not typed is below the window)
     raise UserError(f"--stride={stride} must be in 0..{block_size - 1}, below the window's {block_size} tokens")
-print(f"window: {block_size} tokens, from {window_from}")
+print(f"window: {block_size} tokens, from {window_from}; computed in {dtype}")
 try:
     val = Split(data_dir, "val", meta, block_size, seed=0, examples=by_example, vocab_size=model.config.vocab_size)
 except (ValueError, OSError) as e:
@@ -194,4 +199,4 @@ if by_example:
 else:
     print(f"{windows} windows of {block_size} tokens overlapping by {stride}, {data_dir}/val.bin"
           + (", attending within documents (the run's doc_mask)" if doc_mask else ""))
-print(f"val loss {loss:.6f} perplexity {math.exp(min(loss, 50)):.4f} over {count} tokens")
+print(f"val loss {loss:.6f} perplexity {math.inf if loss >= 700 else math.exp(loss):.4f} over {count} tokens")

@@ -369,6 +369,8 @@ def check_tokenizer(data_dir, meta, folder, model_vocab, fix=None):
     """UserError, in one line with the fix, unless dataset data_dir (meta: its read_meta) was made with folder's
     tokenizer (a Hugging Face model's of model_vocab ids, or a run's dataset's): the first documents must round-trip."""
     fix = fix or f"prepare it with the model's tokenizer: python prepare.py CORPUS --tokenizer={folder} --out_dir=DIR"
+    if not any(os.path.exists(os.path.join(data_dir, name)) for name in ("meta.json", "meta.pkl", "val.bin")):
+        raise UserError(f"{data_dir} holds no prepared dataset (no meta.json, meta.pkl or val.bin): {fix}")
     if meta["vocab_size"] > model_vocab:
         raise UserError(f"{data_dir} has {meta['vocab_size']} token ids, more than the {model_vocab} of {folder}: "
                          f"{fix}")

@@ -690,6 +690,16 @@ def test_eval_tasks_through_a_text_fine_tunes_chat_template_score_as_its_export(
     assert scores["run"] == scores["hf"]
 
 
+def test_eval_refuses_a_folder_with_a_run_or_without_a_dataset(pretrained, tmp_path):
+    # a run's --out_dir/--ckpt beside --model had been dropped without a word; a --data_dir that is no dataset had
+    # been called one of GPT-2's 50,257 ids (read_meta's stand-in for a nanoGPT folder without meta.pkl)
+    folder, data = pretrained
+    for extra, says in ((["--ckpt=ckpt_best.pt", f"--data_dir={data}"], "--out_dir and --ckpt name a run's checkpoint"),
+                        ([f"--data_dir={tmp_path / 'typo'}"], f"{tmp_path / 'typo'} holds no prepared dataset")):
+        done = script("eval.py", f"--model={folder}", "--device=cpu", *extra)
+        assert done.returncode == 1 and says in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def test_eval_sizes_a_folders_window_from_the_data_not_its_context(pretrained, tmp_path):
     # a folder that could read 32,768 tokens, scored on a val split of 501: one window of 500 (the longest val
     # document, without its last token, which has no next), said in its output; no 32K window

@@ -3,6 +3,7 @@ log lines giving it, the finish time and the wall time."""
 
 import errno
 import json
+import math
 import os
 import re
 import sys
@@ -13,6 +14,15 @@ import pytest
 from helpers import TINY, run
 from lib.metrics import (RECENT_STEPS, WARMUP_STEPS, duration, evaluations_left, finish_time, open_log, seconds_left,
                          start_clock, time_left)
+
+
+def test_a_val_loss_past_a_floats_range_has_an_infinite_perplexity(capsys):
+    # (it had been e^50, printed as a number)
+    from lib.metrics import report_evaluation
+    logged = []
+    report_evaluation(logged.append, True, 10, {"train": 1.0, "val": 800.0, "train_accuracy": 0.0, "val_accuracy": 0.0},
+                      {}, 0.5, 1e-3)
+    assert "val loss 800.0000, val perplexity inf" in capsys.readouterr().out and logged[0]["val_ppl"] == math.inf
 
 
 def test_evaluations_left_counts_every_interval_and_the_end():

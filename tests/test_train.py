@@ -753,3 +753,10 @@ def test_eval_full_scores_the_whole_val_split_as_eval_py_does(data_dir, tmp_path
     done = script("eval.py", f"--out_dir={tmp_path / 'half'}", "--device=cpu")
     val = json.loads((tmp_path / "half" / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
     assert "overlapping by 16" in done.stdout and float(done.stdout.split()[-6]) == pytest.approx(val, abs=1e-5)
+    # a bfloat16 run is scored in bfloat16, as its evaluations were (auto had been float32 on a CPU: 1e-4 apart)
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'bf16'}", "--max_iters=8", "--eval_interval=8",
+        "--eval_full=True", "--dtype=bfloat16", "--learning_rate=3e-2")
+    done = script("eval.py", f"--out_dir={tmp_path / 'bf16'}", "--device=cpu")
+    val = json.loads((tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
+    assert done.stdout.splitlines()[0].endswith("; computed in bfloat16")
+    assert float(done.stdout.split()[-6]) == pytest.approx(val, abs=1e-5)
