@@ -537,10 +537,11 @@ def test_raw_folder_to_prepare_to_train_to_sample(tmp_path):
                          ("--top_p=-0.5", "--top_p=-0.5 must be at least 0 and at most 1"),
                          ("--top_p=1.5", "--top_p=1.5 must be at least 0 and at most 1"),
                          ("--num_samples=0", "--num_samples=0 must be at least 1"),
-                         ("--system=Be terse.", "--system is the system prompt of --chat"),  # (else dropped)
-                         ("--model=/no/such/folder", "--model=/no/such/folder is no folder")]:
+                         ("--system=Be terse.", "--system is the system prompt of --chat")]:  # (else dropped)
         done = script("sample.py", f"--out_dir={out}", bad)
         assert done.returncode != 0 and message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    done = script("sample.py", "--model=/no/such/folder")
+    assert done.returncode == 1 and done.stderr.startswith("sample.py: --model=/no/such/folder is no folder: name a")
     for bad, message in [("--batch_size=0", "--batch_size=0 must be at least 1"),
                          ("--stride=-1", "--stride=-1 must be at least 0"),
                          ("--block_size=100000", "--block_size=100000 must be in 1..32 (the model's limit)\n"),
