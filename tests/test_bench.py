@@ -304,8 +304,8 @@ def test_train_py_settings_pass_through_whole_not_as_abbreviations_of_benchs_own
     (["--compare=max_iters", "--values=5,10"], "--max_iters: bench.py sets it"),
     (["--mode=race", "--run=--out_dir=mine --compile=False"], "--out_dir: bench.py sets it"),
     (["--compare=eval_iters", "--values=1,50"], "--eval_iters: bench.py sets it"),
-    (["--mode=race", "--lr_decay_iters=100"], "--lr_decay_iters: bench.py sets it"),
-    (["--mode=gpu", "--eval_iters=5"], "--eval_iters: bench.py sets it"),
+    (["--mode=race", "--run=--lr_decay_iters=100"], "--lr_decay_iters: bench.py sets it"),
+    (["--mode=gpu", "--compare=log_interval", "--values=1,5"], "--log_interval: bench.py sets it"),
 ])
 def test_what_bench_py_cannot_run_or_would_override_is_refused_before_any_run(monkeypatch, argv, says):
     import bench
