@@ -275,6 +275,14 @@ class Batches:
         self.end_of_epochs = self.splits["train"].sequences_in(max_epochs)
         return math.ceil(self.end_of_epochs / self.sequences_per_step)
 
+    def padded_before(self, epochs_before, step):
+        """The sequences of the epochs past epochs_before (a run's that ended there) that its steps to step took as
+        padding, and a resume with more epochs never trains (its steps go on from step)."""
+        if not (self.mode.epochs and epochs_before and self.end_of_epochs):
+            return 0
+        return max(0, min(step * self.sequences_per_step, self.end_of_epochs)
+                   - self.splits["train"].sequences_in(epochs_before))
+
     def train(self, step, index):
         """The index-th micro-batch of step (over every process: a process takes its own indices) -> x, y,
         doc_ids (None without doc_mask) on the device; y is -1 where nothing is learned."""

@@ -134,6 +134,7 @@ def resume(origin, config, meta, eval_sequences):
         return (c.get("seed"), c.get("sequences"), c.get("block_size"),
                 c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0))
     origin.same_batches = shaping(before) == shaping(config)
+    origin.epochs_before = before.get("max_epochs", 0)
     if not origin.same_batches:
         anew = " (and its epochs are counted anew: a ckpt_epoch_N may be written again)" if config["max_epochs"] else ""
         origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "

@@ -46,6 +46,7 @@ class Origin:
     notes: list = field(default_factory=list)  # for the master to print: what this command changes, or why it stops
     stopped: bool = False  # the run stopped early before: there is nothing to do (notes say why)
     same_batches: bool = True  # a resume's steps draw the batches they drew before (seed, sequences, ... unchanged)
+    epochs_before: int = 0  # a resume's checkpoint's max_epochs
 
 
 def claim(out_dir, master):

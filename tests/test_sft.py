@@ -185,6 +185,16 @@ def test_examples_accumulated_match_one_big_batch_and_epochs_end_the_run(chat_da
     assert ckpt["iter_num"] == steps
     evals = [json.loads(line) for line in (tmp_path / "epochs" / "metrics.jsonl").read_text().splitlines()]
     assert evals[-1]["epoch"] == pytest.approx(2.0, abs=16 / per_epoch)
+    # a resume with a third epoch: the last step's padding past the second was the third's first sequences, which
+    # its steps (on from that step) never train: said (they had gone unsaid)
+    two = split(chat_data, seed=1337).sequences_in(2)  # (the run's)
+    batch = next(b for b in range(16, 32) if two % b)
+    common = [*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'more'}", f"--batch_size={batch}",
+              "--eval_interval=1000"]
+    run(*common, "--max_epochs=2", "--max_iters=1000")
+    out = run(*common, "--max_epochs=3", "--init_from=resume", f"--max_iters={-(-two // batch) + 1}")
+    assert f"warning: {batch - two % batch} sequences of the next epoch were padding in the checkpoint's last step " \
+        f"(its max_epochs=2): they are not trained" in out.stdout
 
 
 def test_val_loss_is_over_every_trained_token_of_the_val_split(chat_data, scored_run):
