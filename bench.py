@@ -71,8 +71,7 @@ def parse_args():
     if args.warmup < 0 or not 0 < args.seconds < float("inf"):
         raise UserError(f"--warmup={args.warmup} must be at least 0 and --seconds={args.seconds:g} above 0 and finite")
     varied = [f"--{args.compare}=", *(a for run in args.run or () for a in run.split())]
-    sets = {"train": ["eval_iters"], "race": ["lr_decay_iters"],  # (measure.run_train's, which --mode=gpu runs too)
-            "gpu": ["eval_iters", "lr_decay_iters"]}.get(args.mode)
+    sets = {"train": ["eval_iters"], "race": ["lr_decay_iters"]}.get(args.mode)  # (measure.run_train's)
     sets = sets and [*sets, "eval_interval", "log_interval", "always_save_checkpoint"]
     # its own come after the user's, and win: the steps and the folder wherever given, the rest where compared
     taken = [a for a in [*train_args, *varied] if sets and a.startswith(("--max_iters=", "--out_dir="))] + \

@@ -73,6 +73,13 @@ for flag in ("block_size", "stride"):
     if getattr(args, flag) is not None and args.tasks is not None:  # else unused, and nothing said
         raise UserError(f"--{flag} is a setting of the val loss, not of --tasks (the model's window): leave it out")
 
+def run_dtype(checkpoint, device, dtype):
+    # --dtype=auto for a run: its own, as its evaluations computed (where this device has it), else dtype
+    held = checkpoint["config"]["dtype"] if checkpoint and args.dtype == "auto" else "auto"
+    cuda_bf16 = not device.startswith("cuda") or torch.cuda.is_bf16_supported()
+    return dtype if held == "auto" or held == "bfloat16" and not cuda_bf16 else held
+
+
 def earlier_results(path):
     # whether the file at path holds results eval.py wrote (a JSON object with lm_eval's "results", not too big)
     try:
@@ -96,6 +103,7 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
     path = os.path.join(args.out_dir, args.ckpt)
     model, tokenizer, checkpoint = load_folder_or_run(args.model, path, getattr(torch, dtype), args.data_dir,
                                                       "the tasks' text", device)
+    dtype = run_dtype(checkpoint, device, dtype)
     # a folder's chat template is beside its weights; a run's is the one sample.py chats with (trained.chat_folder)
     template_folder = args.model or chat_folder(checkpoint, tokenizer)
     model.eval().to(device)
@@ -127,8 +135,7 @@ try:
         data_dir = args.data_dir
     else:
         model, checkpoint = load_model(os.path.join(args.out_dir, args.ckpt), args.data_dir, device=device)
-        if args.dtype == "auto" and checkpoint["config"]["dtype"] != "auto":  # the run's, as its evaluations were
-            dtype = checkpoint["config"]["dtype"]
+        dtype = run_dtype(checkpoint, device, dtype)
         if args.data_dir:  # another dataset than the run's must be made with its tokenizer
             check_run_tokenizer(args.data_dir, checkpoint, model.config.vocab_size)
         data_dir = checkpoint["data_dir"]

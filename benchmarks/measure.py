@@ -329,9 +329,9 @@ def bench_lora(train_args, shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=(), sk
             if label in skip or out_of_time(label):
                 continue
             out = f"{tmp}/out_{label}"
-            cmd = [sys.executable, "train.py", f"--init_from={tmp}/model", f"--data_dir={tmp}", f"--out_dir={out}",
-                   f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=1", "--log_interval=1",
-                   *train_args, *extra_args, *extra]
+            cmd = [sys.executable, "train.py", *train_args, *extra_args, f"--init_from={tmp}/model",  # (its own last:
+                   f"--data_dir={tmp}", f"--out_dir={out}", f"--max_iters={steps}",  # they win, as run_train's do)
+                   f"--eval_interval={steps}", "--eval_iters=1", "--log_interval=1", *extra]
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if done.returncode:  # out of memory, or torchao missing: one line, and the next goes on
                 print(f"| {label} | failed: {done.stdout.strip().splitlines()[-1][:200]} |")

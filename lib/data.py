@@ -278,9 +278,9 @@ class Batches:
     def padded_before(self, epochs_before, step):
         """The sequences of the epochs past epochs_before (a run's that ended there) that its steps to step took as
         padding, and a resume with more epochs never trains (its steps go on from step)."""
-        if not (self.mode.epochs and epochs_before and self.end_of_epochs):
+        if not (self.mode.epochs and epochs_before):  # (max_epochs 0 now: the steps go on by max_iters)
             return 0
-        return max(0, min(step * self.sequences_per_step, self.end_of_epochs)
+        return max(0, min(step * self.sequences_per_step, self.end_of_epochs or math.inf)
                    - self.splits["train"].sequences_in(epochs_before))
 
     def train(self, step, index):

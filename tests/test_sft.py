@@ -192,9 +192,15 @@ def test_examples_accumulated_match_one_big_batch_and_epochs_end_the_run(chat_da
     common = [*SMALL, f"--data_dir={chat_data}", f"--out_dir={tmp_path / 'more'}", f"--batch_size={batch}",
               "--eval_interval=1000"]
     run(*common, "--max_epochs=2", "--max_iters=1000")
-    out = run(*common, "--max_epochs=3", "--init_from=resume", f"--max_iters={-(-two // batch) + 1}")
-    assert f"warning: {batch - two % batch} sequences of the next epoch were padding in the checkpoint's last step " \
-        f"(its max_epochs=2): they are not trained" in out.stdout
+    (tmp_path / "zero").mkdir()
+    (tmp_path / "zero" / "ckpt.pt").write_bytes((tmp_path / "more" / "ckpt.pt").read_bytes())
+    said = f"warning: {batch - two % batch} sequences of the next epoch were padding in the checkpoint's last step " \
+        f"(its max_epochs=2): they are not trained"
+    assert said in run(*common, "--max_epochs=3", "--init_from=resume", f"--max_iters={-(-two // batch) + 1}").stdout
+    # so on with max_epochs=0, the steps going on to max_iters; not where the run trains nothing more
+    common[common.index(f"--out_dir={tmp_path / 'more'}")] = f"--out_dir={tmp_path / 'zero'}"
+    assert said not in run(*common, "--init_from=resume", f"--max_iters={-(-two // batch)}").stdout
+    assert said in run(*common, "--init_from=resume", f"--max_iters={-(-two // batch) + 1}").stdout
 
 
 def test_val_loss_is_over_every_trained_token_of_the_val_split(chat_data, scored_run):
