@@ -421,7 +421,8 @@ def section_memory(cuda, scratch, args, train_args):
             if result:
                 (med, measured) = result
                 ratio = f"{measured / estimate:.2f}" if cuda else "n/a (a CPU's is the process's, torch's own too)"
-                print(f"| {name} | {layout} | {estimate:,.0f} | {measured:,.0f} | {ratio} | {med['tokens_per_s']:,.0f} |")
+                print(f"| {name} | {layout} | {estimate:,.0f} | {measured:,.0f} | {ratio} | "
+                      f"{med['tokens_per_s']:,.0f} |")
 
 
 def section_optimizers(cuda, scratch, args, train_args):
