@@ -160,7 +160,7 @@ batches = Batches(data_dir, meta, block_size, seed, model_args["vocab_size"], se
                   gradient_accumulation_steps * batch_size, train_tokens, eval_sequences, doc_mask, eval_full,
                   eval_stride, device)
 epoch_steps = batches.steps_for(max_epochs) if max_epochs > 0 else None  # (and where the epochs end)
-if master and origin.same_batches and loop["iter_num"] < max_iters and \
+if master and origin.epochs_before and origin.same_batches and loop["iter_num"] < max_iters and \
         (lost := batches.padded_before(origin.epochs_before, loop["iter_num"])):
     print(f"warning: {lost} sequences of the next epoch were padding in the checkpoint's last step (its max_epochs="
           f"{origin.epochs_before}): they are not trained")

@@ -98,6 +98,8 @@ def open_tensorboard(out_dir, step, cut, wanted):
     before it wrote out what it held), wanted. A writer with no events left gets the kept records; else the events go
     on (purge_step for TensorBoard's older loader). A folder that cannot be written: said, and the run goes on."""
     events = glob.glob(os.path.join(glob.escape(out_dir), "tb", "events.out.tfevents.*"))
+    if not events and not wanted:
+        return None, False
     try:
         behind = max(map(os.path.getmtime, events)) <= os.path.getmtime(os.path.join(out_dir, "metrics.jsonl"))
     except (OSError, ValueError):  # no events, or no metrics.jsonl
