@@ -23,15 +23,33 @@ import types
 _HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # a config file's own names
 
 
-def _names_set(code, top=True):
-    # the names a config file sets, in order: top-level assignments, and names its functions or classes declare global
-    stores = ("STORE_NAME", "STORE_GLOBAL") if top else ("STORE_GLOBAL",)
-    names = [i.argval for i in dis.get_instructions(code) if i.opname in stores]
-    return names + [n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names_set(c, False)]
+def _names_set(code):
+    # the names a config file's functions or classes declare global and set, in order
+    names = [i.argval for i in dis.get_instructions(code) if i.opname == "STORE_GLOBAL"]
+    return names + [n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names_set(c)]
+
+
+class _Stores(dict):
+    """A config file's top-level names, as it runs: each store written through to scope (which its functions read as
+    their globals) and noted in set, in order; so an assignment counts where it ran, not where it stands."""
+    def __init__(self, scope):
+        super().__init__()
+        self.scope, self.set = scope, []
+
+    def __setitem__(self, key, value):
+        self.set.append(key)
+        self.scope[key] = value
+
+    def __getitem__(self, key):
+        return self.scope[key]
+
+    def __delitem__(self, key):
+        del self.scope[key]
 
 
 def configure(config, args):
     """Apply the config files and --key=value overrides in args to the dict config, in place."""
+    kinds = dict(config)  # each key takes its value's type as given (the defaults': None for any)
     for arg in args:
         if arg in ("-h", "--help"):
             print(f"usage: python {os.path.basename(sys.argv[0])} [CONFIG_FILE ...] [--key=value ...]: every setting, "
@@ -55,8 +73,8 @@ def configure(config, args):
                         said = re.split(r"\r\n|\r|\n", code)[node.lineno - 1]  # Python's lines (not \f's, \x85's)
                         sys.exit(f"config file {arg}, line {node.lineno}: {said!r} sets nothing; a config file is "
                                  f"Python: write key = value")
-                compiled = compile(tree, arg, "exec")
-                exec(compiled, scope)
+                compiled, stores = compile(tree, arg, "exec"), _Stores(scope)
+                exec(compiled, scope, stores)
             except Exception as e:  # a mistake in the user's file: name it, no traceback
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1] if frames else None
@@ -64,9 +82,9 @@ def configure(config, args):
             # what it set, each to its last value (one it deleted: none): the names its code sets, and any other it
             # changed (through globals()); a name set to the value it had counts (batch_size = 12 after 'auto')
             changed = [k for k, v in scope.items() if k != "__builtins__" and before.get(k, scope) is not v]
-            for key in dict.fromkeys([*_names_set(compiled), *changed]):
+            for key in dict.fromkeys([*stores.set, *_names_set(compiled), *changed]):
                 if key in scope and not (key.startswith("_") or isinstance(scope[key], _HELPERS)):
-                    _set(config, key, scope[key], arg)
+                    _set(config, key, scope[key], arg, kinds)
         else:
             key, eq, text = arg[2:].partition("=")
             if not eq:
@@ -77,10 +95,10 @@ def configure(config, args):
                 value = {"true": True, "false": False}.get(text.lower(), text)  # a bare string
             if isinstance(config.get(key), str) and not isinstance(value, str):
                 value = text  # --out_dir=123 means the string '123'
-            _set(config, key, value, arg)
+            _set(config, key, value, arg, kinds)
 
 
-def _set(config, key, value, source):
+def _set(config, key, value, source, kinds):
     if key == "batch_size" and "batch_size_auto" in config:  # 'auto', or a number that turns 'auto' off
         config["batch_size_auto"] = value == "auto"
         if value == "auto":
@@ -92,12 +110,14 @@ def _set(config, key, value, source):
         if key == "config" and source.startswith("--"):  # (other trainers' flag)
             hint = f"a config file is given as it is: python {os.path.basename(sys.argv[0])} {value}"
         sys.exit(f"{source}: unknown config key '{key}' ({hint})")
-    default = config[key]
+    if key == "init_from" and value == "auto" and config[key] not in ("scratch", "resume", "auto"):
+        return  # a folder resumes out_dir's run begun from it, as 'auto' would (slurm.sbatch adds it to a fine-tune)
+    default = kinds.get(key, config[key])
     if type(default) is float and type(value) is int and abs(value) < 2**1024:  # (past it: no float)
         value = float(value)
     elif default is not None and type(value) is not type(default):
         also = " or 'auto'" if key == "batch_size" and "batch_size_auto" in config else ""  # ('auto' is lower case)
-        sys.exit(f"{source}: {key} must be {type(default).__name__} like {default!r}{also}, got {value!r}")
+        sys.exit(f"{source}: {key} must be {type(default).__name__} like {config[key]!r}{also}, got {value!r}")
     config[key] = value
     if key == "dataset" and value and "data_dir" in config:  # nanoGPT's name for data/NAME
         config["data_dir"] = os.path.join("data", value)

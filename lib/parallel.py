@@ -50,7 +50,7 @@ def pick_device(device="auto", dtype="auto"):
         dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
     from lib.settings import DTYPES  # (settings' optim imports this module)
     if dtype not in DTYPES:
-        raise UserError(f"dtype={dtype!r} is not one of {', '.join(map(repr, DTYPES))}")
+        raise UserError(f"dtype={dtype!r} is not one of 'auto', {', '.join(map(repr, DTYPES))}")
     return device, dtype
 
 
@@ -159,7 +159,9 @@ def check_same_settings(settings, data_dir):
     process's settings (per_node's paths aside) or data files' sizes differ from rank 0's (the replicas would drift)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    per_node = ("out_dir", "data_dir", "eval_tasks_path")  # paths: each node mounts the same files (sizes compared)
+    # paths: each node mounts the same files (sizes compared); and what the master alone reads (a config's
+    # wandb_run_name = 'ft-' + str(time.time()), as in nanoGPT's, differs from process to process)
+    per_node = ("out_dir", "data_dir", "eval_tasks_path", "wandb_run_name", "wandb_project")
     try:
         # the token files (and masks) that training reads, in bytes; meta.json may name where each node read from
         files = {f"the size of {name}": os.path.getsize(os.path.join(data_dir, name))

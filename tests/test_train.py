@@ -107,7 +107,8 @@ def test_nodes_started_with_different_settings_stop_at_start_in_one_line(data_di
         node1, values = (f"--data_dir={other}",), (str(size), str(size - 2))
         what = "the size of train.bin"
     else:
-        node1, values, what = ("--learning_rate=3e-3",), ("0.01", "0.003"), "learning_rate"
+        # (a wandb_run_name, which the master alone reads, may differ: nanoGPT's configs make it from the clock)
+        node1, values, what = ("--learning_rate=3e-3", "--wandb_run_name=other"), ("0.01", "0.003"), "learning_rate"
     nodes = two_nodes(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=10",
                       "--gradient_accumulation_steps=2", node_args=((), node1))
     assert all(node.returncode != 0 for node in nodes), nodes
@@ -433,6 +434,17 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     # nanoGPT's dataset='NAME' is data_dir='data/NAME': of the two, the one given later wins
     assert train_settings(["config/train_shakespeare_char.py", "--dataset=owt"])["data_dir"] == "data/owt"
     assert train_settings(["--dataset=owt", "config/train_shakespeare_char.py"])["data_dir"] == "data/shakespeare_char"
+    # an assignment counts where it ran: one under an if that was false leaves 'auto' on (it had turned it off)
+    maybe = tmp_path / "maybe.py"
+    maybe.write_text("import os\nif os.environ.get('NO_SUCH_VARIABLE'):\n    batch_size = 64\n")
+    assert train_settings(["--batch_size=auto", maybe])["batch_size_auto"] is True
+    assert train_settings(["--batch_size=auto", "--batch_size=12"])["batch_size_auto"] is False
+    # a setting whose default is None takes None back (it had kept the type of the value it had been given)
+    assert train_settings(["--use_kernels=True", "--use_kernels=None"])["use_kernels"] is None
+    # init_from='auto' after a folder keeps the folder, which resumes its run where out_dir holds one, as auto
+    # would (slurm.sbatch gives --init_from=auto after a fine-tune's config: it had trained a new model)
+    assert train_settings(["--init_from=models/Qwen3-0.6B", "--init_from=auto"])["init_from"] == "models/Qwen3-0.6B"
+    assert train_settings(["--init_from=resume", "--init_from=auto"])["init_from"] == "auto"
     helped = run("--help", check=False)
     assert helped.returncode == 0 and "lib/settings.py" in helped.stdout and not helped.stderr
 
