@@ -3,8 +3,8 @@ Overrides for a run's settings (lib/settings.py), from config files and --key=va
 
     python train.py config/train_small.py --batch_size=32 --compile=False
 
-A config file is Python whose top-level assignments replace the defaults (names starting with _, modules, functions and
-classes are its own helpers); a line that sets nothing (YAML's key: value, a JSON object) is refused. A --key=value
+A config file is Python whose top-level assignments replace the defaults where they run (names starting with _,
+modules, functions and classes are its own helpers); a line that sets nothing (YAML's key: value, a JSON object) is refused. A --key=value
 is read with ast.literal_eval, else as a string. Every key must exist and every value have its default's type (an int
 does for a float), or one line names the closest key or the expected type.
 batch_size='auto' sets batch_size_auto, batch_size keeping its number (times gradient_accumulation_steps: an update's
@@ -12,8 +12,8 @@ sequences, which train.py keeps). dataset='NAME' (nanoGPT's) sets data_dir to da
 """
 
 import ast
+import collections.abc
 import difflib
-import dis
 import os
 import re
 import sys
@@ -23,17 +23,10 @@ import types
 _HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # a config file's own names
 
 
-def _names_set(code):
-    # the names a config file's functions or classes declare global and set, in order
-    names = [i.argval for i in dis.get_instructions(code) if i.opname == "STORE_GLOBAL"]
-    return names + [n for c in code.co_consts if isinstance(c, types.CodeType) for n in _names_set(c)]
-
-
-class _Stores(dict):
-    """A config file's top-level names, as it runs: each store written through to scope (which its functions read as
-    their globals) and noted in set, in order; so an assignment counts where it ran, not where it stands."""
+class _Stores(collections.abc.MutableMapping):
+    """A config file's top-level names as it runs (its locals()): scope itself (which its functions read as their
+    globals), each store noted in set, in order; so an assignment counts where it ran, not where it stands."""
     def __init__(self, scope):
-        super().__init__()
         self.scope, self.set = scope, []
 
     def __setitem__(self, key, value):
@@ -45,6 +38,12 @@ class _Stores(dict):
 
     def __delitem__(self, key):
         del self.scope[key]
+
+    def __iter__(self):
+        return iter(self.scope)
+
+    def __len__(self):
+        return len(self.scope)
 
 
 def configure(config, args):
@@ -79,10 +78,11 @@ def configure(config, args):
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1] if frames else None
                 sys.exit(f"config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}")
-            # what it set, each to its last value (one it deleted: none): the names its code sets, and any other it
-            # changed (through globals()); a name set to the value it had counts (batch_size = 12 after 'auto')
+            # what it set, each to its last value (one it deleted: none), in the order of their last stores: the
+            # names its top level stored (one set to the value it had counts: batch_size = 12 after 'auto'), and any
+            # other it changed (through globals(), or a function's global)
             changed = [k for k, v in scope.items() if k != "__builtins__" and before.get(k, scope) is not v]
-            for key in dict.fromkeys([*stores.set, *_names_set(compiled), *changed]):
+            for key in dict.fromkeys([*list(dict.fromkeys(reversed(stores.set)))[::-1], *changed]):
                 if key in scope and not (key.startswith("_") or isinstance(scope[key], _HELPERS)):
                     _set(config, key, scope[key], arg, kinds)
         else:

@@ -436,8 +436,15 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     assert train_settings(["--dataset=owt", "config/train_shakespeare_char.py"])["data_dir"] == "data/shakespeare_char"
     # an assignment counts where it ran: one under an if that was false leaves 'auto' on (it had turned it off)
     maybe = tmp_path / "maybe.py"
-    maybe.write_text("import os\nif os.environ.get('NO_SUCH_VARIABLE'):\n    batch_size = 64\n")
+    maybe.write_text("import os\nif os.environ.get('NO_SUCH_VARIABLE'):\n    batch_size = 64\n"
+                     "def _never():\n    global batch_size\n    batch_size = 64\n")
     assert train_settings(["--batch_size=auto", maybe])["batch_size_auto"] is True
+    # the file's locals() are its settings still, written as any store is; dataset and data_dir in their last order
+    spoken = tmp_path / "spoken.py"
+    spoken.write_text("locals().update(max_iters=42)\nlearning_rate = max_iters / 1e4\n"
+                      "dataset = 'a'\ndata_dir = 'x'\ndataset = 'b'\n")
+    assert {k: train_settings([spoken])[k] for k in ("max_iters", "learning_rate", "data_dir")} == \
+        {"max_iters": 42, "learning_rate": 42 / 1e4, "data_dir": "data/b"}
     assert train_settings(["--batch_size=auto", "--batch_size=12"])["batch_size_auto"] is False
     # a setting whose default is None takes None back (it had kept the type of the value it had been given)
     assert train_settings(["--use_kernels=True", "--use_kernels=None"])["use_kernels"] is None
