@@ -4,9 +4,9 @@ Overrides for a run's settings (lib/settings.py), from config files and --key=va
     python train.py config/train_small.py --batch_size=32 --compile=False
 
 A config file is Python whose top-level assignments replace the defaults where they run (names starting with _,
-modules, functions and classes are its own helpers); a line that sets nothing (YAML's key: value, a JSON object) is refused. A --key=value
-is read with ast.literal_eval, else as a string. Every key must exist and every value have its default's type (an int
-does for a float), or one line names the closest key or the expected type.
+modules, functions and classes are its own helpers); a line that sets nothing (YAML's key: value, a JSON object) is
+refused. A --key=value is read with ast.literal_eval, else as a string. Every key must exist and every value have its
+default's type (an int does for a float), or one line names the closest key or the expected type.
 batch_size='auto' sets batch_size_auto, batch_size keeping its number (times gradient_accumulation_steps: an update's
 sequences, which train.py keeps). dataset='NAME' (nanoGPT's) sets data_dir to data/NAME; of the two, the later wins.
 """
