@@ -14,6 +14,7 @@ sequences, which train.py keeps). dataset='NAME' (nanoGPT's) sets data_dir to da
 import ast
 import collections.abc
 import difflib
+import dis
 import os
 import re
 import sys
@@ -21,6 +22,13 @@ import traceback
 import types
 
 _HELPERS = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)  # a config file's own names
+
+
+def _globals_set(code):
+    # the names a config file's functions or classes declare global and set, in order (whether or not they run: a
+    # function that sets a setting to the value it had counts, batch_size = 8 after 'auto')
+    names = [i.argval for i in dis.get_instructions(code) if i.opname == "STORE_GLOBAL"]
+    return names + [n for c in code.co_consts if isinstance(c, types.CodeType) for n in _globals_set(c)]
 
 
 class _Stores(collections.abc.MutableMapping):
@@ -79,10 +87,11 @@ def configure(config, args):
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1] if frames else None
                 sys.exit(f"config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}")
             # what it set, each to its last value (one it deleted: none), in the order of their last stores: the
-            # names its top level stored (one set to the value it had counts: batch_size = 12 after 'auto'), and any
-            # other it changed (through globals(), or a function's global)
+            # names its top level stored (one set to the value it had counts: batch_size = 12 after 'auto'), those
+            # its functions declare global, and any other it changed (through globals())
             changed = [k for k, v in scope.items() if k != "__builtins__" and before.get(k, scope) is not v]
-            for key in dict.fromkeys([*list(dict.fromkeys(reversed(stores.set)))[::-1], *changed]):
+            stored = list(dict.fromkeys(reversed(stores.set)))[::-1]
+            for key in dict.fromkeys([*stored, *_globals_set(compiled), *changed]):
                 if key in scope and not (key.startswith("_") or isinstance(scope[key], _HELPERS)):
                     _set(config, key, scope[key], arg, kinds)
         else:

