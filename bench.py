@@ -71,11 +71,11 @@ def parse_args():
     if args.warmup < 0 or not 0 < args.seconds < float("inf"):
         raise UserError(f"--warmup={args.warmup} must be at least 0 and --seconds={args.seconds:g} above 0 and finite")
     varied = [f"--{args.compare}=", *(a for run in args.run or () for a in run.split())]
-    sets = {"train": ["eval_iters"], "race": ["lr_decay_iters"]}.get(args.mode)  # (measure.run_train's)
-    sets = sets and [*sets, "eval_interval", "log_interval", "always_save_checkpoint"]
+    sets = {"train": "eval_iters", "race": "lr_decay_iters"}.get(args.mode)  # (measure.run_train's, beside these)
+    compared = tuple(f"--{key}=" for key in (sets, "eval_interval", "log_interval", "always_save_checkpoint"))
     # its own come after the user's, and win: the steps and the folder wherever given, the rest where compared
     taken = [a for a in [*train_args, *varied] if sets and a.startswith(("--max_iters=", "--out_dir="))] + \
-        [a for a in varied if sets and a.startswith(tuple(f"--{key}=" for key in sets))]
+        [a for a in varied if sets and a.startswith(compared)]
     if taken:
         raise UserError(f"{taken[0].partition('=')[0]}: bench.py sets it, running --steps steps (--mode=race: as many "
                         f"as --seconds hold, to the end of the schedule) with one evaluation, in a folder it removes; "

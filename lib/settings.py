@@ -9,6 +9,7 @@ the ways to draw sequences from data.SEQUENCES.
 """
 
 import dataclasses as _dataclasses
+import importlib as _importlib
 import math as _math
 
 from lib import data as _data
@@ -211,16 +212,13 @@ def check(config):
     if lora and not config["lora_rank"]:  # (a LoRA run resumes with its lora_rank given again)
         raise _UserError(f"{lora[0]}={config[lora[0]]!r} is a setting of LoRA's adapters, and lora_rank=0 trains "
                          f"none: set lora_rank (8 or 16 is usual), or leave {lora[0]} out")
-    if config["tensorboard_log"]:  # found out now, not at the first record
-        try:
-            import torch.utils.tensorboard  # noqa: F401 (metrics.py writes with it)
-        except ImportError:
-            raise _UserError("tensorboard_log=True needs TensorBoard: pip install tensorboard") from None
-    if config["wandb_log"]:
-        try:
-            import wandb  # noqa: F401 (metrics.py logs with it)
-        except ImportError:
-            raise _UserError("wandb_log=True needs Weights & Biases: pip install wandb") from None
+    for flag, module, name, package in (("tensorboard_log", "torch.utils.tensorboard", "TensorBoard", "tensorboard"),
+                                        ("wandb_log", "wandb", "Weights & Biases", "wandb")):
+        if config[flag]:  # what metrics.py logs with: found out now, not at the first record
+            try:
+                _importlib.import_module(module)
+            except ImportError:
+                raise _UserError(f"{flag}=True needs {name}: pip install {package}") from None
     if config["bias"]:  # a nanoGPT config file's bias=True
         raise _UserError("bias=True: this model's blocks are Llama's, with no biases in their linears and norms "
                          "(nanoGPT's GPT-2 blocks have them); leave bias out, or set qkv_bias=True for Qwen2's")
