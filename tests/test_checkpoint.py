@@ -106,11 +106,9 @@ def test_keep_last_n_after_a_resume_from_an_earlier_step_keeps_the_new_steps(tmp
     model = GPT(GPTConfig(**SHAPE))
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1)]
     suffix = "" if sharded else ".pt"
-    for step in (2, 4, 6, "back", 3, 5):
-        if step == "back":  # the new run starts later (a file's time is the file system's coarse clock's)
-            time.sleep(0.05)
-            continue
+    for i, step in enumerate((2, 4, 6, 3, 5)):  # back from 6 to 3: a file's time tells the runs apart, set here
         ckpt.save(str(tmp_path), {"iter_num": step}, model, optimizers, sharded=sharded, lora=0, keep_last_n=2)
+        os.utime(tmp_path / f"ckpt_000000{step}{suffix}", (1e9 + i, 1e9 + i))  # (each later than the one before)
     # (the left-behind 4 is among the last 2 steps still: it goes at the next save)
     assert sorted(os.listdir(tmp_path)) == [f"ckpt{suffix}", f"ckpt_0000003{suffix}", f"ckpt_0000004{suffix}",
                                             f"ckpt_0000005{suffix}", f"ckpt_0000006{suffix}"]
@@ -295,6 +293,12 @@ def test_a_full_disk_at_a_runs_start_checks_says_make_room_and_leaves_no_probe(t
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
     monkeypatch.setattr(os, "remove", read_only)
     files.unlock_folder(str(tmp_path), fd)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [files.LOCK_NAME]  # left, and let go: the next run locks the folder
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(fd)
+    files.unlock_folder(str(tmp_path), files.lock_folder(str(tmp_path), "train.py"))
+    assert os.listdir(tmp_path) == []
 
 
 def test_torchruns_line_for_a_worker_killed_by_a_signal_says_it_wrote_nothing():

@@ -15,7 +15,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -354,10 +353,8 @@ PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant'
 ])
 def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, says):
     from lib import chat
-    started = time.time()
-    with deadline(20), pytest.raises(ValueError, match=says):
+    with deadline(20), pytest.raises(ValueError, match=says):  # (past the deadline: another error, a failure)
         chat.ChatFormat(PROBE + template, "test", ["</s>"], "</s>")
-    assert time.time() - started < 20
 
 
 def test_a_list_a_chat_template_doubles_is_held_to_the_budget(monkeypatch):

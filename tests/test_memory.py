@@ -369,17 +369,13 @@ def test_a_cuda_plan_on_a_cpu_takes_cudas_choices():
     assert activations(fused, "bfloat16", "cuda") < activations(fused, "bfloat16", "cpu")
 
 
-def test_a_7b_plan_is_traced_quickly_without_memory():
+def test_a_7b_plan_is_traced_without_memory():
     # bench.py plans 7B models built on the meta device: a micro-batch of 8 x 4096 tokens keeps ~170 GiB of
-    # activations, which the trace of two blocks on fake tensors never allocates
-    import time
+    # activations, which the trace of two blocks on fake tensors never allocates (~0.1 s here)
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096,
                               mlp_hidden=11008))
-    memory_estimate(model, 1, 16, "bfloat16")  # the first trace in a process imports torch._dynamo (seconds)
-    start = time.perf_counter()
     estimate = memory_estimate(model, 8, 4096, "bfloat16", dp=8, fsdp=True, checkpointing=True)
-    assert time.perf_counter() - start < 2  # ~0.1 s here
     assert estimate["activations"] > 32 * 8 * 4096 * 4096 * 2  # each block's input, and one block's work
 
 

@@ -244,6 +244,9 @@ def test_a_nanogpt_folder_trains_and_samples_its_characters(tmp_path, text):
     reader = subprocess.Popen([sys.executable, "sample.py", f"--out_dir={tmp_path / 'out'}", "--device=cpu",
                                "--num_samples=200", "--max_new_tokens=50"], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env={**os.environ, **CPU_ENV})
-    reader.stdout.readline()
-    reader.stdout.close()
-    assert reader.wait(timeout=300) in (0, 1) and reader.stderr.read() == b""  # (0: it had printed all)
+    try:
+        reader.stdout.readline()
+        reader.stdout.close()
+        assert reader.wait(timeout=300) in (0, 1) and reader.stderr.read() == b""  # (0: it had printed all)
+    finally:
+        reader.kill()  # (gone already, but where the wait ran out)

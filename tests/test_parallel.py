@@ -1,5 +1,7 @@
 """Tensor parallel and gradient checkpointing in train.py, on CPU processes (gloo), with tiny models."""
 
+import re
+
 import pytest
 import torch
 
@@ -47,7 +49,12 @@ class _Gained(_m.Attention):  # (a class of its own: the module's name for it is
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.o_gain = _torch.nn.Parameter(_torch.ones(1))
-        self.proj.register_forward_pre_hook(lambda module, args: (args[0] * self.o_gain,))
+        self.proj.register_forward_pre_hook(self._gained)
+
+    def _gained(self, module, args):  # the heads' outputs this process holds: their width said once
+        if not hasattr(self, "_said"):
+            self._said = print(f"heads' width here: {args[0].shape[-1]}", flush=True)
+        return (args[0] * self.o_gain,)
 _m.Attention = _Gained
 """
 NAMED = "import lib.parallel as _p\n_p.HEAD_WEIGHTS += ('o_gain',)\n"
@@ -63,8 +70,10 @@ def test_tensor_parallel_sums_the_gradients_of_weights_every_head_shares(data_di
     common = [*STANDARD, f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=4", "--qk_norm=True",
               str(tmp_path / "gained.py")]
     common.append(str(tmp_path / "named.py"))  # (unnamed: test_tensor_parallel_refusals)
-    run(*common, f"--out_dir={tmp_path / 'one'}")
-    run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO)
+    one = run(*common, f"--out_dir={tmp_path / 'one'}").stdout
+    tp = run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO).stdout
+    widths = [set(re.findall(r"heads' width here: (\d+)", out)) for out in (one, tp)]  # every block's, each process's, the memory plan's
+    assert widths == [{"32"}, {"16"}], widths  # each process holds half the heads: tensor parallel split them
     assert_losses_close(losses(tmp_path / "one"), losses(tmp_path / "tp"))
     one, tp = (load_checkpoint(find_checkpoint(str(tmp_path / d / "ckpt.pt")))["model"] for d in ("one", "tp"))
     shared = [name for name in one if name.endswith(("q_norm.weight", "k_norm.weight", "o_gain"))]
@@ -72,11 +81,29 @@ def test_tensor_parallel_sums_the_gradients_of_weights_every_head_shares(data_di
         [(n, (one[n] - tp[n]).abs().max().item()) for n in shared]
 
 
+# a config file counting the forwards of the blocks (an edit of model.py), said as the process exits
+COUNTED = """import atexit as _atexit
+import model as _m
+_calls = []
+class _Counted(_m.Block):
+    def forward(self, *args, **kwargs):
+        _calls.append(1)
+        return super().forward(*args, **kwargs)
+_m.Block = _Counted
+_atexit.register(lambda: print(f"block forwards: {len(_calls)}", flush=True))
+"""
+
+
 def test_gradient_checkpointing_changes_no_loss(data_dir, tmp_path):
-    # recomputed activations are the same activations: dropout's masks too (the RNG state is replayed)
-    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=5", "--eval_interval=100", "--dropout=0.1"]
-    run(*common, f"--out_dir={tmp_path / 'kept'}")
-    run(*common, f"--out_dir={tmp_path / 'recomputed'}", "--gradient_checkpointing=True")
+    # recomputed activations are the same activations: dropout's masks too (the RNG state is replayed); and they
+    # are recomputed: each of the 2 blocks runs its forward again in each of the 5 steps' backward
+    (tmp_path / "counted.py").write_text(COUNTED)
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=5", "--eval_interval=100", "--dropout=0.1",
+              str(tmp_path / "counted.py")]
+    kept = run(*common, f"--out_dir={tmp_path / 'kept'}").stdout
+    recomputed = run(*common, f"--out_dir={tmp_path / 'recomputed'}", "--gradient_checkpointing=True").stdout
+    kept, recomputed = (int(re.search(r"block forwards: (\d+)", out)[1]) for out in (kept, recomputed))
+    assert recomputed - kept == 5 * 2, (kept, recomputed)
     assert_losses_close(losses(tmp_path / "kept"), losses(tmp_path / "recomputed"))
 
 
