@@ -5,9 +5,9 @@ tokens/s beside them, from the run's metrics.jsonl. Several runs are drawn toget
     python plot.py out-small                                   # -> out-small/curves.png
     python plot.py out-small out-wide --to=compare.png --title="4 vs 8 layers"
 
-Needs matplotlib (pip install matplotlib), as wandb_log=True needs wandb. Wall time is each record's elapsed_s, the
-run's, which a resume goes on from (in a log whose clock starts again at a resume, the restarts are joined end to
-end); a run of a version without it is drawn against steps only.
+Needs matplotlib (pip install matplotlib: requirements.txt leaves it out). Wall time is each record's elapsed_s,
+the run's, which a resume goes on from (in a log whose clock starts again at a resume, the restarts are joined end
+to end); a run of a version without it is drawn against steps only.
 """
 
 import argparse

@@ -115,7 +115,8 @@ def stdlib_tokens(folder, tiny):
     # package alone
     data = os.path.join(folder, "stdlib")
     corpus = [os.path.join(sysconfig.get_paths()["stdlib"], "json")] if tiny else []
-    cmd = [sys.executable, "prepare.py", *corpus, f"--tokenizer=bpe:{512 if tiny else 8192}", f"--out_dir={data}"]
+    cmd = [sys.executable, measure.ours("prepare.py"), *corpus, f"--tokenizer=bpe:{512 if tiny else 8192}",
+           f"--out_dir={data}"]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
         raise UserError(f"prepare.py failed:\n{done.stdout[-3000:]}")
@@ -285,8 +286,8 @@ def gpt2_stdlib(folder, tiny):
     # GPT-2 tokens, nanoGPT's vocabulary, in the layout both trainers read -> its folder
     data = os.path.join(folder, "stdlib_gpt2")
     corpus = [os.path.join(sysconfig.get_paths()["stdlib"], "json")] if tiny else []
-    done = subprocess.run([sys.executable, "prepare.py", *corpus, "--tokenizer=gpt2", f"--out_dir={data}"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = subprocess.run([sys.executable, measure.ours("prepare.py"), *corpus, "--tokenizer=gpt2",
+                           f"--out_dir={data}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
         raise UserError((done.stdout.strip().splitlines() or ["prepare.py failed"])[-1])
     return data

@@ -217,9 +217,9 @@ def test_encode_mode_reports_prepare_against_tiktoken_on_the_same_texts(tmp_path
     texts = [f"document {i}: " + f"the quick brown fox {i} jumps over the lazy dog. " * 2000 for i in range(3)]
     for i, text in enumerate(texts):
         (src / f"doc{i}.txt").write_text(text)
-    # bench.py in this process (helpers.script); the prepare.py runs it times are new Pythons
+    # bench.py in this process (helpers.script), run from another folder; the prepare.py runs it times are new Pythons
     cmd = ["bench.py", "--mode=encode", src, "--num_workers=2"]
-    done = script(*cmd)
+    done = script(*cmd, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     head = re.search(r"bench: ([\d.]+) MB in (\d+) documents, gpt2, 2 threads, best of 5", done.stdout)
     assert head and head[2] == "3" and float(head[1]) == round(sum(map(len, texts)) / 1e6, 1), done.stdout
