@@ -171,3 +171,37 @@ def test_a_large_token_file_is_checked_in_chunks_spread_over_it_at_the_start_and
     with pytest.raises(UserError, match="token id 60 at position 1500 of .*train.bin is not below 50, meta.json's "
                                         "vocab_size or the model's"):
         split.rows(np.array([1480]), np.zeros(1, dtype=np.int64), doc_mask=False)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_targets_and_documents_follow_the_tokens_and_the_mask(tmp_path, masked):
+    # rows() (random, shuffled and whole windows alike: whole's here, at known starts) and packed examples: a target
+    # is the next token where the mask trains it (1), no example's first token is one, and a document begins after
+    # each end-of-text, one the mask marks END (2) where there is a mask: a template's own inside a conversation (0)
+    # begins none, as in generate(document=)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(1, 50, 3000).astype(np.uint16)
+    ends = np.sort(rng.choice(np.arange(5, 2999), 300, replace=False))  # examples of ~10 tokens: ~3 a row
+    ids[ends], ids[-1] = 0, 0
+    meta, marks = {"dtype": "uint16", "vocab_size": 50, "eot_id": 0}, np.ones(len(ids), dtype=np.uint8)
+    if masked:
+        marks = rng.integers(0, 2, len(ids)).astype(np.uint8)  # a prompt's 0, a reply's 1
+        marks[ids == 0] = 2  # END: where an example ends
+        marks[ends[::3]] = 0  # a template's own end-of-text, inside a conversation
+        marks.tofile(tmp_path / "train.mask.bin")
+        meta.update(masks=True, format_version=2)
+    ids.tofile(tmp_path / "train.bin")
+    T = 32
+    split = Split(str(tmp_path), "train", meta, T, seed=1, examples=False, vocab_size=50)
+    x, y, doc = (t.numpy() for t in split.whole(range((len(ids) - 1) // T - 1), 0, doc_mask=True))
+    for b, start in enumerate(range(0, len(x) * T, T)):
+        tokens, kept = ids[start:start + T + 1].astype(np.int64), marks[start:start + T + 1]
+        assert (x[b] == tokens[:-1]).all() and (y[b] == np.where(kept[1:] == 1, tokens[1:], -1)).all()
+        assert (doc[b] == np.cumsum((tokens[:-1] == 0) & ((kept[:-1] == 2) if masked else True))).all()
+    examples = Split(str(tmp_path), "train", meta, T, seed=1, examples=True, vocab_size=50)
+    x, y, doc = (t.numpy() for t in examples.packed(range(examples.sequences_in(1))))
+    real, first = doc[:, 1:] <= T, doc[:, 1:] != doc[:, :-1]  # (padding: document T + 1)
+    assert first[real].sum() > 50 and (y[:, :-1][first] == -1).all()  # every example's first token: none
+    within = y[:, :-1][real & ~first]
+    assert ((within == x[:, 1:][real & ~first]) | masked & (within == -1)).all()
+    assert (within == -1).any() == masked and (within != -1).any()

@@ -65,12 +65,13 @@ def short_documents(folder):
 def test_train_logs_mfu_in_both_conventions(tmp_path, doc_mask):
     out_dir = tmp_path / "out"
     out = run(*TINY, f"--data_dir={short_documents(tmp_path / 'data')}", f"--out_dir={out_dir}", "--max_iters=3",
-              "--eval_interval=100", f"--doc_mask={doc_mask}")
+              "--eval_interval=100", f"--doc_mask={doc_mask}", "--gradient_accumulation_steps=2")
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "tokens_per_s" in r]
     assert len(steps) == 3 and " PaLM, " in out.stdout and "% run, mem" in out.stdout
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
-    for r in steps:
+    for r in steps:  # a step's tokens: 2 micro-steps of 4 sequences of 32
+        assert r["tokens_per_s"] * r["ms_per_iter"] / 1000 == pytest.approx(2 * 4 * 32, rel=1e-9)
         ratio = r["mfu_run"] / r["mfu"]
         causal = model.flops_per_token(keys=33 / 2) / model.flops_per_token()
         assert ratio < causal if doc_mask else ratio == pytest.approx(causal, rel=1e-9)

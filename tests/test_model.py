@@ -42,7 +42,7 @@ def test_loss_matches_logits_and_ignores_minus_one():
     torch.testing.assert_close(loss, expected)
 
 
-def naive_generate(model, idx, n, temperature, top_k):
+def naive_generate(model, idx, n, temperature, top_k, top_p=None):
     # full forward passes over the last block_size tokens, no cache
     for _ in range(n):
         logits, _ = model(idx[:, -model.config.block_size:])
@@ -50,22 +50,30 @@ def naive_generate(model, idx, n, temperature, top_k):
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            probs = torch.softmax(filter_logits(logits / temperature, top_k), dim=-1)
+            probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
             nxt = torch.multinomial(probs, 1)
         idx = torch.cat([idx, nxt], dim=1)
     return idx
 
 
-# sampling with top_k goes through the same cache as greedy decoding: the quick tier keeps greedy
-@pytest.mark.parametrize("temperature,top_k", [(0, None), pytest.param(1.0, 10, marks=pytest.mark.slow)])
-def test_kv_cache_generation_equals_full_forward(temperature, top_k):
+# sampling with top_k goes through the same cache as greedy decoding: the quick tier keeps greedy. A temperature
+# other than 1 and a top_p: those the draws take (each changes them, for these seeds)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0, None, None),
+                                                     pytest.param(1.0, 10, None, marks=pytest.mark.slow),
+                                                     pytest.param(0.5, None, 0.5, marks=pytest.mark.slow)])
+def test_kv_cache_generation_equals_full_forward(temperature, top_k, top_p):
     model = tiny()
     prompt = torch.randint(0, 97, (2, 5))
     n = 40  # runs past block_size=32, where the window slides
     torch.manual_seed(1)
-    cached = model.generate(prompt, n, temperature=temperature, top_k=top_k)
+    cached = model.generate(prompt, n, temperature=temperature, top_k=top_k, top_p=top_p)
     torch.manual_seed(1)
-    full = naive_generate(model, prompt, n, temperature, top_k)
+    full = naive_generate(model, prompt, n, temperature, top_k, top_p)
+    if temperature not in (0, 1):  # the draws differ where the temperature or top_p is left out
+        for other in (dict(temperature=1.0, top_p=top_p), dict(temperature=temperature, top_p=None)):
+            torch.manual_seed(1)
+            assert not torch.equal(cached, naive_generate(model, prompt, n, other["temperature"], top_k,
+                                                          other["top_p"]))
     assert cached.shape == (2, 45)
     assert torch.equal(cached, full)
 

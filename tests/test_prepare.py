@@ -1363,3 +1363,14 @@ def test_a_compressed_file_is_named_as_compressed_not_binary(tmp_path):
         "b.jsonl.xz": "xz-compressed (decompress it to have it read)",
         "c.txt": "gzip-compressed (name it .gz to have it read)",
         "e.txt.gz": "gzip-compressed (decompress it to have it read)"}
+
+
+def test_val_fraction_is_the_share_of_documents_in_val(tmp_path):
+    # each document's name hashed picks its split: of 400 documents, --val_fraction=0.3 puts ~120 in val; the count
+    # is fixed by the names (no draw at each run), and a binomial's 5 sigma (9.2 each) bounds it
+    (tmp_path / "src").mkdir()
+    for i in range(400):
+        (tmp_path / "src" / f"doc{i}.txt").write_text(f"document {i}: a few words of its own\n")
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction", 0.3)
+    assert meta["train"]["documents"] + meta["val"]["documents"] == 400
+    assert abs(meta["val"]["documents"] - 120) < 5 * (400 * 0.3 * 0.7) ** 0.5, meta["val"]
