@@ -380,14 +380,23 @@ def test_a_float16_scalers_overflow_is_no_divergence(data_dir, tmp_path):
         "    def __init__(self, *args, **kwargs):\n"
         "        super().__init__(*args, **{**kwargs, 'init_scale': 2.0 ** 24})\n"
         "_torch.amp.GradScaler = _High\n")
-    done = new_python("train.py", *on_cpu([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
-                                          "--dtype=float16", "--max_iters=6", "--eval_interval=3", "--eval_iters=1",
-                                          "--max_skipped_steps=1", str(tmp_path / "high_scale.py")]))
+    def train(out, *more):
+        return new_python("train.py", *on_cpu([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / out}",
+                                               "--dtype=float16", "--max_iters=6", "--eval_interval=3",
+                                               "--eval_iters=1", "--max_skipped_steps=1",
+                                               str(tmp_path / "high_scale.py"), *more]))
+    done = train("run")
     assert done.returncode == 0 and "skipped" not in done.stdout, done.stdout + done.stderr
     state = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
     assert state["iter_num"] == 6 and state["scaler"]["scale"] < 2.0 ** 24  # it overflowed, and halved
     records = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert "Infinity" not in records and "NaN" not in records
+    # a resume goes on from the scale it saved (not from the high one again): as a run that was not stopped
+    assert train("run", "--max_iters=9", "--init_from=resume").returncode == 0
+    assert train("straight", "--max_iters=9").returncode == 0
+    resumed, straight = (torch.load(tmp_path / run / "ckpt.pt", weights_only=True) for run in ("run", "straight"))
+    assert resumed["scaler"] == straight["scaler"]
+    assert all(torch.equal(resumed["model"][k], straight["model"][k]) for k in straight["model"])
 
 @pytest.mark.slow
 def test_too_many_non_finite_steps_stop_and_keep_the_last_good_checkpoint(data_dir, tmp_path):

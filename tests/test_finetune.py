@@ -461,6 +461,41 @@ def test_a_fine_tune_whose_base_moved_is_exported_once_it_is_back(pretrained, tm
     export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
 
 
+def test_an_export_takes_the_dtype_of_the_folder_the_run_began_from(pretrained, tmp_path):
+    # --dtype=auto (the default): a run from a bfloat16 folder, trained in float32, exports bfloat16 weights
+    from safetensors.torch import load_file, save_file
+    folder, data = pretrained
+    shutil.copytree(folder, tmp_path / "bf16")
+    weights = load_file(tmp_path / "bf16" / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, tmp_path / "bf16" / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    config.pop("dtype", None)
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    run(*FINETUNE, f"--data_dir={data}", f"--init_from={tmp_path / 'bf16'}", f"--out_dir={tmp_path / 'run'}",
+        "--max_iters=2", "--dtype=float32")
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (exported.get("torch_dtype") or exported.get("dtype")) == "bfloat16"
+    assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_adapters_start_as_their_base_with_the_runs_dropout():
+    # B starts at zero: an adapted model's logits are its base's exactly, whatever A drew; lora_dropout is each
+    # adapter's own
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)).eval()
+    ids = torch.randint(0, 64, (2, 16))
+    def outputs():  # the logits, and the loss (computed without them)
+        return model(ids)[0], model(ids, ids)[1]
+    base = outputs()
+    add_lora(model, 4, 8.0, 0.1, "q,k,v,o,gate,up,down")
+    adapters = [linear.lora for _, _, linear in model.projections()]
+    assert len(adapters) == 2 * 7 and all(a.dropout.p == 0.1 and not a.B.any() and a.A.any() for a in adapters)
+    model.eval()
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), base))
+
+
 def test_lora_exports_merged_and_as_a_peft_adapter_with_the_same_logits(pretrained, tmp_path):
     peft = pytest.importorskip("peft")
     folder, data = pretrained
@@ -477,6 +512,7 @@ def test_lora_exports_merged_and_as_a_peft_adapter_with_the_same_logits(pretrain
     assert "note" not in done.stdout  # (on the base it trained on: nothing to say)
     adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["target_modules"] == ["down_proj", "o_proj", "q_proj", "v_proj"]
+    assert (adapter_config["r"], adapter_config["lora_alpha"], adapter_config["lora_dropout"]) == (4, 8, 0.1)
     base = transformers.AutoModelForCausalLM.from_pretrained(folder)
     with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     assert (logits_of(with_adapter, ids) - merged).abs().max() <= 1e-4 * merged.abs().max()

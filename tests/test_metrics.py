@@ -171,7 +171,7 @@ def test_a_resume_drops_what_a_process_recorded_past_its_checkpoint(tmp_path):
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     from tensorboard.compat.proto.event_pb2 import Event
     log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=0)
-    for step in (10, 20, 30, 40):
+    for step in (10, 20, 21, 30, 40):  # (21: the first step a resume at 20 trains)
         log({"iter": step, "loss": float(step)})
     close()
     log, close = open_log(str(tmp_path), {}, master=True, tensorboard_log=True, step=20)

@@ -12,7 +12,7 @@ from lib.resume import load_checkpoint
 from lib.files import UserError, read_meta
 from lib.hf import save_pretrained
 from lib.settings import defaults
-from lib.parallel import parallelize
+from lib.parallel import clip_gradients, parallelize
 from lib.start import begin
 from model import GPT, GPTConfig
 
@@ -72,7 +72,8 @@ def test_tensor_parallel_sums_the_gradients_of_weights_every_head_shares(data_di
     common.append(str(tmp_path / "named.py"))  # (unnamed: test_tensor_parallel_refusals)
     one = run(*common, f"--out_dir={tmp_path / 'one'}").stdout
     tp = run(*common, f"--out_dir={tmp_path / 'tp'}", "--tp_size=2", torchrun=TWO).stdout
-    widths = [set(re.findall(r"heads' width here: (\d+)", out)) for out in (one, tp)]  # every block's, each process's, the memory plan's
+    # every block's width, each process's, and the memory plan's (its trace: a block of tp's share of the heads)
+    widths = [set(re.findall(r"heads' width here: (\d+)", out)) for out in (one, tp)]
     assert widths == [{"32"}, {"16"}], widths  # each process holds half the heads: tensor parallel split them
     assert_losses_close(losses(tmp_path / "one"), losses(tmp_path / "tp"))
     one, tp = (load_checkpoint(find_checkpoint(str(tmp_path / d / "ckpt.pt")))["model"] for d in ("one", "tp"))
@@ -105,6 +106,16 @@ def test_gradient_checkpointing_changes_no_loss(data_dir, tmp_path):
     kept, recomputed = (int(re.search(r"block forwards: (\d+)", out)[1]) for out in (kept, recomputed))
     assert recomputed - kept == 5 * 2, (kept, recomputed)
     assert_losses_close(losses(tmp_path / "kept"), losses(tmp_path / "recomputed"))
+
+
+def test_clip_gradients_scales_them_to_the_norm_given_and_returns_the_norm_before():
+    model = torch.nn.Linear(4, 3)
+    model.weight.grad, model.bias.grad = torch.full((3, 4), 2.0), torch.full((3,), 2.0)  # norm 2 * sqrt(15)
+    assert clip_gradients(model, 1.0).item() == pytest.approx(2 * 15 ** 0.5, rel=1e-6)
+    grads = [model.weight.grad, model.bias.grad]
+    assert torch.nn.utils.get_total_norm(grads).item() == pytest.approx(1.0, rel=1e-5)
+    assert clip_gradients(model, 3.0).item() == pytest.approx(1.0, rel=1e-5)  # below it: left as they are
+    assert torch.nn.utils.get_total_norm(grads).item() == pytest.approx(1.0, rel=1e-5)
 
 
 def test_tensor_parallel_refusals(data_dir, tmp_path):

@@ -669,6 +669,30 @@ def test_doc_mask_trains_and_needs_an_end_of_text_id(data_dir, tmp_path):
     assert "doc_mask=True needs the end-of-text id" in said  # (train.py's checks, in process)
 
 
+def test_sample_py_attends_within_documents_as_a_doc_mask_run_did(tmp_path):
+    # its text is generate(document=end-of-text)'s, which parts from one seeing every document before (at a low
+    # temperature, where the draws follow the logits closely)
+    (tmp_path / "src").mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(300):  # short documents, of which a sample writes several
+        (tmp_path / "src" / f"d{i}.txt").write_text(" ".join(rng.choice(["the", "cat", "sat", "on", "a"], 3)))
+    assert script("prepare.py", tmp_path / "src", "--tokenizer=char", f"--out_dir={tmp_path / 'data'}").returncode == 0
+    run(*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--max_iters=30",
+        "--eval_interval=30", "--doc_mask=True")
+    from lib.trained import load_run
+    model, tokenizer, _ = load_run(str(tmp_path / "run" / "ckpt.pt"))
+    ids = torch.tensor([tokenizer.encode("the", bos=True)])
+
+    def sampled(**document):
+        torch.manual_seed(0)
+        return model.eval().generate(ids, 80, temperature=0.3, vocab=tokenizer.vocab_size, **document)[0].tolist()
+    within = sampled(document=tokenizer.eot_id)
+    assert within != sampled() and within.count(tokenizer.eot_id) >= 3
+    done = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--start=the", "--temperature=0.3", "--top_k=0",
+                  "--seed=0", "--num_samples=1", "--max_new_tokens=80")
+    assert done.returncode == 0 and done.stdout == tokenizer.decode(within) + "\n---------------\n", done.stdout
+
+
 def test_tensorboard_gets_the_records_of_metrics_jsonl(data_dir, tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is optional and not installed here")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
