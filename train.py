@@ -71,6 +71,7 @@ eval_sequences = eval_iters * batch_size * dp_size
 ptdtype = getattr(torch, dtype)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
 claim(out_dir, master)  # one run at a time writes an out_dir (files.py); a second one stops here
+preemption = StopRequest()  # SIGTERM or SIGINT from here on: the current step finishes, saves, and the run exits 0
 
 # -----------------------------------------------------------------------------
 # 3. data: token files are memory-mapped, never read whole. The sequences of a step are a pure function
@@ -200,7 +201,6 @@ if eval_tasks and master:  # the tasks are checked, and their data loaded, befor
     from lib import harness  # here, not on top: lm-evaluation-harness adds half a second to every run's start
     task_model = harness.for_training(raw_model, about_run, device, autocast, batch_size, eval_tasks, eval_tasks_path,
                                       eval_tasks_limit)
-preemption = StopRequest()  # SIGTERM or SIGINT: the current step finishes, saves, and the run exits 0
 speed, logged = Speedometer(), False  # the steps since the last log line: their time and attention keys
 clock = start_clock()  # the time left (metrics.py), from the step and evaluation times of this process
 # A checkpoint of an evaluated step (or of one that ends an epoch) is held back until the next update has computed

@@ -193,8 +193,12 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(data_dir, tmp_pa
     kill(proc)
     assert (out / "ckpt.pt.tmp").exists()  # the half-written file never took the name
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 3
+    stale = [".write-test-12345.tmp", ".shared-0123456789abcdef"]  # the start's probes, of a run killed starting
+    for name in stale:
+        (out / name).write_text("0")
     run(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=9", "--init_from=resume")
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 9
+    assert not any((out / name).exists() for name in ["ckpt.pt.tmp", *stale])  # swept by the next save
 
 
 @pytest.mark.slow
@@ -210,6 +214,31 @@ def test_signal_finishes_the_step_saves_and_exits_zero(data_dir, tmp_path, sig):
     step = int(re.search(rf"{sig.name}: saved step (\d+) in ", output)[1])  # the run's one line of it
     assert step >= 3 and torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == step
     assert max(losses(tmp_path)) == step  # the step was finished and logged
+
+
+# a config file that sends this process SIGTERM (as a scheduler would) while the run starts: once out_dir is its own
+SIGNALLED_STARTING = """import os as _os, signal as _signal
+import lib.checkpoint as _ckpt
+_check_room = _ckpt.check_room
+def _signalled(*args, **kwargs):
+    _os.kill(_os.getpid(), _signal.SIGTERM)
+    return _check_room(*args, **kwargs)
+_ckpt.check_room = _signalled
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_run_starts_saves_and_exits_zero(data_dir, tmp_path):
+    # the run starts on (a resume may read a large checkpoint), then stops before its first step: saved, status 0
+    # (SIGTERM's own default had ended the process, status -15, without a word); a resume goes on from there
+    (tmp_path / "signalled.py").write_text(SIGNALLED_STARTING)
+    args = on_cpu([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4"])
+    done = new_python("train.py", *args, tmp_path / "signalled.py")
+    assert done.returncode == 0 and f"SIGTERM: saved step 0 in {tmp_path / 'out'} and stopped" in done.stdout, \
+        done.stdout + done.stderr
+    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)["iter_num"] == 0
+    run(*args, "--init_from=auto")
+    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)["iter_num"] == 4
 
 
 @pytest.mark.slow
