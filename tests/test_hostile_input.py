@@ -765,6 +765,9 @@ def test_rotary_frequencies_past_float32s_range_are_one_line(folder, where):
     with pytest.raises(UserError, match="says rope_theta=1e-300, not a number in its range" if where == "rope_theta"
                        else "rope_scaling .* factor at least 1"):
         hf.load_pretrained(folder)
+    edit_config(folder, rope_scaling={**scaling, "factor": 0.5}, rope_theta=1e4)  # above 0, below 1: refused too
+    with pytest.raises(UserError, match="rope_scaling .* factor at least 1"):
+        hf.load_pretrained(folder)
     checkpoint = tiny_checkpoint()
     checkpoint["model_args"]["rope_theta"] = 1e-36
     with pytest.raises(UserError, match=r"model_args says rope_theta=1e-36, not a number in its range"):

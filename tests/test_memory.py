@@ -674,3 +674,14 @@ def test_check_room_counts_the_epoch_copies_a_run_keeps(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * size, 0, 3 * size))
     assert checkpoint.check_room(str(tmp_path), size) is None  # room for those
     assert "3 epoch copies" in (checkpoint.check_room(str(tmp_path), size, epoch_copies=3) or "")
+
+
+def test_ddp_keeps_its_gradients_twice_and_checkpointing_one_blocks_weight_copies():
+    # DDP's flat buckets beside the gradients; under checkpointing autocast's copies of a block's weights are made
+    # again as each block is recomputed, so one block's are held, not every block's
+    model = GPT(GPTConfig(**SHAPE))
+    one, ddp = (memory_estimate(model, 2, 16, "float32", dp=dp) for dp in (1, 2))
+    assert ddp["grads"] == 2 * one["grads"] > 0
+    kept, recomputed = (memory_estimate(model, 2, 16, "bfloat16", checkpointing=c) for c in (False, True))
+    block_copies = memory.traced_forward(model, 2, 16, "bfloat16").block_copies
+    assert kept["copies"] - recomputed["copies"] == (model.config.n_layer - 1) * block_copies > 0

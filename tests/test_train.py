@@ -53,14 +53,40 @@ def test_trains_and_records_metrics(data_dir, tmp_path):
     assert ckpt["model_args"]["vocab_size"] == 64  # the data's vocabulary, padded to 64
 
 
-def test_gradient_accumulation_matches_one_big_batch(data_dir, tmp_path):
+def test_records_every_log_interval_and_saves_only_improvements_without_always_save(data_dir, tmp_path):
+    # always_save_checkpoint=False: an evaluation is saved where it lowers the best val loss, and the last step; the
+    # train loss of an evaluation is the train split's (its batches are not val's)
+    out = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=20", "--eval_interval=5",
+              "--log_interval=5", "--always_save_checkpoint=False")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in records if "tokens_per_s" in r] == [5, 10, 15, 20]
+    evals, best, improved = [r for r in records if "val_loss" in r], float("inf"), {20}
+    for r in evals:
+        improved |= {r["iter"]} if r["val_loss"] < best and r["iter"] > 0 else set()
+        best = min(best, r["val_loss"])
+    assert [int(s) for s in re.findall(r"saved \S+ckpt.pt at step (\d+)", out.stdout)] == sorted(improved)
+    assert len(improved) > 1 and all(r["loss"] != r["val_loss"] for r in evals)
+
+
+def test_grad_clip_0_clips_nothing(data_dir, tmp_path):
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=3", "--eval_interval=100"]
+    for clip in ("0", "1e9"):
+        run(*common, f"--out_dir={tmp_path / clip}", f"--grad_clip={clip}")
+    assert min(losses(tmp_path / "0", "grad_norm").values()) > 1  # (clipped at 1, every update would be smaller)
+    a, b = weights(tmp_path / "0"), weights(tmp_path / "1e9")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("sequences", ["windows", "random"])  # (their losses weighed by targets, or by micro-steps)
+def test_gradient_accumulation_matches_one_big_batch(data_dir, tmp_path, sequences):
     # The two runs sum the same gradients in another order, so they differ by rounding, and the optimizer decides
     # what becomes of it. SGD moves a weight by lr x its gradient: a gradient's rounding difference stays far
     # below one ulp of the weight (measured: at most 7.5e-9 over seeds and both datasets; atol 1e-5). AdamW would
     # divide by sqrt(v) + eps, and where a gradient is below eps (1e-8) a rounding difference in it is amplified up
     # to lr / eps (1e6 here): 5e-4 for one seed, 1.1e-5 for another, on two kinds of CPU. Bugs of accumulation
     # (the last micro-batch's gradient alone, one dropped, the loss not divided) moved weights by 1e-3 to 2e-2.
-    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=100", "--optimizer=sgd"]
+    common = [*TINY, f"--data_dir={data_dir}", "--max_iters=6", "--eval_interval=100", "--optimizer=sgd",
+              f"--sequences={sequences}"]
     run(*common, f"--out_dir={tmp_path / 'big'}", "--batch_size=8")
     run(*common, f"--out_dir={tmp_path / 'acc'}", "--batch_size=2", "--gradient_accumulation_steps=4")
     big, acc = losses(tmp_path / "big"), losses(tmp_path / "acc")
@@ -278,6 +304,8 @@ def test_a_run_refused_after_making_its_out_dir_leaves_none(data_dir, tmp_path):
     (["--dtype=float8"], "dtype='float8' is not one of"),
     (["--n_head=5"], "n_embd=32 must be divisible by n_head=5"),
     (["--eval_interval=0"], "eval_interval=0 must be at least 1"),
+    (["--log_interval=0"], "log_interval=0 must be at least 1"),
+    (["--eval_full=True", "--eval_stride=32"], "eval_stride=32 must be at least 0 and below block_size=32"),
     (["--use_kernels=Flase"], "use_kernels='Flase' must be True, False or None (auto)"),
     # names that can never become one: the line names the setting and some of what it may be
     (["--optimizer=no-such-optimizer"], "optimizer='no-such-optimizer' is not one of 'adamw'"),
@@ -295,6 +323,7 @@ def test_a_run_refused_after_making_its_out_dir_leaves_none(data_dir, tmp_path):
     (["--max_iters=-5"], "max_iters=-5 must be at least 0"),
     (["--max_epochs=-1"], "max_epochs=-1 must be at least 0"),
     (["--norm_eps=2.0"], "this run says norm_eps=2.0, not a number in its range: set it within its range"),
+    (["--norm_eps=-0.5"], "this run says norm_eps=-0.5, not a number in its range: set it within its range"),
     (["--warmup_ratio=1.0"], "warmup_ratio=1.0 must be at least 0 and below 1"),
     (["--memory_budget=-2.0"], "memory_budget=-2.0 must be at least 0"),
     (["--memory_budget=1e400"], "memory_budget=inf must be at least 0 and finite"),
