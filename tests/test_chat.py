@@ -897,6 +897,20 @@ def test_a_sharegpt_records_system_prompt_is_its_first_message(style):
         fmt.record({"conversations": turns, "system": ["Be terse."]})
 
 
+def test_an_alpaca_records_input_follows_its_instruction_and_may_be_left_out(style):
+    # Alpaca's input joins the instruction in the user's message, after a blank line; a record without the key (as
+    # many are) is a conversation still, of the instruction alone
+    name, folder, theirs, ours = style
+    fmt = chat_format(folder, ours)
+
+    def conversation(user, assistant):
+        return fmt.record({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]})
+    record = fmt.record({"instruction": "Translate to French.", "input": "river", "output": "rivière"})
+    assert record.text == conversation("Translate to French.\n\nriver", "rivière").text
+    assert chat.is_conversation({"instruction": "Say hi.", "output": "Hi."})
+    assert fmt.record({"instruction": "Say hi.", "output": "Hi."}).text == conversation("Say hi.", "Hi.").text
+
+
 @pytest.mark.parametrize("style", ["qwen3"], indirect=True)
 def test_content_as_a_list_of_parts_is_refused_naming_the_fix(style):
     # OpenAI's multimodal layout, [{"type": "text", "text": ...}]: a text model's template writes no parts (Qwen3's

@@ -101,7 +101,9 @@ def test_metadata_and_tokenizer(bpe_run, tmp_path):
     expected = {"block_count": config.n_layer, "attention.head_count": config.n_head,
                 "attention.head_count_kv": config.n_kv_head, "context_length": config.block_size,
                 "embedding_length": config.n_embd, "feed_forward_length": config.mlp_hidden,
-                "rope.freq_base": config.rope_theta, "vocab_size": config.vocab_size}
+                "rope.freq_base": config.rope_theta, "vocab_size": config.vocab_size,
+                "rope.dimension_count": config.head_size, "attention.key_length": config.head_size,
+                "attention.value_length": config.head_size}
     for key, wanted in expected.items():
         assert value(reader, f"llama.{key}") == wanted, key
     assert value(reader, "llama.attention.layer_norm_rms_epsilon") == pytest.approx(config.norm_eps)
@@ -120,7 +122,10 @@ def test_metadata_and_tokenizer(bpe_run, tmp_path):
         assert types[i] == gguf.TokenType.NORMAL
     assert tokens[tokenizer.eot_id] == "<|endoftext|>" and types[tokenizer.eot_id] == gguf.TokenType.CONTROL
     assert set(types[tokenizer.eot_id + 1:]) == {gguf.TokenType.UNUSED}
-    assert len(value(reader, "tokenizer.ggml.merges")) == tokenizer.eot_id - 256
+    merges = value(reader, "tokenizer.ggml.merges")
+    assert len(merges) == tokenizer.eot_id - 256
+    # in order of priority: merge i makes token 256 + i, which a BPE trained merge by merge numbers so
+    assert all("".join(merge.split(" ")) == tokens[256 + i] for i, merge in enumerate(merges))
 
 
 def test_overwrite_and_adapter(bpe_run, tmp_path):

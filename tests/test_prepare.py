@@ -888,6 +888,22 @@ def bos_tokenizer(path):
     return path
 
 
+def test_a_folder_holding_the_datasets_bos_tokenizer_in_other_words_is_its_model(tmp_path):
+    # the same tokenizer.json saved otherwise (compact) is compared by the ids it gives: each document read back
+    # without the <s> it begins with, which encoding it again puts back
+    from tokenizers import Tokenizer
+    from lib.files import read_meta
+    from lib.tokenizer import check_tokenizer
+    tok = bos_tokenizer(tmp_path / "tok.json")
+    for i in range(6):
+        write(tmp_path / "docs" / f"{i}.txt", "a b c " * (i + 1))
+    run(tmp_path / "docs", "--out_dir", tmp_path / "out", "--tokenizer", tok, "--val_fraction", 0.5)
+    (tmp_path / "model").mkdir()
+    Tokenizer.from_file(str(tok)).save(str(tmp_path / "model" / "tokenizer.json"), pretty=False)
+    assert (tmp_path / "model" / "tokenizer.json").read_bytes() != tok.read_bytes()
+    check_tokenizer(tmp_path / "out", read_meta(tmp_path / "out"), str(tmp_path / "model"), 6)
+
+
 def test_min_length_counts_a_documents_own_tokens_not_the_bos_its_tokenizer_adds(tmp_path):
     # a document of 2 words is under --min_length=3 words, its BOS and end-of-text beside it not counted (nor in the
     # length histogram)
@@ -952,9 +968,10 @@ def test_a_link_named_in_bytes_that_are_not_utf8_is_listed_and_strict_stops_at_i
 
 def test_csv_and_tsv_rows_are_records_and_category_parquet_columns_are_text(tmp_path):
     # a .csv's header names its columns, each row a record (quoted commas and quotes kept as text); a .tsv the same
-    # with tabs; a parquet column pandas wrote as a category holds strings too
+    # with tabs (its header after a BOM here, as Excel writes UTF-8); a parquet column pandas wrote as a category
+    # holds strings too
     write(tmp_path / "src" / "a.csv", 'id,article\n1,"First, with a comma"\n2,"A ""quoted"" word"\n')
-    write(tmp_path / "src" / "b.tsv", "article\tid\ntab row\t3\n")
+    write(tmp_path / "src" / "b.tsv", "\ufeffarticle\tid\ntab row\t3\n")
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table({"article": pa.array(["cat one", "cat two"]).dictionary_encode()}),
                    tmp_path / "src" / "c.parquet")
@@ -1374,3 +1391,21 @@ def test_val_fraction_is_the_share_of_documents_in_val(tmp_path):
     meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction", 0.3)
     assert meta["train"]["documents"] + meta["val"]["documents"] == 400
     assert abs(meta["val"]["documents"] - 120) < 5 * (400 * 0.3 * 0.7) ** 0.5, meta["val"]
+
+
+@pytest.mark.parametrize("words", [65535, 65536])
+def test_ids_are_uint16_up_to_65536_of_them_and_uint32_past(tmp_path, words):
+    # a vocabulary of the words and the end-of-text after them: 65,536 ids are uint16's every value, 65,537 are not
+    # (the end-of-text, 65536, would be written as 0)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(words)}, "<|endoftext|>": words}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tok.json"))
+    write(tmp_path / "docs" / "a.txt", f"w1 w{words - 1}")
+    write(tmp_path / "docs" / "b.txt", "w2 w3")
+    meta = run(tmp_path / "docs", "--out_dir", tmp_path / "out", "--tokenizer", tmp_path / "tok.json",
+               "--val_fraction", 0)
+    assert (meta["dtype"], meta["eot_id"]) == ("uint16" if words < 65536 else "uint32", words)
+    ids = np.fromfile(tmp_path / "out" / "train.bin", dtype=meta["dtype"]).tolist()
+    assert sorted(ids) == sorted([1, words - 1, words, 2, 3, words])
