@@ -381,7 +381,7 @@ def test_versus_profiles_hold_one_model_at_a_time(tmp_path, monkeypatch):
     def models():
         gc.collect()
         return {id(o): type(o).__module__ for o in gc.get_objects()
-                if type(o).__name__ == "GPT" and isinstance(o, torch.nn.Module)}  # (type first: no deprecated __class__)
+                if type(o).__name__ == "GPT" and isinstance(o, torch.nn.Module)}  # (type first: no deprecation)
     before, alive = models(), []
 
     def profiled_step(model, optimizer, batches, steps, compile):

@@ -904,7 +904,8 @@ def test_an_alpaca_records_input_follows_its_instruction_and_may_be_left_out(sty
     fmt = chat_format(folder, ours)
 
     def conversation(user, assistant):
-        return fmt.record({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]})
+        return fmt.record({"messages": [{"role": "user", "content": user},
+                                        {"role": "assistant", "content": assistant}]})
     record = fmt.record({"instruction": "Translate to French.", "input": "river", "output": "rivière"})
     assert record.text == conversation("Translate to French.\n\nriver", "rivière").text
     assert chat.is_conversation({"instruction": "Say hi.", "output": "Hi."})
