@@ -43,7 +43,8 @@ NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", 
 # an out_dir's names, in either layout: the copies a save makes, every checkpoint (a folder stepping aside as .old
 # too), and what a killed save leaves unfinished, or a killed start (check_room's and start.check_shared's probes)
 COPIES = r"ckpt_(best|[0-9]+|epoch_[0-9]+)(\.pt)?"
-NAMES, UNFINISHED = r"ckpt(_best|_[0-9]+|_epoch_[0-9]+)?(\.pt|\.old)?", r"ckpt.*\.tmp|\.write-test-\d+\.tmp|\.shared-\w+"
+NAMES = r"ckpt(_best|_[0-9]+|_epoch_[0-9]+)?(\.pt|\.old)?"
+UNFINISHED = r"ckpt.*\.tmp|\.write-test-\d+\.tmp|\.shared-\w+"
 FORMAT = 2  # what its values mean; a resume takes this format alone (an older one: resume with its train.py)
 
 
