@@ -99,6 +99,7 @@ if origin.init_from != "resume" and master and not eval_only and os.path.exists(
     with suppress(OSError):  # (one that cannot go: its first record says why, and the run goes on)
         os.remove(stale_log)
 checkpoint, loop, lora = origin.checkpoint, origin.loop, origin.lora
+first_step = loop["iter_num"]  # where this run begins: a signal before it trains a step has nothing to save
 
 # -----------------------------------------------------------------------------
 # 5. the model, laid out over the processes, and its optimizers
@@ -251,11 +252,17 @@ def estimate_loss(model, raw_model):
 
 def stop_run():
     # A signal stops the run (every process calls it, agreed): this step saved, and one line for the run (a process
-    # that got no signal itself: one of another's). The same command with --init_from=auto goes on from here.
+    # that got no signal itself: one of another's). The same command with --init_from=auto goes on from here. Where
+    # no step was trained yet (a Ctrl-C while the run starts), nothing is saved: out_dir stays as it was.
+    by = preemption.by or "a signal to another process"
+    if loop["iter_num"] == first_step:
+        if master:
+            print(f"{by}: stopped before the run's first step; nothing saved, {out_dir} is as it was", flush=True)
+        return
     save_last(False)
     if master:
-        print(f"{preemption.by or 'a signal to another process'}: saved step {loop['iter_num']} in {out_dir} "
-              f"and stopped; the same command with --init_from=auto continues from it", flush=True)
+        print(f"{by}: saved step {loop['iter_num']} in {out_dir} and stopped; the same command with --init_from=auto "
+              f"continues from it", flush=True)
 
 
 def save_checkpoint(loop, improved, finished_epoch=None, rng=None):
@@ -294,9 +301,11 @@ def evaluate(step):
     losses = estimate_loss(model, raw_model)
     if fsdp:  # a forward with no backward leaves the root unit's weights gathered: back to shards before a save
         model.reshard()
-    if losses is None:  # stopped by a signal: the step is saved unevaluated (eval_only: nothing is written)
-        if not eval_only:
-            stop_run()
+    if losses is None:  # stopped by a signal: the step is saved unevaluated; eval_only has no result (status 1)
+        if eval_only:
+            raise UserError(f"{preemption.by or 'a signal to another process'} stopped the evaluation before its end; "
+                            f"eval_only wrote nothing")
+        stop_run()
         return True
     loop["evaluated"] = True
     task_scores = harness.task_metrics(*task_model, eval_tasks_limit) if eval_tasks and master else {}

@@ -44,7 +44,7 @@ NEEDED = {"model", "optimizer", "scaler", "model_args", "config", "world_size", 
 # too), and what a killed save leaves unfinished, or a killed start (check_room's and start.check_shared's probes)
 COPIES = r"ckpt_(best|[0-9]+|epoch_[0-9]+)(\.pt)?"
 NAMES = r"ckpt(_best|_[0-9]+|_epoch_[0-9]+)?(\.pt|\.old)?"
-UNFINISHED = r"ckpt.*\.tmp|\.write-test-\d+\.tmp|\.shared-\w+"
+UNFINISHED = r"ckpt.*\.tmp|\.write-test-\d+\.tmp|\.shared-[0-9a-f]{16}"
 FORMAT = 2  # what its values mean; a resume takes this format alone (an older one: resume with its train.py)
 
 

@@ -228,17 +228,22 @@ _ckpt.check_room = _signalled
 
 
 @pytest.mark.slow
-def test_a_signal_while_the_run_starts_saves_and_exits_zero(data_dir, tmp_path):
-    # the run starts on (a resume may read a large checkpoint), then stops before its first step: saved, status 0
-    # (SIGTERM's own default had ended the process, status -15, without a word); a resume goes on from there
+def test_a_signal_while_the_run_starts_stops_it_there_and_keeps_out_dir_as_it_was(data_dir, tmp_path):
+    # the run starts on (a resume may read a large checkpoint), then stops at its first step's evaluation, status 0
+    # (SIGTERM's own default had ended the process, status -15, without a word): nothing trained, nothing saved, so
+    # the command put right starts there anew. eval_only stopped has no result: status 1, in one line
     (tmp_path / "signalled.py").write_text(SIGNALLED_STARTING)
     args = on_cpu([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4"])
+    said = f"SIGTERM: stopped before the run's first step; nothing saved, {tmp_path / 'out'} is as it was"
     done = new_python("train.py", *args, tmp_path / "signalled.py")
-    assert done.returncode == 0 and f"SIGTERM: saved step 0 in {tmp_path / 'out'} and stopped" in done.stdout, \
+    assert done.returncode == 0 and said in done.stdout and not (tmp_path / "out" / "ckpt.pt").exists(), \
         done.stdout + done.stderr
-    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)["iter_num"] == 0
-    run(*args, "--init_from=auto")
-    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)["iter_num"] == 4
+    run(*args, "--n_layer=3")
+    (tmp_path / "evaluating.py").write_text(SIGNALLED_EVALUATING)
+    done = new_python("train.py", *args, "--n_layer=3", "--eval_only=True", "--init_from=resume",
+                      tmp_path / "evaluating.py", env={"SIGNAL_AT_BATCH": "1"})
+    assert done.returncode == 1 and done.stderr.strip() == \
+        "train.py: SIGTERM stopped the evaluation before its end; eval_only wrote nothing", done.stdout + done.stderr
 
 
 @pytest.mark.slow
@@ -280,6 +285,7 @@ def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_
     assert len(stops) == 1, output  # one line for the run, the master's
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert saved["iter_num"] == int(stops[0]) and len(saved["rng"]) == 2  # both ranks' state, of that step
+    assert not torch.equal(saved["rng"][0]["cpu"], saved["rng"][1]["cpu"])  # each replica its own dropout masks
     # the workers exit cleanly: no traceback passes through the project's code, and the one report is torchrun's
     # own of the signal it got (its agent can chain an error of its own to it, when the signal lands inside its
     # metrics wrapper: torch's race, seen once here, not the workers')
@@ -289,6 +295,33 @@ def test_sigterm_under_torchrun_every_rank_stops_at_the_same_step(data_dir, tmp_
         assert output.rstrip().endswith("torchrun: SIGTERM, its workers stopped"), output
     else:
         assert output.count("SignalException: Process") == 1, output
+
+
+# a config file by which rank 0 alone gets SIGTERM as it reads an evaluation's SIGNAL_AT_BATCH-th batch (6: in step
+# 2's evaluation, of 2 train and 2 val batches each)
+SIGNALLED_EVALUATING = """import os as _os, signal as _signal
+import lib.data as _data
+_read, _evaluation = [], _data.Batches.evaluation
+def _counted(self, split, index):
+    _read.append(split)
+    if len(_read) == int(_os.environ.get("SIGNAL_AT_BATCH", 6)) and _os.environ.get("RANK", "0") == "0":
+        _os.kill(_os.getpid(), _signal.SIGTERM)
+    return _evaluation(self, split, index)
+_data.Batches.evaluation = _counted
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_during_an_evaluation_stops_every_process_there(data_dir, tmp_path):
+    # the processes agree at each batch of an evaluation whether to stop (one stopping alone, the other waited at
+    # the next collective until dist_timeout): the step is saved unevaluated, status 0
+    (tmp_path / "signalled.py").write_text(SIGNALLED_EVALUATING)
+    done = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=6", "--eval_interval=2",
+               "--gradient_accumulation_steps=2", "--dist_timeout=60", str(tmp_path / "signalled.py"),
+               torchrun=["--standalone", "--nproc_per_node=2"], check=False)
+    assert done.returncode == 0 and "SIGTERM: saved step 2 in " in done.stdout, done.stdout + done.stderr
+    saved = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    assert (saved["iter_num"], saved["evaluated"]) == (2, False)
 
 
 @pytest.mark.kills

@@ -99,3 +99,29 @@ def test_one_process_on_cuda_sets_its_gpu_only_when_named(monkeypatch, device, c
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     assert seen == chosen
     assert (processes.device, processes.dtype, processes.mesh) == (device, "bfloat16", None)
+
+
+def test_each_process_under_torchrun_takes_its_nodes_gpu_of_its_local_rank(monkeypatch):
+    # rank 3 of 4 (two nodes of 2 GPUs) takes its node's GPU 1, whether 'cuda' or another 'cuda:N' was given
+    seen = []
+
+    class Joining(Exception):  # where the process would join the group: far enough
+        pass
+
+    def rendezvous(*args, **kwargs):
+        raise Joining
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", seen.append)
+    monkeypatch.setattr(parallel.dist, "is_backend_available", lambda backend: True)
+    monkeypatch.setattr(parallel.dist, "rendezvous", rendezvous)
+    for name, value in (("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # which it sets
+    try:
+        for device in ("cuda", "cuda:0"):
+            with pytest.raises(Joining):
+                parallel.init_distributed(device, "auto", "auto", 1, False, False, 60)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    assert seen == ["cuda:1", "cuda:1"]
