@@ -46,7 +46,7 @@ from lib.optim import build_optimizers
 from lib.settings import defaults
 
 SECTIONS = ("versus", "race", "kernels", "step", "memory", "optimizers", "finetune", "tests")
-GPT2_124M = [measure.ours("config/train_gpt2.py"), "--batch_size=16", "--gradient_accumulation_steps=1",
+GPT2_124M = [measure.in_checkout("config/train_gpt2.py"), "--batch_size=16", "--gradient_accumulation_steps=1",
              "--eval_iters=10"]
 NEAR_1B = [*GPT2_124M, "--n_layer=20", "--n_head=32", "--n_kv_head=8", "--n_embd=2048", "--batch_size=8"]
 LLAMA2_7B = dict(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008,
@@ -116,7 +116,7 @@ def stdlib_tokens(folder, tiny):
     # package alone
     data = os.path.join(folder, "stdlib")
     corpus = [os.path.join(sysconfig.get_paths()["stdlib"], "json")] if tiny else []
-    cmd = [sys.executable, measure.ours("prepare.py"), *corpus, f"--tokenizer=bpe:{512 if tiny else 8192}",
+    cmd = [sys.executable, measure.in_checkout("prepare.py"), *corpus, f"--tokenizer=bpe:{512 if tiny else 8192}",
            f"--out_dir={data}"]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
@@ -197,7 +197,7 @@ def nanogpt_speed(nanogpt, data, folder, run_args, steps):
 
 def our_speed(data, folder, run_args, steps):
     # our train.py (config/train_gpt2.py, then run_args) for steps on data -> (median ms a step, its peak MB)
-    run_args = [measure.ours("config/train_gpt2.py"), f"--data_dir={data}", *run_args, "--warmup_iters=1",
+    run_args = [measure.in_checkout("config/train_gpt2.py"), f"--data_dir={data}", *run_args, "--warmup_iters=1",
                 f"--lr_decay_iters={steps}"]
     records = [r for r in run_train(run_args, folder, steps) if "ms_per_iter" in r]
     return past_first_third([r["ms_per_iter"] for r in records]), max(r["mem_mb"] for r in records)
@@ -287,7 +287,7 @@ def gpt2_stdlib(folder, tiny):
     # GPT-2 tokens, nanoGPT's vocabulary, in the layout both trainers read -> its folder
     data = os.path.join(folder, "stdlib_gpt2")
     corpus = [os.path.join(sysconfig.get_paths()["stdlib"], "json")] if tiny else []
-    done = subprocess.run([sys.executable, measure.ours("prepare.py"), *corpus, "--tokenizer=gpt2",
+    done = subprocess.run([sys.executable, measure.in_checkout("prepare.py"), *corpus, "--tokenizer=gpt2",
                            f"--out_dir={data}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode:
         raise UserError((done.stdout.strip().splitlines() or ["prepare.py failed"])[-1])
@@ -297,7 +297,7 @@ def gpt2_stdlib(folder, tiny):
 def race_model(side, nanogpt, data, folder, run_args):
     # one side's run to its end -> its final model
     if side == "ours":
-        return run_ours([measure.ours("config/train_gpt2.py"), f"--data_dir={data}", *run_args], folder, None)[1]
+        return run_ours([measure.in_checkout("config/train_gpt2.py"), f"--data_dir={data}", *run_args], folder, None)[1]
     cmd = nanogpt_command(nanogpt, data, folder, [*nanogpt_args(run_args), "--always_save_checkpoint=True"])
     timed_run(cmd, folder, None, "nanoGPT's train.py")
     return nanogpt_model(nanogpt, os.path.join(folder, "out", "ckpt.pt"))

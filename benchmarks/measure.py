@@ -41,9 +41,11 @@ from model import GPT, GPTConfig
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, where train.py is
 
 
-def ours(script):
+def in_checkout(script):
     # a script of this checkout, from whatever folder bench.py runs in (where the paths given are)
     return os.path.join(HERE, script)
+
+
 # --mode=gpu: the time after which no more rows begin, and the --minutes it was set from (set_deadline)
 deadline, minutes = float("inf"), None
 
@@ -72,7 +74,7 @@ def run_train(run_args, out_dir, steps, evaluate=False, log_interval=None, env=N
     if evaluate:
         evals = [f"--eval_interval={steps}", f"--lr_decay_iters={steps}",
                  f"--log_interval={log_interval or steps}"]
-    cmd = [sys.executable, ours("train.py"), *run_args, f"--out_dir={out_dir}", f"--max_iters={steps}", *evals,
+    cmd = [sys.executable, in_checkout("train.py"), *run_args, f"--out_dir={out_dir}", f"--max_iters={steps}", *evals,
            "--always_save_checkpoint=False"]
     timed_run(cmd, None, {**os.environ, **env} if env else None, "train.py")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -334,7 +336,7 @@ def bench_lora(train_args, shape=QWEN3_06B, name="Qwen3-0.6B", extra_args=(), sk
             if label in skip or out_of_time(label):
                 continue
             out = f"{tmp}/out_{label}"
-            cmd = [sys.executable, ours("train.py"), *train_args, *extra_args,  # (its own last: they win, as
+            cmd = [sys.executable, in_checkout("train.py"), *train_args, *extra_args,  # (its own last: they win, as
                    f"--init_from={tmp}/model", f"--data_dir={tmp}", f"--out_dir={out}",  # run_train's do)
                    f"--max_iters={steps}", f"--eval_interval={steps}", "--eval_iters=1", "--log_interval=1", *extra]
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -507,7 +509,8 @@ def profiled_step(model, optimizer, batches, steps, compile):
 
 def run_ours(run_args, out_dir, env):
     # our train.py with these arguments -> ((wall, CPU seconds), the model of its final checkpoint)
-    seconds = timed_run([sys.executable, ours("train.py"), *run_args, f"--out_dir={out_dir}"], None, env, "train.py")
+    cmd = [sys.executable, in_checkout("train.py"), *run_args, f"--out_dir={out_dir}"]
+    seconds = timed_run(cmd, None, env, "train.py")
     model, _ = load_model(os.path.join(out_dir, "ckpt.pt"))
     return seconds, model.eval()
 

@@ -20,8 +20,8 @@ import torch
 
 import kernels
 from benchmarks.gpu import bench_gpu
-from benchmarks.measure import (bench_lora, kernel_cases, kernel_table, ours, planned_model, run_nanogpt, run_ours,
-                                run_train, split_loss, throughput)
+from benchmarks.measure import (bench_lora, in_checkout, kernel_cases, kernel_table, planned_model, run_nanogpt,
+                                run_ours, run_train, split_loss, throughput)
 from configurator import configure
 from lib import settings
 from lib.files import UserError, read_meta
@@ -245,7 +245,7 @@ def bench_load(args, train_args):
 
 def prepare_run(argv):
     # the seconds prepare.py reports for reading, cutting and encoding (start-up and writing left out, as for tiktoken)
-    done = subprocess.run([sys.executable, ours("prepare.py"), *argv], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, in_checkout("prepare.py"), *argv], capture_output=True, text=True)
     if done.returncode:
         raise UserError(f"prepare.py failed: {done.stderr.strip()[-500:]}")
     return float(re.search(r"tokenized .* in ([\d.]+) s with", done.stdout)[1])
