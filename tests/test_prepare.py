@@ -314,6 +314,7 @@ def test_input_formats(tmp_path):
     write(src / "g.md", "# markdown\n")
     write(src / "deep" / "er" / "h.py", "print('nested')\n")
     write(src / "i.ndjson", json.dumps({"text": "ndjson too"}) + "\n")
+    write(src / "k.TXT.GZ", gzip.compress(b"gzipped, named in capitals\n"), raw=True)
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     pq.write_table(pa.table({"id": [1, 2, 3], "text": ["parquet one", "parquet two", "parquet three"]}),
                    src / "j.parquet", row_group_size=2)
@@ -321,11 +322,11 @@ def test_input_formats(tmp_path):
     meta = run(src, "--out_dir", out, "--tokenizer", "char")
     expect = ["from text", "from content", "from body", "one object", "array one", "array two", "gzipped text\n",
               "gzipped jsonl", "gzipped json", "# markdown\n", "print('nested')\n", "ndjson too",
-              "parquet one", "parquet two", "parquet three"]
+              "parquet one", "parquet two", "parquet three", "gzipped, named in capitals\n"]
     assert sorted(read_all(out)) == sorted(expect)
-    assert meta["files_read"] == 10 and meta["skipped_files"] == [] and meta["bad_records"]["count"] == 0
+    assert meta["files_read"] == 11 and meta["skipped_files"] == [] and meta["bad_records"]["count"] == 0
     assert meta["extensions"][".jsonl"] == {"files": 1, "documents": 3, "bytes": 30, "tokens": 33}
-    assert meta["extensions"][".parquet"]["documents"] == 3 and meta["extensions"][".txt.gz"]["files"] == 1
+    assert meta["extensions"][".parquet"]["documents"] == 3 and meta["extensions"][".txt.gz"]["files"] == 2
 
 
 def test_a_parquet_value_that_is_not_utf8_skips_its_file_as_a_text_files_byte_does(tmp_path):
