@@ -213,6 +213,7 @@ def test_lora_trains_adapters_only_and_resumes_bit_for_bit(pretrained, tmp_path)
     assert sum(t.numel() for t in ckpt["model"].values()) < base / 5
     trained = sum(t.numel() for t in ckpt["model"].values())
     assert f"{trained / 1e6:.2f}M of them trained" in out.stdout
+    assert "note: lora_" not in out.stdout + out.stderr  # the adapters' settings play their part (the folder has none)
     val = [r["val_loss"] for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines())
            if "val_loss" in r]
     assert val[-1] < val[0] - 0.05  # the adapters alone learn, slowly on a random base (fixed eval batches)
@@ -666,6 +667,7 @@ def text_fine_tune_of_a_chat_model(pretrained, tmp_path, where="tokenizer_config
     else:
         config["chat_template"] = template
     (base / "tokenizer_config.json").write_text(json.dumps(config))
+    (base / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     run(*FINETUNE, f"--data_dir={data}", f"--init_from={base}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2")
     export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
     return template
@@ -684,6 +686,7 @@ def test_a_text_fine_tune_of_a_chat_model_chats_with_its_template_as_its_export_
     assert exported.returncode == 0, exported.stderr
     assert ours.stdout.strip() and ours.stdout == exported.stdout
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"] == template
+    assert (tmp_path / "hf" / "special_tokens_map.json").read_text() == '{"eos_token": "<|endoftext|>"}'  # carried
     # a reply ends at an end-of-text generation_config.json names (as transformers' generate does), not only at the
     # template's end-of-turn: with every id one, the reply ends before its first token
     vocab = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]

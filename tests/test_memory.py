@@ -559,6 +559,7 @@ def test_batch_size_auto_shares_an_update_over_replicas_or_names_what_fits():
     # an update of 12 sequences over 2 replicas is 6 each, whatever gradient_accumulation_steps said; 13 are not
     # shared evenly; where the process itself holds most of the budget, the line says so and names memory_budget
     assert micro_batch.fit_micro_batch(lambda b: b, 12, 2, 100) == (6, 6)
+    assert micro_batch.fit_micro_batch(lambda b: 16 * b, 12, 2, 100) == (3, 48)  # 96 is past 100 less its 10%
     layout = dict(dp=2, tp=1, fsdp=False, checkpointing=False, offload=False)
     resumed = {"config": {"batch_size_auto": True, "batch_size": 2}, "world_size": 2, "memory_device": "cpu"}
     for before in (None, resumed):  # chosen anew, or the micro-batch a resumed run began with
@@ -571,6 +572,8 @@ def test_batch_size_auto_shares_an_update_over_replicas_or_names_what_fits():
                                         r"the data\), and 461 MiB may be used \(90% of 512 MiB\): raise "
                                         r"memory_budget, or leave it 0 for what the machine has$"):
         micro_batch.fit_micro_batch(lambda b: 2**30, 4, 1, 2**29, held=0.9 * 2**30)
+    with pytest.raises(UserError, match=r"^batch_size='auto': this process holds 486 MiB already"):  # (past 461 MiB)
+        micro_batch.fit_micro_batch(lambda b: 2**30, 4, 1, 2**29, held=0.95 * 2**29)
 
 
 def test_a_micro_batch_chosen_anew_on_resume_and_a_budget_past_the_machine_are_said():

@@ -238,6 +238,8 @@ def test_a_nanogpt_folder_trains_and_samples_its_characters(tmp_path, text):
     done = script("sample.py", f"--out_dir={tmp_path / 'out'}", f"--start={text[:40]}", "--num_samples=1",
                   "--max_new_tokens=2")
     assert "note: the prompt is 40 tokens, of which the model sees the last 32 (its block_size)" in done.stderr
+    done = script("sample.py", f"--out_dir={tmp_path / 'out'}", "--num_samples=3", "--max_new_tokens=5")
+    assert done.returncode == 0 and done.stdout.count("\n---------------\n") == 3  # each sample, then its line
     done = script("sample.py", f"--out_dir={tmp_path / 'out'}", "--chat", "--start=hi")
     assert done.returncode == 1 and done.stderr.startswith("sample.py: --chat needs a model trained on conversations")
     # its output cut short by its reader (| head -1): no traceback

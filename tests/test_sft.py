@@ -364,6 +364,19 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path, mon
         asked = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=apple", "--device=cpu")
     assert stopped.returncode == asked.returncode == 130 and stopped.stdout == asked.stdout == "\n"
     assert stopped.stderr == asked.stderr == ""
+    # a conversation typed: each reply is to the whole of it, the system prompt, the messages and replies before
+    seen, generate = [], GPT.generate
+    with monkeypatch.context() as patched:
+        patched.setattr(GPT, "generate", lambda self, x, *a, **kw: seen.append(x[0].tolist()) or generate(self, x, *a,
+                                                                                                         **kw))
+        patched.setattr(sys, "stdin", Typed("apple river\nstone cloud\n"))
+        typed = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--temperature=0",
+                       "--max_new_tokens=4", "--device=cpu", "--system=Reverse the words.")
+    first = typed.stdout.split("\n")[0].removeprefix("> ")
+    history = [{"role": "system", "content": "Reverse the words."}, {"role": "user", "content": "apple river"},
+               {"role": "assistant", "content": first}, {"role": "user", "content": "stone cloud"}]
+    assert typed.returncode == 0 and len(seen) == 2, typed.stdout + typed.stderr
+    assert seen[1] == tokenizer.encode_chat(fmt.render(history, add_generation_prompt=True), [])[0].tolist()
     # a message of several lines, an empty one among them, between """ and """: one message, as --start's
     monkeypatch.setattr(sys, "stdin", Typed('"""apple\n\nriver"""\n'))
     typed = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--temperature=0", "--max_new_tokens=20",

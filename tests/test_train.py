@@ -803,6 +803,20 @@ def test_eval_py_refuses_a_val_split_with_nothing_to_score(data_dir, tmp_path):
         assert done.returncode == 1 and said in done.stderr and "val loss" not in done.stdout, done.stderr
 
 
+def test_eval_py_takes_the_dtype_given_and_a_loss_past_a_floats_range_has_perplexity_inf(data_dir, tmp_path,
+                                                                                          monkeypatch):
+    # --dtype given wins over the run's own (bfloat16 here); e^800 is past a float: inf, not an OverflowError
+    from model import GPT
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=1", "--dtype=bfloat16")
+    done = script("eval.py", f"--out_dir={tmp_path}", "--device=cpu")
+    assert done.returncode == 0 and "; computed in bfloat16" in done.stdout, done.stdout + done.stderr
+    done = script("eval.py", f"--out_dir={tmp_path}", "--device=cpu", "--dtype=float32")
+    assert done.returncode == 0 and "; computed in float32" in done.stdout, done.stdout + done.stderr
+    monkeypatch.setattr(GPT, "loss_and_accuracy", lambda *args: (torch.tensor(800.0), torch.tensor(0.0)))
+    done = script("eval.py", f"--out_dir={tmp_path}", "--device=cpu")
+    assert done.returncode == 0 and "val loss 800.000000 perplexity inf over " in done.stdout, done.stdout + done.stderr
+
+
 @pytest.mark.slow  # eval_full in the quick tier: test_sft.py's, on conversations
 def test_eval_full_scores_the_whole_val_split_as_eval_py_does(data_dir, tmp_path):
     # eval_full: every token of val.bin once, in windows of 32 overlapping by 8; the same loss eval.py reports
