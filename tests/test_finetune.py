@@ -737,6 +737,10 @@ def test_eval_refuses_a_folder_with_a_run_or_without_a_dataset(pretrained, tmp_p
                         ([f"--data_dir={tmp_path / 'typo'}"], f"{tmp_path / 'typo'} holds no prepared dataset")):
         done = script("eval.py", f"--model={folder}", "--device=cpu", *extra)
         assert done.returncode == 1 and says in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    # --tasks' results go to the current folder: where that is the model folder (someone else's), not there
+    done = script("eval.py", f"--model={folder}", "--tasks=hellaswag", "--device=cpu", cwd=folder)
+    assert done.returncode == 1 and done.stderr.strip() == f"eval.py: the results would go to eval_tasks.json in the " \
+        f"model folder {folder}: give --output=PATH" and not (folder / "eval_tasks.json").exists(), done.stderr
 
 
 def test_eval_sizes_a_folders_window_from_the_data_not_its_context(pretrained, tmp_path):

@@ -71,6 +71,11 @@ def test_time_left_skips_the_warm_up_and_follows_the_recent_steps():
     # the finish time on the first lines with an estimate, then the time left alone
     assert all(", ends ~" in note for note in notes[:3]) and not any(", ends ~" in note for note in notes[3:])
     assert all(" left" in note for note in notes)
+    # intervals of unequal steps: an older one stays until the later ones hold RECENT_STEPS steps by themselves
+    clock = {**start_clock(), "steps": WARMUP_STEPS, "eval_seconds": 0.0}
+    time_left(clock, 1000, 10**6, 10**6, 1.0, RECENT_STEPS)
+    left, _ = time_left(clock, 1010, 10**6, 10**6, 3.0, 10)
+    assert left == pytest.approx((10**6 - 1010) * (RECENT_STEPS * 1.0 + 10 * 3.0) / (RECENT_STEPS + 10))
 
 
 def test_time_left_says_when_no_evaluation_was_timed():
