@@ -37,12 +37,17 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
+class Overdue(BaseException):
+    # the deadline's: no OSError (as TimeoutError is), nor any Exception, that the code's own handlers would take
+    pass
+
+
 @contextmanager
 def deadline(seconds):
     # What today's code would do forever (a FIFO's open, two nested loops) fails the test instead of hanging it:
     # the alarm's exception interrupts the blocking call or the loop.
     def expired(*_):
-        raise TimeoutError(f"still running after {seconds} s")
+        raise Overdue(f"still running after {seconds} s")
     old = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -365,6 +370,14 @@ def test_a_list_a_chat_template_doubles_is_held_to_the_budget(monkeypatch):
     for template in (grow, grow.replace("[1]", "(1,)")):
         with deadline(20), pytest.raises(ValueError, match="it makes a value of more than 1,000 characters or items"):
             chat.ChatFormat(PROBE + template, "test", ["</s>"], "</s>")
+
+
+def test_a_meta_pkl_past_any_nanogpts_is_refused_unread(tmp_path):
+    from lib.files import MAX_PICKLE, read_plain_pickle
+    with open(tmp_path / "meta.pkl", "wb") as f:  # sparse: no disk, and nothing a reader would parse first
+        f.truncate(MAX_PICKLE + 1)
+    with pytest.raises(UserError, match=rf"meta.pkl is past {MAX_PICKLE >> 20} MB, which no nanoGPT meta.pkl is"):
+        read_plain_pickle(tmp_path / "meta.pkl")
 
 
 def test_a_meta_pkl_whose_keys_share_a_hash_is_refused_at_once(tmp_path):
@@ -721,6 +734,12 @@ def test_a_fifo_in_a_model_folder_is_one_line_not_a_hang(folder, name):
     os.mkfifo(folder / name)  # opening it for reading would wait for a writer forever
     with pytest.raises(UserError, match="is not a regular file"):
         hf.load_pretrained(folder)
+
+
+def test_a_fifo_as_a_checkpoint_is_one_line_not_a_hang(tmp_path):
+    os.mkfifo(tmp_path / "ckpt.pt")
+    with deadline(20), pytest.raises(UserError, match="is not a regular file"):
+        resume.load_checkpoint(str(tmp_path / "ckpt.pt"))
 
 
 

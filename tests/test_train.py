@@ -311,6 +311,7 @@ def test_a_run_refused_after_making_its_out_dir_leaves_none(data_dir, tmp_path):
     (["--n_head=5"], "n_embd=32 must be divisible by n_head=5"),
     (["--eval_interval=0"], "eval_interval=0 must be at least 1"),
     (["--log_interval=0"], "log_interval=0 must be at least 1"),
+    (["--max_iters=2*3"], "max_iters must be int like 5000, got '2*3'"),  # a value is read as a literal, never run
     (["--eval_full=True", "--eval_stride=32"], "eval_stride=32 must be at least 0 and below block_size=32"),
     (["--use_kernels=Flase"], "use_kernels='Flase' must be True, False or None (auto)"),
     # names that can never become one: the line names the setting and some of what it may be
@@ -448,6 +449,9 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
                       "_steps = [(eval_interval := i) for i in range(1, 4)]\n")
     assert {k: train_settings([helper])[k] for k in ("n_head", "n_embd", "max_iters", "n_layer", "eval_interval")} \
         == {"n_head": 2, "n_embd": 16, "max_iters": 7, "n_layer": 6, "eval_interval": 3}
+    for text, data in (("dataset = 'bb'\ndata_dir = 'aa'\n", "aa"), ("data_dir = 'aa'\ndataset = 'bb'\n", "data/bb")):
+        (tmp_path / "order.py").write_text(text)  # nanoGPT's dataset and our data_dir: the one stored last wins
+        assert train_settings([tmp_path / "order.py"])["data_dir"] == data
     later = tmp_path / "later.py"  # the last value a file gives a setting, however it gives it
     later.write_text("max_iters = 100\nglobals()['max_iters'] = 200\n")
     assert train_settings([later])["max_iters"] == 200

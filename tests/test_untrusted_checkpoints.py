@@ -313,7 +313,8 @@ def test_a_reader_of_the_weights_checks_their_parts_and_never_reads_the_moments(
                                          ("evaluated", 1), ("config", ["not", "a", "dict"]),
                                          ("rng", [{"cpu": "not a random state"}]), ("rng", "x"),
                                          ("optimizer", {"state": [], "param_groups": []}),
-                                         ("more_optimizers", {"no": "list"})])
+                                         ("more_optimizers", {"no": "list"}), ("world_size", 0), ("scaler", []),
+                                         ("data_fingerprint", {"train": 1}), ("pretrained", 3)])
 def test_a_damaged_value_in_a_checkpoint_is_named_before_it_is_used(runs, tmp_path, name, value):
     # a value of the wrong kind, as a hand edit or a damaged file leaves it: the resume names it in one line
     out = copy_run(runs, "files", tmp_path)
@@ -329,7 +330,7 @@ def test_a_damaged_value_in_a_checkpoint_is_named_before_it_is_used(runs, tmp_pa
 @pytest.mark.parametrize("part, name, value, says", [
     ("config", "dtype", "nonsense", None), ("config", "lora_base_dtype", "zzz", None),
     ("config", "block_size", "32", None), ("config", "eval_stride", "x", None), ("model_args", "family", "gpt2", None),
-    ("model_args", "lora_rank", "4", None),
+    ("model_args", "lora_rank", "4", None), ("config", "sequences", "bogus", None), ("config", "doc_mask", 1, None),
     ("model_args", "lora_rank", 4, "holds a LoRA run's adapters but not the base folder they go on (pretrained)")])
 def test_a_setting_the_readers_take_from_a_checkpoint_is_named_if_damaged(runs, tmp_path, part, name, value, says):
     # sample.py, eval.py and export.py read back the run's dtype, block_size, family...: a hand-edited one was a
