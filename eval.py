@@ -17,7 +17,6 @@ out_dir/eval_tasks.json (--output). Local task files (--include_path) work offli
 
 import argparse
 import json
-import math
 import os
 import sys
 from contextlib import nullcontext
@@ -29,6 +28,7 @@ from lib.data import Split, longest_example
 from lib.files import (UserError, check_meta_unchanged, check_token_files, one_line_errors, read_json, replaced_whole,
                        read_meta)
 from lib.hf import eos_ids, folder_splits_special, load_pretrained
+from lib.metrics import perplexity
 from lib.parallel import pick_device
 from lib.settings import EVALUATION, check_ranges
 from lib.start import check_fused_ops
@@ -206,4 +206,4 @@ if by_example:
 else:
     print(f"{windows} windows of {block_size} tokens overlapping by {stride}, {data_dir}/val.bin"
           + (", attending within documents (the run's doc_mask)" if doc_mask else ""))
-print(f"val loss {loss:.6f} perplexity {math.inf if loss >= 700 else math.exp(loss):.4f} over {count} tokens")
+print(f"val loss {loss:.6f} perplexity {perplexity(loss):.4f} over {count} tokens")

@@ -254,15 +254,15 @@ def stop_run():
     # A signal stops the run (every process calls it, agreed): this step saved, and one line for the run (a process
     # that got no signal itself: one of another's). The same command with --init_from=auto goes on from here. Where
     # no step was trained yet (a Ctrl-C while the run starts), nothing is saved: out_dir stays as it was.
-    by = preemption.by or "a signal to another process"
     if loop["iter_num"] == first_step:
         if master:
-            print(f"{by}: stopped before the run's first step; nothing saved, {out_dir} is as it was", flush=True)
+            print(f"{preemption.by}: stopped before the run's first step; nothing saved, {out_dir} is as it was",
+                  flush=True)
         return
     save_last(False)
     if master:
-        print(f"{by}: saved step {loop['iter_num']} in {out_dir} and stopped; the same command with --init_from=auto "
-              f"continues from it", flush=True)
+        print(f"{preemption.by}: saved step {loop['iter_num']} in {out_dir} and stopped; the same command with "
+              f"--init_from=auto continues from it", flush=True)
 
 
 def save_checkpoint(loop, improved, finished_epoch=None, rng=None):
@@ -303,8 +303,7 @@ def evaluate(step):
         model.reshard()
     if losses is None:  # stopped by a signal: the step is saved unevaluated; eval_only has no result (status 1)
         if eval_only:
-            raise UserError(f"{preemption.by or 'a signal to another process'} stopped the evaluation before its end; "
-                            f"eval_only wrote nothing")
+            raise UserError(f"{preemption.by} stopped the evaluation before its end; eval_only wrote nothing")
         stop_run()
         return True
     loop["evaluated"] = True

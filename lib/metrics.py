@@ -161,9 +161,14 @@ def cut_records(path, step):
     return elapsed, cut
 
 
+def perplexity(loss):
+    # e^loss; inf near a float's limit (e^710 overflows), NaN for NaN
+    return math.inf if loss >= 700 else math.exp(loss)
+
+
 def report_evaluation(log, master, step, losses, task_scores, epoch, lr):
     """Print, log an evaluation: losses {train, val, train_accuracy, val_accuracy}, task_scores {task/metric: value}."""
-    val_ppl = math.inf if losses["val"] >= 700 else math.exp(losses["val"])  # (near a float's limit: inf; NaN: NaN)
+    val_ppl = perplexity(losses["val"])
     if master:
         print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, val perplexity "
               f"{val_ppl:.2f}, val accuracy {losses['val_accuracy']:.1%}, epoch {epoch:.2f}")

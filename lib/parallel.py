@@ -335,7 +335,8 @@ class StopRequest:
     (every process agreeing on it). A second Ctrl-C stops at once."""
 
     def __init__(self):
-        self.requested, self.by = False, None  # by: the signal's name, for the line that says the run stopped
+        # by: the signal's name, for the line that says the run stopped (a process the signal did not reach: another's)
+        self.requested, self.by = False, "a signal to another process"
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self.request)
 
