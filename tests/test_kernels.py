@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels as K
 from helpers import TINY, new_python
@@ -52,11 +53,25 @@ def fwd_bwd(fn, inputs, seed=0):
     return out, [t.grad for t in leaves if t.requires_grad]
 
 
+class KernelsCalled(TorchDispatchMode):
+    # the names of kernels.py's custom ops that ran while it was on
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "kernels":
+            self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
 def check(op, ref, inputs, dtype):
-    # op in `dtype` against the reference in fp32 on the same (upcast) values
+    # op in `dtype` against the reference in fp32 on the same (upcast) values; op runs a kernel, not the reference
     cast = [t.to(dtype) if t.is_floating_point() and t.requires_grad else t for t in inputs]
     up = [t.float() if t.is_floating_point() and t.requires_grad else t for t in cast]
-    out, grads = fwd_bwd(op, cast)
+    with KernelsCalled() as called:
+        out, grads = fwd_bwd(op, cast)
+    assert called.names, "no kernel ran"
     out_ref, grads_ref = fwd_bwd(ref, up)
     assert out.dtype == ref(*cast).dtype
     assert rel_err(out, out_ref) <= TOL[dtype]
@@ -149,12 +164,13 @@ def test_train_py_with_the_kernels_refuses_an_edit_of_a_plain_op_they_fuse(data_
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(2, 19, 100), (3, 260)])
-def test_rms_norm(dtype, shape):
+@pytest.mark.parametrize("shape, eps", [((5, 17, 100), 1e-5), ((3, 260), 0.5)])
+def test_rms_norm(dtype, shape, eps):
+    # 85 rows of 100: more row blocks (16 rows) than the interpreter's 4 programs, so that each program sums its
+    # blocks' dw; an eps as large as the mean square, where one left out shows
     torch.manual_seed(0)
     weight = (1 + 0.1 * torch.randn(shape[-1], device=DEVICE)).requires_grad_()
-    check(lambda x, w: K.rms_norm(x, w, 1e-5), lambda x, w: K.rms_norm_ref(x, w, 1e-5),
-          [randn(*shape), weight], dtype)
+    check(lambda x, w: K.rms_norm(x, w, eps), lambda x, w: K.rms_norm_ref(x, w, eps), [randn(*shape), weight], dtype)
 
 
 @needs_triton
@@ -171,12 +187,15 @@ def test_rms_norm_mixed_dtypes():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("views", [True, False])
+@pytest.mark.parametrize("views", ["halves", "one half", "contiguous"])
 def test_swiglu(dtype, views):
     torch.manual_seed(0)
-    if views:  # the model's layout: gate and up are the two halves of one matmul's output
+    if views == "halves":  # the model's layout: gate and up are the two halves of one matmul's output
         check(lambda gu: K.swiglu(*gu.chunk(2, -1)), lambda gu: K.swiglu_ref(*gu.chunk(2, -1)),
               [randn(2, 19, 200)], dtype)
+    elif views == "one half":  # each takes its own row stride
+        check(lambda gu, u: K.swiglu(gu.chunk(2, -1)[0], u), lambda gu, u: K.swiglu_ref(gu.chunk(2, -1)[0], u),
+              [randn(2, 19, 200), randn(2, 19, 100)], dtype)
     else:  # contiguous, and wider than one block (1024) with a ragged tail
         check(K.swiglu, K.swiglu_ref, [randn(3, 1500), randn(3, 1500)], dtype)
 
@@ -230,6 +249,15 @@ def test_linear_cross_entropy(dtype, ignore, chunks, monkeypatch):
           [randn(N, C), 0.3 * randn(V, C, grad=False).requires_grad_(), _targets(N, V, ignore)], dtype)
 
 
+@needs_triton
+def test_linear_cross_entropy_passes_over_the_ignore_index_it_is_given():
+    # -100, PyTorch's default, in place of the model's -1
+    torch.manual_seed(0)
+    targets = _targets(41, 300, "some")
+    targets[targets == -1] = -100
+    check(lambda x, w, t: K.linear_cross_entropy(x, w, t, -100),
+          lambda x, w, t: K.linear_cross_entropy_ref(x, w, t, -100),
+          [randn(41, 24), 0.3 * randn(300, 24, grad=False).requires_grad_(), targets], torch.float32)
 @needs_triton
 def test_linear_cross_entropy_with_a_frozen_head_makes_no_weight_gradient(monkeypatch):
     # LoRA freezes the head: the op makes x's gradient only, with no V x C matmul or buffer

@@ -29,6 +29,8 @@ def test_causal_and_logits_shape():
     logits2, _ = model(changed)
     assert torch.equal(logits[:, :t], logits2[:, :t])  # nothing before t sees token t
     assert not torch.allclose(logits[:, t], logits2[:, t])  # but t itself does
+    for T in (1, 2, 3):  # the shortest sequences too
+        torch.testing.assert_close(model(idx[:, :T])[0], logits[:, :T])
 
 
 def test_loss_matches_logits_and_ignores_minus_one():
@@ -119,6 +121,21 @@ def test_generation_stops_at_the_first_of_its_stop_ids():
     assert model.generate(prompt, 12, temperature=0, stop=[absent]).shape == (1, 17)
 
 
+def test_generation_of_two_rows_stops_once_each_has_written_a_stop_id():
+    # the rows write theirs at different steps, and never both at one step: generation ends at the later row's
+    model = tiny()
+    prompt = torch.randint(0, 97, (2, 5))
+    torch.manual_seed(1)  # drawn (greedy, this tiny model writes one id over and over)
+    written = model.generate(prompt, 12)[:, 5:].tolist()
+
+    def first_stops(stop):  # the step at which each row first writes one of stop's ids
+        return [next((k for k, t in enumerate(row) if t in stop), None) for row in written]
+    stop = next([a, b] for a in written[0] for b in written[1] if None not in (firsts := first_stops({a, b}))
+                and firsts[0] != firsts[1] and not any(x in (a, b) and y in (a, b) for x, y in zip(*written)))
+    torch.manual_seed(1)
+    assert model.generate(prompt, 12, stop=stop).shape == (2, 5 + max(first_stops(stop)) + 1)
+
+
 def test_grouped_query_attention_shapes_and_params():
     gqa, mha = tiny(n_kv_head=1), tiny(n_kv_head=4)
     attn = gqa.blocks[0].attn  # 4 query heads, 1 key/value head, of 8
@@ -186,6 +203,8 @@ def test_filter_logits_top_p():
     assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7 needs the 0.3 as well
     kept = filter_logits(logits, top_k=1).isfinite()
     assert kept.tolist() == [[True, False, False, False]]
+    unsorted = torch.log(torch.tensor([[0.05, 0.3, 0.15, 0.5]]))  # kept by probability, not by place
+    assert filter_logits(unsorted, top_p=0.7).isfinite().tolist() == [[False, True, False, True]]
     # a set whose mass is top_p exactly reaches it, as transformers' TopPLogitsWarper has it: nothing more is kept
     halves = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))  # (sums exact in binary)
     assert filter_logits(halves, top_p=0.5).isfinite().tolist() == [[True, False, False, False]]
@@ -303,6 +322,14 @@ def test_generation_takes_no_doc_ids():
     model = tiny()
     with pytest.raises(ValueError, match="generation takes no doc_ids"):
         model(torch.zeros(1, 4, dtype=torch.long), cache=[[] for _ in model.blocks], doc_ids=torch.zeros(1, 4))
+
+
+def test_a_batch_whose_every_target_is_ignored_has_a_loss_of_zero():
+    # a conversation cut before its answers: nothing to score, 0 (not 0/0's NaN, which would end a run)
+    model = tiny()
+    idx, targets = torch.randint(0, 97, (2, 8)), torch.full((2, 8), -1)
+    assert model(idx, targets)[1].item() == 0.0
+    assert [value.item() for value in model.loss_and_accuracy(idx, targets)] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("chunk_elements", [97, 5 * 97, 2**24])  # one row, five rows, all rows per chunk
@@ -486,6 +513,32 @@ def test_generation_of_a_doc_mask_run_sees_only_its_document():
             idx = torch.cat([idx, torch.multinomial(torch.softmax(logits[:, -1] / 0.3, dim=-1), 1)], dim=1)
     assert (idx[0, 8:] == eot).sum() >= 2  # new documents begun while sampling, not only in the prompt
     assert torch.equal(cached, idx)
+    seen = []  # the first step reads the prompt's last document alone
+    model.register_forward_pre_hook(lambda module, args: seen.append(args[0].tolist()))
+    model.generate(prompt, 1, document=eot)
+    assert seen == [[[eot, 2]]]
+
+
+def test_attention_within_documents_drops_as_asked():
+    # doc_mask's boolean mask: its attention dropout as the causal path's, not left out
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 4) for _ in range(3))
+    mask = document_mask(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]), flex=False)
+    assert not torch.allclose(M.attention(q, k, v, mask, 0.5, True), M.attention(q, k, v, mask, 0.0, True))
+
+
+def test_shapes_and_calls_the_model_cannot_take_are_refused_in_a_line():
+    with pytest.raises(ValueError, match="head size 3 must be even"):
+        GPTConfig(n_embd=12, n_head=4)
+    model = tiny()
+    cache = [[] for _ in model.blocks]
+    model(torch.zeros(1, 32, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="sequence of 33 tokens is longer than block_size=32"):
+        model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="generation takes no doc_ids"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=[[] for _ in model.blocks], mask=torch.ones(1, 1, 2, 2) > 0)
+    with pytest.raises(ValueError, match="takes one row"):
+        model.generate(torch.zeros(2, 3, dtype=torch.long), 1, document=3)
 
 
 def test_a_model_in_eval_mode_drops_nothing_and_its_residual_projections_start_smaller():

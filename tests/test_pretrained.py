@@ -50,8 +50,9 @@ FAMILIES = {
     # Qwen2 has biases on q, k and v; its small sizes (Qwen2.5-0.5B) tie the embeddings
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rms_norm_eps=1e-6,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-    # Qwen3 normalises q and k per head, and its head_dim (32) is not hidden_size / heads (16)
-    "qwen3": ("Qwen3Config", dict(head_dim=32, rms_norm_eps=1e-6,
+    # Qwen3 normalises q and k per head, and its head_dim (32) is not hidden_size / heads (16); an eps near the
+    # hidden states' mean square, where each norm that left it out would show
+    "qwen3": ("Qwen3Config", dict(head_dim=32, rms_norm_eps=0.5,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }
 MODEL_TYPES = {"LlamaConfig": "llama", "MistralConfig": "mistral", "Qwen2Config": "qwen2",
