@@ -59,6 +59,24 @@ def test_weights_grads_and_optimizer_state_are_the_real_tensors_bytes(kind):
     assert {k: estimate[k] for k in real} == real
 
 
+def test_a_bfloat16_models_gradients_and_state_are_its_own_dtypes_bytes():
+    # a model fine-tuned in bf16 whole: its gradients are bf16 too, half of float32's
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SHAPE)).to(torch.bfloat16)
+    real = one_step(model, "adamw")
+    estimate = memory_estimate(model, 2, 16, "bfloat16", "adamw")
+    assert {k: estimate[k] for k in real} == real
+
+
+def test_fsdp_gathers_the_root_and_one_block_with_its_gradients_in_the_compute_dtype():
+    # each process of FSDP holds, whole, the embedding and head all step and one block and its gradients at a time
+    model = GPT(GPTConfig(**SHAPE))
+    root = sum(p.numel() for n, p in model.named_parameters() if "blocks." not in n)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        assert memory_estimate(model, 2, 16, dtype, dp=2, fsdp=True)["copies"] == (root + 2 * block) * size
+
+
 def test_an_optimizer_memory_py_does_not_know_is_estimated_as_its_real_state(monkeypatch):
     # A new optimizer is a function in lib/optim.py alone: Adafactor keeps a factored second moment (a row and
     # a column for each matrix, shaped unlike it) and a step, which memory.py, naming no optimizer, counts as a
@@ -637,6 +655,29 @@ def test_a_cpus_memory_is_shared_by_the_nodes_processes(monkeypatch):
     assert micro_batch.available_memory("cpu") == 1_000_000 * 1024 + 10**8  # its own resident memory its own
 
 
+def test_the_memory_a_cuda_process_may_hold_counts_what_its_allocator_holds(monkeypatch):
+    # free memory leaves out what this process's allocator reserved already: the weights on the GPU among it
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**9, 2 * 10**9))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 10**8)
+    assert micro_batch.available_memory("cuda") == 13 * 10**8
+
+
+def test_a_cpu_processs_measured_peak_is_its_high_water_mark(monkeypatch):
+    monkeypatch.setattr(memory, "proc_kib", lambda field, path=None: {"VmHWM": 2048}[field])
+    assert memory.measured_mb("cpu") == 2.0
+
+
+def test_a_resume_whose_micro_batch_does_not_divide_its_share_chooses_anew():
+    # a kept micro-batch of 3 for 8 sequences would leave 2 out of every update: one dividing 8 is chosen
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    layout = dict(dp=1, tp=1, fsdp=False, checkpointing=False, offload=False)
+    resumed = {"config": {"batch_size_auto": True, "batch_size": 3, "memory_budget": 4.0}, "world_size": 1,
+               "memory_device": micro_batch.device_name("cpu")}
+    b, note = micro_batch.auto_micro_batch(model, 8, 16, 4.0, layout, resumed, contextlib.nullcontext(),
+                                           dtype="float32", optimizer="adamw", quantized=None, device="cpu")
+    assert b == 8 and "chosen anew: the run began with micro-batch 3" in note, note
+
+
 def test_an_int8_base_keeps_its_dequantized_weights_for_the_backward():
     # torchao's int8 linear dequantizes its weight at each use and autograd keeps that fp32 copy for the input's
     # gradient (nf4's own op keeps the nf4 weight): planned before quantizing and estimated after, what is saved
@@ -685,6 +726,7 @@ def test_ddp_keeps_its_gradients_twice_and_checkpointing_one_blocks_weight_copie
     model = GPT(GPTConfig(**SHAPE))
     one, ddp = (memory_estimate(model, 2, 16, "float32", dp=dp) for dp in (1, 2))
     assert ddp["grads"] == 2 * one["grads"] > 0
+    assert ddp["device"] - one["device"] == one["grads"]  # its buckets, kept at the loss from the step before
     kept, recomputed = (memory_estimate(model, 2, 16, "bfloat16", checkpointing=c) for c in (False, True))
     block_copies = memory.traced_forward(model, 2, 16, "bfloat16").block_copies
     assert kept["copies"] - recomputed["copies"] == (model.config.n_layer - 1) * block_copies > 0
