@@ -57,6 +57,9 @@ def value(reader, key):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_every_tensor_is_the_models_in_llama_cpps_layout(bpe_run, tmp_path, dtype):
     reader = exported(bpe_run, tmp_path, f"--dtype={dtype}")
+    file_types = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
+                  "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}
+    assert value(reader, "general.file_type") == file_types[dtype]  # what llama.cpp says the file holds
     model = run_model(bpe_run)
     config, params = model.config, dict(model.named_parameters())
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.n_layer)
@@ -112,6 +115,7 @@ def test_metadata_and_tokenizer(bpe_run, tmp_path):
     assert value(reader, "tokenizer.ggml.eos_token_id") == tokenizer.eot_id
     assert "tokenizer.ggml.bos_token_id" not in reader.fields  # our documents have no start token
     assert value(reader, "tokenizer.ggml.add_bos_token") is False
+    assert value(reader, "tokenizer.ggml.add_eos_token") is False  # (else llama.cpp ends every prompt with one)
     assert "tokenizer.chat_template" not in reader.fields
     # every token's text is its bytes, spelled as byte-level BPE files spell them; the padding is unused
     tokens, types = value(reader, "tokenizer.ggml.tokens"), value(reader, "tokenizer.ggml.token_type")
@@ -363,9 +367,14 @@ def test_a_gpt2_style_tokenizer_json_is_named_gpt2():
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     hf.train_from_iterator(["hello world, hello there"] * 50, trainer)
+    hf.add_tokens(["<think>"])  # an added token that is not special, as Qwen3's: matched whole in text
     tokens, types, merges, pre = vocabulary(hf_tokenizer("gpt2-style", hf.to_str()), 320, gguf)
     assert pre == "gpt-2" and tokens[0] == "<|endoftext|>" and types[0] == gguf.TokenType.CONTROL
-    assert len(merges) == hf.get_vocab_size() - 257  # one per token past the 256 bytes and <|endoftext|>
+    think = hf.token_to_id("<think>")
+    assert tokens[think] == "<think>" and types[think] == gguf.TokenType.USER_DEFINED
+    assert len(merges) == hf.get_vocab_size() - 258  # one per token past the 256 bytes, <|endoftext|> and <think>
+    vocab = hf.get_vocab()  # each merge is two tokens, a space between them, that make a third
+    assert all(len(parts := merge.split(" ")) == 2 and {*parts, "".join(parts)} <= vocab.keys() for merge in merges)
 
 
 # -----------------------------------------------------------------------------

@@ -269,3 +269,14 @@ def test_a_tokenizer_saved_with_truncation_or_padding_cuts_and_pads_nothing(tmp_
     assert len(ids) > 64 and ours.encode(text) == ids and ours.encode_chat(text, [])[0].tolist() == ids
     exported = HFTokenizer.from_str(tokenizer_json.hf_tokenizer_files(ours)[0]["tokenizer.json"])
     assert exported.encode(text, add_special_tokens=False).ids == ids
+
+
+def test_what_the_tokenizer_json_writer_cannot_keep_is_refused_in_a_line():
+    # a special token that is one of the vocabulary's, or an id it has; a group repeated possessively, which
+    # Oniguruma's rewrite does not handle
+    from lib.files import UserError
+    ranks = {bytes([b]): b for b in range(256)}
+    with pytest.raises(UserError, match="a special token repeats a token or an id of the vocabulary"):
+        tokenizer_json.bytelevel_tokenizer_json(ranks, r"\s+|.", {"<|endoftext|>": 0})
+    with pytest.raises(UserError, match="repeats a group possessively"):
+        tokenizer_json.onig_pattern(r"(?:ab){1,3}+")
