@@ -343,6 +343,11 @@ def test_a_continuation_that_cannot_be_scored_is_one_line():
     # an empty context to generate from begins with the prefix token, as an empty one to score does
     written = [i for i in lm.greedy([lm.prefix_token_id], 4, []) if i not in lm.eos_ids]
     assert lm.generate_until([Request("", {"until": ["@"], "max_gen_toks": 4})]) == [tokenizer.decode(written)]
+    # a task that samples, or generates a block's worth, is one line
+    with pytest.raises(UserError, match="^this model generates greedily only"):
+        lm.generate_until([Request("an", {"until": ["@"], "do_sample": True, "temperature": 0.8})])
+    with pytest.raises(UserError, match="up to 8 tokens, at least the model's block_size=8"):
+        lm.generate_until([Request("an", {"until": ["@"], "max_gen_toks": 8})])
 
 
 class Request:  # what lm_eval passes a model: its args
