@@ -343,6 +343,19 @@ def test_a_continuation_that_cannot_be_scored_is_one_line():
     # an empty context to generate from begins with the prefix token, as an empty one to score does
     written = [i for i in lm.greedy([lm.prefix_token_id], 4, []) if i not in lm.eos_ids]
     assert lm.generate_until([Request("", {"until": ["@"], "max_gen_toks": 4})]) == [tokenizer.decode(written)]
+    # a model whose every next token is 'a': what it writes is cut before the first stop string, and a continuation
+    # is greedy where it is what greedy would write
+
+    class Always(torch.nn.Module):
+        blocks, config = [], GPTConfig(vocab_size=64, block_size=8)
+
+        def forward(self, x, cache=None):
+            return torch.nn.functional.one_hot(torch.full(x.shape, tokenizer.encode("a")[0]), 64).float(), None
+    always = harness.Model(Always(), tokenizer)
+    assert always.generate_until([Request("an", {"until": ["ap", "aa"], "max_gen_toks": 4})]) == [""]
+    assert always.generate_until([Request("an", {"until": ["@"], "max_gen_toks": 3})]) == ["aaa"]
+    assert [greedy for _, greedy in always.loglikelihood([Request("an", " aa"), Request("an", "aa"),
+                                                          Request("an", "ap")])] == [False, True, False]
     # a task that samples, or generates a block's worth, is one line
     with pytest.raises(UserError, match="^this model generates greedily only"):
         lm.generate_until([Request("an", {"until": ["@"], "do_sample": True, "temperature": 0.8})])
