@@ -25,6 +25,18 @@ def test_a_val_loss_past_a_floats_range_has_an_infinite_perplexity(capsys):
     assert "val loss 800.0000, val perplexity inf" in capsys.readouterr().out and logged[0]["val_ppl"] == math.inf
 
 
+def test_the_time_a_step_takes_leaves_out_the_pauses(monkeypatch):
+    from lib import metrics
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "time", lambda: now[0])
+    speed = metrics.Speedometer()
+    for _ in range(4):
+        speed.step(keys=16)
+    speed.pause(2.0)  # an evaluation
+    now[0] += 10.0
+    assert speed.seconds_per_step() == 2.0 and speed.keys == 64
+
+
 def test_evaluations_left_counts_every_interval_and_the_end():
     # the evaluation of the step reached is still to come: the loop evaluates a step before it updates it
     assert evaluations_left(20, 100, 50) == 2  # 50, 100

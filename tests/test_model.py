@@ -351,13 +351,18 @@ def test_loss_and_accuracy_match_the_full_logits(chunk_elements):
 @pytest.mark.parametrize("kind", ["adamw", "adam", "sgd", "muon"])
 def test_optimizers_cover_every_parameter_once(kind):
     model = tiny()
-    optimizers = build_optimizers(model, {**defaults(), "optimizer": kind,
-                                  "learning_rate": 1e-3, "weight_decay": 0.1}, "cpu")
+    optimizers = build_optimizers(model, {**defaults(), "optimizer": kind, "learning_rate": 1e-3,
+                                  "weight_decay": 0.1, "beta1": 0.8, "beta2": 0.95, "muon_momentum": 0.85}, "cpu")
     params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     assert len(params) == len({id(p) for p in params}) and sum(p.numel() for p in params) == model.num_params()
+    kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD, "muon": torch.optim.AdamW}
+    assert type(optimizers[0]) is kinds[kind]  # (Adam adds its decay to the gradient, AdamW decays the weights)
+    if kind != "sgd":
+        assert optimizers[0].param_groups[0]["betas"] == (0.8, 0.95)
     if kind == "muon":
         adamw, muon = optimizers
         assert isinstance(muon, torch.optim.Muon) and muon.param_groups[0]["lr"] == 0.02
+        assert (muon.param_groups[0]["weight_decay"], muon.param_groups[0]["momentum"]) == (0.1, 0.85)
         names = {id(p): n for n, p in model.named_parameters()}
         assert {names[id(p)].split(".")[-2] for p in muon.param_groups[0]["params"]} == {"q", "k", "v", "proj",
                                                                                          "gate", "up", "down"}

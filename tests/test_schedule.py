@@ -120,6 +120,16 @@ def test_every_optimizer_gets_the_factor_of_its_own_peak():
     optimizers = [torch.optim.AdamW(weights, lr=1.0), torch.optim.SGD(weights, lr=1.0)]
     set_lr(optimizers, [1e-2, 0.05], 0.5)
     assert [opt.param_groups[0]["lr"] for opt in optimizers] == [1e-2 * 0.5, 0.05 * 0.5]
+    # each group of an optimizer (the decayed matrices, the vectors that are not)
+    groups = torch.optim.AdamW([{"params": weights}, {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=1.0)
+    set_lr([groups], [1e-2], 0.25)
+    assert [group["lr"] for group in groups.param_groups] == [1e-2 * 0.25] * 2
+
+
+@pytest.mark.parametrize("settings", [dict(min_lr=1e-3), dict(min_lr=1e-2, decay_lr=False),
+                                      dict(min_lr=1e-2, lr_schedule="constant")])
+def test_a_floor_at_the_peak_or_one_no_schedule_reaches_is_taken(settings):
+    check_optimizer({**defaults(), "learning_rate": 1e-3, **settings})  # (the floor above the peak is refused)
 
 
 def test_the_loop_logs_and_applies_the_schedule(data_dir, tmp_path):
