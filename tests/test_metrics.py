@@ -37,6 +37,27 @@ def test_the_time_a_step_takes_leaves_out_the_pauses(monkeypatch):
     assert speed.seconds_per_step() == 2.0 and speed.keys == 64
 
 
+def test_an_evaluation_is_printed_and_logged_under_its_own_names(capsys):
+    from lib.metrics import report_evaluation
+    logged = []
+    losses = {"train": 1.5, "val": 2.0, "train_accuracy": 0.2, "val_accuracy": 0.7}
+    report_evaluation(logged.append, True, 10, losses, {"task/acc": 0.25}, 0.5, 1e-3)
+    assert logged == [{"iter": 10, "loss": 1.5, "val_loss": 2.0, "val_ppl": math.exp(2.0), "accuracy": 0.2,
+                       "val_accuracy": 0.7, "lr": 1e-3, "epoch": 0.5, "task/acc": 0.25}]
+    assert capsys.readouterr().out == ("step 10: train loss 1.5000, val loss 2.0000, val perplexity 7.39, val accuracy "
+                                       "70.0%, epoch 0.50\nstep 10: task/acc 0.2500\n")
+
+
+def test_mfu_counts_every_query_against_block_size_keys_and_the_keys_it_met():
+    from lib.metrics import utilization
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    mfu, mfu_run, note = utilization(model, 32, 16.5, 1000.0, 1e9)
+    assert (mfu, mfu_run) == (model.flops_per_token(32) * 1000 / 1e9, model.flops_per_token(32, 16.5) * 1000 / 1e9)
+    assert mfu > mfu_run and note == f"{mfu:.1%} PaLM, {mfu_run:.1%} run"
+    assert utilization(model, 32, 16.5, 1000.0, None) == (None, None, "n/a")
+
+
 def test_evaluations_left_counts_every_interval_and_the_end():
     # the evaluation of the step reached is still to come: the loop evaluates a step before it updates it
     assert evaluations_left(20, 100, 50) == 2  # 50, 100
@@ -108,8 +129,8 @@ def test_a_run_without_end_gives_the_time_left_and_no_finish_time():
 
 
 def test_duration_reads_as_a_person_would():
-    assert [duration(s) for s in (0, 45.4, 59.6, 725, 3599.6, 7380, 86399, 86400 + 4 * 3600 + 59)] == \
-        ["0s", "45s", "1m00s", "12m05s", "1h00m", "2h03m", "23h59m", "1d04h"]
+    assert [duration(s) for s in (0, 45.4, 59.6, 725, 3599.6, 7380, 86399, 86400, 86400 + 4 * 3600 + 59)] == \
+        ["0s", "45s", "1m00s", "12m05s", "1h00m", "2h03m", "23h59m", "1d00h", "1d04h"]
 
 
 def test_finish_time_on_the_local_clock():
