@@ -77,6 +77,13 @@ def test_fsdp_gathers_the_root_and_one_block_with_its_gradients_in_the_compute_d
         assert memory_estimate(model, 2, 16, dtype, dp=2, fsdp=True)["copies"] == (root + 2 * block) * size
 
 
+def test_offload_keeps_the_shards_weights_gradients_and_state_on_the_host():
+    model = GPT(GPTConfig(**SHAPE))
+    kept, offloaded = (memory_estimate(model, 2, 16, "bfloat16", dp=2, fsdp=True, offload=o) for o in (False, True))
+    assert kept["host"] == 0 and offloaded["host"] == kept["weights"] + kept["grads"] + kept["optimizer"] > 0
+    assert kept["device"] - offloaded["device"] >= kept["weights"] + kept["optimizer"]
+
+
 def test_an_optimizer_memory_py_does_not_know_is_estimated_as_its_real_state(monkeypatch):
     # A new optimizer is a function in lib/optim.py alone: Adafactor keeps a factored second moment (a row and
     # a column for each matrix, shaped unlike it) and a step, which memory.py, naming no optimizer, counts as a

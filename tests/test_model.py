@@ -332,6 +332,16 @@ def test_a_batch_whose_every_target_is_ignored_has_a_loss_of_zero():
     assert [value.item() for value in model.loss_and_accuracy(idx, targets)] == [0.0, 0.0]
 
 
+def test_accuracy_counts_the_last_id_of_the_vocabulary():
+    model = tiny()
+    with torch.no_grad():
+        model.lm_head.weight[96] *= 50  # the likeliest wherever its logit is above 0
+    idx = torch.randint(0, 97, (3, 16))
+    logits, _ = model(idx)
+    right = (logits.argmax(-1) == 96).float().mean().item()
+    assert right > 0 and model.loss_and_accuracy(idx, torch.full((3, 16), 96))[1].item() == right
+
+
 @pytest.mark.parametrize("chunk_elements", [97, 5 * 97, 2**24])  # one row, five rows, all rows per chunk
 def test_loss_and_accuracy_match_the_full_logits(chunk_elements):
     model = tiny()
