@@ -57,6 +57,31 @@ def deadline(seconds):
         signal.signal(signal.SIGALRM, old)
 
 
+@contextmanager
+def released(fifo, seconds=5):
+    # A FIFO's open for reading waits for a writer, inside code that no signal interrupts and that may hold the GIL
+    # (safetensors' Rust, torch's C++): after seconds another process opens it for writing and closes it, again and
+    # again, so that code missing its check reads an empty file and the test fails on what it raises, not hangs.
+    writer = subprocess.Popen([sys.executable, "-c", RELEASE, str(fifo), str(seconds)])
+    try:
+        with deadline(seconds + 15):
+            yield
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+RELEASE = """import os, sys, time
+time.sleep(float(sys.argv[2]))
+while True:
+    try:
+        os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while no reader waits
+    except OSError:
+        pass
+    time.sleep(0.05)
+"""
+
+
 def built_on_meta_only(monkeypatch, module):
     # A model of the lying sizes would take memory (or, of 10**9 blocks, time) without bound: it may only be
     # built on the meta device, as many blocks as the weights hold, to compare its shapes with theirs.
@@ -142,7 +167,7 @@ def test_a_shard_index_names_only_regular_files_inside_the_folder(folder, tmp_pa
     os.symlink(tmp_path / "other" / "model.safetensors", folder / "link.safetensors")
     os.mkfifo(folder / "fifo.safetensors")
     write_index(folder, shard)
-    with pytest.raises(ValueError, match=says):  # before any is opened: a FIFO's open would wait forever
+    with released(folder / "fifo.safetensors"), pytest.raises(ValueError, match=says):  # before any is opened
         hf.safetensors_files(folder)
 
 
@@ -459,7 +484,7 @@ def test_the_tokenizer_file_is_a_regular_file_in_the_datasets_folder(tmp_path, n
     dataset = char_dataset(tmp_path)
     os.mkfifo(dataset / "fifo.json")
     name_tokenizer_file(dataset, name)
-    with deadline(5), pytest.raises(ValueError, match=says):
+    with released(dataset / "fifo.json"), pytest.raises(ValueError, match=says):
         load_tokenizer(dataset)
 
 
@@ -723,7 +748,8 @@ def test_an_export_carries_only_regular_json_files_of_the_base(tmp_path, victim,
         os.mkfifo(base / "generation_config.json")
     else:
         (base / "generation_config.json").write_text("-----BEGIN PRIVATE KEY-----")
-    with pytest.raises(UserError, match="outside|not a regular file|not the JSON object"):
+    with released(base / "generation_config.json"), \
+            pytest.raises(UserError, match="outside|not a regular file|not the JSON object"):
         export.carry(base, "generation_config.json", folder)
     assert not (folder / "generation_config.json").exists()
 
@@ -732,13 +758,13 @@ def test_an_export_carries_only_regular_json_files_of_the_base(tmp_path, victim,
 def test_a_fifo_in_a_model_folder_is_one_line_not_a_hang(folder, name):
     os.remove(folder / name)
     os.mkfifo(folder / name)  # opening it for reading would wait for a writer forever
-    with pytest.raises(UserError, match="is not a regular file"):
+    with released(folder / name), pytest.raises(UserError, match="is not a regular file"):
         hf.load_pretrained(folder)
 
 
 def test_a_fifo_as_a_checkpoint_is_one_line_not_a_hang(tmp_path):
     os.mkfifo(tmp_path / "ckpt.pt")
-    with deadline(20), pytest.raises(UserError, match="is not a regular file"):
+    with released(tmp_path / "ckpt.pt"), pytest.raises(UserError, match="is not a regular file"):
         resume.load_checkpoint(str(tmp_path / "ckpt.pt"))
 
 
