@@ -392,8 +392,8 @@ def document_mask(doc_ids, flex=False):
 
 
 def filter_logits(logits, top_k=None, top_p=None):
-    # logits: (B, V). Keep the top_k largest and the smallest set whose probability reaches top_p.
-    if top_k is not None:
+    # logits: (B, V). Keep the top_k largest (0 or None: all) and the smallest set whose probability reaches top_p.
+    if top_k:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
     if top_p is not None and top_p < 1.0:

@@ -102,7 +102,7 @@ except ValueError as e:
 folder = args.model or chat_folder(checkpoint, tokenizer)  # where the chat template is
 model.eval().to(device)
 autocast = nullcontext() if dtype == "float32" else torch.autocast(device.split(":")[0], dtype=getattr(torch, dtype))
-sampling = dict(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 vocab=min(tokenizer.vocab_size, model.config.vocab_size))
 # it attended within documents: end-of-text begins one (as eval.py); on conversations (masks) only the one that ends
 # an example did, which a generation cannot tell from one that ends a turn: none does

@@ -210,6 +210,7 @@ def test_filter_logits_top_p():
     assert filter_logits(halves, top_p=0.5).isfinite().tolist() == [[True, False, False, False]]
     assert filter_logits(halves, top_p=0.75).isfinite().tolist() == [[True, True, False, False]]
     assert filter_logits(halves, top_p=0.0).isfinite().tolist() == [[True, False, False, False]]  # the likeliest
+    assert torch.equal(filter_logits(logits, top_k=0), logits)  # 0 keeps all, as sample.py's --top_k=0 says
 
 
 def test_sequence_longer_than_block_is_refused():
