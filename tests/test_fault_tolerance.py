@@ -324,6 +324,7 @@ def test_a_signal_to_one_process_during_an_evaluation_stops_every_process_there(
     assert (saved["iter_num"], saved["evaluated"]) == (2, False)
 
 
+@pytest.mark.slow  # two torchruns
 @pytest.mark.kills
 def test_sigterm_to_one_nodes_lib_launch_ends_the_other_node_too(data_dir, tmp_path):
     # one node's torchrun stopped alone (SIGTERM to it, which passes it on): every worker saves and stops, and the

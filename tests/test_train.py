@@ -125,6 +125,7 @@ def test_accumulation_steps_must_divide_among_processes(data_dir, tmp_path):
     assert "gradient_accumulation_steps=3 must be a multiple of the 2 data-parallel replicas" in out.stderr
 
 
+@pytest.mark.slow  # two torchruns
 @pytest.mark.parametrize("differs", ["learning_rate", "data"])
 def test_nodes_started_with_different_settings_stop_at_start_in_one_line(data_dir, tmp_path, differs):
     # two nodes (two torchruns on this machine, as test_fault_tolerance's two-node run) whose commands differ in one
