@@ -65,15 +65,26 @@ def find_checkpoint(path):
 
 
 def recover_first_save(out_dir):
-    """A run's first save killed after its copies (ckpt_best, ckpt_epoch_N, ckpt_NNNNNNN), before its tmp took the
-    name ckpt, left them beside the tmp and no ckpt: the copies were made from the finished tmp, which takes the name
-    now, so that the run resumes from it. The master calls it at start, out_dir locked."""
+    """A run's first save killed among its copies (ckpt_best, ckpt_epoch_N, ckpt_NNNNNNN), before its tmp took the
+    name ckpt, left one or more beside the tmp and no ckpt: the copies were made from the finished tmp, which makes
+    those it had not made yet (the names it keeps) and takes the name now, so that the run resumes from it. The master
+    calls it at start, out_dir locked."""
     names = os.listdir(out_dir)
     if any(re.fullmatch(COPIES, name) for name in names) and not find_checkpoint(os.path.join(out_dir, "ckpt.pt")):
         if "ckpt.pt.tmp" in names:
-            durable_replace(os.path.join(out_dir, "ckpt.pt.tmp"), os.path.join(out_dir, "ckpt.pt"))
+            tmp, rename = os.path.join(out_dir, "ckpt.pt.tmp"), durable_replace
         elif os.path.isfile(os.path.join(out_dir, "ckpt.tmp", "state.pt")):  # (state.pt: a folder's last file)
-            publish(os.path.join(out_dir, "ckpt.tmp"), os.path.join(out_dir, "ckpt"))
+            tmp, rename = os.path.join(out_dir, "ckpt.tmp"), publish
+        else:
+            return
+        from lib.resume import load_checkpoint
+        state = load_checkpoint(tmp, mmap=True, weights=False, verify=False)
+        copies = state.get("copies") if isinstance(state, dict) else None
+        for name in copies if isinstance(copies, list) else []:
+            if isinstance(name, str) and re.fullmatch(COPIES, name) and name not in names:  # (a name, not a path)
+                retire(os.path.join(out_dir, name + ".tmp"))
+                copy_checkpoint(tmp, os.path.join(out_dir, name))
+        rename(tmp, tmp.removesuffix(".tmp"))
 
 
 def latest(out_dir, sharded=False):
@@ -344,6 +355,11 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
         swept = said[0]
     if swept:
         raise swept
+    # the copies this save makes, kept in it: a first save killed part way through them has the rest made at the next
+    # start (recover_first_save)
+    wanted = {"ckpt_best": improved, f"ckpt_epoch_{finished_epoch}": finished_epoch is not None,
+              f"ckpt_{state['iter_num']:07d}": keep_last_n > 0}
+    state["copies"] = [name + suffix for name, on in wanted.items() if on]
     if sharded:
         # the optimizers' settings (plain values) go into state.pt; dcp.save returns on the master once all wrote theirs
         model_state, optim_state = sharded_state(model, optimizers, lora)
@@ -363,10 +379,8 @@ def write_checkpoint(out_dir, state, model, optimizers, sharded, lora, improved,
         write_file(state, tmp)
     # The copies are made from the finished tmp, which takes the name ckpt last: a save that dies or fills the disk
     # on the way leaves the ckpt before it, whose resume saves this step again, copies and all
-    copies = {"ckpt_best": improved, f"ckpt_epoch_{finished_epoch}": finished_epoch is not None,
-              f"ckpt_{state['iter_num']:07d}": keep_last_n > 0}
-    for name in [name for name, wanted in copies.items() if wanted]:
-        copy_checkpoint(tmp, os.path.join(out_dir, name + suffix))
+    for name in state["copies"]:
+        copy_checkpoint(tmp, os.path.join(out_dir, name))
     (publish if sharded else durable_replace)(tmp, latest)
     if keep_last_n > 0:
         rotate_step_copies(out_dir, state["iter_num"], keep_last_n)

@@ -741,22 +741,22 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes_once_there_is_room(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["killed", "disk full"])
+@pytest.mark.parametrize("how", ["killed", "killed among its copies", "disk full"])
 def test_a_first_save_that_dies_after_its_copies_leaves_a_run_that_resumes(data_dir, tmp_path, how):
     # The run's first save (step 3) makes its copies (ckpt_best, ckpt_0000003) from its finished tmp, then dies as the
-    # tmp takes the name ckpt.pt: killed there, the copies are that checkpoint and the next start makes ckpt.pt of
-    # one (the run resumes at step 3); failing there (a full disk), it removes the copies with the tmp (the run
-    # begins again). Either way --init_from=auto (torchrun's restarts) ends as the uninterrupted run, where it used
-    # to be refused for an out_dir holding a run already
-    args = [*COMMON, f"--data_dir={data_dir}", "--max_iters=9", "--keep_last_n=2"]
+    # tmp takes the name ckpt.pt: killed there (or between its two copies), the copies are that checkpoint and the
+    # next start makes ckpt.pt of one, and the copies not made yet (the run resumes at step 3, whose save is not made
+    # again); failing there (a full disk), it removes the copies with the tmp (the run begins again). Either way
+    # --init_from=auto (torchrun's restarts) ends as the uninterrupted run, every copy of it there and the same
+    args = [*COMMON, f"--data_dir={data_dir}", "--max_iters=9", "--keep_last_n=3"]
     run(*args, f"--out_dir={tmp_path / 'whole'}")
-    dies = tmp_path / "dies.py"
+    dies, at = tmp_path / "dies.py", "/ckpt_0000003.pt" if how == "killed among its copies" else "/ckpt.pt"
     dies.write_text("import errno as _errno, os as _os\n"
                     "_replace = _os.replace\n"
                     "def _dies(src, dst, *a, **k):\n"
-                    "    if str(dst).endswith('/ckpt.pt'):\n"
-                    + ("        _os._exit(9)\n" if how == "killed" else
-                       "        raise OSError(_errno.ENOSPC, 'No space left on device')\n") +
+                    f"    if str(dst).endswith({at!r}):\n"
+                    + ("        raise OSError(_errno.ENOSPC, 'No space left on device')\n" if how == "disk full" else
+                       "        _os._exit(9)\n") +
                     "    return _replace(src, dst, *a, **k)\n"
                     "_os.replace = _dies\n")
     out = tmp_path / "out"
@@ -764,13 +764,17 @@ def test_a_first_save_that_dies_after_its_copies_leaves_a_run_that_resumes(data_
     left = sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt"))
     if how == "killed":
         assert done.returncode == 9 and left == ["ckpt.pt.tmp", "ckpt_0000003.pt", "ckpt_best.pt"]
+    elif how == "killed among its copies":
+        assert done.returncode == 9 and left == ["ckpt.pt.tmp", "ckpt_0000003.pt.tmp", "ckpt_best.pt"]
     else:
         assert done.returncode == 1 and left == [] and "no earlier checkpoint was written" in done.stderr
     resumed = run(*args, f"--out_dir={out}", "--init_from=auto")
-    assert ("resuming" in resumed.stdout) == (how == "killed")
+    assert ("resuming" in resumed.stdout) == (how != "disk full")
     assert losses(tmp_path / "whole") == losses(out)
-    assert_same_weights(weights(tmp_path / "whole"), weights(out))
-    assert_same_weights(weights(tmp_path / "whole", "ckpt_best.pt"), weights(out, "ckpt_best.pt"))
+    names = sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt"))
+    assert names == sorted(p.name for p in (tmp_path / "whole").iterdir() if p.name.startswith("ckpt"))
+    for name in names:
+        assert_same_weights(weights(tmp_path / "whole", name), weights(out, name))
 
 
 def test_a_run_that_ended_off_the_evaluation_interval_says_so_when_it_goes_on(data_dir, tmp_path):
