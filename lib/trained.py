@@ -6,6 +6,7 @@ tokenizer of the data it was trained on, and the folder whose chat template it c
     model, tokenizer, checkpoint = load_run("out/ckpt.pt")     # or out/ckpt_best.pt, or a sharded out/ckpt
 """
 
+import json
 import os
 
 from lib.checkpoint import find_checkpoint
@@ -14,6 +15,7 @@ from lib.hf import eos_ids, folder_splits_special, load_pretrained, special_ids
 from lib.resume import load_checked, model_from_checkpoint
 from lib.start import check_fused_ops, frozen_dtype, quantized_kind
 from lib.tokenizer import bases_tokenizer, check_tokenizer, load_tokenizer, make_tokenizer
+from lib.tokenizer_json import hf_tokenizer_files
 
 
 def load_model(path, data_dir=None, base=True, device="cpu"):
@@ -42,13 +44,30 @@ def load_model(path, data_dir=None, base=True, device="cpu"):
                          f"(restore it, or pass --data_dir)")
     # the data's tokenizer must be the run's (without a fingerprint, check_run_tokenizer compares the texts)
     trained_with = checkpoint.get("tokenizer_fingerprint")
-    if trained_with and tokenizer_fingerprint(found, read_meta(found)) != trained_with:
+    if trained_with and tokenizer_fingerprint(found, read_meta(found)) != trained_with and \
+            not exports_tokenizer(found, checkpoint):
         fix = "leave --data_dir out" if data_dir else "pass --data_dir=DIR, a dataset prepared as the run's was"
         raise UserError(f"{found} was not prepared with the tokenizer {path} was trained with (its ids would mean "
                          f"other words): {fix}")
     checkpoint["trained_on"] = checkpoint.get("data_dir")  # where the run's own data was (check_run_tokenizer)
     checkpoint["data_dir"] = found  # where the data is now: its meta.json has the chat template, if any
     return model, checkpoint
+
+
+def exports_tokenizer(data_dir, checkpoint):
+    """Whether data_dir was prepared with the very tokenizer.json export.py writes for the run (prepare.py
+    --tokenizer=EXPORT): the one made from the run's own data's tokenizer, where that data is here as it trained."""
+    spec, ran_on = read_meta(data_dir).get("tokenizer"), checkpoint.get("data_dir")
+    if not (isinstance(spec, dict) and spec.get("kind") == "huggingface" and ran_on and os.path.isdir(ran_on) and
+            tokenizer_fingerprint(ran_on, read_meta(ran_on)) == checkpoint["tokenizer_fingerprint"]):
+        return False
+    try:
+        ours, theirs = load_tokenizer(data_dir), load_tokenizer(ran_on)
+    except UserError:  # (the caller's refusal is the line to say)
+        return False
+    exported = hf_tokenizer_files(theirs)[0].get("tokenizer.json")
+    return ours.kind == "huggingface" and exported is not None and json.loads(exported) == json.loads(ours.hf_json) \
+        and (ours.vocab_size, ours.eot_id, ours.bos_id) == (theirs.vocab_size, theirs.eot_id, theirs.bos_id)
 
 
 def check_run_tokenizer(data_dir, checkpoint, model_vocab):

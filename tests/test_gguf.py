@@ -317,6 +317,28 @@ def test_autotokenizer_encodes_as_prepare_did(kind, bpe_run, shared, tmp_path):
         assert written["eos_token_id"] == written["pad_token_id"] == eot and "bos_token_id" not in written
 
 
+def test_data_prepared_with_the_exports_tokenizer_is_the_runs_own(bpe_run, tmp_path):
+    # prepare.py --tokenizer=EXPORT gives the run's ids: eval.py scores that folder as the run's own data (it refused
+    # it: another tokenizer's fingerprint), and one prepared with the export's tokenizer.json less a merge still not
+    done = script("export.py", f"--out_dir={bpe_run / 'run'}", f"--to={tmp_path / 'hf'}")
+    assert done.returncode == 0, done.stderr
+    other = tmp_path / "other"
+    other.mkdir()
+    spec = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][:-1]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    scores = {}
+    for name, tokenizer in [("own", None), ("export", tmp_path / "hf"), ("other", other)]:
+        data = bpe_run / "data" if tokenizer is None else tmp_path / f"data-{name}"
+        if tokenizer is not None:
+            done = script("prepare.py", bpe_run / "corpus.txt", f"--tokenizer={tokenizer}", f"--out_dir={data}")
+            assert done.returncode == 0, done.stderr
+        scores[name] = script("eval.py", f"--out_dir={bpe_run / 'run'}", f"--data_dir={data}", "--device=cpu")
+    assert scores["export"].returncode == 0 and scores["export"].stdout == scores["own"].stdout.replace(
+        str(bpe_run / "data"), str(tmp_path / "data-export")), scores["export"].stderr
+    assert scores["other"].returncode == 1 and "was not prepared with the tokenizer" in scores["other"].stderr
+
+
 def test_a_bpe_without_merges_is_refused_in_one_line():
     # bpe:256 is the bytes alone: gguf's writer left out the empty merges, and llama.cpp refuses a BPE without them
     tokenizer = make_tokenizer("bpe:256", lambda: iter(["hello world, hello there"] * 50))
