@@ -436,18 +436,23 @@ def test_non_finite_loss_skips_the_update(data_dir, tmp_path):
 def test_a_float16_scalers_overflow_is_no_divergence(data_dir, tmp_path):
     # float16's gradient scaler starting high (as it climbs back every 2,000 steps): its first updates' gradients
     # overflow, which it skips while halving its scale. No step counts as skipped, the evaluated checkpoints are
-    # kept and the last one saved. A new Python: the config file replaces torch's GradScaler for its process
+    # kept and the last one saved. The config file replaces torch's GradScaler for the run, and puts it back at its
+    # end (an exit function: the run's process is the test's)
     (tmp_path / "high_scale.py").write_text(
+        "import atexit as _atexit\n"
         "import torch as _torch\n"
-        "class _High(_torch.amp.GradScaler):\n"
+        "_plain = _torch.amp.GradScaler\n"
+        "class _High(_plain):\n"
         "    def __init__(self, *args, **kwargs):\n"
         "        super().__init__(*args, **{**kwargs, 'init_scale': 2.0 ** 24})\n"
-        "_torch.amp.GradScaler = _High\n")
+        "def _put_back():\n"
+        "    _torch.amp.GradScaler = _plain\n"
+        "_torch.amp.GradScaler = _High\n"
+        "_atexit.register(_put_back)\n")
     def train(out, *more):
-        return new_python("train.py", *on_cpu([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / out}",
-                                               "--dtype=float16", "--max_iters=6", "--eval_interval=3",
-                                               "--eval_iters=1", "--max_skipped_steps=1",
-                                               str(tmp_path / "high_scale.py"), *more]))
+        return run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / out}", "--dtype=float16", "--max_iters=6",
+                   "--eval_interval=3", "--eval_iters=1", "--max_skipped_steps=1", str(tmp_path / "high_scale.py"),
+                   *more, check=False)
     done = train("run")
     assert done.returncode == 0 and "skipped" not in done.stdout, done.stdout + done.stderr
     state = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
@@ -460,6 +465,7 @@ def test_a_float16_scalers_overflow_is_no_divergence(data_dir, tmp_path):
     resumed, straight = (torch.load(tmp_path / run / "ckpt.pt", weights_only=True) for run in ("run", "straight"))
     assert resumed["scaler"] == straight["scaler"]
     assert all(torch.equal(resumed["model"][k], straight["model"][k]) for k in straight["model"])
+    assert torch.amp.GradScaler is torch.amp.grad_scaler.GradScaler  # put back: torch's own
 
 @pytest.mark.slow
 def test_too_many_non_finite_steps_stop_and_keep_the_last_good_checkpoint(data_dir, tmp_path):
