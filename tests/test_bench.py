@@ -279,6 +279,7 @@ def test_same_runs_refuses_what_it_cannot_compare_before_it_makes_anything(tmp_p
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # three new Pythons, each importing torch
 def test_load_mode_measures_its_three_loads_at_a_tiny_shape():
     # each load in a Python of its own, which imports the project's load_pretrained: a table of three rows, the
     # streamed load's memory above the baseline's
