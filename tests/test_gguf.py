@@ -527,6 +527,7 @@ def test_a_tokenizer_json_that_llama_cpp_would_encode_otherwise_is_refused(step)
     assert "\n" not in str(e.value) and "llama.cpp's byte-level BPE does not" in str(e.value)
 
 
+@pytest.mark.slow  # SIGTERM to new Pythons
 def test_a_gguf_export_stopped_by_sigterm_leaves_the_earlier_one_and_no_copy(bpe_run, tmp_path):
     from test_one_writer import check_stopped_export
     check_stopped_export(bpe_run / "run", tmp_path / "model.gguf")

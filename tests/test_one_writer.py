@@ -315,6 +315,7 @@ def check_stopped_export(run_dir, to):
     assert {f.name: f.read_bytes() for f in (sorted(to.iterdir()) if to.is_dir() else [to])} == before
 
 
+@pytest.mark.slow  # SIGTERM to new Pythons
 def test_an_export_stopped_by_sigterm_leaves_the_earlier_one_and_no_copy(runs, tmp_path):
     to = tmp_path / "model"
     check_stopped_export(runs / "files", to)
