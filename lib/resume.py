@@ -117,11 +117,12 @@ def resume(origin, config, meta, eval_sequences):
     scored_whole = measured[1]  # (val_measure's) else random windows: how many (eval_iters x batch_size x replicas)
     other_windows = not scored_whole and checkpoint.get("eval_sequences", eval_sequences) != eval_sequences
     if (prepared_again or val_measure(before, meta) != measured or other_windows) and loop["best_val_loss"] < math.inf:
-        origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
-                            f"eval_full, eval_stride, doc_mask, sequences, the val windows read: eval_iters x "
-                            f"batch_size x processes, or the data changed): its best val loss "
-                            f"{loop['best_val_loss']:.4f} and early stopping's count start anew: the next "
-                            f"evaluation replaces ckpt_best (copy it elsewhere to keep the old measure's best)")
+        if not config["eval_only"]:  # (which replaces no ckpt_best)
+            origin.notes.append(f"note: the val loss is measured otherwise than when {found} was saved (block_size, "
+                                f"eval_full, eval_stride, doc_mask, sequences, the val windows read: eval_iters x "
+                                f"batch_size x processes, or the data changed): its best val loss "
+                                f"{loop['best_val_loss']:.4f} and early stopping's count start anew: the next "
+                                f"evaluation replaces ckpt_best (copy it elsewhere to keep the old measure's best)")
         loop["best_val_loss"], loop["evals_without_gain"] = float("inf"), 0
     if 0 < config["early_stop_patience"] <= loop["evals_without_gain"] and not config["eval_only"]:
         origin.stopped = True
@@ -135,12 +136,12 @@ def resume(origin, config, meta, eval_sequences):
                 c.get("batch_size", 0) * c.get("gradient_accumulation_steps", 0))
     origin.same_batches = shaping(before) == shaping(config)
     origin.epochs_before = before.get("max_epochs", 0)
-    if not origin.same_batches:
+    if not origin.same_batches and not config["eval_only"]:  # (which trains on no batches)
         anew = " (and its epochs are counted anew: a ckpt_epoch_N may be written again)" if config["max_epochs"] else ""
         origin.notes.append("warning: seed, sequences, block_size or the sequences of an update (batch_size x "
                             "gradient_accumulation_steps) changed since the checkpoint: training continues, but "
                             f"not on the batches the first run would have seen{anew}")
-    elif not config["batch_size_auto"]:  # (under 'auto' micro_batch.py splits them, and says so)
+    elif not config["batch_size_auto"] and not config["eval_only"]:  # (under 'auto' micro_batch.py says it)
         origin.notes += split_note(before, config["batch_size"], config["gradient_accumulation_steps"],
                                    config["dropout"])
     origin.notes += schedule_notes(before, config, loop["iter_num"])
@@ -182,7 +183,7 @@ def schedule_notes(before, config, step):
     if config["max_iters"] < step and not config["eval_only"]:  # (the loop ends where it begins)
         return [f"note: max_iters={config['max_iters']} is behind the checkpoint's step {step}: nothing is trained "
                 f"(raise max_iters to train on)"]
-    notes, moved = [], before.get("max_iters") != config["max_iters"]
+    notes, moved = [], before.get("max_iters") != config["max_iters"] and not config["eval_only"]
     if moved:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
             else ""

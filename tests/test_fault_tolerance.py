@@ -521,8 +521,12 @@ def test_a_resume_that_measures_the_val_loss_otherwise_starts_its_best_anew(data
     run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=2")
     again = [f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=20", "--eval_interval=2",
              "--early_stop_patience=1", "--early_stop_min_delta=10.0", "--init_from=resume"]
+    # eval_only, which writes no ckpt_best and trains on no batches, says neither
+    out = run(*TINY, *again, "--block_size=16", "--eval_only=True")
+    assert "resuming" in out.stdout and "measured otherwise" not in out.stdout and "warning" not in out.stdout
     out = run(*TINY, *again, "--block_size=16")
     assert "the val loss is measured otherwise" in out.stdout and "early stop" in out.stdout
+    assert "warning: seed, sequences, block_size or the sequences of an update" in out.stdout
     state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
     assert state["iter_num"] == 8 and state["best_val_loss"] == evals[-2]["val_loss"]  # step 6's: the new first
