@@ -168,7 +168,7 @@ if master and origin.epochs_before and origin.same_batches and loop["iter_num"] 
           f"{origin.epochs_before}): they are not trained")
 max_iters, lr_decay_iters, warmup_iters, steps_note = run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio,
                                                                 max_epochs, epoch_steps, decay_lr, lr_schedule,
-                                                                lr_decay_fraction)
+                                                                lr_decay_fraction, loop["iter_num"])
 eval_batches = batches.evaluation_batches(dp_size)  # as many in every process
 if master:
     print(batches.describe(eval_iters) + (f"\n{steps_note}" if steps_note and not eval_only else ""))

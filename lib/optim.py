@@ -162,16 +162,19 @@ def set_lr(optimizers, peak_lrs, factor):
 
 
 def run_steps(max_iters, lr_decay_iters, warmup_iters, warmup_ratio=0.0, max_epochs=0, epoch_steps=None,
-              decay_lr=True, lr_schedule="cosine", lr_decay_fraction=0.2):
+              decay_lr=True, lr_schedule="cosine", lr_decay_fraction=0.2, step=0):
     """The run's steps as max_epochs (epoch_steps: the steps that make them) and warmup_ratio set them ->
-    max_iters, lr_decay_iters, warmup_iters, and what train.py says about them: the epochs' steps, and a schedule
-    the run ends before (a stop to resume from, or a run shortened with its schedule left as it was)."""
+    max_iters, lr_decay_iters, warmup_iters, and what train.py says about them: the epochs' steps (and a resume's,
+    from step, inside a warmup that more epochs made longer), and a schedule the run ends before (a stop to resume
+    from, or a run shortened with its schedule left as it was)."""
     if max_epochs > 0:  # the run ends after max_epochs epochs, or at max_iters if that comes first
         max_iters, lr_decay_iters = min(max_iters, epoch_steps), min(lr_decay_iters, epoch_steps)
     if warmup_ratio > 0:  # a share of the run's steps: its epochs', whether or not max_iters stops it before them
         warmup_iters = math.ceil(warmup_ratio * (epoch_steps if max_epochs > 0 else max_iters))
-    notes = [f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters})"
-             ] if max_epochs > 0 else []
+    inside = f": from step {step}, where the run goes on, the learning rate is in it" if \
+        decay_lr and warmup_ratio > 0 and 0 < step < warmup_iters else ""
+    notes = [f"max_epochs={max_epochs}: {max_iters} steps (lr_decay_iters {lr_decay_iters}, warmup {warmup_iters}"
+             f"{inside})"] if max_epochs > 0 else []
     if decay_lr and lr_schedule != "constant" and lr_decay_iters > max_iters > 0:  # max_iters ends it first
         before = f" before its {max_epochs} epochs, and" if max_epochs > 0 else ", and"
         notes.append(f"note: max_iters={max_iters} ends the run{before} the learning rate decays over "

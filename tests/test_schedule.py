@@ -182,6 +182,11 @@ def test_the_runs_steps_under_max_epochs_and_warmup_ratio():
     # max_epochs ends the run first, and the decay with it; warmup_ratio counts those steps
     assert run_steps(100, 90, 5, 0.25, max_epochs=2, epoch_steps=30) == \
         (30, 30, 8, "max_epochs=2: 30 steps (lr_decay_iters 30, warmup 8)")
+    # resumed inside that warmup (more epochs made it longer, or a stop came in it), the line says so
+    assert run_steps(100, 90, 5, 0.25, max_epochs=2, epoch_steps=30, step=7)[3] == \
+        "max_epochs=2: 30 steps (lr_decay_iters 30, warmup 8: from step 7, where the run goes on, the learning " \
+        "rate is in it)"
+    assert run_steps(100, 90, 5, 0.25, max_epochs=2, epoch_steps=30, step=8)[3].endswith("warmup 8)")
     # max_iters ends it first: the schedule keeps lr_decay_iters, and the note says so with the fix
     steps = run_steps(10, 90, 5, max_epochs=2, epoch_steps=30)
     assert steps[:3] == (10, 30, 5) and "set lr_decay_iters=10" in steps[3]
@@ -247,6 +252,11 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
     # the checkpoint's own warmup (its ratio of its max_iters), and no "back" for a run still in it
     out = run(*args, "--warmup_ratio=0.25", "--max_iters=40", f"--out_dir={tmp_path / 'ratio'}", "--init_from=resume")
     assert "; warmup_ratio=0.25 makes the warmup 10 steps (was 6)" in out.stdout and "back in it" not in out.stdout
+    # under max_epochs the epochs' steps set it (more epochs, a longer warmup): the steps' line says where the run is
+    run(*args, "--warmup_ratio=0.5", "--max_epochs=1", "--max_iters=4", f"--out_dir={tmp_path / 'epochs'}")
+    out = run(*args, "--warmup_ratio=0.5", "--max_epochs=2", "--max_iters=8", f"--out_dir={tmp_path / 'epochs'}",
+              "--init_from=resume")
+    assert ": from step 4, where the run goes on, the learning rate is in it)" in out.stdout, out.stdout
     # the same batches split otherwise: dropout's masks, drawn a micro-step at a time, are not the run's it continues
     run(*args, "--dropout=0.1", "--max_iters=4", f"--out_dir={tmp_path / 'drop'}")
     out = run(*args, "--dropout=0.1", f"--out_dir={tmp_path / 'drop'}", "--init_from=resume", "--batch_size=2",
