@@ -78,6 +78,11 @@ class HubSplit(namedtuple("HubSplit", "name config split")):
         return f"hf:{self.name}:{self.split}"
 
 
+def local_hub(split):
+    """The folder of a HubSplit that is a local folder laid out as a Hub dataset (hf:DIR), resolved; else None."""
+    return Path(split.name).resolve() if os.path.isdir(split.name) else None
+
+
 def hub_split(spec, config):
     """'hf:NAME' or 'hf:NAME:SPLIT' (NAME: on the Hub, or a local folder laid out as a Hub dataset) -> HubSplit."""
     name, _, split = spec[3:].partition(":")
@@ -316,6 +321,9 @@ def read_csv(path, field, chat, ext):
         else:
             rows = csv.DictReader(lines(f), dialect="excel", strict=True)
         try:
+            seen = set()  # a name the header gives twice: a row would keep one of its columns alone
+            if twice := next((n for n in rows.fieldnames or [] if n in seen or seen.add(n)), None):
+                raise SkipFile(f"its header names the column {twice!r} twice")
             for row in rows:
                 record[0] = 0
                 if None in row:  # more fields than the header names: where the text ends is unknown

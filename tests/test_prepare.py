@@ -1003,9 +1003,12 @@ def test_a_csv_row_with_more_fields_than_its_header_or_past_a_records_bytes_is_r
     # record (it was read cut at the comma); a record past MAX_RECORD bytes (a quoted field over many lines, or
     # one line of countless fields) stops the file, never held whole
     write(tmp_path / "src" / "a.csv", "text,id\nHello, world,1\nfine,2\n")
+    write(tmp_path / "src" / "twice.csv", "text,text\nfirst column,second column\n")  # a row keeps one of them
     meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction", "0")
     assert read_all(tmp_path / "out") == ["fine"]
     assert meta["bad_records"]["examples"] == [f"{tmp_path / 'src' / 'a.csv'}:line 2: 3 fields, the header names 2"]
+    assert meta["skipped_files"] == [{"path": str(tmp_path / "src" / "twice.csv"),
+                                      "reason": "its header names the column 'text' twice"}]
     import csv
     limit = csv.field_size_limit()
     monkeypatch.setattr(sources, "MAX_RECORD", 64)
@@ -1039,6 +1042,10 @@ def test_existing_dataset_needs_overwrite(tmp_path):
     assert cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", "char", "--overwrite").returncode == 0
     assert "".join(read_all(out)) == "second version"
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin", "vocab.json"]
+    # replaced by one made with another kind of tokenizer, it keeps none of its files (vocab.json)
+    assert cli(tmp_path / "a.txt", "--out_dir", out, "--tokenizer", hf_tokenizer_json(tmp_path / "hf"),
+               "--overwrite").returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
     # a folder of the user's that holds a file of a dataset's name alone (a model's tokenizer.json) keeps it too
     write(tmp_path / "model" / "tokenizer.json", '{"mine": 1}')
     one_line_error(cli(tmp_path / "a.txt", "--out_dir", tmp_path / "model", "--tokenizer", "char"),
@@ -1254,6 +1261,15 @@ def test_hugging_face_datasets_by_name_with_their_validation_split(tmp_path, mon
     assert meta["masks"] and meta["train"]["documents"] + meta["val"]["documents"] == 12
     with pytest.raises(UserError, match=r"^cannot read the dataset hf:"):
         prepare.main([f"hf:{tmp_path / 'nothing'}", f"--out_dir={tmp_path / 'none'}"])
+    # the library reads the folder whole: a --val_input file in it (or a file input in a val folder) would be in both
+    # splits, and a dataset written into it would be read as its splits the next time
+    for args in ([f"hf:{folder}", f"--val_input={folder / 'data' / 'validation.jsonl'}"],
+                 [str(folder / "data" / "train.jsonl"), f"--val_input=hf:{folder}"]):
+        with pytest.raises(UserError, match=r"overlap, and the datasets library reads the folder whole: move"):
+            prepare.main([*args, f"--out_dir={tmp_path / 'none'}"])
+    with pytest.raises(UserError, match=r"is inside hf:.*'s folder, which the datasets library reads whole"):
+        prepare.main([f"hf:{folder}", f"--out_dir={folder / 'tokens'}"])
+    assert not (tmp_path / "none").exists() and not (folder / "tokens").exists()
     # a split's file the library cannot read (a line of bad JSON) is named in one line, as a local file is
     broken = hub_folder(tmp_path / "broken", texts)
     with open(broken / "data" / "train.jsonl", "a") as f:
