@@ -118,7 +118,7 @@ def given_text(value, what):
     if value is None or not value.startswith("FILE:"):
         return value
     try:
-        with open(os.path.expanduser(value[5:]), encoding="utf-8") as f:  # (the shell leaves ~ after FILE: alone)
+        with open(os.path.expanduser(value[5:]), encoding="utf-8-sig", newline="") as f:  # (~ after FILE: is ours)
             text = f.read(MAX_PROMPT + 1)
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read the {what} file {value[5:]} ({e})") from None

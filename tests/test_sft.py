@@ -322,6 +322,11 @@ def test_chat_sample_and_export_stop_at_the_end_of_turn(chat_data, tmp_path, mon
     read = script("sample.py", f"--out_dir={tmp_path / 'run'}", "--chat", "--start=apple river", "--temperature=0",
                   "--max_new_tokens=20", "--device=cpu", f"--system=FILE:{tmp_path / 'system.txt'}")
     assert read.returncode == 0 and read.stdout == done.stdout, read.stderr
+    # read as prepare.py reads text: line endings as they are, a BOM (Notepad's) no character of it
+    (tmp_path / "prompt.txt").write_bytes(b"\xef\xbb\xbfapple\r\nriver\r\n")
+    read = script("sample.py", f"--out_dir={tmp_path / 'run'}", f"--start=FILE:{tmp_path / 'prompt.txt'}",
+                  "--temperature=0", "--max_new_tokens=1", "--device=cpu")
+    assert read.returncode == 0 and read.stdout.startswith("apple\r\nriver\r\n"), (read.stdout, read.stderr)
     # a special token's spelling in a message would be read as the token (here the end of the turn): refused in one
     # line; typed, it is said and the next message asked for; Ctrl-C at the prompt ends the chat, no traceback
     for bad, said in [("--start=apple <|endoftext|> river", "--start"), ("--system=Be <|endoftext|>", "--system")]:
