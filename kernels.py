@@ -174,7 +174,13 @@ if HAS_TRITON:
     _rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
     def rms_norm(x, weight, eps=1e-5):
-        return _rms_norm_op(x, weight, eps)[0] if triton_can_run(x) else rms_norm_ref(x, weight, eps)
+        if not triton_can_run(x):
+            return rms_norm_ref(x, weight, eps)
+        # the shapes the kernels take for granted, checked as the references' ops check them (else a kernel reads a
+        # weight's first C values, a row of a broadcast tensor past its end, the first N targets of more)
+        if weight.shape != x.shape[-1:]:
+            raise ValueError(f"rms_norm: weight {list(weight.shape)}, x {list(x.shape)}")
+        return _rms_norm_op(x, weight, eps)[0]
 
     # --- SwiGLU -------------------------------------------------------------------------
 
@@ -242,7 +248,11 @@ if HAS_TRITON:
     _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
     def swiglu(gate, up):
-        return _swiglu_op(gate, up) if triton_can_run(gate) else swiglu_ref(gate, up)
+        if not triton_can_run(gate):
+            return swiglu_ref(gate, up)
+        if gate.shape != up.shape:
+            raise ValueError(f"swiglu: gate {list(gate.shape)}, up {list(up.shape)}")
+        return _swiglu_op(gate, up)
 
     # --- rotary embeddings ----------------------------------------------------------------
 
@@ -378,6 +388,8 @@ if HAS_TRITON:
     def linear_cross_entropy(x, weight, targets, ignore_index=-1):
         if not triton_can_run(x):
             return linear_cross_entropy_ref(x, weight, targets, ignore_index)
+        if targets.shape != x.shape[:1]:
+            raise ValueError(f"linear_cross_entropy: {targets.numel()} targets for {x.shape[0]} rows")
         dev = x.device.type
         if torch.is_autocast_enabled(dev):  # autocast would cast the reference's matmul, not our op
             x, weight = x.to(torch.get_autocast_dtype(dev)), weight.to(torch.get_autocast_dtype(dev))

@@ -11,6 +11,7 @@ last block.
 
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -388,6 +389,20 @@ def test_linear_cross_entropy_autocast():
     assert loss.dtype == loss_ref.dtype == torch.float32 and gx.dtype == gw.dtype == torch.float32
     assert rel_err(loss, loss_ref) <= 2**-7
     assert rel_err(gx, gx_ref) <= 2**-6 and rel_err(gw, gw_ref) <= 2**-6
+
+
+@needs_triton
+def test_shapes_the_references_refuse_are_refused_by_the_kernels_too():
+    # a kernel takes its shapes for granted: it read a weight's first C values, a broadcast row past its end, the
+    # first N of more targets (a loss divided by the count of all of them), where the reference raises
+    with torch.no_grad():
+        for call, said in [(lambda: K.rms_norm(randn(3, 5), randn(8), 1e-5), "rms_norm: weight [8], x [3, 5]"),
+                           (lambda: K.swiglu(randn(4, 6), randn(1, 6)), "swiglu: gate [4, 6], up [1, 6]"),
+                           (lambda: K.linear_cross_entropy(randn(6, 8), randn(20, 8),
+                                                           torch.zeros(12, dtype=torch.long, device=DEVICE)),
+                            "linear_cross_entropy: 12 targets for 6 rows")]:
+            with pytest.raises(ValueError, match=re.escape(said)):
+                call()
 
 
 # -----------------------------------------------------------------------------
