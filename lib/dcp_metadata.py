@@ -72,7 +72,8 @@ def read_metadata(folder):
     for index, info in files.items():
         name = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not isinstance(name, str) or os.path.basename(name) != name \
-                or name in ("", ".", "..") or type(info.length) is not int:
+                or name in ("", ".", "..") or type(info.length) is not int or type(info.offset) is not int \
+                or info.length < 0 or info.offset < 0:
             raise UserError(f"{path} points at {name!r}, not a file of its own folder; refusing it")
         fqn = getattr(index, "fqn", None)
         stored[fqn] = stored.get(fqn, 0) + info.length
@@ -86,12 +87,18 @@ def read_metadata(folder):
     return metadata
 
 
+MAX_CHUNKS = 1 << 14  # of one tensor: a chunk a process that wrote it (FSDP x TP), checked pairwise where they meet
+
+
 def untiled(entry):
     """Why a tensor's chunks do not cover it exactly once (None where they do): each inside its size, none overlapping
-    another, as many values as the tensor's. Only chunks meeting along dim 0 are compared (FSDP's row shards don't)."""
+    another, as many values as the tensor's. Only chunks meeting along the dim their starts vary most along are
+    compared (FSDP's row shards, tensor parallel's columns: a chunk meets a few)."""
     size = getattr(entry, "size", None)
     if not isinstance(size, torch.Size) or not all(type(n) is int and n >= 0 for n in size):
         return f"have no size but {size!r}"
+    if len(getattr(entry, "chunks", None) or []) > MAX_CHUNKS:
+        return f"are {len(entry.chunks):,} chunks, past the {MAX_CHUNKS:,} a tensor of a run of this project has"
     boxes = []
     for chunk in getattr(entry, "chunks", None) or []:
         start, extent = tuple(getattr(chunk, "offsets", ())), tuple(getattr(chunk, "sizes", ()))
@@ -101,10 +108,11 @@ def untiled(entry):
         boxes.append((start, extent))
     if sum(math.prod(extent) for _, extent in boxes) != math.prod(size):
         return f"hold {sum(math.prod(e) for _, e in boxes):,} values where it has {math.prod(size):,}"
-    boxes.sort()
+    d = max(range(len(size)), key=lambda k: len({start[k] for start, _ in boxes}), default=0)
+    boxes.sort(key=lambda box: box[0][d:] + box[0][:d])
     for i, (start, extent) in enumerate(boxes):
         for other, other_extent in boxes[i + 1:]:
-            if size and other[0] >= start[0] + extent[0]:
+            if size and other[d] >= start[d] + extent[d]:
                 break
             if all(a < b + m and b < a + n for a, n, b, m in zip(start, extent, other, other_extent)) \
                     and math.prod(extent) and math.prod(other_extent):

@@ -77,6 +77,9 @@ def safetensors_files(path):
                      f"weights are read: convert .bin weights first)")
 
 
+MAX_HEADER = 100 << 20  # bytes of a safetensors header, as the safetensors library reads one at most
+
+
 def fingerprint(folder):
     """A short hash to know a LoRA run's base again without reading it all: config.json, each safetensors file's
     size, header and 64 KB at 32 places (fine-tuning changes nearly every weight; a few changed ones could pass)."""
@@ -86,7 +89,7 @@ def fingerprint(folder):
         digest.update(str(size).encode())
         with open(file, "rb") as f:
             header = int.from_bytes(f.read(8), "little")
-            digest.update(f.read(min(header, size)))
+            digest.update(f.read(min(header, size, MAX_HEADER)))  # (a file claiming more: load_pretrained refuses it)
             for i in range(32):
                 f.seek(i * size // 32)
                 digest.update(f.read(1 << 16))

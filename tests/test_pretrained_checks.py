@@ -87,6 +87,38 @@ def lora_checkpoint(tmp_path, targets="q,k,v,o,gate,up,down"):
             "base_fingerprint": fingerprint(tmp_path / "base")}
 
 
+def test_a_bases_fingerprint_reads_a_bounded_header_whatever_the_file_claims(tmp_path, monkeypatch):
+    # the 8 bytes before a safetensors header say its length: one that claims 2**62 had the whole file read into
+    # memory (a sparse file of any size; a MemoryError's traceback past the memory), before load_pretrained refused it
+    import builtins
+    import lib.hf
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write((2**62).to_bytes(8, "little"))
+        f.truncate(1 << 20)
+    reads, real_open = [], builtins.open
+
+    class Counted:  # the file, each read's size noted
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def read(self, n=-1):
+            reads.append(n)
+            return self.file.read(n)
+    monkeypatch.setattr(lib.hf, "MAX_HEADER", 1000)
+    monkeypatch.setattr(lib.hf, "open", Counted, raising=False)
+    assert len(lib.hf.fingerprint(tmp_path)) == 16 and max(reads) == 1 << 16  # the 64 KB samples, the header 1000
+
+
 def test_a_lora_checkpoint_loads_only_its_own_adapters(tmp_path):
     from lib.resume import model_from_checkpoint
     checkpoint = lora_checkpoint(tmp_path)
