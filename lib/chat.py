@@ -123,8 +123,9 @@ def compile_template(source):
         tree = env.parse(source)
         for loop in list(tree.find_all(nodes.For)):  # every loop's items are counted as they are taken
             loop.iter = nodes.Call(nodes.EnvironmentAttribute("counted"), [loop.iter], [], None, None)
-        for concat in list(tree.find_all(nodes.Concat)):  # and what ~ joins is measured
-            joined = nodes.Concat(concat.nodes)
+        for concat in list(tree.find_all(nodes.Concat)):  # and what ~ joins is measured, its parts before str()
+            joined = nodes.Concat([nodes.Call(nodes.EnvironmentAttribute("finalize"), [part], [], None, None)
+                                   for part in concat.nodes])
             concat.nodes = [nodes.Call(nodes.EnvironmentAttribute("bounded"), [joined], [], None, None)]
         template = env.from_string(tree)
     except TemplateError as e:
@@ -174,6 +175,11 @@ def budget(env):
             raise TemplateError(f"it makes a value of more than {MAX_OUTPUT:,} characters or items")
         return value
 
+    def finalize(value):  # a value written ({{ }}, ~), measured before str() writes it: lists of lists grow fast
+        if not isinstance(value, str) and written(value) > MAX_OUTPUT:
+            raise TemplateError(f"it writes a value of more than {MAX_OUTPUT:,} characters")
+        return value
+
     def binop(context, operator, left, right):
         if operator == "+":  # measured after: a value at most twice the budget, cheaper than measuring first
             value = left + right
@@ -191,7 +197,7 @@ def budget(env):
         return bounded(sandbox_binop(context, operator, left, right))
 
     env.filters = {name: checked_filter(name, run, step, bounded) for name, run in env.filters.items()}
-    env.counted, env.bounded, env.call, env.call_binop = counted, bounded, call, binop
+    env.counted, env.bounded, env.call, env.call_binop, env.finalize = counted, bounded, call, binop, finalize
     env.intercepted_binops = frozenset({"*", "+", "**", "%"})
     return steps
 
@@ -259,15 +265,15 @@ def checked_filter(name, run, step, bounded):
         values = [*args, *kwargs.values()]
         texts = [v for v in values if isinstance(v, str)]
         items = [v for v in values if hasattr(v, "__len__") and not isinstance(v, (str, dict))]  # lists, ranges
-        if name in ("center", "indent", "tojson") and any(
+        if name in ("center", "indent", "tojson", "batch", "slice") and any(
                 type(v) is int and abs(v) > MAX_WIDTH or name == "tojson" and isinstance(v, str) and len(v) > MAX_WIDTH
                 for v in values[1:]) or len(texts) > 1 and max(map(len, texts[1:])) \
                 > MAX_WIDTH and name in ("indent", "wordwrap") \
                 or name == "replace" and len(texts) >= 3 and len(texts[-3]) + len(texts[-1]) * \
                 texts[-3].count(texts[-2]) > MAX_OUTPUT \
                 or name == "format" and not formats_within(str(args[0]), values[1:]) \
-                or name == "join" and items and sum(len(str(x)) + len(texts[-1] if texts else "")
-                                                    for x in items[0]) > MAX_OUTPUT:
+                or name == "join" and items and len(items[0]) * len(texts[-1] if texts else "") + (
+                    written(items[0]) if isinstance(items[0], (list, tuple)) else 3 * len(items[0])) > MAX_OUTPUT:
             raise TemplateError(f"its {name} filter makes a value past the budget of a chat template")
         return bounded(run(*args, **kwargs))
     return filtered

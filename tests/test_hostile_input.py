@@ -380,6 +380,12 @@ PROBE = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant'
     # measured in bounded time (each argument walked in full took minutes), and a text in a list as its repr
     ("{% set x = [[]] * 8000000 %}{{ '{}'.format(x, x, x, x, x, x, x, x) }}", "its format makes a text past"),
     ("{{ '{}'.format(['\U000e0001' * 2000000]) }}", "its format makes a text past the budget"),
+    # what {{ }} and ~ write, and join's items, measured before str() writes them (0.9 GB, or hours, before); and
+    # batch's and slice's numbers held as widths (a list of 200M fillers)
+    ("{{ [[[0] * 1000] * 1000] * 300 }}", "it writes a value of more than 16,777,216 characters"),
+    ("{{ 'a' ~ [[[0] * 1000] * 1000] * 300 }}", "it writes a value of more than 16,777,216 characters"),
+    ("{{ ([[0] * 1000000] * 1000000) | join(',') }}", "its join filter makes a value past the budget"),
+    ("{{ [1] | batch(200000000, 0) | list | length }}", "its batch filter makes a value past the budget"),
 ])
 def test_a_chat_template_runs_under_a_budget_and_fails_in_one_line(template, says):
     from lib import chat
