@@ -28,14 +28,13 @@ import numpy as np
 from tqdm import tqdm
 
 from lib.chat import TRAIN_ON, Chat, ChatFormat
-from lib.files import (DATA_FORMAT, END, MARKER, UserError, durable_replace, lock_folder, one_line_errors, open_own,
-                      unlock_folder)
-from lib.sources import (HARD_CUT, BigText, HubSplit, corpus, ext_stats, hub_split, hub_splits, local_hub, new_stats,
-                         pieces, shown, val_files)
+from lib.files import (DATA_FORMAT, END, MARKER, OUTPUTS, UserError, check_replace, durable_replace, lock_folder,
+                      one_line_errors, open_own, unlock_folder)
+from lib.sources import (HARD_CUT, BigText, HubSplit, check_hub_folders, corpus, ext_stats, hub_split, hub_splits,
+                         new_stats, pieces, shown, val_files)
 from lib.tokenizer import make_tokenizer
 
 BATCH_CHARS = 1 << 16  # documents are grouped into ~64 KB batches for the encoder threads
-OUTPUTS = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", "vocab.json", "tokenizer.json", "meta.json")
 SAFE_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")  # and bpe:N
 
 
@@ -210,13 +209,6 @@ def check_arguments(args):
         files = not isinstance(path, HubSplit) and not isinstance(val, HubSplit)
         if path == val or files and Path(path).resolve().is_relative_to(Path(val).resolve()):
             raise UserError(f"{path} is --val_input {val} or inside it: pass it as an input or as --val_input")
-        # a local folder read as a Hub dataset: the datasets library reads every file in it, whatever split we leave
-        # out (a file named otherwise than its splits goes to train), so no file may be the other split's too
-        hub, other = (path, val) if isinstance(path, HubSplit) else (val, path)
-        if isinstance(hub, HubSplit) and not isinstance(other, HubSplit) and (folder := local_hub(hub)) and (
-                Path(other).resolve().is_relative_to(folder) or folder.is_relative_to(Path(other).resolve())):
-            raise UserError(f"{other} and {hub} overlap, and the datasets library reads the folder whole: move "
-                            f"{other} out of it, or pass the folder's files as plain inputs")
     for path in [p for p in inputs + (args.val_input or []) if isinstance(p, HubSplit)]:  # (the Hub is asked)
         if path.split not in (splits := hub_splits(path.name, path.config)):
             raise UserError(f"hf:{path.name} has no split {path.split!r}: it has {', '.join(map(repr, splits))}")
@@ -236,22 +228,8 @@ def check_arguments(args):
         if Path(path).resolve() == out.resolve():  # (a folder inside an input is left out of it)
             raise UserError(f"--out_dir {out} is the input {path}: its dataset would be read as input the next time; "
                             f"give the dataset a folder of its own, e.g. --out_dir {out / 'tokens'}")
-    for path in [p for p in inputs + (args.val_input or []) if isinstance(p, HubSplit) and local_hub(p)]:
-        if out.resolve().is_relative_to(local_hub(path)):  # (which the datasets library would read as its splits)
-            raise UserError(f"--out_dir {out} is inside {path}'s folder, which the datasets library reads whole: "
-                            f"give the dataset a folder outside it")
+    check_hub_folders(inputs, args.val_input or [], out)
     return inputs, out, check_replace(out, args.overwrite)
-
-
-def check_replace(out, overwrite):
-    """-> whether out holds an incomplete dataset to replace; UserError where it holds outputs and not overwrite.
-    Checked at the start, and again once out is locked: another prepare.py may have finished there meanwhile."""
-    replacing = (out / MARKER).exists()  # a run killed while renaming left it: replace it
-    held = [name for name in OUTPUTS if (out / name).exists()]  # a dataset's, or a model folder's tokenizer.json
-    if held and not (overwrite or replacing):
-        raise UserError(f"{out} already holds {', '.join(held)}, which prepare.py would replace (pass --overwrite "
-                        f"to replace it, or another --out_dir)")
-    return replacing
 
 
 def labelled_documents(args, inputs, exclude, stats):

@@ -199,9 +199,22 @@ def end_mark(meta):
 
 
 MARKER = "prepare.incomplete"  # in a dataset's folder only while prepare.py renames its outputs into place
+OUTPUTS = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", "vocab.json", "tokenizer.json", "meta.json")
 MAX_PICKLE = 1 << 26  # bytes of a meta.pkl read at most (nanoGPT's: under 1 KB for 65 characters)
 MAX_VOCAB = 1 << 24  # 16.7M ids: released tokenizers have up to ~262K
 MAX_JSON = 1 << 26  # bytes of a config.json, meta.json... read at most (parsed, ~9x that in memory); released: KBs
+
+
+def check_replace(out, overwrite):
+    """-> whether prepare.py's out (a Path) holds an incomplete dataset to replace; UserError where it holds outputs
+    and not overwrite. Checked at the start, and again once out is locked: another prepare.py may have finished there
+    meanwhile."""
+    replacing = (out / MARKER).exists()  # a run killed while renaming left it: replace it
+    held = [name for name in OUTPUTS if (out / name).exists()]  # a dataset's, or a model folder's tokenizer.json
+    if held and not (overwrite or replacing):
+        raise UserError(f"{out} already holds {', '.join(held)}, which prepare.py would replace (pass --overwrite "
+                        f"to replace it, or another --out_dir)")
+    return replacing
 
 
 def refuse_unfinished(data_dir):

@@ -78,9 +78,21 @@ class HubSplit(namedtuple("HubSplit", "name config split")):
         return f"hf:{self.name}:{self.split}"
 
 
-def local_hub(split):
-    """The folder of a HubSplit that is a local folder laid out as a Hub dataset (hf:DIR), resolved; else None."""
-    return Path(split.name).resolve() if os.path.isdir(split.name) else None
+def check_hub_folders(inputs, val_inputs, out):
+    """UserError where a local folder read as a Hub dataset (hf:DIR) overlaps a file input of the other split, or
+    holds out (the dataset written): the datasets library reads every file in it, whatever we leave out (a file
+    not named after a split is train's)."""
+    def folder(split):
+        return Path(split.name).resolve() if isinstance(split, HubSplit) and os.path.isdir(split.name) else None
+    pairs = [(a, b) for a in inputs for b in val_inputs]
+    for hub, other in pairs + [(b, a) for a, b in pairs]:
+        if folder(hub) and not isinstance(other, HubSplit) and (Path(other).resolve().is_relative_to(folder(hub))
+                                                                or folder(hub).is_relative_to(Path(other).resolve())):
+            raise UserError(f"{other} and {hub} overlap, and the datasets library reads the folder whole: move "
+                            f"{other} out of it, or pass the folder's files as plain inputs")
+    for hub in [p for p in [*inputs, *val_inputs] if folder(p) and Path(out).resolve().is_relative_to(folder(p))]:
+        raise UserError(f"--out_dir {out} is inside {hub}'s folder, which the datasets library reads whole: give "
+                        f"the dataset a folder outside it")
 
 
 def hub_split(spec, config):
