@@ -10,6 +10,7 @@ DIR/train.bin, DIR/val.bin and DIR/meta.json out. What they hold, what is read, 
 """
 
 import argparse
+import atexit
 import errno
 import json
 import os
@@ -286,21 +287,26 @@ def next_cut(doc, nchars, pos, sep):
 @contextmanager
 def temporary_outputs(out, overwrite):
     """The token and mask files under .tmp names, opened empty, in out locked for this run alone (files.py: a
-    second prepare.py is refused). After it, finished or stopped, no .tmp file stays, nor an empty folder it made."""
-    created, held, files = not out.exists(), lock_folder(out, "prepare.py"), {}
-    try:
-        check_replace(out, overwrite)  # a dataset another prepare.py finished since the start: --overwrite or none
-        files.update({name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in OUTPUTS[:4]})
-        yield files
-    finally:
+    second prepare.py is refused). After it, finished or stopped (or at exit: a tokenizer past its deadline, which
+    exits at once), no .tmp file stays, nor an empty folder it made."""
+    created, held, files = not out.exists(), [lock_folder(out, "prepare.py")], {}
+
+    def remove():
         for f in files.values():
             with suppress(OSError):  # a full disk fails the close's flush too: the .tmp files still go
                 f.close()
         for name in OUTPUTS:
             (out / (name + ".tmp")).unlink(missing_ok=True)
-        unlock_folder(out, held)
-        if created and not any(out.iterdir()):
-            out.rmdir()
+        if held:
+            unlock_folder(out, held.pop(), made=created)
+    atexit.register(remove)
+    try:
+        check_replace(out, overwrite)  # a dataset another prepare.py finished since the start: --overwrite or none
+        files.update({name.removesuffix(".bin"): open_own(out / f"{name}.tmp", "w+b") for name in OUTPUTS[:4]})
+        yield files
+    finally:
+        atexit.unregister(remove)
+        remove()
 
 
 def encode_and_write(docs, tokenizer, dtype, files, stats, threads, min_length):

@@ -9,11 +9,14 @@ Every tokenizer prepare.py makes or reads as one Tokenizer: tiktoken's encodings
     tokenizer = make_tokenizer("cl100k_base", None)
 """
 
+import atexit
 import base64
 import json
 import os
+import sys
+import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,9 @@ import numpy as np
 from lib.bounds import check_tokenizer_rules, confined
 from lib.files import MAX_VOCAB, UserError, check_json_size, nanogpt_chars, open_own, refuse_unfinished
 
+# a tokenizers call's deadline: 5 s, and 100 us a character (released tokenizers take ~1 us a character)
+ENCODE_DEADLINE = (5.0, 1e-4)
+CALLS = {}  # the calls under way: (when due, tokenizer's name, characters, seconds allowed) (deadline)
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # Hugging Face's, preferred first
 
 
@@ -62,7 +68,7 @@ class Tokenizer:
         elif self.chars is not None:
             out = [self.encode_chars(text) for text in texts]
         else:
-            with stopped_in_one_line(self.name):
+            with stopped_in_one_line(self.name, sum(map(len, texts))):
                 encodings = self.hf.encode_batch(texts, add_special_tokens=False)
             out = [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
         if self.bos_id is not None:  # a document begins as AutoTokenizer begins it
@@ -93,7 +99,7 @@ class Tokenizer:
         elif self.hf is not None:
             if getattr(self, "hf_chat", None) is None:  # a second encoder that reads "<|im_end|>" as the token
                 self.hf_chat = hf_encoder(self.hf_json)
-            with stopped_in_one_line(self.name):
+            with stopped_in_one_line(self.name, len(text)):
                 encoding = self.hf_chat.encode(text, add_special_tokens=False)
             ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
             said = [end for _, end in encoding.offsets]  # WordPiece's leave out the spaces between tokens
@@ -138,11 +144,13 @@ class Tokenizer:
 
 
 @contextmanager
-def stopped_in_one_line(name):
+def stopped_in_one_line(name, chars=None):
     """A Rust panic in the tokenizers library (a BaseException, with a traceback), or an error of its own (a plain
-    Exception: a WordPiece without its [UNK]), as one line naming the tokenizer."""
+    Exception: a WordPiece without its [UNK]), as one line naming the tokenizer; and a call on chars characters past
+    its deadline stopped (deadline; none without chars)."""
     try:
-        yield
+        with deadline(name, chars) if chars is not None else nullcontext():
+            yield
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except Exception as e:
@@ -154,6 +162,43 @@ def stopped_in_one_line(name):
         why = (str(e).strip().splitlines() or [""])[0][:160]
         raise UserError(f"tokenizer {name} failed on a document ({type(e).__name__}: {why}): its normalizer or "
                         f"pre-tokenizer rules are at fault; use the model's own tokenizer.json") from None
+
+
+@contextmanager
+def deadline(name, chars):
+    """A tokenizers call on chars characters past ENCODE_DEADLINE (a regex that backtracks, which check_linear's
+    probes can miss, takes hours) stops the process with one line, exit status 1: the library cannot be interrupted,
+    and what a script writes is under .tmp names until it is whole. One thread (watch) keeps every call's time."""
+    seconds = ENCODE_DEADLINE[0] + ENCODE_DEADLINE[1] * chars
+    call = object()
+    CALLS[call] = (time.monotonic() + seconds, name, chars, seconds)
+    if not any(t.name == "tokenizer deadlines" for t in threading.enumerate()):
+        threading.Thread(target=watch, name="tokenizer deadlines", daemon=True).start()
+    try:
+        yield
+    finally:
+        del CALLS[call]
+
+
+def watch():
+    # deadline's thread: twice a second, whether a call is past its time
+    while True:
+        time.sleep(0.5)
+        late = [(name, chars, seconds) for due, name, chars, seconds in list(CALLS.values()) if time.monotonic() > due]
+        if late:
+            past_deadline(*late[0])
+
+
+def past_deadline(name, chars, seconds):
+    # from watch: what was printed before, the line, what waits for exit, and exit
+    with suppress(Exception):
+        sys.stdout.flush()
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    os.write(2, f"{script}: tokenizer {name} took more than {seconds:.0f} s on {chars:,} characters: its rules (a "
+                f"regex that backtracks) would take hours on this text; use the model's own tokenizer.json\n"
+                .encode())
+    atexit._run_exitfuncs()  # what a script leaves to exit: its .tmp files, its folder's lock (prepare.py, train.py)
+    os._exit(1)
 
 
 def tiktoken_tokenizer(name):
@@ -213,7 +258,7 @@ def hf_tokenizer(name, hf_json):
     if eot_id is None:
         raise UserError(f"tokenizer {name} has none of the end-of-text tokens {', '.join(EOT_NAMES)} (add one to it)")
     # the BOS its post-processor puts before every text (Llama 3's), or None; prepare.py writes end-of-text itself
-    with stopped_in_one_line(name):
+    with stopped_in_one_line(name):  # (check_linear's calls each have their deadline)
         plain = hf.encode("a", add_special_tokens=False).ids
         full = hf.encode("a", add_special_tokens=True).ids
         check_linear(name, hf)
@@ -233,7 +278,8 @@ def check_linear(name, hf):
         fewest = float("inf")
         for _ in range(tries):
             began = time.perf_counter()
-            hf.encode(text, add_special_tokens=False)
+            with deadline(name, len(text)):
+                hf.encode(text, add_special_tokens=False)
             fewest = min(fewest, time.perf_counter() - began)
         return fewest
     for char in "aA1 .\n\u00e9\u4e2d":
