@@ -96,8 +96,8 @@ def prepare(args):
     started = time.time()
     inputs, out, replacing = check_arguments(args)
     # an out_dir inside an input is not read; nor, as training data, are --val_input's files an input holds
-    local = [p for p in [*(args.val_input or []), *([] if args.analyze else [out])] if isinstance(p, (str, Path))]
-    exclude = {Path(p).resolve() for p in local}
+    local = [*(args.val_input or []), *([out] if args.out_dir or not args.analyze else [])]  # (--analyze: no out)
+    exclude = {Path(p).resolve() for p in local if isinstance(p, (str, Path))}
     threads = max(1, args.num_workers or cpu_count())
 
     learning = time.time()  # char, bpe:N and wordpiece:N learn their vocabulary in a first pass over the corpus
@@ -154,6 +154,8 @@ def check_splits(args, inputs, splits, conversations, stats):
     # a dataset that would train on nothing, or that train.py would refuse (an empty val.bin), is refused unwritten
     dropped = f"{stats['duplicates_dropped']} duplicates (--dedup) and {stats['short_dropped']} documents under " \
               f"--min_length were dropped in all; " if stats["duplicates_dropped"] + stats["short_dropped"] else ""
+    if not args.analyze and (splits["val"]["documents"] == 0 < args.val_fraction or not splits["train"]["documents"]):
+        report_skips(stats)  # what was left out, and why
     if args.val_input and splits["val"]["documents"] == 0:
         raise UserError(f"no documents left in --val_input {', '.join(map(str, args.val_input))} ({dropped}check it)")
     if not args.val_input and args.val_fraction > 0 and splits["val"]["documents"] == 0 and not args.analyze:
@@ -161,7 +163,6 @@ def check_splits(args, inputs, splits, conversations, stats):
                         f"{splits['train']['documents']}, too few to split ({dropped}add documents, or give "
                         f"--val_input)")
     if splits["train"]["documents"] == 0 and not args.analyze:
-        report_skips(stats)  # what was left out, and why
         raise UserError(f"no training documents in {', '.join(map(str, inputs))} (check it)")
     if conversations and splits["train"].get("targets", 0) == 0:
         raise UserError(f"the masks of {', '.join(map(str, inputs))} select no token to train on (check "

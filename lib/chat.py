@@ -131,8 +131,10 @@ def compile_template(source):
     except TemplateError as e:
         raise UserError(f"the chat template does not compile ({e})") from None
 
-    def render(**context):
-        steps[:], out, size = [0, time.monotonic() + MAX_SECONDS], [], 0
+    def render(keep_budget=False, **context):  # keep_budget: what is left of the last rendering's budget
+        if not keep_budget:
+            steps[:] = [0, time.monotonic() + MAX_SECONDS]
+        out, size = [], 0
         for text in template.root_render_func(template.new_context(context)):  # what render() joins
             size += len(text)
             if size > MAX_OUTPUT:
@@ -394,15 +396,18 @@ class ChatFormat:
         found = self.special_text.search(text) if self.special_text else None
         return found[0] if found else None
 
-    def render(self, messages, add_generation_prompt=False, marks=False, tools=None):
-        # marks: with MARKS around what {% generation %} blocks wrote; tools: the record's, for the template
+    def render(self, messages, add_generation_prompt=False, marks=False, tools=None, keep_budget=False):
+        # marks: with MARKS around what {% generation %} blocks wrote; tools: the record's, for the template;
+        # keep_budget: within what is left of the budget (MAX_STEPS, MAX_SECONDS) of the rendering before
         from jinja2.exceptions import TemplateError
         messages = [with_reasoning(m) for m in messages]
         try:
-            text = self.template(**{**self.context, "tools": tools}, messages=messages,
+            text = self.template(keep_budget, **{**self.context, "tools": tools}, messages=messages,
                                  add_generation_prompt=add_generation_prompt)
         except (TemplateError, TypeError) as e:  # its raise_exception, what the sandbox refused, an {% include %}
-            raise UserError(f"the chat template refused it ({e})") from None
+            long = keep_budget and str(e).startswith("it takes more than")  # (a record's renderings share a budget)
+            raise UserError(f"the chat template refused it ({e}{', rendering its turns one by one' if long else ''})"
+                            f"{': split the conversation' if long else ''}") from None
         except (ArithmeticError, RecursionError, LookupError, AttributeError, ValueError, MemoryError) as e:  # its bugs
             raise UserError(f"the chat template failed ({type(e).__name__}: {e})") from None
         return text if marks else text.replace(MARKS[0], "").replace(MARKS[1], "")
@@ -481,9 +486,9 @@ class ChatFormat:
             raise UserError("a weight of 0 cannot be told apart in what the template's {% generation %} blocks write: "
                             "drop the turn, or use a template without them (--chat_template)")
         if self.tagged and self.train_on == "assistant":  # what its {% generation %} blocks write, as in TRL
-            found = generation_spans(self.render(messages, marks=True, tools=tools))
+            found = generation_spans(self.render(messages, marks=True, tools=tools, keep_budget=True))
             if prompt:  # what the blocks write inside the prompt is context
-                lead = self.render(messages[:prompt], tools=tools)
+                lead = self.render(messages[:prompt], tools=tools, keep_budget=True)
                 if not text.startswith(lead):
                     raise UserError("the chat template writes the prompt otherwise before its completion: cannot "
                                     "tell where the completion begins")
@@ -510,13 +515,14 @@ class ChatFormat:
         # and the generation prompt end; where the template writes that otherwise (Mistral's moves the system prompt),
         # where a stand-in reply stands. The reply is found back from the closing token (a think block may repeat it).
         try:  # (a conversation the assistant begins: a template may read messages[0], of none)
-            before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            before = self.render(messages[:i], add_generation_prompt=True, tools=tools, keep_budget=True)
         except UserError:
             before = None
         if before is not None and text.startswith(before):
             begin = len(before)
         else:
-            marked = self.render(messages[:i] + [{**messages[i], "content": STAND_IN}] + messages[i + 1:], tools=tools)
+            marked = self.render(messages[:i] + [{**messages[i], "content": STAND_IN}] + messages[i + 1:], tools=tools,
+                                 keep_budget=True)
             begin = marked.find(STAND_IN)
             if begin < at or not text.startswith(marked[:begin]):
                 raise UserError(f"the chat template writes the conversation before assistant message {i + 1} "

@@ -34,6 +34,7 @@ PIECE = 1 << 16  # plain-text files are read, checked and encoded ~64 KB at a ti
 HARD_CUT = 1 << 20
 # A .jsonl line past this many bytes is skipped, never held (a CSV record: its file): json.loads takes ~20x its size
 MAX_RECORD = 1 << 25
+MAX_JSON = 1 << 28  # bytes of a .json, which is parsed whole (a .jsonl is read a record at a time)
 # A .gz inflating past MAX_RATIO x the bytes read (after INFLATED_FREE) is refused: text packs 3-10x, a bomb ~1000x
 MAX_RATIO = 100
 INFLATED_FREE = 1 << 26
@@ -269,6 +270,8 @@ def read_documents(path, field, dedup, chat):
                     continue
                 if n == 1 and line.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
                     raise SkipFile("UTF-16 text (convert it to UTF-8)")
+                if n == 1:
+                    refuse_packed(path, line)
                 line = line.removeprefix(codecs.BOM_UTF8)  # (files joined by cat: a BOM at each one's first line)
                 if not line.strip():
                     continue
@@ -286,9 +289,16 @@ def read_documents(path, field, dedup, chat):
         yield from read_parquet(path, field, chat)
     elif ext in (".csv", ".tsv"):
         yield from read_csv(path, field, chat, ext)
-    elif ext == ".json":
+    elif ext == ".json":  # read whole: its records in memory at once, ~15 times its size, so at most MAX_JSON
+        texts, size = [], 0
+        for data, text in decoded(path):
+            size += len(data)
+            if size > MAX_JSON:
+                raise SkipFile(f"a .json over {MAX_JSON >> 20} MB, which is read whole: make it JSON Lines (.jsonl, a "
+                               f"record a line, read one at a time)")
+            texts.append(text)
         try:
-            obj = json.loads("".join(text for _, text in decoded(path)))
+            obj = json.loads("".join(texts))
         except json.JSONDecodeError as e:  # (records a line each, as the datasets library reads a .json: .jsonl)
             lines = " (JSON Lines? name it .jsonl)" if e.msg == "Extra data" and e.colno == 1 else ""
             raise SkipFile(f"malformed JSON ({e.msg} at line {e.lineno} column {e.colno}){lines}")
@@ -320,6 +330,8 @@ def read_csv(path, field, chat, ext):
             record[0] += len(line or b"")
             if line is None or record[0] > MAX_RECORD:
                 raise SkipFile(f"a record over {MAX_RECORD >> 20} MB at line {n}")
+            if n == 1:
+                refuse_packed(path, line)
             yield line.decode("utf-8-sig" if n == 1 else "utf-8")
 
     record = [0]  # the bytes of the record being read
@@ -394,6 +406,15 @@ def parquet_values(batches, rows):
         raise SkipFile(f"unreadable ({first_line(e)})") from None
 
 
+def refuse_packed(path, head):
+    """SkipFile where a file's first bytes (head) say it is compressed otherwise than its name says."""
+    packed = next((kind for magic, kind in COMPRESSED.items() if head.startswith(magic)), None)
+    if packed and (packed != "bzip2" or head[4:10] in (b"1AY&SY", b"\x17rE8P")):  # (a text may begin "BZh")
+        misnamed = packed == "gzip" and not path.name.lower().endswith(".gz")
+        raise SkipFile(f"{packed}-compressed ({'name it .gz' if misnamed else 'decompress it'} to have it "
+                       f"read{'; a .docx or .epub is a zip of XML: save its text' if packed == 'zip' else ''})")
+
+
 def decoded(path):
     """Yield (bytes, text) per PIECE bytes of a UTF-8 file (gunzipped, BOM dropped); SkipFile at NUL or bad UTF-8."""
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0  # a character may span two reads
@@ -402,11 +423,8 @@ def decoded(path):
             data = f.read(PIECE)
             if offset == 0 and data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
                 raise SkipFile("UTF-16 text (convert it to UTF-8)")
-            packed = next((kind for magic, kind in COMPRESSED.items() if offset == 0 and data.startswith(magic)), None)
-            if packed and (packed != "bzip2" or data[4:10] in (b"1AY&SY", b"\x17rE8P")):  # (a text may begin "BZh")
-                misnamed = packed == "gzip" and not path.name.lower().endswith(".gz")
-                raise SkipFile(f"{packed}-compressed ({'name it .gz' if misnamed else 'decompress it'} to have it "
-                               f"read{'; a .docx or .epub is a zip of XML: save its text' if packed == 'zip' else ''})")
+            if offset == 0:
+                refuse_packed(path, data)
             if offset == 0 and data.startswith(codecs.BOM_UTF8):
                 data, offset = data[3:], 3
             if b"\0" in data:

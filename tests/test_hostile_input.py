@@ -403,6 +403,23 @@ def test_a_list_a_chat_template_doubles_is_held_to_the_budget(monkeypatch):
             chat.ChatFormat(PROBE + template, "test", ["</s>"], "</s>")
 
 
+def test_a_conversations_renderings_share_one_budget(monkeypatch):
+    # each assistant turn renders the conversation before it: time quadratic in the turns, each rendering with a
+    # budget of its own (2,000 turns: 44 s; 1 MB of a record: ~45 minutes). One record's renderings share one
+    from lib import chat
+    fmt = chat.ChatFormat(PROBE, "test", ["</s>"], "</s>")
+    def conversation(turns):
+        return {"messages": [m for i in range(turns) for m in ({"role": "user", "content": "q"},
+                                                               {"role": "assistant", "content": f"a{i}"})]}
+    whole = fmt.record(conversation(100))
+    monkeypatch.setattr(chat, "MAX_STEPS", 5000)  # (one rendering of 100 turns takes ~500 steps, each turn's ~250)
+    assert fmt.record(conversation(10)) == chat.ChatFormat(PROBE, "test", ["</s>"], "</s>").record(conversation(10))
+    assert len(whole.spans) == 100 and len(fmt.render(conversation(100)["messages"])) == len(whole.text)
+    with pytest.raises(UserError, match=r"refused it \(it takes more than 5,000 steps, rendering its turns one by one\)"
+                                        r": split the conversation$"):
+        fmt.record(conversation(100))
+
+
 def test_a_meta_pkl_past_any_nanogpts_is_refused_unread(tmp_path):
     from lib.files import MAX_PICKLE, read_plain_pickle
     with open(tmp_path / "meta.pkl", "wb") as f:  # sparse: no disk, and nothing a reader would parse first

@@ -1390,13 +1390,47 @@ def test_a_compressed_file_is_named_as_compressed_not_binary(tmp_path):
     write(tmp_path / "src" / "c.txt", gzip.compress(text))  # a gzip not named .gz
     write(tmp_path / "src" / "d.txt", b"BZh is how this text begins\n")
     write(tmp_path / "src" / "e.txt.gz", gzip.compress(gzip.compress(text)))  # gzipped twice: named .gz already
+    write(tmp_path / "src" / "f.jsonl", gzip.compress(b'{"text": "a record"}\n' * 20))  # were bad records, not UTF-8
+    write(tmp_path / "src" / "g.csv", gzip.compress(b"text\na row\n" * 20))  # was unreadable, a UnicodeDecodeError
     meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction=0")
     assert read_all(tmp_path / "out") == ["BZh is how this text begins\n"]
     assert {Path(s["path"]).name: s["reason"] for s in meta["skipped_files"]} == {
         "a.txt.bz2": "bzip2-compressed (decompress it to have it read)",
         "b.jsonl.xz": "xz-compressed (decompress it to have it read)",
         "c.txt": "gzip-compressed (name it .gz to have it read)",
-        "e.txt.gz": "gzip-compressed (decompress it to have it read)"}
+        "e.txt.gz": "gzip-compressed (decompress it to have it read)",
+        "f.jsonl": "gzip-compressed (name it .gz to have it read)",
+        "g.csv": "gzip-compressed (name it .gz to have it read)"}
+
+
+def test_a_json_past_what_is_read_whole_is_skipped_and_listed(tmp_path, monkeypatch):
+    # a .json is parsed whole (40 MB of records: 600 MB of memory); a .jsonl is read a record at a time
+    from lib import sources
+    monkeypatch.setattr(sources, "MAX_JSON", 1000)
+    records = [{"text": f"document {i} of a json array"} for i in range(40)]  # 1,400 bytes
+    write(tmp_path / "src" / "big.json", json.dumps(records))
+    write(tmp_path / "src" / "small.json", json.dumps(records[:20]))
+    meta = run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "char", "--val_fraction=0")
+    assert sorted(read_all(tmp_path / "out")) == sorted(r["text"] for r in records[:20])
+    assert [(Path(s["path"]).name, s["reason"]) for s in meta["skipped_files"]] == [
+        ("big.json", "a .json over 0 MB, which is read whole: make it JSON Lines (.jsonl, a record a line, read one "
+                     "at a time)")]
+
+
+def test_analyze_leaves_out_an_out_dir_inside_the_input_as_the_run_does(tmp_path):
+    src = text_tree(tmp_path / "src")
+    real = run(src, "--out_dir", src / "tok", "--tokenizer", "char")  # (a dataset inside what it reads)
+    report = run(src, "--analyze", "--out_dir", src / "tok", "--tokenizer", "char")
+    assert report["files_read"] == real["files_read"] == len(DOCS) and report["skipped_files"] == []
+
+
+def test_too_few_documents_to_split_lists_what_was_skipped(tmp_path, capsys):
+    # one example (a conversation is not cut in two, as one text is) and a file skipped: why there is one was unsaid
+    write(tmp_path / "src" / "a.jsonl", '{"prompt": "a question", "completion": " an answer"}\n')
+    write(tmp_path / "src" / "b.txt", b"\x00\x01 binary")
+    with pytest.raises(UserError, match="no document left for validation"):
+        run(tmp_path / "src", "--out_dir", tmp_path / "out", "--tokenizer", "bpe:300")
+    assert "b.txt: binary (contains NUL bytes)" in capsys.readouterr().out
 
 
 def test_val_fraction_is_the_share_of_documents_in_val(tmp_path):
