@@ -85,7 +85,10 @@ def configure(config, args):
             except Exception as e:  # a mistake in the user's file: name it, no traceback
                 frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
                 line = e.lineno if isinstance(e, SyntaxError) else frames[-1] if frames else None
-                sys.exit(f"config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}")
+                said = {"true": "True", "false": "False", "none": "None", "null": "None"}.get(getattr(e, "name", ""))
+                fix = f" (Python's is {said})" if said else " (a text is quoted: key = 'value')" \
+                    if isinstance(e, NameError) else ""
+                sys.exit(f"config file {arg}{f', line {line}' if line else ''}: {type(e).__name__}: {e}{fix}")
             # what it set, each to its last value (one it deleted: none), in the order of their last stores: the
             # names its top level stored (one set to the value it had counts: batch_size = 12 after 'auto'), those
             # its functions declare global, and any other it changed (through globals())
@@ -127,6 +130,8 @@ def _set(config, key, value, source, kinds):
     elif default is not None and type(value) is not type(default):
         also = " or 'auto'" if key == "batch_size" and "batch_size_auto" in config else ""  # ('auto' is lower case)
         sys.exit(f"{source}: {key} must be {type(default).__name__} like {config[key]!r}{also}, got {value!r}")
+    if isinstance(value, str) and value.split("/")[0] == "~":  # a config file's "~/runs" (or ~): the home folder
+        value = os.path.expanduser(value)
     config[key] = value
     if key == "dataset" and value and "data_dir" in config:  # nanoGPT's name for data/NAME
         config["data_dir"] = os.path.join("data", value)

@@ -216,6 +216,9 @@ def check_arguments(args):
             raise UserError(f"hf:{path.name} has no split {path.split!r}: it has {', '.join(map(repr, splits))}")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
+    if min(args.num_workers, args.min_length) < 0:  # (--num_workers=-1 ran one thread; 0 is every core's)
+        raise UserError(f"--num_workers and --min_length are counts, at least 0: got {args.num_workers} and "
+                        f"{args.min_length}")
     if args.chat_template and not os.path.isfile(args.chat_template):  # found out now, not at the first conversation
         raise UserError(f"no such --chat_template file: {args.chat_template} (give a Jinja template's file, e.g. a "
                         f"model folder's chat_template.jinja)")
@@ -574,11 +577,7 @@ def main(argv=None):
     arg("--strict", action="store_true", help="stop at the first bad file or record instead of skipping it")
     arg("--overwrite", action="store_true", help="replace a dataset already in --out_dir")
     arg("--analyze", action="store_true", help="report files, documents, tokens and lengths; write nothing")
-
-    def error(msg):  # one line, not argparse's usage and error
-        raise UserError(f"{msg} (see python prepare.py --help)")
-    p.error = error
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # (a mistake in them: one line, files.one_line_errors)
     try:
         return prepare(args)
     except OSError as e:  # its .tmp files are gone by now, and the dataset there before is whole

@@ -19,6 +19,7 @@ GPT-2 tokens), whether prepare.py finished it, and its token files checked again
     ntokens = check_token_files("data/stdlib", meta, block_size=1024)
 """
 
+import argparse
 import atexit
 import contextlib
 import errno
@@ -43,9 +44,13 @@ def one_line_errors(script):
     is the home folder, as the shell makes it of --out_dir ~/runs but leaves it after an '=' (a folder named ~)."""
     for i, arg in enumerate(sys.argv[1:], 1):  # (not a prompt's: sample.py's --start and --system are text)
         key, eq, value = arg.partition("=")
-        if key.startswith("--") and key not in ("--start", "--system", "--title") and value.startswith("~/"):
+        if key.startswith("--") and key not in ("--start", "--system", "--title") and value.split("/")[0] == "~":
             sys.argv[i] = key + eq + os.path.expanduser(value)
     default = sys.excepthook
+
+    def parse_error(parser, message):  # argparse's, every script's: one line (and status 1), not its usage block
+        raise UserError(f"{message} (see python {script} --help)")
+    argparse.ArgumentParser.error = parse_error
 
     def hook(kind, error, traceback):
         if issubclass(kind, UserError):

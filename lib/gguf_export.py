@@ -116,8 +116,8 @@ def interleave_rotary(weight, heads):
 
 def vocabulary(tokenizer, vocab_size, gguf):
     """(tokens, types, merges, pre) of a byte-level BPE, padded with unused tokens to the model's vocab_size."""
-    instead = ("a character vocabulary has no GGUF tokenizer (nor a Hugging Face one): train with --tokenizer=bpe:N"
-               if tokenizer.kind in ("char", "nanogpt_char") else INSTEAD)
+    instead = ("a character vocabulary has no GGUF tokenizer (nor a Hugging Face one): prepare the data with "
+               "--tokenizer=bpe:N and train on it" if tokenizer.kind in ("char", "nanogpt_char") else INSTEAD)
     refusal = f"GGUF here takes byte-level BPE tokenizers only, not this {tokenizer.kind} one: {instead}"
     if tokenizer.kind == "huggingface":
         vocab, added, merges, pattern = hf_json_parts(json.loads(tokenizer.hf_json), refusal)

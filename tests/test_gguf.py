@@ -184,7 +184,7 @@ def test_char_tokenizer_is_refused_in_one_line():
     with pytest.raises(ValueError) as e:
         vocabulary(tokenizer, 64, gguf)
     # nor can llama.cpp's converter help: a character run's folder has no tokenizer to convert
-    assert "\n" not in str(e.value) and str(e.value).endswith("train with --tokenizer=bpe:N")
+    assert "\n" not in str(e.value) and str(e.value).endswith("prepare the data with --tokenizer=bpe:N and train on it")
 
 
 def test_a_char_run_is_refused_in_one_line_and_leaves_no_file(tmp_path):
@@ -194,7 +194,7 @@ def test_a_char_run_is_refused_in_one_line_and_leaves_no_file(tmp_path):
     run(*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1")
     done = script("export.py", f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'model.gguf'}")
     assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert done.stderr.startswith("export.py: ") and "train with --tokenizer=bpe:N" in done.stderr
+    assert done.stderr.startswith("export.py: ") and "prepare the data with --tokenizer=bpe:N" in done.stderr
     assert not list(tmp_path.glob("model.gguf*"))
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import prepare
-from helpers import needs_tiktoken, new_python, train_refusal
+from helpers import needs_tiktoken, new_python, script, train_refusal
 from lib import checkpoint as ckpt
 from lib import resume
 from lib import hf
@@ -688,6 +688,21 @@ def test_sample_py_says_its_own_name_in_one_line(tmp_path, folder, case, says):
         args = [f"--model={folder}"]
     done = new_python("sample.py", *args, "--device=cpu", "--max_new_tokens=2")
     one_line(done, "sample.py", says)
+
+
+@pytest.mark.parametrize("name, args, says", [
+    ("sample.py", ["--foo=1"], "unrecognized arguments: --foo=1 (see python sample.py --help)"),
+    ("sample.py", ["--temperature=abc"], "argument --temperature: invalid float value: 'abc'"),
+    ("eval.py", ["--foo=1"], "unrecognized arguments: --foo=1 (see python eval.py --help)"),
+    ("export.py", [], "the following arguments are required: --to (see python export.py --help)"),
+    ("plot.py", [], "the following arguments are required: out_dirs (see python plot.py --help)"),
+    ("bench.py", ["--mode=nope"], "argument --mode: invalid choice: 'nope'"),
+    ("prepare.py", ["--tokenizer=char", "--num_workers=-1"], "--num_workers and --min_length are counts, at least 0"),
+])
+def test_a_scripts_command_line_mistake_is_one_line(name, args, says):
+    # argparse printed its usage block and exited 2 (prepare.py's alone was one line); --num_workers=-1 ran one thread
+    done = script(name, *args)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
 
 
 def test_export_py_says_its_own_name_in_one_line(tmp_path):

@@ -412,14 +412,20 @@ def test_a_tilde_after_an_equals_sign_is_the_home_folder(data_dir, tmp_path, mon
     assert (tmp_path / "run" / "ckpt.pt").is_file() and not (ROOT / "~").exists()
     done = script("export.py", "--out_dir=~/elsewhere", "--to=~/hf", env={"HOME": str(tmp_path)})
     assert done.returncode == 1 and f"no checkpoint at {tmp_path}/elsewhere/ckpt.pt" in done.stderr, done.stderr
-    # a prompt is text, and ~user or ~ alone is not taken for a folder
+    # a config file's too (no shell sees it); ~ alone is the home folder, as the shell makes it (it made a folder ~
+    # in the current one, which an rm -rf ~ meant for it would not have stopped at)
+    (tmp_path / "tilde.py").write_text("out_dir = '~/from_file'\n")
+    run(*TINY, f"--data_dir={data_dir}", tmp_path / "tilde.py", "--max_iters=1", env={"HOME": str(tmp_path)})
+    assert (tmp_path / "from_file" / "ckpt.pt").is_file() and not (ROOT / "~").exists()
+    # a prompt is text, and ~user is not taken for a folder
     from lib.files import one_line_errors
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     monkeypatch.setattr(sys, "argv", ["sample.py", "--start=~/ a prompt", "--system=~/", "--out_dir=~root/x",
                                       "--to=~", "--data_dir=~/d"])
     monkeypatch.setenv("HOME", str(tmp_path))
     one_line_errors("sample.py")
-    assert sys.argv[1:] == ["--start=~/ a prompt", "--system=~/", "--out_dir=~root/x", "--to=~", f"--data_dir={tmp_path}/d"]
+    assert sys.argv[1:] == ["--start=~/ a prompt", "--system=~/", "--out_dir=~root/x", f"--to={tmp_path}",
+                            f"--data_dir={tmp_path}/d"]
 
 
 def test_config_file_is_python_and_checked(data_dir, tmp_path):
@@ -456,6 +462,10 @@ def test_config_file_is_python_and_checked(data_dir, tmp_path):
     later = tmp_path / "later.py"  # the last value a file gives a setting, however it gives it
     later.write_text("max_iters = 100\nglobals()['max_iters'] = 200\n")
     assert train_settings([later])["max_iters"] == 200
+    for text, fix in (("compile = false\n", "(Python's is False)"), ("dtype = bfloat16\n", "(a text is quoted")):
+        (tmp_path / "names.py").write_text(text)  # another language's word, a text unquoted: named with the fix
+        assert f"line 1: NameError: name '{text.split()[-1]}' is not defined {fix}" in train_refusal(
+            str(tmp_path / "names.py"))
     huge = tmp_path / "huge.py"  # an int past any float: the type's line, no traceback
     huge.write_text("learning_rate = 10**400\n")
     assert "learning_rate must be float like " in train_refusal(str(huge))
