@@ -141,14 +141,16 @@ def held_base(checkpoint, base):
 
 
 def export_dtype(dtype, base):
-    # --dtype; auto: the dtype the run began from (its base's config.json's), else the checkpoint's (float32)
+    # --dtype; auto: the dtype the run began from (its base's config.json's), else (none, or one we do not write:
+    # float64, "auto") the checkpoint's, float32
     if dtype != "auto":
         return dtype
     try:
         config = read_json(os.path.join(base, "config.json")) if base else {}
     except ValueError:
         config = {}
-    return config.get("torch_dtype") or config.get("dtype") or "float32"
+    named = config.get("torch_dtype") or config.get("dtype")
+    return named if named in ("bfloat16", "float16") else "float32"
 
 
 # what this script writes in a folder: --overwrite replaces a folder that holds nothing else
@@ -352,7 +354,7 @@ def export_gguf(args):
         elif bases_tokenizer(tokenizer, base):  # a base's chat template holds where its tokenizer does
             config = os.path.join(base, "tokenizer_config.json")
             template = base_jinja(base) or (read_json(config).get("chat_template") if os.path.isfile(config) else None)
-        write_gguf(model, tokenizer, staging, dtype, ids, template)
+        unlike = write_gguf(model, tokenizer, staging, dtype, ids, template)
         on_disk(staging)
         finishing()
         durable_replace(staging, args.to)
@@ -365,7 +367,7 @@ def export_gguf(args):
             os.remove(staging)
         if made and not os.path.exists(args.to):
             shutil.rmtree(made, ignore_errors=True)
-    print(f"wrote a GGUF model to {args.to}")
+    print(f"wrote a GGUF model to {args.to}" + (f"\n{unlike}" if unlike else ""))
 
 
 if __name__ == "__main__":

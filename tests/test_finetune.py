@@ -481,6 +481,21 @@ def test_an_export_takes_the_dtype_of_the_folder_the_run_began_from(pretrained, 
     assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("named", ["float64", "auto"])
+def test_a_folder_whose_dtype_is_none_we_write_exports_the_checkpoints_float32(pretrained, tmp_path, named):
+    # --dtype=auto took a config.json's torch_dtype as it was: float64 a KeyError (GGUF), "auto" an AttributeError
+    from safetensors.torch import load_file
+    folder, data = pretrained
+    shutil.copytree(folder, tmp_path / "base")
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    config.pop("dtype", None)
+    (tmp_path / "base" / "config.json").write_text(json.dumps({**config, "torch_dtype": named}))
+    run(*FINETUNE, f"--data_dir={data}", f"--init_from={tmp_path / 'base'}", f"--out_dir={tmp_path / 'run'}",
+        "--max_iters=1")
+    export("--out_dir", tmp_path / "run", "--to", tmp_path / "hf")
+    assert {t.dtype for t in load_file(tmp_path / "hf" / "model.safetensors").values()} == {torch.float32}
+
+
 def test_adapters_start_as_their_base_with_the_runs_dropout():
     # B starts at zero: an adapted model's logits are its base's exactly, whatever A drew; lora_dropout is each
     # adapter's own

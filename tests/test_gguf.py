@@ -155,7 +155,7 @@ def test_overwrite_and_adapter(bpe_run, tmp_path):
 
 
 @pytest.mark.slow  # tiktoken's three encodings, read whole
-def test_every_tiktoken_pattern_has_llama_cpps_name():
+def test_every_tiktoken_pattern_has_llama_cpps_name(tmp_path):
     import tiktoken
     expected = {"gpt2": "gpt-2", "r50k_base": "gpt-2", "cl100k_base": "llama-bpe", "o200k_base": "gpt-4o"}
     for name, pre in expected.items():
@@ -164,6 +164,16 @@ def test_every_tiktoken_pattern_has_llama_cpps_name():
         except Exception as e:  # it would download: tests never do
             pytest.skip(f"tiktoken encoding {name} does not load offline ({type(e).__name__})")
         assert PRE_TOKENIZERS[pattern] == pre, name
+    # llama.cpp's gpt-4o splits some text otherwise than o200k_base ("ÉS" as "É", "S"): written, and said
+    from lib.gguf_export import write_gguf
+    from model import GPT, GPTConfig
+    tokenizer = make_tokenizer("o200k_base", None)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, n_layer=1, n_head=2, n_embd=8, block_size=8))
+    said = write_gguf(model, tokenizer, tmp_path / "m.gguf", torch.float32, {"eos_token_id": tokenizer.eot_id})
+    assert said.startswith("warning: llama.cpp's gpt-4o pre-tokenizer splits some text otherwise than o200k_base")
+    bpe = make_tokenizer("bpe:260", lambda: iter(["hello world, hello there"] * 50))
+    model = GPT(GPTConfig(vocab_size=320, n_layer=1, n_head=2, n_embd=8, block_size=8))
+    assert write_gguf(model, bpe, tmp_path / "b.gguf", torch.float32, {"eos_token_id": bpe.eot_id}) is None
 
 
 def test_a_chat_template_renders_in_gguf_as_its_data_was_whatever_bos_and_eos_llama_cpp_gives_it():
@@ -525,6 +535,28 @@ def test_a_tokenizer_json_that_llama_cpp_would_encode_otherwise_is_refused(step)
     with pytest.raises(ValueError) as e:
         vocabulary(hf_tokenizer("odd", hf.to_str()), 320, gguf)
     assert "\n" not in str(e.value) and "llama.cpp's byte-level BPE does not" in str(e.value)
+
+
+def test_a_tokenizer_json_that_splits_after_its_byte_level_step_is_refused():
+    # its regex runs on the byte-level characters ('Ġ' a letter): named llama-bpe, llama.cpp encoded 326 of 803
+    # texts otherwise
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from lib.tokenizer import hf_tokenizer
+    pattern = next(p for p, name in PRE_TOKENIZERS.items() if name == "llama-bpe")  # (a regex llama.cpp knows)
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    hf = Tokenizer(models.BPE())
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    for steps, refused in (([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)], False),
+                           ([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), split], True)):
+        hf.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        hf.train_from_iterator(["hello world, Hello there"] * 50, trainer)
+        if not refused:
+            assert vocabulary(hf_tokenizer("ordered", hf.to_str()), 320, gguf)[3] == "llama-bpe"
+            continue
+        with pytest.raises(ValueError, match="GGUF here takes byte-level BPE tokenizers only"):
+            vocabulary(hf_tokenizer("reordered", hf.to_str()), 320, gguf)
 
 
 @pytest.mark.slow  # SIGTERM to new Pythons
