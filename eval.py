@@ -115,6 +115,10 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
     from lm_eval.utils import handle_non_serializable, make_table
     print(make_table(results))
+    if earlier_results(output):  # an earlier eval.py's (any other file was refused above): replaced, and said
+        earlier = read_json(output)["results"]
+        print(f"note: {output} held earlier results ({', '.join(sorted(earlier)) if isinstance(earlier, dict) else ''})"
+              f", replaced by these: give --output=PATH to keep both")
     with replaced_whole(output, "w", encoding="utf-8") as f:  # lm_eval's results, less the per-item samples
         json.dump({k: v for k, v in results.items() if k != "samples"}, f, indent=2, default=handle_non_serializable,
                   ensure_ascii=False)

@@ -178,8 +178,8 @@ def split_note(before, batch_size, accumulation, dropout):
 
 
 def schedule_notes(before, config, step):
-    # what a resume at step changes of the run's end, its learning rates, dropout, clipping and dtype (before:
-    # the checkpoint's config)
+    # what a resume at step changes of the run's end, its learning rates, dropout, clipping, dtype and step copies
+    # (before: the checkpoint's config)
     if config["max_iters"] < step and not config["eval_only"]:  # (the loop ends where it begins)
         return [f"note: max_iters={config['max_iters']} is behind the checkpoint's step {step}: nothing is trained "
                 f"(raise max_iters to train on)"]
@@ -210,6 +210,10 @@ def schedule_notes(before, config, step):
     if taken and config["max_iters"] > step and not config["eval_only"]:
         notes.append(f"note: {'; '.join(f'{k}={config[k]}, was {before[k]}' for k in taken)}: this command's, not "
                      f"the checkpoint's, from step {step} on")
+    if 0 < config["keep_last_n"] < before.get("keep_last_n", 0) and config["max_iters"] > step and \
+            not config["eval_only"]:  # (a save removes the copies past it)
+        notes.append(f"note: keep_last_n={config['keep_last_n']}, was {before['keep_last_n']}: the next save keeps "
+                     f"only the last {config['keep_last_n']} step copies (ckpt_NNNNNNN.pt) and removes the older ones")
     return notes
 
 

@@ -162,6 +162,19 @@ def test_an_old_folder_that_will_not_go_is_set_aside_and_never_stops_a_save(tmp_
     assert os.listdir(tmp_path) == ["ckpt"] and ckpt.latest(str(tmp_path), True)[1] == 4
 
 
+def test_a_resume_with_a_smaller_keep_last_n_says_what_its_next_save_removes(data_dir, tmp_path):
+    # the resume's first save removed two of three step copies, the only change of a resume not said
+    from helpers import TINY, run
+    run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=3", "--eval_interval=1",
+        "--keep_last_n=3")
+    assert len(list(tmp_path.glob("ckpt_0*.pt"))) == 3
+    done = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=1",
+               "--keep_last_n=1", "--init_from=resume")
+    assert "note: keep_last_n=1, was 3: the next save keeps only the last 1 step copies (ckpt_NNNNNNN.pt) and " \
+        "removes the older ones" in done.stdout, done.stdout
+    assert [p.name for p in tmp_path.glob("ckpt_0*.pt")] == ["ckpt_0000004.pt"]
+
+
 def test_keep_last_n_keeps_its_steps_whatever_their_file_times(tmp_path):
     # copies made with `cp` (no -p) dated in any order, or a clock stepped back: no step of the run goes
     model = GPT(GPTConfig(**SHAPE))

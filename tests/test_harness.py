@@ -234,6 +234,12 @@ def test_eval_py_tasks_prints_the_table_and_writes_json(run_here, tasks, tmp_pat
     results = json.loads(output.read_text())["results"]
     assert set(ROOT_TASKS) <= results.keys() and 0 <= results["tiny_hellaswag"]["acc,none"] <= 1
     assert math.isfinite(results["tiny_perplexity"]["word_perplexity,none"])
+    # again, one task: the earlier results are replaced, and that is said (it was not)
+    again = script("eval.py", f"--out_dir={out_dir}", "--tasks=tiny_perplexity", f"--include_path={tasks}",
+                   "--limit=3", "--batch_size=2", f"--output={output}", env=OFFLINE)
+    assert f"note: {output} held earlier results ({', '.join(sorted(results))}), replaced by these: give " \
+        "--output=PATH to keep both" in again.stdout, again.stdout
+    assert json.loads(output.read_text())["results"].keys() == {"tiny_perplexity"}
 
 
 def eval_py(*args, path="eval.py"):
