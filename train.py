@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,8 @@ from lib.data import Batches
 from lib.files import (UserError, check_data_for_run, check_meta_unchanged, data_fingerprint, one_line_errors,
                       read_meta, tokenizer_fingerprint)
 from lib.memory import device_name, measured_mb, memory_estimate, memory_layout, memory_table
-from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, start_clock, time_left,
-                         utilization, wall_time)
+from lib.metrics import (Speedometer, attended_keys, open_log, report_evaluation, set_aside, start_clock,
+                         time_left, utilization, wall_time)
 from lib.optim import SCHEDULE_SETTINGS, build_optimizers, hyperparameters, lr_factor, reapply, run_steps, set_lr
 from lib.parallel import (StopRequest, check_replicas, check_same_settings, clip_gradients, end_processes,
                           init_distributed, parallelize, peak_flops, sum_head_gradients, target_shares)
@@ -94,10 +94,9 @@ for note in [*settings.unused(config), *origin.notes] if master else ():
     print(note)
 if origin.stopped:  # the run stopped early before: the same command again has nothing to do
     sys.exit(0)
-stale_log = os.path.join(out_dir, "metrics.jsonl")  # left by a run that died before its first checkpoint
-if origin.init_from != "resume" and master and not eval_only and os.path.exists(stale_log):
-    with suppress(OSError):  # (one that cannot go: its first record says why, and the run goes on)
-        os.remove(stale_log)
+# records of an earlier run that left no checkpoint here (it died before its first): kept aside, not appended to
+if origin.init_from != "resume" and master and not eval_only and (set_aside_note := set_aside(out_dir)):
+    print(set_aside_note)
 checkpoint, loop, lora = origin.checkpoint, origin.loop, origin.lora
 first_step = loop["iter_num"]  # where this run begins: a signal before it trains a step has nothing to save
 

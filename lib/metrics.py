@@ -14,6 +14,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import time
 
 import torch
@@ -88,6 +89,22 @@ def open_log(out_dir, config, master, wandb_log=False, wandb_project="gpt", wand
         with contextlib.suppress(OSError):
             return tensorboard and tensorboard.close()
     return log, close
+
+
+def set_aside(out_dir):
+    """A run that begins anew where an earlier one left records but no checkpoint (it died before its first, or its
+    checkpoints were moved away): those records kept as metrics.jsonl.old and tb.old (in place of any kept before),
+    not lost -> a note, or None. One that cannot move stays (its first record says why, and the run goes on)."""
+    moved = []
+    for name in [n for n in ("metrics.jsonl", "tb") if os.path.lexists(os.path.join(out_dir, n))]:
+        path = os.path.join(out_dir, name)
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path + ".old") and not os.path.islink(path + ".old"):
+                shutil.rmtree(path + ".old")
+            os.replace(path, path + ".old")
+            moved.append(name)
+    return (f"note: {' and '.join(moved)} of an earlier run that left no checkpoint here kept as "
+            f"{' and '.join(name + '.old' for name in moved)}" if moved else None)
 
 
 def open_tensorboard(out_dir, step, cut, wanted):

@@ -782,8 +782,24 @@ def test_tensorboard_missing_is_one_line(data_dir, tmp_path, monkeypatch):
     assert "wandb_log=True needs Weights & Biases: pip install wandb" in said
 
 
+def test_a_new_run_keeps_the_records_of_one_that_left_no_checkpoint_aside(data_dir, tmp_path):
+    # a finished run's checkpoints moved away, a new run in its out_dir: its metrics.jsonl, the run's only history
+    # left, was removed without a word
+    out = tmp_path / "run"
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=2", "--log_interval=1"]
+    run(*args)
+    first = (out / "metrics.jsonl").read_text()
+    for path in out.glob("ckpt*.pt"):
+        path.rename(tmp_path / path.name)
+    done = run(*args)
+    assert "note: metrics.jsonl of an earlier run that left no checkpoint here kept as metrics.jsonl.old" in done.stdout
+    assert (out / "metrics.jsonl.old").read_text() == first
+    assert (out / "metrics.jsonl").read_text().count("\n") == first.count("\n")  # this run's own records alone
+
+
 def test_a_metrics_jsonl_that_cannot_be_removed_or_written_is_a_warning(data_dir, tmp_path):
     (tmp_path / "metrics.jsonl").mkdir()  # (a fresh run's removal of a stale one had ended in a traceback)
+    (tmp_path / "metrics.jsonl.old").write_text("")  # (and a folder is not moved over a file)
     done = run(*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_iters=2")
     assert f"warning: cannot write {tmp_path}/metrics.jsonl (Is a directory); training goes on without it" \
         in done.stdout and "run ended at step 2" in done.stdout
