@@ -80,6 +80,8 @@ def parse_args():
         raise UserError(f"{taken[0].partition('=')[0]}: bench.py sets it, running --steps steps (--mode=race: as many "
                         f"as --seconds hold, to the end of the schedule) with one evaluation, in a folder it removes; "
                         f"give --steps")
+    if overridden := [a.partition("=")[0] for a in train_args if sets and a.startswith(compared)]:  # (copied commands)
+        print(f"note: {', '.join(overridden)}: bench.py's own, in place of this command's (one evaluation, at the end)")
     if (args.seeds is not None and args.seeds < 1) or args.threads < 1:
         raise UserError(f"--seeds={args.seeds} and --threads={args.threads} must be at least 1")
     if args.warmup >= args.steps:

@@ -299,6 +299,15 @@ def test_train_py_settings_pass_through_whole_not_as_abbreviations_of_benchs_own
     assert args.seeds is None and args.steps == 12 and train_args == ["config/train_small.py", "--seed=42"]
 
 
+def test_what_a_copied_train_py_command_sets_that_bench_py_sets_itself_is_said(monkeypatch, capsys):
+    # taken, as a train.py command copied whole runs; the table's header named them as if they had been run
+    import bench
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--eval_interval=2", "--log_interval=3", "--dropout=0.1"])
+    assert bench.parse_args()[1] == ["--eval_interval=2", "--log_interval=3", "--dropout=0.1"]
+    assert capsys.readouterr().out == ("note: --eval_interval, --log_interval: bench.py's own, in place of this "
+                                       "command's (one evaluation, at the end)\n")
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--seconds=nan"], "--seconds=nan above 0 and finite"),  # (a race's steps from it: a traceback after a run)
     (["--mode=race", "--seconds=inf"], "--seconds=inf above 0 and finite"),
