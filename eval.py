@@ -81,11 +81,12 @@ def run_dtype(checkpoint, device, dtype):
 
 
 def earlier_results(path):
-    # whether the file at path holds results eval.py wrote (a JSON object with lm_eval's "results", not too big)
+    # the results eval.py wrote at path (a JSON object with lm_eval's "results", not too big), else None
     try:
-        return "results" in read_json(path)
+        held = read_json(path)
     except (OSError, UserError):
-        return False
+        return None
+    return held["results"] if isinstance(held, dict) and "results" in held else None
 
 
 if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val loss
@@ -95,7 +96,7 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
         raise UserError(f"--output={output}: its folder does not exist (make it, or write elsewhere)")
     if not args.output and args.model and os.path.isdir(args.model) and os.path.samefile(".", args.model):
         raise UserError(f"the results would go to {output} in the model folder {args.model}: give --output=PATH")
-    if os.path.lexists(output) and not earlier_results(output):  # (a checkpoint, metrics.jsonl, a config.json)
+    if os.path.lexists(output) and earlier_results(output) is None:  # (a checkpoint, metrics.jsonl, a config.json)
         raise UserError(f"--output={output} is a {'folder' if os.path.isdir(output) else 'file'} eval.py did not "
                         f"write, which the results would replace: write them elsewhere")
     manager, names = harness.load_tasks(args.tasks, args.include_path)
@@ -115,8 +116,8 @@ if args.tasks is not None:  # lm-evaluation-harness's tasks instead of the val l
     results = harness.run_tasks(lm, manager, names, limit, args.num_fewshot, args.apply_chat_template)
     from lm_eval.utils import handle_non_serializable, make_table
     print(make_table(results))
-    if earlier_results(output):  # an earlier eval.py's (any other file was refused above): replaced, and said
-        earlier = read_json(output)["results"]
+    earlier = earlier_results(output)
+    if earlier is not None:  # an earlier eval.py's (any other file was refused above): replaced, and said
         print(f"note: {output} held earlier results ({', '.join(sorted(earlier)) if isinstance(earlier, dict) else ''})"
               f", replaced by these: give --output=PATH to keep both")
     with replaced_whole(output, "w", encoding="utf-8") as f:  # lm_eval's results, less the per-item samples

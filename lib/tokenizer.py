@@ -27,6 +27,7 @@ from lib.files import MAX_VOCAB, UserError, check_json_size, nanogpt_chars, open
 # a tokenizers call's deadline: 5 s, and 100 us a character (released tokenizers take ~1 us a character)
 ENCODE_DEADLINE = (5.0, 1e-4)
 CALLS = {}  # the calls under way: (when due, tokenizer's name, characters, seconds allowed) (deadline)
+WATCHER = []  # deadline's thread, once started (a forked worker's copy is not alive: it starts its own)
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")  # Hugging Face's, preferred first
 
 
@@ -172,8 +173,9 @@ def deadline(name, chars):
     seconds = ENCODE_DEADLINE[0] + ENCODE_DEADLINE[1] * chars
     call = object()
     CALLS[call] = (time.monotonic() + seconds, name, chars, seconds)
-    if not any(t.name == "tokenizer deadlines" for t in threading.enumerate()):
-        threading.Thread(target=watch, name="tokenizer deadlines", daemon=True).start()
+    if not (WATCHER and WATCHER[-1].is_alive()):
+        WATCHER.append(threading.Thread(target=watch, name="tokenizer deadlines", daemon=True))
+        WATCHER[-1].start()
     try:
         yield
     finally:
