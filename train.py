@@ -171,6 +171,8 @@ max_iters, lr_decay_iters, warmup_iters, steps_note = run_steps(max_iters, lr_de
 eval_batches = batches.evaluation_batches(dp_size)  # as many in every process
 if master:
     print(batches.describe(eval_iters) + (f"\n{steps_note}" if steps_note and not eval_only else ""))
+for note in origin.end_notes(max_iters) if master and origin.end_notes else ():  # what a resume changes of them
+    print(note)
 epoch_copies = int(batches.epoch(max_iters)) - int(batches.epoch(loop["iter_num"])) if save_every_epoch else 0
 # out_dir's room for the run's saves, now, not hours in (eval_only writes none)
 room_warning = None if eval_only else ckpt.check_room(out_dir, memory["checkpoint"], keep_last_n, epoch_copies)

@@ -18,6 +18,7 @@ import warnings
 import zipfile
 import zlib
 from dataclasses import asdict, fields
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -144,7 +145,7 @@ def resume(origin, config, meta, eval_sequences):
     elif not config["batch_size_auto"] and not config["eval_only"]:  # (under 'auto' micro_batch.py says it)
         origin.notes += split_note(before, config["batch_size"], config["gradient_accumulation_steps"],
                                    config["dropout"])
-    origin.notes += schedule_notes(before, config, loop["iter_num"])
+    origin.end_notes = partial(schedule_notes, before, config, loop["iter_num"])  # once max_epochs has set the end
     origin.notes += dropout_note(checkpoint, config, origin.model_args)
 
 
@@ -177,12 +178,14 @@ def split_note(before, batch_size, accumulation, dropout):
     return []
 
 
-def schedule_notes(before, config, step):
+def schedule_notes(before, config, step, end):
     # what a resume at step changes of the run's end, its learning rates, dropout, clipping, dtype and step copies
-    # (before: the checkpoint's config)
-    if config["max_iters"] < step and not config["eval_only"]:  # (the loop ends where it begins)
-        return [f"note: max_iters={config['max_iters']} is behind the checkpoint's step {step}: nothing is trained "
-                f"(raise max_iters to train on)"]
+    # (before: the checkpoint's config; end: the run's last step, max_iters or its max_epochs' if sooner)
+    if end < step and not config["eval_only"]:  # (the loop ends where it begins)
+        knob = "max_iters" if end == config["max_iters"] else "max_epochs"
+        return [f"note: {knob}={config[knob]} is behind the checkpoint's step {step}" + (
+            "" if knob == "max_iters" else f" (it ends the run at step {end})") +
+            f": nothing is trained (raise {knob} to train on)"]
     notes, moved = [], before.get("max_iters") != config["max_iters"] and not config["eval_only"]
     if moved:  # the run's end moves, and with lr_decay_iters its schedule
         was = f" (was {before.get('lr_decay_iters')})" if before.get("lr_decay_iters") != config["lr_decay_iters"] \
@@ -201,16 +204,16 @@ def schedule_notes(before, config, step):
                          f"; step {step}, its last, off eval_interval, was evaluated, and counts for ckpt_best and "
                          f"early stopping as it would in no run that went on past it" if last else ""))
     changed = [k for k in SCHEDULE if before.get(k, config[k]) != config[k] and not (moved and k == "lr_decay_iters")]
-    if changed and config["max_iters"] > step and not config["eval_only"]:
+    if changed and end > step and not config["eval_only"]:
         notes.append(f"note: the learning rate's schedule is this command's, not the checkpoint's ("
                      f"{'; '.join(f'{k}={config[k]}, was {before[k]}' for k in changed)}): from step {step} on the "
                      f"run differs from the one it continues")
     # more that a resume takes from its command, and that changes the updates (dtype: 'auto' is the machine's)
     taken = [k for k in ("dropout", "grad_clip", "dtype") if config[k] not in ("auto", before.get(k, config[k]))]
-    if taken and config["max_iters"] > step and not config["eval_only"]:
+    if taken and end > step and not config["eval_only"]:
         notes.append(f"note: {'; '.join(f'{k}={config[k]}, was {before[k]}' for k in taken)}: this command's, not "
                      f"the checkpoint's, from step {step} on")
-    if 0 < config["keep_last_n"] < before.get("keep_last_n", 0) and config["max_iters"] > step and \
+    if 0 < config["keep_last_n"] < before.get("keep_last_n", 0) and end > step and \
             not config["eval_only"]:  # (a save removes the copies past it)
         notes.append(f"note: keep_last_n={config['keep_last_n']}, was {before['keep_last_n']}: the next save keeps "
                      f"only the last {config['keep_last_n']} step copies (ckpt_NNNNNNN.pt) and removes the older ones")

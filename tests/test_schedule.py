@@ -11,6 +11,7 @@ import torch
 from helpers import TINY, run, train_settings
 from lib.files import UserError
 from lib.optim import check_optimizer, lr_factor, run_steps, set_lr
+from lib.resume import schedule_notes
 from lib.settings import defaults, unused
 
 # warmup over 2 steps, then from the peak down to min_lr / learning_rate = 0.1 at step 10 (lr_decay_iters)
@@ -278,6 +279,23 @@ def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, 
     out = run(*auto, "--batch_size=2", "--gradient_accumulation_steps=2", "--batch_size=auto", "--init_from=resume",
               "--seed=7", f"--out_dir={tmp_path / 'seeded'}").stdout  # other batches: said, and no note of the same
     assert "warning: seed, sequences, block_size" in out and "an update's sequences are split" not in out
+
+
+def test_a_resume_behind_the_end_its_max_epochs_set_trains_nothing_and_says_that_alone():
+    # a run saved at step 981 of its 2 epochs, resumed for 1 epoch (491 steps) under a larger max_iters: the epochs
+    # end it before the step, and the notes said it ended at 1000 with a schedule differing from step 981 on
+    before = {**defaults(), "max_iters": 100000, "lr_decay_iters": 100000, "max_epochs": 2}
+    config = {**before, "max_iters": 1000, "max_epochs": 1}
+    assert schedule_notes(before, config, 981, 491) == [
+        "note: max_epochs=1 is behind the checkpoint's step 981 (it ends the run at step 491): nothing is trained "
+        "(raise max_epochs to train on)"]
+    assert schedule_notes(before, {**config, "max_iters": 900}, 981, 491)[0].startswith("note: max_epochs=1 is behind")
+    assert schedule_notes(before, {**config, "max_iters": 900}, 981, 900) == [
+        "note: max_iters=900 is behind the checkpoint's step 981: nothing is trained (raise max_iters to train on)"]
+    # epochs that end past the step: the end's move and the schedule's are said, as before
+    notes = schedule_notes(before, config, 981, 1000)
+    assert notes[0].startswith("note: max_iters is 1000, not the checkpoint's 100000: the run ends at step 1000 (or "
+                               "at the 1 epochs' last, if sooner)") and "(max_epochs=1, was 2)" in notes[1]
 
 
 def test_a_setting_its_other_settings_leave_out_of_play_is_noted(data_dir, tmp_path):
