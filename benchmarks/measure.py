@@ -35,6 +35,7 @@ from lib.lora import add_lora, quantize_base
 from lib.memory import tensor_bytes
 from lib.parallel import pick_device
 from lib.settings import check, check_sizes, defaults, model_settings
+from lib.start import frozen_dtype
 from lib.trained import load_model
 from model import GPT, GPTConfig
 
@@ -377,7 +378,9 @@ def finetune_row(label, out, extra):
     state = sum(tensor_bytes(t) for s in ckpt["optimizer"]["state"].values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)
     ckpt["optimizer"] = None
-    model = model_from_checkpoint(ckpt, torch.bfloat16)  # a LoRA run's frozen base, in bf16 as it ran
+    # a LoRA run's frozen base in the dtype it ran in: bf16 on a GPU, fp32 on a CPU (where dtype='auto' is fp32)
+    config = ckpt["config"]
+    model = model_from_checkpoint(ckpt, frozen_dtype(config["lora_base_dtype"], config["dtype"]))
     quantized = [e.split("=")[1] for e in extra if e.startswith("--lora_base_dtype=")]
     if quantized:
         quantize_base(model, quantized[0])

@@ -411,3 +411,18 @@ def test_seeds_and_threads_below_one_are_refused_in_one_line(monkeypatch):
         monkeypatch.setattr(sys, "argv", ["bench.py", "--mode=seeds", bad])
         with pytest.raises(UserError, match="must be at least 1"):
             bench.parse_args()
+
+
+@pytest.mark.slow  # a LoRA run of train.py on a tiny Qwen3 folder: ~15 s
+def test_lora_mode_counts_the_frozen_base_in_the_dtype_the_run_held_it(tmp_path, capsys):
+    # on a CPU dtype='auto' is float32, and so is a LoRA run's frozen base (lora_base_dtype='auto'): its row's MB
+    # are 4 bytes a frozen weight, not bf16's 2
+    from benchmarks.gpu import TINY_QWEN3
+    from benchmarks.measure import bench_lora
+    from model import GPT, GPTConfig
+    shape = dict(TINY_QWEN3, vocab_size=8192, n_embd=128, head_size=64)  # a ~4 MB embedding: MB the row shows
+    bench_lora(["--device=cpu", "--compile=False", "--batch_size=1", "--block_size=32"], shape, "tiny Qwen3",
+               skip=["full", "LoRA, int8 base", "QLoRA"], scratch=tmp_path, steps=4)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| LoRA |"))
+    frozen = float(row.split(" | ")[3].replace(",", ""))
+    assert frozen == round(GPT(GPTConfig(**shape)).num_params() * 4 / 2**20), row
