@@ -300,7 +300,15 @@ if HAS_TRITON:
     _rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup)
 
     def apply_rotary(x, cos, sin):
-        return _rotary_op(x, cos, sin, False) if triton_can_run(x) else apply_rotary_ref(x, cos, sin)
+        if not triton_can_run(x):
+            return apply_rotary_ref(x, cos, sin)
+        # the kernel reads row t of cos and sin for position t: a longer table must be sliced to T rows (the op's
+        # torch._check said only "Expected cond to be True"); and it makes no gradient for cos or sin (None, silently)
+        if x.dim() != 4 or x.shape[-1] % 2 or cos.shape != (x.shape[1], x.shape[-1] // 2) or sin.shape != cos.shape:
+            raise ValueError(f"apply_rotary: x {list(x.shape)}, cos {list(cos.shape)}, sin {list(sin.shape)}")
+        if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+            raise ValueError("apply_rotary: cos and sin require grad, which the kernel does not make")
+        return _rotary_op(x, cos, sin, False)
 
     # --- linear + cross-entropy -----------------------------------------------------------
 

@@ -405,6 +405,37 @@ def test_shapes_the_references_refuse_are_refused_by_the_kernels_too():
                 call()
 
 
+@needs_triton
+def test_apply_rotary_refuses_tables_of_another_shape_in_one_line():
+    # cos, sin must be (T, D/2): a cache's table longer or shorter than T, a D/2 off by one, an odd D, an x not 4-D.
+    # The op said only "Expected cond to be True" (torch._check), or failed to unpack x's shape
+    x, c = randn(2, 5, 3, 8, grad=False), randn(5, 4, grad=False)
+    for call, said in [(lambda: K.apply_rotary(x, randn(9, 4, grad=False), randn(9, 4, grad=False)),
+                        "apply_rotary: x [2, 5, 3, 8], cos [9, 4], sin [9, 4]"),
+                       (lambda: K.apply_rotary(x, randn(3, 4, grad=False), randn(3, 4, grad=False)),
+                        "apply_rotary: x [2, 5, 3, 8], cos [3, 4], sin [3, 4]"),
+                       (lambda: K.apply_rotary(x, c, randn(5, 3, grad=False)),
+                        "apply_rotary: x [2, 5, 3, 8], cos [5, 4], sin [5, 3]"),
+                       (lambda: K.apply_rotary(randn(2, 5, 3, 7, grad=False), randn(5, 3, grad=False),
+                                               randn(5, 3, grad=False)),
+                        "apply_rotary: x [2, 5, 3, 7], cos [5, 3], sin [5, 3]"),
+                       (lambda: K.apply_rotary(randn(5, 3, 8, grad=False), c, c),
+                        "apply_rotary: x [5, 3, 8], cos [5, 4], sin [5, 4]")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            call()
+
+
+@needs_triton
+def test_apply_rotary_refuses_cos_and_sin_that_require_grad():
+    # the reference differentiates cos and sin (a learned table); the op's backward gave them None, silently
+    cos, sin = randn(5, 4), randn(5, 4)
+    with pytest.raises(ValueError, match="apply_rotary: cos and sin require grad"):
+        K.apply_rotary(randn(2, 5, 3, 8), cos, sin)
+    x = randn(2, 5, 3, 8, grad=False)
+    with torch.no_grad():  # no gradient asked for: the kernel runs
+        assert rel_err(K.apply_rotary(x, cos, sin), K.apply_rotary_ref(x, cos, sin)) <= TOL[torch.float32]
+
+
 # -----------------------------------------------------------------------------
 # gradients in fp64, and the custom ops' registrations
 
