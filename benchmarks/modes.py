@@ -197,10 +197,12 @@ def bench_memory(args, train_args):
 
 # -----------------------------------------------------------------------------
 # --mode=load: peak memory of load_pretrained against a whole-file read, each in a fresh process. safetensors' mmap'd
-# pages count in RSS but are the kernel's cache: the process's own (anonymous) memory is what a load costs.
+# pages count in RSS but are the kernel's cache: the process's own (anonymous) memory is what a load costs. Every
+# script imports torch._dynamo first, as every train.py run does (torch's optimizers do), and as a model's init on the
+# meta device does (~75 MB): a load's figure is then the load's alone.
 
 LOADERS = {
-    "baseline (import torch and model.py)": "pass",
+    "baseline (import torch, torch._dynamo and model.py)": "pass",
     "load_pretrained (streamed)": "m = load_pretrained(folder)",
     "file read whole, then a model": "from safetensors.torch import load\n"
                                      "w = load(open(folder + '/model.safetensors', 'rb').read()); "
@@ -233,7 +235,7 @@ def bench_load(args, train_args):
               "| --- | --- | --- | --- |")
         baseline = None
         for name, code in LOADERS.items():
-            script = (f"from model import GPT, GPTConfig\nfrom lib.hf import load_pretrained\n"
+            script = (f"import torch._dynamo\nfrom model import GPT, GPTConfig\nfrom lib.hf import load_pretrained\n"
                       f"folder, shape = {folder!r}, {shape!r}\n{code}\nimport time; time.sleep(0.1)")
             anon, rss = peak_memory(script)
             baseline = baseline or anon

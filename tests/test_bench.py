@@ -286,7 +286,7 @@ def test_load_mode_measures_its_three_loads_at_a_tiny_shape():
     done = script("bench.py", "--mode=load", "--tiny")
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [row.split(" | ")[0] for row in rows] == ["| baseline (import torch and model.py)",
+    assert [row.split(" | ")[0] for row in rows] == ["| baseline (import torch, torch._dynamo and model.py)",
                                                     "| load_pretrained (streamed)", "| file read whole, then a model"]
     assert all(float(row.split(" | ")[1].replace(",", "")) > 0 for row in rows)
 
