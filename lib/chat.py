@@ -78,7 +78,8 @@ def alpaca_messages(record):
     pairs = isinstance(history, list) and all(isinstance(p, list) and len(p) == 2 for p in history)
     if not pairs or not all(isinstance(s, str) for p in history for s in p):
         raise UserError("'history' is not a list of [instruction, output] pairs of strings")
-    turns = [*history, [instruction + ("\n\n" + given if given else ""), output]]
+    # the input follows the instruction after a blank line; an empty instruction leaves the input alone
+    turns = [*history, ["\n\n".join(text for text in (instruction, given) if text), output]]
     return with_system([{"role": role, "content": text} for pair in turns
                         for role, text in zip(("user", "assistant"), pair)], record.get("system"))
 

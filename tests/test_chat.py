@@ -910,6 +910,9 @@ def test_an_alpaca_records_input_follows_its_instruction_and_may_be_left_out(sty
     assert record.text == conversation("Translate to French.\n\nriver", "rivière").text
     assert chat.is_conversation({"instruction": "Say hi.", "output": "Hi."})
     assert fmt.record({"instruction": "Say hi.", "output": "Hi."}).text == conversation("Say hi.", "Hi.").text
+    # an empty instruction (the whole prompt in the input, as some datasets give it) opens with no blank line
+    assert fmt.record({"instruction": "", "input": "river", "output": "rivière"}).text == \
+        conversation("river", "rivière").text
 
 
 @pytest.mark.parametrize("style", ["qwen3"], indirect=True)
