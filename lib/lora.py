@@ -128,7 +128,8 @@ def quantize_weight(linear, weight, kind="nf4", device=None):
         quantize_(linear, Int8WeightOnlyConfig(), device=device)
         return
     if weight.numel() % 64:
-        raise UserError(f"a {tuple(weight.shape)} weight cannot be held in nf4 (blocks of 64 values)")
+        raise UserError(f"a {tuple(weight.shape)} weight cannot be held in nf4 (blocks of 64 values): hold this "
+                        f"model's base with lora_base_dtype='int8', or in its own dtype ('auto')")
     # QLoRA's blocks: 64 values per scale, 256 scales per second-level scale (fewer in tiny models)
     quantized = to_nf4(weight.to(device), 64, math.gcd(256, weight.numel() // 64))
     linear.weight = nn.Parameter(quantized, requires_grad=False)

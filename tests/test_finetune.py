@@ -308,6 +308,19 @@ def test_a_quantized_base_is_quantized_as_it_is_read_never_whole_in_its_dtype(pr
     assert torch.equal(logits_of(model, ids), logits_of(whole, ids))
 
 
+def test_a_weight_nf4_cannot_hold_is_refused_in_one_line_naming_the_fix():
+    # nf4 holds blocks of 64 values: a projection of 36 x 36 (1,296 values) is none, int8 holds it
+    pytest.importorskip("torchao", reason="a 4-bit or 8-bit base needs torchao (pip install torchao)")
+    from lib.files import UserError
+    from lib.lora import quantize_weight
+    linear = torch.nn.Linear(36, 36, bias=False)
+    with pytest.raises(UserError, match=r"^a \(36, 36\) weight cannot be held in nf4 \(blocks of 64 values\): hold "
+                                        r"this model's base with lora_base_dtype='int8', or in its own dtype \('auto'\)$"):
+        quantize_weight(linear, linear.weight.detach(), "nf4")
+    quantize_weight(linear, linear.weight.detach(), "int8", "cpu")
+    assert type(linear.weight).__name__ == "Int8Tensor"
+
+
 @pytest.mark.parametrize("kind,tensor", [("nf4", "NF4Tensor"), ("int8", "Int8Tensor")])
 def test_quantized_base_trains(pretrained, tmp_path, kind, tensor):
     pytest.importorskip("torchao", reason="a 4-bit or 8-bit base needs torchao (pip install torchao)")
