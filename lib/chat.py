@@ -302,17 +302,23 @@ def generation_tags():
     return Generation
 
 
-def generation_spans(marked):
-    """A text rendered with MARKS -> Chat: the text without them, and the spans they enclosed."""
+def generation_spans(marked, origin):
+    """A text rendered with MARKS -> Chat: the text without them, and the spans they enclosed; UserError where the
+    template (origin) writes a block's text cut (a slice of a variable it set), its beginning or end left out."""
     text, spans, opened, at = [], [], [], 0
     for piece in re.split(f"([{MARKS[0]}{MARKS[1]}])", marked):
         if piece == MARKS[0]:
             opened.append(at)
         elif piece == MARKS[1]:
+            if not opened:
+                break
             spans.append((opened.pop(), at))
         else:
             text.append(piece)
             at += len(piece)
+    if opened or len(spans) < marked.count(MARKS[1]):  # (a block's end before its beginning: the loop broke)
+        raise UserError(f"the chat template ({origin}) writes a {{% generation %}} block's text cut (a part of a "
+                        f"variable it set), so what it trains cannot be told: write each block whole (--chat_template)")
     return Chat("".join(text), sorted(span for span in spans if span[1] > span[0]))
 
 
@@ -339,8 +345,9 @@ def find_template(folder, template_file=None):
     if template_file:
         return Path(template_file).read_text(encoding="utf-8"), str(template_file), tokens, None
     if path is not None and (path / "chat_template.jinja").is_file():
-        jinja = path / "chat_template.jinja"
-        return jinja.read_text(encoding="utf-8"), str(jinja), tokens, None
+        jinja, tool = path / "chat_template.jinja", path / "additional_chat_templates" / "tool_use.jinja"
+        return jinja.read_text(encoding="utf-8"), str(jinja), tokens, \
+            tool.read_text(encoding="utf-8") if tool.is_file() else None  # (transformers' save of named ones)
     template, named = config.get("chat_template"), {}
     if isinstance(template, list):  # several named templates
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -476,8 +483,6 @@ class ChatFormat:
         (ShareGPT's, as axolotl reads it) is not trained. The first prompt messages (a prompt/completion record's
         prompt) are context: their assistant turns are never trained but under 'all', as TRL's completion-only loss."""
         text = self.render(messages, tools=tools)
-        if self.train_on == "all":
-            return Chat(text, [(0, len(text))])
         weights = {i: 1 if m.get("weight") is None else m["weight"] for i, m in enumerate(messages)
                    if m["role"] == "assistant"}
         bad = next((w for w in weights.values() if w not in (0, 1)), None)
@@ -487,7 +492,7 @@ class ChatFormat:
             raise UserError("a weight of 0 cannot be told apart in what the template's {% generation %} blocks write: "
                             "drop the turn, or use a template without them (--chat_template)")
         if self.tagged and self.train_on == "assistant":  # what its {% generation %} blocks write, as in TRL
-            found = generation_spans(self.render(messages, marks=True, tools=tools, keep_budget=True))
+            found = generation_spans(self.render(messages, marks=True, tools=tools, keep_budget=True), self.origin)
             if prompt:  # what the blocks write inside the prompt is context
                 lead = self.render(messages[:prompt], tools=tools, keep_budget=True)
                 if not text.startswith(lead):
@@ -497,15 +502,17 @@ class ChatFormat:
             if not found.spans:
                 raise UserError("the chat template's {% generation %} blocks write nothing of it to train on")
             return found
-        spans, kept = [], []  # each turn is looked for after where the last one found ends
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant" and i >= (prompt if self.train_on == "assistant" else first_completion):
+        spans, kept = [], []  # each turn is looked for after where the last one found ends, under any train_on: a
+        for i, message in enumerate(messages):  # record with an empty reply or unwritten tool_calls is refused
+            if message["role"] == "assistant" and i >= prompt:
                 spans.append(self.turn(text, messages, i, spans[-1][1] if spans else 0, tools))
                 kept.append(weights[i])
         if not spans:  # (a completion of no assistant turn)
             raise UserError("no assistant message to learn from" + (" in its completion" if prompt else ""))
-        if self.train_on == "completion":
-            return Chat(text, [(spans[0][0], len(text) if to_end else spans[-1][1])])
+        if self.train_on != "assistant":
+            first = spans[sum(1 for i in weights if prompt <= i < first_completion)][0]
+            return Chat(text, [(0, len(text))] if self.train_on == "all" else
+                        [(first, len(text) if to_end else spans[-1][1])])
         spans = [span for span, weight in zip(spans, kept) if weight]
         if not spans:
             raise UserError("every assistant message has weight 0: there is nothing to learn from")

@@ -935,3 +935,43 @@ def test_a_special_token_whose_spelling_json_escapes_is_found_in_a_message():
                    {"instruction": "x", "output": said}, {"messages": [{"role": "user", "content": "x"}, call]}):
         with pytest.raises(UserError, match="a special token of the tokenizer, as text"):
             fmt.record(record)
+
+
+def test_a_generation_block_written_cut_is_refused_in_one_line():
+    # a template that sets a block's text in a variable and writes a part of it: its marks unpaired, a UserError
+    # naming the template, not an IndexError's traceback
+    cut = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% set x %}{% generation %}"
+           "{{ m.content }}{% endgeneration %}{% endset %}{{ x[1:] }}{% generation %}<|im_end|>{% endgeneration %}"
+           "{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}")
+    fmt = chat.ChatFormat(cut, "cut.jinja", STYLES["qwen3"]["special"], "<|im_end|>")
+    with pytest.raises(UserError, match=r"^the chat template \(cut.jinja\) writes a \{% generation %\} block's"):
+        fmt.record({"messages": MESSAGES[1:3]})
+
+
+@pytest.mark.parametrize("train_on", ["completion", "all"])
+def test_completion_and_all_skip_the_records_the_assistant_mask_skips(style, train_on):
+    # an empty reply, or tool_calls the template does not write (Llama 3's): skipped under any train_on, as the docs
+    # say, not trained as a turn of nothing
+    name, folder, theirs, ours = style
+    fmt = chat_format(folder, ours, train_on)
+    for at in (2, 6):
+        with pytest.raises(UserError, match=f"^assistant message {at + 1} is empty"):
+            fmt.record({"messages": [*MESSAGES[:at], {"role": "assistant", "content": ""}, *MESSAGES[at + 1:]]})
+    llama = chat.ChatFormat(LLAMA3, "llama3", STYLES["llama3"]["special"], "<|eot_id|>", train_on,
+                            bos_token="<|begin_of_text|>")
+    with pytest.raises(UserError, match="does not write assistant message 2's tool_calls"):
+        llama.record({"messages": TOOL_CHAT})
+
+
+def test_a_folders_saved_tool_use_template_skips_a_record_with_tools(tmp_path):
+    # transformers' save_pretrained writes named templates as chat_template.jinja (the default) and
+    # additional_chat_templates/tool_use.jinja, which it takes for a record with tools: skipped, as from the config
+    folder = make_folder(tmp_path / "qwen3", "qwen3")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    theirs.chat_template = {"default": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                                       "{% endfor %}", "tool_use": QWEN3}
+    theirs.save_pretrained(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "additional_chat_templates" / "tool_use.jinja").is_file()
+    fmt = chat_format(tmp_path / "saved", make_tokenizer(str(tmp_path / "saved"), None))
+    with pytest.raises(UserError, match="it has tools, which transformers writes with .*'tool_use' template"):
+        fmt.record({"messages": MESSAGES[1:3], "tools": TOOLS})
