@@ -443,6 +443,7 @@ def test_use_kernels_none_follows_the_device_a_call_runs_on(monkeypatch):
     assert model.config.use_kernels is None
 
 
+@pytest.mark.slow  # new Pythons, each importing torch: ~25 s
 def test_kernels_py_is_read_only_where_a_call_fuses():
     # use_kernels=None on a CPU runs model.py's plain ops: kernels.py (and Triton with it) is imported at the one
     # place the option is taken, so a CPU run never reads it, and use_kernels=True does. A new Python: the tests'

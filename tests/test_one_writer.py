@@ -186,6 +186,7 @@ def test_an_improvement_whose_held_back_save_is_dropped_counts_as_none(runs, tmp
     assert last["evals_without_gain"] == 1
 
 
+@pytest.mark.slow  # new Pythons, each importing torch: ~25 s
 def test_weights_that_hold_a_nan_are_never_written(runs, tmp_path):
     # an optimizer step that leaves a NaN in the weights (its loss and gradient were finite): the run's last save
     # refuses them in one line, and ckpt.pt stays the last good state. In a new Python: the patch is of torch's

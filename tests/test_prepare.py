@@ -1339,6 +1339,7 @@ def test_a_full_disk_leaves_the_dataset_there_before_usable_and_no_tmp_file(tmp_
     assert read_meta(out)["train"]["tokens"] == len(before["train.bin"]) // 2
 
 
+@pytest.mark.slow  # a prepare.py run a write: ~25 s
 def test_a_full_disk_at_any_moment_leaves_the_old_dataset_usable_and_no_tmp_file(tmp_path):
     # a real full disk (a small tmpfs in a user namespace), at sizes that run out while encoding, at the buffered
     # tail's flush (a close in the cleanup that fails too) and while the marker is written

@@ -225,6 +225,7 @@ def test_a_resume_takes_the_commands_optimizer_settings_and_says_so(data_dir, tm
     assert [g["weight_decay"] for g in groups] == [0.0, 0.0] and all(tuple(g["betas"]) == (0.9, 0.9) for g in groups)
 
 
+@pytest.mark.slow  # eleven train.py runs: ~40 s
 def test_a_resume_that_changes_the_schedule_but_not_max_iters_says_so(data_dir, tmp_path):
     # the run's end stays, but the rates from the checkpoint's step on are not those of the run it continues
     args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--eval_interval=2", "--max_iters=6",

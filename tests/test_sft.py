@@ -669,6 +669,7 @@ def test_the_sft_configs_evaluation_costs_a_small_share_of_the_run(config):
     assert evaluation / training < 0.02, evaluation / training
 
 
+@pytest.mark.slow  # a 200-step run and two sample.py Pythons: ~55 s
 def test_a_chat_past_block_size_leaves_out_its_oldest_exchanges(chat_data, tmp_path):
     # a conversation longer than block_size=64: the window slid into the middle of a turn, the system prompt and the
     # generation prompt's start cut off, and the reply was to a text unlike any the model learned. The oldest exchanges
