@@ -47,7 +47,7 @@ class Origin:
     stopped: bool = False  # the run stopped early before: there is nothing to do (notes say why)
     same_batches: bool = True  # a resume's steps draw the batches they drew before (seed, sequences, ... unchanged)
     epochs_before: int = 0  # a resume's checkpoint's max_epochs
-    end_notes: object = None  # a resume's: its notes on the run's end and schedule, given the end (resume.schedule_notes)
+    end_notes: object = None  # a resume's notes on the run's end and schedule, given the end (resume.schedule_notes)
 
 
 def claim(out_dir, master):
