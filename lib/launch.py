@@ -61,6 +61,12 @@ def ended(status):
 def signalled(signal_name):
     # (torchrun's one line, its exit status) after the signal signal_name ended it, by how its workers ended
     failed = {rank: status for rank, status in sorted(closed.items()) if status != 0}
+    # a worker ended by the signal itself got it while it started (importing torch, joining the group), before
+    # train.py takes the signal over (StopRequest): it had trained no step, so nothing is lost
+    starting = [rank for rank, status in failed.items() if status == -signal.Signals[signal_name]]
+    if len(starting) == len(failed) and starting:
+        return (f"torchrun: {signal_name}, its workers stopped (local rank {', '.join(map(str, starting))} while "
+                f"starting, before a step: nothing to save)", 0)
     if not failed:
         return f"torchrun: {signal_name}, its workers stopped", 0
     return (f"torchrun: {signal_name}, but local rank " + ", ".join(f"{r} {ended(s)}" for r, s in failed.items())

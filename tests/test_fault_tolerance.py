@@ -1029,6 +1029,18 @@ def test_a_signal_during_an_evaluation_saves_the_step_unevaluated_and_the_resume
     assert records("parts") == records("whole")
 
 
+def test_lib_launch_stops_quietly_where_the_signal_came_while_its_workers_started(monkeypatch):
+    # a SIGTERM while the workers import torch or join the group (before train.py's StopRequest) ends them by its
+    # default: no step was trained in this start, so the run stopped as asked (status 0), nothing lost
+    from lib import launch
+    monkeypatch.setattr(launch, "closed", {0: -signal.SIGTERM, 1: -signal.SIGTERM})
+    line, status = launch.signalled("SIGTERM")
+    assert status == 0 and line == ("torchrun: SIGTERM, its workers stopped (local rank 0, 1 while starting, before "
+                                    "a step: nothing to save)"), line
+    monkeypatch.setattr(launch, "closed", {0: -signal.SIGTERM, 1: -signal.SIGKILL})
+    assert launch.signalled("SIGTERM")[1] == 1
+
+
 def test_lib_launch_says_which_workers_torchrun_killed_after_a_signal(tmp_path):
     # torchrun's close of its workers as after a SIGTERM (the signal, a grace, then SIGKILL), here with a grace of
     # 1 s: a worker that ignores the signal is killed, and lib.launch's line names it and exits 1; one that exits as
