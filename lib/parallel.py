@@ -288,9 +288,12 @@ def parallelize(model, mesh=None, tp=1, fsdp=False, checkpointing=False, compile
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         plan = {PROJECTIONS[n]: ColwiseParallel() for n in SPLIT_BY_OUTPUT}
         plan.update({PROJECTIONS[n]: RowwiseParallel() for n in SPLIT_BY_INPUT})
-        in_stream = torch.compiler.disable(partial(attention_in_stream, mesh["tp"].get_local_rank()))
+        # one mesh object for every block: the compiled blocks' graphs are guarded on the one their hooks hold, and
+        # mesh["tp"] a block at a time gave the first block another (a graph of its own, in training and evaluation)
+        tp_mesh = mesh["tp"]
+        in_stream = torch.compiler.disable(partial(attention_in_stream, tp_mesh.get_local_rank()))
         for block in model.blocks:
-            parallelize_module(block, mesh["tp"], plan)
+            parallelize_module(block, tp_mesh, plan)
             block.attn.attend_in_stream = in_stream  # each process's heads their own dropout masks
     if checkpointing:  # keep each block's input only; recompute the rest when the gradient comes back
         from torch.utils.checkpoint import checkpoint

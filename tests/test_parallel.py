@@ -40,6 +40,18 @@ def test_tensor_parallel_gives_the_losses_of_one_process(data_dir, tmp_path, sha
     assert_losses_close(one, losses(tmp_path / "tp"))
 
 
+def test_compiled_tensor_parallel_blocks_share_one_graph(data_dir, tmp_path):
+    # tp 2, compiled: each block compiled, one graph for all of them in training and one in evaluation (a recompile
+    # for the grad mode alone). mesh["tp"] taken a block at a time gave the first block a mesh object of its own,
+    # on which its graph is guarded: a second graph in each mode, compiled for that block alone.
+    args = [*TINY, f"--data_dir={data_dir}", "--n_layer=3", "--max_iters=2", "--eval_interval=2",
+            "--gradient_accumulation_steps=2", "--compile=True", f"--out_dir={tmp_path / 'tp'}", "--tp_size=2"]
+    out = run(*args, torchrun=TWO, env={"TORCH_LOGS": "recompiles"})
+    rank0 = [line for line in out.stderr.splitlines() if line.startswith("[rank0]") and "Recompiling function" in line]
+    assert len(rank0) == 1, out.stderr[-3000:]
+    assert "recompile_limit" not in out.stderr and "cache_size_limit" not in out.stderr
+
+
 # an edit of model.py (made by a config file, in every process): a learned gain on the heads' outputs, inside
 # attention, where tensor parallel gives each process its own heads; and its name added to parallel.HEAD_WEIGHTS,
 # as the refusal without it says
