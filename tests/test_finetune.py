@@ -314,8 +314,8 @@ def test_a_weight_nf4_cannot_hold_is_refused_in_one_line_naming_the_fix():
     from lib.files import UserError
     from lib.lora import quantize_weight
     linear = torch.nn.Linear(36, 36, bias=False)
-    with pytest.raises(UserError, match=r"^a \(36, 36\) weight cannot be held in nf4 \(blocks of 64 values\): hold "
-                                        r"this model's base with lora_base_dtype='int8', or in its own dtype \('auto'\)$"):
+    said = r"^a \(36, 36\) weight cannot be held in nf4 \(blocks of 64 values\): hold this model's base with "
+    with pytest.raises(UserError, match=said + r"lora_base_dtype='int8', or in its own dtype \('auto'\)$"):
         quantize_weight(linear, linear.weight.detach(), "nf4")
     quantize_weight(linear, linear.weight.detach(), "int8", "cpu")
     assert type(linear.weight).__name__ == "Int8Tensor"
